@@ -1,0 +1,1 @@
+"""Reference models (a Llama-style decoder with named configs)."""

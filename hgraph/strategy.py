@@ -1,0 +1,215 @@
+"""Parallel schemes, heterogeneous strategies, the cluster, and the rank layout.
+
+Text forms (DESIGN.md): a scheme is ``TP2PP1`` or ``TP4PP2CP2`` (CP omitted when 1); a strategy is
+``2xTP2PP1+1xTP4PP1`` (pipelines in the order written) and ``DP4TP2PP1`` is accepted for the
+homogeneous ``4xTP2PP1``. ``Strategy.parse(str(s)) == s`` and strategies hash, so they are cache keys.
+
+Rank layout: pipelines occupy consecutive ranks in the order written; inside a pipeline TP is
+innermost, then CP, then the PP stage.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from hgraph.errors import StrategyError
+
+_SCHEME_RE = re.compile(r"TP(\d+)PP(\d+)(?:CP(\d+))?", re.IGNORECASE)
+_TERM_RE = re.compile(r"\s*(?:(\d+)\s*[xX]\s*|DP(\d+))?", re.IGNORECASE)
+
+
+@dataclass(frozen=True, order=True)
+class Scheme:
+    """How one pipeline (one model replica) is deployed: <TP, PP, CP>."""
+
+    tp: int
+    pp: int
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "cp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise StrategyError(f"scheme {name.upper()} degree must be a positive integer, got {v!r}")
+
+    @property
+    def num_ranks(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        return f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp != 1 else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Scheme":
+        m = _SCHEME_RE.fullmatch(text.strip())
+        if not m:
+            raise StrategyError(
+                f"malformed scheme {text!r}: expected TP<n>PP<n> or TP<n>PP<n>CP<n>, e.g. TP2PP1 or TP4PP2CP2")
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 1))
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    """Where one rank sits in a strategy."""
+
+    rank: int
+    pipeline: int
+    stage: int
+    tp_rank: int
+    cp_rank: int
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The pipelines of one iteration, in rank order: ``S = sum_i d_i x P_i``."""
+
+    pipelines: tuple[Scheme, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pipelines", tuple(self.pipelines))
+        if not self.pipelines:
+            raise StrategyError("a strategy needs at least one pipeline")
+        for p in self.pipelines:
+            if not isinstance(p, Scheme):
+                raise StrategyError(f"strategy pipelines must be Scheme objects, got {p!r}")
+
+    # ---- text form -------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> "Strategy":
+        """Parse ``2xTP2PP1+1xTP4PP1``, ``TP2PP1+TP1PP1`` or ``DP4TP2PP1``.
+
+        A malformed text raises StrategyError naming the character position where it goes wrong.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise StrategyError("empty strategy: expected e.g. 2xTP2PP1+1xTP4PP1 or DP4TP2PP1")
+        pipelines: list[Scheme] = []
+        pos = 0
+        for term in text.split("+"):
+            m = _TERM_RE.match(term)
+            count_text = m.group(1) or m.group(2)
+            rest_start = m.end()
+            scheme_text = term[rest_start:].strip()
+            sm = _SCHEME_RE.fullmatch(scheme_text)
+            if not sm:
+                bad = pos + rest_start + len(term[rest_start:]) - len(term[rest_start:].lstrip())
+                raise StrategyError(
+                    f"malformed strategy {text!r} at position {bad} (term {term.strip()!r}): expected "
+                    "[<d>x]TP<n>PP<n>[CP<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>]")
+            count = int(count_text) if count_text else 1
+            if count < 1:
+                raise StrategyError(f"malformed strategy {text!r} at position {pos}: pipeline count must be >= 1")
+            scheme = Scheme(int(sm.group(1)), int(sm.group(2)), int(sm.group(3) or 1))
+            pipelines.extend([scheme] * count)
+            pos += len(term) + 1
+        return cls(tuple(pipelines))
+
+    @classmethod
+    def homogeneous(cls, dp: int, scheme: Scheme) -> "Strategy":
+        return cls((scheme,) * dp)
+
+    @classmethod
+    def of(cls, value: "Strategy | str | Sequence[Scheme]") -> "Strategy":
+        if isinstance(value, Strategy):
+            return value
+        if isinstance(value, str):
+            return cls.parse(value)
+        return cls(tuple(value))
+
+    def groups(self) -> list[tuple[int, Scheme]]:
+        """Runs of equal consecutive schemes as (count, scheme), in order."""
+        out: list[tuple[int, Scheme]] = []
+        for p in self.pipelines:
+            if out and out[-1][1] == p:
+                out[-1] = (out[-1][0] + 1, p)
+            else:
+                out.append((1, p))
+        return out
+
+    def __str__(self) -> str:
+        return "+".join(f"{d}x{p}" for d, p in self.groups())
+
+    def __repr__(self) -> str:
+        return f"Strategy({str(self)!r})"
+
+    # ---- layout ----------------------------------------------------------------------------
+    @property
+    def num_ranks(self) -> int:
+        return sum(p.num_ranks for p in self.pipelines)
+
+    @property
+    def tp_max(self) -> int:
+        return max(p.tp for p in self.pipelines)
+
+    def pipeline_ranks(self, i: int) -> list[int]:
+        start = sum(p.num_ranks for p in self.pipelines[:i])
+        return list(range(start, start + self.pipelines[i].num_ranks))
+
+    def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        p = self.pipelines[pipeline]
+        base = self.pipeline_ranks(pipeline)[0]
+        return base + (stage * p.cp + cp_rank) * p.tp + tp_rank
+
+    def coord(self, rank: int) -> RankCoord:
+        if not 0 <= rank < self.num_ranks:
+            raise StrategyError(f"rank {rank} is outside strategy {self} of {self.num_ranks} ranks")
+        base = 0
+        for i, p in enumerate(self.pipelines):
+            if rank < base + p.num_ranks:
+                local = rank - base
+                return RankCoord(rank, i, local // (p.tp * p.cp), local % p.tp, (local // p.tp) % p.cp)
+            base += p.num_ranks
+        raise AssertionError("unreachable")
+
+    def coords(self) -> Iterator[RankCoord]:
+        for r in range(self.num_ranks):
+            yield self.coord(r)
+
+    def tp_group(self, pipeline: int, stage: int, cp_rank: int = 0) -> list[int]:
+        p = self.pipelines[pipeline]
+        return [self.rank_of(pipeline, stage, t, cp_rank) for t in range(p.tp)]
+
+    def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0) -> list[int]:
+        p = self.pipelines[pipeline]
+        return [self.rank_of(pipeline, stage, tp_rank, c) for c in range(p.cp)]
+
+    def stage_ranks(self, pipeline: int, stage: int) -> list[int]:
+        p = self.pipelines[pipeline]
+        return [self.rank_of(pipeline, stage, t, c) for c in range(p.cp) for t in range(p.tp)]
+
+    def validate(self, cluster: "Cluster") -> None:
+        """World size and node boundaries; model-dependent checks live in the compiler."""
+        if self.num_ranks != cluster.world_size:
+            raise StrategyError(
+                f"strategy {self} uses {self.num_ranks} ranks but the world size is {cluster.world_size}")
+        for i, p in enumerate(self.pipelines):
+            for s in range(p.pp):
+                for c in range(p.cp):
+                    group = self.tp_group(i, s, c)
+                    nodes = {r // cluster.gpus_per_node for r in group}
+                    if len(nodes) > 1:
+                        raise StrategyError(
+                            f"strategy {self}: the TP group of pipeline {i} ({p}) stage {s} spans ranks "
+                            f"{group[0]}-{group[-1]}, crossing a node boundary of {cluster.gpus_per_node} "
+                            "GPUs per node; TP groups must stay inside one node")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The devices a program is compiled for."""
+
+    world_size: int
+    gpus_per_node: int = 8
+    memory_bytes: int = 80 * 2**30
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "gpus_per_node", "memory_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise StrategyError(f"cluster {name} must be a positive integer, got {v!r}")
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def __str__(self) -> str:
+        return f"{self.world_size} ranks, {self.gpus_per_node} per node, {self.memory_bytes / 2**30:g} GiB each"

@@ -1,0 +1,1 @@
+"""Compiler passes: GraphModule -> GraphModule functions run in one ordered pipeline."""

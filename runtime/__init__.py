@@ -1,0 +1,1 @@
+"""Runtime: executor, process groups, sharded optimizer, graph cache, trainer."""

@@ -1,0 +1,1 @@
+"""Planner: cost and memory models, sequence dispatch and packing, strategy selection and proposal."""

@@ -1,0 +1,1 @@
+"""The hgraph command line, dumps, visualisation, plots and benchmarks."""
