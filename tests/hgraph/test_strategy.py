@@ -1,0 +1,67 @@
+import pytest
+
+from hgraph import Cluster, Scheme, Strategy, StrategyError
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("TP2PP1", (Scheme(2, 1),)),
+    ("2xTP2PP1+1xTP4PP1", (Scheme(2, 1), Scheme(2, 1), Scheme(4, 1))),
+    ("DP4TP2PP1", (Scheme(2, 1),) * 4),
+    ("1xTP4PP2CP2+TP1PP1", (Scheme(4, 2, 2), Scheme(1, 1))),
+    (" 3 x tp1pp2 + 1xTP2PP1 ", (Scheme(1, 2),) * 3 + (Scheme(2, 1),)),
+])
+def test_parse(text, expected):
+    assert Strategy.parse(text).pipelines == expected
+
+
+@pytest.mark.parametrize("text", ["2xTP2PP1+1xTP4PP1", "1xTP1PP1", "1xTP4PP2CP2+2xTP1PP1", "4xTP2PP1"])
+def test_round_trip_and_hash(text):
+    s = Strategy.parse(text)
+    assert str(s) == text
+    assert Strategy.parse(str(s)) == s
+    assert hash(Strategy.parse(text)) == hash(s)
+    assert {s: 1}[Strategy.parse(text)] == 1
+
+
+def test_homogeneous_forms_are_equal():
+    assert Strategy.parse("DP4TP2PP1") == Strategy.parse("4xTP2PP1") == Strategy.homogeneous(4, Scheme(2, 1))
+    assert Strategy.parse("2xTP1PP1+1xTP2PP1") != Strategy.parse("1xTP2PP1+2xTP1PP1")
+
+
+@pytest.mark.parametrize("text, where", [
+    ("2xTP2PQ1", "position 2"),
+    ("TP2PP1+", "position 7"),
+    ("2xTP2PP1+1yTP4PP1", "position 9"),
+    ("", "empty"),
+    ("0xTP1PP1", "count"),
+])
+def test_malformed_text_says_where(text, where):
+    with pytest.raises(StrategyError, match=where):
+        Strategy.parse(text)
+
+
+def test_scheme_text():
+    assert str(Scheme(4, 2, 2)) == "TP4PP2CP2"
+    assert Scheme.parse("TP4PP2") == Scheme(4, 2)
+    with pytest.raises(StrategyError):
+        Scheme(0, 1)
+
+
+def test_rank_layout_tp_innermost_then_cp_then_stage():
+    s = Strategy.parse("1xTP2PP2CP2+1xTP1PP1")
+    assert s.num_ranks == 9
+    c = s.coord(5)  # pipeline 0: stage 1, cp 0, tp 1
+    assert (c.pipeline, c.stage, c.cp_rank, c.tp_rank) == (0, 1, 0, 1)
+    assert s.tp_group(0, 1, 1) == [6, 7]
+    assert s.cp_group(0, 0, 1) == [1, 3]
+    assert s.coord(8).pipeline == 1
+    assert [s.rank_of(c.pipeline, c.stage, c.tp_rank, c.cp_rank) for c in s.coords()] == list(range(9))
+
+
+def test_validate_world_size_and_node_boundary():
+    s = Strategy.parse("1xTP4PP1+2xTP2PP1")
+    s.validate(Cluster(8, gpus_per_node=8))
+    with pytest.raises(StrategyError, match="world size is 6"):
+        s.validate(Cluster(6))
+    with pytest.raises(StrategyError, match="crossing a node"):
+        Strategy.parse("1xTP2PP1+1xTP4PP1+1xTP2PP1").validate(Cluster(8, gpus_per_node=4))
