@@ -1,0 +1,101 @@
+"""``hgraph.compile`` and the CompiledModule it returns.
+
+Two forms, like ``torch.compile``: ``hgraph.compile(model, **options)`` on an instance, and
+``@hgraph.compile`` / ``@hgraph.compile(**options)`` on an ``nn.Module`` subclass (each instance the
+class creates is compiled).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from hgraph.errors import HGraphError
+from hgraph.options import CompileOptions
+from hgraph.program import Program
+from hgraph.strategy import Cluster, Strategy
+
+
+class CompiledModule(nn.Module):
+    """A module traced into an HGraph; runs ``forward`` like the original and instantiates programs.
+
+    ``.hgraph``: the strategy-agnostic graph with empty slots.
+    ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster).
+    ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
+    """
+
+    def __init__(self, model: nn.Module, options: CompileOptions):
+        super().__init__()
+        self._orig_mod = model
+        self.options = options
+        from hgraph.graph import build_hgraph
+        self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules)
+        self._programs: dict[tuple[Strategy, Cluster], Program] = {}
+        self._shapes: Optional[dict] = None
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    @property
+    def hgraph(self):
+        return self._hgraph
+
+    @property
+    def config(self):
+        return getattr(self._orig_mod, "config", None)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self._hgraph.run(input_ids, position_ids)
+
+    def symbolic_shapes(self) -> dict:
+        if self._shapes is None:
+            from hgraph.passes.extract_stage import symbolic_shapes
+            self._shapes = symbolic_shapes(self._hgraph.gm)
+        return self._shapes
+
+    def instantiate(self, strategy: Union[Strategy, str], cluster: Optional[Cluster] = None, *,
+                    world_size: Optional[int] = None, gpus_per_node: int = 8) -> Program:
+        """The Program of ``strategy`` (parsed if a string); cached, so a repeat is a dict lookup."""
+        strategy = Strategy.of(strategy)
+        if cluster is None:
+            cluster = Cluster(world_size or strategy.num_ranks, gpus_per_node)
+        key = (strategy, cluster)
+        prog = self._programs.get(key)
+        if prog is not None:
+            self.cache_hits += 1
+            return prog
+        self.cache_misses += 1
+        from hgraph.passes.instantiate import instantiate
+        prog = instantiate(self._hgraph, strategy, cluster, self.options, self.symbolic_shapes())
+        self._programs[key] = prog
+        return prog
+
+    def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
+             rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:
+        """Render the instantiated programs (all ranks, or one) in ``format``; write to ``path`` if given."""
+        from hgraph.tools.dump import render_program
+        prog = self.instantiate(strategy, world_size=world_size, gpus_per_node=gpus_per_node)
+        text = render_program(prog, fmt=format, rank=rank)
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+        return text
+
+
+def compile(model: Any = None, **options: Any) -> Any:  # noqa: A001 - mirrors torch.compile
+    """Compile an nn.Module instance, or decorate an nn.Module subclass (with or without options)."""
+    opts = CompileOptions.from_kwargs(**options)
+
+    def apply(target: Any) -> Any:
+        if isinstance(target, nn.Module):
+            return CompiledModule(target, opts)
+        if isinstance(target, type) and issubclass(target, nn.Module):
+            @functools.wraps(target, updated=())
+            def make(*args: Any, **kwargs: Any) -> CompiledModule:
+                return CompiledModule(target(*args, **kwargs), opts)
+            make.__wrapped_class__ = target
+            return make
+        raise HGraphError(f"hgraph.compile expects an nn.Module instance or subclass, got {type(target).__name__}")
+
+    return apply if model is None else apply(model)

@@ -1,0 +1,38 @@
+"""Options of ``hgraph.compile``, passed explicitly to the passes (no global flags)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from hgraph.errors import HGraphError
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """working_dtype: precision of the propagation phase (the Pull Parameter cast); None keeps fp32.
+    disabled_passes: names of instantiation passes to skip (for debugging).
+    leaf_modules: module classes the tracer must not trace into.
+    """
+
+    working_dtype: Optional[torch.dtype] = torch.float32
+    disabled_passes: tuple[str, ...] = ()
+    leaf_modules: tuple[type, ...] = ()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "CompileOptions":
+        dtype = kwargs.pop("dtype", kwargs.pop("working_dtype", torch.float32))
+        if isinstance(dtype, str):
+            if dtype not in _DTYPES:
+                raise HGraphError(f"unknown dtype {dtype!r}; allowed: {', '.join(sorted(_DTYPES))}")
+            dtype = _DTYPES[dtype]
+        disabled = tuple(kwargs.pop("disable_passes", ()))
+        leaves = tuple(kwargs.pop("leaf_modules", ()))
+        if kwargs:
+            raise HGraphError(f"unknown hgraph.compile option(s) {sorted(kwargs)}; allowed: dtype, "
+                              "disable_passes, leaf_modules")
+        return cls(dtype, disabled, leaves)

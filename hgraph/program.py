@@ -1,0 +1,147 @@
+"""The result of instantiating an HGraph for one strategy: a program per rank.
+
+Ranks that play the same role (same scheme, stage, TP rank and CP rank, in different pipelines)
+share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
+rank's ``bindings`` (a group name such as ``"tp"`` or ``"pp_next"`` -> ranks), which the runtime
+resolves when it runs the graph. This keeps instantiation for 64+ ranks cheap.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.fx as fx
+
+from hgraph.meta import SlotKind
+from hgraph.strategy import Cluster, Scheme, Strategy
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What a rank does, independent of which pipeline it is in."""
+
+    scheme: Scheme
+    stage: int
+    tp_rank: int
+    cp_rank: int
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """The part of one parameter a rank holds in the propagation phase.
+
+    ``ranges`` are the index ranges along ``shard_dim`` of the full parameter that the rank needs,
+    in order; concatenated they form the local shard, followed by ``pad`` zero rows (a vocabulary
+    padded to a multiple of TP). Replicated parameters have ``tp_sharded == False`` and one range
+    covering the whole dimension.
+    """
+
+    name: str
+    full_shape: tuple[int, ...]
+    shard_dim: int
+    ranges: tuple[tuple[int, int], ...]
+    pad: int = 0
+    tp_sharded: bool = False
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        if shape:
+            shape[self.shard_dim] = sum(hi - lo for lo, hi in self.ranges) + self.pad
+        return tuple(shape)
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of the full tensor ``full`` (a new tensor)."""
+        if full.dim() == 0:
+            return full.clone()
+        parts = [full.narrow(self.shard_dim, lo, hi - lo) for lo, hi in self.ranges]
+        if self.pad:
+            shape = list(full.shape)
+            shape[self.shard_dim] = self.pad
+            parts.append(full.new_zeros(shape))
+        return torch.cat(parts, dim=self.shard_dim) if len(parts) > 1 else parts[0].clone()
+
+
+@dataclass(frozen=True)
+class SubgraphInfo:
+    """One filled slot of a rank's program (for dumps and tests)."""
+
+    kind: SlotKind
+    param: Optional[str]
+    ops: tuple[str, ...]
+    peers: tuple[int, ...]
+    bytes: int
+    comm_point: Optional[str] = None
+
+
+@dataclass
+class RoleProgram:
+    """The compiled graph shared by all ranks of one role, with what it needs."""
+
+    role: RankRole
+    graph_module: fx.GraphModule
+    params: dict[str, ParamShard]
+    attr_of_param: dict[str, str]          # parameter FQN -> attribute name in graph_module
+    recv_specs: list[Any] = field(default_factory=list)    # shapes of activations received from the previous stage
+    send_specs: list[Any] = field(default_factory=list)
+    blocks: tuple[str, ...] = ()
+
+
+@dataclass
+class RankProgram:
+    """One rank's program: its role's graph plus the ranks it talks to."""
+
+    rank: int
+    pipeline: int
+    role: RoleProgram
+    bindings: Mapping[str, tuple[int, ...]]
+    subgraphs: list[SubgraphInfo] = field(default_factory=list)
+    pull_ops: list[Any] = field(default_factory=list)      # LNK ops of the pull plans involving this rank
+    push_ops: list[Any] = field(default_factory=list)
+
+    @property
+    def stage(self) -> int:
+        return self.role.role.stage
+
+    @property
+    def tp_rank(self) -> int:
+        return self.role.role.tp_rank
+
+    @property
+    def cp_rank(self) -> int:
+        return self.role.role.cp_rank
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.role.role.scheme
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.role.graph_module
+
+    @property
+    def params(self) -> dict[str, ParamShard]:
+        return self.role.params
+
+
+@dataclass
+class Program:
+    """Everything needed to run one iteration of a strategy on every rank."""
+
+    strategy: Strategy
+    cluster: Cluster
+    ranks: list[RankProgram]
+    stage_blocks: dict[int, tuple[tuple[str, ...], ...]]   # pp degree -> blocks of each stage
+    pull_plans: dict[str, Any]
+    push_plans: dict[str, Any]
+    compile_seconds: float = 0.0
+
+    def rank(self, r: int) -> RankProgram:
+        return self.ranks[r]
+
+    def roles(self) -> list[RoleProgram]:
+        seen: dict[int, RoleProgram] = {}
+        for rp in self.ranks:
+            seen.setdefault(id(rp.role), rp.role)
+        return list(seen.values())

@@ -1,0 +1,80 @@
+"""Fill the Communicate Activation slots of one rank with the collectives its scheme needs.
+
+* ``tp_enter``: Megatron f (``tp_copy``: identity forward, all-reduce of the gradient backward).
+* ``tp_exit``: Megatron g: ``tp_reduce_issue`` + ``comm_wait`` (all-reduce of the partial sums).
+* ``tp_gather``: ``tp_gather_issue`` + ``comm_wait`` along the last dim, then the vocabulary padding
+  is cut off.
+* ``cp_kv``: all-gather of K/V across the CP group (not built yet: CP > 1 is rejected here).
+* ``pp_boundary``: already handled by ``extract_stage_pass``; the slot becomes the identity.
+
+With TP=1 and CP=1 every slot becomes the identity, so the rank runs exactly the original ops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from hgraph.errors import StrategyError
+from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
+from hgraph.runtime import graph_ops
+from hgraph.slots import empty_slot
+
+
+def _comm_placeholder(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm")
+
+
+def _replace(slot: fx.Node, new: fx.Node) -> None:
+    slot.replace_all_uses_with(new)
+    slot.graph.erase_node(slot)
+
+
+def _mark(node: fx.Node, slot: fx.Node, name: str) -> fx.Node:
+    m = get_meta(slot)
+    set_meta(node, NodeMeta(block=m.block, layer=m.layer, slot=SlotKind.COMM_ACTIVATION,
+                            comm_point=m.comm_point, subgraph=f"{m.comm_point.value}:{slot.name}"))
+    node.name = f"{name}_{slot.name}"
+    return node
+
+
+def fill_activation_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+    """Replace each comm_activation slot by its issue / wait ops for this rank's scheme."""
+    scheme = ctx.role.scheme
+    comm = _comm_placeholder(gm)
+    g = gm.graph
+    for slot in list(g.nodes):
+        m = get_meta(slot)
+        if slot.target is not empty_slot or m.slot != SlotKind.COMM_ACTIVATION:
+            continue
+        x = slot.args[0]
+        point = m.comm_point
+        if point == CommPoint.CP_KV and scheme.cp > 1:
+            raise StrategyError(f"scheme {scheme}: context parallelism (CP>1) is not executable yet; "
+                                "use CP=1 schemes")
+        if scheme.tp == 1 or point in (CommPoint.PP_BOUNDARY, CommPoint.CP_KV):
+            _replace(slot, x)
+            continue
+        with g.inserting_before(slot):
+            if point == CommPoint.TP_ENTER:
+                out = _mark(g.call_function(graph_ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
+            elif point == CommPoint.TP_EXIT:
+                issue = _mark(g.call_function(graph_ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")
+                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+            elif point == CommPoint.TP_GATHER:
+                gather = ctx.gathers.get(slot.name)
+                if gather is None:   # the op before was not sharded: nothing to gather
+                    _replace(slot, x)
+                    continue
+                sizes, real = gather
+                issue = _mark(g.call_function(graph_ops.tp_gather_issue, (comm, x, "tp", -1, tuple(sizes))),
+                              slot, "all_gather")
+                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+                if sum(sizes) != real:
+                    out = _mark(g.call_function(torch.narrow, (out, -1, 0, real)), slot, "unpad")
+            else:
+                raise AssertionError(f"unknown comm point {point}")
+        _replace(slot, out)
+    gm.recompile()
+    return gm

@@ -1,0 +1,196 @@
+"""Instantiate an HGraph for one strategy: run the per-role pass pipeline and plan pull / push.
+
+Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
+``bindings`` say which ranks its ``"tp"``, ``"cp"``, ``"pp_prev"`` and ``"pp_next"`` groups are.
+The LNK plans (who sends which mutual slice to whom) are computed once per parameter for the whole
+strategy from the shards every rank holds.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from hgraph.errors import StrategyError
+from hgraph.meta import SlotKind, TPRole, get_meta
+from hgraph.options import CompileOptions
+from hgraph.passes.lnk_plans import ParamLayout, pull_plan, push_plan
+from hgraph.passes.pipeline import instantiation_passes, run_passes
+from hgraph.passes.stage_split import block_param_costs, split_stages
+from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
+from hgraph.strategy import Cluster, Scheme, Strategy
+
+
+@dataclass
+class RoleContext:
+    """What the instantiation passes read (and write) while compiling one role."""
+
+    hgraph: Any
+    strategy: Strategy
+    role: RankRole
+    stage_blocks: tuple[tuple[str, ...], ...]
+    shapes: dict
+    options: CompileOptions
+    params: dict[str, ParamShard] = field(default_factory=dict)
+    gathers: dict = field(default_factory=dict)
+    recv_specs: list = field(default_factory=list)
+    send_specs: list = field(default_factory=list)
+
+
+def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
+    """Strategy checks that need the model: heads and hidden sizes TP must divide."""
+    strategy.validate(cluster)
+    cfg = hg.model_config
+    heads = getattr(cfg, "num_heads", None)
+    kv = getattr(cfg, "num_kv_heads", None) or heads
+    hidden = getattr(cfg, "hidden_size", None)
+    for p in sorted(set(strategy.pipelines)):
+        if heads and heads % p.tp:
+            raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the model's {heads} attention heads; "
+                                f"allowed TP degrees divide {heads}")
+        if kv and kv % p.tp and p.tp % kv:
+            raise StrategyError(f"scheme {p}: TP={p.tp} and the model's {kv} key/value heads do not divide "
+                                "one another; allowed TP degrees divide or are multiples of it")
+        if hidden and hidden % p.tp:
+            raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the hidden size {hidden}")
+
+
+def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> nn.Module:
+    """A module holding shape-only (meta) working parameters under their FQNs."""
+    root = nn.Module()
+    for name, shard in params.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, nn.Parameter(torch.empty(shard.shard_shape, device="meta",
+                                                              dtype=dtype or torch.float32)))
+    return root
+
+
+def compile_role(hg: Any, strategy: Strategy, role: RankRole, stage_blocks, shapes,
+                 options: CompileOptions) -> RoleProgram:
+    ctx = RoleContext(hg, strategy, role, stage_blocks, shapes, options)
+    gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
+    root = _param_root(ctx.params, options.working_dtype)
+    gm = fx.GraphModule(root, gm.graph, class_name=f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}")
+    blocks = tuple(b for b in stage_blocks[role.stage])
+    return RoleProgram(role, gm, ctx.params, {n: n for n in ctx.params}, ctx.recv_specs, ctx.send_specs, blocks)
+
+
+def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
+    c = strategy.coord(rank)
+    p = strategy.pipelines[c.pipeline]
+    b = {"tp": tuple(strategy.tp_group(c.pipeline, c.stage, c.cp_rank)),
+         "cp": tuple(strategy.cp_group(c.pipeline, c.stage, c.tp_rank))}
+    if c.stage > 0:
+        b["pp_prev"] = (strategy.rank_of(c.pipeline, c.stage - 1, c.tp_rank, c.cp_rank),)
+    if c.stage < p.pp - 1:
+        b["pp_next"] = (strategy.rank_of(c.pipeline, c.stage + 1, c.tp_rank, c.cp_rank),)
+    return b
+
+
+def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str, info: Any):
+    """Ranges each rank contributes to the gradient of ``name`` so every pipeline counts each element once.
+
+    A parameter replicated across a TP group gets identical gradients on its TP ranks (its inputs are
+    replicated), so the range is split among them; TP-sharded slices and CP ranks (different tokens)
+    contribute what they hold.
+    """
+    contrib: dict[int, list[tuple[int, int]]] = {}
+    for rp in ranks:
+        shard = rp.params.get(name)
+        if shard is None:
+            continue
+        if shard.tp_sharded or rp.scheme.tp == 1:
+            contrib[rp.rank] = list(shard.ranges)
+        else:
+            (lo, hi), = shard.ranges
+            tp = rp.scheme.tp
+            a, b = lo + (hi - lo) * rp.tp_rank // tp, lo + (hi - lo) * (rp.tp_rank + 1) // tp
+            if b > a:
+                contrib[rp.rank] = [(a, b)]
+    groups: dict[tuple, list[int]] = {}
+    for r, rngs in contrib.items():
+        groups.setdefault(tuple(rngs), []).append(r)
+    return contrib, [tuple(g) for g in groups.values() if len(g) > 1]
+
+
+def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions,
+                shapes: dict) -> Program:
+    """Compile ``hg`` for ``strategy`` on ``cluster`` into a Program (one RankProgram per rank)."""
+    t0 = time.perf_counter()
+    validate_for_model(strategy, cluster, hg)
+    numel = {n: int(torch.Size(p.shape).numel()) for n, p in hg.params.items()}
+    costs = block_param_costs(hg.gm, numel)
+    stage_blocks = {pp: split_stages(hg.blocks, costs, pp) for pp in sorted({p.pp for p in strategy.pipelines})}
+
+    roles: dict[RankRole, RoleProgram] = {}
+    ranks: list[RankProgram] = []
+    for c in strategy.coords():
+        scheme = strategy.pipelines[c.pipeline]
+        role = RankRole(scheme, c.stage, c.tp_rank, c.cp_rank)
+        if role not in roles:
+            roles[role] = compile_role(hg, strategy, role, stage_blocks[scheme.pp], shapes, options)
+        ranks.append(RankProgram(c.rank, c.pipeline, roles[role], _bindings(strategy, c.rank)))
+
+    wbytes = (options.working_dtype or torch.float32).itemsize
+    pulls, pushes = {}, {}
+    for name, info in hg.params.items():
+        shape = tuple(info.shape)
+        layout = ParamLayout(name, shape, info.shard_dim if shape else 0)
+        needs = {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
+        pulls[name] = pull_plan(layout, needs, cluster.world_size, cluster.gpus_per_node,
+                                working_dtype_bytes=wbytes)
+        contrib, groups = _push_contributions(strategy, ranks, name, info)
+        pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
+                                 replica_groups=groups)
+    for rp in ranks:
+        rp.pull_ops = [op for name in rp.params for op in pulls[name].for_rank(rp.rank)]
+        rp.push_ops = [op for name in rp.params for op in pushes[name].for_rank(rp.rank)]
+        rp.subgraphs = describe_subgraphs(rp, pulls, pushes)
+    prog = Program(strategy, cluster, ranks, stage_blocks, pulls, pushes)
+    prog.compile_seconds = time.perf_counter() - t0
+    return prog
+
+
+def _peers_and_bytes(ops, rank: int) -> tuple[tuple[int, ...], int]:
+    peers, nbytes = set(), 0
+    for op in ops:
+        src, dst = getattr(op, "src", None), getattr(op, "dst", None)
+        if src is not None and dst is not None:
+            peers.add(dst if src == rank else src)
+            nbytes += getattr(op, "bytes", 0)
+        group = getattr(op, "group", None)
+        if group:
+            peers.update(r for r in group if r != rank)
+    return tuple(sorted(peers)), nbytes
+
+
+def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict) -> list[SubgraphInfo]:
+    """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved."""
+    by_tag: dict[str, list[fx.Node]] = {}
+    for n in rp.graph_module.graph.nodes:
+        m = get_meta(n)
+        if m.subgraph is not None:
+            by_tag.setdefault(m.subgraph, []).append(n)
+    out: list[SubgraphInfo] = []
+    for tag, nodes in by_tag.items():
+        m = get_meta(nodes[0])
+        ops = tuple(n.name for n in nodes)
+        if m.slot in (SlotKind.PULL_PARAMETER, SlotKind.PUSH_GRADIENT):
+            plan = (pulls if m.slot == SlotKind.PULL_PARAMETER else pushes)[m.param]
+            peers, nbytes = _peers_and_bytes(plan.for_rank(rp.rank), rp.rank)
+            out.append(SubgraphInfo(m.slot, m.param, ops, peers, nbytes))
+        else:
+            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next"}.get(
+                m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
+            peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
+            out.append(SubgraphInfo(m.slot, None, ops, peers, 0, m.comm_point.value))
+    return out

@@ -1,0 +1,86 @@
+"""The pass runner and the ordered pass lists.
+
+A pass is a module-level function ``name_pass(gm, ctx) -> GraphModule``. ``frontend_passes()`` and
+``instantiation_passes()`` are the only places that decide the order. ``run_passes`` logs the
+numbered list, can disable passes by name, checks that each pass returns a GraphModule, lints the
+graph after each, and on an internal failure names the pass and the ones that ran before it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import torch.fx as fx
+
+from hgraph.errors import HGraphError
+
+log = logging.getLogger("hgraph.passes")
+
+PassFn = Callable[[fx.GraphModule, Any], fx.GraphModule]
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    fn: PassFn
+
+
+class PassError(RuntimeError):
+    """An internal failure inside a compiler pass (a bug, not bad input)."""
+
+
+def frontend_passes() -> list[Pass]:
+    """Strategy-agnostic passes turning a canonical traced graph into an HGraph with empty slots."""
+    from hgraph.passes.annotate import annotate_pass
+    from hgraph.passes.insert_slots import insert_slots_pass
+
+    return [Pass("annotate", annotate_pass), Pass("insert_slots", insert_slots_pass)]
+
+
+def instantiation_passes() -> list[Pass]:
+    """Per-rank-role passes turning a copy of the HGraph into one rank's program for a strategy."""
+    from hgraph.passes.extract_stage import extract_stage_pass
+    from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
+    from hgraph.passes.fill_param_slots import fill_param_slots_pass
+    from hgraph.passes.schedule_comm import schedule_comm_pass
+    from hgraph.passes.shard_tp import shard_tp_pass
+
+    return [
+        Pass("extract_stage", extract_stage_pass),
+        Pass("shard_tp", shard_tp_pass),
+        Pass("fill_activation_comm", fill_activation_comm_pass),
+        Pass("fill_param_slots", fill_param_slots_pass),
+        Pass("schedule_comm", schedule_comm_pass),
+    ]
+
+
+def run_passes(gm: fx.GraphModule, ctx: Any, passes: Sequence[Pass], *,
+               disabled: Iterable[str] = ()) -> fx.GraphModule:
+    """Run ``passes`` in order on ``gm``; see the module docstring for the checks."""
+    disabled = set(disabled)
+    unknown = disabled - {p.name for p in passes}
+    if unknown:
+        raise HGraphError(f"cannot disable unknown pass(es) {sorted(unknown)}; passes are "
+                          f"{[p.name for p in passes]}")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("passes: %s", ", ".join(f"{i + 1}.{p.name}" + (" (disabled)" if p.name in disabled else "")
+                                          for i, p in enumerate(passes)))
+    done: list[str] = []
+    for i, p in enumerate(passes):
+        if p.name in disabled:
+            continue
+        try:
+            out = p.fn(gm, ctx)
+            if not isinstance(out, fx.GraphModule):
+                raise PassError(f"returned {type(out).__name__}, not a GraphModule")
+            out.graph.lint()
+        except HGraphError:
+            raise
+        except Exception as exc:
+            before = ", ".join(done) or "none"
+            raise PassError(f"pass {i + 1} '{p.name}' failed (passes run before it: {before}): "
+                            f"{type(exc).__name__}: {exc}") from exc
+        gm = out
+        done.append(p.name)
+    return gm

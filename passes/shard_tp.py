@@ -1,0 +1,197 @@
+"""TP sharding: which slice of every parameter a TP rank holds, and the op rewrites that needs.
+
+Megatron conventions, decided from the graph (``NodeMeta.tp_role`` set by ``annotate_pass``):
+
+* COLUMN linear: weight/bias split on the output dim in *units* (the head dim when the output is
+  reshaped into heads, else 1). Attention heads must divide by TP (an error otherwise); fewer
+  key/value heads than TP are replicated (TP rank t holds KV head ``t * kv // TP``, as Megatron
+  does), which needs attention with ``enable_gqa=True``; other sizes TP does not divide are split
+  unevenly (the matching ROW linear uses the same split, so the pair stays exact).
+* ROW linear: weight split on the input dim with the same rule; its bias is added after the
+  all-reduce, on the full output.
+* VOCAB embedding / a COLUMN head whose output is gathered: the vocabulary is padded to a multiple
+  of TP; the embedding looks up only its rows (zeros elsewhere, summed by the all-reduce) and the
+  gathered logits are cut back to the real vocabulary.
+* REPLICATED parameters are whole on every TP rank.
+
+With TP=1 every parameter is whole and the graph is unchanged.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch.fx as fx
+import torch.nn.functional as F
+
+from hgraph.errors import StrategyError
+from hgraph.meta import CommPoint, SlotKind, TPRole, get_meta, update_meta
+from hgraph.program import ParamShard
+from hgraph.runtime import graph_ops
+
+_RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
+
+
+def split_range(size: int, tp: int, t: int, unit: int = 1) -> tuple[int, int]:
+    """Rank t's range of ``size`` split in ``unit`` blocks over ``tp`` ranks (even when possible)."""
+    units = size // unit
+    return (t * units // tp) * unit, ((t + 1) * units // tp) * unit
+
+
+def param_uses(gm: fx.GraphModule) -> dict[str, list[fx.Node]]:
+    """Parameter name -> the computational nodes that consume it (through its slots)."""
+    uses: dict[str, list[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        m = get_meta(node)
+        if m.slot == SlotKind.PULL_PARAMETER and m.param is not None:
+            uses.setdefault(m.param, []).extend(u for u in node.users if get_meta(u).slot is None)
+    return uses
+
+
+def _is_reshape(n: fx.Node) -> bool:
+    name = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", "")
+    return n.op in ("call_method", "call_function") and name in _RESHAPES
+
+
+def _head_unit(ctx: Any, node: fx.Node, forward: bool) -> int:
+    """Head dim if ``node``'s value is viewed as (…, heads, head_dim) next to it, else 1."""
+    seen, work = set(), [node]
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        dims = ctx.shapes.get(n.name, (None,))[0]
+        if n is not node and dims is not None and len(dims) == 4 and isinstance(dims[-1], int):
+            return dims[-1]
+        nxt = list(n.users) if forward else list(n.all_input_nodes)
+        work.extend(m for m in nxt if _is_reshape(m) or get_meta(m).slot is not None)
+    return 1
+
+
+def _uses_gqa_attention(gm: fx.GraphModule) -> bool:
+    attn = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+    return bool(attn) and all(n.kwargs.get("enable_gqa", False) for n in attn)
+
+
+def _column_range(ctx: Any, name: str, size: int, unit: int, tp: int, t: int, gathered: bool,
+                  gm: fx.GraphModule) -> tuple[tuple[int, int], int]:
+    units = size // unit
+    if unit > 1:  # attention heads
+        if units % tp == 0:
+            return split_range(size, tp, t, unit), 0
+        if tp % units == 0:
+            if not _uses_gqa_attention(gm):
+                raise StrategyError(
+                    f"TP={tp} is larger than the {units} key/value heads of {name}: replicating them needs "
+                    "attention called with enable_gqa=True; use TP <= %d" % units)
+            h = t * units // tp
+            return (h * unit, (h + 1) * unit), 0
+        raise StrategyError(f"TP={tp} does not divide the {units} attention heads of {name}; "
+                            f"allowed TP degrees divide {units}")
+    if gathered and size % tp:
+        padded = -(-size // tp) * tp
+        lo, hi = split_range(padded, tp, t)
+        return (min(lo, size), min(hi, size)), hi - min(hi, size)
+    return split_range(size, tp, t), 0
+
+
+def shard_tp_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+    """Record each parameter's shard for ``ctx.role.tp_rank`` and rewrite vocab embeddings / row biases."""
+    tp, t = ctx.role.scheme.tp, ctx.role.tp_rank
+    ctx.params = {}
+    ctx.gathers = {}
+    infos = ctx.hgraph.params
+    for name, ops in param_uses(gm).items():
+        info = infos[name]
+        shape = tuple(info.shape)
+        dim = info.shard_dim if shape else 0
+        role = info.tp_role
+        whole = ParamShard(name, shape, dim, ((0, shape[dim]),) if shape else ((0, 1),))
+        if tp == 1 or role in (None, TPRole.REPLICATED) or not shape:
+            ctx.params[name] = whole
+            continue
+        size = shape[dim]
+        gathered = any(_feeds(op, CommPoint.TP_GATHER) for op in ops)
+        if role == TPRole.COLUMN:
+            unit = max(_head_unit(ctx, op, True) for op in ops)  # a bias splits like its weight
+            rng, pad = _column_range(ctx, name, size, unit, tp, t, gathered, gm)
+        elif role == TPRole.ROW:
+            unit = max(_head_unit(ctx, op.args[0], False) for op in ops)
+            if unit > 1 and (size // unit) % tp:
+                raise StrategyError(f"TP={tp} does not divide the {size // unit} attention heads feeding "
+                                    f"{name}; allowed TP degrees divide {size // unit}")
+            rng, pad = split_range(size, tp, t, unit), 0
+        elif role == TPRole.VOCAB:
+            rng, pad = _column_range(ctx, name, size, 1, tp, t, True, gm)
+        else:
+            raise AssertionError(f"unknown TP role {role} of {name}")
+        ctx.params[name] = ParamShard(name, shape, dim, (rng,), pad, tp_sharded=True)
+        for op in ops:
+            if role == TPRole.VOCAB:
+                _rewrite_vocab_embedding(op, rng)
+            elif role == TPRole.ROW:
+                _move_row_bias(gm, op)
+    _record_gathers(gm, ctx)
+    gm.recompile()
+    return gm
+
+
+def _feeds(op: fx.Node, point: CommPoint) -> bool:
+    return any(get_meta(u).comm_point == point for u in op.users)
+
+
+def _rewrite_vocab_embedding(op: fx.Node, rng: tuple[int, int]) -> None:
+    if op.target is graph_ops.vocab_parallel_embedding:
+        return
+    if op.target is not F.embedding:
+        raise AssertionError(f"a vocab-parallel parameter feeds {op.target}, expected F.embedding")
+    ids, w = op.args[0], op.args[1]
+    op.target = graph_ops.vocab_parallel_embedding
+    op.args = (ids, w, rng[0], rng[1])
+    op.kwargs = {}
+
+
+def _move_row_bias(gm: fx.GraphModule, op: fx.Node) -> None:
+    """linear(x, w, b) -> linear(x, w); the bias is added after the TP_EXIT all-reduce."""
+    bias: Optional[fx.Node] = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
+    if bias is None:
+        return
+    exits = [u for u in op.users if get_meta(u).comm_point == CommPoint.TP_EXIT]
+    if len(exits) != 1:
+        raise AssertionError(f"row-parallel {op.name} has no single tp_exit slot after it")
+    op.args = tuple(op.args[:2]) + ((None,) if len(op.args) > 2 else ())
+    op.kwargs = {k: v for k, v in op.kwargs.items() if k != "bias"}
+    exit_node = exits[0]
+    with gm.graph.inserting_after(exit_node):
+        add = gm.graph.call_function(operator.add, (exit_node, bias))
+    exit_node.replace_all_uses_with(add, delete_user_cb=lambda u: u is not add)
+    update_meta(add, block=get_meta(op).block, layer=get_meta(op).layer)
+
+
+def _record_gathers(gm: fx.GraphModule, ctx: Any) -> None:
+    """For each TP_GATHER slot: the per-rank sizes along the last dim and the real (unpadded) size."""
+    tp = ctx.role.scheme.tp
+    for node in gm.graph.nodes:
+        if get_meta(node).comm_point != CommPoint.TP_GATHER:
+            continue
+        op = node.args[0]
+        w_name = _param_of(op.args[1]) if len(op.args) > 1 else None
+        shard = ctx.params.get(w_name) if w_name else None
+        if shard is None or not shard.tp_sharded:
+            ctx.gathers[node.name] = None
+            continue
+        size = shard.full_shape[shard.shard_dim]
+        padded = -(-size // tp) * tp if shard.pad or size % tp else size
+        sizes = [split_range(padded, tp, r)[1] - split_range(padded, tp, r)[0] for r in range(tp)]
+        ctx.gathers[node.name] = (sizes, size)
+
+
+def _param_of(node: fx.Node) -> Optional[str]:
+    seen = node
+    while isinstance(seen, fx.Node):
+        m = get_meta(seen)
+        if m.param is not None:
+            return m.param
+        seen = seen.args[0] if seen.args else None
+    return None
