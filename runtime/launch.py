@@ -1,0 +1,230 @@
+"""Start the processes of a distributed run and initialise ``torch.distributed`` in each.
+
+Two entry points share one initialisation path (``_init_process_group``):
+
+* ``spawn(fn, world_size, ...)``: N local processes (``torch.multiprocessing`` *spawn* context),
+  rendezvous through a file store in a fresh temporary folder (no port races), one process group per
+  process (``gloo`` on CPU; ``nccl`` with one GPU per process when asked and available). Each process
+  runs ``fn(rank, world_size, *args)``; the parent returns every rank's (picklable) result in rank
+  order. If a rank raises, the parent raises ``SpawnError`` naming the rank and its message; the other
+  ranks get a short grace period and are then terminated, so a failure never hangs the caller. A rank
+  that dies without reporting (killed, segfault) is named as lost.
+* ``init_from_env()``: for processes started by ``torchrun`` (``RANK``, ``WORLD_SIZE``,
+  ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``).
+
+``fn`` must be importable by the child: a module-level function. Functions of modules that are not on
+``sys.path`` (a script, a test file imported by path) are re-imported from their file in the child.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hgraph.errors import HGraphError
+
+#: How long the surviving ranks may take to finish on their own after one rank failed.
+FAILURE_GRACE_S = 3.0
+_POLL_S = 0.05
+
+
+class SpawnError(RuntimeError):
+    """A rank of a spawned run raised, died or timed out.
+
+    ``rank`` is the first rank that failed (``None`` for a timeout of several ranks);
+    ``detail`` holds the failing rank's traceback text when it raised.
+    """
+
+    def __init__(self, message: str, rank: Optional[int] = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.detail = detail
+
+
+# ---- initialisation shared by spawn and torchrun -----------------------------------------------
+def _check_backend(backend: str, world_size: int) -> None:
+    if backend not in ("gloo", "nccl"):
+        raise HGraphError(f"backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if backend == "nccl" and torch.cuda.device_count() < world_size:
+        raise HGraphError(f"backend 'nccl' needs one GPU per process: {world_size} processes, "
+                          f"{torch.cuda.device_count()} GPUs visible; use backend='gloo'")
+
+
+def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
+                        timeout_s: float, local_rank: int) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Initialise the default process group of a ``torchrun`` process; returns (rank, world_size).
+
+    ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. Does nothing but return
+    the numbers when the group is already initialised.
+    """
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise HGraphError(f"init_from_env: environment variables {', '.join(missing)} are not set; "
+                          "start the program with torchrun or use hgraph.runtime.launch.spawn")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    _check_backend(backend, 1 if backend == "nccl" else world_size)
+    _init_process_group(backend, "env://", rank, world_size, timeout_s, local_rank)
+    return rank, world_size
+
+
+# ---- finding fn again in the child -------------------------------------------------------------
+class _FunctionRef:
+    """A module-level function named by module, file and qualified name (picklable by value)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        if "<locals>" in fn.__qualname__ or fn.__name__ == "<lambda>":
+            raise HGraphError(f"spawn: {fn.__qualname__} is not a module-level function; the child "
+                              "processes must be able to import it")
+        self.module = fn.__module__
+        self.qualname = fn.__qualname__
+        module = sys.modules.get(self.module)
+        self.file = getattr(module, "__file__", None)
+
+    def resolve(self) -> Callable[..., Any]:
+        module = sys.modules.get(self.module)
+        if module is None:
+            try:
+                module = importlib.import_module(self.module)
+            except ImportError:
+                if not self.file:
+                    raise
+                spec = importlib.util.spec_from_file_location(self.module, self.file)
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[self.module] = module
+                spec.loader.exec_module(module)
+        obj: Any = module
+        for part in self.qualname.split("."):
+            obj = getattr(obj, part)
+        return obj
+
+
+def _loopback_interface() -> Optional[str]:
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend: str,
+            init_method: str, timeout_s: float, results: Any) -> None:
+    # All processes are local: keep gloo on the loopback device (the host name may not resolve).
+    iface = _loopback_interface()
+    if iface and backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    try:
+        _init_process_group(backend, init_method, rank, world_size, timeout_s, rank)
+        out = ref.resolve()(rank, world_size, *args)
+        payload = pickle.dumps(out)
+        results.put((rank, True, payload))
+    except BaseException as e:  # report everything, including KeyboardInterrupt in a child
+        message = f"{type(e).__name__}: {e}"
+        results.put((rank, False, pickle.dumps((message, traceback.format_exc()))))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---- spawn -------------------------------------------------------------------------------------
+def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", args: Sequence[Any] = (),
+          timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; results in rank order.
+
+    Raises ``SpawnError`` naming the first rank that raised or died, or the ranks still running
+    after ``timeout_s`` seconds (collectives inside also time out after ``timeout_s``).
+    """
+    if world_size < 1:
+        raise HGraphError(f"spawn: world_size must be >= 1, got {world_size}")
+    _check_backend(backend, world_size)
+    ref = _FunctionRef(fn)
+    ctx = mp.get_context("spawn")
+    store_dir = tempfile.mkdtemp(prefix="hgraph-rdzv-")
+    init_method = "file://" + os.path.join(store_dir, "store")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, daemon=True, name=f"hgraph-rank{r}",
+                         args=(r, world_size, ref, tuple(args), backend, init_method, timeout_s, results))
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        return _collect(procs, results, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+        shutil.rmtree(store_dir, ignore_errors=True)
+
+
+def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
+    world_size = len(procs)
+    done: dict[int, Any] = {}
+    failure: Optional[SpawnError] = None
+    deadline = time.monotonic() + timeout_s
+    while len(done) < world_size:
+        item = _next_report(procs, results, done, failure is None)
+        if item is None:
+            if time.monotonic() < deadline:
+                continue
+            if failure is not None:
+                raise failure
+            waiting = [r for r in range(world_size) if r not in done]
+            raise SpawnError(f"spawn: rank(s) {waiting} did not finish within {timeout_s:g} s")
+        rank, ok, payload = item
+        if ok:
+            done[rank] = pickle.loads(payload)
+            continue
+        message, detail = pickle.loads(payload)
+        done[rank] = None
+        if failure is None:
+            failure = SpawnError(f"spawn: rank {rank} failed: {message}", rank=rank, detail=detail)
+            # The others are probably blocked in a collective with the failed rank: short grace.
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
+    if failure is not None:
+        raise failure
+    return [done[r] for r in range(world_size)]
+
+
+def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Optional[tuple]:
+    """The next (rank, ok, payload) report, or None after a short poll; raises for a lost rank."""
+    try:
+        return results.get(timeout=_POLL_S)
+    except queue_mod.Empty:
+        pass
+    lost = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+    if not lost or not check_lost:
+        return None
+    # A process that just exited may still have its report in the pipe: give it a moment.
+    try:
+        return results.get(timeout=1.0)
+    except queue_mod.Empty:
+        r = lost[0]
+        raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} "
+                         "without a result)", rank=r) from None

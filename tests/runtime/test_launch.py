@@ -1,0 +1,92 @@
+"""spawn / init_from_env: results in rank order, failures named by rank, no hangs (gloo, CPU)."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.launch import SpawnError, init_from_env, spawn
+
+
+def _sum_of_ranks(rank, world_size, scale):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return {"rank": rank, "world": dist.get_world_size(), "backend": dist.get_backend(),
+            "sum": t.item() * scale, "tensor": torch.full((2,), float(rank))}
+
+
+def _rank1_raises(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad shard on purpose")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # blocks: rank 1 never joins, so the parent must end this rank
+    return t.item()
+
+
+def _rank1_killed(rank, world_size):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+    return rank
+
+
+def test_results_come_back_in_rank_order():
+    out = spawn(_sum_of_ranks, 3, args=(10.0,))
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["world"] == 3 and o["backend"] == "gloo" for o in out)
+    assert [o["sum"] for o in out] == [30.0, 30.0, 30.0]
+    assert torch.equal(out[2]["tensor"], torch.full((2,), 2.0))
+
+
+def test_a_raising_rank_is_named_and_others_are_ended():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: bad shard on purpose") as info:
+        spawn(_rank1_raises, 2, timeout_s=30)
+    assert info.value.rank == 1 and "Traceback" in info.value.detail
+    assert time.monotonic() - start < 20  # the blocked rank 0 was not waited on for 30 s
+
+
+def test_a_killed_rank_is_reported_as_lost():
+    start = time.monotonic()
+    with pytest.raises(SpawnError, match=r"rank 1 was lost") as info:
+        spawn(_rank1_killed, 2, timeout_s=30)
+    assert info.value.rank == 1
+    assert time.monotonic() - start < 20
+
+
+def test_bad_arguments_are_one_line_errors():
+    with pytest.raises(HGraphError, match="module-level"):
+        spawn(lambda r, w: r, 2)
+    with pytest.raises(HGraphError, match="backend"):
+        spawn(_sum_of_ranks, 2, backend="mpi")
+    with pytest.raises(HGraphError, match="world_size"):
+        spawn(_sum_of_ranks, 0)
+
+
+def test_init_from_env_names_missing_variables(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(HGraphError, match="RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        init_from_env()
+
+
+def test_init_from_env_initialises_a_torchrun_style_process(monkeypatch):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    try:
+        assert init_from_env(backend="gloo") == (0, 1)
+        t = torch.tensor([3.0])
+        dist.all_reduce(t)
+        assert t.item() == 3.0 and dist.get_backend() == "gloo"
+        assert init_from_env() == (0, 1)  # already initialised: no second group
+    finally:
+        dist.destroy_process_group()
