@@ -22,10 +22,9 @@ import operator
 from typing import Any, Optional
 
 import torch.fx as fx
-import torch.nn.functional as F
 
 from hgraph.errors import StrategyError
-from hgraph.meta import CommPoint, SlotKind, TPRole, get_meta, update_meta
+from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_meta
 from hgraph.program import ParamShard
 from hgraph.runtime import graph_ops
 
@@ -70,7 +69,7 @@ def _head_unit(ctx: Any, node: fx.Node, forward: bool) -> int:
 
 
 def _uses_gqa_attention(gm: fx.GraphModule) -> bool:
-    attn = [n for n in gm.graph.nodes if n.target is F.scaled_dot_product_attention]
+    attn = [n for n in gm.graph.nodes if get_meta(n).op == OpKind.ATTENTION]
     return bool(attn) and all(n.kwargs.get("enable_gqa", False) for n in attn)
 
 
@@ -144,8 +143,8 @@ def _feeds(op: fx.Node, point: CommPoint) -> bool:
 def _rewrite_vocab_embedding(op: fx.Node, rng: tuple[int, int]) -> None:
     if op.target is graph_ops.vocab_parallel_embedding:
         return
-    if op.target is not F.embedding:
-        raise AssertionError(f"a vocab-parallel parameter feeds {op.target}, expected F.embedding")
+    if get_meta(op).op != OpKind.EMBEDDING:
+        raise AssertionError(f"a vocab-parallel parameter feeds {op.target}, expected an embedding")
     ids, w = op.args[0], op.args[1]
     op.target = graph_ops.vocab_parallel_embedding
     op.args = (ids, w, rng[0], rng[1])
