@@ -1,0 +1,630 @@
+"""Pull Parameter and Push Gradient communication plans (the LNK operator of Hydraulis §5.2) as data.
+
+The fp32 master copy of a parameter is sharded along its shard dimension over all ``N`` ranks
+(``optimizer_segments``: rank ``r`` owns ``[floor(r*S/N), floor((r+1)*S/N))``), whatever the strategy.
+
+* **Pull** (``pull_plan``): each rank needs some ranges of the shard dimension in the working dtype.
+  The owner casts its fp32 rows to the working dtype *before* sending, so a transfer's ``bytes`` are
+  counted in the working dtype. Each needed piece is a ``LocalCopy`` when the rank owns it, else a
+  ``Transfer`` from its owner. When every rank needs the whole parameter the plan is an all-gather
+  (``PullPlan.is_all_gather``, concatenation in ``all_gather_ranks`` order).
+* **Push** (``push_plan``): each rank holds partial gradients on some ranges; owners must end with the
+  sum of all contributions on their segment. Replicas holding the same ranges first reduce-scatter
+  (``ReduceScatter``: the range split evenly into one piece per member); each member then forwards its
+  reduced piece to the owners of the rows (``Transfer``; the owner adds what it receives into its fp32
+  gradient) or adds it itself when it owns them (``LocalAdd``). Which member receives which piece is
+  chosen by min-cost matching (``lnk_assignment``). When every rank of the world is one replica group
+  contributing the whole parameter the plan is one plain reduce-scatter
+  (``PushPlan.is_plain_reduce_scatter``) and no LNK traffic.
+
+Plans are deterministic (sorted) and built on mutual slices (``mutual_slices``); by default adjacent
+slices that travel between the same two ranks inside one contiguous range are coalesced into one op
+(same bytes, fewer messages); ``coalesce=False`` keeps one op per mutual slice.
+
+Execution order: ``plan.for_rank(r)`` lists the ops that involve rank ``r``: reduce-scatters, then
+transfers, then local ops, each in the plan's global order (transfers sorted by ``(src, dst, lo)``).
+Every rank issuing its ops in that order matches sends with receives and cannot deadlock even with
+blocking point-to-point calls: the globally first unfinished transfer always has both of its ranks
+waiting on it.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence, Union
+
+import numpy as np
+
+from hgraph.passes.lnk_assignment import LinkWeights, assign_pieces
+from hgraph.passes.mutual_slices import (PlanError, Range, even_segments, merge_ranges, mutual_slices,
+                                         normalise_ranges, optimizer_segments, segment_owner, slices_within)
+
+__all__ = [
+    "ParamLayout", "Transfer", "LocalCopy", "LocalAdd", "ReduceScatter", "PullPlan", "PushPlan",
+    "LinkWeights", "pull_plan", "push_plan", "replica_groups_from", "min_pull_bytes", "min_push_bytes",
+    "simulate_pull", "simulate_push",
+]
+
+
+# ---- the parameter and the ops -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: its full shape, the dimension sharded by the optimizer and TP, and the bytes per
+    element of its fp32 master copy. A 0-d parameter (``shape == ()``, ``shard_dim == 0``) is planned
+    as one row of one element (its executor views it as shape ``(1,)``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    shard_dim: int
+    dtype_bytes: int = 4
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.shape)
+        if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
+            raise PlanError(f"parameter {self.name!r}: shape must be a tuple of sizes, got {self.shape!r}")
+        if not shape and self.shard_dim == 0:       # a 0-d parameter plans as one row of one element
+            _positive_int(self.dtype_bytes, f"parameter {self.name!r} dtype_bytes")
+            return
+        if not isinstance(self.shard_dim, int) or not -len(shape) <= self.shard_dim < len(shape):
+            raise PlanError(f"parameter {self.name!r}: shard_dim {self.shard_dim!r} is outside its "
+                            f"{len(shape)} dimensions")
+        _positive_int(self.dtype_bytes, f"parameter {self.name!r} dtype_bytes")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "shard_dim", self.shard_dim % len(shape))
+
+    @property
+    def size(self) -> int:
+        """Rows along the shard dimension (1 for a 0-d parameter)."""
+        return self.shape[self.shard_dim] if self.shape else 1
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one row (the product of the other dimensions)."""
+        return math.prod(d for i, d in enumerate(self.shape) if i != self.shard_dim)
+
+    def slice_bytes(self, lo: int, hi: int, dtype_bytes: int | None = None) -> int:
+        """Bytes of rows ``[lo, hi)`` in ``dtype_bytes`` per element (default: the master dtype)."""
+        return (hi - lo) * self.row_elements * (self.dtype_bytes if dtype_bytes is None else dtype_bytes)
+
+
+@dataclass(frozen=True, order=True)
+class Transfer:
+    """Rank ``src`` sends rows ``[lo, hi)`` to rank ``dst`` (``bytes`` on the wire)."""
+
+    src: int
+    dst: int
+    lo: int
+    hi: int
+    bytes: int
+
+
+@dataclass(frozen=True, order=True)
+class LocalCopy:
+    """Pull: rank ``rank`` owns rows ``[lo, hi)`` and copies (casts) them from its master shard."""
+
+    rank: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, order=True)
+class LocalAdd:
+    """Push: rank ``rank`` owns rows ``[lo, hi)`` and adds the reduced gradient it holds into its shard."""
+
+    rank: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, order=True)
+class ReduceScatter:
+    """Push: the ranks of ``group`` (sorted) sum their gradients of rows ``[lo, hi)``; member ``rank``
+    receives the reduced rows ``[plo, phi)`` for each ``(rank, plo, phi)`` of ``pieces`` (listed in
+    group order, so the i-th input chunk of a torch reduce-scatter is ``pieces[i]``'s rows). Pieces are
+    the even floor split of the range (sizes differ by at most one row). ``bytes``: each member's input."""
+
+    group: tuple[int, ...]
+    lo: int
+    hi: int
+    pieces: tuple[tuple[int, int, int], ...]
+    bytes: int
+
+
+PullOp = Union[Transfer, LocalCopy]
+PushOp = Union[ReduceScatter, Transfer, LocalAdd]
+
+
+# ---- plans -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Traffic:
+    """Byte accounting shared by both plans."""
+
+    transfers: tuple[Transfer, ...]
+    gpus_per_node: int
+
+    def is_intra_node(self, t: Transfer) -> bool:
+        return t.src // self.gpus_per_node == t.dst // self.gpus_per_node
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.bytes for t in self.transfers)
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return sum(t.bytes for t in self.transfers if self.is_intra_node(t))
+
+    @property
+    def inter_node_bytes(self) -> int:
+        return self.total_bytes - self.intra_node_bytes
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Transfer bytes received per rank (ranks receiving nothing are absent)."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.dst] += t.bytes
+        return dict(sorted(out.items()))
+
+    def send_bytes(self) -> dict[int, int]:
+        """Transfer bytes sent per rank (ranks sending nothing are absent)."""
+        out: dict[int, int] = defaultdict(int)
+        for t in self.transfers:
+            out[t.src] += t.bytes
+        return dict(sorted(out.items()))
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """How ranks get the working-dtype rows they need of one parameter from its optimizer owners.
+
+    ``assembly[rank][i]`` lists, in order, the sub-ranges that tile ``needs[rank][i]``; each lies inside
+    exactly one op of that rank (a ``LocalCopy`` of the rank or a ``Transfer`` to it).
+    """
+
+    param: ParamLayout
+    world_size: int
+    gpus_per_node: int
+    working_dtype_bytes: int
+    needs: Mapping[int, tuple[Range, ...]]
+    slices: tuple[Range, ...]
+    local_copies: tuple[LocalCopy, ...]
+    transfers: tuple[Transfer, ...]
+    assembly: Mapping[int, tuple[tuple[Range, ...], ...]]
+    is_all_gather: bool
+    _traffic: _Traffic = field(repr=False, compare=False)
+
+    @property
+    def all_gather_ranks(self) -> tuple[int, ...]:
+        """Rank order of the all-gather (chunk ``i`` comes from rank ``i``); empty unless ``is_all_gather``."""
+        return tuple(range(self.world_size)) if self.is_all_gather else ()
+
+    @property
+    def all_gather_segments(self) -> tuple[Range, ...]:
+        """Rows contributed by each rank of ``all_gather_ranks`` (uneven by one row when N does not
+        divide S: the executor pads chunks to the largest for an equal-size all-gather)."""
+        if not self.is_all_gather:
+            return ()
+        return tuple(optimizer_segments(self.param.size, self.world_size))
+
+    def for_rank(self, rank: int) -> tuple[PullOp, ...]:
+        """Ops involving ``rank``: its transfers (sends and receives) in global order, then its copies."""
+        return (tuple(t for t in self.transfers if rank in (t.src, t.dst))
+                + tuple(c for c in self.local_copies if c.rank == rank))
+
+    total_bytes = property(lambda self: self._traffic.total_bytes)
+    intra_node_bytes = property(lambda self: self._traffic.intra_node_bytes)
+    inter_node_bytes = property(lambda self: self._traffic.inter_node_bytes)
+
+    def recv_bytes(self) -> dict[int, int]:
+        return self._traffic.recv_bytes()
+
+    def send_bytes(self) -> dict[int, int]:
+        return self._traffic.send_bytes()
+
+    def is_intra_node(self, t: Transfer) -> bool:
+        return self._traffic.is_intra_node(t)
+
+    @property
+    def local_bytes(self) -> int:
+        """Working-dtype bytes produced by local copies."""
+        return sum(self.param.slice_bytes(c.lo, c.hi, self.working_dtype_bytes) for c in self.local_copies)
+
+    def summary(self) -> dict:
+        """JSON-ready figures of the plan."""
+        recv = self.recv_bytes()
+        return {"param": self.param.name, "kind": "all_gather" if self.is_all_gather else "lnk",
+                "mutual_slices": len(self.slices), "transfers": len(self.transfers),
+                "local_copies": len(self.local_copies), "bytes": self.total_bytes,
+                "intra_node_bytes": self.intra_node_bytes, "inter_node_bytes": self.inter_node_bytes,
+                "local_bytes": self.local_bytes, "max_recv_bytes": max(recv.values(), default=0)}
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """How partial gradients of one parameter reach the optimizer owners, summed.
+
+    Order of execution: ``reduce_scatters`` (replicas sum a range, each member keeps one piece), then
+    ``transfers`` (the sender's source is the unique buffer it holds containing the rows: its reduced
+    piece when it is in a replica group of several ranks, else its own contribution) and ``local_adds``.
+    An owner's gradient is the sum of its local adds and of the transfers it receives.
+    """
+
+    param: ParamLayout
+    world_size: int
+    gpus_per_node: int
+    grad_dtype_bytes: int
+    contributions: Mapping[int, tuple[Range, ...]]
+    replica_groups: tuple[tuple[int, ...], ...]
+    slices: tuple[Range, ...]
+    reduce_scatters: tuple[ReduceScatter, ...]
+    transfers: tuple[Transfer, ...]
+    local_adds: tuple[LocalAdd, ...]
+    is_plain_reduce_scatter: bool
+    _traffic: _Traffic = field(repr=False, compare=False)
+
+    def for_rank(self, rank: int) -> tuple[PushOp, ...]:
+        """Ops involving ``rank``: its reduce-scatters, transfers (global order), then its local adds."""
+        return (tuple(rs for rs in self.reduce_scatters if rank in rs.group)
+                + tuple(t for t in self.transfers if rank in (t.src, t.dst))
+                + tuple(a for a in self.local_adds if a.rank == rank))
+
+    total_bytes = property(lambda self: self._traffic.total_bytes)
+    intra_node_bytes = property(lambda self: self._traffic.intra_node_bytes)
+    inter_node_bytes = property(lambda self: self._traffic.inter_node_bytes)
+
+    def recv_bytes(self) -> dict[int, int]:
+        """LNK transfer bytes received per rank (reduce-scatter traffic excluded)."""
+        return self._traffic.recv_bytes()
+
+    def send_bytes(self) -> dict[int, int]:
+        """LNK transfer bytes sent per rank (reduce-scatter traffic excluded)."""
+        return self._traffic.send_bytes()
+
+    def is_intra_node(self, t: Transfer) -> bool:
+        return self._traffic.is_intra_node(t)
+
+    def reduce_scatter_recv_bytes(self) -> dict[int, int]:
+        """Bytes each member receives in its reduce-scatters with a ring algorithm (input minus own piece)."""
+        out: dict[int, int] = defaultdict(int)
+        for rs in self.reduce_scatters:
+            for rank, lo, hi in rs.pieces:
+                out[rank] += rs.bytes - self.param.slice_bytes(lo, hi, self.grad_dtype_bytes)
+        return dict(sorted(out.items()))
+
+    @property
+    def reduce_scatter_bytes(self) -> int:
+        return sum(self.reduce_scatter_recv_bytes().values())
+
+    def summary(self) -> dict:
+        """JSON-ready figures of the plan."""
+        send = self.send_bytes()
+        return {"param": self.param.name,
+                "kind": "plain_reduce_scatter" if self.is_plain_reduce_scatter else "rs+lnk",
+                "mutual_slices": len(self.slices), "reduce_scatters": len(self.reduce_scatters),
+                "reduce_scatter_bytes": self.reduce_scatter_bytes, "transfers": len(self.transfers),
+                "local_adds": len(self.local_adds), "bytes": self.total_bytes,
+                "intra_node_bytes": self.intra_node_bytes, "inter_node_bytes": self.inter_node_bytes,
+                "max_send_bytes": max(send.values(), default=0)}
+
+
+# ---- pull --------------------------------------------------------------------------------------
+
+def pull_plan(param: ParamLayout, needs: Mapping[int, Sequence[Range]], world_size: int, gpus_per_node: int,
+              *, working_dtype_bytes: int | None = None, coalesce: bool = True) -> PullPlan:
+    """Plan Pull Parameter for ``param``: ``needs[rank]`` lists the row ranges ``rank`` must hold in the
+    working dtype (``working_dtype_bytes`` per element, default the master dtype's). Ranks absent from
+    ``needs`` (other stages) get nothing. A rank's overlapping ranges are fetched once."""
+    _check_world(world_size, gpus_per_node)
+    wbytes = param.dtype_bytes if working_dtype_bytes is None else working_dtype_bytes
+    _positive_int(wbytes, "working_dtype_bytes")
+    size = param.size
+    norm = _normalise_layout(needs, size, world_size, "needs")
+    segments = optimizer_segments(size, world_size)
+    slices = mutual_slices(segments, *norm.values())
+
+    copies: list[LocalCopy] = []
+    transfers: list[Transfer] = []
+    assembly: dict[int, tuple[tuple[Range, ...], ...]] = {}
+    for rank in sorted(norm):
+        held: list[Range] = []
+        for lo, hi in merge_ranges(norm[rank]):
+            for run_lo, run_hi, owner in _owner_runs(slices_within(slices, lo, hi), size, world_size, coalesce):
+                held.append((run_lo, run_hi))
+                if owner == rank:
+                    copies.append(LocalCopy(rank, run_lo, run_hi))
+                else:
+                    transfers.append(Transfer(owner, rank, run_lo, run_hi, param.slice_bytes(run_lo, run_hi, wbytes)))
+        assembly[rank] = tuple(_tile(lo, hi, held) for lo, hi in norm[rank])
+
+    all_gather = size > 0 and sorted(norm) == list(range(world_size)) and all(
+        norm[r] == ((0, size),) for r in range(world_size))
+    transfers.sort()
+    copies.sort()
+    return PullPlan(param, world_size, gpus_per_node, wbytes, norm, tuple(slices), tuple(copies),
+                    tuple(transfers), assembly, all_gather, _Traffic(tuple(transfers), gpus_per_node))
+
+
+def min_pull_bytes(param: ParamLayout, needs: Mapping[int, Sequence[Range]], world_size: int,
+                   *, working_dtype_bytes: int | None = None) -> dict[int, int]:
+    """The least bytes each needing rank must receive: the rows it needs (union) that it does not own."""
+    wbytes = param.dtype_bytes if working_dtype_bytes is None else working_dtype_bytes
+    norm = _normalise_layout(needs, param.size, world_size, "needs")
+    segments = optimizer_segments(param.size, world_size)
+    out = {}
+    for rank in sorted(norm):
+        rows = sum(hi - lo for lo, hi in merge_ranges(norm[rank]))
+        rows -= _overlap(merge_ranges(norm[rank]), segments[rank])
+        out[rank] = rows * param.row_elements * wbytes
+    return out
+
+
+# ---- push --------------------------------------------------------------------------------------
+
+def replica_groups_from(contributions: Mapping[int, Sequence[Range]]) -> list[tuple[int, ...]]:
+    """Group ranks whose non-empty contributed ranges are identical (sorted groups, sorted by first rank);
+    ranks contributing nothing are left out."""
+    by_layout: dict[tuple[Range, ...], list[int]] = defaultdict(list)
+    for rank in sorted(contributions):
+        key = tuple(sorted(r for r in normalise_ranges(contributions[rank], what=f"rank {rank} range")
+                           if r[0] < r[1]))
+        if key:
+            by_layout[key].append(rank)
+    return sorted(tuple(g) for g in by_layout.values())
+
+
+def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
+              gpus_per_node: int, replica_groups: Sequence[Sequence[int]] | None = None, *,
+              grad_dtype_bytes: int | None = None, weights: LinkWeights = LinkWeights(),
+              coalesce: bool = True) -> PushPlan:
+    """Plan Push Gradient for ``param``.
+
+    ``contributions[rank]``: the disjoint row ranges on which ``rank`` holds a partial gradient (in
+    ``grad_dtype_bytes`` per element, default the master dtype's). Together they must cover every row;
+    each owner ends with the sum of all contributions on its segment. ``replica_groups``: sets of ranks
+    holding identical ranges (e.g. the same TP rank of ``D`` pipelines); they reduce-scatter first.
+    Contributors in no group act alone; ``None`` groups identical layouts (``replica_groups_from``).
+    ``weights`` price a row sent intra- vs inter-node when choosing which member keeps which piece.
+    """
+    _check_world(world_size, gpus_per_node)
+    gbytes = param.dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
+    _positive_int(gbytes, "grad_dtype_bytes")
+    size = param.size
+    norm = _normalise_layout(contributions, size, world_size, "contributions")
+    layout = {r: tuple(sorted(x for x in rs if x[0] < x[1])) for r, rs in norm.items()}
+    for rank, ranges in layout.items():
+        if sum(hi - lo for lo, hi in ranges) != sum(hi - lo for lo, hi in merge_ranges(ranges)):
+            raise PlanError(f"rank {rank} contributes overlapping ranges {list(norm[rank])}: "
+                            "a rank's gradient ranges must be disjoint")
+    covered = merge_ranges(r for rs in layout.values() for r in rs)
+    if covered and covered != [(0, size)]:
+        raise PlanError(f"parameter {param.name!r}: gradient contributions cover rows {covered} but the "
+                        f"optimizer needs all rows [0, {size})")
+    groups = _check_groups(replica_groups, layout, world_size) if replica_groups is not None \
+        else replica_groups_from(layout)
+    grouped = {r for g in groups for r in g}
+    groups = sorted([*groups, *((r,) for r in layout if layout[r] and r not in grouped)])
+
+    segments = optimizer_segments(size, world_size)
+    node = lambda r: r // gpus_per_node  # noqa: E731
+    held: dict[int, list[Range]] = defaultdict(list)
+    scatters: list[ReduceScatter] = []
+    for group in groups:
+        ranges = layout[group[0]]
+        if len(group) == 1:
+            held[group[0]].extend(ranges)
+            continue
+        sent_load: dict[int, int] = defaultdict(int)
+        for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
+            pieces = [(lo + a, lo + b) for a, b in even_segments(hi - lo, len(group))]
+            chunks = [list(_owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
+
+            def link_cost(p: int, m: int) -> int:
+                return sum((b - a) * (weights.intra if node(o) == node(m) else weights.inter)
+                           for a, b, o in chunks[p] if o != m)
+
+            def sent_rows(p: int, m: int) -> int:
+                return sum(b - a for a, b, o in chunks[p] if o != m)
+
+            member_of = assign_pieces(group, len(pieces), link_cost, sent_rows, sent_load)
+            for p, m in enumerate(member_of):
+                sent_load[m] += sent_rows(p, m)
+                held[m].append(pieces[p])
+            scatters.append(ReduceScatter(
+                group, lo, hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
+                param.slice_bytes(lo, hi, gbytes)))
+
+    slices = mutual_slices(segments, *layout.values(), *held.values())
+    transfers: list[Transfer] = []
+    adds: list[LocalAdd] = []
+    for rank in sorted(held):
+        for lo, hi in sorted(held[rank]):
+            for run_lo, run_hi, owner in _owner_runs(slices_within(slices, lo, hi), size, world_size, coalesce):
+                if owner == rank:
+                    adds.append(LocalAdd(rank, run_lo, run_hi))
+                else:
+                    transfers.append(Transfer(rank, owner, run_lo, run_hi, param.slice_bytes(run_lo, run_hi, gbytes)))
+    transfers.sort()
+    adds.sort()
+    scatters.sort()
+    plain = (size > 0 and not transfers and groups == [tuple(range(world_size))]
+             and all(layout.get(r) == ((0, size),) for r in range(world_size)))
+    return PushPlan(param, world_size, gpus_per_node, gbytes, norm, tuple(groups), tuple(slices),
+                    tuple(scatters), tuple(transfers), tuple(adds), plain,
+                    _Traffic(tuple(transfers), gpus_per_node))
+
+
+def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
+                   *, grad_dtype_bytes: int | None = None) -> dict[int, int]:
+    """The least bytes each owner must receive: rows of its segment that another rank contributes
+    (at least one reduced value per such row). Owners of empty segments are absent."""
+    gbytes = param.dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
+    norm = _normalise_layout(contributions, param.size, world_size, "contributions")
+    out = {}
+    for owner, seg in enumerate(optimizer_segments(param.size, world_size)):
+        if seg[0] == seg[1]:
+            continue
+        others = merge_ranges(r for rank, rs in norm.items() if rank != owner for r in rs)
+        out[owner] = _overlap(others, seg) * param.row_elements * gbytes
+    return out
+
+
+# ---- numpy simulation --------------------------------------------------------------------------
+
+def simulate_pull(plan: PullPlan, master: Mapping[int, np.ndarray]) -> dict[int, list[np.ndarray]]:
+    """Apply ``plan`` to data: ``master[r]`` is rank ``r``'s optimizer shard (the parameter's shape with
+    the shard dimension cut to its segment; ranks owning no rows may be absent). Returns, per needing
+    rank, one array per needed range in ``plan.needs`` order, assembled only from the plan's ops."""
+    dim = plan.param.shard_dim
+    segments = optimizer_segments(plan.param.size, plan.world_size)
+
+    def rows_of(owner: int, lo: int, hi: int) -> np.ndarray:
+        base = segments[owner][0]
+        return _take(master[owner], base, lo, hi, dim)
+
+    got: dict[int, list[tuple[Range, np.ndarray]]] = defaultdict(list)
+    for c in plan.local_copies:
+        got[c.rank].append(((c.lo, c.hi), rows_of(c.rank, c.lo, c.hi)))
+    for t in plan.transfers:
+        got[t.dst].append(((t.lo, t.hi), rows_of(t.src, t.lo, t.hi)))
+    out: dict[int, list[np.ndarray]] = {}
+    for rank, needed in plan.needs.items():
+        arrays = []
+        for (lo, hi), tiles in zip(needed, plan.assembly[rank]):
+            parts = [_lookup(got[rank], a, b, rank, dim) for a, b in tiles]
+            if parts:
+                arrays.append(np.concatenate(parts, axis=dim))
+            else:
+                shape = list(plan.param.shape)
+                shape[dim] = 0
+                arrays.append(np.zeros(shape, dtype=next(iter(master.values())).dtype))
+        out[rank] = arrays
+    return out
+
+
+def simulate_push(plan: PushPlan, grads: Mapping[int, Sequence[np.ndarray]]) -> dict[int, np.ndarray]:
+    """Apply ``plan`` to data: ``grads[r]`` holds one array per range of ``plan.contributions[r]`` (same
+    order; the parameter's shape with the shard dimension cut to the range). Returns each owner's summed
+    gradient shard for every rank owning at least one row, computed only from the plan's ops."""
+    dim = plan.param.shard_dim
+    buffers: dict[int, list[tuple[Range, np.ndarray]]] = defaultdict(list)
+    own = {r: dict(zip(rs, grads[r])) for r, rs in plan.contributions.items()}
+    scattered = {m for rs in plan.reduce_scatters for m in rs.group}
+    for rank, ranges in own.items():
+        if rank not in scattered:
+            buffers[rank].extend((r, a) for r, a in ranges.items() if r[0] < r[1])
+    for rs in plan.reduce_scatters:
+        total = sum(own[m][(rs.lo, rs.hi)] for m in rs.group)
+        for rank, lo, hi in rs.pieces:
+            buffers[rank].append(((lo, hi), _take(total, rs.lo, lo, hi, dim)))
+    dtype = np.result_type(*[a for arrays in grads.values() for a in arrays]) if grads else np.float64
+    out: dict[int, np.ndarray] = {}
+    segments = optimizer_segments(plan.param.size, plan.world_size)
+    for owner, (lo, hi) in enumerate(segments):
+        if lo < hi:
+            shape = list(plan.param.shape)
+            shape[dim] = hi - lo
+            out[owner] = np.zeros(shape, dtype=dtype)
+
+    def add(owner: int, src: int, lo: int, hi: int) -> None:
+        data = _lookup(buffers[src], lo, hi, src, dim)
+        index = [slice(None)] * data.ndim
+        index[dim] = slice(lo - segments[owner][0], hi - segments[owner][0])
+        out[owner][tuple(index)] += data
+
+    for t in plan.transfers:
+        add(t.dst, t.src, t.lo, t.hi)
+    for a in plan.local_adds:
+        add(a.rank, a.rank, a.lo, a.hi)
+    return out
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def _owner_chunks(lo: int, hi: int, size: int, world_size: int) -> Iterable[tuple[int, int, int]]:
+    """``[lo, hi)`` cut at optimizer segment boundaries, as ``(lo, hi, owner)``."""
+    while lo < hi:
+        owner = segment_owner(size, world_size, lo)
+        end = min(hi, (owner + 1) * size // world_size)
+        yield lo, end, owner
+        lo = end
+
+
+def _owner_runs(slices: Sequence[Range], size: int, world_size: int,
+                coalesce: bool) -> list[tuple[int, int, int]]:
+    """Contiguous mutual slices as ``(lo, hi, owner)``, merged per owner when ``coalesce``."""
+    runs: list[list[int]] = []
+    for lo, hi in slices:
+        owner = segment_owner(size, world_size, lo)
+        if coalesce and runs and runs[-1][2] == owner and runs[-1][1] == lo:
+            runs[-1][1] = hi
+        else:
+            runs.append([lo, hi, owner])
+    return [(lo, hi, owner) for lo, hi, owner in runs]
+
+
+def _tile(lo: int, hi: int, held: Sequence[Range]) -> tuple[Range, ...]:
+    """``[lo, hi)`` as consecutive sub-ranges, each inside one held range (held ranges are disjoint)."""
+    return tuple((max(lo, a), min(hi, b)) for a, b in sorted(held) if a < hi and lo < b)
+
+
+def _overlap(ranges: Sequence[Range], seg: Range) -> int:
+    return sum(max(0, min(hi, seg[1]) - max(lo, seg[0])) for lo, hi in ranges)
+
+
+def _take(array: np.ndarray, base: int, lo: int, hi: int, dim: int) -> np.ndarray:
+    index = [slice(None)] * array.ndim
+    index[dim] = slice(lo - base, hi - base)
+    return array[tuple(index)]
+
+
+def _lookup(buffers: Sequence[tuple[Range, np.ndarray]], lo: int, hi: int, rank: int, dim: int) -> np.ndarray:
+    """Rows ``[lo, hi)`` from the one buffer of ``rank`` that holds them (more or fewer is a plan bug)."""
+    found = [(r, a) for r, a in buffers if r[0] <= lo and hi <= r[1]]
+    if len(found) != 1:
+        raise AssertionError(f"rank {rank} holds rows [{lo}, {hi}) in {len(found)} buffers, expected exactly 1")
+    (base, _), array = found[0]
+    return _take(array, base, lo, hi, dim)
+
+
+def _normalise_layout(layout: Mapping[int, Sequence[Range]], size: int, world_size: int,
+                      what: str) -> dict[int, tuple[Range, ...]]:
+    out = {}
+    for rank in sorted(layout):
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise PlanError(f"{what}: rank {rank!r} is outside the world of {world_size} ranks")
+        out[rank] = tuple(normalise_ranges(layout[rank], size=size, what=f"{what} of rank {rank}: range"))
+    return out
+
+
+def _check_groups(groups: Sequence[Sequence[int]], layout: Mapping[int, tuple[Range, ...]],
+                  world_size: int) -> list[tuple[int, ...]]:
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        members = tuple(sorted(group))
+        if not members:
+            raise PlanError("replica groups must not be empty")
+        for r in members:
+            if r in seen:
+                raise PlanError(f"rank {r} appears in more than one replica group")
+            if r not in layout:
+                raise PlanError(f"replica group {list(members)}: rank {r} contributes no gradient")
+            seen.add(r)
+        if any(layout[r] != layout[members[0]] for r in members):
+            raise PlanError(f"replica group {list(members)} holds different ranges "
+                            f"{[list(layout[r]) for r in members]}: replicas must hold the same layout")
+        if layout[members[0]]:
+            out.append(members)
+    return out
+
+
+def _check_world(world_size: int, gpus_per_node: int) -> None:
+    _positive_int(world_size, "world_size")
+    _positive_int(gpus_per_node, "gpus_per_node")
+
+
+def _positive_int(value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{what} must be a positive integer, got {value!r}")
