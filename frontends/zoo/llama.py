@@ -99,11 +99,15 @@ def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """cos and sin [B, T, head_dim] of the rotary angles position * inv_freq (HF half-split layout)."""
+def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor):
+    """fp32 cos and sin [B, T, head_dim] of the angles position * inv_freq (HF half-split layout).
+
+    They depend on the positions only (not on any activation), so every pipeline stage can
+    recompute them instead of receiving them.
+    """
     angles = position_ids.unsqueeze(-1).to(torch.float32) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return angles.cos(), angles.sin()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +117,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, heads, T, head_dim] by the angles whose cos/sin are [B, T, head_dim]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
     return x * cos + rotate_half(x) * sin
 
 
@@ -207,7 +211,7 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(input_ids)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.inv_freq, x.dtype)
+        cos, sin = rotary_cos_sin(position_ids, self.inv_freq)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

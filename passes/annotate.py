@@ -1,0 +1,406 @@
+"""annotate_pass: blocks, layers, op kinds and tensor-parallel roles of a canonical traced graph.
+
+Everything is decided from the graph (``nn_module_stack`` and data flow), not from parameter names,
+so it works for models outside the zoo:
+
+* **blocks**: the children of the largest (outermost) container whose integer-indexed children all
+  have the same type (``layers.0`` .. ``layers.N-1``). A node depending on a parameter belongs to the
+  block in its module stack; outside every block it is ``"pre"`` before the first block, ``"post"``
+  after the last one, and between blocks it joins the latest block among its inputs. Nodes that
+  depend only on graph inputs, buffers and constants (rotary tables from ``position_ids``) get
+  block None: every pipeline stage may recompute them.
+* **TP roles** (Megatron pairs) by a forward data-flow analysis inside each block: a linear whose
+  input is not sharded is COLUMN and makes its output sharded; a linear whose input is sharded is
+  ROW and makes its output whole again. Sharded values may only flow through elementwise ops,
+  reshapes that keep the head count free (``-1``), slicing after such a reshape, and attention; a
+  sharded value reaching anything else (a reduction, a mix with a whole activation, the block's
+  output) makes the linears of that column/row group REPLICATED, never silently wrong. Embeddings
+  are VOCAB; a "post" linear producing the output logits is COLUMN; other parameter users
+  (norm weights) and parameters with conflicting uses are REPLICATED.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Optional
+
+import torch.fx as fx
+import torch.nn.functional as F
+
+from hgraph.errors import TraceError
+from hgraph.meta import NodeMeta, OpKind, TPRole, get_meta, set_meta, update_meta
+
+PRE, POST = "pre", "post"
+STACK_KEY = "nn_module_stack"
+
+LINEAR_TARGETS = (F.linear,)
+EMBEDDING_TARGETS = (F.embedding,)
+ATTENTION_TARGETS = (F.scaled_dot_product_attention,)
+
+# Ops a sharded activation may flow through unchanged (elementwise, dtype, layout).
+_ELEMENTWISE = {
+    "add", "sub", "mul", "truediv", "div", "neg", "pow", "exp", "sigmoid", "silu", "gelu", "relu", "tanh",
+    "softplus", "mish", "leaky_relu", "elu", "square", "sqrt", "rsqrt", "abs", "clamp", "dropout",
+    "to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "clone", "detach",
+    "iadd", "imul", "isub", "add_", "mul_", "floordiv", "where",
+}
+_LAYOUT = {"transpose", "permute", "unsqueeze", "squeeze", "expand", "expand_as", "swapaxes", "movedim"}
+_RESHAPE = {"view", "reshape"}
+_SLICING = {"chunk", "split", "getitem", "cat", "narrow", "unbind", "stack", "flip", "roll"}
+
+
+def op_name(node: fx.Node) -> str:
+    t = node.target
+    if node.op == "call_method":
+        return str(t)
+    if t is getattr:
+        return "getattr"
+    return getattr(t, "__name__", str(t)).lstrip("_")
+
+
+def op_kind(node: fx.Node) -> OpKind:
+    if node.op != "call_function":
+        return OpKind.OTHER
+    if node.target in LINEAR_TARGETS:
+        return OpKind.LINEAR
+    if node.target in EMBEDDING_TARGETS:
+        return OpKind.EMBEDDING
+    if node.target in ATTENTION_TARGETS:
+        return OpKind.ATTENTION
+    return OpKind.OTHER
+
+
+def parameter_names(gm: fx.GraphModule) -> set[str]:
+    return {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+
+
+def param_of(node: Any, params: set[str]) -> Optional[str]:
+    """The parameter FQN a get_attr node reads, else None."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and node.target in params:
+        return str(node.target)
+    return None
+
+
+def op_params(node: fx.Node, params: set[str]) -> list[tuple[str, str, fx.Node]]:
+    """(argument role, parameter FQN, get_attr node) for each parameter an op reads directly.
+
+    The role is "weight" / "bias" for linear, embedding and layer_norm style ops, else "arg".
+    """
+    out = []
+    kind = op_kind(node)
+    for i, a in enumerate(node.args):
+        name = param_of(a, params)
+        if name is not None:
+            role = "arg"
+            if kind in (OpKind.LINEAR, OpKind.EMBEDDING):
+                role = {1: "weight", 2: "bias"}.get(i, "arg")
+            out.append((role, name, a))
+    for k, a in node.kwargs.items():
+        name = param_of(a, params)
+        if name is not None:
+            out.append((k if k in ("weight", "bias") else "arg", name, a))
+    return out
+
+
+# ---- blocks -------------------------------------------------------------------------------------
+def _stack_paths(node: fx.Node) -> list[str]:
+    stack = node.meta.get(STACK_KEY) or {}
+    return [v[0] for v in stack.values()]
+
+
+def find_blocks(gm: fx.GraphModule) -> list[str]:
+    """Module paths of the repeated blocks, in index order (see the module docstring)."""
+    groups: dict[str, dict[int, Any]] = {}
+    types: dict[str, set] = {}
+    for node in gm.graph.nodes:
+        stack = node.meta.get(STACK_KEY) or {}
+        for path, mtype in stack.values():
+            m = re.fullmatch(r"(?:(.*)\.)?(\d+)", path)
+            if m is None:
+                continue
+            prefix = m.group(1) or ""
+            groups.setdefault(prefix, {})[int(m.group(2))] = path
+            types.setdefault(prefix, set()).add(mtype)
+    candidates = {p: g for p, g in groups.items() if len(types[p]) == 1}
+    members = {path for g in candidates.values() for path in g.values()}
+    # outermost containers only: experts.0..7 inside layers.3 are not the blocks
+    outer = {p: g for p, g in candidates.items()
+             if not any(p == m or p.startswith(m + ".") for m in members)}
+    if not outer:
+        return []
+    best = max(outer, key=lambda p: len(outer[p]))  # max keeps the first of equals
+    return [outer[best][i] for i in sorted(outer[best])]
+
+
+def _block_in_stack(node: fx.Node, blocks: set[str]) -> Optional[str]:
+    for path in _stack_paths(node):
+        for b in _prefixes(path):
+            if b in blocks:
+                return b
+    return None
+
+
+def _prefixes(path: str) -> Iterable[str]:
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        yield ".".join(parts[:i])
+
+
+def assign_blocks(gm: fx.GraphModule, blocks: list[str], params: set[str]) -> dict[fx.Node, Optional[str]]:
+    """Block of every node (see the module docstring)."""
+    block_set = set(blocks)
+    order = {b: i for i, b in enumerate([PRE] + blocks + [POST])}
+    nodes = list(gm.graph.nodes)
+    # nodes whose value depends on a parameter (through a computation, not the get_attr itself)
+    depends: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            depends[n] = False
+            continue
+        depends[n] = any(depends[a] or param_of(a, params) is not None for a in n.all_input_nodes)
+    in_stack = {n: _block_in_stack(n, block_set) if depends[n] else None for n in nodes}
+    positions = [i for i, n in enumerate(nodes) if in_stack[n] is not None]
+    first, last = (positions[0], positions[-1]) if positions else (len(nodes), -1)
+    out: dict[fx.Node, Optional[str]] = {}
+    for i, n in enumerate(nodes):
+        if not depends[n]:
+            out[n] = None
+        elif in_stack[n] is not None:
+            out[n] = in_stack[n]
+        elif i < first:
+            out[n] = PRE
+        elif i > last:
+            out[n] = POST
+        else:  # glue between blocks: it belongs to the latest block it reads from
+            ins = [out[a] for a in n.all_input_nodes if out.get(a) is not None]
+            out[n] = max(ins, key=order.__getitem__) if ins else PRE
+    return out
+
+
+# ---- tensor-parallel roles ----------------------------------------------------------------------
+FLAT, HEADS = "flat", "heads"  # sharded along the last dim / along a head dim after a -1 reshape
+
+
+class _Groups:
+    """Union-find over linears: a ROW joins the group of the COLUMNs feeding it."""
+
+    def __init__(self) -> None:
+        self.parent: dict[fx.Node, fx.Node] = {}
+
+    def find(self, x: fx.Node) -> fx.Node:
+        self.parent.setdefault(x, x)
+        while self.parent[x] is not x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def union(self, a: fx.Node, b: fx.Node) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _reshape_state(node: fx.Node) -> Optional[str]:
+    """State after a view/reshape of a sharded value: the free (-1) dim must carry the shard."""
+    shape = node.args[1:]
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    ints = [d for d in shape if isinstance(d, int)]
+    if -1 not in ints:
+        return None  # a fixed head count / width breaks under TP
+    return FLAT if shape and shape[-1] == -1 else HEADS
+
+
+def _flow(n: fx.Node, states: list[str], name: str) -> Optional[str]:
+    """State of a non-linear op's output given its sharded inputs' states; None = not allowed."""
+    if n.op == "call_function" and n.target in ATTENTION_TARGETS:
+        return HEADS if len(states) >= 3 and set(states) == {HEADS} else None
+    if len(set(states)) != 1:
+        return None
+    if name in _RESHAPE:
+        return _reshape_state(n)
+    if name in _ELEMENTWISE or name in _LAYOUT:
+        return states[0]
+    if name in _SLICING:  # slicing the sharded last dim itself would split it unevenly
+        return HEADS if states[0] == HEADS else None
+    return None
+
+
+def is_metadata(n: fx.Node, meta_nodes: set[fx.Node]) -> bool:
+    """A node computing shapes / dtypes / devices (or arithmetic on them), not tensor data."""
+    if n.op == "call_method" and n.target in ("size", "dim", "numel"):
+        return True
+    if n.op == "call_function" and n.target is getattr and n.args[1] in ("shape", "dtype", "device", "ndim"):
+        return True
+    ins = n.all_input_nodes
+    return n.op in ("call_function", "call_method") and bool(ins) and all(a in meta_nodes for a in ins)
+
+
+def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
+                    blocks: list[str], params: set[str]) -> dict[fx.Node, TPRole]:
+    """TP role of every op that reads a parameter (see the module docstring)."""
+    nodes = list(gm.graph.nodes)
+    roles: dict[fx.Node, TPRole] = {}
+    groups = _Groups()
+    bad: set[fx.Node] = set()          # linears whose group must be replicated
+    state: dict[fx.Node, str] = {}     # sharded activations: FLAT / HEADS
+    sources: dict[fx.Node, set[fx.Node]] = {}  # column linears a sharded value comes from
+    meta_nodes: set[fx.Node] = set()
+    data: set[fx.Node] = set()         # activations whose *data* derives from parameters
+    block_set = set(blocks)
+
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        if is_metadata(n, meta_nodes):
+            meta_nodes.add(n)
+            continue
+        if any(a in data or param_of(a, params) is not None for a in n.all_input_nodes):
+            data.add(n)
+        b = block_of.get(n)
+        ins = [a for a in n.all_input_nodes if a in state]
+        if op_kind(n) == OpKind.LINEAR and b in block_set and _linear_weight(n, params) is not None:
+            groups.find(n)
+            x = n.args[0]
+            if x in state:
+                for c in sources[x]:
+                    groups.union(n, c)
+                if state[x] != FLAT or len(ins) != 1:
+                    bad.update(sources[x] | {n})
+                roles[n] = TPRole.ROW
+            else:
+                roles[n] = TPRole.COLUMN
+                state[n], sources[n] = FLAT, {n}
+            continue
+        if not ins:
+            continue
+        src = set().union(*(sources[a] for a in ins))
+        # a whole activation mixed with a sharded one has the wrong shape under TP
+        whole = [a for a in n.all_input_nodes if a not in state and a in data]
+        new = _flow(n, [state[a] for a in ins], op_name(n))
+        if new is None or whole or any(block_of.get(a) != b for a in ins):
+            bad.update(src)
+            continue
+        state[n], sources[n] = new, src
+
+    # a sharded value must reach a ROW before leaving its block (or the graph)
+    for n in state:
+        for u in n.users:
+            if u.op == "output" or (u not in meta_nodes and block_of.get(u) != block_of.get(n)):
+                bad.update(sources[n])
+
+    _post_and_embedding_roles(gm, nodes, block_of, params, roles)
+    _replicate_bad_groups(nodes, params, roles, groups, bad)
+    return roles
+
+
+def _linear_weight(n: fx.Node, params: set[str]) -> Optional[str]:
+    return param_of(n.args[1] if len(n.args) > 1 else n.kwargs.get("weight"), params)
+
+
+def _post_and_embedding_roles(gm, nodes, block_of, params, roles) -> None:
+    output = next(n for n in nodes if n.op == "output")
+    logits = _linears_reaching(output)
+    for n in nodes:
+        if n in roles or not op_params(n, params):
+            continue
+        kind = op_kind(n)
+        if kind == OpKind.EMBEDDING and _linear_weight(n, params) is not None:
+            roles[n] = TPRole.VOCAB
+        elif kind == OpKind.LINEAR and block_of.get(n) == POST and n in logits:
+            roles[n] = TPRole.COLUMN
+        else:
+            roles[n] = TPRole.REPLICATED
+
+
+def _linears_reaching(output: fx.Node) -> set[fx.Node]:
+    """Linears whose value reaches the output through non-linear ops only."""
+    found, seen, work = set(), set(), list(output.all_input_nodes)
+    while work:
+        n = work.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if op_kind(n) == OpKind.LINEAR:
+            found.add(n)
+            continue
+        if n.op in ("call_function", "call_method"):
+            work.extend(n.all_input_nodes)
+    return found
+
+
+def param_shard_dim(role: TPRole, arg_role: str) -> int:
+    """Dimension TP (and the optimizer layout) splits a parameter of an op with ``role``."""
+    if role == TPRole.ROW and arg_role == "weight":
+        return 1
+    return 0
+
+
+def param_role(role: TPRole, arg_role: str) -> TPRole:
+    """Role of the parameter itself: a ROW bias is added after the all-reduce, whole."""
+    if role == TPRole.ROW and arg_role != "weight":
+        return TPRole.REPLICATED
+    if role in (TPRole.COLUMN, TPRole.ROW) and arg_role not in ("weight", "bias"):
+        return TPRole.REPLICATED
+    return role
+
+
+def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: set) -> None:
+    """Replicate every group with a bad member; then every group touching a parameter whose uses
+    disagree on the split (until nothing changes)."""
+    while True:
+        bad_roots = {groups.find(x) for x in bad}
+        for n, r in list(roles.items()):
+            if r in (TPRole.COLUMN, TPRole.ROW) and n in groups.parent and groups.find(n) in bad_roots:
+                roles[n] = TPRole.REPLICATED
+        layouts: dict[str, set[tuple[TPRole, int]]] = {}
+        users: dict[str, list[fx.Node]] = {}
+        for n in nodes:
+            if n not in roles:
+                continue
+            for arg_role, name, _ in op_params(n, params):
+                pr = param_role(roles[n], arg_role)
+                layouts.setdefault(name, set()).add(_layout(pr, param_shard_dim(roles[n], arg_role)))
+                users.setdefault(name, []).append(n)
+        conflicted = [name for name, ls in layouts.items() if len(ls) > 1]
+        newly = {n for name in conflicted for n in users[name] if roles[n] != TPRole.REPLICATED}
+        if not newly:
+            return
+        for n in newly:
+            if n in groups.parent:
+                bad.add(n)
+            else:
+                roles[n] = TPRole.REPLICATED
+
+
+def _layout(role: TPRole, dim: int) -> tuple[Any, int]:
+    """What a parameter's use needs: whole, or split on ``dim`` (VOCAB and COLUMN on 0 agree)."""
+    return ("whole", 0) if role == TPRole.REPLICATED else ("split", dim)
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+def annotate_pass(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
+    """Set NodeMeta block / layer / op on every node and param / shard_dim / tp_role on parameter
+    get_attr nodes and the ops that read them. Reads nothing from ``ctx``.
+
+    Raises TraceError if the graph has no repeated blocks (nothing to pipeline over). A graph that is
+    already annotated is annotated again from scratch (the result is the same).
+    """
+    params = parameter_names(gm)
+    blocks = find_blocks(gm)
+    if not blocks:
+        raise TraceError("found no repeated blocks (an nn.ModuleList or nn.Sequential of modules of one "
+                         "type, e.g. model.layers); hgraph needs them to place pipeline stages")
+    layer_of = {b: i for i, b in enumerate(blocks)}
+    block_of = assign_blocks(gm, blocks, params)
+    roles = assign_tp_roles(gm, block_of, blocks, params)
+
+    for n in gm.graph.nodes:
+        b = block_of.get(n)
+        set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n)))
+    for n, role in roles.items():
+        uses = op_params(n, params)
+        main = next((u for u in uses if u[0] == "weight"), uses[0])
+        update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0]))
+        for arg_role, name, attr in uses:
+            value = gm.get_parameter(name)
+            dim = param_shard_dim(role, arg_role) if value.dim() else None
+            update_meta(attr, param=name, tp_role=param_role(role, arg_role), shard_dim=dim)
+    return gm
