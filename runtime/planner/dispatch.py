@@ -1,0 +1,432 @@
+"""Dispatching a mini-batch's documents across the pipelines of one strategy (Hydraulis Eq. 3).
+
+The load of a pipeline is its packed latency (``packing.pack_pipeline``). Three methods:
+
+- ``fast`` (default): longest document first onto the pipeline whose *packed-latency surrogate*
+  after taking it is smallest (identical pipelines share a heap, so a step costs one heap operation
+  per distinct scheme), then move/swap local search between the most and least loaded pipelines on
+  the real packing. The surrogate is the packing bound ``min_V (PP-1+V) * (max(S/V, t_max) + c)`` over
+  the App. C range of ``V``: a lower bound of the real packing that is tight when documents are small.
+- ``greedy``: the paper's randomized greedy (Alg. 1) with the lower bound of Eq. 2 and ``trials``
+  random orders; the best trial's dispatch is packed.
+- ``cpsat``: dispatch and packing jointly in ortools CP-SAT (every pipeline gets up to ``Vcap``
+  micro-batch slots), time-boxed and hinted with the fast solution; the yardstick, and an improver
+  for small cases.
+
+A document only goes to pipelines whose MaxLen holds it.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.packing import CPSAT_UNITS_PER_MS, PackResult, microbatch_range, pack_pipeline
+from hgraph.strategy import Scheme
+
+
+@dataclass
+class DispatchResult:
+    """Per pipeline: positions of its documents in ``lengths`` and its packing."""
+
+    assignment: list[np.ndarray]
+    packs: list[PackResult]
+    latency: float
+    bound: float | None = None  # a proven lower bound, when the method has one (cpsat)
+
+    @property
+    def latencies(self) -> list[float]:
+        return [p.latency for p in self.packs]
+
+
+class _Scheme:
+    """Per distinct scheme: coefficients, limits and every document's cost."""
+
+    def __init__(self, scheme: Scheme, cost, lengths: np.ndarray):
+        self.scheme = scheme
+        self.a, self.b, self.c = cost.coeffs(scheme)
+        self.k = scheme.pp - 1
+        self.cap = cost.max_len(scheme)
+        self.util = cost.util_len(scheme)
+        self.t = self.a * lengths.astype(np.float64) ** 2 + self.b * lengths
+
+    def estimate(self, S: float, L: int, tmax: float, n: int) -> float:
+        """Packed-latency surrogate of a pipeline holding ``n`` docs, cost ``S``, ``L`` tokens."""
+        if n == 0:
+            return 0.0
+        k, c = self.k, self.c
+        # App. C range of V (as packing.microbatch_range), inlined: this runs per candidate move.
+        vmin = -(-L // self.cap) or 1
+        vmax = L // self.util
+        if vmax > n:
+            vmax = n
+        if vmax < vmin:
+            vmax = vmin
+        # f(V) = (k+V)(S/V + c) is convex for V <= S/tmax and increasing beyond.
+        knee = S / tmax if tmax > 0 else float(vmax)
+        if k > 0 and c > 0:
+            v0 = math.sqrt(k * S / c)
+        elif k > 0:
+            v0 = float(vmax)
+        else:
+            v0 = float(vmin)
+        if v0 > knee:
+            v0 = knee
+        V = int(v0)
+        if V < vmin:
+            V = vmin
+        elif V > vmax:
+            V = vmax
+        best = (k + V) * (max(S / V, tmax) + c)
+        if V < vmax:
+            V += 1
+            val = (k + V) * (max(S / V, tmax) + c)
+            if val < best:
+                best = val
+        return best
+
+
+def _check_eligible(lengths: np.ndarray, groups: list[_Scheme]) -> None:
+    if lengths.size == 0:
+        return
+    cap = max(g.cap for g in groups)
+    if int(lengths.max()) > cap:
+        raise HGraphError(
+            f"a document of {int(lengths.max())} tokens is longer than the largest MaxLen {cap} of the pipelines "
+            f"({', '.join(sorted({str(g.scheme) for g in groups}))})")
+
+
+def _groups(pipelines: Sequence[Scheme], cost, lengths: np.ndarray) -> tuple[list[_Scheme], list[int]]:
+    groups: list[_Scheme] = []
+    index: dict[Scheme, int] = {}
+    of: list[int] = []
+    for p in pipelines:
+        if p not in index:
+            index[p] = len(groups)
+            groups.append(_Scheme(p, cost, lengths))
+        of.append(index[p])
+    return groups, of
+
+
+def _finish(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, members: list[list[int]]) -> DispatchResult:
+    assignment = [np.asarray(sorted(m), dtype=np.int64) for m in members]
+    packs = [pack_pipeline(lengths[a], p, cost) for a, p in zip(assignment, pipelines)]
+    packs = [PackResult([a[mb] for mb in pk.microbatches], pk.mb_times, pk.latency) for a, pk in zip(assignment, packs)]
+    return DispatchResult(assignment, packs, max((p.latency for p in packs), default=0.0))
+
+
+def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: str = "fast", trials: int = 100,
+                       seed: int = 0, time_limit_s: float = 10.0, workers: int = 1,
+                       improve_rounds: int | None = None) -> DispatchResult:
+    """Assign every document (``lengths``) to one pipeline and pack each pipeline (Eq. 3 + Eq. 1)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not pipelines:
+        raise HGraphError("dispatch needs at least one pipeline")
+    if method == "fast":
+        return dispatch_fast(lengths, pipelines, cost, improve_rounds=improve_rounds)
+    if method == "greedy":
+        return dispatch_randomized_greedy(lengths, pipelines, cost, trials=trials, seed=seed)
+    if method == "cpsat":
+        return dispatch_cpsat(lengths, pipelines, cost, time_limit_s=time_limit_s, workers=workers)
+    raise HGraphError(f"unknown dispatch method {method!r}: expected fast, greedy or cpsat")
+
+
+# ---- fast: surrogate greedy + real-packing local search ------------------------------------------
+def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
+                  improve_rounds: int | None = None) -> DispatchResult:
+    """Longest-first greedy on the packing surrogate, then local search on the real packing."""
+    groups, of = _groups(pipelines, cost, lengths)
+    _check_eligible(lengths, groups)
+    D = len(pipelines)
+    S = [0.0] * D
+    L = [0] * D
+    tmax = [0.0] * D
+    n = [0] * D
+    est = [0.0] * D
+    members: list[list[int]] = [[] for _ in range(D)]
+    heaps: list[list[tuple[float, int]]] = [[] for _ in groups]
+    for j, g in enumerate(of):
+        heaps[g].append((0.0, j))
+    for h in heaps:
+        heapq.heapify(h)
+    lens = lengths.tolist()
+    caps = [g.cap for g in groups]
+    costs = [g.t.tolist() for g in groups]
+    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+        li = lens[i]
+        best_val, best_j = math.inf, -1
+        for gi, g in enumerate(groups):
+            if li > caps[gi]:
+                continue
+            h = heaps[gi]
+            while h[0][0] != est[h[0][1]]:  # drop stale entries
+                heapq.heappop(h)
+            j = h[0][1]
+            t = costs[gi][i]
+            val = g.estimate(S[j] + t, L[j] + li, max(tmax[j], t), n[j] + 1)
+            if val < best_val:
+                best_val, best_j = val, j
+        j = best_j
+        g = of[j]
+        t = costs[g][i]
+        S[j] += t; L[j] += li; n[j] += 1
+        tmax[j] = max(tmax[j], t)
+        est[j] = best_val
+        members[j].append(i)
+        heapq.heappush(heaps[g], (best_val, j))
+    result = _finish(lengths, pipelines, cost, members)
+    rounds = improve_rounds if improve_rounds is not None else 2 * D + 8
+    if rounds > 0 and D > 1:
+        result = _local_search(lengths, pipelines, cost, result, groups, of, rounds)
+    return result
+
+
+def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result: DispatchResult,
+                  groups: list[_Scheme], of: list[int], rounds: int, max_repacks_per_round: int = 8) -> DispatchResult:
+    """Move or swap one document between the slowest pipeline and a faster one, repacking both.
+
+    A candidate is first checked on the surrogate (a lower bound of the packing): only moves whose
+    surrogate stays below the current maximum are repacked.
+    """
+    members = [list(a.tolist()) for a in result.assignment]
+    packs = list(result.packs)
+    lat = [p.latency for p in packs]
+    lens = lengths.tolist()
+    caps = [g.cap for g in groups]
+    costs = [g.t.tolist() for g in groups]
+    D = len(pipelines)
+
+    def stats(j: int, docs: list[int]) -> tuple[float, int, float, int]:
+        cj = costs[of[j]]
+        ts = [cj[d] for d in docs]
+        return sum(ts), sum(lens[d] for d in docs), max(ts, default=0.0), len(docs)
+
+    def repack(j: int, docs: list[int]) -> PackResult:
+        arr = np.asarray(sorted(docs), dtype=np.int64)
+        pk = pack_pipeline(lengths[arr], pipelines[j], cost)
+        return PackResult([arr[mb] for mb in pk.microbatches], pk.mb_times, pk.latency)
+
+    for _ in range(rounds):
+        p = max(range(D), key=lat.__getitem__)
+        top = lat[p]
+        if top <= 0 or len(members[p]) <= 1:
+            break
+        gp = of[p]
+        Sp, Lp, _, np_ = stats(p, members[p])
+        docs_p = sorted(members[p], key=lambda i: -costs[gp][i])
+        tmax_p_without_first = costs[gp][docs_p[1]]
+        budget = max_repacks_per_round
+        done = False
+        for q in sorted(range(D), key=lat.__getitem__)[:4]:
+            if q == p or lat[q] >= top or budget <= 0:
+                continue
+            gq = of[q]
+            Sq, Lq, tq, nq = stats(q, members[q])
+            # Move: the costliest document of p that q can take below the maximum.
+            for r, i in enumerate(docs_p):
+                if lens[i] > caps[gq] or budget <= 0:
+                    continue
+                ti = costs[gq][i]
+                if groups[gq].estimate(Sq + ti, Lq + lens[i], max(tq, ti), nq + 1) >= top:
+                    continue
+                tp_rest = tmax_p_without_first if r == 0 else costs[gp][docs_p[0]]
+                if groups[gp].estimate(Sp - costs[gp][i], Lp - lens[i], tp_rest, np_ - 1) >= top:
+                    continue
+                budget -= 1
+                new_q = repack(q, members[q] + [i])
+                if new_q.latency >= top:
+                    continue
+                new_p = repack(p, [d for d in members[p] if d != i])
+                if new_p.latency < top:
+                    members[q].append(i); members[p].remove(i)
+                    packs[p], packs[q] = new_p, new_q
+                    lat[p], lat[q] = new_p.latency, new_q.latency
+                    done = True
+                    break
+            if done:
+                break
+            # Swap: a document of p with a cheaper one of q, closest to halving the gap.
+            want = (top - lat[q]) / 2
+            best = None
+            for i in docs_p[:16]:
+                if lens[i] > caps[gq]:
+                    continue
+                for e in members[q]:
+                    if lens[e] > caps[gp]:
+                        continue
+                    d = costs[gp][i] - costs[gp][e]
+                    if d <= 0:
+                        continue
+                    score = abs(d - want)
+                    if best is None or score < best[0]:
+                        best = (score, i, e)
+            if best is not None and budget > 0:
+                budget -= 2
+                _, i, e = best
+                mp = [x for x in members[p] if x != i] + [e]
+                mq = [x for x in members[q] if x != e] + [i]
+                new_p, new_q = repack(p, mp), repack(q, mq)
+                if max(new_p.latency, new_q.latency) < top:
+                    members[p], members[q] = mp, mq
+                    packs[p], packs[q] = new_p, new_q
+                    lat[p], lat[q] = new_p.latency, new_q.latency
+                    done = True
+                    break
+        if not done:
+            break
+    assignment = [np.asarray(sorted(m), dtype=np.int64) for m in members]
+    return DispatchResult(assignment, packs, max(lat))
+
+
+# ---- Alg. 1: randomized greedy on the Eq. 2 lower bound ----------------------------------------
+def dispatch_randomized_greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, trials: int = 100,
+                               seed: int = 0) -> DispatchResult:
+    """Hydraulis Alg. 1: ``trials`` random orders, each dispatched greedily to the pipeline that
+    minimises the largest Eq. 2 bound (``sum T(l_i) + T(l_max) (PP-1)``, with ``c`` charged once per
+    micro-batch as in the authors' dispatcher); the best trial is packed."""
+    if trials < 1:
+        raise HGraphError(f"trials must be >= 1, got {trials}")
+    groups, of = _groups(pipelines, cost, lengths)
+    _check_eligible(lengths, groups)
+    D, B = len(pipelines), len(lengths)
+    a = np.array([groups[g].a for g in of]); b = np.array([groups[g].b for g in of])
+    c = np.array([groups[g].c for g in of]); k = np.array([groups[g].k for g in of], dtype=np.float64)
+    cap = np.array([groups[g].cap for g in of])
+    lf = lengths.astype(np.float64)
+    t_all = a[None, :] * lf[:, None] ** 2 + b[None, :] * lf[:, None]  # B x D
+    elig = lengths[:, None] <= cap[None, :]
+    rng = np.random.default_rng(seed)
+    best_obj, best_assign = math.inf, None
+    for _ in range(trials):
+        perm = rng.permutation(B)
+        C = np.zeros(D)
+        lmax = np.zeros(D)
+        total = np.zeros(D)
+        assign = np.empty(B, dtype=np.int64)
+        for i in perm:
+            newC = C + t_all[i]
+            lm = np.maximum(lmax, lf[i])
+            newE = (a * lm * lm + b * lm + c) * k
+            new_total = newC + c + newE
+            order = np.argsort(total)
+            top1, top2 = total[order[-1]], (total[order[-2]] if D > 1 else 0.0)
+            others = np.full(D, top1)
+            others[order[-1]] = top2
+            obj = np.maximum(new_total, others)
+            obj[~elig[i]] = np.inf
+            j = int(np.argmin(obj))
+            C[j] = newC[j]; lmax[j] = lm[j]; total[j] = new_total[j]
+            assign[i] = j
+        o = float(total.max())
+        if o < best_obj:
+            best_obj, best_assign = o, assign.copy()
+    members = [np.flatnonzero(best_assign == j).tolist() for j in range(D)]
+    return _finish(lengths, pipelines, cost, members)
+
+
+# ---- CP-SAT: joint dispatch + packing ---------------------------------------------------------
+def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, time_limit_s: float = 10.0,
+                   workers: int = 1, hint: DispatchResult | None = None, vcap: int | None = None) -> DispatchResult:
+    """Eq. 3 with the exact packed latency (Eq. 1) of every pipeline, in one CP-SAT model.
+
+    Pipeline ``j`` has ``Vcap`` micro-batch slots (default: twice the hint's largest micro-batch
+    count plus 2, at most the number of documents); ``V_j`` = used slots obey the App. C UtilLen
+    bound ``V_j * UtilLen <= max(tokens_j, UtilLen)``; latency ``(PP-1+V_j) * max slot load``. The
+    result is never worse than the hint (the fast dispatch by default); ``bound`` is CP-SAT's proven
+    lower bound of the restricted model.
+    """
+    from ortools.sat.python import cp_model
+
+    groups, of = _groups(pipelines, cost, lengths)
+    _check_eligible(lengths, groups)
+    if hint is None:
+        hint = dispatch_fast(lengths, pipelines, cost)
+    D, B = len(pipelines), len(lengths)
+    if B == 0:
+        return hint
+    lens = lengths.tolist()
+    U = CPSAT_UNITS_PER_MS
+    vmax_hint = max(p.num_microbatches for p in hint.packs)
+    vc = vcap if vcap is not None else min(B, 2 * vmax_hint + 2)
+    m = cp_model.CpModel()
+    x: dict[tuple[int, int, int], cp_model.IntVar] = {}
+    for i in range(B):
+        opts = []
+        for j in range(D):
+            if lens[i] <= groups[of[j]].cap:
+                for s in range(vc):
+                    x[i, j, s] = m.NewBoolVar("")
+                    opts.append(x[i, j, s])
+        m.AddExactlyOne(opts)
+    total_units = sum(int(round(float(groups[g].t.max()) * U)) for g in range(len(groups))) * B + 1
+    horizon = 0
+    lat_vars = []
+    for j in range(D):
+        g = groups[of[j]]
+        units = [int(round(float(t) * U)) for t in g.t]
+        cu = int(round(g.c * U))
+        y = [m.NewBoolVar("") for _ in range(vc)]
+        for s in range(vc - 1):
+            m.AddImplication(y[s + 1], y[s])
+        M = m.NewIntVar(0, total_units + cu, "")
+        tokens = []
+        prev_load = None
+        for s in range(vc):
+            items = [(i, x[i, j, s]) for i in range(B) if (i, j, s) in x]
+            for _, v in items:
+                m.AddImplication(v, y[s])
+            m.Add(sum(lens[i] * v for i, v in items) <= g.cap)
+            load = sum(units[i] * v for i, v in items) + cu * y[s]
+            m.Add(load <= M)
+            tokens.append(sum(lens[i] * v for i, v in items))
+            if prev_load is not None:
+                m.Add(prev_load >= load)  # symmetry: slots in decreasing load
+            prev_load = load
+        V = m.NewIntVar(0, vc, "")
+        m.Add(V == sum(y))
+        tok = m.NewIntVar(0, int(lengths.sum()), "")
+        m.Add(tok == sum(tokens))
+        cap_tok = m.NewIntVar(0, int(lengths.sum()) + g.util, "")
+        m.AddMaxEquality(cap_tok, [tok, g.util])
+        m.Add(V * g.util <= cap_tok)
+        kv = m.NewIntVar(0, g.k + vc, "")
+        m.Add(kv == V + g.k).OnlyEnforceIf(y[0])
+        m.Add(kv == 0).OnlyEnforceIf(y[0].Not())
+        ub = (g.k + vc) * (total_units + cu)
+        horizon = max(horizon, ub)
+        lat = m.NewIntVar(0, ub, "")
+        m.AddMultiplicationEquality(lat, [kv, M])
+        lat_vars.append(lat)
+    Z = m.NewIntVar(0, horizon, "")
+    m.AddMaxEquality(Z, lat_vars)
+    m.Minimize(Z)
+    # Hint: the given dispatch, slots sorted by load.
+    for j, pk in enumerate(hint.packs):
+        order = sorted(range(pk.num_microbatches), key=lambda s: -pk.mb_times[s])
+        for slot, s in enumerate(order):
+            if slot >= vc:
+                break
+            for i in pk.microbatches[s].tolist():
+                m.AddHint(x[i, j, slot], 1)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    t0 = time.perf_counter()
+    status = solver.Solve(m)
+    del t0
+    bound = solver.BestObjectiveBound() / U if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return hint
+    members: list[list[int]] = [[] for _ in range(D)]
+    for (i, j, s), v in x.items():
+        if solver.BooleanValue(v):
+            members[j].append(i)
+    # Re-pack each pipeline with the exact float costs (CP-SAT used rounded integers).
+    res = _finish(lengths, pipelines, cost, members)
+    chosen = res if res.latency < hint.latency else hint
+    return DispatchResult(chosen.assignment, chosen.packs, chosen.latency, bound=bound)
