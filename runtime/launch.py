@@ -186,15 +186,15 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
 def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
     world_size = len(procs)
     done: dict[int, Any] = {}
-    failure: Optional[SpawnError] = None
+    failures: list[tuple[int, str, str]] = []
     deadline = time.monotonic() + timeout_s
     while len(done) < world_size:
-        item = _next_report(procs, results, done, failure is None)
+        item = _next_report(procs, results, done, not failures)
         if item is None:
             if time.monotonic() < deadline:
                 continue
-            if failure is not None:
-                raise failure
+            if failures:
+                break
             waiting = [r for r in range(world_size) if r not in done]
             raise SpawnError(f"spawn: rank(s) {waiting} did not finish within {timeout_s:g} s")
         rank, ok, payload = item
@@ -203,13 +203,26 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
             continue
         message, detail = pickle.loads(payload)
         done[rank] = None
-        if failure is None:
-            failure = SpawnError(f"spawn: rank {rank} failed: {message}", rank=rank, detail=detail)
+        if not failures:
             # The others are probably blocked in a collective with the failed rank: short grace.
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
-    if failure is not None:
-        raise failure
+        failures.append((rank, message, detail))
+    if failures:
+        raise _first_cause(failures)
     return [done[r] for r in range(world_size)]
+
+
+# Messages of ranks that failed only because a peer went away first.
+_PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
+
+
+def _first_cause(failures: list[tuple[int, str, str]]) -> SpawnError:
+    """The failure to report: the first one that is not a consequence of losing a peer."""
+    causes = [f for f in failures if not any(m in f[1] for m in _PEER_LOSS_MARKERS)]
+    rank, message, detail = (causes or failures)[0]
+    others = sorted(r for r, _, _ in failures if r != rank)
+    also = f" (rank(s) {others} failed too)" if others else ""
+    return SpawnError(f"spawn: rank {rank} failed: {message}{also}", rank=rank, detail=detail)
 
 
 def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Optional[tuple]:

@@ -1,0 +1,259 @@
+"""Sharded Adam/AdamW: fp32 master parameters and optimizer states split evenly over all N ranks.
+
+This is the *optimization phase* of Hydraulis §5.2: the layout is the same for every parallel
+strategy. Parameter ``name`` is cut along its shard dimension ``d`` (size ``S``); rank ``r`` owns
+``[floor(r*S/N), floor((r+1)*S/N))`` (``shard_bounds``; the LNK plans use the same rule, keep them in
+step). A rank may own an empty shard when ``S < N``.
+
+``step(grad_shards)`` follows the operation order of ``torch.optim.Adam``'s single-tensor
+implementation (L2 weight decay, or decoupled decay for AdamW), so every element gets the same fp32
+arithmetic as the unsharded optimizer. Optional clipping by the global gradient norm sums the squared
+shard norms of all ranks (one all-reduce) and scales like ``torch.nn.utils.clip_grad_norm_``.
+``step`` with clipping and ``full_state_dict`` are collective: every rank calls them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+
+
+def shard_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """The half-open range ``[lo, hi)`` of a dimension of ``size`` owned by ``rank`` of ``world_size``."""
+    return (rank * size) // world_size, ((rank + 1) * size) // world_size
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where one parameter's shard sits: full shape, shard dimension and this rank's range."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int
+    lo: int
+    hi: int
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape) or [1]  # a 0-d parameter is handled as shape [1]
+        shape[self.dim] = self.hi - self.lo
+        return tuple(shape)
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full tensor (a view)."""
+        return full.reshape(self.full_shape or (1,)).narrow(self.dim, self.lo, self.hi - self.lo)
+
+
+NamedParams = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+class ShardedAdam:
+    """Adam (``decoupled_weight_decay=False``) or AdamW on this rank's shards of every parameter.
+
+    ``named_parameters``: the full model's parameters (``model.named_parameters()`` or a dict), in the
+    same order on every rank; ``shard_dims``: shard dimension per name (default 0); ``group``: the
+    process group of all N ranks (default: the default group). Each rank keeps fp32 copies of its
+    shards only.
+    """
+
+    def __init__(self, named_parameters: NamedParams, shard_dims: Optional[Mapping[str, int]] = None,
+                 rank: int = 0, world_size: int = 1, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
+                 max_grad_norm: Optional[float] = None, group: Any = None) -> None:
+        if not 0 <= rank < world_size:
+            raise HGraphError(f"ShardedAdam: rank {rank} is outside world size {world_size}")
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise HGraphError(f"ShardedAdam: invalid hyper-parameters lr={lr}, betas={betas}, "
+                              f"eps={eps}, weight_decay={weight_decay}")
+        if max_grad_norm is not None and max_grad_norm <= 0:
+            raise HGraphError(f"ShardedAdam: max_grad_norm must be > 0, got {max_grad_norm}")
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
+        self.max_grad_norm = max_grad_norm
+        items = named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters
+        shard_dims = dict(shard_dims or {})
+        self.layouts: dict[str, ShardLayout] = {}
+        self.params: dict[str, torch.Tensor] = {}
+        self.exp_avg: dict[str, torch.Tensor] = {}
+        self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        self.steps: dict[str, float] = {}
+        for name, p in items:
+            layout = self._layout(name, tuple(p.shape), shard_dims.pop(name, 0))
+            self.layouts[name] = layout
+            master = layout.slice_of(p.detach()).to(torch.float32, copy=True)
+            self.params[name] = master
+            self.exp_avg[name] = torch.zeros_like(master)
+            self.exp_avg_sq[name] = torch.zeros_like(master)
+            self.steps[name] = 0.0
+        if shard_dims:
+            raise HGraphError(f"ShardedAdam: shard dims given for unknown parameters {sorted(shard_dims)}")
+
+    def _layout(self, name: str, shape: tuple[int, ...], dim: int) -> ShardLayout:
+        ndim = max(len(shape), 1)
+        if not -ndim <= dim < ndim:
+            raise HGraphError(f"ShardedAdam: shard dim {dim} of parameter {name!r} is out of range "
+                              f"for shape {list(shape)}")
+        dim %= ndim
+        size = shape[dim] if shape else 1
+        lo, hi = shard_bounds(size, self.rank, self.world_size)
+        return ShardLayout(name, shape, dim, lo, hi)
+
+    # ---- the update ------------------------------------------------------------------------------
+    def _checked_grads(self, grad_shards: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, g in grad_shards.items():
+            layout = self.layouts.get(name)
+            if layout is None:
+                raise HGraphError(f"ShardedAdam.step: gradient for unknown parameter {name!r}")
+            if tuple(g.shape) != layout.shard_shape:
+                raise HGraphError(f"ShardedAdam.step: gradient shard of {name!r} has shape "
+                                  f"{list(g.shape)}, rank {self.rank} owns {list(layout.shard_shape)}")
+            grads[name] = g.detach().to(torch.float32)
+        return grads
+
+    def global_grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The 2-norm of all gradients of all ranks (collective: one all-reduce)."""
+        local = sum((torch.linalg.vector_norm(g).double() ** 2 for g in grads.values()),
+                    torch.zeros((), dtype=torch.float64))
+        if self.world_size > 1:
+            dist.all_reduce(local, group=self.group)
+        return local.sqrt().to(torch.float32)
+
+    @torch.no_grad()
+    def step(self, grad_shards: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]:
+        """One Adam/AdamW step on the shards that have a gradient (others are skipped, as torch does).
+
+        Returns the global gradient norm before clipping when ``max_grad_norm`` is set, else None.
+        """
+        grads = self._checked_grads(grad_shards)
+        total_norm = None
+        if self.max_grad_norm is not None:
+            total_norm = self.global_grad_norm(grads)
+            clip_coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
+            grads = {name: g * clip_coef for name, g in grads.items()}
+        beta1, beta2 = self.betas
+        lr, wd = self.lr, self.weight_decay
+        for name, grad in grads.items():  # torch's _single_tensor_adam, operation for operation
+            param, exp_avg, exp_avg_sq = self.params[name], self.exp_avg[name], self.exp_avg_sq[name]
+            self.steps[name] += 1
+            step = self.steps[name]
+            if wd != 0:
+                if self.decoupled_weight_decay:
+                    param.mul_(1 - lr * wd)
+                else:
+                    grad = grad.add(param, alpha=wd)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bias_correction1 = 1 - beta1 ** step
+            bias_correction2 = 1 - beta2 ** step
+            step_size = lr / bias_correction1
+            bias_correction2_sqrt = bias_correction2 ** 0.5
+            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+            param.addcdiv_(exp_avg, denom, value=-step_size)
+        return total_norm
+
+    # ---- state ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The fp32 parameters gathered to full tensors, keyed by name (collective).
+
+        With ``rank0_only`` only rank 0 receives them; the other ranks get ``{}``.
+        """
+        out = {}
+        for name, layout in self.layouts.items():
+            full = self._gather_full(layout, self.params[name], rank0_only)
+            if full is not None:
+                out[name] = full
+        return out
+
+    def _gather_full(self, layout: ShardLayout, shard: torch.Tensor,
+                     rank0_only: bool) -> Optional[torch.Tensor]:
+        size = layout.full_shape[layout.dim] if layout.full_shape else 1
+        if self.world_size == 1:
+            return shard.reshape(layout.full_shape).clone()
+        width = math.ceil(size / self.world_size)  # the widest shard: pad every shard to it
+        padded = list(layout.shard_shape)
+        padded[layout.dim] = width
+        inp = shard.new_zeros(padded)
+        inp.narrow(layout.dim, 0, shard.shape[layout.dim]).copy_(shard)
+        pieces = [torch.empty_like(inp) for _ in range(self.world_size)]
+        if rank0_only:
+            dist.gather(inp, pieces if self.rank == 0 else None, dst=0, group=self.group)
+            if self.rank != 0:
+                return None
+        else:
+            dist.all_gather(pieces, inp, group=self.group)
+        parts = []
+        for r, piece in enumerate(pieces):
+            lo, hi = shard_bounds(size, r, self.world_size)
+            parts.append(piece.narrow(layout.dim, 0, hi - lo))
+        return torch.cat(parts, dim=layout.dim).reshape(layout.full_shape)
+
+    @torch.no_grad()
+    def load_full_state_dict(self, full: Mapping[str, torch.Tensor]) -> None:
+        """Set the master shards from full parameters (e.g. a checkpoint written with another N)."""
+        for name, layout in self.layouts.items():
+            if name not in full:
+                raise HGraphError(f"ShardedAdam.load_full_state_dict: parameter {name!r} is missing")
+            if tuple(full[name].shape) != layout.full_shape:
+                raise HGraphError(f"ShardedAdam.load_full_state_dict: {name!r} has shape "
+                                  f"{list(full[name].shape)}, expected {list(layout.full_shape)}")
+            self.params[name].copy_(layout.slice_of(full[name]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shards of parameters and moments, steps and hyper-parameters (copies)."""
+        def copy(d: dict) -> dict:
+            return {k: v.clone() for k, v in d.items()}
+        return {"rank": self.rank, "world_size": self.world_size,
+                "shard_dims": {n: lay.dim for n, lay in self.layouts.items()},
+                "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
+                          "weight_decay": self.weight_decay,
+                          "decoupled_weight_decay": self.decoupled_weight_decay,
+                          "max_grad_norm": self.max_grad_norm},
+                "steps": dict(self.steps), "params": copy(self.params),
+                "exp_avg": copy(self.exp_avg), "exp_avg_sq": copy(self.exp_avg_sq)}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict`` written by the same rank of a run with the same world size."""
+        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+            raise HGraphError(f"ShardedAdam.load_state_dict: state of rank {state['rank']} of "
+                              f"{state['world_size']} cannot load into rank {self.rank} of "
+                              f"{self.world_size}; use load_full_state_dict to re-shard")
+        if set(state["params"]) != set(self.layouts):
+            raise HGraphError("ShardedAdam.load_state_dict: parameter names differ: "
+                              f"{sorted(set(state['params']) ^ set(self.layouts))}")
+        for name, layout in self.layouts.items():
+            if state["shard_dims"][name] != layout.dim:
+                raise HGraphError(f"ShardedAdam.load_state_dict: {name!r} was sharded along dim "
+                                  f"{state['shard_dims'][name]}, this optimizer uses {layout.dim}")
+            for key, target in (("params", self.params), ("exp_avg", self.exp_avg),
+                                ("exp_avg_sq", self.exp_avg_sq)):
+                src = state[key][name]
+                if tuple(src.shape) != layout.shard_shape:
+                    raise HGraphError(f"ShardedAdam.load_state_dict: {key}[{name!r}] has shape "
+                                      f"{list(src.shape)}, expected {list(layout.shard_shape)}")
+                target[name].copy_(src)
+        hyper = state["hyper"]
+        self.lr, self.betas, self.eps = hyper["lr"], tuple(hyper["betas"]), hyper["eps"]
+        self.weight_decay = hyper["weight_decay"]
+        self.decoupled_weight_decay = hyper["decoupled_weight_decay"]
+        self.max_grad_norm = hyper["max_grad_norm"]
+        self.steps = {name: float(state["steps"][name]) for name in self.layouts}
+
+
+class ShardedAdamW(ShardedAdam):
+    """``ShardedAdam`` with decoupled weight decay (``torch.optim.AdamW``; default decay 1e-2)."""
+
+    def __init__(self, named_parameters: NamedParams, shard_dims: Optional[Mapping[str, int]] = None,
+                 rank: int = 0, world_size: int = 1, *, weight_decay: float = 1e-2,
+                 **kwargs: Any) -> None:
+        super().__init__(named_parameters, shard_dims, rank, world_size, weight_decay=weight_decay,
+                         decoupled_weight_decay=True, **kwargs)
