@@ -1,0 +1,122 @@
+"""Causal attention over a packed row of several documents: no token attends across documents.
+
+``varlen_attention(q, k, v, cu_seqlens)`` takes the SDPA layout ``[1, H, T, D]`` (one packed row;
+K/V may have fewer heads with ``enable_gqa``) and document boundaries ``cu_seqlens`` (``[0, l0,
+l0+l1, ..., T]``), and gives exactly what running each document alone through
+``scaled_dot_product_attention(..., is_causal=True)`` gives. Backends, picked per call:
+
+* ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, when installed);
+* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, when this torch has it);
+* ``sdpa_loop``: one SDPA call per document (everywhere else; the fastest exact path on CPU, where
+  a block-diagonal mask is several times slower and FlexAttention has no backward).
+
+All are differentiable. ``position_ids_for(cu_seqlens)`` gives the per-document positions 0..l-1
+that a packed step passes to the model.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from hgraph.errors import HGraphError
+
+CuSeqlens = Union[torch.Tensor, Sequence[int]]
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_loop")
+
+
+def boundaries(cu_seqlens: CuSeqlens, total: int, where: str = "cu_seqlens") -> list[int]:
+    """``cu_seqlens`` as a list of ints, checked: starts at 0, never decreases, ends at ``total``."""
+    cu = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else [int(c) for c in cu_seqlens]
+    if (len(cu) < 2 or cu[0] != 0 or cu[-1] != total
+            or any(b < a for a, b in zip(cu, cu[1:]))):
+        raise HGraphError(f"{where} {cu} must start at 0, never decrease and end at the packed "
+                          f"length {total}")
+    return cu
+
+
+def cu_seqlens_for(doc_lengths: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor:
+    """Cumulative boundaries ``[0, l0, l0+l1, ...]`` (int32) of documents packed in this order."""
+    lengths = torch.as_tensor([int(n) for n in doc_lengths], dtype=torch.int32)
+    if (lengths < 0).any():
+        raise HGraphError(f"document lengths must be >= 0, got {list(doc_lengths)}")
+    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0)).to(device)
+
+
+def position_ids_for(cu_seqlens: CuSeqlens, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Positions restarting at 0 in every document: shape ``[1, T]``, int64."""
+    cu = torch.as_tensor(cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens,
+                         dtype=torch.int64)
+    total = int(cu[-1]) if len(cu) else 0
+    boundaries(cu, total)
+    lengths = cu[1:] - cu[:-1]
+    starts = torch.repeat_interleave(cu[:-1], lengths)
+    return (torch.arange(total, dtype=torch.int64) - starts).unsqueeze(0).to(device)
+
+
+def available_backend(q: torch.Tensor) -> str:
+    """The backend ``varlen_attention`` uses for ``q`` (see the module docstring)."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attn"
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+            return "torch_varlen"
+    return "sdpa_loop"
+
+
+def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa: bool) -> None:
+    if q.dim() != 4 or q.shape[0] != 1 or k.dim() != 4 or v.dim() != 4:
+        raise HGraphError(f"varlen_attention expects q, k, v as [1, H, T, D] (one packed row), got "
+                          f"{list(q.shape)}, {list(k.shape)}, {list(v.shape)}")
+    if k.shape != v.shape or k.shape[2] != q.shape[2] or k.shape[3] != q.shape[3]:
+        raise HGraphError(f"varlen_attention: k {list(k.shape)} and v {list(v.shape)} must match q "
+                          f"{list(q.shape)} in T and D")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hkv != hq and not (enable_gqa and hq % hkv == 0):
+        raise HGraphError(f"varlen_attention: {hq} query heads and {hkv} key/value heads need "
+                          "enable_gqa=True and a head count that divides evenly")
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens, *,
+                     scale: Optional[float] = None, enable_gqa: bool = False,
+                     backend: Optional[str] = None) -> torch.Tensor:
+    """Causal attention inside each document of the packed row; output ``[1, H, T, D]``.
+
+    ``backend`` forces one of ``BACKENDS`` (default: ``available_backend(q)``).
+    """
+    _check_layout(q, k, v, enable_gqa)
+    total = q.shape[2]
+    cu = boundaries(cu_seqlens, total)
+    backend = backend or available_backend(q)
+    if backend == "sdpa_loop":
+        return _sdpa_loop(q, k, v, cu, scale, enable_gqa)
+    if backend not in BACKENDS:
+        raise HGraphError(f"varlen_attention: unknown backend {backend!r}; use one of {BACKENDS}")
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        raise HGraphError(f"varlen_attention: backend {backend!r} needs fp16/bf16 CUDA tensors, "
+                          f"got {q.dtype} on {q.device}")
+    # [1, H, T, D] -> [T, H, D], the packed layout of the varlen kernels
+    q_, k_, v_ = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
+    cu_t = torch.as_tensor(cu, dtype=torch.int32, device=q.device)
+    max_len = max(b - a for a, b in zip(cu, cu[1:]))
+    if backend == "flash_attn":
+        from flash_attn import flash_attn_varlen_func  # GQA is native: H % H_kv == 0
+        out = flash_attn_varlen_func(q_, k_, v_, cu_t, cu_t, max_len, max_len, dropout_p=0.0,
+                                     softmax_scale=scale, causal=True)
+    else:
+        from torch.nn.attention.varlen import varlen_attn
+        out = varlen_attn(q_, k_, v_, cu_t, cu_t, max_len, max_len, scale=scale,
+                          window_size=(-1, 0), enable_gqa=enable_gqa)
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def _sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
+               scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+    outs = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                           scale=scale, enable_gqa=enable_gqa)
+            for a, b in zip(cu, cu[1:]) if b > a]
+    if not outs:  # an empty row
+        return q.new_empty(q.shape[:3] + (v.shape[3],))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
