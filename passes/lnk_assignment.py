@@ -50,6 +50,8 @@ def assign_pieces(members: Sequence[int], num_pieces: int,
     tie_scale = k + 1                                         # > any total of tie costs (<= k)
     balance_scale = (sum(max(row) for row in extra) + 1) * tie_scale
     graph = nx.DiGraph()
+    graph.add_node("source", demand=-k)
+    graph.add_node("sink", demand=k)
     for p in range(k):
         graph.add_edge("source", ("piece", p), capacity=1, weight=0)
         for j in range(k):
@@ -57,7 +59,7 @@ def assign_pieces(members: Sequence[int], num_pieces: int,
             graph.add_edge(("piece", p), ("member", j), capacity=1, weight=cost)
     for j in range(k):
         graph.add_edge(("member", j), "sink", capacity=1, weight=0)
-    flow = nx.max_flow_min_cost(graph, "source", "sink")
+    flow = nx.min_cost_flow(graph)             # k units from source to sink: a perfect matching
     member_of = []
     for p in range(k):
         chosen = [j for j in range(k) if flow[("piece", p)][("member", j)] == 1]

@@ -29,16 +29,18 @@ waiting on it.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Iterable, Mapping, Sequence, Union
 
 import numpy as np
 
 from hgraph.passes.lnk_assignment import LinkWeights, assign_pieces
 from hgraph.passes.mutual_slices import (PlanError, Range, even_segments, merge_ranges, mutual_slices,
-                                         normalise_ranges, optimizer_segments, segment_owner, slices_within)
+                                         normalise_ranges, optimizer_segments, slices_within)
 
 __all__ = [
     "ParamLayout", "Transfer", "LocalCopy", "LocalAdd", "ReduceScatter", "PullPlan", "PushPlan",
@@ -286,11 +288,13 @@ class PushPlan:
         return self._traffic.is_intra_node(t)
 
     def reduce_scatter_recv_bytes(self) -> dict[int, int]:
-        """Bytes each member receives in its reduce-scatters with a ring algorithm (input minus own piece)."""
+        """Bytes each member receives in its reduce-scatters: a ring over chunks padded to the largest
+        piece (what an equal-chunk reduce-scatter moves), ``(k - 1) x largest piece`` per member."""
         out: dict[int, int] = defaultdict(int)
         for rs in self.reduce_scatters:
-            for rank, lo, hi in rs.pieces:
-                out[rank] += rs.bytes - self.param.slice_bytes(lo, hi, self.grad_dtype_bytes)
+            largest = max(self.param.slice_bytes(lo, hi, self.grad_dtype_bytes) for _, lo, hi in rs.pieces)
+            for rank in rs.group:
+                out[rank] += (len(rs.group) - 1) * largest
         return dict(sorted(out.items()))
 
     @property
@@ -319,31 +323,37 @@ def pull_plan(param: ParamLayout, needs: Mapping[int, Sequence[Range]], world_si
     _check_world(world_size, gpus_per_node)
     wbytes = param.dtype_bytes if working_dtype_bytes is None else working_dtype_bytes
     _positive_int(wbytes, "working_dtype_bytes")
-    size = param.size
-    norm = _normalise_layout(needs, size, world_size, "needs")
-    segments = optimizer_segments(size, world_size)
-    slices = mutual_slices(segments, *norm.values())
+    norm = _normalise_layout(needs, param.size, world_size, "needs")
+    key = tuple(norm.items())
+    slices, copies, transfers, assembly, all_gather = _pull_ops(
+        param.size, param.row_elements * wbytes, world_size, key, coalesce)
+    return PullPlan(param, world_size, gpus_per_node, wbytes, norm, slices, copies, transfers, assembly,
+                    all_gather, _Traffic(transfers, gpus_per_node))
 
+
+@functools.lru_cache(maxsize=1024)
+def _pull_ops(size: int, row_bytes: int, world_size: int, needs: tuple[tuple[int, tuple[Range, ...]], ...],
+              coalesce: bool):
+    """The ops of a pull plan, from hashable inputs: layers of one model repeat the same layout, so the
+    plans of their parameters are computed once (the result is immutable)."""
+    slices = mutual_slices(optimizer_segments(size, world_size), *(ranges for _, ranges in needs))
     copies: list[LocalCopy] = []
     transfers: list[Transfer] = []
     assembly: dict[int, tuple[tuple[Range, ...], ...]] = {}
-    for rank in sorted(norm):
+    for rank, ranges in needs:
         held: list[Range] = []
-        for lo, hi in merge_ranges(norm[rank]):
+        for lo, hi in merge_ranges(ranges):
             for run_lo, run_hi, owner in _owner_runs(slices_within(slices, lo, hi), size, world_size, coalesce):
                 held.append((run_lo, run_hi))
                 if owner == rank:
                     copies.append(LocalCopy(rank, run_lo, run_hi))
                 else:
-                    transfers.append(Transfer(owner, rank, run_lo, run_hi, param.slice_bytes(run_lo, run_hi, wbytes)))
-        assembly[rank] = tuple(_tile(lo, hi, held) for lo, hi in norm[rank])
-
-    all_gather = size > 0 and sorted(norm) == list(range(world_size)) and all(
-        norm[r] == ((0, size),) for r in range(world_size))
-    transfers.sort()
-    copies.sort()
-    return PullPlan(param, world_size, gpus_per_node, wbytes, norm, tuple(slices), tuple(copies),
-                    tuple(transfers), assembly, all_gather, _Traffic(tuple(transfers), gpus_per_node))
+                    transfers.append(Transfer(owner, rank, run_lo, run_hi, (run_hi - run_lo) * row_bytes))
+        assembly[rank] = tuple(_tile(lo, hi, held) for lo, hi in ranges)
+    all_gather = (size > 0 and [r for r, _ in needs] == list(range(world_size))
+                  and all(ranges == ((0, size),) for _, ranges in needs))
+    return (tuple(slices), tuple(sorted(copies)), tuple(sorted(transfers)), MappingProxyType(assembly),
+            all_gather)
 
 
 def min_pull_bytes(param: ParamLayout, needs: Mapping[int, Sequence[Range]], world_size: int,
@@ -406,8 +416,21 @@ def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], 
     grouped = {r for g in groups for r in g}
     groups = sorted([*groups, *((r,) for r in layout if layout[r] and r not in grouped)])
 
-    segments = optimizer_segments(size, world_size)
-    node = lambda r: r // gpus_per_node  # noqa: E731
+    key = tuple((r, layout[r]) for r in sorted(layout))
+    slices, scatters, transfers, adds = _push_ops(size, param.row_elements * gbytes, world_size, gpus_per_node,
+                                                  key, tuple(groups), weights, coalesce)
+    plain = (size > 0 and not transfers and groups == [tuple(range(world_size))]
+             and all(layout.get(r) == ((0, size),) for r in range(world_size)))
+    return PushPlan(param, world_size, gpus_per_node, gbytes, norm, tuple(groups), slices, scatters, transfers,
+                    adds, plain, _Traffic(transfers, gpus_per_node))
+
+
+@functools.lru_cache(maxsize=1024)
+def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
+              layout_items: tuple[tuple[int, tuple[Range, ...]], ...], groups: tuple[tuple[int, ...], ...],
+              weights: LinkWeights, coalesce: bool):
+    """The ops of a push plan, from hashable inputs (computed once per distinct layout, like ``_pull_ops``)."""
+    layout = dict(layout_items)
     held: dict[int, list[Range]] = defaultdict(list)
     scatters: list[ReduceScatter] = []
     for group in groups:
@@ -418,24 +441,15 @@ def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], 
         sent_load: dict[int, int] = defaultdict(int)
         for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
             pieces = [(lo + a, lo + b) for a, b in even_segments(hi - lo, len(group))]
-            chunks = [list(_owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
-
-            def link_cost(p: int, m: int) -> int:
-                return sum((b - a) * (weights.intra if node(o) == node(m) else weights.inter)
-                           for a, b, o in chunks[p] if o != m)
-
-            def sent_rows(p: int, m: int) -> int:
-                return sum(b - a for a, b, o in chunks[p] if o != m)
-
-            member_of = assign_pieces(group, len(pieces), link_cost, sent_rows, sent_load)
-            for p, m in enumerate(member_of):
-                sent_load[m] += sent_rows(p, m)
-                held[m].append(pieces[p])
+            member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
+            for (plo, phi), m in zip(pieces, member_of):
+                sent_load[m] += sum(b - a for a, b, o in _owner_chunks(plo, phi, size, world_size) if o != m)
+                held[m].append((plo, phi))
             scatters.append(ReduceScatter(
                 group, lo, hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
-                param.slice_bytes(lo, hi, gbytes)))
+                (hi - lo) * row_bytes))
 
-    slices = mutual_slices(segments, *layout.values(), *held.values())
+    slices = mutual_slices(optimizer_segments(size, world_size), *layout.values(), *held.values())
     transfers: list[Transfer] = []
     adds: list[LocalAdd] = []
     for rank in sorted(held):
@@ -444,21 +458,30 @@ def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], 
                 if owner == rank:
                     adds.append(LocalAdd(rank, run_lo, run_hi))
                 else:
-                    transfers.append(Transfer(rank, owner, run_lo, run_hi, param.slice_bytes(run_lo, run_hi, gbytes)))
-    transfers.sort()
-    adds.sort()
-    scatters.sort()
-    plain = (size > 0 and not transfers and groups == [tuple(range(world_size))]
-             and all(layout.get(r) == ((0, size),) for r in range(world_size)))
-    return PushPlan(param, world_size, gpus_per_node, gbytes, norm, tuple(groups), tuple(slices),
-                    tuple(scatters), tuple(transfers), tuple(adds), plain,
-                    _Traffic(tuple(transfers), gpus_per_node))
+                    transfers.append(Transfer(rank, owner, run_lo, run_hi, (run_hi - run_lo) * row_bytes))
+    return tuple(slices), tuple(sorted(scatters)), tuple(sorted(transfers)), tuple(sorted(adds))
+
+
+def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
+                      gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
+    """Which member keeps each reduce-scatter piece (see ``lnk_assignment``)."""
+    chunks = [list(_owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
+
+    def link_cost(p: int, m: int) -> int:
+        return sum((b - a) * (weights.intra if o // gpus_per_node == m // gpus_per_node else weights.inter)
+                   for a, b, o in chunks[p] if o != m)
+
+    def sent_rows(p: int, m: int) -> int:
+        return sum(b - a for a, b, o in chunks[p] if o != m)
+
+    return assign_pieces(group, len(pieces), link_cost, sent_rows, sent_load)
 
 
 def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
                    *, grad_dtype_bytes: int | None = None) -> dict[int, int]:
     """The least bytes each owner must receive: rows of its segment that another rank contributes
-    (at least one reduced value per such row). Owners of empty segments are absent."""
+    (at least one reduced value per such row). Owners of empty segments are absent. It bounds what an
+    owner receives in total, reduce-scatter traffic included, not the LNK transfers alone."""
     gbytes = param.dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
     norm = _normalise_layout(contributions, param.size, world_size, "contributions")
     out = {}
@@ -545,7 +568,7 @@ def simulate_push(plan: PushPlan, grads: Mapping[int, Sequence[np.ndarray]]) -> 
 def _owner_chunks(lo: int, hi: int, size: int, world_size: int) -> Iterable[tuple[int, int, int]]:
     """``[lo, hi)`` cut at optimizer segment boundaries, as ``(lo, hi, owner)``."""
     while lo < hi:
-        owner = segment_owner(size, world_size, lo)
+        owner = ((lo + 1) * world_size - 1) // size          # segment_owner without the checks
         end = min(hi, (owner + 1) * size // world_size)
         yield lo, end, owner
         lo = end
@@ -556,7 +579,7 @@ def _owner_runs(slices: Sequence[Range], size: int, world_size: int,
     """Contiguous mutual slices as ``(lo, hi, owner)``, merged per owner when ``coalesce``."""
     runs: list[list[int]] = []
     for lo, hi in slices:
-        owner = segment_owner(size, world_size, lo)
+        owner = ((lo + 1) * world_size - 1) // size          # segment_owner without the checks
         if coalesce and runs and runs[-1][2] == owner and runs[-1][1] == lo:
             runs[-1][1] = hi
         else:

@@ -90,9 +90,11 @@ def check_push(param, contributions, world, gpn, groups=None):
         assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))      # the pieces tile the range
     for t in plan.transfers:
         assert segment_owner(param.size, world, t.lo) == t.dst == segment_owner(param.size, world, t.hi - 1)
+    # the minimum is a lower bound on all an owner receives, through the reduce-scatters and the LNK
     minimum = min_push_bytes(param, contributions, world)
-    for owner, nbytes in plan.recv_bytes().items():
-        assert nbytes >= minimum[owner]
+    lnk, rs = plan.recv_bytes(), plan.reduce_scatter_recv_bytes()
+    for owner, nbytes in minimum.items():
+        assert lnk.get(owner, 0) + rs.get(owner, 0) >= nbytes
     check_rank_order(plan, world)
     return plan
 
@@ -215,6 +217,8 @@ def test_pure_data_parallel_is_all_gather_and_plain_reduce_scatter():
     assert push.reduce_scatters == (ReduceScatter((0, 1, 2, 3), 0, 10,
                                                   ((0, 0, 2), (1, 2, 5), (2, 5, 7), (3, 7, 10)), 160),)
     assert push.transfers == () and push.total_bytes == 0
+    # ring over chunks padded to the largest piece (3 rows x 4 columns x 4 bytes): 3 steps of 48 bytes
+    assert push.reduce_scatter_recv_bytes() == {0: 144, 1: 144, 2: 144, 3: 144}
     assert push.local_adds == tuple(LocalAdd(r, lo, hi) for r, (lo, hi) in enumerate(optimizer_segments(10, 4)))
 
 
@@ -383,3 +387,18 @@ PARAM = ParamLayout("w", (8, 2), 0)
 def test_bad_input_is_one_clear_plan_error(call, match):
     with pytest.raises(PlanError, match=match):
         call()
+
+
+# ---- the benchmark runs in a tiny configuration --------------------------------------------------
+
+def test_bench_lnk_tiny(capsys):
+    import json
+
+    from hgraph.tools import bench_lnk
+    assert bench_lnk.main(["--model", "tiny", "--world-size", "8", "--gpus-per-node", "4",
+                           "--strategy", "2xTP2PP2", "--strategy", "DP8TP1PP1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    het, dp = out["results"]
+    assert het["pull_bytes"] == het["pull_min_bytes"] > 0 and het["all_gathers"] == 0
+    assert dp["all_gathers"] == dp["plain_reduce_scatters"] == dp["params"] and dp["push_bytes"] == 0
+    assert bench_lnk.main(["--model", "tiny", "--world-size", "6", "--strategy", "2xTP2PP1"]) == 2
