@@ -25,7 +25,11 @@ Execution order: ``plan.for_rank(r)`` lists the ops that involve rank ``r``: red
 transfers, then local ops, each in the plan's global order (transfers sorted by ``(src, dst, lo)``).
 Every rank issuing its ops in that order matches sends with receives and cannot deadlock even with
 blocking point-to-point calls: the globally first unfinished transfer always has both of its ranks
-waiting on it.
+waiting on it. With several parameters, every rank must walk the plans in one shared parameter order
+(e.g. the model's parameter order) for the same argument to hold.
+
+Plans for the same layout are computed once: the op lists depend only on the shard-dimension size,
+bytes per row, world size, node size and layouts, so the layers of a model share them (LRU cache).
 """
 from __future__ import annotations
 
@@ -233,6 +237,13 @@ class PullPlan:
         """Working-dtype bytes produced by local copies."""
         return sum(self.param.slice_bytes(c.lo, c.hi, self.working_dtype_bytes) for c in self.local_copies)
 
+    def to_dict(self) -> dict:
+        """JSON-ready plan: the figures of ``summary`` plus every op as a list of integers."""
+        return {**self.summary(),
+                "all_gather_ranks": list(self.all_gather_ranks),
+                "local_copies": [[c.rank, c.lo, c.hi] for c in self.local_copies],
+                "transfers": [[t.src, t.dst, t.lo, t.hi, t.bytes] for t in self.transfers]}
+
     def summary(self) -> dict:
         """JSON-ready figures of the plan."""
         recv = self.recv_bytes()
@@ -301,6 +312,14 @@ class PushPlan:
     def reduce_scatter_bytes(self) -> int:
         return sum(self.reduce_scatter_recv_bytes().values())
 
+    def to_dict(self) -> dict:
+        """JSON-ready plan: the figures of ``summary`` plus every op as lists of integers."""
+        return {**self.summary(),
+                "reduce_scatters": [{"group": list(rs.group), "lo": rs.lo, "hi": rs.hi,
+                                     "pieces": [list(p) for p in rs.pieces]} for rs in self.reduce_scatters],
+                "transfers": [[t.src, t.dst, t.lo, t.hi, t.bytes] for t in self.transfers],
+                "local_adds": [[a.rank, a.lo, a.hi] for a in self.local_adds]}
+
     def summary(self) -> dict:
         """JSON-ready figures of the plan."""
         send = self.send_bytes()
@@ -318,7 +337,8 @@ class PushPlan:
 def pull_plan(param: ParamLayout, needs: Mapping[int, Sequence[Range]], world_size: int, gpus_per_node: int,
               *, working_dtype_bytes: int | None = None, coalesce: bool = True) -> PullPlan:
     """Plan Pull Parameter for ``param``: ``needs[rank]`` lists the row ranges ``rank`` must hold in the
-    working dtype (``working_dtype_bytes`` per element, default the master dtype's). Ranks absent from
+    working dtype (``working_dtype_bytes`` per element, default the master dtype's; the owner casts its
+    fp32 rows before sending, so transfers are counted in the working dtype). Ranks absent from
     ``needs`` (other stages) get nothing. A rank's overlapping ranges are fetched once."""
     _check_world(world_size, gpus_per_node)
     wbytes = param.dtype_bytes if working_dtype_bytes is None else working_dtype_bytes
@@ -521,7 +541,7 @@ def simulate_pull(plan: PullPlan, master: Mapping[int, np.ndarray]) -> dict[int,
             else:
                 shape = list(plan.param.shape)
                 shape[dim] = 0
-                arrays.append(np.zeros(shape, dtype=next(iter(master.values())).dtype))
+                arrays.append(np.zeros(shape, dtype=np.result_type(*master.values()) if master else np.float64))
         out[rank] = arrays
     return out
 

@@ -1,4 +1,5 @@
 import itertools
+import json
 from collections import defaultdict
 
 import numpy as np
@@ -219,6 +220,8 @@ def test_pure_data_parallel_is_all_gather_and_plain_reduce_scatter():
     assert push.transfers == () and push.total_bytes == 0
     # ring over chunks padded to the largest piece (3 rows x 4 columns x 4 bytes): 3 steps of 48 bytes
     assert push.reduce_scatter_recv_bytes() == {0: 144, 1: 144, 2: 144, 3: 144}
+    as_json = json.loads(json.dumps(push.to_dict()))
+    assert as_json["kind"] == "plain_reduce_scatter" and as_json["reduce_scatters"][0]["pieces"][1] == [1, 2, 5]
     assert push.local_adds == tuple(LocalAdd(r, lo, hi) for r, (lo, hi) in enumerate(optimizer_segments(10, 4)))
 
 
@@ -250,6 +253,9 @@ def test_tp2_pull_exact_ops():
     assert plan.intra_node_bytes == 24 and plan.inter_node_bytes == 48
     assert plan.for_rank(1) == (Transfer(1, 0, 2, 4, 12), Transfer(1, 2, 2, 4, 12), Transfer(2, 1, 4, 6, 12),
                                 Transfer(3, 1, 6, 8, 12))
+    as_json = json.loads(json.dumps(plan.to_dict()))
+    assert as_json["transfers"][0] == [0, 2, 0, 2, 12] and as_json["kind"] == "lnk"
+    assert as_json["bytes"] == plan.total_bytes == 72
 
 
 def test_uneven_heterogeneous_pull_and_push_on_columns():
@@ -392,8 +398,6 @@ def test_bad_input_is_one_clear_plan_error(call, match):
 # ---- the benchmark runs in a tiny configuration --------------------------------------------------
 
 def test_bench_lnk_tiny(capsys):
-    import json
-
     from hgraph.tools import bench_lnk
     assert bench_lnk.main(["--model", "tiny", "--world-size", "8", "--gpus-per-node", "4",
                            "--strategy", "2xTP2PP2", "--strategy", "DP8TP1PP1", "--json"]) == 0
