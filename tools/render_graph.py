@@ -233,7 +233,8 @@ def render_dot(g: RGraph, *, legend: bool = True) -> str:
     out.append("  node [" + _attrs({
         "shape": "box", "style": "rounded,filled", "fontname": FONT_FAMILY, "fontsize": "10",
         "height": "0.3", "margin": "0.08,0.03"}) + "];")
-    out.append("  edge [" + _attrs({"color": EDGE_COLORS["data"], "arrowsize": "0.6"}) + "];")
+    out.append("  edge [" + _attrs({"color": EDGE_COLORS["data"], "arrowsize": "0.6", "fontname": FONT_FAMILY,
+                                  "fontsize": "9", "fontcolor": "#555555"}) + "];")
     _dot_members(cluster_tree(g.nodes), [0], "  ", out)
     for edge in g.edges:
         attrs: dict[str, str] = {}

@@ -58,9 +58,10 @@ _SCRIPT = """
     var r = svg.getBoundingClientRect();
     vb = [home[0], home[1], home[2], Math.min(home[3], home[2] * r.height / r.width)]; apply();
   }
-  function centre(el) {
-    var bb = el.getBBox(), w = Math.max(bb.width * 6, 400), h = w * vb[3] / vb[2];
-    vb = [bb.x + bb.width / 2 - w / 2, bb.y + bb.height / 2 - h / 2, w, h]; apply();
+  function centre(el) {  // screen box -> viewBox units, so transforms inside the SVG do not matter
+    var r = el.getBoundingClientRect(), c = toSvg(r.left + r.width / 2, r.top + r.height / 2);
+    var w = Math.max(r.width * scale() * 6, 400), h = w * vb[3] / vb[2];
+    vb = [c[0] - w / 2, c[1] - h / 2, w, h]; apply();
   }
   vp.addEventListener('wheel', function (e) {
     e.preventDefault(); zoom(Math.exp(e.deltaY * 0.0015), e.clientX, e.clientY);

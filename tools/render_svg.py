@@ -40,7 +40,7 @@ def xml_escape(text: str) -> str:
 
 
 def _f(v: float) -> str:
-    return f"{v:.1f}".rstrip("0").rstrip(".") if v != int(v) else str(int(v))
+    return f"{v:.1f}"  # a tenth of a pixel is plenty; fixed format is the fast one
 
 
 def _edge_path(points: list[tuple[float, float]]) -> str:

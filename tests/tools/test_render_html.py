@@ -8,6 +8,11 @@ import sys
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
+import pytest
+
+from hgraph.errors import HGraphError
+
+from hgraph.tools.render_formats import format_for_path, render_as, write_graph
 from hgraph.tools.render_graph import EDGE_COLORS, KIND_STYLES, REdge, RGraph, RNode
 from hgraph.tools.render_html import render_html
 from hgraph.tools.render_sample import synthetic_graph
@@ -85,3 +90,19 @@ def test_graphviz_svg_is_inlined_without_its_prolog(monkeypatch, tmp_path):
     page = render_html(RGraph("g", [RNode("a", "a", "compute")], []))
     assert "<!DOCTYPE svg" not in page and "<?xml" not in page and "svg11.dtd" not in page
     assert len(_svg_part(page).findall(".//s:g[@class='node']", NS)) == 1
+
+
+def test_formats_by_name_and_suffix(tmp_path):
+    g = RGraph("g", [RNode("a", "a", "compute"), RNode("b", "b", "output")], [REdge("a", "b")])
+    assert render_as(g, "dot").startswith("digraph")
+    assert ET.fromstring(render_as(g, "svg", engine="python")).tag == "{http://www.w3.org/2000/svg}svg"
+    assert render_as(g, "html", engine="python").startswith("<!DOCTYPE html>")
+    assert [format_for_path(p) for p in ("x.DOT", "x.gv", "a/b.svg", "c.htm")] == ["dot", "dot", "svg", "html"]
+    written = write_graph(g, tmp_path / "g.html", engine="python")
+    assert "<svg" in written.read_text()
+    with pytest.raises(HGraphError, match="unknown graph format"):
+        render_as(g, "png")
+    with pytest.raises(HGraphError, match="suffix"):
+        write_graph(g, tmp_path / "g.png")
+    with pytest.raises(HGraphError, match="cannot write"):
+        write_graph(g, tmp_path / "missing" / "g.svg", engine="python")
