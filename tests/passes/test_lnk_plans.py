@@ -14,7 +14,7 @@ from hgraph.passes.mutual_slices import (PlanError, optimizer_segments, propagat
                                          propagation_needs, segment_owner)
 from hgraph.strategy import Cluster, Scheme, Strategy
 
-FAST = settings(max_examples=40, deadline=None)
+FAST = settings(max_examples=100, deadline=None)
 
 
 # ---- helpers used by the checks -----------------------------------------------------------------
