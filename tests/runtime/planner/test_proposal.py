@@ -1,0 +1,92 @@
+"""Strategy proposal: relaxed DP vs the integer DP, rounding, candidates, errors."""
+import math
+
+import numpy as np
+import pytest
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost_model import load_cost_model
+from hgraph.runtime.planner.proposal import (
+    LengthHistogram, SchemeTable, bucket_edges, integer_dp, pipeline_capacity, pipeline_latency, pooled_cost,
+    propose, propose_strategies)
+from hgraph.strategy import Cluster
+
+
+def _lengths(n=20000, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.minimum(rng.lognormal(6.5, 1.4, size=n).astype(np.int64) + 1, 60000)
+
+
+def test_bucket_edges():
+    e = bucket_edges(32768)
+    assert e[-1] == 32768 and (np.diff(e) > 0).all() and e[0] == 128
+    assert (e[:-1] % 128 == 0).all()
+    assert (np.diff(e)[:-1] <= np.maximum(128, 0.05 * e[:-2]) + 1e-9).all()
+    assert list(bucket_edges(1000, 128, 0)) == [128, 256, 384, 512, 640, 768, 896, 1000]
+
+
+def test_histogram_truncates_and_sums():
+    h = LengthHistogram.from_lengths([1, 128, 129, 5000], 4096, 128, 0)
+    assert h.count.sum() == 4 and h.count[0] == 2 and h.count[1] == 1
+    assert h.sum1.sum() == 1 + 128 + 129 + 4096
+
+
+def test_pipeline_latency_matches_brute_force_and_capacity_inverts_it():
+    for S, k, c, t in [(1000.0, 3, 10.0, 50.0), (1000.0, 0, 10.0, 50.0), (200.0, 1, 30.0, 150.0), (5.0, 2, 1.0, 0.0)]:
+        brute = min((k + V) * (max(S / V, t) + c) for V in np.linspace(1, 400, 400001))
+        assert pipeline_latency(S, k, c, t) == pytest.approx(brute, rel=1e-4)
+        M = pipeline_latency(S, k, c, t)
+        assert pipeline_capacity(M, k, c, t) == pytest.approx(S, rel=1e-6)
+
+
+@pytest.mark.parametrize("gpus,max_len", [(8, 16384), (16, 32768)])
+def test_relaxed_optimum_bounds_integer_dp_and_candidates_are_valid(gpus, max_len):
+    lengths = _lengths()
+    cost = load_cost_model("llama-7b", gpus)
+    prop = propose(lengths, cost, gpus, max_len)
+    ref = integer_dp(lengths, cost, gpus, max_len)
+    full = prop.candidates[-1]
+    t_int, counts = ref[max_len]
+    # The relaxation can only be better than the integer optimum (up to the M tolerance).
+    assert full.relaxed_ms <= t_int * 1.011
+    # The proposed strategy, scored with pooled pipelines, is within the integer DP's optimum (which
+    # cannot pool intervals across pipelines of one scheme) plus the rounding loss bound of 10%.
+    assert full.expected_ms <= t_int * 1.10
+    for c in prop.candidates:
+        s = c.strategy
+        assert s.num_ranks == gpus
+        s.validate(Cluster(gpus, 8))
+        mls = [cost.max_len(p) for p in s.pipelines]
+        assert mls == sorted(mls, reverse=True)
+        assert max(mls) >= c.len_range[1]
+    assert max(cost.max_len(p) for p in full.strategy.pipelines) >= max_len
+    assert propose_strategies(lengths, cost, gpus, max_len) == prop.strategies
+
+
+def test_integer_dp_reconstruction_is_consistent():
+    lengths = _lengths(5000, 1)
+    cost = load_cost_model("llama-7b", 8)
+    ref = integer_dp(lengths, cost, 8, 8192)
+    ts = [ref[L][0] for L in sorted(ref)]
+    assert all(b >= a - 1e-9 for a, b in zip(ts, ts[1:]))  # longer context never cheaper
+    for L, (t, counts) in ref.items():
+        assert sum(d * s.num_ranks for s, d in counts.items()) <= 8
+        assert any(cost.max_len(s) >= L for s in counts)
+
+
+def test_candidate_cap_keeps_the_full_context():
+    lengths = _lengths()
+    cost = load_cost_model("llama-7b", 64)
+    prop = propose(lengths, cost, 64, 32768, max_candidates=2)
+    assert len(prop.candidates) <= 2
+    assert prop.candidates[-1].len_range[1] == 32768
+
+
+def test_errors():
+    cost = load_cost_model("llama-7b", 8)
+    with pytest.raises(HGraphError, match="largest MaxLen"):
+        propose([100, 200], cost, 8, 10**7)
+    with pytest.raises(HGraphError):
+        propose([], cost, 8, 4096)
+    with pytest.raises(HGraphError, match="fits 1 GPUs"):
+        propose([100], load_cost_model("llama-7b", 1), 1, 4096)
