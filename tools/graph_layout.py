@@ -12,6 +12,7 @@ by the whole drawing, so a ``comm`` edge between ranks always points down.
 """
 from __future__ import annotations
 
+import heapq
 from bisect import bisect_right, insort
 from dataclasses import dataclass
 
@@ -35,7 +36,11 @@ CLUSTER_LABEL_HEIGHT = 17.0
 CLUSTER_GAP = 14.0
 BARYCENTRE_SWEEPS = 3  # down+up pairs; the best order seen is kept
 PLACEMENT_SWEEPS = 2  # down+up pairs, then one pass that balances both sides
-DUMMIES_PER_NODE = 3  # dummy budget per real node (plus a constant), keeps huge graphs fast
+DUMMIES_PER_NODE = 3  # dummy budget per real node, plus DUMMY_BUDGET_BASE: keeps huge graphs fast
+DUMMY_BUDGET_BASE = 1000
+LONG_EDGE_SPAN = 8  # edges over more layers than this run down the band's gutter instead of dummies
+LANE_GAP = 3.0  # between the vertical lanes of the gutter that carries long edges left without dummies
+MAX_GUTTER_WIDTH = 60.0
 
 
 @dataclass
@@ -250,6 +255,25 @@ def _place_row(row: list[int], desired: list[float], width: list[float], lo: flo
         x[item] = min(max(y, y_lo), max(y_hi, y_lo)) + o
 
 
+def _gutter_lanes(edges: list[tuple[int, int]], band: list[int], layer: list[int],
+                  n_bands: int) -> tuple[dict[tuple[int, int], int], list[int]]:
+    """Lanes in each band's right gutter for long edges without dummies: edges whose layer spans do
+    not overlap share a lane (interval colouring, greedy by start, optimal)."""
+    lane_of: dict[tuple[int, int], int] = {}
+    lanes = [0] * n_bands
+    free: list[list[tuple[int, int]]] = [[] for _ in range(n_bands)]  # heaps of (last layer, lane)
+    for u, v in sorted(edges, key=lambda e: (layer[e[0]], layer[e[1]])):
+        b, heap = band[u], free[band[u]]
+        if heap and heap[0][0] < layer[u]:
+            _, lane = heapq.heappop(heap)
+        else:
+            lane = lanes[b]
+            lanes[b] += 1
+        lane_of[(u, v)] = lane
+        heapq.heappush(heap, (layer[v], lane))
+    return lane_of, lanes
+
+
 def _row_width(row: list[int], width: list[float]) -> float:
     return sum(width[i] for i in row) + NODE_GAP * (len(row) - 1)
 
@@ -290,13 +314,14 @@ def layout_graph(g: RGraph) -> Layout:
     up: list[list[int]] = [[] for _ in range(n)]
     down: list[list[int]] = [[] for _ in range(n)]
     chains: dict[tuple[int, int], list[int]] = {}
-    budget = DUMMIES_PER_NODE * n + 1000
+    budget = DUMMIES_PER_NODE * n + DUMMY_BUDGET_BASE
+    gutter_edges: list[tuple[int, int]] = []  # long same-band edges past the budget
     for u, v in sorted(set(oriented), key=lambda e: layer[e[1]] - layer[e[0]]):
         span = layer[v] - layer[u]
         if band[u] != band[v]:
             continue
         chain: list[int] = []
-        if span > 1 and span - 1 <= budget:
+        if 1 < span <= LONG_EDGE_SPAN and span - 1 <= budget:
             budget -= span - 1
             for lay in range(layer[u] + 1, layer[v]):
                 d = len(band)
@@ -308,6 +333,8 @@ def layout_graph(g: RGraph) -> Layout:
                 down.append([])
                 chain.append(d)
             chains[(u, v)] = chain
+        elif span > 1:
+            gutter_edges.append((u, v))
         path = [u, *chain, v]
         for a, b in zip(path, path[1:]):
             down[a].append(b)
@@ -332,11 +359,15 @@ def layout_graph(g: RGraph) -> Layout:
     next_row = [row_key.get((b, lay + 1), -1) for (b, lay) in row_key]
     crossings = _order_rows(rows, rows_by_layer, next_row, up, down, row_of, n_items)
 
-    # Bands side by side in cluster-tree order, each as wide as its widest row.
-    band_width = [0.0] * len(bands)
+    # Bands side by side in cluster-tree order, each as wide as its widest row plus its gutter.
+    row_area = [0.0] * len(bands)
     for r, row in enumerate(rows):
         b = band[row[0]]
-        band_width[b] = max(band_width[b], _row_width(row, width))
+        row_area[b] = max(row_area[b], _row_width(row, width))
+    lane_of, lanes = _gutter_lanes(gutter_edges, band, layer, len(bands))
+    lane_gap = [min(LANE_GAP, MAX_GUTTER_WIDTH / k) if k else 0.0 for k in lanes]
+    band_width = [w + (lane_gap[b] * lanes[b] + CLUSTER_PAD / 2 if lanes[b] else 0.0)
+                  for b, w in enumerate(row_area)]
     band_x = [0.0] * len(bands)
     cluster_x: dict[tuple[str, ...], tuple[float, float]] = {}
 
@@ -364,7 +395,7 @@ def layout_graph(g: RGraph) -> Layout:
     x = [0.0] * n_items
     for row in rows:
         b = band[row[0]]
-        lo, hi = band_x[b], band_x[b] + band_width[b]
+        lo, hi = band_x[b], band_x[b] + row_area[b]
         _place_row(row, [(lo + hi) / 2] * len(row), width, lo, hi, x)
     for sweep in range(2 * PLACEMENT_SWEEPS + 1):
         if sweep == 2 * PLACEMENT_SWEEPS:
@@ -379,7 +410,7 @@ def layout_graph(g: RGraph) -> Layout:
                 b = band[row[0]]
                 desired = [sum(x[v] for v in nbrs_of[i]) / len(nbrs_of[i]) if nbrs_of[i] else x[i]
                            for i in row]
-                _place_row(row, desired, width, band_x[b], band_x[b] + band_width[b], x)
+                _place_row(row, desired, width, band_x[b], band_x[b] + row_area[b], x)
 
     # Rows stacked top to bottom; a layer is as tall as its tallest node.
     layer_height = [0.0] * n_layers
@@ -426,6 +457,11 @@ def layout_graph(g: RGraph) -> Layout:
         a, b = (v, u) if (u, v) in back else (u, v)
         points = [(x[a], y[a] + height[a] / 2)]
         points += [(x[d], y[d]) for d in chains.get((a, b), [])]
+        if (a, b) in lane_of:  # down the gutter, turning in the gaps between rows so no node is crossed
+            bb = band[a]
+            gx = band_x[bb] + row_area[bb] + CLUSTER_PAD / 2 + lane_gap[bb] * (lane_of[(a, b)] + 0.5)
+            points.append((gx, layer_y[layer[a]] + layer_height[layer[a]] / 2 + LAYER_GAP / 2))
+            points.append((gx, layer_y[layer[b]] - layer_height[layer[b]] / 2 - LAYER_GAP / 2))
         points.append((x[b], y[b] - height[b] / 2))
         if (a, b) != (u, v):
             points.reverse()

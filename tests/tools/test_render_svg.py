@@ -147,6 +147,39 @@ def test_every_edge_of_a_dag_points_down_and_long_edges_bend_through_their_band(
     assert max(len(r.points) for r in lay.edges) > 4  # residual / saved-activation edges got dummies
 
 
+def _curve_samples(points, steps=12):
+    """Points on the drawn path: cubic segments with vertical tangents, as render_svg draws them."""
+    out = []
+    for (xa, ya), (xb, yb) in zip(points, points[1:]):
+        dy = (yb - ya) / 2
+        c = [(xa, ya), (xa, ya + dy), (xb, yb - dy), (xb, yb)]
+        for k in range(1, steps):
+            t = k / steps
+            w = [(1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t * t * (1 - t), t ** 3]
+            out.append((sum(wi * p[0] for wi, p in zip(w, c)), sum(wi * p[1] for wi, p in zip(w, c))))
+    return out
+
+
+@pytest.mark.parametrize("dummy_budget", [None, 0])
+def test_data_edges_never_run_through_a_node(monkeypatch, dummy_budget):
+    if dummy_budget is not None:  # no dummies at all: every long edge takes the gutter
+        monkeypatch.setattr(graph_layout, "DUMMIES_PER_NODE", dummy_budget)
+        monkeypatch.setattr(graph_layout, "DUMMY_BUDGET_BASE", dummy_budget)
+    g = synthetic_graph("1xTP2PP2+1xTP1PP1", layers=2)
+    lay = layout_graph(g)
+    boxes = [(k, b.x - b.w / 2 + 0.5, b.y - b.h / 2 + 0.5, b.x + b.w / 2 - 0.5, b.y + b.h / 2 - 0.5)
+             for k, b in lay.nodes.items()]
+    long_routes = 0
+    for r in lay.edges:
+        if r.edge.kind != "data":
+            continue
+        long_routes += len(r.points) > 2
+        for px, py in _curve_samples(r.points):
+            hit = [k for k, x0, y0, x1, y1 in boxes if x0 < px < x1 and y0 < py < y1]
+            assert not hit, (r.edge, hit)
+    assert long_routes > 10
+
+
 def test_barycentre_sweeps_reduce_crossings(monkeypatch):
     g = synthetic_graph("1xTP2PP2+1xTP1PP1", layers=2)
     swept = layout_graph(g).crossings
