@@ -31,6 +31,8 @@ from hgraph.errors import TraceError
 STACK_KEY = "nn_module_stack"
 
 _TRANSPOSE_METHODS = {"t", "transpose", "permute"}
+# what fx emits to check that a concrete argument keeps its traced value
+_GUARD_TARGETS = (operator.eq, torch._assert, getattr(fx._symbolic_trace, "_assert_is_none", None))
 
 
 def canonical_param_names(model: nn.Module) -> dict[int, str]:
@@ -72,11 +74,24 @@ def _canonical_placeholders(graph: fx.Graph, traced_inputs: list[str]) -> None:
             pos = graph.placeholder("position_ids")
     pos.args = ()  # required: HGraph.run fills in the default positions
     extra = [n for n in placeholders if n is not ids and n is not pos]
-    for n in extra:  # concrete (defaulted) arguments fx still lists as placeholders
-        if n.users:
+    for n in extra:  # concrete (defaulted) arguments: fx keeps a placeholder and a value guard
+        guards = _descendants(n)
+        if not all(g.op == "call_function" and g.target in _GUARD_TARGETS for g in guards):
             raise TraceError(f"forward argument {n.target!r} is used by the traced graph; hgraph calls "
                              "forward(input_ids, position_ids) only")
+        for g in reversed([x for x in graph.nodes if x in guards]):
+            graph.erase_node(g)
         graph.erase_node(n)
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    seen, work = set(), list(node.users)
+    while work:
+        n = work.pop()
+        if n not in seen:
+            seen.add(n)
+            work.extend(n.users)
+    return seen
 
 
 def _new_get_attr(graph: fx.Graph, target: str, meta_from: fx.Node) -> fx.Node:

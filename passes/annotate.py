@@ -108,19 +108,29 @@ def _stack_paths(node: fx.Node) -> list[str]:
 
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
-    """Module paths of the repeated blocks, in index order (see the module docstring)."""
-    groups: dict[str, dict[int, Any]] = {}
-    types: dict[str, set] = {}
+    """Module paths of the repeated blocks, in index order (see the module docstring).
+
+    Containers that are never called (a ModuleList of ModuleDicts) do not appear in the module
+    stacks themselves, so block candidates are all integer-indexed *prefixes* of the recorded module
+    paths; a candidate's kind is its module type when it was called, else the set of (relative
+    path, type) of the modules called inside it.
+    """
+    entries: dict[str, Any] = {}
     for node in gm.graph.nodes:
-        stack = node.meta.get(STACK_KEY) or {}
-        for path, mtype in stack.values():
-            m = re.fullmatch(r"(?:(.*)\.)?(\d+)", path)
-            if m is None:
-                continue
-            prefix = m.group(1) or ""
-            groups.setdefault(prefix, {})[int(m.group(2))] = path
-            types.setdefault(prefix, set()).add(mtype)
-    candidates = {p: g for p, g in groups.items() if len(types[p]) == 1}
+        for path, mtype in (node.meta.get(STACK_KEY) or {}).values():
+            entries[path] = mtype
+    inside: dict[str, set] = {}
+    for path, mtype in entries.items():
+        for prefix in _prefixes(path):
+            if re.fullmatch(r"(?:.*\.)?\d+", prefix):
+                inside.setdefault(prefix, set()).add((path[len(prefix):], mtype))
+    groups: dict[str, dict[int, str]] = {}
+    kinds: dict[str, set] = {}
+    for member, called in inside.items():
+        container, _, index = member.rpartition(".")
+        groups.setdefault(container, {})[int(index)] = member
+        kinds.setdefault(container, set()).add(entries.get(member) or frozenset(called))
+    candidates = {p: g for p, g in groups.items() if len(kinds[p]) == 1}
     members = {path for g in candidates.values() for path in g.values()}
     # outermost containers only: experts.0..7 inside layers.3 are not the blocks
     outer = {p: g for p, g in candidates.items()

@@ -99,12 +99,14 @@ def default_position_ids(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
 
 
-def rotary_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor):
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float):
     """fp32 cos and sin [B, T, head_dim] of the angles position * inv_freq (HF half-split layout).
 
-    They depend on the positions only (not on any activation), so every pipeline stage can
-    recompute them instead of receiving them.
+    They depend on the positions only (not on any activation, parameter or buffer), so every
+    pipeline stage can recompute them instead of receiving them.
     """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
     angles = position_ids.unsqueeze(-1).to(torch.float32) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos(), angles.sin()
@@ -192,9 +194,6 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
-        # Not persistent: derived from the config, not learned, so not in the state dict.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.reset_parameters()
         if c.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -211,7 +210,7 @@ class Llama(nn.Module):
         if position_ids is None:
             position_ids = default_position_ids(input_ids)
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.inv_freq)
+        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))

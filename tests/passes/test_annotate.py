@@ -1,0 +1,273 @@
+"""annotate_pass: blocks, layers, op kinds and TP roles decided from the graph."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hgraph.errors import TraceError
+from hgraph.frontends.fx_frontend import trace
+from hgraph.frontends.zoo import build
+from hgraph.meta import OpKind, TPRole, get_meta
+from hgraph.passes.annotate import annotate_pass, find_blocks
+
+
+def annotated(model, **kw):
+    return annotate_pass(trace(model, **kw), None)
+
+
+def op_roles(gm):
+    """parameter FQN -> (op kind, op role, op shard_dim) for each op reading a parameter (first use)."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and get_meta(n).param is not None:
+            op = next(iter(n.users))
+            m = get_meta(op)
+            out.setdefault(get_meta(n).param, (m.op, m.tp_role, get_meta(n).shard_dim, get_meta(n).tp_role))
+    return out
+
+
+LLAMA_ROLES = {
+    "self_attn.q_proj.weight": (OpKind.LINEAR, TPRole.COLUMN, 0),
+    "self_attn.k_proj.weight": (OpKind.LINEAR, TPRole.COLUMN, 0),
+    "self_attn.v_proj.weight": (OpKind.LINEAR, TPRole.COLUMN, 0),
+    "self_attn.o_proj.weight": (OpKind.LINEAR, TPRole.ROW, 1),
+    "mlp.gate_proj.weight": (OpKind.LINEAR, TPRole.COLUMN, 0),
+    "mlp.up_proj.weight": (OpKind.LINEAR, TPRole.COLUMN, 0),
+    "mlp.down_proj.weight": (OpKind.LINEAR, TPRole.ROW, 1),
+    "input_layernorm.weight": (OpKind.OTHER, TPRole.REPLICATED, 0),
+    "post_attention_layernorm.weight": (OpKind.OTHER, TPRole.REPLICATED, 0),
+}
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-tied"])
+def test_llama_tp_roles(name):
+    model = build(name)
+    roles = op_roles(annotated(model))
+    for i in range(model.config.num_layers):
+        for suffix, (kind, role, dim) in LLAMA_ROLES.items():
+            assert roles[f"layers.{i}.{suffix}"][:3] == (kind, role, dim), suffix
+    assert roles["embed_tokens.weight"][:3] == (OpKind.EMBEDDING, TPRole.VOCAB, 0)
+    assert roles["norm.weight"][:3] == (OpKind.OTHER, TPRole.REPLICATED, 0)
+    head = [n for n in annotated(model).graph.nodes if get_meta(n).op == OpKind.LINEAR and get_meta(n).block == "post"]
+    assert len(head) == 1 and get_meta(head[0]).tp_role == TPRole.COLUMN
+    expected_head = "embed_tokens.weight" if model.config.tie_embeddings else "lm_head.weight"
+    assert get_meta(head[0]).param == expected_head
+
+
+def test_llama_blocks_and_layers():
+    gm = annotated(build("tiny"))
+    assert find_blocks(gm) == [f"layers.{i}" for i in range(4)]
+    for n in gm.graph.nodes:
+        m = get_meta(n)
+        if m.block is not None and m.block.startswith("layers."):
+            assert m.layer == int(m.block.split(".")[1])
+        stack = [p for p, _ in (n.meta.get("nn_module_stack") or {}).values()]
+        if m.block is not None and stack and stack[0].startswith("layers."):
+            assert m.block == stack[0]
+    by_name = {n.name: get_meta(n) for n in gm.graph.nodes}
+    assert by_name["embedding"].block == "pre" and by_name["embedding"].op == OpKind.EMBEDDING
+    assert by_name["cos"].block is None and by_name["sin"].block is None  # rotary: positions only
+    assert [get_meta(n).op for n in gm.graph.nodes].count(OpKind.ATTENTION) == 4
+    attn = [n for n in gm.graph.nodes if get_meta(n).op == OpKind.ATTENTION]
+    assert [get_meta(n).block for n in attn] == [f"layers.{i}" for i in range(4)]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert get_meta(out.args[0]).block == "post"
+    # nodes with no block depend on nothing that has one (every stage may recompute them)
+    for n in gm.graph.nodes:
+        if get_meta(n).block is None and n.op != "output":
+            assert all(get_meta(a).block is None for a in n.all_input_nodes)
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads, fused=False, fixed_heads=False):
+        super().__init__()
+        self.heads, self.fused, self.fixed_heads = heads, fused, fixed_heads
+        self.ln_1 = nn.LayerNorm(d)
+        if fused:
+            self.c_attn = nn.Linear(d, 3 * d)
+        else:
+            self.q = nn.Linear(d, d)
+            self.k = nn.Linear(d, d)
+            self.v = nn.Linear(d, d)
+        self.c_proj = nn.Linear(d, d)
+        self.ln_2 = nn.LayerNorm(d)
+        self.c_fc = nn.Linear(d, 4 * d)
+        self.mlp_proj = nn.Linear(4 * d, d)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.ln_1(x)
+        if self.fused:
+            q, k, v = self.c_attn(h).split(d, dim=-1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        n = self.heads if self.fixed_heads else -1
+        q, k, v = (z.view(b, t, n, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.dropout(self.c_proj(a.transpose(1, 2).reshape(b, t, -1)))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=97, d=32, heads=4, layers=2, **block):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(64, d)
+        self.h = nn.Sequential(*[GPTBlock(d, heads, **block) for _ in range(layers)])
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        return self.head(self.ln_f(self.h(x)))
+
+
+def test_gpt_style_model_with_biases_and_layernorm():
+    gm = annotated(GPT())
+    assert find_blocks(gm) == ["h.0", "h.1"]
+    roles = {name: r[1:] for name, r in op_roles(gm).items()}  # (op role, param shard_dim, param role)
+    for i in range(2):
+        p = f"h.{i}."
+        for lin in ("q", "k", "v", "c_fc"):
+            assert roles[p + lin + ".weight"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+            assert roles[p + lin + ".bias"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+        for lin in ("c_proj", "mlp_proj"):
+            assert roles[p + lin + ".weight"] == (TPRole.ROW, 1, TPRole.ROW)
+            assert roles[p + lin + ".bias"] == (TPRole.ROW, 0, TPRole.REPLICATED)  # added after the all-reduce
+        for ln in ("ln_1", "ln_2"):
+            assert roles[p + ln + ".weight"] == (TPRole.REPLICATED, 0, TPRole.REPLICATED)
+            assert roles[p + ln + ".bias"] == (TPRole.REPLICATED, 0, TPRole.REPLICATED)
+    assert roles["wte.weight"] == (TPRole.VOCAB, 0, TPRole.VOCAB)
+    assert roles["wpe.weight"] == (TPRole.VOCAB, 0, TPRole.VOCAB)
+    assert roles["head.weight"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+    assert roles["ln_f.weight"][0] == TPRole.REPLICATED
+    blocks = {n.name: get_meta(n).block for n in gm.graph.nodes}
+    assert blocks["add"] == "pre"   # token + position embeddings
+
+
+def test_unsafe_column_groups_are_replicated_not_sharded():
+    # fused qkv split on the sharded dim, and a fixed head count in the view: attention is
+    # replicated, the MLP pair (a separate group) stays column / row.
+    for kw in ({"fused": True}, {"fixed_heads": True}):
+        roles = {name: r[1] for name, r in op_roles(annotated(GPT(**kw))).items()}
+        attn = ["h.0.c_attn.weight"] if kw.get("fused") else ["h.0.q.weight", "h.0.k.weight", "h.0.v.weight"]
+        for name in attn + ["h.0.c_proj.weight"]:
+            assert roles[name] == TPRole.REPLICATED, (kw, name)
+        assert roles["h.0.c_fc.weight"] == TPRole.COLUMN
+        assert roles["h.0.mlp_proj.weight"] == TPRole.ROW
+
+
+class LeakyBlock(nn.Module):
+    """A column linear whose output leaves the block without a row linear."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.up = nn.Linear(d, d)
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return self.up(x) + self.b(torch.relu(self.a(x))) * 0 + self.up(x) * 0
+
+
+class MixBlock(nn.Module):
+    """A column output combined with the whole residual (wrong shapes under TP)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(self.a(x) + x)
+
+
+class Stack(nn.Module):
+    def __init__(self, block, d=8, vocab=20):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([block(d), block(d)])
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_column_outputs_that_escape_or_mix_are_replicated():
+    roles = {name: r[1] for name, r in op_roles(annotated(Stack(LeakyBlock))).items()}
+    assert roles["layers.0.up.weight"] == TPRole.REPLICATED
+    assert roles["layers.0.a.weight"] == TPRole.COLUMN and roles["layers.0.b.weight"] == TPRole.ROW
+    roles = {name: r[1] for name, r in op_roles(annotated(Stack(MixBlock))).items()}
+    assert roles["layers.1.a.weight"] == TPRole.REPLICATED and roles["layers.1.b.weight"] == TPRole.REPLICATED
+    assert roles["head.weight"] == TPRole.COLUMN and roles["head.bias"] == TPRole.COLUMN
+
+
+class SharedBlock(nn.Module):
+    def __init__(self, d, shared):
+        super().__init__()
+        self.a = nn.Linear(d, d, bias=False)
+        self.b = nn.Linear(d, d, bias=False)
+        self.shared = shared
+
+    def forward(self, x):
+        return x + self.b(self.a(x)) * self.shared.weight.sum()
+
+
+def test_parameter_with_conflicting_uses_is_replicated():
+    class Model(Stack):
+        def __init__(self):
+            super().__init__(lambda d: nn.Identity())
+            d = 8
+            # layers.0.a's weight is also read elementwise by layers.1: it cannot be split
+            first = SharedBlock(d, nn.Linear(1, 1))
+            first.shared = first.a
+            self.layers = nn.ModuleList([first, SharedBlock(d, first.a)])
+
+    roles = op_roles(annotated(Model()))
+    assert roles["layers.0.a.weight"][1] == TPRole.REPLICATED
+    assert roles["layers.0.b.weight"][1] == TPRole.REPLICATED  # its partner follows
+    assert roles["layers.1.a.weight"][1] == TPRole.COLUMN and roles["layers.1.b.weight"][1] == TPRole.ROW
+
+
+class NoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, input_ids, position_ids=None):
+        return self.head(self.embed(input_ids))
+
+
+def test_model_without_repeated_blocks_is_rejected():
+    with pytest.raises(TraceError, match="no repeated blocks"):
+        annotated(NoBlocks())
+
+
+class Expert(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.w(x)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.experts = nn.ModuleList([Expert(d) for _ in range(4)])
+
+    def forward(self, x):
+        return x + sum(e(x) for e in self.experts)
+
+
+def test_outermost_repeated_container_wins_over_larger_nested_one():
+    gm = annotated(Stack(MoEBlock))
+    assert find_blocks(gm) == ["layers.0", "layers.1"]
