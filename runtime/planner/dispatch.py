@@ -38,6 +38,7 @@ class DispatchResult:
     packs: list[PackResult]
     latency: float
     bound: float | None = None  # a proven lower bound, when the method has one (cpsat)
+    polished: bool = True  # packs include the packing local search
 
     @property
     def latencies(self) -> list[float]:
@@ -113,11 +114,12 @@ def _groups(pipelines: Sequence[Scheme], cost, lengths: np.ndarray) -> tuple[lis
     return groups, of
 
 
-def _finish(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, members: list[list[int]]) -> DispatchResult:
+def _finish(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, members: list[list[int]],
+            polish: bool = True) -> DispatchResult:
     assignment = [np.asarray(sorted(m), dtype=np.int64) for m in members]
-    packs = [pack_pipeline(lengths[a], p, cost) for a, p in zip(assignment, pipelines)]
+    packs = [pack_pipeline(lengths[a], p, cost, improve=polish) for a, p in zip(assignment, pipelines)]
     packs = [PackResult([a[mb] for mb in pk.microbatches], pk.mb_times, pk.latency) for a, pk in zip(assignment, packs)]
-    return DispatchResult(assignment, packs, max((p.latency for p in packs), default=0.0))
+    return DispatchResult(assignment, packs, max((p.latency for p in packs), default=0.0), polished=polish)
 
 
 def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: str = "fast", trials: int = 100,
@@ -138,8 +140,12 @@ def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: st
 
 # ---- fast: surrogate greedy + real-packing local search ------------------------------------------
 def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
-                  improve_rounds: int | None = None) -> DispatchResult:
-    """Longest-first greedy on the packing surrogate, then local search on the real packing."""
+                  improve_rounds: int | None = None, polish: bool = True) -> DispatchResult:
+    """Longest-first greedy on the packing surrogate, then local search on the real packing.
+
+    ``polish=False`` (screening many candidates): no packing local search and no dispatch local
+    search; ``improve_dispatch`` finishes such a result later.
+    """
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
     D = len(pipelines)
@@ -179,11 +185,26 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
         est[j] = best_val
         members[j].append(i)
         heapq.heappush(heaps[g], (best_val, j))
-    result = _finish(lengths, pipelines, cost, members)
-    rounds = improve_rounds if improve_rounds is not None else 2 * D + 8
-    if rounds > 0 and D > 1:
-        result = _local_search(lengths, pipelines, cost, result, groups, of, rounds)
+    result = _finish(lengths, pipelines, cost, members, polish=polish)
+    if polish and (improve_rounds is None or improve_rounds > 0):
+        result = improve_dispatch(lengths, pipelines, cost, result, rounds=improve_rounds)
     return result
+
+
+def improve_dispatch(lengths, pipelines: Sequence[Scheme], cost, result: DispatchResult, *,
+                     rounds: int | None = None) -> DispatchResult:
+    """Local search on the real packing (moves/swaps off the slowest pipeline); never worse.
+
+    ``rounds`` defaults to ``2 * pipelines + 8``.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not result.polished:
+        result = _finish(lengths, pipelines, cost, [a.tolist() for a in result.assignment])
+    D = len(pipelines)
+    if D <= 1:
+        return result
+    groups, of = _groups(pipelines, cost, lengths)
+    return _local_search(lengths, pipelines, cost, result, groups, of, rounds if rounds is not None else 2 * D + 8)
 
 
 def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result: DispatchResult,

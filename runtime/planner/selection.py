@@ -13,44 +13,15 @@ from typing import Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.dispatch import dispatch_sequences
+from hgraph.runtime.planner.dispatch import dispatch_fast, dispatch_sequences, improve_dispatch
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
-def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float:
-    """A lower bound of the packed latency of ``strategy`` on ``lengths`` (inf if a doc fits nowhere).
-
-    The larger of two valid bounds: (1) the document whose best eligible pipeline is slowest, alone
-    there: ``PP * (a l^2 + b l + c)``; (2) work: a pipeline of ``PP - 1 = k`` with per-sequence work
-    ``S`` takes at least ``g(S) = min_V (k+V)(S/V + c) >= (sqrt(S) + sqrt(k c))^2`` (``S + c`` when
-    ``k = 0``), so under a makespan ``M`` it holds at most ``h(M) = g^-1(M)`` work; a document costs
-    ``r_j t_j(l)`` rank-ms on a pipeline of ``r_j`` ranks, hence ``sum_i min_j r_j t_j(l_i) <=
-    sum_j r_j h_j(M)``; the smallest such ``M`` is found by bisection.
-    """
-    if lengths.size == 0:
+def _fluid_bound(need: float, params: list[tuple[float, float, float]]) -> float:
+    """Smallest M with ``sum_j weight_j * h_j(M) >= need``, ``h(M) = (sqrt(M - c0) - sqrt(k c))^2``."""
+    if need <= 0 or not params:
         return 0.0
-    lf = lengths.astype(np.float64)
-    single = np.full(lengths.size, np.inf)
-    work = np.full(lengths.size, np.inf)
-    groups = strategy.groups()
-    counts: dict[Scheme, int] = {}
-    for d, s in groups:
-        counts[s] = counts.get(s, 0) + d
-    for s in counts:
-        a, b, c = cost.coeffs(s)
-        t = a * lf * lf + b * lf
-        ok = lengths <= cost.max_len(s)
-        single = np.where(ok, np.minimum(single, s.pp * (t + c)), single)
-        work = np.where(ok, np.minimum(work, t * s.num_ranks), work)
-    if not np.isfinite(single).all():
-        return float("inf")
-    need = float(work.sum())
-    params = []
-    for s, d in counts.items():
-        _, _, c = cost.coeffs(s)
-        k = s.pp - 1
-        params.append((d * s.num_ranks, math.sqrt(k * c), c if k == 0 else 0.0))
 
     def capacity(M: float) -> float:
         total = 0.0
@@ -65,7 +36,7 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
     lo, hi = 0.0, 1.0
     while capacity(hi) < need:
         hi *= 2
-    for _ in range(60):
+    for _ in range(100):
         mid = (lo + hi) / 2
         if capacity(mid) >= need:
             hi = mid
@@ -73,7 +44,98 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
             lo = mid
         if hi - lo <= 1e-9 * hi:
             break
-    return max(float(single.max()), lo)
+    return lo
+
+
+def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float:
+    """A lower bound of the packed latency of ``strategy`` on ``lengths`` (inf if a doc fits nowhere).
+
+    The largest of valid bounds: (1) the document whose best eligible pipeline is slowest, alone
+    there: ``PP * (a l^2 + b l + c)``; (2) work: a pipeline with ``PP - 1 = k`` and per-sequence work
+    ``S`` takes at least ``g(S) = min_V (k+V)(S/V + c) >= (sqrt(S) + sqrt(k c))^2`` (``S + c`` when
+    ``k = 0``), so under a makespan ``M`` it holds at most ``h(M) = g^-1(M)`` work; a document costs
+    ``r_j t_j(l)`` rank-ms on a pipeline of ``r_j`` ranks, hence ``sum_i min_j r_j t_j(l_i) <=
+    sum_j r_j h_j(M)``, solved for ``M`` by bisection. (2) is applied to all documents and, for every
+    MaxLen level, to the documents longer than it and the pipelines that can hold them.
+    """
+    if lengths.size == 0:
+        return 0.0
+    lf = lengths.astype(np.float64)
+    counts: dict[Scheme, int] = {}
+    for d, s in strategy.groups():
+        counts[s] = counts.get(s, 0) + d
+    schemes = list(counts)
+    caps = np.array([cost.max_len(s) for s in schemes])
+    single = np.full(lengths.size, np.inf)
+    rank_work = np.empty((len(schemes), lengths.size))
+    params = []
+    for gi, s in enumerate(schemes):
+        a, b, c = cost.coeffs(s)
+        t = a * lf * lf + b * lf
+        ok = lengths <= caps[gi]
+        single = np.where(ok, np.minimum(single, s.pp * (t + c)), single)
+        rank_work[gi] = np.where(ok, t * s.num_ranks, np.inf)
+        k = s.pp - 1
+        params.append((counts[s] * s.num_ranks, math.sqrt(k * c), c if k == 0 else 0.0))
+    if not np.isfinite(single).all():
+        return float("inf")
+    best = float(single.max())
+    work = rank_work.min(axis=0)
+    for level in sorted(set([0] + caps.tolist())):
+        docs = lengths > level
+        usable = [gi for gi in range(len(schemes)) if caps[gi] > level]
+        if not docs.any() or not usable:
+            continue
+        need = float(work[docs].sum()) if level == 0 else float(rank_work[usable][:, docs].min(axis=0).sum())
+        best = max(best, _fluid_bound(need, [params[gi] for gi in usable]))
+    return best
+
+
+def _validate(strategy: Strategy, world_size: int, gpus_per_node: int) -> None:
+    """Rank count and TP groups inside nodes, in O(pipelines * PP * CP) (``Strategy.validate``
+    is used for its message when something is wrong)."""
+    ok = strategy.num_ranks == world_size
+    base = 0
+    for p in strategy.pipelines:
+        if not ok:
+            break
+        for g in range(p.pp * p.cp):
+            start = base + g * p.tp
+            if start // gpus_per_node != (start + p.tp - 1) // gpus_per_node:
+                ok = False
+                break
+        base += p.num_ranks
+    if not ok:
+        strategy.validate(Cluster(world_size, gpus_per_node))
+        raise HGraphError(f"strategy {strategy} does not fit {world_size} GPUs with {gpus_per_node} per node")
+
+
+# Candidates whose greedy dispatch is within this fraction of the best get the local search.
+IMPROVE_MARGIN = 0.03
+
+
+def _select_fast(lengths, bounds, cost):
+    """Greedy dispatch for every candidate not pruned by its bound, then local search for those
+    within ``IMPROVE_MARGIN`` of the best, best first (local search gains ~1%, greedy is cheap)."""
+    greedy = []
+    best_latency = float("inf")
+    pruned = 0
+    for lb, _, s in bounds:
+        if lb >= best_latency:
+            pruned += 1
+            continue
+        res = dispatch_fast(lengths, s.pipelines, cost, polish=False)
+        greedy.append((res.latency, lb, s, res))
+        best_latency = min(best_latency, res.latency)
+    greedy.sort(key=lambda x: x[0])
+    best = None
+    for latency, lb, s, res in greedy:
+        if best is not None and (lb >= best[0].latency or latency > best_latency * (1 + IMPROVE_MARGIN)):
+            continue
+        res = improve_dispatch(lengths, s.pipelines, cost, res)
+        if best is None or res.latency < best[0].latency:
+            best = (res, s)
+    return best, len(greedy), pruned
 
 
 def _fits(strategy: Strategy, cost, longest: int) -> bool:
@@ -97,9 +159,8 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
         raise HGraphError(f"doc_ids has {ids.size} entries for {lengths.size} documents")
     if not candidates:
         raise HGraphError("no candidate strategies to plan with")
-    cluster = Cluster(cost.world_size, cost.gpus_per_node)
     for s in candidates:
-        s.validate(cluster)
+        _validate(s, cost.world_size, cost.gpus_per_node)
         for p in set(s.pipelines):
             if not cost.has(p):
                 cost.coeffs(p)  # raises the error naming the available schemes
@@ -113,26 +174,31 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
             f"their schemes is {largest}")
     bounds = [(strategy_lower_bound(lengths, s, cost), i, s) for i, s in enumerate(fitting)]
     bounds.sort(key=lambda x: (x[0], x[1]))
-    best = None
     evaluated = pruned = 0
-    for lb, _, s in bounds:
-        if best is not None and lb >= best[0].latency:
-            pruned += 1
-            continue
-        res = dispatch_sequences(lengths, s.pipelines, cost, method=method, seed=seed, trials=trials,
-                                 time_limit_s=time_limit_s, workers=workers)
-        evaluated += 1
-        if best is None or res.latency < best[0].latency:
-            best = (res, s)
+    if method == "fast":
+        best, evaluated, pruned = _select_fast(lengths, bounds, cost)
+    else:
+        best = None
+        for lb, _, s in bounds:
+            if best is not None and lb >= best[0].latency:
+                pruned += 1
+                continue
+            res = dispatch_sequences(lengths, s.pipelines, cost, method=method, seed=seed, trials=trials,
+                                     time_limit_s=time_limit_s, workers=workers)
+            evaluated += 1
+            if best is None or res.latency < best[0].latency:
+                best = (res, s)
     res, strategy = best
     pipelines = []
+    first_rank = 0
     for j, (p, pk) in enumerate(zip(strategy.pipelines, res.packs)):
         # The estimate is recomputed with the cost model's own functions, so that
         # ``estimate_plan(plan, cost) == plan.est_latency_ms`` holds exactly.
         mb_times = [cost.microbatch_time(lengths[mb], p) for mb in pk.microbatches]
-        pipelines.append(PipelinePlan(scheme=p, ranks=strategy.pipeline_ranks(j),
+        pipelines.append(PipelinePlan(scheme=p, ranks=list(range(first_rank, first_rank + p.num_ranks)),
                                       microbatches=[ids[mb].tolist() for mb in pk.microbatches],
                                       est_latency_ms=cost.pipeline_time(mb_times, p)))
+        first_rank += p.num_ranks
     return Plan(strategy=strategy, pipelines=pipelines,
                 est_latency_ms=max((p.est_latency_ms for p in pipelines), default=0.0),
                 solve_ms=(time.perf_counter() - t0) * 1e3,
@@ -152,18 +218,24 @@ def homogeneous_strategies(cost, gpus: int, max_len: int | None = None) -> list[
 def auto_candidates(lengths, cost, gpus: int, max_len: int) -> tuple[list[Strategy], str]:
     """Candidates for ``--strategies auto`` and where they came from.
 
-    Uses ``hgraph.runtime.planner.proposal.propose_strategies`` when it exists; otherwise every
-    homogeneous strategy whose scheme holds ``max_len`` tokens.
+    The strategy proposer's (``hgraph.runtime.planner.proposal.propose_strategies``) when it exists,
+    plus every homogeneous strategy whose scheme holds ``max_len`` tokens: the homogeneous ones
+    cost little to check (the bound prunes most) and keep the choice never worse than the best
+    static strategy.
     """
     try:
         from hgraph.runtime.planner.proposal import propose_strategies  # type: ignore[attr-defined]
     except ImportError:
         propose_strategies = None
+    homogeneous = homogeneous_strategies(cost, gpus, max_len)
+    proposed: list[Strategy] = []
     if propose_strategies is not None:
-        return list(propose_strategies(lengths, cost, gpus, max_len)), "proposal"
-    cands = homogeneous_strategies(cost, gpus, max_len)
+        proposed = list(propose_strategies(lengths, cost, gpus, max_len))
+    cands = list(dict.fromkeys(proposed + homogeneous))
     if not cands:
         raise HGraphError(
-            f"no homogeneous strategy of {gpus} GPUs holds {max_len} tokens with profile {cost.name!r} "
+            f"no strategy of {gpus} GPUs holds {max_len} tokens with profile {cost.name!r} "
             f"(largest MaxLen {cost.largest_max_len()})")
-    return cands, "homogeneous"
+    source = (f"{len(proposed)} proposed + {len(cands) - len(proposed)} homogeneous" if propose_strategies
+              else "homogeneous (no strategy proposer installed)")
+    return cands, source
