@@ -89,8 +89,11 @@ class CommContext:
         self._pending[id(t)] = (t, pending)
 
     def take(self, t: torch.Tensor) -> Optional[PendingWork]:
-        entry = self._pending.pop(id(t), None)
-        return None if entry is None or entry[0] is not t else entry[1]
+        entry = self._pending.get(id(t))
+        if entry is None or entry[0] is not t:
+            return None
+        del self._pending[id(t)]
+        return entry[1]
 
     def detach_work(self, pending: PendingWork) -> None:
         self._detached.append(pending)

@@ -134,6 +134,9 @@ def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend:
     iface = _loopback_interface()
     if iface and backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # N processes share this machine's cores (torchrun does the same): no oversubscription
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         _init_process_group(backend, init_method, rank, world_size, timeout_s, rank)
         out = ref.resolve()(rank, world_size, *args)
