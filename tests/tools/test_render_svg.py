@@ -5,6 +5,7 @@ import os
 import re
 import stat
 import sys
+import time
 import xml.etree.ElementTree as ET
 from itertools import combinations
 
@@ -210,6 +211,17 @@ def test_empty_and_unclustered_graphs():
     root = _svg(g)
     a, b = [_rect(el) for el in root.findall(".//s:g[@class='node']", NS)]
     assert not _overlap(a, _rect(root.find(".//s:g[@class='cluster']", NS)))
+
+
+def test_a_32_layer_model_on_8_ranks_lays_out_in_linear_time():
+    # ~5000 nodes; measured ~0.5 s of CPU here. The bound only catches a quadratic slip, so it is
+    # CPU time (not wall time) and generous.
+    g = synthetic_graph("2xTP2PP2", layers=32)
+    assert len(g.nodes) > 4000
+    start = time.process_time()
+    lay = layout_graph(g)
+    assert time.process_time() - start < 8.0
+    assert len(lay.nodes) == len(g.nodes) and len(lay.clusters) == 2 + 4 + 8
 
 
 def test_a_thousand_node_graph_is_valid_and_complete():
