@@ -192,7 +192,8 @@ def _total_crossings(rows: list[list[int]], next_row: list[int], pos: list[int],
 
 def _order_rows(rows: list[list[int]], rows_by_layer: list[list[int]], next_row: list[int],
                 up: list[list[int]], down: list[list[int]], row_of: list[int], n_items: int) -> int:
-    """Barycentre sweeps down and up; keeps the row orders with the fewest crossings. Returns them."""
+    """Barycentre sweeps down and up, reordering ``rows`` in place; keeps the orders with the fewest
+    crossings seen and returns that count."""
     pos = [0] * n_items
     for row in rows:
         for i, item in enumerate(row):
@@ -216,7 +217,7 @@ def _order_rows(rows: list[list[int]], rows_by_layer: list[list[int]], next_row:
                 for i, item in enumerate(row):
                     pos[item] = i
         if downward:
-            continue  # judge after each down+up pair: half the counting, same choice of best
+            continue  # judged after each down+up pair, which halves the counting
         crossings = _total_crossings(rows, next_row, pos, down, row_of)
         if crossings < best:
             best = crossings

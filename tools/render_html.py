@@ -41,14 +41,14 @@ _SCRIPT = """
   var home = (b && b.width) ? [b.x, b.y, b.width, b.height]
                             : [0, 0, svg.getBBox().width, svg.getBBox().height];
   svg.removeAttribute('width'); svg.removeAttribute('height');
-  svg.setAttribute('preserveAspectRatio', 'xMidYMid meet');
+  svg.setAttribute('preserveAspectRatio', 'xMidYMin meet');  // graphs read top down
   var vb = home.slice();
   function apply() { svg.setAttribute('viewBox', vb.join(' ')); }
   function scale() { var r = svg.getBoundingClientRect(); return Math.max(vb[2] / r.width, vb[3] / r.height); }
   function toSvg(cx, cy) {
     var r = svg.getBoundingClientRect(), s = scale();
     return [vb[0] - (r.width * s - vb[2]) / 2 + (cx - r.left) * s,
-            vb[1] - (r.height * s - vb[3]) / 2 + (cy - r.top) * s];
+            vb[1] + (cy - r.top) * s];
   }
   function zoom(f, cx, cy) {
     var p = (cx === undefined) ? [vb[0] + vb[2] / 2, vb[1] + vb[3] / 2] : toSvg(cx, cy);
