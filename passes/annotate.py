@@ -207,25 +207,37 @@ class _Groups:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _reshape_state(node: fx.Node) -> Optional[str]:
-    """State after a view/reshape of a sharded value: the free (-1) dim must carry the shard."""
-    shape = node.args[1:]
+def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> Optional[str]:
+    """State after a view/reshape of a sharded value, or None when TP would change its meaning.
+
+    The sharded dim may only be split with the free ``-1`` in front (heads) and constant factors
+    behind it (``view(b, t, -1, head_dim)``), or kept whole as the last dim (``reshape(b, t, -1)``,
+    ``view(-1, x.size(-1))``); a constant head count or width is wrong on a TP shard. A symbolic
+    last dim read from a sharded tensor (``local_meta``) is its local width; one read from a whole
+    tensor (``d // heads``) is a constant head dim.
+    """
+    shape = tuple(node.args[1:])
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    ints = [d for d in shape if isinstance(d, int)]
-    if -1 not in ints:
-        return None  # a fixed head count / width breaks under TP
-    return FLAT if shape and shape[-1] == -1 else HEADS
+    if -1 not in [d for d in shape if isinstance(d, int)]:
+        return None
+    last, front = shape[-1], shape[:-1]
+    constant_front = any(isinstance(d, int) and d not in (-1, 1) for d in front)
+    if isinstance(last, int) and last == -1:
+        return None if constant_front else FLAT
+    if isinstance(last, fx.Node) and last in local_meta:
+        return state  # view(-1, x.size(-1)): the sharded dim stays as it is
+    return HEADS  # -1 in front of a constant trailing dim: the free dim holds the heads
 
 
-def _flow(n: fx.Node, states: list[str], name: str) -> Optional[str]:
+def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node]) -> Optional[str]:
     """State of a non-linear op's output given its sharded inputs' states; None = not allowed."""
     if n.op == "call_function" and n.target in ATTENTION_TARGETS:
         return HEADS if len(states) >= 3 and set(states) == {HEADS} else None
     if len(set(states)) != 1:
         return None
     if name in _RESHAPE:
-        return _reshape_state(n)
+        return _reshape_state(n, states[0], local_meta)
     if name in _ELEMENTWISE or name in _LAYOUT:
         return states[0]
     if name in _SLICING:  # slicing the sharded last dim itself would split it unevenly
@@ -253,6 +265,7 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     state: dict[fx.Node, str] = {}     # sharded activations: FLAT / HEADS
     sources: dict[fx.Node, set[fx.Node]] = {}  # column linears a sharded value comes from
     meta_nodes: set[fx.Node] = set()
+    local_meta: set[fx.Node] = set()   # shapes read from sharded values (local sizes under TP)
     data: set[fx.Node] = set()         # activations whose *data* derives from parameters
     block_set = set(blocks)
 
@@ -261,6 +274,8 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             continue
         if is_metadata(n, meta_nodes):
             meta_nodes.add(n)
+            if any(a in state or a in local_meta for a in n.all_input_nodes):
+                local_meta.add(n)
             continue
         if any(a in data or param_of(a, params) is not None for a in n.all_input_nodes):
             data.add(n)
@@ -282,10 +297,13 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
         if not ins:
             continue
         src = set().union(*(sources[a] for a in ins))
-        # a whole activation mixed with a sharded one has the wrong shape under TP
-        whole = [a for a in n.all_input_nodes if a not in state and a in data]
-        new = _flow(n, [state[a] for a in ins], op_name(n))
-        if new is None or whole or any(block_of.get(a) != b for a in ins):
+        new = _flow(n, [state[a] for a in ins], op_name(n), local_meta)
+        # another tensor mixed with a sharded one has the wrong shape under TP, except a
+        # position-only one broadcast over the head dim (rotary tables)
+        others = [a for a in n.all_input_nodes if a not in state and a not in meta_nodes]
+        if new == HEADS:
+            others = [a for a in others if a in data or a.op == "get_attr"]
+        if new is None or others or any(block_of.get(a) != b for a in ins):
             bad.update(src)
             continue
         state[n], sources[n] = new, src

@@ -271,3 +271,57 @@ class MoEBlock(nn.Module):
 def test_outermost_repeated_container_wins_over_larger_nested_one():
     gm = annotated(Stack(MoEBlock))
     assert find_blocks(gm) == ["layers.0", "layers.1"]
+
+
+class ScaledMLP(nn.Module):
+    """A learned per-channel scale on the column output: whole [4d] vs a [4d/TP] shard."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 4 * d)
+        self.gamma = nn.Parameter(torch.ones(4 * d))
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.proj(torch.relu(self.fc(x)) * self.gamma)
+
+
+class HeadsLast(nn.Module):
+    """Heads split with a constant head count and -1 for the head dim: wrong on a TP shard."""
+
+    def __init__(self, d, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.heads, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(a.transpose(1, 2).reshape(b, t, -1))
+
+
+def test_sharded_values_mixed_with_whole_parameters_or_fixed_head_counts_are_replicated():
+    roles = {name: r[1] for name, r in op_roles(annotated(Stack(ScaledMLP))).items()}
+    assert roles["layers.0.fc.weight"] == roles["layers.0.proj.weight"] == TPRole.REPLICATED
+    roles = {name: r[1] for name, r in op_roles(annotated(Stack(HeadsLast))).items()}
+    assert {roles[f"layers.1.{m}.weight"] for m in "qkvo"} == {TPRole.REPLICATED}
+
+
+class FlatMLP(nn.Module):
+    """Tokens flattened with the (local) width read from the sharded tensor: still a column/row pair."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(3 * d, d)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        flat = h.reshape(-1, h.size(-1))
+        return x + self.proj(flat).view(x.shape)
+
+
+def test_flattening_with_the_local_width_keeps_the_pair():
+    roles = {name: r[1] for name, r in op_roles(annotated(Stack(FlatMLP))).items()}
+    assert roles["layers.0.fc.weight"] == TPRole.COLUMN and roles["layers.0.proj.weight"] == TPRole.ROW
