@@ -208,7 +208,7 @@ def improve_dispatch(lengths, pipelines: Sequence[Scheme], cost, result: Dispatc
 
 
 def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result: DispatchResult,
-                  groups: list[_Scheme], of: list[int], rounds: int, max_repacks_per_round: int = 8) -> DispatchResult:
+                  groups: list[_Scheme], of: list[int], rounds: int, max_repacks_per_round: int = 12) -> DispatchResult:
     """Move or swap one document between the slowest pipeline and a faster one, repacking both.
 
     A candidate is first checked on the surrogate (a lower bound of the packing): only moves whose
@@ -271,24 +271,23 @@ def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result
                     break
             if done:
                 break
-            # Swap: a document of p with a cheaper one of q, closest to halving the gap.
+            # Swap: a document of p with a cheaper one of q; the transfers closest to half the gap first.
             want = (top - lat[q]) / 2
-            best = None
-            for i in docs_p[:16]:
+            pairs = []
+            for i in docs_p[:24]:
                 if lens[i] > caps[gq]:
                     continue
                 for e in members[q]:
                     if lens[e] > caps[gp]:
                         continue
                     d = costs[gp][i] - costs[gp][e]
-                    if d <= 0:
-                        continue
-                    score = abs(d - want)
-                    if best is None or score < best[0]:
-                        best = (score, i, e)
-            if best is not None and budget > 0:
+                    if 0 < d < 2 * want:
+                        pairs.append((abs(d - want), i, e))
+            pairs.sort()
+            for _, i, e in pairs[:3]:
+                if budget <= 0:
+                    break
                 budget -= 2
-                _, i, e = best
                 mp = [x for x in members[p] if x != i] + [e]
                 mq = [x for x in members[q] if x != e] + [i]
                 new_p, new_q = repack(p, mp), repack(q, mq)
@@ -298,6 +297,8 @@ def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result
                     lat[p], lat[q] = new_p.latency, new_q.latency
                     done = True
                     break
+            if done:
+                break
         if not done:
             break
     assignment = [np.asarray(sorted(m), dtype=np.int64) for m in members]
