@@ -127,7 +127,7 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
             raise AssertionError(f"unknown TP role {role} of {name}")
         ctx.params[name] = ParamShard(name, shape, dim, (rng,), pad, tp_sharded=True)
         for op in ops:
-            if role == TPRole.VOCAB:
+            if role == TPRole.VOCAB and get_meta(op).op == OpKind.EMBEDDING:   # a tied head is a plain column linear
                 _rewrite_vocab_embedding(op, rng)
             elif role == TPRole.ROW:
                 _move_row_bias(gm, op)
@@ -143,8 +143,6 @@ def _feeds(op: fx.Node, point: CommPoint) -> bool:
 def _rewrite_vocab_embedding(op: fx.Node, rng: tuple[int, int]) -> None:
     if op.target is graph_ops.vocab_parallel_embedding:
         return
-    if get_meta(op).op != OpKind.EMBEDDING:
-        raise AssertionError(f"a vocab-parallel parameter feeds {op.target}, expected an embedding")
     ids, w = op.args[0], op.args[1]
     op.target = graph_ops.vocab_parallel_embedding
     op.args = (ids, w, rng[0], rng[1])
