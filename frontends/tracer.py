@@ -116,10 +116,10 @@ def describe_trace_failure(model: nn.Module, tracer: HGraphTracer, exc: BaseExce
     if frame is not None:
         code = (frame.line or "").strip()
         where.append(f"at {os.path.basename(frame.filename)}:{frame.lineno}" + (f" `{code}`" if code else ""))
-    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    return (f"torch.fx cannot trace {type(model).__name__} {' '.join(where) or ''}: "
-            f"{type(exc).__name__}: {reason}; make that code traceable (a torch.fx.wrap'ped helper, a leaf "
-            "module) or use the torch.export frontend (not available yet)").replace("  ", " ")
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    subject = " ".join([f"torch.fx cannot trace {type(model).__name__}"] + where)
+    return (f"{subject}: {type(exc).__name__}: {reason}; make that code traceable (a torch.fx.wrap'ped "
+            "helper, a leaf module) or use the torch.export frontend (not available yet)")
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:

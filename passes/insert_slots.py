@@ -13,7 +13,9 @@ exactly what the traced one does:
   head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
   produced in a block (or ``pre``) and consumed in another block (the hidden state between blocks).
 
-A slot gets the block / layer of the node it follows (a pp_boundary: of the block it leaves).
+A slot gets the block / layer of the node it follows (a pp_boundary: of the block it leaves), except
+tp_enter and cp_kv, which belong to the op group they feed (the same block unless the input comes
+straight from the previous block, where it must cross the stage boundary first).
 Parameter slots follow the parameter's get_attr, so their block is None: every pipeline stage that
 uses the parameter holds its own copy of them. A graph without parameters, linears or attention
 gets only the slots that apply (possibly none).
@@ -81,20 +83,21 @@ def _comm(point: CommPoint, of: fx.Node) -> NodeMeta:
 
 def insert_tp_slots(gm: fx.GraphModule) -> None:
     graph = gm.graph
-    column_inputs: dict[fx.Node, list[fx.Node]] = {}
+    column_inputs: dict[tuple[fx.Node, Optional[str]], list[fx.Node]] = {}
     for n in list(graph.nodes):
         m = get_meta(n)
         if m.tp_role is None or is_slot(n) or n.op == "get_attr":
             continue
         if m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
-            column_inputs.setdefault(n.args[0], []).append(n)
+            column_inputs.setdefault((n.args[0], m.block), []).append(n)
             if m.block == "post":
                 _slot_after(graph, n, _comm(CommPoint.TP_GATHER, n), list(n.users), f"tp_gather_{n.name}")
         elif (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
                 (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB):
             _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
-    for x, linears in column_inputs.items():
-        _slot_after(graph, x, _comm(CommPoint.TP_ENTER, x), linears, f"tp_enter_{x.name}")
+    for (x, _), linears in column_inputs.items():
+        # the slot belongs to the group it feeds (x may come from the previous block)
+        _slot_after(graph, x, _comm(CommPoint.TP_ENTER, linears[0]), linears, f"tp_enter_{x.name}")
 
 
 def insert_cp_slots(gm: fx.GraphModule) -> None:
@@ -107,7 +110,7 @@ def insert_cp_slots(gm: fx.GraphModule) -> None:
             if not isinstance(value, fx.Node):
                 continue
             with graph.inserting_before(n):
-                slot = _empty_slot(graph, value, _comm(CommPoint.CP_KV, value), f"cp_{key}_{n.name}")
+                slot = _empty_slot(graph, value, _comm(CommPoint.CP_KV, n), f"cp_{key}_{n.name}")
             if len(n.args) > i:
                 n.update_arg(i, slot)
             else:

@@ -161,3 +161,41 @@ def test_non_llama_model_slots_and_equality():
                           "tp_gather": 1, "pp_boundary": 4}
     ids = torch.randint(0, 61, (3, 5))
     assert torch.equal(gm(ids, packed_positions([[5]] * 3)), model(ids))
+
+
+class NoNormBlock(nn.Module):
+    """Column linears read the block input directly (no norm in between)."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class NoNorm(nn.Module):
+    def __init__(self, vocab=30, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList([NoNormBlock(d) for _ in range(2)])
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x @ self.embed.weight.t()
+
+
+def test_tp_enter_on_a_value_from_the_previous_block_stays_with_its_group():
+    model = NoNorm()
+    gm = slotted(model)
+    pps = [n for n in gm.graph.nodes if get_meta(n).comm_point == CommPoint.PP_BOUNDARY]
+    assert len(pps) == 3  # one per boundary, shared by the residual and the tp_enter
+    for n in gm.graph.nodes:
+        if get_meta(n).comm_point == CommPoint.TP_ENTER:
+            assert get_meta(n.args[0]).comm_point == CommPoint.PP_BOUNDARY or get_meta(n).block == "post"
+            assert {get_meta(u).block for u in n.users} == {get_meta(n).block}
+    ids = torch.randint(0, 30, (2, 4))
+    assert torch.equal(gm(ids, packed_positions([[4], [4]])), model(ids))
