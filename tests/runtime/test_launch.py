@@ -37,7 +37,7 @@ def _rank1_killed(rank, world_size):
 
 
 def test_results_come_back_in_rank_order():
-    out = spawn(_sum_of_ranks, 3, args=(10.0,))
+    out = spawn(_sum_of_ranks, 3, args=(10.0,), start_method="spawn")
     assert [o["rank"] for o in out] == [0, 1, 2]
     assert all(o["world"] == 3 and o["backend"] == "gloo" for o in out)
     assert [o["sum"] for o in out] == [30.0, 30.0, 30.0]
