@@ -45,6 +45,8 @@ DUMMY_BUDGET_BASE = 1000
 LONG_EDGE_SPAN = 8  # edges over more layers than this run down the band's gutter instead of dummies
 LANE_GAP = 3.0  # between the vertical lanes of the gutter that carries long edges left without dummies
 MAX_GUTTER_WIDTH = 60.0
+SELF_LOOP_ROOM = 14.0  # kept free at the right of a node that has a self loop
+SELF_LOOP_REACH = 16.0  # control-point distance of that loop; the curve reaches 3/4 of it
 
 
 @dataclass
@@ -301,6 +303,12 @@ def layout_graph(g: RGraph) -> Layout:
     sizes = [_node_size(ln) for ln in lines]
     width = [s[0] for s in sizes]
     height = [s[1] for s in sizes]
+    # A self loop is drawn at the node's right: the node takes that much more room in its row.
+    room = [0.0] * n
+    for e in g.edges:
+        if e.src == e.dst:
+            room[index[e.src]] = SELF_LOOP_ROOM
+    width = [w + r for w, r in zip(width, room)]
 
     succ: list[list[int]] = [[] for _ in range(n)]
     pairs: list[tuple[int, int]] = []
@@ -428,7 +436,8 @@ def layout_graph(g: RGraph) -> Layout:
         y_cursor += layer_height[lay] + LAYER_GAP
     y = [layer_y[layer[i]] for i in range(n_items)]
 
-    nodes = {ids[i]: NodeBox(x[i], y[i], width[i], height[i], lines[i]) for i in range(n)}
+    nodes = {ids[i]: NodeBox(x[i] - room[i] / 2, y[i], width[i] - room[i], height[i], lines[i])
+             for i in range(n)}
 
     # Cluster boxes, children first: around members and sub-clusters, with room for the label on top.
     boxes: dict[tuple[str, ...], ClusterBox] = {}
@@ -457,7 +466,8 @@ def layout_graph(g: RGraph) -> Layout:
     routes: list[EdgeRoute] = []
     for e, (u, v) in zip(g.edges, pairs):
         if u == v:
-            routes.append(EdgeRoute(e, [(x[u], y[u]), (x[u], y[u])]))
+            right = x[u] + width[u] / 2 - room[u]
+            routes.append(EdgeRoute(e, [(right, y[u] - height[u] / 4), (right, y[u] + height[u] / 4)]))
             continue
         a, b = (v, u) if (u, v) in back else (u, v)
         points = [(x[a], y[a] + height[a] / 2)]

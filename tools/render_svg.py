@@ -14,7 +14,7 @@ import subprocess
 
 from hgraph.errors import HGraphError
 from hgraph.tools.graph_layout import (
-    CLUSTER_PAD, FONT_SIZE, LINE_HEIGHT, EdgeRoute, Layout, layout_graph, text_width)
+    CLUSTER_PAD, FONT_SIZE, LINE_HEIGHT, SELF_LOOP_REACH, EdgeRoute, Layout, layout_graph, text_width)
 from hgraph.tools.render_graph import (
     CLUSTER_FILLS, CLUSTER_STROKES, EDGE_COLORS, FONT_FAMILY, KIND_STYLES, RGraph, kinds_present,
     render_dot)
@@ -53,10 +53,11 @@ def _edge_path(points: list[tuple[float, float]]) -> str:
     return " ".join(parts)
 
 
-def _self_loop_path(x: float, y: float, w: float, h: float) -> str:
-    right = x + w / 2
-    return (f"M{_f(right)},{_f(y - h / 4)} C{_f(right + 22)},{_f(y - h)} "
-            f"{_f(right + 22)},{_f(y + h)} {_f(right)},{_f(y + h / 4)}")
+def _self_loop_path(points: list[tuple[float, float]]) -> str:
+    """A loop out of the node's right side and back, inside the room the layout kept for it."""
+    (x0, y0), (x1, y1) = points
+    return (f"M{_f(x0)},{_f(y0)} C{_f(x0 + SELF_LOOP_REACH)},{_f(y0 - 4)} "
+            f"{_f(x1 + SELF_LOOP_REACH)},{_f(y1 + 4)} {_f(x1)},{_f(y1)}")
 
 
 def _legend(g: RGraph, x: float, y: float) -> tuple[list[str], float]:
@@ -116,7 +117,7 @@ def svg_from_layout(g: RGraph, lay: Layout) -> str:
 
     out.append('<g class="edges" fill="none">')
     for route in lay.edges:
-        out.append(_edge_svg(route, lay, dx, dy))
+        out.append(_edge_svg(route, dx, dy))
     out.append("</g>")
 
     out.append('<g class="nodes">')
@@ -140,13 +141,10 @@ def svg_from_layout(g: RGraph, lay: Layout) -> str:
     return "\n".join(out) + "\n"
 
 
-def _edge_svg(route: EdgeRoute, lay: Layout, dx: float, dy: float) -> str:
+def _edge_svg(route: EdgeRoute, dx: float, dy: float) -> str:
     e = route.edge
-    if e.src == e.dst:
-        box = lay.nodes[e.src]
-        d = _self_loop_path(box.x + dx, box.y + dy, box.w, box.h)
-    else:
-        d = _edge_path([(px + dx, py + dy) for px, py in route.points])
+    points = [(px + dx, py + dy) for px, py in route.points]
+    d = _self_loop_path(points) if e.src == e.dst else _edge_path(points)
     dash = ' stroke-dasharray="5,3"' if e.kind == "comm" else ""
     width = "1.4" if e.kind == "comm" else "1"
     path = (f'<path class="edge {e.kind}" data-src="{xml_escape(e.src)}" data-dst="{xml_escape(e.dst)}" '

@@ -10,12 +10,14 @@ import xml.etree.ElementTree as ET
 from itertools import combinations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hgraph.tools.graph_layout as graph_layout
 from hgraph.errors import HGraphError
 from hgraph.tools import render_svg as render_svg_module
 from hgraph.tools.graph_layout import layout_graph
-from hgraph.tools.render_graph import EDGE_COLORS, KIND_STYLES, REdge, RGraph, RNode
+from hgraph.tools.render_graph import EDGE_COLORS, KIND_STYLES, NODE_KINDS, REdge, RGraph, RNode
 from hgraph.tools.render_sample import main as sample_main
 from hgraph.tools.render_sample import synthetic_graph
 from hgraph.tools.render_svg import render_svg
@@ -61,14 +63,16 @@ def test_every_node_drawn_once_with_its_kind_colour_label_and_tooltip(sample):
         assert "".join(el.find("s:text", NS).itertext()) == n.label
 
 
-def test_one_box_per_cluster_nested_and_holding_exactly_its_nodes(sample):
-    g, root = sample
+def _check_geometry(g: RGraph, root: ET.Element) -> None:
+    """One box per cluster path, nested like the paths; every node inside its clusters' boxes and
+    outside every other box; sibling boxes and nodes never overlap; the viewBox covers everything."""
     paths = {n.cluster[:k] for n in g.nodes for k in range(1, len(n.cluster) + 1)}
     clusters = root.findall(".//s:g[@class='cluster']", NS)
     assert sorted(c.get("data-path") for c in clusters) == sorted(" / ".join(p) for p in paths)
     assert all(len(c.findall("s:rect", NS)) == 1 for c in clusters)
     box = {tuple(c.get("data-path").split(" / ")): _rect(c) for c in clusters}
     nodes = {el.get("data-id"): _rect(el) for el in root.findall(".//s:g[@class='node']", NS)}
+    assert sorted(nodes) == sorted(n.id for n in g.nodes)
     for n in g.nodes:
         for k in range(1, len(n.cluster) + 1):
             assert _inside(nodes[n.id], box[n.cluster[:k]]), (n.id, n.cluster[:k])
@@ -82,27 +86,38 @@ def test_one_box_per_cluster_nested_and_holding_exactly_its_nodes(sample):
             assert _inside(a, b)
         else:
             assert not _overlap(a, b), (pa, pb)
-
-
-def test_nodes_do_not_overlap_and_the_viewbox_covers_everything(sample):
-    _, root = sample
-    rects = [_rect(el) for el in root.findall(".//s:g[@class='node']", NS)]
-    rects += [_rect(el) for el in root.findall(".//s:g[@class='cluster']", NS)]
-    nodes = [_rect(el) for el in root.findall(".//s:g[@class='node']", NS)]
-    rows: dict[float, list] = {}
-    for r in nodes:
-        rows.setdefault(r[1], []).append(r)
-    for row in rows.values():
-        row.sort()
-        assert all(a[2] <= b[0] for a, b in zip(row, row[1:]))
-    assert not any(_overlap(a, b) for a, b in combinations(nodes, 2) if a[1] != b[1])
+    for (ia, a), (ib, b) in combinations(nodes.items(), 2):
+        assert not _overlap(a, b), (ia, ib)
     vx, vy, vw, vh = map(float, root.get("viewBox").split())
-    for x0, y0, x1, y1 in rects:
+    for x0, y0, x1, y1 in list(nodes.values()) + list(box.values()):
         assert vx <= x0 and vy <= y0 and x1 <= vx + vw and y1 <= vy + vh
     for path in root.findall(".//s:path[@class]", NS):
         nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", path.get("d"))]
         xs, ys = nums[0::2], nums[1::2]
         assert min(xs) >= vx and max(xs) <= vx + vw and min(ys) >= vy and max(ys) <= vy + vh
+
+
+def test_sample_boxes_nodes_and_viewbox(sample):
+    g, root = sample
+    _check_geometry(g, root)
+
+
+_names = st.sampled_from(["pipeline 0", "pipeline 1", "stage 0", "stage 1", "rank 0", "rank 1", "r"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_random_graphs_keep_every_geometric_promise(data):
+    """Any nesting (nodes directly in a cluster beside its sub-clusters, unclustered nodes), any
+    edges (cycles, self loops, between clusters)."""
+    n = data.draw(st.integers(1, 14))
+    nodes = [RNode(f"n{i}", data.draw(st.text("abc xyz", max_size=14)), data.draw(st.sampled_from(NODE_KINDS)),
+                   tuple(data.draw(st.lists(_names, max_size=3))))
+             for i in range(n)]
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)), max_size=2 * n))
+    edges = [REdge(f"n{a}", f"n{b}", kind=data.draw(st.sampled_from(["data", "comm"]))) for a, b in pairs]
+    g = RGraph("random", nodes, edges)
+    _check_geometry(g, _svg(g))
 
 
 def test_edges_drawn_in_order_comm_dashed_data_solid(sample):
