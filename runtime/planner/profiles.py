@@ -80,8 +80,12 @@ def resolve_profile(ref: str) -> tuple[str, dict[str, Any]]:
     if ref in builtins:
         return ref, validate_profile(ref, builtins[ref], "the built-in profiles")
     path_text, name = ref, None
-    if not Path(ref).exists() and ":" in ref:
-        path_text, name = ref.rsplit(":", 1)
+    if not Path(ref).exists():
+        # PATH:NAME; the name may itself hold ':' (e.g. llama:tiny), so take the first prefix that is a file.
+        for pos in (i for i, ch in enumerate(ref) if ch == ":"):
+            if Path(ref[:pos]).is_file():
+                path_text, name = ref[:pos], ref[pos + 1:]
+                break
     path = Path(path_text)
     if not path.exists():
         raise HGraphError(
