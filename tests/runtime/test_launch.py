@@ -15,7 +15,8 @@ def _sum_of_ranks(rank, world_size, scale):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
     return {"rank": rank, "world": dist.get_world_size(), "backend": dist.get_backend(),
-            "sum": t.item() * scale, "tensor": torch.full((2,), float(rank))}
+            "sum": t.item() * scale, "tensor": torch.full((2,), float(rank)),
+            "env": os.environ.get("HGRAPH_TEST_MARK")}
 
 
 def _rank1_raises(rank, world_size):
@@ -36,12 +37,15 @@ def _rank1_killed(rank, world_size):
     return rank
 
 
-def test_results_come_back_in_rank_order():
-    out = spawn(_sum_of_ranks, 3, args=(10.0,), start_method="spawn")
-    assert [o["rank"] for o in out] == [0, 1, 2]
-    assert all(o["world"] == 3 and o["backend"] == "gloo" for o in out)
-    assert [o["sum"] for o in out] == [30.0, 30.0, 30.0]
-    assert torch.equal(out[2]["tensor"], torch.full((2,), 2.0))
+@pytest.mark.parametrize("start_method, n", [("spawn", 2), ("forkserver", 3)])
+def test_results_come_back_in_rank_order(start_method, n, monkeypatch):
+    monkeypatch.setenv("HGRAPH_TEST_MARK", start_method)  # children see the caller's environment
+    out = spawn(_sum_of_ranks, n, args=(10.0,), start_method=start_method)
+    assert [o["env"] for o in out] == [start_method] * n
+    assert [o["rank"] for o in out] == list(range(n))
+    assert all(o["world"] == n and o["backend"] == "gloo" for o in out)
+    assert [o["sum"] for o in out] == [10.0 * n * (n - 1) / 2] * n
+    assert torch.equal(out[-1]["tensor"], torch.full((2,), float(n - 1)))
 
 
 def test_a_raising_rank_is_named_and_others_are_ended():
