@@ -34,6 +34,13 @@ document can plausibly have matter (``P(max <= L) = F(L)^n >= min_prob``, ``n`` 
 documents per iteration), at most ``max_targets`` of them spread evenly in that probability, plus
 the full context.
 
+**Homogeneous.** The best homogeneous strategy for the full context (by the same pooled score) is
+added: rounding adds one long pipeline at a time and can miss "every pipeline of the long scheme".
+
+**Variants.** Iterations also differ in how many long documents they hold: the full-context
+candidate's neighbours (one pipeline more or fewer of each scheme it uses, budget refitted) are
+added, weighted a quarter of it.
+
 **Candidates.** Distinct strategies (pipelines by descending MaxLen) with the ``L`` range they were
 proposed for and the score at its top (``expected_ms``). When there are more than
 ``max_candidates``, the kept ones are those most likely to be needed, weighted by the probability
@@ -258,8 +265,8 @@ def _min_gpus(table: SchemeTable, prefix: np.ndarray, M: float) -> tuple[np.ndar
     arg_k = np.full(B + 1, -1, dtype=np.int64)
     for l in range(1, B + 1):
         # interval (j, l] on scheme k: G[j] + inv[k, l-1] * (P_k[l] - P_k[j])
-        seg = (prefix[:, l][:, None] - prefix[:, :l]) * inv[:, l - 1][:, None]  # (K, l)
         with np.errstate(invalid="ignore"):
+            seg = (prefix[:, l][:, None] - prefix[:, :l]) * inv[:, l - 1][:, None]  # (K, l)
             tot = G[None, :l] + np.where(np.isfinite(inv[:, l - 1])[:, None], seg, np.inf)
         flat = int(np.argmin(tot))
         k, j = divmod(flat, l)
@@ -317,6 +324,66 @@ def pooled_cost(counts: np.ndarray, intervals: list[tuple[int, int, int]], table
         W[best_k] += prefix[best_k, l] - prefix[best_k, j]
         top[best_k] = max(top[best_k], l - 1)
     return max((finish(int(k), W[k], int(top[k])) for k in present if top[k] >= 0), default=0.0)
+
+
+def balanced_cost(counts: np.ndarray, table: SchemeTable, upto: int, rel_tol: float = 1e-3) -> float:
+    """Latency estimate of integer pipeline ``counts`` on buckets ``0..upto-1`` with work rebalanced.
+
+    Buckets may be split among any present schemes that hold them. For a makespan ``M`` each
+    scheme offers ``d_k * h_k^-1(M)`` of work (its longest document taken as the longest bucket it
+    holds); buckets, longest first, fill the schemes that hold them in increasing MaxLen (keeping
+    long-capable pipelines for long documents). The smallest feasible ``M`` is found by bisection.
+    """
+    ks = sorted((int(k) for k in np.nonzero(counts > 0)[0]), key=lambda k: (int(table.max_len[k]), k))
+    busy = [b for b in range(upto) if table.work[:, b].max() > 0]
+    if not busy:
+        return 0.0
+    if any(not any(table.feasible[k, b] for k in ks) for b in busy):
+        return math.inf
+    top = {k: max((b for b in busy if table.feasible[k, b]), default=-1) for k in ks}
+    work = {k: table.work[k].tolist() for k in ks}
+
+    def feasible(M: float) -> bool:
+        cap = {}
+        for k in ks:
+            t = float(table.longest[k, top[k]]) if top[k] >= 0 else 0.0
+            cap[k] = float(counts[k]) * float(pipeline_capacity(M, table.bubble[k], table.overhead[k], t))
+        for b in reversed(busy):
+            f = 1.0
+            for k in ks:
+                if f <= 1e-12:
+                    break
+                if not table.feasible[k, b] or cap[k] <= 0:
+                    continue
+                w = work[k][b]
+                take = min(f, cap[k] / w) if w > 0 else f
+                cap[k] -= take * w
+                f -= take
+            if f > 1e-9:
+                return False
+        return True
+
+    hi = max(pooled_cost_upper(counts, table, upto, ks, top), 1e-6)
+    if not feasible(hi):
+        return math.inf
+    lo = 0.0
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def pooled_cost_upper(counts: np.ndarray, table: SchemeTable, upto: int, ks: list[int], top: dict) -> float:
+    """A makespan at which everything fits: each bucket's whole work on every present scheme at once."""
+    worst = 0.0
+    total = {k: float(table.work[k, :upto].sum()) for k in ks}
+    for k in ks:
+        t = float(table.longest[k, top[k]]) if top[k] >= 0 else 0.0
+        worst = max(worst, _latency(total[k] / counts[k], float(table.bubble[k]), float(table.overhead[k]), t))
+    return worst
 
 
 def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: int,
@@ -378,12 +445,12 @@ def _order_pipelines(counts: np.ndarray, table: SchemeTable, cluster: Cluster) -
 
 
 def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpus: int,
-           longest: int, holder_options: int = 3) -> tuple[Optional[np.ndarray], float]:
+           longest: int, holder_options: int = 3, top_n: int = 2) -> list[tuple[float, np.ndarray]]:
     """Best integer rounding of fractional pipeline counts ``d`` (module docstring)."""
     K = len(d)
     used = np.nonzero(d > 1e-9)[0]
     options = [sorted({math.floor(d[k]), math.ceil(d[k])}) for k in used]
-    best, best_cost = None, math.inf
+    ranked: dict[tuple, tuple[float, np.ndarray]] = {}
     need = np.zeros(K)
     for j, l, k in intervals:
         need[k] += prefix[k, l] - prefix[k, j]
@@ -410,14 +477,16 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
         if filled is None:
             continue
         c = pooled_cost(filled, intervals, table, prefix)
-        if c < best_cost:
-            best, best_cost = filled, c
-    return best, best_cost
+        key = tuple(filled.tolist())
+        if math.isfinite(c) and (key not in ranked or c < ranked[key][0]):
+            ranked[key] = (c, filled)
+    return sorted(ranked.values(), key=lambda x: x[0])[:top_n]
 
 
 def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[int] = None,
             tokens_per_iter: Optional[int] = None, step: int = DEFAULT_STEP, growth: float = DEFAULT_GROWTH,
-            m_tol: float = 0.01, max_candidates: int = 8, min_prob: float = 1e-3, max_targets: int = 24, schemes: Optional[Sequence[Scheme]] = None) -> Proposal:
+            m_tol: float = 0.01, max_candidates: int = 8, min_prob: float = 1e-3, max_targets: int = 24,
+            per_len: int = 2, schemes: Optional[Sequence[Scheme]] = None) -> Proposal:
     """Candidate strategies for a dataset's lengths, ``gpus`` GPUs and context ``max_len`` (§7)."""
     t0 = time.perf_counter()
     if not isinstance(gpus, (int, np.integer)) or gpus < 1:
@@ -493,14 +562,30 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
         for j, l, k in ivs:
             cap = float(pipeline_capacity(Mstar, table.bubble[k], table.overhead[k], table.longest[k, l - 1]))
             d[k] += (prefix[k, l] - prefix[k, j]) / max(cap, 1e-12)
-        counts, c = _round(d, ivs, table, prefix, gpus, int(hist.upper[L - 1]))
-        if counts is None:
+        for rank, (c, counts) in enumerate(_round(d, ivs, table, prefix, gpus, int(hist.upper[L - 1]),
+                                                  top_n=per_len)):
+            key = tuple(counts.tolist())
+            if rank == 0:
+                pick_at[L] = key
+            e = picks.setdefault(key, {"Ls": [], "M": Mstar, "d": d})
+            e["Ls"].append(L)
+            e.update(M=Mstar, d=d)  # keep the values at the largest L
+    # The best homogeneous strategy for the full context competes too: rounding a relaxed solution
+    # adds one long pipeline at a time and can miss "all pipelines of the long scheme".
+    full_ivs = solved[B][1]
+    homo_best, homo_cost = None, math.inf
+    for k in np.nonzero(table.max_len >= hist.upper[B - 1])[0]:
+        if gpus % int(table.gpus[k]):
             continue
-        key = tuple(counts.tolist())
-        pick_at[L] = key
-        e = picks.setdefault(key, {"Ls": [], "cost": c, "M": Mstar, "d": d})
-        e["Ls"].append(L)
-        e.update(cost=c, M=Mstar, d=d)  # keep the values at the largest L
+        counts = np.zeros(len(table.schemes), dtype=np.int64)
+        counts[k] = gpus // int(table.gpus[k])
+        c = pooled_cost(counts, full_ivs, table, prefix)
+        if c < homo_cost:
+            homo_best, homo_cost = counts, c
+    if homo_best is not None:
+        key = tuple(homo_best.tolist())
+        if key not in picks:
+            picks[key] = {"Ls": [B], "M": solved[B][0], "d": np.zeros(len(table.schemes))}
     if not picks:
         raise HGraphError(f"no strategy of exactly {gpus} GPUs can be formed from the schemes of profile "
                           f"{cost.name!r} (scheme sizes {sorted(set(table.gpus.tolist()))}) that holds {max_len} tokens")
@@ -510,26 +595,57 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
         L = next((L for L in targets if L >= b + 1 and L in pick_at), None)
         owner[b] = pick_at.get(L)
     cands = []
+    keys: dict[str, np.ndarray] = {}
     for key, e in picks.items():
         strat = _order_pipelines(np.asarray(key), table, cluster)
         if strat is None:
             continue
+        keys[str(strat)] = np.asarray(key, dtype=np.int64)
         hi = max(e["Ls"])
         lo = min(e["Ls"])
         prev = [L for L in targets if L < lo]
         cands.append(Candidate(
             strategy=strat,
             len_range=(int(hist.upper[prev[-1] - 1]) if prev else 0, int(hist.upper[hi - 1])),
-            expected_ms=float(e["cost"]), relaxed_ms=float(e["M"]),
+            expected_ms=balanced_cost(np.asarray(key), table, hi), relaxed_ms=float(e["M"]),
             fractional={str(table.schemes[k]): float(e["d"][k]) for k in np.nonzero(e["d"] > 1e-9)[0]},
             weight=float(sum(p_max[b] for b in range(B) if owner[b] == key))))
     if not cands:
         raise HGraphError(f"every proposed strategy of {gpus} GPUs puts a TP group across a node boundary "
                           f"({cluster.gpus_per_node} GPUs per node)")
-    cands.sort(key=lambda c: c.len_range[1])
+    cands.sort(key=lambda c: (c.len_range[1], -c.expected_ms))
     # A candidate is useless when one that holds longer documents is no slower (rounding misses).
     cands = [c for i, c in enumerate(cands)
              if not any(o.expected_ms <= c.expected_ms for o in cands[i + 1:])]
+    # Iterations differ in how many long documents they hold, not only in the longest one: the
+    # full-context candidate's neighbours (one pipeline more or fewer of each scheme it uses, the
+    # budget refitted) join as variants, weighted a quarter of it.
+    full = cands[-1]
+    full_key = keys[str(full.strategy)]
+    need = np.zeros(len(table.schemes))
+    for j, l, k in solved[B][1]:
+        need[k] += prefix[k, l] - prefix[k, j]
+    seen = {str(c.strategy) for c in cands}
+    for k in np.nonzero(full_key > 0)[0]:
+        for step in (1, -1):
+            c = full_key.copy()
+            c[k] += step
+            if c[k] < 0 or not (table.max_len[c > 0] >= hist.upper[B - 1]).any():
+                continue
+            keep = np.zeros_like(c)
+            keep[k] = c[k]
+            fitted = _fit_budget(c, need + (c > 0) * 1e-9, table, gpus, keep)
+            if fitted is None or not (table.max_len[fitted > 0] >= hist.upper[B - 1]).any():
+                continue
+            strat = _order_pipelines(fitted, table, cluster)
+            if strat is None or str(strat) in seen:
+                continue
+            seen.add(str(strat))
+            cands.append(Candidate(strat, full.len_range, balanced_cost(fitted, table, B), full.relaxed_ms,
+                                   {}, full.weight / 4))
+    cands.sort(key=lambda c: (c.len_range[1], -c.expected_ms))
+    cands.remove(full)
+    cands.append(full)  # the full-context candidate stays last
     dropped = 0
     if len(cands) > max_candidates:
         full = cands[-1]

@@ -1,0 +1,428 @@
+"""Simulated training iterations of a length distribution under the cost model: hgraph vs baselines.
+
+Every system sees the same mini-batches: the dataset's documents in a seeded random order, cut into
+mini-batches of ``tokens_per_iter`` tokens in that order (``lengths_io.minibatches``); documents
+longer than the context ``max_len`` are truncated to it (the papers' practice) or dropped. A system's
+iteration latency is the propagation latency of the cost model (``T(l, P) = a l^2 + b l + c`` per
+micro-batch and pipeline stage; a 1F1B pipeline takes ``sum + (PP - 1) * max`` of its micro-batch
+times, WLB-LLM §3.1's critical path, for every system alike (hgraph's plans, chosen with the
+planner's ``(PP - 1 + V) * max`` estimate, are re-estimated this way); slowest pipeline wins);
+optimizer steps and parameter exchanges are the same for all systems and are not modelled, except
+HotSPa's strategy switches. The per-rank spread is ``1 - min/max`` of the pipelines' (or groups')
+busy times in an iteration (Hydraulis Fig. 12b: 0 = every rank finishes together).
+
+Systems (Hydraulis §8.1 / App. F baselines, each tuned over its own strategy space on the simulated
+iterations themselves, i.e. the best static configuration in hindsight):
+
+- ``hgraph``: the candidates of ``proposal.propose`` on the whole dataset, and per iteration P1's
+  ``plan_iteration`` (dispatch across pipelines + packing within them) picks the best candidate.
+- ``megatron``: one homogeneous ``DP x <TP, PP, CP>`` for all iterations (any scheme of the cost
+  model whose MaxLen holds the context); fixed-length packing (documents in order, a micro-batch is
+  closed when the next document would pass ``max_len`` tokens) and even dispatch (micro-batches
+  round-robin over the DP replicas).
+- ``deepspeed``: DeepSpeed-Ulysses: homogeneous ``DP x SP``, where the profiles have no Ulysses
+  measurements, SP degree ``s`` is modelled by the cost model's ``PP = 1`` schemes with
+  ``TP * CP = s`` (the same per-GPU FLOPs split over ``s`` GPUs, all-to-all taken as costing the
+  same as TP/CP's collectives); packing and dispatch as ``megatron``.
+- ``hotspa``: 2 or 3 homogeneous strategies per iteration for length ranges (App. F: below 4K,
+  4K-16K, above 16K, capped at the context), run one after another on all GPUs, each packing its
+  documents to its range's upper length with even dispatch; each switch costs moving the model's
+  bf16 parameters and fp32 gradients (6 bytes per parameter) over all GPUs at
+  ``switch_gb_per_s`` GB/s per GPU (default 10, which gives ~0.5 s per switch for 7B on 8 GPUs,
+  in line with Hydraulis §8.2's ~2 s of switching in a 6.7 s iteration). Ranges and per-range
+  schemes are tuned.
+- ``wlb``: WLB-LLM var-length packing with outlier delay (``wlb.WLBPacker``, 2 queues) on a
+  homogeneous 4D strategy: per iteration ``max(DP, ceil(tokens / max_len))`` micro-batches rounded
+  up to a multiple of DP, each up to the scheme's MaxLen, dealt to replicas heaviest first onto the
+  least loaded (same count each); delayed documents are trained in later iterations and the final
+  flush adds iterations. CP is modelled as balanced by the cost model for every system (WLB's
+  per-document sharding achieves that; the CP imbalance it removes is not charged to anyone).
+- ``dcp``: DCP bucket parallel: every document goes to the smallest-GPU ``PP = 1`` scheme that
+  holds it (its SP size); GPUs are split into groups of each scheme (one group per used scheme,
+  then more to the scheme with the most GPU-time per GPU); documents go longest first to the least
+  loaded group of their scheme, and each group runs its documents as gradient-accumulation steps of
+  micro-batches up to MaxLen tokens, paying ``c`` per step (DCP-inter balances by accumulation
+  counts, Eq. 3; the idle fraction of Eq. 3 is reported); with too few GPUs for one group of each
+  used scheme, schemes run one after another on all GPUs.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.dcp import idle_fraction
+from hgraph.runtime.planner.lengths_io import minibatches
+from hgraph.runtime.planner.wlb import DocLatency, WLBPacker
+from hgraph.strategy import Scheme, Strategy
+
+SYSTEMS = ("hgraph", "megatron", "deepspeed", "hotspa", "wlb", "dcp")
+BASELINES = tuple(s for s in SYSTEMS if s != "hgraph")
+
+
+@dataclass
+class IterationResult:
+    latency_ms: float
+    tokens: int
+    spread: float  # 1 - min/max busy time over pipelines/groups
+
+
+@dataclass
+class SystemResult:
+    """One system over all iterations."""
+
+    system: str
+    config: str
+    iterations: list[IterationResult]
+    solve_ms: float = 0.0
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def total_ms(self) -> float:
+        return float(sum(i.latency_ms for i in self.iterations))
+
+    @property
+    def tokens(self) -> int:
+        return int(sum(i.tokens for i in self.iterations))
+
+    @property
+    def throughput(self) -> float:
+        """Tokens per second."""
+        return self.tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
+
+    def to_json(self) -> dict:
+        lat = [i.latency_ms for i in self.iterations]
+        return {"system": self.system, "config": self.config, "iterations": len(self.iterations),
+                "mean_latency_ms": float(np.mean(lat)) if lat else 0.0,
+                "std_latency_ms": float(np.std(lat)) if lat else 0.0,
+                "latency_ms": lat, "throughput_tokens_per_s": self.throughput,
+                "mean_spread": float(np.mean([i.spread for i in self.iterations])) if lat else 0.0,
+                "solve_ms": self.solve_ms, **({"notes": self.notes} if self.notes else {})}
+
+
+@dataclass
+class Simulation:
+    results: dict[str, SystemResult]
+    iterations: int
+    tokens_per_iter: int
+    gpus: int
+    max_len: int
+
+    def best_baseline(self) -> Optional[SystemResult]:
+        base = [r for s, r in self.results.items() if s != "hgraph"]
+        return max(base, key=lambda r: r.throughput) if base else None
+
+    def speedup(self) -> Optional[float]:
+        """hgraph's throughput over the best baseline's."""
+        best = self.best_baseline()
+        if "hgraph" not in self.results or best is None or best.throughput <= 0:
+            return None
+        return self.results["hgraph"].throughput / best.throughput
+
+    def to_json(self) -> dict:
+        best = self.best_baseline()
+        return {"gpus": self.gpus, "max_len": self.max_len, "tokens_per_iter": self.tokens_per_iter,
+                "iterations": self.iterations,
+                "systems": {s: r.to_json() for s, r in self.results.items()},
+                "best_baseline": best.system if best else None, "speedup_over_best_baseline": self.speedup()}
+
+
+# ---- shared pieces ----------------------------------------------------------------------------
+def sample_minibatches(lengths, tokens_per_iter: int, iters: int, max_len: int, *, seed: int = 0,
+                       long: str = "truncate") -> list[np.ndarray]:
+    """``iters`` mini-batches (arrays of lengths) from a seeded shuffle of the dataset."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if long == "truncate":
+        lengths = np.minimum(lengths, max_len)
+    elif long == "drop":
+        lengths = lengths[lengths <= max_len]
+    else:
+        raise HGraphError(f"long documents must be 'truncate' or 'drop', got {long!r}")
+    if lengths.size == 0:
+        raise HGraphError(f"no document of at most {max_len} tokens")
+    order = np.random.default_rng(seed).permutation(lengths.size)
+    shuffled = lengths[order]
+    need = tokens_per_iter * (iters + 1)
+    upto = int(np.searchsorted(np.cumsum(shuffled), need)) + 1
+    batches = [shuffled[idx] for idx in minibatches(shuffled[:upto], tokens_per_iter)]
+    if len(batches) < iters:
+        raise HGraphError(f"the dataset holds only {len(batches)} mini-batches of {tokens_per_iter} tokens, "
+                          f"fewer than the {iters} iterations asked for")
+    return batches[:iters]
+
+
+def pipeline_ms(mb_times: Sequence[float], scheme: Scheme) -> float:
+    """1F1B critical path (WLB-LLM §3.1): every micro-batch on the first stage plus the largest one
+    through the remaining ``PP - 1`` stages: ``sum + (PP - 1) * max`` (just the sum when PP = 1)."""
+    if len(mb_times) == 0:
+        return 0.0
+    return float(np.sum(mb_times)) + (scheme.pp - 1) * float(np.max(mb_times))
+
+
+def _mb_times(cost, scheme: Scheme, mbs: Sequence[Sequence[int]]) -> np.ndarray:
+    a, b, c = cost.coeffs(scheme)
+    return np.asarray([float(np.sum(a * np.square(np.asarray(m, dtype=np.float64)) + b * np.asarray(m))) + c
+                       for m in mbs])
+
+
+def fixed_length_pack(lengths: np.ndarray, cap: int) -> list[list[int]]:
+    """Documents in order into micro-batches of at most ``cap`` tokens (closed when the next won't fit)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    tok = 0
+    for l in lengths.tolist():
+        if cur and tok + l > cap:
+            out.append(cur)
+            cur, tok = [], 0
+        cur.append(l)
+        tok += l
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _even_dispatch_latency(cost, scheme: Scheme, dp: int, mbs: list[list[int]]) -> tuple[float, float]:
+    """Round-robin micro-batches over ``dp`` replicas: (iteration latency, spread)."""
+    if not mbs:
+        return 0.0, 0.0
+    t = _mb_times(cost, scheme, mbs)
+    lat = []
+    for r in range(dp):
+        mine = t[r::dp]
+        lat.append(pipeline_ms(mine, scheme))
+    return max(lat), _spread(lat)
+
+
+def _spread(busy: Sequence[float]) -> float:
+    busy = [b for b in busy]
+    mx = max(busy) if busy else 0.0
+    return 0.0 if mx <= 0 else 1.0 - min(busy) / mx
+
+
+def homogeneous_space(cost, gpus: int, longest: int, pp1_only: bool = False) -> list[Scheme]:
+    """Schemes of the cost model that tile ``gpus`` and hold ``longest`` tokens."""
+    return [s for s in cost.schemes if gpus % s.num_ranks == 0 and cost.max_len(s) >= longest
+            and (not pp1_only or s.pp == 1)]
+
+
+def _tune(space: Sequence, run: Callable[[object], SystemResult], what: str) -> SystemResult:
+    best = None
+    for cfg in space:
+        r = run(cfg)
+        if best is None or r.total_ms < best.total_ms:
+            best = r
+    if best is None:
+        raise HGraphError(f"no {what} configuration holds the context length")
+    return best
+
+
+# ---- systems ------------------------------------------------------------------------------------
+def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int,
+                    gpus_per_node: int) -> SystemResult:
+    from hgraph.runtime.planner.proposal import propose
+    from hgraph.runtime.planner.selection import plan_iteration
+
+    t0 = time.perf_counter()
+    prop = propose(dataset, cost, gpus, max_len, gpus_per_node=gpus_per_node, tokens_per_iter=tokens_per_iter)
+    propose_ms = (time.perf_counter() - t0) * 1e3
+    iters, chosen, solve = [], {}, 0.0
+    for i, b in enumerate(batches):
+        plan = plan_iteration(b, prop.strategies, cost, index=i)
+        solve += plan.solve_ms
+        # Re-estimated with the simulator's pipeline formula, the same for every system.
+        busy = [pipeline_ms(_mb_times(cost, p.scheme, [[plan.doc_lengths[d] for d in mb] for mb in p.microbatches]),
+                            p.scheme) for p in plan.pipelines]
+        iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
+        chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
+    return SystemResult("hgraph", f"{len(prop.strategies)} proposed candidates", iters, solve,
+                        {"candidates": [str(s) for s in prop.strategies], "chosen": chosen,
+                         "propose_ms": propose_ms})
+
+
+def simulate_homogeneous(name: str, batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]) -> SystemResult:
+    def run(s: Scheme) -> SystemResult:
+        dp = gpus // s.num_ranks
+        its = []
+        for b in batches:
+            lat, spread = _even_dispatch_latency(cost, s, dp, fixed_length_pack(b, max_len))
+            its.append(IterationResult(lat, int(b.sum()), spread))
+        return SystemResult(name, str(Strategy.homogeneous(dp, s)), its)
+    return _tune(space, run, name)
+
+
+def simulate_hotspa(batches, cost, gpus: int, max_len: int, switch_gb_per_s: float = 10.0) -> SystemResult:
+    m = cost.model
+    params = 12 * m.layers * m.hidden ** 2 + 2 * m.vocab * m.hidden
+    switch_ms = params * 6 / (gpus * switch_gb_per_s * 1e9) * 1e3
+    range_sets = sorted({tuple(sorted({min(x, max_len) for x in r})) for r in
+                         ([max_len], [4096, max_len], [4096, 16384, max_len])})
+    best = None
+    for bounds in range_sets:
+        lo = 0
+        per_range = []
+        for hi in bounds:
+            space = homogeneous_space(cost, gpus, hi)
+            sub = [b[(b > lo) & (b <= hi)] for b in batches]
+            if not space:
+                per_range = None
+                break
+            r = simulate_homogeneous("hotspa", sub, cost, gpus, hi, space)
+            per_range.append((hi, r))
+            lo = hi
+        if per_range is None:
+            continue
+        its = []
+        for i, b in enumerate(batches):
+            parts = [r.iterations[i] for _, r in per_range if r.iterations[i].tokens > 0]
+            lat = sum(p.latency_ms for p in parts) + switch_ms * max(len(parts) - 1, 0)
+            # Ranks idle inside each phase: weight each phase's spread by its duration.
+            spread = sum(p.spread * p.latency_ms for p in parts) / lat if lat > 0 else 0.0
+            its.append(IterationResult(lat, int(b.sum()), spread))
+        cfg = ", ".join(f"<={hi}: {r.config}" for hi, r in per_range)
+        res = SystemResult("hotspa", cfg, its, notes={"switch_ms": switch_ms})
+        if best is None or res.total_ms < best.total_ms:
+            best = res
+    if best is None:
+        raise HGraphError("no HotSPa configuration holds the context length")
+    return best
+
+
+def simulate_wlb(batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]) -> SystemResult:
+    def run(s: Scheme) -> SystemResult:
+        dp = gpus // s.num_ranks
+        lat = DocLatency.from_cost_model(cost, s)
+        cap = cost.max_len(s)
+        tokens = max(int(max(b.sum() for b in batches)), 1)
+        n_mb = max(dp, -(-tokens // max_len))
+        n_mb = -(-n_mb // dp) * dp
+        packer = WLBPacker(lat, n_mb, max_len, capacity=cap)
+        its = []
+        start = 0
+        emitted = []
+        for b in batches:
+            emitted.append(packer.push(b, np.arange(start, start + b.size)))
+            start += b.size
+        emitted += packer.flush()
+        all_lengths = np.concatenate(batches)
+        for pb in emitted:
+            mbs = [[int(all_lengths[i]) for i in mb] for mb in pb.microbatches if mb]
+            t = _mb_times(cost, s, mbs)
+            order = np.argsort(-t)
+            load = [[] for _ in range(dp)]
+            for j, k in enumerate(order.tolist()):  # heaviest first, least loaded replica, equal counts
+                r = min((r for r in range(dp) if len(load[r]) < -(-len(mbs) // dp)),
+                        key=lambda r: sum(load[r]))
+                load[r].append(float(t[k]))
+            busy = [pipeline_ms(x, s) for x in load]
+            its.append(IterationResult(max(busy), int(sum(sum(m) for m in mbs)), _spread(busy)))
+        return SystemResult("wlb", str(Strategy.homogeneous(dp, s)), its,
+                            notes={"mean_delay_iters": packer.stats.mean_delay(),
+                                   "extra_flush_iterations": len(emitted) - len(batches)})
+    return _tune(space, run, "WLB-LLM")
+
+
+def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
+    pp1 = sorted((s for s in cost.schemes if s.pp == 1 and gpus % s.num_ranks == 0),
+                 key=lambda s: (s.num_ranks, -cost.max_len(s)))
+    # The SP size of a length: the smallest PP=1 scheme that holds it, best GPU-time among equals.
+    holders = []
+    for s in pp1:
+        if any(h.num_ranks == s.num_ranks for h in holders):
+            continue
+        same = [x for x in pp1 if x.num_ranks == s.num_ranks]
+        holders.append(min(same, key=lambda x: (-cost.max_len(x), cost.coeffs(x)[1])))
+    holders = [h for h in holders if cost.max_len(h) > 0]
+    if not holders or max(cost.max_len(h) for h in holders) < max_len:
+        raise HGraphError("no PP=1 scheme holds the context length (DCP needs sequence-parallel schemes)")
+    its = []
+    idle = []
+    for b in batches:
+        by_scheme: dict[Scheme, list[int]] = {}
+        for l in sorted(b.tolist(), reverse=True):
+            s = next(h for h in holders if cost.max_len(h) >= l)
+            by_scheme.setdefault(s, []).append(l)
+        work = {s: float(cost.seq_time(np.asarray(ls), s).sum()) * s.num_ranks for s, ls in by_scheme.items()}
+        need = sum(s.num_ranks for s in by_scheme)
+        if need <= gpus:
+            # GPUs split in proportion to each SP size's GPU-time, at least one group each.
+            groups = {s: 1 for s in by_scheme}
+            left = gpus - need
+            while True:
+                fits = [s for s in by_scheme if s.num_ranks <= left and groups[s] < len(by_scheme[s])]
+                if not fits:
+                    break
+                s = max(fits, key=lambda s: work[s] / (groups[s] * s.num_ranks))
+                groups[s] += 1
+                left -= s.num_ranks
+            phases = [(by_scheme, groups)]
+        else:  # one SP size after another, each on all GPUs
+            phases = [({s: ls}, {s: min(gpus // s.num_ranks, len(ls))}) for s, ls in by_scheme.items()]
+        lat, busy_all, steps, per_gpu, weighted = 0.0, [], [], [], 0.0
+        for members, groups in phases:
+            busy = []
+            for s, ls in members.items():
+                busy_s, cnt = _accumulate(cost, s, ls, groups[s])
+                busy += busy_s
+                steps += cnt
+                per_gpu += [s.num_ranks] * len(busy_s)
+            lat += max(busy)
+            weighted += _spread(busy) * max(busy)
+            busy_all += busy
+        idle.append(idle_fraction([bz / max(c, 1) for bz, c in zip(busy_all, steps)], steps, per_gpu))
+        its.append(IterationResult(lat, int(b.sum()), weighted / lat if lat else 0.0))
+    return SystemResult("dcp", "SP per length: " + ", ".join(f"{h}<={cost.max_len(h)}" for h in holders), its,
+                        notes={"mean_idle_fraction": float(np.mean(idle)) if idle else None})
+
+
+def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[list[float], list[int]]:
+    """Documents longest first onto the least loaded of ``groups`` SP groups; each group runs its
+    documents as gradient-accumulation steps of micro-batches up to MaxLen tokens (DCP-inter's
+    balancing by accumulation counts). Returns per-group busy time (ms) and step counts."""
+    a, b, c = cost.coeffs(scheme)
+    cap = cost.max_len(scheme)
+    load = [0.0] * groups
+    toks = [0] * groups
+    for l in sorted(lengths, reverse=True):
+        j = min(range(groups), key=lambda g: load[g] + c * (-(-(toks[g] + l) // cap)))
+        load[j] += a * l * l + b * l
+        toks[j] += l
+    steps = [-(-t // cap) for t in toks]
+    return [ld + c * st for ld, st in zip(load, steps)], steps
+
+
+def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters: int, *,
+             systems: Sequence[str] = SYSTEMS, seed: int = 0, gpus_per_node: int = 8,
+             long: str = "truncate", switch_gb_per_s: float = 10.0) -> Simulation:
+    """Run ``iters`` iterations of every system in ``systems`` (module docstring)."""
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
+    if iters < 1 or tokens_per_iter < 1:
+        raise HGraphError(f"iterations and tokens per iteration must be positive, got {iters}, {tokens_per_iter}")
+    if cost.largest_max_len() < max_len:
+        raise HGraphError(f"the context length {max_len} is longer than every scheme's MaxLen on {gpus} GPUs "
+                          f"(largest {cost.largest_max_len()})")
+    dataset = np.minimum(np.asarray(lengths, dtype=np.int64), max_len) if long == "truncate" else \
+        np.asarray(lengths, dtype=np.int64)[np.asarray(lengths) <= max_len]
+    batches = sample_minibatches(lengths, tokens_per_iter, iters, max_len, seed=seed, long=long)
+    results: dict[str, SystemResult] = {}
+    for name in systems:
+        if name == "hgraph":
+            results[name] = simulate_hgraph(batches, cost, gpus, max_len, dataset, tokens_per_iter, gpus_per_node)
+        elif name == "megatron":
+            results[name] = simulate_homogeneous("megatron", batches, cost, gpus, max_len,
+                                                 homogeneous_space(cost, gpus, max_len))
+        elif name == "deepspeed":
+            results[name] = simulate_homogeneous("deepspeed", batches, cost, gpus, max_len,
+                                                 homogeneous_space(cost, gpus, max_len, pp1_only=True))
+        elif name == "hotspa":
+            results[name] = simulate_hotspa(batches, cost, gpus, max_len, switch_gb_per_s)
+        elif name == "wlb":
+            results[name] = simulate_wlb(batches, cost, gpus, max_len, homogeneous_space(cost, gpus, max_len))
+        elif name == "dcp":
+            results[name] = simulate_dcp(batches, cost, gpus, max_len)
+    return Simulation(results, iters, int(tokens_per_iter), int(gpus), int(max_len))
