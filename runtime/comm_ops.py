@@ -68,8 +68,9 @@ class CommContext:
     comm_stream: Any = None
     bindings: dict = field(default_factory=dict)
     param_sync: Any = None
-    _pending: dict = field(default_factory=dict)   # id(issued tensor) -> (tensor, PendingWork)
-    _detached: list = field(default_factory=list)  # sends issued in backward
+    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
+    _pending: dict = field(default_factory=dict, init=False, repr=False)
+    _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
 
     @classmethod
     def single(cls, device: Optional[torch.device] = None) -> "CommContext":

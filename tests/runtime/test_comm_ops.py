@@ -3,8 +3,11 @@
 Every check compares with the unsharded computation done locally in fp32. Tolerance: the sharded
 sums only reorder fp32 additions, so values and gradients agree to rtol 1e-5, atol 1e-6.
 """
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
@@ -101,10 +104,24 @@ def _pipeline(comm, rank):
             "pending": comm.num_pending()}
 
 
+def _issue_does_not_block(comm, rank):
+    """Rank 1 joins the all-reduce 1.5 s late: rank 0's issue returns at once, its wait blocks."""
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.5)
+    start = time.monotonic()
+    issued = tp_reduce_issue(comm, torch.ones(4), [0, 1]) if rank < 2 else None
+    issued_s = time.monotonic() - start
+    out = comm_wait(comm, issued) if rank < 2 else None
+    waited_s = time.monotonic() - start - issued_s
+    return {"issue_s": issued_s, "wait_s": waited_s, "sum": None if out is None else out.tolist()}
+
+
 def _worker(rank, world_size):
     comm = CommContext.from_default_group()
     comm.groups.ensure([[0, 1], [2, 3]])
-    return {"tp": _tp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank)}
+    return {"tp": _tp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
+            "async": _issue_does_not_block(comm, rank)}
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +133,12 @@ def test_tp_mlp_matches_unsharded(results):
     for out in results:
         assert out["tp"] == {"y": True, "dx": True, "dw1": True, "dw2": True, "busy": True,
                              "pending": 0}
+
+
+def test_issue_returns_before_the_collective_completes(results):
+    early = results[0]["async"]
+    assert early["sum"] == [2.0] * 4
+    assert early["issue_s"] < 0.75 < early["wait_s"]
 
 
 def test_uneven_gather_and_its_backward(results):
