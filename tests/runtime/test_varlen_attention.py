@@ -47,7 +47,7 @@ def _masked_softmax(q, k, v, lengths, scale):
 
 
 def _grads(out, tensors, seed):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device)
     return torch.autograd.grad((out * w).sum(), tensors)
 
 
@@ -93,3 +93,19 @@ def test_cpu_backend_and_clear_errors():
         varlen_attention(q, k, v, [0, 5], enable_gqa=True, backend="flash_attn")
     with pytest.raises(HGraphError, match=r"expects q, k, v as \[1, H, T, D\]"):
         varlen_attention(q[0], k, v, [0, 5])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen kernels need CUDA")
+def test_cuda_varlen_kernel_matches_the_sdpa_loop():
+    lengths = [37, 5, 64, 1, 20]
+    q, k, v = (t.detach().cuda().to(torch.bfloat16).requires_grad_()
+               for t in _qkv(lengths, 4, 2, 64, 0))
+    cu = cu_seqlens_for(lengths, device="cuda")
+    backend = available_backend(q)
+    assert backend in ("flash_attn", "torch_varlen")
+    out = varlen_attention(q, k, v, cu, enable_gqa=True)
+    ref = varlen_attention(q, k, v, cu, enable_gqa=True, backend="sdpa_loop")
+    bf16 = dict(atol=2e-2, rtol=2e-2)  # two bf16 kernels with different blockings
+    torch.testing.assert_close(out, ref, **bf16)
+    for got, want in zip(_grads(out.float(), (q, k, v), 0), _grads(ref.float(), (q, k, v), 0)):
+        torch.testing.assert_close(got, want, **bf16)
