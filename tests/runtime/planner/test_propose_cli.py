@@ -1,0 +1,53 @@
+"""``hgraph propose``: JSON output, human output, errors."""
+import json
+
+import numpy as np
+import pytest
+
+from hgraph.strategy import Strategy
+from hgraph.tools.cli import main
+
+
+@pytest.fixture()
+def lengths_file(tmp_path):
+    rng = np.random.default_rng(0)
+    lens = np.minimum(rng.lognormal(6.5, 1.5, size=5000).astype(int) + 1, 100000)
+    p = tmp_path / "lengths.txt"
+    p.write_text("\n".join(map(str, lens)) + "\n")
+    return p
+
+
+def test_json(lengths_file, capsys):
+    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "16",
+                 "--max-len", "32768", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpus"] == 16 and out["max_len"] == 32768 and out["candidates"]
+    for c in out["candidates"]:
+        s = Strategy.parse(c["strategy"])
+        assert s.num_ranks == 16 and c["expected_ms"] > 0 and c["len_range"][1] <= 32768
+    assert out["candidates"][-1]["len_range"][1] == 32768
+
+
+def test_human(lengths_file, capsys):
+    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+                 "--max-len", "16384"]) == 0
+    text = capsys.readouterr().out
+    assert "candidates" in text and "expected ms" in text
+
+
+def test_errors(lengths_file, tmp_path, capsys):
+    base = ["propose", "--lengths", str(lengths_file), "--gpus", "8"]
+    assert main(base + ["--profile", "llama-99b", "--max-len", "4096"]) == 2
+    assert "unknown profile" in capsys.readouterr().err
+    # A context longer than any scheme holds: name the longest document and the largest MaxLen.
+    assert main(base + ["--profile", "llama-7b", "--max-len", "10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "largest MaxLen" in err and err.count("\n") == 1
+    assert main(base + ["--profile", "llama-7b", "--max-len", "10000000", "--long", "truncate", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["propose", "--lengths", str(lengths_file), "--gpus", "1", "--profile", "llama-7b",
+                 "--max-len", "4096"]) == 2
+    assert "no scheme" in capsys.readouterr().err
+    empty = tmp_path / "e.txt"
+    empty.write_text("")
+    assert main(["propose", "--lengths", str(empty), "--gpus", "8", "--profile", "llama-7b", "--max-len", "4096"]) == 2
