@@ -9,7 +9,8 @@ The canonical form (the contract of ``hgraph.frontends.fx_frontend.trace``):
   feeding a functional op; leaf ``nn.Linear`` / ``nn.Embedding`` / ``nn.LayerNorm`` calls become
   ``F.linear`` / ``F.embedding`` / ``F.layer_norm``; ``x @ w.t()`` and ``addmm(b, x, w.t())`` with a
   2-D parameter ``w`` become ``F.linear(x, w[, b])``;
-* attention stays a ``call_function`` to ``F.scaled_dot_product_attention``;
+* attention stays a ``call_function`` to ``F.scaled_dot_product_attention``, which must be causal
+  with no mask (packing makes it block-diagonal per document; any other attention is rejected);
 * the output is a single tensor (a one-element tuple, or a dict / tuple holding ``logits``, is
   unwrapped).
 
@@ -54,6 +55,7 @@ def canonicalize_graph(graph: fx.Graph, model: nn.Module, traced_inputs: list[st
     _rewrite_matmuls(graph, model)
     _split_parameter_uses(graph, model)
     _single_output(graph, model)
+    _check_attention(graph)
     graph.lint()
 
 
@@ -231,3 +233,18 @@ def _single_output(graph: fx.Graph, model: nn.Module) -> None:
         raise TraceError(f"{type(model).__name__}.forward returns {type(value).__name__}; hgraph needs a "
                          "single logits tensor (or a one-element tuple / a dict with 'logits')")
     out.args = (value,)
+
+
+def _check_attention(graph: fx.Graph) -> None:
+    """Every SDPA call must be causal without an explicit mask (the packing contract)."""
+    for n in graph.nodes:
+        if n.op != "call_function" or n.target is not F.scaled_dot_product_attention:
+            continue
+        mask = n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None)
+        causal = n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)
+        if mask is not None or causal is not True:
+            stack = [path for path, _ in (n.meta.get(STACK_KEY) or {}).values()]
+            where = f"in module '{stack[-1]}'" if stack else "at the top level"
+            raise TraceError(f"attention {where} is scaled_dot_product_attention with "
+                             f"{'an attn_mask' if mask is not None else 'is_causal=False'}; hgraph trains "
+                             "causal language models: call it with is_causal=True and no mask")

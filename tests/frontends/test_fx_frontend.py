@@ -219,3 +219,19 @@ def test_bad_signatures_and_outputs():
         trace(lambda x: x)
     with pytest.raises(TraceError, match="leaf_modules must be"):
         trace(NoPositions(), leaf_modules=(int,))
+
+
+class Bidirectional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.layers[0](self.embed(input_ids)).unsqueeze(1)
+        return F.scaled_dot_product_attention(x, x, x).squeeze(1)
+
+
+def test_non_causal_attention_is_rejected():
+    with pytest.raises(TraceError, match="is_causal=False; hgraph trains causal language models"):
+        trace(Bidirectional())
