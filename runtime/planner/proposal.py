@@ -135,6 +135,19 @@ def _latency(S: float, k: float, c: float, t: float) -> float:
     return (k + v) * (max(S / v, t) + c)
 
 
+def _capacity(M: float, k: float, c: float, t: float) -> float:
+    """Scalar ``pipeline_capacity``."""
+    if M < (k + 1) * (t + c):
+        return 0.0
+    best = 0.0
+    cands = [t * (M / (t + c) - k) if t + c > 0 else 0.0, max(math.sqrt(M) - math.sqrt(k * c), 0.0) ** 2,
+             M / (k + 1) - c]
+    for S in cands:
+        if S > best and _latency(S, k, c, t) <= M * (1 + 1e-9):
+            best = S
+    return best
+
+
 def pipeline_capacity(M, k, c, t):
     """Largest ``S`` with ``pipeline_latency(S, k, c, t) <= M`` (0 when even ``S -> 0`` exceeds M). Vectorised."""
     M, k, c, t = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (M, k, c, t)))
@@ -342,12 +355,14 @@ def balanced_cost(counts: np.ndarray, table: SchemeTable, upto: int, rel_tol: fl
         return math.inf
     top = {k: max((b for b in busy if table.feasible[k, b]), default=-1) for k in ks}
     work = {k: table.work[k].tolist() for k in ks}
+    bub = {k: float(table.bubble[k]) for k in ks}
+    ovh = {k: float(table.overhead[k]) for k in ks}
 
     def feasible(M: float) -> bool:
         cap = {}
         for k in ks:
             t = float(table.longest[k, top[k]]) if top[k] >= 0 else 0.0
-            cap[k] = float(counts[k]) * float(pipeline_capacity(M, table.bubble[k], table.overhead[k], t))
+            cap[k] = float(counts[k]) * _capacity(M, bub[k], ovh[k], t)
         for b in reversed(busy):
             f = 1.0
             for k in ks:
@@ -401,9 +416,10 @@ def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: 
     kp = [int(x) for x in keep]
     K = len(c)
     used = sum(ci * si for ci, si in zip(c, size))
+    active = [k for k in range(K) if c[k] > kp[k]]
     while used > gpus:
         best, score = -1, math.inf
-        for k in range(K):
+        for k in active:
             if c[k] <= kp[k]:
                 continue
             sc = 0.0 if nd[k] <= 0 else (nd[k] / (c[k] - 1) if c[k] > 1 else 1e30 + nd[k])
@@ -414,10 +430,11 @@ def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: 
         c[best] -= 1
         used -= size[best]
     left = gpus - used
+    wanted = [k for k in range(K) if nd[k] > 0]
     while left > 0:
         best, score = -1, -math.inf
-        for k in range(K):
-            if size[k] <= left and nd[k] > 0 and nd[k] / (c[k] + 1) > score:
+        for k in wanted:
+            if size[k] <= left and nd[k] / (c[k] + 1) > score:
                 best, score = k, nd[k] / (c[k] + 1)
         if best < 0:
             fits = [k for k in range(K) if size[k] <= left]
