@@ -17,6 +17,7 @@ A document only goes to pipelines whose MaxLen holds it.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import time
@@ -28,6 +29,14 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.packing import CPSAT_UNITS_PER_MS, PackResult, microbatch_range, pack_pipeline
 from hgraph.strategy import Scheme
+
+
+# Mini-batches of at most this many documents also try SMALL_RESTARTS random-order greedy passes.
+SMALL_RESTART_DOCS = 64
+SMALL_RESTARTS = 16
+SMALL_RESTARTS_IMPROVED = 4  # the best passes that get the local search
+# Pipelines with at most this many documents also try 2-for-0/1/2 and 1-for-2 exchanges.
+SMALL_EXCHANGE_DOCS = 40
 
 
 @dataclass
@@ -140,15 +149,54 @@ def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: st
 
 # ---- fast: surrogate greedy + real-packing local search ------------------------------------------
 def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
-                  improve_rounds: int | None = None, polish: bool = True) -> DispatchResult:
+                  improve_rounds: int | None = None, polish: bool = True, restarts: int | None = None,
+                  seed: int = 0) -> DispatchResult:
     """Longest-first greedy on the packing surrogate, then local search on the real packing.
 
-    ``polish=False`` (screening many candidates): no packing local search and no dispatch local
-    search; ``improve_dispatch`` finishes such a result later.
+    Small cases (at most ``SMALL_RESTART_DOCS`` documents) also try ``restarts`` (default
+    ``SMALL_RESTARTS``) greedy passes in random document orders and keep the best packed one:
+    near-balanced partitions of few documents depend on the order more than on the moves.
+    ``polish=False`` (screening many candidates): no restarts, no packing or dispatch local search;
+    ``improve_dispatch`` finishes such a result later.
     """
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
+    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+    result = _greedy(lengths, pipelines, cost, groups, of, order, polish)
+    if len(groups) > 1:  # heterogeneous: the MaxLen-aware rule may avoid high floors on small pipelines
+        # Fill towards the work bound (rank-ms of every document at its cheapest / all ranks).
+        ranks = sum(p.num_ranks for p in pipelines)
+        work = np.min(np.stack([np.where(lengths <= g.cap, g.t * g.scheme.num_ranks, np.inf) for g in groups]), axis=0)
+        other = _greedy(lengths, pipelines, cost, groups, of, order, polish, rule="fill",
+                        target=float(work.sum()) / ranks)
+        if other.latency < result.latency:
+            result = other
+    if restarts is None:
+        restarts = SMALL_RESTARTS if len(lengths) <= SMALL_RESTART_DOCS and len(pipelines) > 1 else 0
+    starts = [result]
+    if polish and restarts > 0:
+        rng = np.random.default_rng(seed)
+        for _ in range(restarts):
+            starts.append(_greedy(lengths, pipelines, cost, groups, of, rng.permutation(len(lengths)).tolist(), polish))
+        starts.sort(key=lambda r: r.latency)
+        starts = starts[:SMALL_RESTARTS_IMPROVED]
+    if polish and (improve_rounds is None or improve_rounds > 0):
+        starts = [improve_dispatch(lengths, pipelines, cost, r, rounds=improve_rounds) for r in starts]
+    return min(starts, key=lambda r: r.latency)
+
+
+def _greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, groups: list[_Scheme], of: list[int],
+            order: list[int], polish: bool, rule: str = "lpt", target: float = 0.0) -> DispatchResult:
+    """One greedy pass in ``order``, then packing. Each document goes, per scheme, to the pipeline
+    with the smallest surrogate (one heap per distinct scheme); across schemes ``rule`` decides:
+    ``lpt``: the smallest surrogate after taking it; ``fill``: the scheme with the largest MaxLen
+    whose surrogate stays within ``max(target, current maximum)`` (as Alg. 1 does), else the
+    smallest. ``fill``
+    keeps long documents off small pipelines, where they would set a high floor early."""
     D = len(pipelines)
+    fill = rule == "fill"
+    group_order = sorted(range(len(groups)), key=lambda gi: -groups[gi].cap) if fill else range(len(groups))
+    cur_max = target
     S = [0.0] * D
     L = [0] * D
     tmax = [0.0] * D
@@ -163,10 +211,10 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
     lens = lengths.tolist()
     caps = [g.cap for g in groups]
     costs = [g.t.tolist() for g in groups]
-    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+    for i in order:
         li = lens[i]
         best_val, best_j = math.inf, -1
-        for gi, g in enumerate(groups):
+        for gi in group_order:
             if li > caps[gi]:
                 continue
             h = heaps[gi]
@@ -174,10 +222,15 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
                 heapq.heappop(h)
             j = h[0][1]
             t = costs[gi][i]
-            val = g.estimate(S[j] + t, L[j] + li, max(tmax[j], t), n[j] + 1)
+            val = groups[gi].estimate(S[j] + t, L[j] + li, max(tmax[j], t), n[j] + 1)
+            if fill and val <= cur_max:
+                best_val, best_j = val, j
+                break
             if val < best_val:
                 best_val, best_j = val, j
         j = best_j
+        if best_val > cur_max:
+            cur_max = best_val
         g = of[j]
         t = costs[g][i]
         S[j] += t; L[j] += li; n[j] += 1
@@ -185,10 +238,7 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
         est[j] = best_val
         members[j].append(i)
         heapq.heappush(heaps[g], (best_val, j))
-    result = _finish(lengths, pipelines, cost, members, polish=polish)
-    if polish and (improve_rounds is None or improve_rounds > 0):
-        result = improve_dispatch(lengths, pipelines, cost, result, rounds=improve_rounds)
-    return result
+    return _finish(lengths, pipelines, cost, members, polish=polish)
 
 
 def improve_dispatch(lengths, pipelines: Sequence[Scheme], cost, result: DispatchResult, *,
@@ -272,7 +322,13 @@ def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result
             if done:
                 break
             # Swap: a document of p with a cheaper one of q; the transfers closest to half the gap first.
-            want = (top - lat[q]) / 2
+            # Transfer d (in p's costs) that meets in the middle: p drops by about rate_p * d, q rises
+            # by rate_q * rho * d, with rate = (PP-1+V)/V for balanced micro-batches and rho the
+            # ratio of the schemes' per-token costs.
+            rate_p = (pipelines[p].pp - 1 + max(packs[p].num_microbatches, 1)) / max(packs[p].num_microbatches, 1)
+            rate_q = (pipelines[q].pp - 1 + max(packs[q].num_microbatches, 1)) / max(packs[q].num_microbatches, 1)
+            rho = groups[gq].b / groups[gp].b if groups[gp].b > 0 else 1.0
+            want = (top - lat[q]) / (rate_p + rate_q * rho)
             pairs = []
             for i in docs_p[:24]:
                 if lens[i] > caps[gq]:
@@ -283,13 +339,18 @@ def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result
                     d = costs[gp][i] - costs[gp][e]
                     if 0 < d < 2 * want:
                         pairs.append((abs(d - want), i, e))
-            pairs.sort()
+            # Small pipelines: also exchanges of up to two documents each way (finer transfers).
+            if len(members[p]) <= SMALL_EXCHANGE_DOCS and len(members[q]) <= SMALL_EXCHANGE_DOCS:
+                pairs.extend(_exchanges(members[p], members[q], costs[gp], lens, caps[gq], caps[gp], want))
+            pairs.sort(key=lambda x: x[0])
             for _, i, e in pairs[:3]:
                 if budget <= 0:
                     break
                 budget -= 2
-                mp = [x for x in members[p] if x != i] + [e]
-                mq = [x for x in members[q] if x != e] + [i]
+                out_p = set(i) if isinstance(i, tuple) else {i}
+                out_q = set(e) if isinstance(e, tuple) else {e}
+                mp = [x for x in members[p] if x not in out_p] + sorted(out_q)
+                mq = [x for x in members[q] if x not in out_q] + sorted(out_p)
                 new_p, new_q = repack(p, mp), repack(q, mq)
                 if max(new_p.latency, new_q.latency) < top:
                     members[p], members[q] = mp, mq
@@ -303,6 +364,31 @@ def _local_search(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result
             break
     assignment = [np.asarray(sorted(m), dtype=np.int64) for m in members]
     return DispatchResult(assignment, packs, max(lat))
+
+
+def _exchanges(src: list[int], dst: list[int], cost: list[float], lens: list[int], cap_dst: int, cap_src: int,
+               want: float, limit: int = 3) -> list[tuple[float, tuple[int, ...], tuple[int, ...]]]:
+    """Exchanges of one or two documents of ``src`` for up to two of ``dst`` whose cost transfer
+    ``d`` (on the ``src`` pipeline's costs) lies in ``(0, 2 want)``; the ``limit`` closest to
+    ``want``, as ``(|d - want|, out of src, out of dst)``. Subset sums of ``dst`` are sorted and
+    bisected, so this is O(U^2 log U) for pipelines of U documents."""
+    movable = [i for i in src if lens[i] <= cap_dst]
+    back = [e for e in dst if lens[e] <= cap_src]
+    outs = [((i,), cost[i]) for i in movable]
+    outs += [((movable[a], i2), cost[movable[a]] + cost[i2]) for a in range(len(movable)) for i2 in movable[a + 1:]]
+    ins = [((), 0.0)] + [((e,), cost[e]) for e in back]
+    ins += [((back[a], e2), cost[back[a]] + cost[e2]) for a in range(len(back)) for e2 in back[a + 1:]]
+    ins.sort(key=lambda x: x[1])
+    in_cost = [c for _, c in ins]
+    found = []
+    for out, c_out in outs:
+        pos = bisect.bisect_left(in_cost, c_out - want)
+        for r in range(max(pos - 1, 0), min(pos + 1, len(ins))):
+            d = c_out - in_cost[r]
+            if 0 < d < 2 * want and (len(out) > 1 or len(ins[r][0]) > 1):  # 1-for-0/1 are tried already
+                found.append((abs(d - want), out, ins[r][0]))
+    found.sort(key=lambda x: x[0])
+    return found[:limit]
 
 
 # ---- Alg. 1: randomized greedy on the Eq. 2 lower bound ----------------------------------------
