@@ -8,7 +8,7 @@ resolves when it runs the graph. This keeps instantiation for 64+ ranks cheap.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.fx as fx
@@ -75,17 +75,45 @@ class SubgraphInfo:
     comm_point: Optional[str] = None
 
 
-@dataclass
 class RoleProgram:
-    """The compiled graph shared by all ranks of one role, with what it needs."""
+    """The graph shared by all ranks of one role, with the parameter shards it holds.
 
-    role: RankRole
-    graph_module: fx.GraphModule
-    params: dict[str, ParamShard]
-    attr_of_param: dict[str, str]          # parameter FQN -> attribute name in graph_module
-    recv_specs: list[Any] = field(default_factory=list)    # shapes of activations received from the previous stage
-    send_specs: list[Any] = field(default_factory=list)
-    blocks: tuple[str, ...] = ()
+    The graph is built on first use (``graph_module``): a process only ever runs its own rank's
+    graph, so a Program for 64 ranks plans every rank but compiles only what is asked for.
+    ``recv_specs`` / ``send_specs``: (dims, dtype) of the activations received from the previous
+    stage / sent to the next one, dims using ``"B"``/``"T"`` for the micro-batch's shape.
+    """
+
+    def __init__(self, role: RankRole, params: dict[str, ParamShard], blocks: tuple[str, ...],
+                 build: Callable[[], tuple[fx.GraphModule, Any]]):
+        self.role = role
+        self.params = params
+        self.blocks = blocks
+        self._build = build
+        self._gm: Optional[fx.GraphModule] = None
+        self._specs: tuple[list[Any], list[Any]] = ([], [])
+
+    @property
+    def built(self) -> bool:
+        return self._gm is not None
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        if self._gm is None:
+            gm, ctx = self._build()
+            self._specs = (list(ctx.recv_specs), list(ctx.send_specs))
+            self._gm = gm
+        return self._gm
+
+    @property
+    def recv_specs(self) -> list[Any]:
+        self.graph_module
+        return self._specs[0]
+
+    @property
+    def send_specs(self) -> list[Any]:
+        self.graph_module
+        return self._specs[1]
 
 
 @dataclass
@@ -96,9 +124,17 @@ class RankProgram:
     pipeline: int
     role: RoleProgram
     bindings: Mapping[str, tuple[int, ...]]
-    subgraphs: list[SubgraphInfo] = field(default_factory=list)
     pull_ops: list[Any] = field(default_factory=list)      # LNK ops of the pull plans involving this rank
     push_ops: list[Any] = field(default_factory=list)
+    describe: Optional[Callable[["RankProgram"], list[SubgraphInfo]]] = field(default=None, repr=False)
+    _subgraphs: Optional[list[SubgraphInfo]] = field(default=None, repr=False)
+
+    @property
+    def subgraphs(self) -> list[SubgraphInfo]:
+        """The filled slots of this rank's graph, with peers and bytes (builds the graph if needed)."""
+        if self._subgraphs is None:
+            self._subgraphs = self.describe(self) if self.describe else []
+        return self._subgraphs
 
     @property
     def stage(self) -> int:

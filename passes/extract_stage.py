@@ -116,34 +116,61 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
                                  subgraph=f"pp_send:{i}"))
             tokens.append(t)
         g.output(tuple(tokens))
-    return fx.GraphModule(gm, g, class_name=f"Stage{stage}")
+    return graph_only_module(gm, g)
+
+
+def graph_only_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule holding ``graph`` without generating its Python code yet.
+
+    The instantiation passes only edit the graph; code is generated once, when the final rank
+    module is built (code generation dominates instantiation time otherwise).
+    """
+    gm = fx.GraphModule(root, fx.Graph())
+    gm._graph = graph   # noqa: SLF001 - the graph setter would generate code
+    graph.owning_module = root   # lint resolves get_attr targets against the module holding them
+    return gm
+
+
+class _MetaShapes(fx.Interpreter):
+    """Runs a graph on the meta device (parameters replaced by meta tensors) and records shapes."""
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            self.shapes[n.name] = (tuple(out.shape), out.dtype)
+        return out
 
 
 def symbolic_shapes(gm: fx.GraphModule, probes=((2, 5), (3, 7))) -> dict[str, tuple[tuple[Any, ...], torch.dtype]]:
     """Shape of every tensor node with batch / sequence dims written ``"B"`` / ``"T"``.
 
-    Found by propagating two fake inputs of different (B, T) through the graph: a dim that equals B
-    (resp. T) in both probes is symbolic, any other dim must agree and is a constant.
+    Found by running the graph twice on the meta device (no memory, no compute) with inputs of
+    different (B, T): a dim that equals B (resp. T) in both probes is symbolic, any other dim must
+    agree and is a constant.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.shape_prop import ShapeProp
-
-    runs: list[dict[str, Any]] = []
+    runs = []
     for b, t in probes:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        with mode:
-            ids = torch.zeros(b, t, dtype=torch.long)
-            pos = torch.arange(t).expand(b, t)
-        ShapeProp(gm, fake_mode=mode).propagate(ids, pos)
-        runs.append({n.name: n.meta.get("tensor_meta") for n in gm.graph.nodes})
+        prop = _MetaShapes(gm)
+        ids = torch.zeros(b, t, dtype=torch.long, device="meta")
+        pos = torch.arange(t, device="meta").expand(b, t)
+        prop.run(ids, pos)
+        runs.append(prop.shapes)
     out: dict[str, tuple[tuple[Any, ...], torch.dtype]] = {}
     (b0, t0), (b1, t1) = probes
-    for name, tm0 in runs[0].items():
-        tm1 = runs[1][name]
-        if not hasattr(tm0, "shape") or not hasattr(tm1, "shape") or len(tm0.shape) != len(tm1.shape):
+    for name, (shape0, dtype) in runs[0].items():
+        shape1 = runs[1].get(name, (None,))[0]
+        if shape1 is None or len(shape0) != len(shape1):
             continue
         dims: list[Any] = []
-        for d0, d1 in zip(tm0.shape, tm1.shape):
+        for d0, d1 in zip(shape0, shape1):
             if d0 == t0 and d1 == t1:
                 dims.append("T")
             elif d0 == b0 and d1 == b1:
@@ -154,7 +181,7 @@ def symbolic_shapes(gm: fx.GraphModule, probes=((2, 5), (3, 7))) -> dict[str, tu
                 dims = None  # a shape that is no simple function of (B, T)
                 break
         if dims is not None:
-            out[name] = (tuple(dims), tm0.dtype)
+            out[name] = (tuple(dims), dtype)
     return out
 
 

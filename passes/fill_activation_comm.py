@@ -76,5 +76,4 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
             else:
                 raise AssertionError(f"unknown comm point {point}")
         _replace(slot, out)
-    gm.recompile()
     return gm

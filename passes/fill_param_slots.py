@@ -46,5 +46,4 @@ def fill_param_slots_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
                 out = mark(g.call_function(graph_ops.to_working_dtype, (out, dtype)), "cast")
         slot.replace_all_uses_with(out)
         g.erase_node(slot)
-    gm.recompile()
     return gm

@@ -7,6 +7,7 @@ strategy from the shards every rank holds.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,6 +21,7 @@ from hgraph.meta import SlotKind, TPRole, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.lnk_plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
+from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.strategy import Cluster, Scheme, Strategy
@@ -74,14 +76,37 @@ def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> 
     return root
 
 
-def compile_role(hg: Any, strategy: Strategy, role: RankRole, stage_blocks, shapes,
-                 options: CompileOptions) -> RoleProgram:
-    ctx = RoleContext(hg, strategy, role, stage_blocks, shapes, options)
+def build_role_module(hg: Any, strategy: Strategy, role: RankRole, stage_blocks, shapes,
+                      options: CompileOptions, params: dict[str, ParamShard]) -> tuple[fx.GraphModule, RoleContext]:
+    """Run the instantiation passes for one role and generate its module (done on first use)."""
+    ctx = RoleContext(hg, strategy, role, stage_blocks, shapes, options, params=dict(params))
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
     root = _param_root(ctx.params, options.working_dtype)
-    gm = fx.GraphModule(root, gm.graph, class_name=f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}")
-    blocks = tuple(b for b in stage_blocks[role.stage])
-    return RoleProgram(role, gm, ctx.params, {n: n for n in ctx.params}, ctx.recv_specs, ctx.send_specs, blocks)
+    _copy_constants(hg.gm, gm.graph, root)
+    name = f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}"
+    return fx.GraphModule(root, gm.graph, class_name=name), ctx
+
+
+def _copy_constants(src: nn.Module, graph: fx.Graph, root: nn.Module) -> None:
+    """Buffers and tensor constants the graph reads (anything but parameters) come from the HGraph."""
+    for n in graph.nodes:
+        if n.op != "get_attr":
+            continue
+        *path, leaf = n.target.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        if hasattr(mod, leaf):
+            continue
+        value = src
+        for part in n.target.split("."):
+            value = getattr(value, part)
+        if isinstance(value, torch.Tensor):
+            mod.register_buffer(leaf, value)
+        else:
+            setattr(mod, leaf, value)
 
 
 def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
@@ -122,14 +147,31 @@ def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str,
     return contrib, [tuple(g) for g in groups.values() if len(g) > 1]
 
 
+def stage_params(hg: Any, stage_blocks) -> list[set[str]]:
+    """The parameters each stage uses (a tied parameter may be in several stages)."""
+    from hgraph.passes.stage_split import stage_of_blocks
+    stage_of = stage_of_blocks(stage_blocks)
+    out: list[set[str]] = [set() for _ in stage_blocks]
+    for name, p in hg.params.items():
+        for block in getattr(p, "use_blocks", None) or (p.block,):
+            out[stage_of[block] if block in stage_of else 0].add(name)
+    return out
+
+
 def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions,
                 shapes: dict) -> Program:
-    """Compile ``hg`` for ``strategy`` on ``cluster`` into a Program (one RankProgram per rank)."""
+    """Plan ``hg`` for ``strategy`` on ``cluster``: every rank's role, shards, peers and LNK plans.
+
+    Each role's graph is compiled on first use (``RankProgram.graph_module``).
+    """
     t0 = time.perf_counter()
     validate_for_model(strategy, cluster, hg)
     numel = {n: int(torch.Size(p.shape).numel()) for n, p in hg.params.items()}
     costs = block_param_costs(hg.gm, numel)
     stage_blocks = {pp: split_stages(hg.blocks, costs, pp) for pp in sorted({p.pp for p in strategy.pipelines})}
+    held = {pp: stage_params(hg, blocks) for pp, blocks in stage_blocks.items()}
+    planner = TPShardPlanner(hg, shapes)
+    order = list(hg.params)   # model order: every rank walks the plans in this order
 
     roles: dict[RankRole, RoleProgram] = {}
     ranks: list[RankProgram] = []
@@ -137,12 +179,16 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         scheme = strategy.pipelines[c.pipeline]
         role = RankRole(scheme, c.stage, c.tp_rank, c.cp_rank)
         if role not in roles:
-            roles[role] = compile_role(hg, strategy, role, stage_blocks[scheme.pp], shapes, options)
+            params = {n: planner.shard(n, scheme.tp, c.tp_rank) for n in order if n in held[scheme.pp][c.stage]}
+            blocks = stage_blocks[scheme.pp]
+            build = functools.partial(build_role_module, hg, strategy, role, blocks, shapes, options, params)
+            roles[role] = RoleProgram(role, params, tuple(blocks[c.stage]), build)
         ranks.append(RankProgram(c.rank, c.pipeline, roles[role], _bindings(strategy, c.rank)))
 
     wbytes = (options.working_dtype or torch.float32).itemsize
     pulls, pushes = {}, {}
-    for name, info in hg.params.items():
+    for name in order:
+        info = hg.params[name]
         shape = tuple(info.shape)
         layout = ParamLayout(name, shape, info.shard_dim if shape else 0)
         needs = {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
@@ -151,10 +197,11 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         contrib, groups = _push_contributions(strategy, ranks, name, info)
         pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
                                  replica_groups=groups)
+    describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes)
     for rp in ranks:
         rp.pull_ops = [op for name in rp.params for op in pulls[name].for_rank(rp.rank)]
         rp.push_ops = [op for name in rp.params for op in pushes[name].for_rank(rp.rank)]
-        rp.subgraphs = describe_subgraphs(rp, pulls, pushes)
+        rp.describe = describe
     prog = Program(strategy, cluster, ranks, stage_blocks, pulls, pushes)
     prog.compile_seconds = time.perf_counter() - t0
     return prog

@@ -57,7 +57,6 @@ def schedule_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
             anchor_start = issue
         else:
             target.prepend(issue)
-    gm.recompile()
     return gm
 
 

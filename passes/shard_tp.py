@@ -19,6 +19,7 @@ With TP=1 every parameter is whole and the graph is unchanged.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -52,7 +53,7 @@ def _is_reshape(n: fx.Node) -> bool:
     return n.op in ("call_method", "call_function") and name in _RESHAPES
 
 
-def _head_unit(ctx: Any, node: fx.Node, forward: bool) -> int:
+def _head_unit(shapes: dict, node: fx.Node, forward: bool) -> int:
     """Head dim if ``node``'s value is viewed as (…, heads, head_dim) next to it, else 1."""
     seen, work = set(), [node]
     while work:
@@ -60,7 +61,7 @@ def _head_unit(ctx: Any, node: fx.Node, forward: bool) -> int:
         if n in seen:
             continue
         seen.add(n)
-        dims = ctx.shapes.get(n.name, (None,))[0]
+        dims = shapes.get(n.name, (None,))[0]
         if n is not node and dims is not None and len(dims) == 4 and isinstance(dims[-1], int):
             return dims[-1]
         nxt = list(n.users) if forward else list(n.all_input_nodes)
@@ -73,17 +74,75 @@ def _uses_gqa_attention(gm: fx.GraphModule) -> bool:
     return bool(attn) and all(n.kwargs.get("enable_gqa", False) for n in attn)
 
 
-def _column_range(ctx: Any, name: str, size: int, unit: int, tp: int, t: int, gathered: bool,
-                  gm: fx.GraphModule) -> tuple[tuple[int, int], int]:
+@dataclass(frozen=True)
+class _ParamPlan:
+    """What decides a parameter's TP shard, found once per HGraph."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    role: Optional[TPRole]
+    unit: int
+    gathered: bool
+    blocks: frozenset
+
+
+class TPShardPlanner:
+    """Each parameter's TP shard for any (TP degree, TP rank), from one analysis of the HGraph.
+
+    Splitting this from the pass lets a Program know every rank's shards (for the LNK plans)
+    without building every rank's graph.
+    """
+
+    def __init__(self, hg: Any, shapes: dict):
+        gm = hg.gm
+        self.gqa = _uses_gqa_attention(gm)
+        self.plans: dict[str, _ParamPlan] = {}
+        for name, ops in param_uses(gm).items():
+            info = hg.params[name]
+            shape = tuple(info.shape)
+            role = info.tp_role
+            if role == TPRole.ROW:
+                unit = max(_head_unit(shapes, op.args[0], False) for op in ops)
+            elif role == TPRole.COLUMN:
+                unit = max(_head_unit(shapes, op, True) for op in ops)   # a bias splits like its weight
+            else:
+                unit = 1
+            self.plans[name] = _ParamPlan(name, shape, info.shard_dim if shape else 0, role, unit,
+                                          any(_feeds(op, CommPoint.TP_GATHER) for op in ops),
+                                          frozenset(get_meta(op).block for op in ops))
+
+    def shard(self, name: str, tp: int, t: int) -> ParamShard:
+        p = self.plans[name]
+        shape, dim = p.shape, p.dim
+        if tp == 1 or p.role in (None, TPRole.REPLICATED) or not shape:
+            return ParamShard(name, shape, dim, ((0, shape[dim]),) if shape else ((0, 1),))
+        size = shape[dim]
+        if p.role == TPRole.COLUMN:
+            rng, pad = _column_range(name, size, p.unit, tp, t, p.gathered, self.gqa)
+        elif p.role == TPRole.ROW:
+            if p.unit > 1 and (size // p.unit) % tp:
+                raise StrategyError(f"TP={tp} does not divide the {size // p.unit} attention heads feeding "
+                                    f"{name}; allowed TP degrees divide {size // p.unit}")
+            rng, pad = split_range(size, tp, t, p.unit), 0
+        elif p.role == TPRole.VOCAB:
+            rng, pad = _column_range(name, size, 1, tp, t, True, self.gqa)
+        else:
+            raise AssertionError(f"unknown TP role {p.role} of {name}")
+        return ParamShard(name, shape, dim, (rng,), pad, tp_sharded=True)
+
+
+def _column_range(name: str, size: int, unit: int, tp: int, t: int, gathered: bool,
+                  gqa: bool) -> tuple[tuple[int, int], int]:
     units = size // unit
     if unit > 1:  # attention heads
         if units % tp == 0:
             return split_range(size, tp, t, unit), 0
         if tp % units == 0:
-            if not _uses_gqa_attention(gm):
+            if not gqa:
                 raise StrategyError(
                     f"TP={tp} is larger than the {units} key/value heads of {name}: replicating them needs "
-                    "attention called with enable_gqa=True; use TP <= %d" % units)
+                    f"attention called with enable_gqa=True; use TP <= {units}")
             h = t * units // tp
             return (h * unit, (h + 1) * unit), 0
         raise StrategyError(f"TP={tp} does not divide the {units} attention heads of {name}; "
@@ -96,43 +155,23 @@ def _column_range(ctx: Any, name: str, size: int, unit: int, tp: int, t: int, ga
 
 
 def shard_tp_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
-    """Record each parameter's shard for ``ctx.role.tp_rank`` and rewrite vocab embeddings / row biases."""
-    tp, t = ctx.role.scheme.tp, ctx.role.tp_rank
-    ctx.params = {}
+    """Rewrite vocab-parallel embeddings and row-parallel biases for the shards in ``ctx.params``.
+
+    Does nothing with TP=1 (every shard is the whole parameter).
+    """
     ctx.gathers = {}
-    infos = ctx.hgraph.params
+    if ctx.role.scheme.tp == 1:
+        return gm
     for name, ops in param_uses(gm).items():
-        info = infos[name]
-        shape = tuple(info.shape)
-        dim = info.shard_dim if shape else 0
-        role = info.tp_role
-        whole = ParamShard(name, shape, dim, ((0, shape[dim]),) if shape else ((0, 1),))
-        if tp == 1 or role in (None, TPRole.REPLICATED) or not shape:
-            ctx.params[name] = whole
+        shard, role = ctx.params[name], ctx.hgraph.params[name].tp_role
+        if not shard.tp_sharded:
             continue
-        size = shape[dim]
-        gathered = any(_feeds(op, CommPoint.TP_GATHER) for op in ops)
-        if role == TPRole.COLUMN:
-            unit = max(_head_unit(ctx, op, True) for op in ops)  # a bias splits like its weight
-            rng, pad = _column_range(ctx, name, size, unit, tp, t, gathered, gm)
-        elif role == TPRole.ROW:
-            unit = max(_head_unit(ctx, op.args[0], False) for op in ops)
-            if unit > 1 and (size // unit) % tp:
-                raise StrategyError(f"TP={tp} does not divide the {size // unit} attention heads feeding "
-                                    f"{name}; allowed TP degrees divide {size // unit}")
-            rng, pad = split_range(size, tp, t, unit), 0
-        elif role == TPRole.VOCAB:
-            rng, pad = _column_range(ctx, name, size, 1, tp, t, True, gm)
-        else:
-            raise AssertionError(f"unknown TP role {role} of {name}")
-        ctx.params[name] = ParamShard(name, shape, dim, (rng,), pad, tp_sharded=True)
         for op in ops:
             if role == TPRole.VOCAB and get_meta(op).op == OpKind.EMBEDDING:   # a tied head is a plain column linear
-                _rewrite_vocab_embedding(op, rng)
+                _rewrite_vocab_embedding(op, shard.ranges[0])
             elif role == TPRole.ROW:
                 _move_row_bias(gm, op)
     _record_gathers(gm, ctx)
-    gm.recompile()
     return gm
 
 
