@@ -156,14 +156,15 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
     Small cases (at most ``SMALL_RESTART_DOCS`` documents) also try ``restarts`` (default
     ``SMALL_RESTARTS``) greedy passes in random document orders and keep the best packed one:
     near-balanced partitions of few documents depend on the order more than on the moves.
-    ``polish=False`` (screening many candidates): no restarts, no packing or dispatch local search;
-    ``improve_dispatch`` finishes such a result later.
+    Heterogeneous strategies also get a second pass with the MaxLen-aware ``fill`` rule.
+    ``polish=False`` (screening many candidates): the longest-first passes only, no restarts, no
+    packing or dispatch local search.
     """
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
     order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
     result = _greedy(lengths, pipelines, cost, groups, of, order, polish)
-    if len(groups) > 1:  # heterogeneous: the MaxLen-aware rule may avoid high floors on small pipelines
+    if len(groups) > 1:  # heterogeneous: the MaxLen-aware rule may avoid high floors
         # Fill towards the work bound (rank-ms of every document at its cheapest / all ranks).
         ranks = sum(p.num_ranks for p in pipelines)
         work = np.min(np.stack([np.where(lengths <= g.cap, g.t * g.scheme.num_ranks, np.inf) for g in groups]), axis=0)

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.dispatch import dispatch_fast, dispatch_sequences, improve_dispatch
+from hgraph.runtime.planner.dispatch import dispatch_fast, dispatch_sequences
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -115,8 +115,9 @@ IMPROVE_MARGIN = 0.03
 
 
 def _select_fast(lengths, bounds, cost):
-    """Greedy dispatch for every candidate not pruned by its bound, then local search for those
-    within ``IMPROVE_MARGIN`` of the best, best first (local search gains ~1%, greedy is cheap)."""
+    """Screen every candidate not pruned by its bound with one cheap greedy pass, then run the full
+    fast method (restarts, fill pass, local search) on those within ``IMPROVE_MARGIN`` of the best,
+    best first: the full method gains ~1-3%, screening costs a fraction of it."""
     greedy = []
     best_latency = float("inf")
     pruned = 0
@@ -132,7 +133,7 @@ def _select_fast(lengths, bounds, cost):
     for latency, lb, s, res in greedy:
         if best is not None and (lb >= best[0].latency or latency > best_latency * (1 + IMPROVE_MARGIN)):
             continue
-        res = improve_dispatch(lengths, s.pipelines, cost, res)
+        res = dispatch_fast(lengths, s.pipelines, cost)
         if best is None or res.latency < best[0].latency:
             best = (res, s)
     return best, len(greedy), pruned
