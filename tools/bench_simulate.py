@@ -45,16 +45,20 @@ def main(argv=None) -> int:
                     help="largest derived CP degree in the cost model (default 1: the profiled <TP,PP> schemes "
                          "only, the papers' setting; 8 adds the cost model's derived CP schemes to every system)")
     ap.add_argument("--quick", action="store_true", help="first scenario only, 3 iterations, no scale-up")
+    ap.add_argument("--only-scale-up", action="store_true", help="the 1024-GPU scenario(s) only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     lengths = read_lengths(args.lengths)
-    runs = [(m, g, t, args.iters) for m, g, t in SCENARIOS] + [(*SCALE_UP, args.scale_iters)]
+    runs = [(m, g, t, args.iters, args.max_cp) for m, g, t in SCENARIOS] + [(*SCALE_UP, args.scale_iters, args.max_cp)]
+    if args.max_cp < 8:  # the scale-up once more with the derived CP schemes
+        runs.append((*SCALE_UP, args.scale_iters, 8))
+    if args.only_scale_up:
+        runs = [r for r in runs if r[1] == SCALE_UP[1]]
     if args.quick:
-        runs = [(*SCENARIOS[0], 3)]
+        runs = [(*SCENARIOS[0], 3, args.max_cp)]
     rows = []
-    for model, gpus, tokens, iters in runs:
-        cost = load_cost_model(model, gpus, max_cp=args.max_cp)
-        max_cp = args.max_cp
+    for model, gpus, tokens, iters, max_cp in runs:
+        cost = load_cost_model(model, gpus, max_cp=max_cp)
         if cost.largest_max_len() < args.max_len:
             # No <TP,PP> scheme inside a node holds the context (32B on 32-64 GPUs; the paper used
             # cross-node TP16): allow the cost model's derived CP schemes, for every system alike.

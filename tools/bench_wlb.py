@@ -94,9 +94,9 @@ def main(argv=None) -> int:
         return 0
     print(f"{len(batches)} global batches of {n} x {CONTEXT} tokens, latency of llama-7b {scheme} "
           f"(memory limit {memory} tokens per micro-batch)")
-    print(f"  {'method':<24} {'imbalance':>9} {'pack ms':>8} {'p95 ms':>7} {'delay':>6} {'tok-delay':>9} {'delayed%':>8}")
+    print(f"  {'method':<30} {'imbalance':>9} {'pack ms':>8} {'p95 ms':>7} {'delay':>6} {'tok-delay':>9} {'delayed%':>8}")
     for name, r in rows.items():
-        print(f"  {name:<24} {r['imbalance']:>9.3f} {r['pack_ms_mean']:>8.2f} {r.get('pack_ms_p95', 0.0):>7.2f} "
+        print(f"  {name:<30} {r['imbalance']:>9.3f} {r['pack_ms_mean']:>8.2f} {r.get('pack_ms_p95', 0.0):>7.2f} "
               f"{r['mean_delay_iters']:>6.3f} {r.get('token_weighted_delay_iters', 0.0):>9.3f} "
               f"{r.get('delayed_docs_pct', 0.0):>8.2f}")
     return 0

@@ -44,3 +44,20 @@ def test_errors(lengths_file, capsys):
     assert main(base + ["--profile", "llama-7b", "--gpus", "1", "--max-len", "4096"]) == 2
     assert "no scheme" in capsys.readouterr().err
     assert main(base + ["--profile", "nope", "--gpus", "8", "--max-len", "4096"]) == 2
+
+
+def _shared_lengths():
+    from pathlib import Path
+    p = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "wikipedia_lengths.txt"
+    return p if p.exists() else None
+
+
+@pytest.mark.skipif(_shared_lengths() is None, reason="needs ../shared/data/wikipedia_lengths.txt")
+def test_benchmarks_run_in_tiny_configurations(capsys):
+    from hgraph.tools import bench_simulate, bench_wlb
+    assert bench_simulate.main(["--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenarios"][0]["speedup"] > 0
+    assert bench_wlb.main(["--batches", "3", "--solver-batches", "1", "--solver-time-limit", "0.1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows["wlb q=2 cap=memory"]["imbalance"] >= 1.0
