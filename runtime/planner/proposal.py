@@ -27,7 +27,7 @@ combinations), at least one pipeline must hold ``L`` tokens, GPUs left over are 
 pipelines of the scheme that needs them most, and a strategy must use exactly ``N`` GPUs. Each
 combination is scored by the interval cost with pooled pipelines (all intervals of a scheme share
 its pipelines; a scheme rounded to zero hands its intervals to the present scheme that finishes
-them soonest); the best per ``L`` is kept.
+them soonest); the best ``per_len`` (2) per ``L`` are kept.
 
 **Which L.** The paper collects ``S[N][L]`` for every ``L``; only the ``L`` an iteration's longest
 document can plausibly have matter (``P(max <= L) = F(L)^n >= min_prob``, ``n`` the expected
@@ -42,7 +42,9 @@ candidate's neighbours (one pipeline more or fewer of each scheme it uses, budge
 added, weighted a quarter of it.
 
 **Candidates.** Distinct strategies (pipelines by descending MaxLen) with the ``L`` range they were
-proposed for and the score at its top (``expected_ms``). When there are more than
+proposed for and their expected latency per iteration at its top (``expected_ms``, ``balanced_cost``:
+the integer strategy with bucket work rebalanced among all pipelines that hold it). A candidate is
+dropped when one proposed for longer documents is no slower. When there are more than
 ``max_candidates``, the kept ones are those most likely to be needed, weighted by the probability
 that an iteration's longest document falls in their range (``F(L)^n``, ``n`` the expected documents
 per iteration); the candidate for the full context is always kept.
