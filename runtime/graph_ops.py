@@ -128,3 +128,28 @@ def pp_send(comm: Any, x: torch.Tensor, key: str, index: int) -> torch.Tensor:
     from hgraph.runtime import comm_ops
     (dst,) = _ranks(comm, key)
     return comm_ops.pp_send(comm, x, dst)
+
+
+# ---- packed attention -----------------------------------------------------------------------------
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+                     scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention inside each document of a packed row, none across documents.
+
+    Documents are found from ``position_ids``: a document starts where its position is 0 (and at the
+    start of the row). A row holding one document is plain causal SDPA.
+    """
+    from hgraph.runtime.varlen_attention import varlen_attention
+
+    B, T = q.shape[0], q.shape[-2]
+    pos = position_ids.expand(B, T)
+    rows = []
+    for b in range(B):
+        starts = (pos[b] == 0).nonzero().flatten().tolist()
+        cu = sorted({0, *starts}) + [T]
+        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+        if len(cu) == 2:
+            rows.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                                       enable_gqa=enable_gqa))
+        else:
+            rows.append(varlen_attention(qb, kb, vb, cu, scale=scale, enable_gqa=enable_gqa))
+    return rows[0] if B == 1 else torch.cat(rows, dim=0)

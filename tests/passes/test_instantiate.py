@@ -47,10 +47,14 @@ def test_single_rank_program_matches_the_module(model, compiled):
     prog = compiled.instantiate("1xTP1PP1")
     gm = _load(prog.rank(0), model)
     ids = torch.randint(0, model.config.vocab_size, (2, 11))
-    pos = torch.cat([torch.arange(5), torch.arange(6)]).expand(2, 11)   # two packed documents per row
     with torch.no_grad():
+        pos = torch.arange(11).expand(2, 11)
         assert torch.equal(gm(ids, pos), model(ids, pos))
         assert torch.equal(compiled(ids, pos), model(ids, pos))
+        # two packed documents per row: the program attends inside each document only
+        pos = torch.cat([torch.arange(5), torch.arange(6)]).expand(2, 11)
+        alone = torch.cat([model(ids[:, :5], pos[:, :5]), model(ids[:, 5:], pos[:, 5:])], dim=1)
+        torch.testing.assert_close(gm(ids, pos), alone, rtol=0, atol=1e-6)
 
 
 def test_program_cache_hit_returns_the_same_program(compiled):

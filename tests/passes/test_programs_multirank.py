@@ -1,6 +1,7 @@
 """Compiled per-rank programs run on 4 gloo processes: forward and backward equal the original module.
 
-Each pipeline gets the same micro-batch; its logits must equal the module's, and the gradients of its
+Each pipeline gets the same packed micro-batch of two documents; its logits must equal the module's
+run on each document alone, and the gradients of its
 working parameters, put back together from the TP shards and PP stages, must equal the module's
 gradients. Pull/Push are not exercised here (a pass-through parameter sync stands in for them; the
 runtime tests cover them): this checks the TP collectives, vocabulary padding, KV-head replication and
@@ -90,7 +91,7 @@ def _reference(name, args):
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
     pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
     weights = torch.randn(1, 12, model.config.vocab_size, generator=g)
-    logits = model(ids, pos)
+    logits = torch.cat([model(ids[:, :7], pos[:, :7]), model(ids[:, 7:], pos[:, 7:])], dim=1)   # each document alone
     (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
