@@ -19,6 +19,22 @@ _SCHEME_RE = re.compile(r"TP(\d+)PP(\d+)(?:CP(\d+))?", re.IGNORECASE)
 _TERM_RE = re.compile(r"\s*(?:(\d+)\s*[xX]\s*|DP(\d+))?", re.IGNORECASE)
 
 
+def _first_bad_char(text: str) -> int:
+    """Offset of the first character of ``text`` that cannot continue TP<n>PP<n>[CP<n>]."""
+    i = 0
+    for j, key in enumerate(("TP", "PP", "CP")):
+        if j == 2 and i == len(text):
+            return i
+        if text[i:i + 2].upper() != key:
+            return i + next((k for k in range(2) if text[i + k:i + k + 1].upper() != key[k]), 0)
+        i += 2
+        digits = len(text[i:]) - len(text[i:].lstrip("0123456789"))
+        if digits == 0:
+            return i
+        i += digits
+    return i
+
+
 @dataclass(frozen=True, order=True)
 class Scheme:
     """How one pipeline (one model replica) is deployed: <TP, PP, CP>."""
@@ -92,7 +108,8 @@ class Strategy:
             scheme_text = term[rest_start:].strip()
             sm = _SCHEME_RE.fullmatch(scheme_text)
             if not sm:
-                bad = pos + rest_start + len(term[rest_start:]) - len(term[rest_start:].lstrip())
+                lead = len(term[rest_start:]) - len(term[rest_start:].lstrip())
+                bad = pos + rest_start + lead + _first_bad_char(scheme_text)
                 raise StrategyError(
                     f"malformed strategy {text!r} at position {bad} (term {term.strip()!r}): expected "
                     "[<d>x]TP<n>PP<n>[CP<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>]")

@@ -29,7 +29,7 @@ def test_homogeneous_forms_are_equal():
 
 
 @pytest.mark.parametrize("text, where", [
-    ("2xTP2PQ1", "position 2"),
+    ("2xTP2PQ1", "position 6"),
     ("TP2PP1+", "position 7"),
     ("2xTP2PP1+1yTP4PP1", "position 9"),
     ("", "empty"),
