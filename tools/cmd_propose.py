@@ -70,5 +70,6 @@ def run(args: argparse.Namespace) -> int:
     w(f"  {'longest doc in':<16} {'P(longest)':>10} {'expected ms':>12} {'relaxed ms':>11}  strategy\n")
     for c in prop.candidates:
         lo, hi = c.len_range
-        w(f"  {f'({lo}, {hi}]':<16} {c.weight:>10.3f} {c.expected_ms:>12.1f} {c.relaxed_ms:>11.1f}  {c.strategy}\n")
+        weight = "variant" if c.variant else f"{c.weight:.3f}"
+        w(f"  {f'({lo}, {hi}]':<16} {weight:>10} {c.expected_ms:>12.1f} {c.relaxed_ms:>11.1f}  {c.strategy}\n")
     return 0

@@ -39,7 +39,7 @@ added: rounding adds one long pipeline at a time and can miss "every pipeline of
 
 **Variants.** Iterations also differ in how many long documents they hold: the full-context
 candidate's neighbours (one pipeline more or fewer of each scheme it uses, budget refitted) are
-added, weighted a quarter of it.
+added as variants (weight 0; under the candidate cap they go first).
 
 **Candidates.** Distinct strategies (pipelines by descending MaxLen) with the ``L`` range they were
 proposed for and their expected latency per iteration at its top (``expected_ms``, ``balanced_cost``:
@@ -241,11 +241,12 @@ class Candidate:
     relaxed_ms: float  # the relaxed DP optimum t[N][hi] (a bound for the model)
     fractional: dict[str, float] = field(default_factory=dict)  # relaxed pipelines per scheme at hi
     weight: float = 0.0  # probability that an iteration's longest document falls in len_range
+    variant: bool = False  # a neighbour of the full-context candidate (module docstring)
 
     def to_json(self) -> dict:
         return {"strategy": str(self.strategy), "len_range": list(self.len_range),
                 "expected_ms": self.expected_ms, "relaxed_ms": self.relaxed_ms,
-                "fractional": self.fractional, "weight": self.weight}
+                "fractional": self.fractional, "weight": self.weight, "variant": self.variant}
 
 
 @dataclass
@@ -634,11 +635,18 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
                           f"({cluster.gpus_per_node} GPUs per node)")
     cands.sort(key=lambda c: (c.len_range[1], -c.expected_ms))
     # A candidate is useless when one that holds longer documents is no slower (rounding misses).
-    cands = [c for i, c in enumerate(cands)
-             if not any(o.expected_ms <= c.expected_ms for o in cands[i + 1:])]
+    kept = []
+    for i, c in enumerate(cands):
+        better = next((o for o in cands[i + 1:] if o.expected_ms <= c.expected_ms), None)
+        if better is None:
+            kept.append(c)
+        else:
+            better.weight += c.weight  # its iterations are served by the replacement
+            better.len_range = (min(better.len_range[0], c.len_range[0]), better.len_range[1])
+    cands = kept
     # Iterations differ in how many long documents they hold, not only in the longest one: the
     # full-context candidate's neighbours (one pipeline more or fewer of each scheme it uses, the
-    # budget refitted) join as variants, weighted a quarter of it.
+    # budget refitted) join as variants.
     full = cands[-1]
     full_key = keys[str(full.strategy)]
     need = np.zeros(len(table.schemes))
@@ -661,14 +669,14 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
                 continue
             seen.add(str(strat))
             cands.append(Candidate(strat, full.len_range, balanced_cost(fitted, table, B), full.relaxed_ms,
-                                   {}, full.weight / 4))
+                                   {}, 0.0, variant=True))
     cands.sort(key=lambda c: (c.len_range[1], -c.expected_ms))
     cands.remove(full)
     cands.append(full)  # the full-context candidate stays last
     dropped = 0
     if len(cands) > max_candidates:
         full = cands[-1]
-        rest = sorted(cands[:-1], key=lambda c: -c.weight)[:max(max_candidates - 1, 0)]
+        rest = sorted(cands[:-1], key=lambda c: (c.variant, -c.weight))[:max(max_candidates - 1, 0)]
         dropped = len(cands) - len(rest) - 1
         cands = sorted(rest, key=lambda c: c.len_range[1]) + [full]
     return Proposal(cands, int(gpus), int(max_len), tokens_per_iter, (time.perf_counter() - t0) * 1e3, dropped)
