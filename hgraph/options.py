@@ -31,6 +31,11 @@ class CompileOptions:
                 raise HGraphError(f"unknown dtype {dtype!r}; allowed: {', '.join(sorted(_DTYPES))}")
             dtype = _DTYPES[dtype]
         disabled = tuple(kwargs.pop("disable_passes", ()))
+        from hgraph.passes.pipeline import instantiation_passes
+        known = [p.name for p in instantiation_passes()]
+        unknown = sorted(set(disabled) - set(known))
+        if unknown:
+            raise HGraphError(f"cannot disable unknown pass(es) {unknown}; instantiation passes are {known}")
         leaves = tuple(kwargs.pop("leaf_modules", ()))
         if kwargs:
             raise HGraphError(f"unknown hgraph.compile option(s) {sorted(kwargs)}; allowed: dtype, "
