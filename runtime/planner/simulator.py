@@ -47,7 +47,6 @@ iterations themselves, i.e. the best static configuration in hindsight):
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence

@@ -10,7 +10,11 @@ document still held back on ``flush``. No packer ever drops or duplicates a docu
   micro-batch with the least *latency* (attention ``a l^2`` plus linear ``b l``, Eq. 2) if it stays
   within ``max_len`` tokens, else into the shortest micro-batch, else they wait for the next batch.
   A short local search (moves and swaps off the slowest micro-batch) then lowers the maximum further;
-  it is bounded in steps so a batch packs in a few milliseconds.
+  it is bounded in steps so a batch packs in a few milliseconds. One deviation from Alg. 1: the
+  documents held back from the previous batch are placed before the new ones (each group longest
+  first), so a short document cannot be pushed back batch after batch. ``capacity`` (tokens per
+  micro-batch, WLB's memory-bound ``L_max``) may exceed ``max_len`` (the context window); with
+  ``capacity == max_len`` a batch of ``N * max_len`` tokens has no slack and delays pile up.
 - ``FixedLengthPacker``: the WLB Table 2 baselines. Micro-batches hold at most ``max_len`` tokens and
   only the attention work ``sum l^2`` is balanced (WLB Eq. 1): ``method="greedy"`` places documents
   longest first into the micro-batch with least attention work that has room; ``method="solver"``
