@@ -20,14 +20,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.packing import CPSAT_UNITS_PER_MS, PackResult, microbatch_range, pack_pipeline
+from hgraph.runtime.planner.packing import CPSAT_UNITS_PER_MS, PackResult, pack_pipeline
 from hgraph.strategy import Scheme
 
 
@@ -525,9 +524,7 @@ def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, ti
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
-    t0 = time.perf_counter()
     status = solver.Solve(m)
-    del t0
     bound = solver.BestObjectiveBound() / U if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return hint
