@@ -37,6 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="candidate strategies separated by ';' (e.g. '4xTP2PP1;1xTP8PP1'), or auto (default)")
     p.add_argument("--method", choices=("fast", "greedy", "cpsat"), default="fast",
                    help="dispatch method: fast (default), greedy (Hydraulis Alg. 1), cpsat (time-boxed exact)")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+                   help="CP-SAT seconds per candidate with --method cpsat (default 10)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -81,7 +83,10 @@ def run(args: argparse.Namespace) -> int:
             f"document {i} has {int(lengths[i])} tokens (after truncation to --max-len {args.max_len}), more than "
             f"the largest MaxLen {largest} of any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len")
     candidates, source = _candidates(args.strategies, lengths, cost, args.gpus, min(args.max_len, int(lengths.max())))
-    plans = [plan_iteration(lengths[ids], candidates, cost, method=args.method, seed=args.seed, doc_ids=ids, index=k)
+    if args.time_limit <= 0:
+        raise HGraphError(f"--time-limit must be positive, got {args.time_limit}")
+    plans = [plan_iteration(lengths[ids], candidates, cost, method=args.method, seed=args.seed, doc_ids=ids, index=k,
+                            time_limit_s=args.time_limit)
              for k, ids in enumerate(batches)]
     if args.json:
         json.dump({"candidates": [str(s) for s in candidates], "iterations": [p.to_json() for p in plans]},

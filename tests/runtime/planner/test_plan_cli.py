@@ -56,6 +56,17 @@ def test_json_output(capsys, lengths_file):
     assert data["iterations"][0]["tokens"] <= 60000
 
 
+def test_methods_agree_on_validity(capsys, lengths_file):
+    path, lengths = lengths_file
+    for method in ("greedy", "cpsat"):
+        code, out, _ = _run(capsys, BASE + ["--lengths", str(path), "--json", "--method", method, "--time-limit", "0.5",
+                                            "--strategies", "1xTP8PP1+2xTP4PP1"])
+        assert code == 0
+        it = json.loads(out)["iterations"][0]
+        ids = minibatches(np.minimum(lengths, 16384), 60000)[0]
+        assert sorted(d for p in it["pipelines"] for mb in p["microbatches"] for d in mb) == ids.tolist()
+
+
 def test_human_output_and_auto(capsys, lengths_file):
     path, _ = lengths_file
     code, out, _ = _run(capsys, BASE + ["--lengths", str(path), "--iters", "2"])
