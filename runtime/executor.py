@@ -1,0 +1,238 @@
+"""One training step of a compiled Program on this rank (Hydraulis §5, Fig. 2b).
+
+``Executor.step(program, plan, num_targets)``:
+
+1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
+   graph's ``pull_wait`` node waits for its parameter.
+2. **1F1B** over this rank's pipeline's micro-batches: ``warmup = min(PP - stage - 1, m)``
+   forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
+   may have different numbers of micro-batches of different packed lengths; the received
+   activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
+   The last stage backpropagates ``packed_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
+   number of targets), so the gradient never depends on the strategy or the packing.
+3. **Push Gradient**: ``ParamSync.push`` reduce-scatters and LNKs the working gradients to the
+   optimizer owners (a pipeline without micro-batches pushes zeros).
+4. The loss is summed over the world (one all-reduce; a non-finite loss raises naming the step, or
+   skips the update when ``skip_nonfinite``), then the sharded optimizer steps.
+
+Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
+process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict
+lookup, and no optimizer state moves (its layout does not depend on the strategy).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm_ops import CommContext
+from hgraph.runtime.loss import packed_loss_sum
+from hgraph.runtime.param_sync import ParamSync
+from hgraph.runtime.varlen_attention import cu_seqlens_for
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One packed row: documents concatenated (``input_ids [1, T]``) with per-document positions."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    doc_lengths: tuple[int, ...]
+    doc_indices: tuple[int, ...] = ()
+
+    @classmethod
+    def pack(cls, docs: Sequence[Sequence[int]], indices: Sequence[int] = ()) -> "MicroBatch":
+        """Pack token lists into one row; positions restart at 0 for every document."""
+        if not docs or any(len(d) == 0 for d in docs):
+            raise HGraphError("a micro-batch needs at least one document and no empty document")
+        ids = torch.tensor([t for d in docs for t in d], dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        return cls(ids, pos, tuple(len(d) for d in docs), tuple(indices))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class StepResult:
+    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank)."""
+
+    step: int
+    strategy: str
+    loss: float
+    tokens: int
+    time_s: float
+    pull_s: float = 0.0
+    compute_s: float = 0.0
+    push_s: float = 0.0
+    optimizer_s: float = 0.0
+    skipped: bool = False
+    grad_norm: Optional[float] = None
+    bytes: dict = field(default_factory=dict)
+
+
+@dataclass
+class RankState:
+    """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
+
+    program: Any
+    rank_program: Any
+    graph: Any
+    working: dict
+    comm: CommContext
+    sync: ParamSync
+
+
+def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
+    """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+class Executor:
+    """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
+
+    ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
+    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``.
+    """
+
+    def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
+                 device: Optional[torch.device] = None, skip_nonfinite: bool = False) -> None:
+        self.compiled = compiled
+        self.optimizer = optimizer
+        self.rank, self.world_size = rank, world_size
+        self.groups = groups
+        self.device = torch.device(device or "cpu")
+        self.skip_nonfinite = skip_nonfinite
+        self.working_dtype = compiled.options.working_dtype or torch.float32
+        self._states: dict[Any, RankState] = {}
+
+    # ---- per-program state (the graph cache of this rank) -----------------------------------------
+    def state_for(self, program: Any) -> RankState:
+        """This rank's state for ``program``, built (collectively: every rank calls it) on first use."""
+        state = self._states.get(id(program))
+        if state is not None and state.program is program:
+            return state
+        if program.cluster.world_size != self.world_size:
+            raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
+                              f"but this run has {self.world_size}")
+        if any(p.cp > 1 for p in program.strategy.pipelines):
+            raise HGraphError(f"strategy {program.strategy}: CP > 1 is not supported by the executor yet")
+        rp = program.rank(self.rank)
+        groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
+                  if k in ("tp", "cp") and len(g) > 1}
+        self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
+        gm = rp.graph_module
+        working = {}
+        for name, shard in rp.params.items():
+            *path, leaf = name.split(".")
+            mod = gm
+            for part in path:
+                mod = getattr(mod, part)
+            param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
+            setattr(mod, leaf, param)
+            working[name] = param
+        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device)
+        comm.bindings = dict(rp.bindings)
+        sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
+                         self.working_dtype)
+        comm.param_sync = sync
+        state = RankState(program, rp, gm, working, comm, sync)
+        self._states[id(program)] = state
+        return state
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+             step: int = 0) -> StepResult:
+        """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+
+        Every rank must call it with the same arguments (collective).
+        """
+        t0 = time.perf_counter()
+        if len(microbatches) != len(program.strategy.pipelines):
+            raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
+                              f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
+        if num_targets < 1:
+            raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
+        state = self.state_for(program)
+        rp, sync = state.rank_program, state.sync
+        for w in state.working.values():
+            w.grad = None
+        sync.begin_step()
+        t_pull = time.perf_counter()
+        mine = list(microbatches[rp.pipeline])
+        loss_sum = self._run_pipeline(state, mine, num_targets)
+        state.comm.wait_all()
+        sync.finish_pulls()
+        t_compute = time.perf_counter()
+        grads = {name: w.grad for name, w in state.working.items()}
+        grad_shards = sync.push(grads)
+        sync.end_step()
+        t_push = time.perf_counter()
+        loss = self._global_loss(rp, loss_sum) / num_targets
+        tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
+        skipped = False
+        norm = None
+        if not math.isfinite(loss):
+            if not self.skip_nonfinite:
+                raise HGraphError(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
+                                  "lower the learning rate, check the data, or ask to skip such steps")
+            skipped = True
+        else:
+            total = self.optimizer.step(grad_shards)
+            norm = float(total) if total is not None else None
+        t_end = time.perf_counter()
+        return StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
+                          t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
+                          dict(vars(sync.stats)))
+
+    def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int) -> float:
+        rp, gm, comm = state.rank_program, state.graph, state.comm
+        last = rp.stage == rp.scheme.pp - 1
+        pending: dict[int, Any] = {}
+        loss_sum = 0.0
+        for kind, i in one_f_one_b(len(mbs), rp.scheme.pp, rp.stage):
+            mb = mbs[i]
+            if kind == "F":
+                out = gm(mb.input_ids.to(self.device), mb.position_ids.to(self.device), comm)
+                if last:
+                    s = packed_loss_sum(out, mb.input_ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                    loss_sum += float(s.detach())
+                    pending[i] = s / num_targets
+                else:
+                    pending[i] = list(out)
+            else:
+                out = pending.pop(i)
+                if last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out)
+        return loss_sum
+
+    def _global_loss(self, rp: Any, loss_sum: float) -> float:
+        """The mini-batch's summed loss: one copy per pipeline (its last stage's first TP rank)."""
+        counts = rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 and rp.cp_rank == 0
+        value = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(value)
+        return float(value[0])
+
+    def cache_info(self) -> dict:
+        return {"programs": len(self._states)}
+
+
+def shard_dims_of(compiled: Any) -> dict[str, int]:
+    """The optimizer's shard dimension of every parameter (the HGraph's, 0 for a 0-d parameter)."""
+    return {name: (info.shard_dim if tuple(info.shape) else 0) or 0
+            for name, info in compiled.hgraph.params.items()}

@@ -1,0 +1,267 @@
+"""The training loop: data -> mini-batches -> a strategy per step -> dispatch + pack -> executor step.
+
+Deterministic mode (``hgraph train``): step ``k`` uses strategy ``schedule[k % len(schedule)]``; the
+model is built right after ``torch.manual_seed(seed)`` on every rank, so every rank starts from the
+same parameters; mini-batches take whole documents in file order up to ``tokens_per_iter``.
+
+Dispatch and packing use a simple built-in rule until the planner is wired in (``dispatch_and_pack``):
+documents, longest first (ties by file order), go to the pipeline with the least tokens per rank
+after adding them (LPT weighted by the pipeline's ranks); inside a pipeline they are packed
+first-fit-decreasing into micro-batches of at most ``microbatch_tokens`` tokens (default: the larger
+of the pipeline's longest document and its tokens divided by its PP degree, so a PP pipeline gets
+about PP micro-batches). A pipeline may get no document; it still takes part in pull and push.
+
+``GraphCache`` keeps one Program per strategy (and, in the executor, the rank's working tensors and
+process groups), counting hits, misses and the host time of a switch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
+from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.strategy import Cluster, Strategy
+
+
+@dataclass
+class TrainConfig:
+    """Everything one run needs (the ``hgraph train`` options). ``docs`` may replace ``data``."""
+
+    model: str
+    world_size: int
+    schedule: Sequence[str]
+    steps: int
+    tokens_per_iter: int
+    data: Optional[str] = None
+    docs: Optional[Sequence[Sequence[int]]] = None
+    model_args: dict = field(default_factory=dict)
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: Optional[float] = None      # None: the optimizer's default (0 Adam, 1e-2 AdamW)
+    grad_clip: Optional[float] = None
+    seed: int = 0
+    dtype: str = "fp32"
+    microbatch_tokens: Optional[int] = None
+    skip_nonfinite: bool = False
+    save_final: Optional[str] = None
+    metrics: Optional[str] = None
+    gpus_per_node: int = 8
+
+
+@dataclass
+class TrainSummary:
+    """What a rank returns: per-step results, graph cache figures, the final parameters if asked."""
+
+    steps: list
+    cache: dict
+    final_params: Optional[dict] = None
+
+
+def parse_schedule(text: str, world_size: int) -> list[Strategy]:
+    """``"S1;S2;..."`` -> strategies; each must use exactly ``world_size`` ranks (one-line error)."""
+    parts = [p.strip() for p in text.split(";")]
+    if not text.strip() or any(not p for p in parts):
+        raise HGraphError(f"--strategy-schedule {text!r}: expected strategies separated by ';', e.g. "
+                          "'4xTP1PP1;1xTP2PP2'")
+    out = []
+    for part in parts:
+        s = Strategy.parse(part)
+        if s.num_ranks != world_size:
+            raise HGraphError(f"strategy {part!r} uses {s.num_ranks} ranks but --world-size is {world_size}")
+        out.append(s)
+    return out
+
+
+def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
+                      microbatch_tokens: Optional[int] = None) -> list[list[list[Document]]]:
+    """The built-in rule (module docstring): per pipeline, its micro-batches, each a list of documents."""
+    n = len(strategy.pipelines)
+    load = [0] * n
+    assigned: list[list[Document]] = [[] for _ in range(n)]
+    for d in sorted(docs, key=lambda d: (-len(d), d.index)):
+        best = min(range(n), key=lambda i: ((load[i] + len(d)) / strategy.pipelines[i].num_ranks, i))
+        assigned[best].append(d)
+        load[best] += len(d)
+    out = []
+    for i, mine in enumerate(assigned):
+        if not mine:
+            out.append([])
+            continue
+        longest = max(len(d) for d in mine)
+        cap = microbatch_tokens or max(longest, math.ceil(load[i] / strategy.pipelines[i].pp))
+        if cap < longest:
+            d = max(mine, key=len)
+            raise HGraphError(f"document {d.index} has {len(d)} tokens, more than the micro-batch limit {cap}")
+        bins: list[list[Document]] = []
+        room: list[int] = []
+        for d in mine:                     # already longest first
+            j = next((j for j, r in enumerate(room) if r >= len(d)), None)
+            if j is None:
+                bins.append([d])
+                room.append(cap - len(d))
+            else:
+                bins[j].append(d)
+                room[j] -= len(d)
+        out.append([sorted(b, key=lambda d: d.index) for b in bins])
+    return out
+
+
+class GraphCache:
+    """One Program per strategy, with hits, misses and the host time of each switch."""
+
+    def __init__(self, compiled: Any, cluster: Cluster) -> None:
+        self.compiled, self.cluster = compiled, cluster
+        self.hits = self.misses = 0
+        self.switch_s: list[float] = []
+        self.compile_s: list[float] = []
+        self._programs: dict[Strategy, Any] = {}
+
+    def get(self, strategy: Strategy) -> Any:
+        t0 = time.perf_counter()
+        prog = self._programs.get(strategy)
+        if prog is None:
+            self.misses += 1
+            prog = self.compiled.instantiate(strategy, self.cluster)
+            self._programs[strategy] = prog
+            self.compile_s.append(time.perf_counter() - t0)
+        else:
+            self.hits += 1
+            self.switch_s.append(time.perf_counter() - t0)
+        return prog
+
+    def info(self) -> dict:
+        return {"hits": self.hits, "misses": self.misses, "programs": len(self._programs),
+                "max_hit_switch_ms": 1e3 * max(self.switch_s, default=0.0),
+                "compile_s": sum(self.compile_s)}
+
+
+def build_model(config: TrainConfig) -> torch.nn.Module:
+    """The model, built right after ``torch.manual_seed(seed)`` (the same on every rank)."""
+    from hgraph.frontends.zoo import resolve_model_spec
+    spec = config.model if ":" in config.model else f"llama:{config.model}"
+    torch.manual_seed(config.seed)
+    return resolve_model_spec(spec, config.model_args)
+
+
+def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int) -> Any:
+    from hgraph.runtime.optimizer import ShardedAdam, ShardedAdamW
+    if config.optimizer not in ("adam", "adamw"):
+        raise HGraphError(f"--optimizer {config.optimizer!r}: allowed are adam, adamw")
+    cls = ShardedAdam if config.optimizer == "adam" else ShardedAdamW
+    full = dict(compiled._orig_mod.named_parameters())
+    named = [(n, full[n]) for n in compiled.hgraph.params]
+    kwargs = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
+    return cls(named, shard_dims_of(compiled), rank, world_size, lr=config.lr, betas=tuple(config.betas),
+               eps=config.eps, max_grad_norm=config.grad_clip, **kwargs)
+
+
+class Trainer:
+    """Runs a ``TrainConfig`` on this rank of an initialised process group (or alone)."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None) -> None:
+        import hgraph
+        from hgraph.runtime.process_groups import GroupCache
+        if world_size != config.world_size:
+            raise HGraphError(f"the run has {world_size} processes but --world-size is {config.world_size}")
+        if config.steps < 1:
+            raise HGraphError(f"--steps must be >= 1, got {config.steps}")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.schedule = parse_schedule(";".join(config.schedule), world_size) \
+            if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
+        self.model = build_model(config)
+        self.compiled = hgraph.compile(self.model, dtype=config.dtype)
+        self.cluster = Cluster(world_size, config.gpus_per_node)
+        self.cache = GraphCache(self.compiled, self.cluster)
+        for s in dict.fromkeys(self.schedule):        # bad strategies fail before any step
+            self.cache.get(s)
+        self.cache.hits = 0
+        self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
+                                 groups if groups is not None else GroupCache(rank, world_size),
+                                 skip_nonfinite=config.skip_nonfinite)
+
+    def documents(self) -> list[Document]:
+        cfg = self.config
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if cfg.docs is not None:
+            docs = [Document(i, tuple(int(t) for t in d)) for i, d in enumerate(cfg.docs)]
+            if not docs or any(len(d) == 0 for d in docs):
+                raise HGraphError("documents must be non-empty lists of token ids")
+        elif cfg.data is not None:
+            docs = read_jsonl(cfg.data, vocab)
+        else:
+            raise HGraphError("no training data: give --data FILE.jsonl")
+        check_lengths(docs, cfg.tokens_per_iter, getattr(getattr(self.model, "config", None), "max_seq_len", None))
+        return docs
+
+    def run(self) -> TrainSummary:
+        cfg = self.config
+        results: list[StepResult] = []
+        metrics = open(cfg.metrics, "w", encoding="utf-8") if cfg.metrics and self.rank == 0 else None
+        try:
+            for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
+                result = self.step(batch)
+                results.append(result)
+                if metrics is not None:
+                    metrics.write(json.dumps(_metrics_line(result, self.cache)) + "\n")
+                    metrics.flush()
+        finally:
+            if metrics is not None:
+                metrics.close()
+        final = self.final_state_dict() if cfg.save_final else None
+        if final is not None and self.rank == 0:
+            Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(final, cfg.save_final)
+        return TrainSummary(results, self.cache.info(), final)
+
+    def step(self, batch: MiniBatch) -> StepResult:
+        strategy = self.schedule[batch.step % len(self.schedule)]
+        program = self.cache.get(strategy)
+        plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
+        mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
+        return self.executor.step(program, mbs, batch.num_targets, batch.step)
+
+    def final_state_dict(self) -> dict:
+        """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""
+        params = self.optimizer.full_state_dict()
+        with torch.no_grad():
+            for name, p in self.compiled._orig_mod.named_parameters():
+                p.copy_(params[name].to(p.dtype))
+        return {k: v.detach().clone() for k, v in self.compiled._orig_mod.state_dict().items()}
+
+
+def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
+    return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
+            "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
+            "skipped": r.skipped, "grad_norm": r.grad_norm, "cache_hits": cache.hits,
+            "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
+
+
+def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
+    """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params)."""
+    summary = Trainer(config, rank, world_size).run()
+    return {"steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
+            "final_params": summary.final_params if rank == 0 else None}
+
+
+def train(config: TrainConfig, *, timeout_s: float = 60.0) -> list[dict]:
+    """Run ``config`` on ``config.world_size`` local gloo processes; every rank's ``train_worker`` result.
+
+    ``timeout_s`` bounds each collective (a lost rank is reported within it) and the whole run gets
+    that much time per step on top of start-up.
+    """
+    from hgraph.runtime.launch import spawn
+    total = timeout_s + 60.0 + timeout_s * config.steps
+    return spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
