@@ -21,7 +21,7 @@ from hgraph.strategy import Cluster, Strategy
 class CompiledModule(nn.Module):
     """A module traced into an HGraph; runs ``forward`` like the original and instantiates programs.
 
-    ``.hgraph``: the strategy-agnostic graph with empty slots.
+    ``.hgraph``: the strategy-agnostic graph with empty slots; ``.frontend``: ``"fx"`` or ``"export"``.
     ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster).
     ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
     """
@@ -31,7 +31,7 @@ class CompiledModule(nn.Module):
         self._orig_mod = model
         self.options = options
         from hgraph.graph import build_hgraph
-        self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules)
+        self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend)
         self._programs: dict[tuple[Strategy, Cluster], Program] = {}
         self._shapes: Optional[dict] = None
         self.cache_hits = 0
@@ -40,6 +40,11 @@ class CompiledModule(nn.Module):
     @property
     def hgraph(self):
         return self._hgraph
+
+    @property
+    def frontend(self) -> str:
+        """The frontend that traced the model: ``"fx"`` or ``"export"``."""
+        return self._hgraph.frontend
 
     @property
     def config(self):

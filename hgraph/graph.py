@@ -246,16 +246,21 @@ def _fake_shapes(gm: fx.GraphModule, nodes: list[Any]) -> list[Optional[tuple[in
 def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
     """Trace ``model`` and turn it into an HGraph (trace -> annotate_pass -> insert_slots_pass).
 
-    Options: ``leaf_modules`` (module classes or qualified names the tracer must not enter).
+    Options: ``leaf_modules`` (module classes or qualified names the fx tracer must not enter);
+    ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``.
+    The HGraph's ``frontend`` attribute says which one was used.
     """
-    from hgraph.frontends.fx_frontend import trace
+    from hgraph.frontends.select import trace_model
     from hgraph.passes.annotate import annotate_pass
     from hgraph.passes.insert_slots import insert_slots_pass
 
-    unknown = sorted(set(options) - {"leaf_modules"})
+    unknown = sorted(set(options) - {"leaf_modules", "frontend"})
     if unknown:
-        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules")
-    gm = trace(model, leaf_modules=options.get("leaf_modules", ()))
+        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules, frontend")
+    gm, used = trace_model(model, leaf_modules=options.get("leaf_modules", ()),
+                           frontend=options.get("frontend", "auto"))
     gm = annotate_pass(gm, None)
     gm = insert_slots_pass(gm, None)
-    return HGraph(gm, model)
+    hg = HGraph(gm, model)
+    hg.frontend = used
+    return hg

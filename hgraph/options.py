@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from hgraph.errors import HGraphError
+from hgraph.frontends.select import FRONTENDS
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -17,11 +18,13 @@ class CompileOptions:
     """working_dtype: precision of the propagation phase (the Pull Parameter cast); None keeps fp32.
     disabled_passes: names of instantiation passes to skip (for debugging).
     leaf_modules: module classes the tracer must not trace into.
+    frontend: "auto" (torch.fx, then torch.export when fx fails), "fx" or "export".
     """
 
     working_dtype: Optional[torch.dtype] = torch.float32
     disabled_passes: tuple[str, ...] = ()
     leaf_modules: tuple[type, ...] = ()
+    frontend: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CompileOptions":
@@ -37,7 +40,10 @@ class CompileOptions:
         if unknown:
             raise HGraphError(f"cannot disable unknown pass(es) {unknown}; instantiation passes are {known}")
         leaves = tuple(kwargs.pop("leaf_modules", ()))
+        frontend = kwargs.pop("frontend", "auto")
+        if frontend not in FRONTENDS:
+            raise HGraphError(f"unknown frontend {frontend!r}; allowed: {', '.join(FRONTENDS)}")
         if kwargs:
             raise HGraphError(f"unknown hgraph.compile option(s) {sorted(kwargs)}; allowed: dtype, "
-                              "disable_passes, leaf_modules")
-        return cls(dtype, disabled, leaves)
+                              "disable_passes, leaf_modules, frontend")
+        return cls(dtype, disabled, leaves, frontend)

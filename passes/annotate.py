@@ -27,12 +27,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from hgraph.errors import TraceError
+from hgraph.frontends.linear_ops import IN_OUT_LINEARS
 from hgraph.meta import NodeMeta, OpKind, TPRole, get_meta, set_meta, update_meta
 
 PRE, POST = "pre", "post"
 STACK_KEY = "nn_module_stack"
 
-LINEAR_TARGETS = (F.linear,)
+LINEAR_TARGETS = (F.linear,) + IN_OUT_LINEARS
 EMBEDDING_TARGETS = (F.embedding,)
 ATTENTION_TARGETS = (F.scaled_dot_product_attention,)
 
@@ -354,11 +355,13 @@ def _linears_reaching(output: fx.Node) -> set[fx.Node]:
     return found
 
 
-def param_shard_dim(role: TPRole, arg_role: str) -> int:
-    """Dimension TP (and the optimizer layout) splits a parameter of an op with ``role``."""
+def param_shard_dim(role: TPRole, arg_role: str, op: Optional[fx.Node] = None) -> int:
+    """Dimension TP (and the optimizer layout) splits a parameter of ``op`` with ``role``; a weight
+    stored [in, out] (``IN_OUT_LINEARS``) splits on the other dim."""
+    in_out = op is not None and op.op == "call_function" and op.target in IN_OUT_LINEARS and arg_role == "weight"
     if role == TPRole.ROW and arg_role == "weight":
-        return 1
-    return 0
+        return 0 if in_out else 1
+    return 1 if in_out and role == TPRole.COLUMN else 0
 
 
 def param_role(role: TPRole, arg_role: str) -> TPRole:
@@ -385,7 +388,7 @@ def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: set) -> No
                 continue
             for arg_role, name, _ in op_params(n, params):
                 pr = param_role(roles[n], arg_role)
-                layouts.setdefault(name, set()).add(_layout(pr, param_shard_dim(roles[n], arg_role)))
+                layouts.setdefault(name, set()).add(_layout(pr, param_shard_dim(roles[n], arg_role, n)))
                 users.setdefault(name, []).append(n)
         conflicted = [name for name, ls in layouts.items() if len(ls) > 1]
         newly = {n for name in conflicted for n in users[name] if roles[n] != TPRole.REPLICATED}
@@ -426,9 +429,9 @@ def annotate_pass(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
     for n, role in roles.items():
         uses = op_params(n, params)
         main = next((u for u in uses if u[0] == "weight"), uses[0])
-        update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0]))
+        update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0], n))
         for arg_role, name, attr in uses:
             value = gm.get_parameter(name)
-            dim = param_shard_dim(role, arg_role) if value.dim() else None
+            dim = param_shard_dim(role, arg_role, n) if value.dim() else None
             update_meta(attr, param=name, tp_role=param_role(role, arg_role), shard_dim=dim)
     return gm

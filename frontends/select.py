@@ -1,0 +1,44 @@
+"""Choosing the frontend that turns a model into the canonical graph: torch.fx or torch.export.
+
+``"auto"`` tries torch.fx first (fast, keeps Python-level ops) and falls back to torch.export
+(Hugging Face models and others fx cannot trace). A model neither handles gets one line naming what
+stopped each of them.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.fx as fx
+import torch.nn as nn
+
+from hgraph.errors import HGraphError, TraceError
+from hgraph.frontends.tracer import LeafSpec
+
+FRONTENDS = ("auto", "fx", "export")
+
+__all__ = ["FRONTENDS", "trace_model"]
+
+
+def trace_model(model: nn.Module, *, leaf_modules: Iterable[LeafSpec] = (), frontend: str = "auto"
+                ) -> tuple[fx.GraphModule, str]:
+    """The canonical GraphModule of ``model`` and the frontend used (``"fx"`` or ``"export"``).
+
+    ``leaf_modules`` apply to the fx frontend only (torch.export has no leaf modules).
+    """
+    from hgraph.frontends.export_frontend import export_trace
+    from hgraph.frontends.fx_frontend import trace
+
+    if frontend not in FRONTENDS:
+        raise HGraphError(f"unknown frontend {frontend!r}; allowed: {', '.join(FRONTENDS)}")
+    if frontend == "fx":
+        return trace(model, leaf_modules=leaf_modules), "fx"
+    if frontend == "export":
+        return export_trace(model), "export"
+    try:
+        return trace(model, leaf_modules=leaf_modules), "fx"
+    except TraceError as fx_error:
+        try:
+            return export_trace(model), "export"
+        except TraceError as export_error:
+            raise TraceError(f"neither frontend handles {type(model).__name__}: {export_error} "
+                             f"(torch.fx: {fx_error})") from export_error
