@@ -160,6 +160,23 @@ class RankProgram:
     def params(self) -> dict[str, ParamShard]:
         return self.role.params
 
+    def set_working_params(self, tensors: Mapping[str, torch.Tensor], *,
+                           requires_grad: bool = True) -> dict[str, torch.nn.Parameter]:
+        """Put real working tensors (this rank's shards) in place of the graph's meta parameters."""
+        gm = self.graph_module
+        out: dict[str, torch.nn.Parameter] = {}
+        for name in self.params:
+            module_path, _, leaf = name.rpartition(".")
+            owner = gm.get_submodule(module_path) if module_path else gm
+            param = torch.nn.Parameter(tensors[name], requires_grad=requires_grad)
+            setattr(owner, leaf, param)
+            out[name] = param
+        return out
+
+    def load_full(self, full: Mapping[str, torch.Tensor], **kwargs) -> dict[str, torch.nn.Parameter]:
+        """Load this rank's shards of full parameters (e.g. ``model.named_parameters()``)."""
+        return self.set_working_params({n: s.take(full[n].detach()) for n, s in self.params.items()}, **kwargs)
+
 
 @dataclass
 class Program:

@@ -32,15 +32,8 @@ def tied():
 
 def _load(rank_program, model):
     """Fill a rank's (meta) working parameters with its shards of the model's parameters."""
-    full = dict(model.named_parameters())
-    gm = rank_program.graph_module
-    for name, shard in rank_program.params.items():
-        *path, leaf = name.split(".")
-        mod = gm
-        for p in path:
-            mod = getattr(mod, p)
-        setattr(mod, leaf, torch.nn.Parameter(shard.take(full[name].detach())))
-    return gm
+    rank_program.load_full(dict(model.named_parameters()))
+    return rank_program.graph_module
 
 
 def test_single_rank_program_matches_the_module(model, compiled):

@@ -55,17 +55,8 @@ def _worker(rank, world, cases):
         rp = prog.rank(rank)
         comm.bindings = dict(rp.bindings)
         comm.param_sync = _PassThroughSync()
-        full = dict(model.named_parameters())
+        params = rp.load_full(dict(model.named_parameters()))
         gm = rp.graph_module
-        params = {}
-        for pname, shard in rp.params.items():
-            *path, leaf = pname.split(".")
-            mod = gm
-            for p in path:
-                mod = getattr(mod, p)
-            param = torch.nn.Parameter(shard.take(full[pname].detach()))
-            setattr(mod, leaf, param)
-            params[pname] = param
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
         pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
