@@ -4,7 +4,8 @@
 * ``tp_exit``: Megatron g: ``tp_reduce_issue`` + ``comm_wait`` (all-reduce of the partial sums).
 * ``tp_gather``: ``tp_gather_issue`` + ``comm_wait`` along the last dim, then the vocabulary padding
   is cut off.
-* ``cp_kv``: all-gather of K/V across the CP group (not built yet: CP > 1 is rejected here).
+* ``cp_kv``: ``cp_kv_gather_issue`` + ``comm_wait``: all-gather of K/V along the sequence over the CP
+  group (piece sizes from the micro-batch's CP layout; the backward reduce-scatters).
 * ``pp_boundary``: already handled by ``extract_stage_pass``; the slot becomes the identity.
 
 With TP=1 and CP=1 every slot becomes the identity, so the rank runs exactly the original ops.
@@ -16,7 +17,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from hgraph.errors import StrategyError
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.runtime import graph_ops
 from hgraph.slots import empty_slot
@@ -50,14 +50,19 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
             continue
         x = slot.args[0]
         point = m.comm_point
-        if point == CommPoint.CP_KV and scheme.cp > 1:
-            raise StrategyError(f"scheme {scheme}: context parallelism (CP>1) is not executable yet; "
-                                "use CP=1 schemes")
-        if scheme.tp == 1 or point in (CommPoint.PP_BOUNDARY, CommPoint.CP_KV):
+        if point == CommPoint.PP_BOUNDARY or (point == CommPoint.CP_KV and scheme.cp == 1) \
+                or (point != CommPoint.CP_KV and scheme.tp == 1):
             _replace(slot, x)
             continue
         with g.inserting_before(slot):
-            if point == CommPoint.TP_ENTER:
+            if point == CommPoint.CP_KV:
+                dims = ctx.shapes.get(x.name, (None,))[0]
+                if dims is None or "T" not in dims:
+                    raise AssertionError(f"no sequence dim known for the key/value {x.name}")
+                issue = _mark(g.call_function(graph_ops.cp_kv_gather_issue, (comm, x, "cp", dims.index("T"))),
+                              slot, "all_gather")
+                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+            elif point == CommPoint.TP_ENTER:
                 out = _mark(g.call_function(graph_ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
             elif point == CommPoint.TP_EXIT:
                 issue = _mark(g.call_function(graph_ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")

@@ -198,11 +198,17 @@ def tp_reduce_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) ->
 
 # ---- all-gather ----------------------------------------------------------------------------------
 class _GatherTP(torch.autograd.Function):
-    """Gathers ``x`` padded to ``padded`` along ``dim`` into a [group size, *padded shape] buffer."""
+    """Gathers ``x`` padded to ``padded`` along ``dim`` into a [group size, *padded shape] buffer.
+
+    Backward: with ``reduce_grad`` False (TP: the gathered tensor is used identically on every rank)
+    this rank's slice of the gradient; with True (CP: every rank's use contributes a partial gradient
+    to every piece) the reduce-scatter (sum) of the gradient, this rank's piece.
+    """
 
     @staticmethod
-    def forward(ctx, x, comm, group, n, index, dim, padded, holder):
+    def forward(ctx, x, comm, group, n, index, dim, padded, holder, reduce_grad=False):
         ctx.index, ctx.dim, ctx.size = index, dim, x.shape[dim]
+        ctx.comm, ctx.group, ctx.reduce_grad = comm, group, reduce_grad
         pad_shape = list(x.shape)
         pad_shape[dim] = padded
         inp = x.new_zeros(pad_shape)
@@ -215,12 +221,19 @@ class _GatherTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        g = grad[ctx.index].narrow(ctx.dim, 0, ctx.size)
-        return g, None, None, None, None, None, None, None
+        if ctx.reduce_grad:
+            full = grad.contiguous()
+            mine = full.new_empty(full.shape[1:]).unsqueeze(0)
+            _run(ctx.comm, [full, mine], lambda: dist.reduce_scatter_tensor(
+                mine, full, group=ctx.group, async_op=True))
+            g = mine[0].narrow(ctx.dim, 0, ctx.size)
+        else:
+            g = grad[ctx.index].narrow(ctx.dim, 0, ctx.size)
+        return g, None, None, None, None, None, None, None, None
 
 
 def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
-                    sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                    sizes: Optional[Sequence[int]] = None, *, reduce_grad: bool = False) -> torch.Tensor:
     """Start the all-gather of ``x`` along ``dim`` over ``ranks``; ``comm_wait`` gives the result.
 
     ``sizes[i]`` is the size along ``dim`` of the piece of ``ranks[i]`` (all equal to this rank's
@@ -240,7 +253,7 @@ def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], di
     if len(key) == 1:
         return x
     holder = _Holder()
-    out = _GatherTP.apply(x, comm, group, len(key), key.index(comm.rank), dim, max(sizes), holder)
+    out = _GatherTP.apply(x, comm, group, len(key), key.index(comm.rank), dim, max(sizes), holder, reduce_grad)
     order = [key.index(r) for r in ranks]
 
     def finish(buf: torch.Tensor) -> torch.Tensor:
@@ -249,6 +262,16 @@ def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], di
     holder.pending.finish = finish
     comm.register(out, holder.pending)
     return out
+
+
+def cp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
+                    sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Context parallelism: start the all-gather of K or V along the sequence ``dim`` over the CP group.
+
+    Backward reduce-scatters the gradient (each rank's queries give a partial gradient of every
+    rank's keys). ``comm_wait`` gives the gathered tensor, pieces in the order of ``ranks``.
+    """
+    return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
 
 
 def comm_wait(comm: CommContext, t: torch.Tensor) -> torch.Tensor:

@@ -153,3 +153,25 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         else:
             rows.append(varlen_attention(qb, kb, vb, cu, scale=scale, enable_gqa=enable_gqa))
     return rows[0] if B == 1 else torch.cat(rows, dim=0)
+
+
+# ---- Communicate Activation: context parallelism --------------------------------------------------
+def cp_kv_gather_issue(comm: Any, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    """Start the all-gather of keys / values along the sequence ``dim`` over the CP group.
+
+    The piece sizes come from this micro-batch's CP layout (``comm.cp_layout``); the backward
+    reduce-scatters the gradient.
+    """
+    if comm is None or getattr(comm, "cp_layout", None) is None:
+        raise _need_runtime("cp_kv_gather_issue")
+    from hgraph.runtime import comm_ops
+    return comm_ops.cp_gather_issue(comm, x, _ranks(comm, key), dim, comm.cp_layout.sizes)
+
+
+def cp_attention(comm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of this CP rank's queries against the gathered keys, per document and causal."""
+    if comm is None or getattr(comm, "cp_layout", None) is None:
+        raise _need_runtime("cp_attention")
+    from hgraph.runtime.cp_attention import cp_attention as attend
+    return attend(q, k, v, comm.cp_layout, scale, enable_gqa)

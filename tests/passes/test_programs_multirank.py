@@ -1,11 +1,12 @@
 """Compiled per-rank programs run on 4 gloo processes: forward and backward equal the original module.
 
-Each pipeline gets the same packed micro-batch of two documents; its logits must equal the module's
-run on each document alone, and the gradients of its
+Each pipeline gets the same packed micro-batch of three documents (split over the CP ranks by a
+per-document or per-sequence plan when the scheme has CP); its logits must equal the module's run on
+each document alone, and the gradients of its
 working parameters, put back together from the TP shards and PP stages, must equal the module's
 gradients. Pull/Push are not exercised here (a pass-through parameter sync stands in for them; the
-runtime tests cover them): this checks the TP collectives, vocabulary padding, KV-head replication and
-PP send/recv that the compiler inserted.
+runtime tests cover them): this checks the TP collectives, vocabulary padding, KV-head replication,
+PP send/recv and the CP all-gather / per-document attention that the compiler inserted.
 
 fp32 tolerances: logits atol 2e-5; gradients rtol 1e-4 and atol 1e-6 x the tensor's largest |gradient|
 (TP sums partial products in a different order than the single-device matmul, so an element that
@@ -19,13 +20,18 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm_ops import CommContext
 from hgraph.runtime.launch import spawn
 
+# (model, config overrides, strategy, CP sharding of the packed documents)
 CASES = [
-    ("tiny", {}, "1xTP2PP1+1xTP1PP2"),
-    ("tiny", {}, "1xTP2PP2"),
-    ("tiny", {}, "1xTP4PP1"),                        # TP4 > 2 KV heads: replicated KV heads
-    ("tiny-tied", {"vocab_size": 509}, "2xTP2PP1"),  # vocabulary not divisible by TP: padded
-    ("tiny-tied", {}, "1xTP1PP2+1xTP2PP1"),          # tied embedding split across stages
+    ("tiny", {}, "1xTP2PP1+1xTP1PP2", None),
+    ("tiny", {}, "1xTP2PP2", None),
+    ("tiny", {}, "1xTP4PP1", None),                        # TP4 > 2 KV heads: replicated KV heads
+    ("tiny-tied", {"vocab_size": 509}, "2xTP2PP1", None),  # vocabulary not divisible by TP: padded
+    ("tiny-tied", {}, "1xTP1PP2+1xTP2PP1", None),          # tied embedding split across stages
+    ("tiny", {}, "1xTP1PP1CP2+2xTP1PP1", "per-document"),  # CP next to pipelines without CP
+    ("tiny", {}, "1xTP2PP1CP2", "per-sequence"),
+    ("tiny-tied", {}, "1xTP1PP2CP2", "per-document"),      # CP inside a pipeline with two stages
 ]
+DOCS = [7, 5, 9]   # packed documents; 21 tokens, not divisible by 2 x CP
 
 
 class _PassThroughSync:
@@ -44,9 +50,21 @@ def _model(name, args):
     return llama.build(name, **args)
 
 
+def _inputs(vocab):
+    g = torch.Generator().manual_seed(1)
+    T = sum(DOCS)
+    ids = torch.randint(0, vocab, (1, T), generator=g)
+    pos = torch.cat([torch.arange(n) for n in DOCS])[None]
+    weights = torch.randn(1, T, vocab, generator=g)
+    return ids, pos, weights
+
+
 def _worker(rank, world, cases):
+    from hgraph.runtime.cp_attention import CPLayout
+    from hgraph.runtime.planner.cp_sharding import per_document_plan, per_sequence_plan
+
     out = []
-    for name, args, text in cases:
+    for name, args, text, sharding in cases:
         model = _model(name, args)
         compiled = hgraph.compile(model)
         prog = compiled.instantiate(text)
@@ -57,10 +75,13 @@ def _worker(rank, world, cases):
         comm.param_sync = _PassThroughSync()
         params = rp.load_full(dict(model.named_parameters()))
         gm = rp.graph_module
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
-        pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
-        weights = torch.randn(1, 12, model.config.vocab_size, generator=g)
+        ids, pos, weights = _inputs(model.config.vocab_size)
+        idx = list(range(ids.shape[1]))
+        if rp.scheme.cp > 1:   # this rank's tokens of the packed micro-batch
+            plan = (per_document_plan if sharding == "per-document" else per_sequence_plan)(DOCS, rp.scheme.cp)
+            comm.cp_layout = CPLayout.from_plan(plan, DOCS, rp.cp_rank)
+            idx = list(comm.cp_layout.local_tokens)
+        ids, pos, weights = ids[:, idx], pos[:, idx], weights[:, idx]
         result = gm(ids, pos, comm)
         logits = None
         if rp.stage == rp.scheme.pp - 1:
@@ -71,18 +92,16 @@ def _worker(rank, world, cases):
         comm.wait_all()
         grads = {n: (s.ranges, s.pad, s.tp_sharded, s.shard_dim, params[n].grad.detach())
                  for n, s in rp.params.items()}
-        out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank,
+        out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank, "tokens": idx,
                     "logits": logits, "grads": grads})
     return out
 
 
 def _reference(name, args):
     model = _model(name, args)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=g)
-    pos = torch.cat([torch.arange(7), torch.arange(5)])[None]
-    weights = torch.randn(1, 12, model.config.vocab_size, generator=g)
-    logits = torch.cat([model(ids[:, :7], pos[:, :7]), model(ids[:, 7:], pos[:, 7:])], dim=1)   # each document alone
+    ids, pos, weights = _inputs(model.config.vocab_size)
+    bounds = [0] + torch.tensor(DOCS).cumsum(0).tolist()
+    logits = torch.cat([model(ids[:, a:b], pos[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)  # each doc alone
     (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -94,7 +113,7 @@ def results():
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_forward_and_backward_match_the_module(results, case):
-    name, args, text = CASES[case]
+    name, args, text, _ = CASES[case]
     ref_logits, ref_grads = _reference(name, args)
     per_rank = [r[case] for r in results]
     strategy = hgraph.Strategy.parse(text)
@@ -102,8 +121,10 @@ def test_forward_and_backward_match_the_module(results, case):
         ranks = [per_rank[r] for r in strategy.pipeline_ranks(i)]
         for r in ranks:
             if r["logits"] is not None:
-                torch.testing.assert_close(r["logits"], ref_logits, atol=2e-5, rtol=0)
+                torch.testing.assert_close(r["logits"], ref_logits[:, r["tokens"]], atol=2e-5, rtol=0)
         rebuilt = {n: torch.zeros_like(g) for n, g in ref_grads.items()}
+        seen = sorted(t for r in ranks if r["logits"] is not None and r["tp_rank"] == 0 for t in r["tokens"])
+        assert seen == list(range(sum(DOCS))), "the CP ranks of the last stage cover every token once"
         for r in ranks:
             for n, (ranges, pad, sharded, dim, grad) in r["grads"].items():
                 if not sharded:
