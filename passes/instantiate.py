@@ -23,6 +23,7 @@ from hgraph.passes.lnk_plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages
+from hgraph.runtime import graph_ops
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -197,7 +198,8 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         contrib, groups = _push_contributions(strategy, ranks, name, info)
         pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
                                  replica_groups=groups)
-    describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes)
+    describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes, shapes=shapes,
+                                 dtype=options.working_dtype or torch.float32)
     for rp in ranks:
         rp.pull_ops = [op for name in rp.params for op in pulls[name].for_rank(rp.rank)]
         rp.push_ops = [op for name in rp.params for op in pushes[name].for_rank(rp.rank)]
@@ -220,8 +222,29 @@ def _peers_and_bytes(ops, rank: int) -> tuple[tuple[int, ...], int]:
     return tuple(sorted(peers)), nbytes
 
 
-def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict) -> list[SubgraphInfo]:
-    """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved."""
+def _bytes_per_token(node: fx.Node, shapes: dict, dtype: torch.dtype) -> int:
+    """Bytes of the activation a comm node moves for one token of the micro-batch (B = T = 1)."""
+    if node.target is graph_ops.pp_recv:
+        dims, dt = node.args[3], node.args[4]
+    else:
+        x = next((a for a in node.args if isinstance(a, fx.Node) and a.op != "placeholder"), None)
+        if x is None or x.name not in shapes:
+            return 0
+        dims, dt = shapes[x.name]
+        dt = dtype if dt.is_floating_point else dt
+    numel = 1
+    for d in dims:
+        numel *= 1 if isinstance(d, str) else int(d)
+    return numel * dt.itemsize
+
+
+def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
+                       dtype: torch.dtype) -> list[SubgraphInfo]:
+    """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved.
+
+    Pull / push bytes are what the LNK plan moves for this rank (sent + received); comm_activation
+    bytes are per token of the micro-batch (the tensor the collective or send/recv carries).
+    """
     by_tag: dict[str, list[fx.Node]] = {}
     for n in rp.graph_module.graph.nodes:
         m = get_meta(n)
@@ -239,5 +262,6 @@ def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict) -> list[Subgr
             key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next"}.get(
                 m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
             peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
-            out.append(SubgraphInfo(m.slot, None, ops, peers, 0, m.comm_point.value))
+            out.append(SubgraphInfo(m.slot, None, ops, peers, _bytes_per_token(nodes[0], shapes, dtype),
+                                    m.comm_point.value))
     return out
