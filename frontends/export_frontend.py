@@ -123,8 +123,9 @@ def _vocab_size(model: nn.Module) -> int:
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in eval mode."""
     wrapper = LogitsOf(model)
-    ids = torch.randint(0, _vocab_size(model), (2, EXAMPLE_LEN))
-    pos = torch.arange(EXAMPLE_LEN).expand(2, EXAMPLE_LEN)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = torch.randint(0, _vocab_size(model), (2, EXAMPLE_LEN)).to(device)
+    pos = torch.arange(EXAMPLE_LEN, device=device).expand(2, EXAMPLE_LEN)
     dyn = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     try:
         with _eval_mode(model):
@@ -281,13 +282,28 @@ def _depends_on_params(node: fx.Node, params: set[str], memo: dict) -> bool:
 
 
 def _mask_evaluator(graph: fx.Graph, root: dict, vocab: int):
-    def evaluate(nodes: list[fx.Node]) -> dict[fx.Node, torch.Tensor]:
-        gm = fx.GraphModule(root, graph)
-        interp = fx.Interpreter(gm, garbage_collect_values=False)
+    """Evaluates mask nodes on a CPU example (one row, positions 0..T-1) by running only the nodes
+    they depend on, so it works for a model on the meta device too."""
+    def evaluate(masks: list[fx.Node]) -> dict[fx.Node, torch.Tensor]:
+        needed, work = set(), list(masks)
+        while work:
+            n = work.pop()
+            if n not in needed:
+                needed.add(n)
+                work.extend(n.all_input_nodes)
+        sub, env = fx.Graph(), {}
+        for n in graph.nodes:
+            if n in needed or (n.op == "placeholder"):
+                env[n] = sub.node_copy(n, env.__getitem__)
+        sub.output(tuple(env[m] for m in masks))
+        used = {str(n.target) for n in sub.nodes if n.op == "get_attr"}
+        if any(root[name].device.type == "meta" for name in used):
+            raise TraceError("the attention mask depends on buffers of a model on the meta device; "
+                             "build the model on a real device to check its mask")
         ids = torch.randint(0, vocab, (1, EXAMPLE_LEN))
         with torch.no_grad():
-            interp.run(ids, torch.arange(EXAMPLE_LEN).unsqueeze(0))
-        return {n: interp.env[n] for n in nodes}
+            values = fx.GraphModule({k: root[k] for k in used}, sub)(ids, torch.arange(EXAMPLE_LEN)[None])
+        return dict(zip(masks, values))
     return evaluate
 
 
@@ -302,11 +318,11 @@ def export_trace(model: nn.Module) -> fx.GraphModule:
     params = {name for name, obj in root.items() if isinstance(obj, nn.Parameter)}
     aten_canonical.translate_aten_ops(graph)
     aten_canonical.rewrite_linears(graph, params.__contains__, lambda name: root[name].shape)
+    aten_canonical.inputs_device(graph)
     memo: dict = {}
     aten_canonical.rewrite_attention(graph, _mask_evaluator(graph, root, _vocab_size(model)),
                                      lambda n: not _depends_on_params(n, params, memo))
     graph.eliminate_dead_code()
-    aten_canonical.inputs_device(graph)
     _check_attention(graph)
     graph.lint()
     gm = fx.GraphModule(root, graph, class_name=f"{type(model).__name__}HGraph")

@@ -3,7 +3,8 @@
 A model spec names the model to compile or train:
 
 * ``"llama:tiny"``: a zoo family and one of its named configs (``ZOO``); ``model_args`` override
-  config fields (``{"num_layers": 32}``);
+  config fields (``{"num_layers": 32}``); ``"hf:llama"`` (``qwen2``, ``mistral``, ``gpt2``): a
+  Hugging Face model from a tiny config that ``model_args`` override;
 * ``"path/to/file.py:ClassName"``: a class defined in a Python file;
 * ``"package.module:ClassName"``: a class in an importable module.
 
@@ -21,13 +22,13 @@ from typing import Any, Callable, Mapping, Optional
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo import hf, llama
 from hgraph.frontends.zoo.llama import CONFIGS, Llama, LlamaConfig, build
 
 # Family name -> builder(config_name, **overrides) -> nn.Module.
-ZOO: dict[str, Callable[..., nn.Module]] = {"llama": llama.build}
+ZOO: dict[str, Callable[..., nn.Module]] = {"llama": llama.build, "hf": hf.build}
 # Family name -> its named configs (for messages and listings).
-ZOO_CONFIGS: dict[str, Mapping[str, Any]] = {"llama": llama.CONFIGS}
+ZOO_CONFIGS: dict[str, Mapping[str, Any]] = {"llama": llama.CONFIGS, "hf": hf.CONFIGS}
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig", "ZOO", "ZOO_CONFIGS", "build", "resolve_model_spec",
            "zoo_names"]

@@ -1,0 +1,122 @@
+"""Hugging Face models (tiny configs, random weights) through the torch.export frontend.
+
+For Llama, Qwen2 (tied embeddings), Mistral and GPT-2 (Conv1D): the HGraph equals the HF model's
+logits, the single-rank program computes packed documents exactly as each document alone, and the
+slots / TP roles are the expected ones.
+"""
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import hgraph  # noqa: E402
+from hgraph.frontends.zoo import resolve_model_spec  # noqa: E402
+from hgraph.meta import TPRole  # noqa: E402
+
+SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+MODELS = {
+    "llama": dict(SMALL),
+    "qwen2": dict(SMALL),
+    "mistral": dict(SMALL),
+    "gpt2": {"vocab_size": 64, "n_embd": 32, "n_head": 4},
+}
+
+
+def hf_logits(model, ids, pos):
+    with torch.no_grad():
+        return model(ids, position_ids=pos, use_cache=False).logits
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request):
+    torch.manual_seed(0)
+    model = resolve_model_spec(f"hf:{request.param}", MODELS[request.param])
+    return request.param, model, hgraph.compile(model)
+
+
+def _load(rank_program, model):
+    full = dict(model.named_parameters())
+    gm = rank_program.graph_module
+    for name, shard in rank_program.params.items():
+        *path, leaf = name.split(".")
+        mod = gm
+        for p in path:
+            mod = getattr(mod, p)
+        setattr(mod, leaf, torch.nn.Parameter(shard.take(full[name].detach())))
+    return gm
+
+
+def test_export_frontend_is_chosen_and_the_hgraph_equals_the_model(pair):
+    name, model, compiled = pair
+    assert compiled.frontend == "export"
+    for b, t in ((2, 9), (1, 5), (3, 16)):
+        ids = torch.randint(0, 64, (b, t))
+        pos = torch.arange(t).expand(b, t)
+        with torch.no_grad():
+            assert torch.equal(compiled(ids, pos), hf_logits(model, ids, pos))
+            assert torch.equal(compiled(ids), hf_logits(model, ids, pos))   # default positions
+
+
+def test_parameters_keep_the_model_names_and_are_shared(pair):
+    name, model, compiled = pair
+    canonical = {n: p for n, p in model.named_parameters()}
+    assert set(compiled.hgraph.params) == set(canonical)
+    for n in canonical:
+        assert compiled.hgraph.gm.get_parameter(n) is canonical[n]
+
+
+def test_single_rank_program_computes_each_document_alone(pair):
+    name, model, compiled = pair
+    gm = _load(compiled.instantiate("1xTP1PP1").rank(0), model)
+    ids = torch.randint(0, 64, (2, 11))
+    pos = torch.cat([torch.arange(5), torch.arange(6)]).expand(2, 11)
+    with torch.no_grad():
+        whole = torch.arange(11).expand(2, 11)
+        torch.testing.assert_close(gm(ids, whole), hf_logits(model, ids, whole), rtol=0, atol=1e-6)
+        alone = torch.cat([hf_logits(model, ids[:, :5], pos[:, :5]), hf_logits(model, ids[:, 5:], pos[:, 5:])], dim=1)
+        torch.testing.assert_close(gm(ids, pos), alone, rtol=0, atol=1e-6)
+
+
+def test_slot_counts(pair):
+    name, model, compiled = pair
+    hg = compiled.hgraph
+    counts = hg.slot_counts()
+    n_params = len(list(model.parameters()))
+    assert hg.num_layers == 2 and counts["push_gradient"] == n_params
+    tied = 1 if model.config.tie_word_embeddings else 0
+    assert counts["pull_parameter"] == n_params + tied       # a tied table is used by the lookup and the head
+    assert counts["cp_kv"] == 2 * 2                           # key and value of each attention
+    assert counts["pp_boundary"] == 3                         # pre -> 0 -> 1 -> post
+    assert counts["tp_gather"] == 1                           # the lm head
+    if name == "gpt2":    # fused c_attn (split into q/k/v) stays whole; the MLP is column/row
+        assert counts["tp_enter"] == 2 + 1 and counts["tp_exit"] == 2 + 2
+    else:                 # q/k/v and gate/up enter; o_proj, down_proj and the embedding exit
+        assert counts["tp_enter"] == 2 * 2 + 1 and counts["tp_exit"] == 2 * 2 + 1
+
+
+def test_tp_roles(pair):
+    name, model, compiled = pair
+    params = compiled.hgraph.params
+    if name == "gpt2":
+        roles = {"transformer.wte.weight": (TPRole.VOCAB, 0),
+                 "transformer.h.0.mlp.c_fc.weight": (TPRole.COLUMN, 1),    # Conv1D [in, out]: out is dim 1
+                 "transformer.h.0.mlp.c_fc.bias": (TPRole.COLUMN, 0),
+                 "transformer.h.1.mlp.c_proj.weight": (TPRole.ROW, 0),     # in is dim 0
+                 "transformer.h.1.mlp.c_proj.bias": (TPRole.REPLICATED, 0),
+                 "transformer.h.0.attn.c_attn.weight": (TPRole.REPLICATED, 0),
+                 "transformer.ln_f.weight": (TPRole.REPLICATED, 0)}
+    else:
+        roles = {"model.embed_tokens.weight": (TPRole.VOCAB, 0),
+                 "model.layers.0.self_attn.q_proj.weight": (TPRole.COLUMN, 0),
+                 "model.layers.1.self_attn.k_proj.weight": (TPRole.COLUMN, 0),
+                 "model.layers.0.self_attn.o_proj.weight": (TPRole.ROW, 1),
+                 "model.layers.1.mlp.up_proj.weight": (TPRole.COLUMN, 0),
+                 "model.layers.1.mlp.down_proj.weight": (TPRole.ROW, 1),
+                 "model.norm.weight": (TPRole.REPLICATED, 0)}
+        if name == "qwen2":
+            roles["model.layers.0.self_attn.q_proj.bias"] = (TPRole.COLUMN, 0)
+        else:
+            roles["lm_head.weight"] = (TPRole.COLUMN, 0)
+    for n, (role, dim) in roles.items():
+        assert (params[n].tp_role, params[n].shard_dim) == (role, dim), n
