@@ -78,6 +78,16 @@ class StepResult:
     bytes: dict = field(default_factory=dict)
 
 
+class RankLostError(RuntimeError):
+    """A collective failed because a rank of the run died (named from the heartbeats)."""
+
+    def __init__(self, step: int, lost: Sequence[int], rank: int, cause: BaseException) -> None:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"step {step}: lost rank(s) {list(lost)} (no heartbeat); rank {rank} stops "
+                         f"({type(cause).__name__}: {first[:160]})")
+        self.step, self.lost = step, list(lost)
+
+
 @dataclass
 class RankState:
     """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
@@ -117,6 +127,7 @@ class Executor:
         self.skip_nonfinite = skip_nonfinite
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self._states: dict[Any, RankState] = {}
+        self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
 
     # ---- per-program state (the graph cache of this rank) -----------------------------------------
     def state_for(self, program: Any) -> RankState:
@@ -157,8 +168,21 @@ class Executor:
              step: int = 0) -> StepResult:
         """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
 
-        Every rank must call it with the same arguments (collective).
+        Every rank must call it with the same arguments (collective). A collective that fails
+        because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
         """
+        try:
+            return self._step(program, microbatches, num_targets, step)
+        except RuntimeError as exc:
+            if self.heartbeat is None or isinstance(exc, RankLostError):
+                raise
+            lost = self.heartbeat.lost_ranks()
+            if not lost:
+                raise
+            raise RankLostError(step, lost, self.rank, exc) from exc
+
+    def _step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+              step: int) -> StepResult:
         t0 = time.perf_counter()
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "

@@ -210,6 +210,8 @@ class Trainer:
         cfg = self.config
         results: list[StepResult] = []
         metrics = open(cfg.metrics, "w", encoding="utf-8") if cfg.metrics and self.rank == 0 else None
+        from hgraph.runtime.heartbeat import Heartbeat
+        self.executor.heartbeat = Heartbeat.for_default_group()
         try:
             for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
                 result = self.step(batch)
@@ -220,6 +222,9 @@ class Trainer:
         finally:
             if metrics is not None:
                 metrics.close()
+            if self.executor.heartbeat is not None:
+                self.executor.heartbeat.stop()
+                self.executor.heartbeat = None
         final = self.final_state_dict() if cfg.save_final else None
         if final is not None and self.rank == 0:
             Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
@@ -250,18 +255,35 @@ def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
-    """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params)."""
-    summary = Trainer(config, rank, world_size).run()
+    """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params).
+
+    Bad input (HGraphError) is returned as ``{"error": message}``: it happens at the same point on
+    every rank (before any collective, or after the loss all-reduce), so no rank is left waiting.
+    """
+    try:
+        summary = Trainer(config, rank, world_size).run()
+    except HGraphError as exc:
+        return {"error": str(exc)}
     return {"steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "final_params": summary.final_params if rank == 0 else None}
 
 
-def train(config: TrainConfig, *, timeout_s: float = 60.0) -> list[dict]:
-    """Run ``config`` on ``config.world_size`` local gloo processes; every rank's ``train_worker`` result.
+def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
+    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError).
 
-    ``timeout_s`` bounds each collective (a lost rank is reported within it) and the whole run gets
-    that much time per step on top of start-up.
+    Under ``torchrun`` (``RANK`` set) this process is one rank of the run; otherwise
+    ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
+    a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
-    from hgraph.runtime.launch import spawn
-    total = timeout_s + 60.0 + timeout_s * config.steps
-    return spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        from hgraph.runtime.launch import init_from_env
+        rank, world = init_from_env(timeout_s=timeout_s)
+        results = [train_worker(rank, world, config)]
+    else:
+        from hgraph.runtime.launch import spawn
+        total = 120.0 + timeout_s * (config.steps + 1)
+        results = spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
+    error = next((r["error"] for r in results if "error" in r), None)
+    if error is not None:
+        raise HGraphError(error)
+    return results[0]

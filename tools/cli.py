@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, str] = {
     "propose": "hgraph.tools.cmd_propose",
     "simulate": "hgraph.tools.cmd_simulate",
     "profile": "hgraph.tools.cmd_profile",
+    "train": "hgraph.tools.cmd_train",
 }
 
 
