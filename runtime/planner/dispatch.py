@@ -36,6 +36,12 @@ SMALL_RESTARTS = 16
 SMALL_RESTARTS_IMPROVED = 4  # the best passes that get the local search
 # Pipelines with at most this many documents also try 2-for-0/1/2 and 1-for-2 exchanges.
 SMALL_EXCHANGE_DOCS = 40
+# Mini-batches of at most this many documents also start the local search from Alg. 1's best of
+# ALG1_TRIALS trials, which makes the fast result never worse than Alg. 1's (same trials and seed).
+# Alg. 1 costs ~50-70 us per document (its trials run side by side), so larger mini-batches (1024
+# GPUs) skip it; 64 GPUs at 200K tokens have ~220 documents.
+ALG1_SEED_MAX_DOCS = 400
+ALG1_TRIALS = 100
 
 
 @dataclass
@@ -138,7 +144,7 @@ def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: st
     if not pipelines:
         raise HGraphError("dispatch needs at least one pipeline")
     if method == "fast":
-        return dispatch_fast(lengths, pipelines, cost, improve_rounds=improve_rounds)
+        return dispatch_fast(lengths, pipelines, cost, improve_rounds=improve_rounds, seed=seed)
     if method == "greedy":
         return dispatch_randomized_greedy(lengths, pipelines, cost, trials=trials, seed=seed)
     if method == "cpsat":
@@ -149,15 +155,20 @@ def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: st
 # ---- fast: surrogate greedy + real-packing local search ------------------------------------------
 def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
                   improve_rounds: int | None = None, polish: bool = True, restarts: int | None = None,
-                  seed: int = 0) -> DispatchResult:
+                  seed: int = 0, alg1_seed: bool = True) -> DispatchResult:
     """Longest-first greedy on the packing surrogate, then local search on the real packing.
 
     Small cases (at most ``SMALL_RESTART_DOCS`` documents) also try ``restarts`` (default
     ``SMALL_RESTARTS``) greedy passes in random document orders and keep the best packed one:
     near-balanced partitions of few documents depend on the order more than on the moves.
     Heterogeneous strategies also get a second pass with the MaxLen-aware ``fill`` rule.
+    With at most ``ALG1_SEED_MAX_DOCS`` documents, Alg. 1's best trial (``ALG1_TRIALS`` trials,
+    ``seed``) is one more start: the local search never makes a start worse and the result is the
+    best start after it, so the result is never worse than ``dispatch_randomized_greedy(...,
+    trials=ALG1_TRIALS, seed=seed)`` (whose packing is the same ``_finish``).
     ``polish=False`` (screening many candidates): the longest-first passes only, no restarts, no
-    packing or dispatch local search.
+    Alg. 1 start, no packing or dispatch local search. ``alg1_seed=False`` leaves out the Alg. 1
+    start (selection adds it to the winning candidate only, with ``improve_with_alg1``).
     """
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
@@ -182,7 +193,27 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
         starts = starts[:SMALL_RESTARTS_IMPROVED]
     if polish and (improve_rounds is None or improve_rounds > 0):
         starts = [improve_dispatch(lengths, pipelines, cost, r, rounds=improve_rounds) for r in starts]
-    return min(starts, key=lambda r: r.latency)
+    best = min(starts, key=lambda r: r.latency)
+    if polish and alg1_seed:
+        best = improve_with_alg1(lengths, pipelines, cost, best, seed=seed, improve_rounds=improve_rounds)
+    return best
+
+
+def improve_with_alg1(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result: DispatchResult, *,
+                      seed: int = 0, improve_rounds: int | None = None) -> DispatchResult:
+    """``result`` or, if better, Alg. 1's best trial (``ALG1_TRIALS``, ``seed``) after the local search.
+
+    Done for 2..``ALG1_SEED_MAX_DOCS`` documents on more than one pipeline; then the returned
+    latency is at most ``dispatch_randomized_greedy(lengths, pipelines, cost, trials=ALG1_TRIALS,
+    seed=seed).latency`` (same packing, and the local search never makes a start worse).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(pipelines) <= 1 or not 1 < len(lengths) <= ALG1_SEED_MAX_DOCS:
+        return result
+    start = _finish(lengths, pipelines, cost, alg1_assignment(lengths, pipelines, cost, trials=ALG1_TRIALS, seed=seed))
+    if improve_rounds is None or improve_rounds > 0:
+        start = improve_dispatch(lengths, pipelines, cost, start, rounds=improve_rounds)
+    return start if start.latency < result.latency else result
 
 
 def _greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, groups: list[_Scheme], of: list[int],
@@ -392,49 +423,68 @@ def _exchanges(src: list[int], dst: list[int], cost: list[float], lens: list[int
 
 
 # ---- Alg. 1: randomized greedy on the Eq. 2 lower bound ----------------------------------------
-def dispatch_randomized_greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, trials: int = 100,
-                               seed: int = 0) -> DispatchResult:
-    """Hydraulis Alg. 1: ``trials`` random orders, each dispatched greedily to the pipeline that
-    minimises the largest Eq. 2 bound (``sum T(l_i) + T(l_max) (PP-1)``, with ``c`` charged once per
-    micro-batch as in the authors' dispatcher); the best trial is packed."""
+def alg1_assignment(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, trials: int = 100,
+                    seed: int = 0) -> list[list[int]]:
+    """The best trial of Hydraulis Alg. 1 as per-pipeline document lists (not yet packed).
+
+    ``trials`` random orders (``rng.permutation`` drawn one after another from ``seed``), each
+    dispatched greedily to the pipeline that minimises the largest Eq. 2 bound (``sum T(l_i) +
+    T(l_max) (PP-1)``, with ``c`` charged once per micro-batch as in the authors' dispatcher); the
+    trial with the smallest largest bound wins (the first among equals). The trials run side by
+    side as rows of numpy arrays (one step per document position), so the cost is ``B`` vector
+    steps of ``trials x D`` instead of ``trials * B`` scalar ones; every row does exactly the
+    arithmetic of one sequential trial.
+    """
     if trials < 1:
         raise HGraphError(f"trials must be >= 1, got {trials}")
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
     D, B = len(pipelines), len(lengths)
+    if B == 0:
+        return [[] for _ in range(D)]
     a = np.array([groups[g].a for g in of]); b = np.array([groups[g].b for g in of])
     c = np.array([groups[g].c for g in of]); k = np.array([groups[g].k for g in of], dtype=np.float64)
     cap = np.array([groups[g].cap for g in of])
     lf = lengths.astype(np.float64)
     t_all = a[None, :] * lf[:, None] ** 2 + b[None, :] * lf[:, None]  # B x D
-    elig = lengths[:, None] <= cap[None, :]
+    # The (PP-1) T(l_max) term: T is non-decreasing in l (a, b, c >= 0), so T(max) = max(T).
+    e_all = (t_all + c) * k
+    inelig = lengths[:, None] > cap[None, :]
     rng = np.random.default_rng(seed)
-    best_obj, best_assign = math.inf, None
-    for _ in range(trials):
-        perm = rng.permutation(B)
-        C = np.zeros(D)
-        lmax = np.zeros(D)
-        total = np.zeros(D)
-        assign = np.empty(B, dtype=np.int64)
-        for i in perm:
-            newC = C + t_all[i]
-            lm = np.maximum(lmax, lf[i])
-            newE = (a * lm * lm + b * lm + c) * k
-            new_total = newC + c + newE
-            order = np.argsort(total)
-            top1, top2 = total[order[-1]], (total[order[-2]] if D > 1 else 0.0)
-            others = np.full(D, top1)
-            others[order[-1]] = top2
-            obj = np.maximum(new_total, others)
-            obj[~elig[i]] = np.inf
-            j = int(np.argmin(obj))
-            C[j] = newC[j]; lmax[j] = lm[j]; total[j] = new_total[j]
-            assign[i] = j
-        o = float(total.max())
-        if o < best_obj:
-            best_obj, best_assign = o, assign.copy()
-    members = [np.flatnonzero(best_assign == j).tolist() for j in range(D)]
-    return _finish(lengths, pipelines, cost, members)
+    perms = np.stack([rng.permutation(B) for _ in range(trials)])  # trials x B
+    rows = np.arange(trials)
+    C = np.zeros((trials, D))
+    emax = np.zeros((trials, D))
+    total = np.zeros((trials, D))
+    assign = np.empty((trials, B), dtype=np.int64)
+    for step in range(B):
+        i = perms[:, step]
+        newC = C + t_all[i]
+        ne = np.maximum(emax, e_all[i])
+        new_total = newC + c + ne
+        # The largest bound of the *other* pipelines: the top one's, except at the top itself.
+        if D > 1:
+            top = np.argmax(total, axis=1)
+            two = np.partition(total, D - 2, axis=1)
+            others = np.repeat(two[:, D - 1:D], D, axis=1)
+            others[rows, top] = two[:, D - 2]
+        else:
+            others = np.zeros((trials, 1))
+        obj = np.maximum(new_total, others)
+        obj[inelig[i]] = np.inf
+        j = np.argmin(obj, axis=1)
+        C[rows, j] = newC[rows, j]; emax[rows, j] = ne[rows, j]; total[rows, j] = new_total[rows, j]
+        assign[rows, i] = j
+    best = int(np.argmin(total.max(axis=1)))
+    return [np.flatnonzero(assign[best] == j).tolist() for j in range(D)]
+
+
+def dispatch_randomized_greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, trials: int = 100,
+                               seed: int = 0) -> DispatchResult:
+    """Hydraulis Alg. 1 (``alg1_assignment``: ``trials`` random orders on the Eq. 2 bound); the best
+    trial is packed."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return _finish(lengths, pipelines, cost, alg1_assignment(lengths, pipelines, cost, trials=trials, seed=seed))
 
 
 # ---- CP-SAT: joint dispatch + packing ---------------------------------------------------------

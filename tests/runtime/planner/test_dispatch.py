@@ -1,11 +1,11 @@
 """Dispatching documents across the pipelines of a strategy (Eq. 3)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
-from hgraph.runtime.planner.dispatch import dispatch_sequences
+from hgraph.runtime.planner.dispatch import ALG1_SEED_MAX_DOCS, ALG1_TRIALS, alg1_assignment, dispatch_sequences
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)
@@ -49,6 +49,63 @@ def test_fast_beats_randomized_greedy(strategy):
         fast = dispatch_sequences(lengths, strategy.pipelines, CM, method="fast")
         alg1 = dispatch_sequences(lengths, strategy.pipelines, CM, method="greedy", trials=20, seed=1)
         assert fast.latency <= alg1.latency
+
+
+@settings(max_examples=12, deadline=None)
+@example(0, 200, "2xTP8PP1CP4")  # the local search alone lost these by 0.01-0.04 ms
+@example(4, 200, "2xTP4PP1CP8")
+@given(st.integers(0, 10_000), st.integers(2, 260),
+       st.sampled_from(["2xTP4PP1CP8", "2xTP8PP1CP4", "2xTP8PP2CP2", "1xTP8PP1CP4+4xTP8PP1"]))
+def test_fast_never_worse_than_alg1_with_100_trials(seed, n, text):
+    # The two-pipeline homogeneous cases are where a pure local search lost to Alg. 1 by ~1e-5.
+    strategy = Strategy.parse(text)
+    rng = np.random.default_rng(seed)
+    lengths = _wiki_like(rng, n, max(CM.max_len(p) for p in strategy.pipelines))
+    assert n <= ALG1_SEED_MAX_DOCS
+    fast = dispatch_sequences(lengths, strategy.pipelines, CM, seed=seed)
+    alg1 = dispatch_sequences(lengths, strategy.pipelines, CM, method="greedy", trials=ALG1_TRIALS, seed=seed)
+    assert fast.latency <= alg1.latency
+
+
+def _alg1_one_trial_at_a_time(lengths, pipelines, trials, seed):
+    """Hydraulis Alg. 1 written plainly: one trial after another, one document at a time."""
+    rng = np.random.default_rng(seed)
+    coeffs = [CM.coeffs(p) for p in pipelines]
+    best, best_assign = np.inf, None
+    for _ in range(trials):
+        perm = rng.permutation(len(lengths))
+        work = [0.0] * len(pipelines)
+        longest = [0] * len(pipelines)
+        total = [0.0] * len(pipelines)
+        assign = {}
+        for i in perm:
+            l = int(lengths[i])
+            objs = []
+            for j, (p, (a, b, c)) in enumerate(zip(pipelines, coeffs)):
+                if l > CM.max_len(p):
+                    objs.append(np.inf)
+                    continue
+                lm = max(longest[j], l)
+                new = work[j] + a * l * l + b * l + c + (a * lm * lm + b * lm + c) * (p.pp - 1)
+                objs.append(max([new] + [total[q] for q in range(len(pipelines)) if q != j]))
+            j = int(np.argmin(objs))
+            a, b, c = coeffs[j]
+            work[j] += a * l * l + b * l
+            longest[j] = max(longest[j], l)
+            total[j] = work[j] + c + (a * longest[j] ** 2 + b * longest[j] + c) * (pipelines[j].pp - 1)
+            assign[int(i)] = j
+        if max(total) < best:
+            best, best_assign = max(total), assign
+    return [sorted(i for i, j in best_assign.items() if j == q) for q in range(len(pipelines))]
+
+
+@pytest.mark.parametrize("text", ["2xTP8PP2CP2", "1xTP8PP2CP2+2xTP8PP1+2xTP4PP1+2xTP2PP2"])
+def test_alg1_trials_side_by_side_match_the_plain_algorithm(text):
+    strategy = Strategy.parse(text)
+    lengths = _wiki_like(np.random.default_rng(5), 40, max(CM.max_len(p) for p in strategy.pipelines))
+    got = alg1_assignment(lengths, strategy.pipelines, CM, trials=7, seed=3)
+    want = _alg1_one_trial_at_a_time(lengths, strategy.pipelines, 7, 3)
+    assert [sorted(g) for g in got] == want
 
 
 def test_homogeneous_fast_is_balanced():
