@@ -47,6 +47,7 @@ def build(name: str, **overrides: Any) -> nn.Module:
     fields.setdefault("attn_implementation", "sdpa")
     try:
         config = getattr(tf, config_cls)(**fields)
-    except (TypeError, ValueError) as exc:
-        raise HGraphError(f"hf:{name}: config {fields} is not valid for {config_cls}: {exc}") from None
+    except Exception as exc:  # transformers validates fields with its own error types
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise HGraphError(f"hf:{name}: config {fields} is not valid for {config_cls}: {reason}") from None
     return getattr(tf, model_cls)(config)
