@@ -52,6 +52,9 @@ class DispatchResult:
     packs: list[PackResult]
     latency: float
     bound: float | None = None  # a proven lower bound, when the method has one (cpsat)
+    # True when ``bound`` is of a model restricted to fewer micro-batch slots than the App. C range
+    # allows (then it bounds that model only, not every dispatch).
+    bound_restricted: bool = False
     polished: bool = True  # packs include the packing local search
 
     @property
@@ -495,8 +498,11 @@ def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, ti
     Pipeline ``j`` has ``Vcap`` micro-batch slots (default: twice the hint's largest micro-batch
     count plus 2, at most the number of documents); ``V_j`` = used slots obey the App. C UtilLen
     bound ``V_j * UtilLen <= max(tokens_j, UtilLen)``; latency ``(PP-1+V_j) * max slot load``. The
-    result is never worse than the hint (the fast dispatch by default); ``bound`` is CP-SAT's proven
-    lower bound of the restricted model.
+    result is never worse than the hint (the fast dispatch by default), which is given in full
+    (every variable), so CP-SAT starts from a feasible solution even on models too large to find
+    one in the time limit. ``bound`` is CP-SAT's proven lower bound (also when it found no
+    solution); ``bound_restricted`` says whether ``Vcap`` was below the App. C range's largest
+    ``V`` for some pipeline (then the bound holds for the restricted model only).
     """
     from ortools.sat.python import cp_model
 
@@ -511,6 +517,24 @@ def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, ti
     U = CPSAT_UNITS_PER_MS
     vmax_hint = max(p.num_microbatches for p in hint.packs)
     vc = vcap if vcap is not None else min(B, 2 * vmax_hint + 2)
+    # Largest V of the App. C range over the pipelines (packing.microbatch_range with every document).
+    total_tokens = int(lengths.sum())
+    restricted = vc < min(B, max(max(total_tokens // max(g.util, 1), -(-total_tokens // g.cap)) for g in groups))
+    # The hint, in full: slots of each pipeline in decreasing load (the model's symmetry breaking).
+    hint_slot: dict[int, tuple[int, int]] = {}
+    hint_loads: list[list[int]] = []
+    for j, pk in enumerate(hint.packs):
+        order = sorted(range(pk.num_microbatches), key=lambda s: -pk.mb_times[s])
+        units_j = [int(round(float(t) * CPSAT_UNITS_PER_MS)) for t in groups[of[j]].t]
+        cu_j = int(round(groups[of[j]].c * CPSAT_UNITS_PER_MS))
+        loads = []
+        for slot, s in enumerate(order):
+            docs = pk.microbatches[s].tolist()
+            for i in docs:
+                hint_slot[i] = (j, slot)
+            loads.append(sum(units_j[i] for i in docs) + cu_j)
+        hint_loads.append(loads)
+    full_hint = vmax_hint <= vc and all(loads == sorted(loads, reverse=True) for loads in hint_loads)
     m = cp_model.CpModel()
     x: dict[tuple[int, int, int], cp_model.IntVar] = {}
     for i in range(B):
@@ -560,24 +584,32 @@ def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, ti
         lat = m.NewIntVar(0, ub, "")
         m.AddMultiplicationEquality(lat, [kv, M])
         lat_vars.append(lat)
+        if full_hint:
+            loads = hint_loads[j]
+            h_tok = int(lengths[hint.assignment[j]].sum()) if len(hint.assignment[j]) else 0
+            h_M = max(loads, default=0)
+            h_kv = len(loads) + g.k if loads else 0
+            for s_, v in enumerate(y):
+                m.AddHint(v, s_ < len(loads))
+            for var, val in ((M, h_M), (V, len(loads)), (tok, h_tok), (cap_tok, max(h_tok, g.util)), (kv, h_kv),
+                             (lat, h_kv * h_M)):
+                m.AddHint(var, val)
     Z = m.NewIntVar(0, horizon, "")
     m.AddMaxEquality(Z, lat_vars)
     m.Minimize(Z)
-    # Hint: the given dispatch, slots sorted by load.
-    for j, pk in enumerate(hint.packs):
-        order = sorted(range(pk.num_microbatches), key=lambda s: -pk.mb_times[s])
-        for slot, s in enumerate(order):
-            if slot >= vc:
-                break
-            for i in pk.microbatches[s].tolist():
-                m.AddHint(x[i, j, slot], 1)
+    # Hint: the given dispatch, slots sorted by load (every x when the hint fits the slots).
+    for (i, j, s_), v in x.items():
+        if full_hint:
+            m.AddHint(v, hint_slot[i] == (j, s_))
+        elif hint_slot.get(i) == (j, s_):
+            m.AddHint(v, 1)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
     status = solver.Solve(m)
-    bound = solver.BestObjectiveBound() / U if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else None
+    bound = solver.BestObjectiveBound() / U if status != cp_model.MODEL_INVALID else None
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return hint
+        return DispatchResult(hint.assignment, hint.packs, hint.latency, bound=bound, bound_restricted=restricted)
     members: list[list[int]] = [[] for _ in range(D)]
     for (i, j, s), v in x.items():
         if solver.BooleanValue(v):
@@ -585,4 +617,4 @@ def dispatch_cpsat(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, ti
     # Re-pack each pipeline with the exact float costs (CP-SAT used rounded integers).
     res = _finish(lengths, pipelines, cost, members)
     chosen = res if res.latency < hint.latency else hint
-    return DispatchResult(chosen.assignment, chosen.packs, chosen.latency, bound=bound)
+    return DispatchResult(chosen.assignment, chosen.packs, chosen.latency, bound=bound, bound_restricted=restricted)

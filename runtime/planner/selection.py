@@ -47,6 +47,22 @@ def _fluid_bound(need: float, params: list[tuple[float, float, float]]) -> float
     return lo
 
 
+def _linear_bound(need: float, params: list[tuple[float, float]]) -> float:
+    """Smallest M with ``sum_j weight_j * max(M - offset_j, 0) >= need`` (exact, piecewise linear)."""
+    if need <= 0 or not params:
+        return 0.0
+    params = sorted(params, key=lambda p: p[1])
+    slope = covered = 0.0
+    for n, (weight, offset) in enumerate(params):
+        slope += weight
+        covered += weight * offset
+        nxt = params[n + 1][1] if n + 1 < len(params) else math.inf
+        M = (need + covered) / slope  # sum_{j <= n} weight_j (M - offset_j) = need
+        if M <= nxt:
+            return M
+    return math.inf
+
+
 def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float:
     """A lower bound of the packed latency of ``strategy`` on ``lengths`` (inf if a doc fits nowhere).
 
@@ -55,8 +71,12 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
     ``S`` takes at least ``g(S) = min_V (k+V)(S/V + c) >= (sqrt(S) + sqrt(k c))^2`` (``S + c`` when
     ``k = 0``), so under a makespan ``M`` it holds at most ``h(M) = g^-1(M)`` work; a document costs
     ``r_j t_j(l)`` rank-ms on a pipeline of ``r_j`` ranks, hence ``sum_i min_j r_j t_j(l_i) <=
-    sum_j r_j h_j(M)``, solved for ``M`` by bisection. (2) is applied to all documents and, for every
-    MaxLen level, to the documents longer than it and the pipelines that can hold them.
+    sum_j r_j h_j(M)``, solved for ``M`` by bisection; (3) micro-batch count: a pipeline holding
+    ``T`` tokens runs ``V >= T / MaxLen`` micro-batches and ``(k+V)(S/V + c) >= S + c T / MaxLen +
+    k c``, so a document costs at least ``r_j (t_j(l) + c_j l / MaxLen_j)`` rank-ms against a
+    capacity of ``r_j (M - k_j c_j)`` per pipeline (this one counts the ``c`` of every micro-batch,
+    which (2) charges once). (2) and (3) are applied to all documents and, for every MaxLen level,
+    to the documents longer than it and the pipelines that can hold them.
     """
     if lengths.size == 0:
         return 0.0
@@ -68,26 +88,30 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
     caps = np.array([cost.max_len(s) for s in schemes])
     single = np.full(lengths.size, np.inf)
     rank_work = np.empty((len(schemes), lengths.size))
-    params = []
+    rank_work_mb = np.empty((len(schemes), lengths.size))  # with c per MaxLen tokens, bound (3)
+    params, params_mb = [], []
     for gi, s in enumerate(schemes):
         a, b, c = cost.coeffs(s)
         t = a * lf * lf + b * lf
         ok = lengths <= caps[gi]
         single = np.where(ok, np.minimum(single, s.pp * (t + c)), single)
         rank_work[gi] = np.where(ok, t * s.num_ranks, np.inf)
+        rank_work_mb[gi] = np.where(ok, (t + c * lf / caps[gi]) * s.num_ranks, np.inf)
         k = s.pp - 1
         params.append((counts[s] * s.num_ranks, math.sqrt(k * c), c if k == 0 else 0.0))
+        params_mb.append((counts[s] * s.num_ranks, k * c))
     if not np.isfinite(single).all():
         return float("inf")
     best = float(single.max())
-    work = rank_work.min(axis=0)
     for level in sorted(set([0] + caps.tolist())):
         docs = lengths > level
         usable = [gi for gi in range(len(schemes)) if caps[gi] > level]
         if not docs.any() or not usable:
             continue
-        need = float(work[docs].sum()) if level == 0 else float(rank_work[usable][:, docs].min(axis=0).sum())
-        best = max(best, _fluid_bound(need, [params[gi] for gi in usable]))
+        need = float(rank_work[usable][:, docs].min(axis=0).sum())
+        need_mb = float(rank_work_mb[usable][:, docs].min(axis=0).sum())
+        best = max(best, _fluid_bound(need, [params[gi] for gi in usable]),
+                   _linear_bound(need_mb, [params_mb[gi] for gi in usable]))
     return best
 
 
