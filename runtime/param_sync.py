@@ -6,12 +6,12 @@
 * **Pull** (``begin_step``): every rank walks *all* parameters in model order (``Program.pull_plans``
   order, which is ``list(hgraph.params)``), owners included for parameters they do not use, and posts
   its part of each plan at once: the fp32 master rows are cast to the working dtype, then an
-  all-gather (``is_all_gather``) or one ``batch_isend_irecv`` of the plan's transfers; local copies
-  are done on the spot. ``pull_wait(name)`` waits for that parameter's work and assembles the
+  all-gather (``is_all_gather``; all such parameters share ONE all-gather, as DDP buckets) or one
+  ``batch_isend_irecv`` of the plan's transfers; local copies are done on the spot. ``pull_wait(name)`` waits for that parameter's work and assembles the
   received rows into the working tensor (idempotent within a step); ``finish_pulls`` completes the
   rest (the sends, and the pulls of a pipeline that ran no micro-batch).
 * **Push** (``push``): after the last micro-batch's backward, for every parameter in model order:
-  reduce-scatters among replica groups (async), then the plan's transfers to the optimizer owners
+  reduce-scatters among replica groups (async; one per group carrying all its parameters), then the plan's transfers to the optimizer owners
   (one batch), then local adds. Owners get the summed fp32 gradient of their optimizer shard. A rank
   whose pipeline ran no micro-batch pushes zeros, so every rank takes part and nothing hangs.
   ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
@@ -66,8 +66,31 @@ class _Pull:
 
     works: list = field(default_factory=list)
     held: list = field(default_factory=list)         # [((lo, hi), rows-first tensor)]
-    gather: Optional[tuple] = None                   # (out buffer, width, size) of an all-gather
+    gather: Optional["_GatherBucket"] = None          # the shared all-gather carrying this parameter
     done: bool = False
+
+
+class _GatherBucket:
+    """One all-gather carrying several parameters: ``layout[name] = (offset, width, size, rest, row_el)``
+    inside each rank's chunk of ``chunk`` elements."""
+
+    def __init__(self, works: list, out: torch.Tensor, chunk: int, layout: dict) -> None:
+        self.works, self.out, self.chunk, self.layout = works, out, chunk, layout
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+
+    def rows(self, name: str, world_size: int) -> torch.Tensor:
+        """Parameter ``name``'s full rows (rows-first), put together from every rank's segment."""
+        offset, width, size, rest, row_el = self.layout[name]
+        parts = []
+        for r in range(world_size):
+            lo, hi = shard_bounds(size, r, world_size)
+            start = r * self.chunk + offset
+            parts.append(self.out.narrow(0, start, (hi - lo) * row_el).view(hi - lo, *rest))
+        return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
 
 
 class ParamSync:
@@ -113,17 +136,23 @@ class ParamSync:
 
     @torch.no_grad()
     def begin_step(self) -> None:
-        """Post every pull of this rank (all parameters, model order); returns before they complete."""
+        """Post every pull of this rank (all parameters, model order); returns before they complete.
+
+        The all-gather parameters travel in ONE all-gather (each rank's segments of all of them,
+        concatenated, each padded to the widest segment), the LNK ones as one batch each.
+        """
         if self._active:
             raise HGraphError("ParamSync.begin_step called twice without finishing the step")
         self.stats = SyncStats()
         self._pulls = {}
         self._active = True
+        gathered = [n for n in self.order if self.program.pull_plans[n].is_all_gather]
+        bucket = self._post_all_gather(gathered) if gathered else None
         for name in self.order:
             plan = self.program.pull_plans[name]
             pull = _Pull()
             if plan.is_all_gather:
-                self._post_all_gather(name, plan, pull)
+                pull.gather = bucket
             else:
                 p2p = []
                 for op in self.pull_ops[name]:
@@ -144,17 +173,30 @@ class ParamSync:
                     pull.works = dist.batch_isend_irecv(p2p)
             self._pulls[name] = pull
 
-    def _post_all_gather(self, name: str, plan: Any, pull: _Pull) -> None:
-        size, dim = plan.param.size, plan.param.shard_dim
-        width = -(-size // self.world_size)           # the widest optimizer segment; pad all to it
-        lo, hi = shard_bounds(size, self.rank, self.world_size)
-        mine = _rows(self.masters[name], dim).to(self.working_dtype)
-        inp = mine.new_zeros((width, *mine.shape[1:]))
-        inp.narrow(0, 0, hi - lo).copy_(mine)
-        out = mine.new_empty((width * self.world_size, *mine.shape[1:]))
-        pull.works = [_all_gather(out, inp, async_op=True)]
-        pull.gather = (out, width, size)
+    def _post_all_gather(self, names: list[str]) -> "_GatherBucket":
+        """One all-gather of this rank's segments of ``names`` (flattened, each padded to its widest)."""
+        layout, pieces, offset = {}, [], 0
+        for name in names:
+            plan = self.program.pull_plans[name]
+            size = plan.param.size
+            width = -(-size // self.world_size)
+            lo, hi = shard_bounds(size, self.rank, self.world_size)
+            mine = _rows(self.masters[name], plan.param.shard_dim).to(self.working_dtype)
+            rest = tuple(mine.shape[1:])
+            row_el = int(torch.Size(rest).numel())
+            flat = mine.reshape(-1)
+            if hi - lo < width:
+                flat = torch.cat([flat, flat.new_zeros((width - (hi - lo)) * row_el)])
+            pieces.append(flat)
+            layout[name] = (offset, width, size, rest, row_el)
+            offset += width * row_el
+        inp = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+        if self.world_size == 1:                      # one rank: the "gather" is the cast itself
+            return _GatherBucket([], inp, offset, layout)
+        out = inp.new_empty(offset * self.world_size)
+        works = [_all_gather(out, inp, async_op=True)]
         self.stats.pull_all_gather_bytes += (self.world_size - 1) * inp.numel() * inp.element_size()
+        return _GatherBucket(works, out, offset, layout)
 
     def pull_issue(self, name: str) -> None:
         """The graph's issue node: the pulls were posted by ``begin_step``, so only check that."""
@@ -171,16 +213,14 @@ class ParamSync:
             return
         for work in pull.works:
             work.wait()
+        if pull.gather is not None:
+            pull.gather.wait()
         pull.done = True
         if name not in self.working:
             return                                     # an owner that only sent
         plan = self.program.pull_plans[name]
         if pull.gather is not None:
-            out, width, size = pull.gather
-            parts = [out.narrow(0, r * width, b - a)
-                     for r, (a, b) in enumerate(shard_bounds(size, r, self.world_size)
-                                                for r in range(self.world_size))]
-            pull.held = [((0, size), torch.cat(parts, 0))]
+            pull.held = [((0, plan.param.size), pull.gather.rows(name, self.world_size))]
         dest = _rows(self.working[name].data, plan.param.shard_dim)
         offset = 0
         for (lo, hi), tiles in zip(plan.needs[self.rank], plan.assembly[self.rank]):
@@ -225,13 +265,15 @@ class ParamSync:
         """
         out = {name: torch.zeros_like(self.masters[name], dtype=torch.float32) for name in self.order}
         held: dict[str, list] = {name: [] for name in self.order}
-        scatters = []
-        for name in self.order:           # 1. reduce-scatters among replicas, all posted async
+        by_group: dict[tuple[int, ...], list] = {}
+        for name in self.order:           # 1. reduce-scatters among replicas: one per group, async
             for op in self.push_ops[name]:
                 if isinstance(op, ReduceScatter):
-                    scatters.append(self._post_reduce_scatter(name, op, grads.get(name), held[name]))
-        for work in scatters:
+                    by_group.setdefault(op.group, []).append((name, op))
+        posted = [self._post_reduce_scatter(group, ops, grads, held) for group, ops in sorted(by_group.items())]
+        for work, finish in posted:
             work.wait()
+            finish()
         for name in self.order:           # own contribution when not reduced with replicas
             if not held[name] and name in self.shards:
                 held[name] = [((lo, hi), self._contribution(name, grads.get(name), lo, hi))
@@ -267,23 +309,40 @@ class ParamSync:
                 self._add(out, name, lo, hi, buf)
         return out
 
-    def _post_reduce_scatter(self, name: str, op: ReduceScatter, grad: Optional[torch.Tensor],
-                             held: list) -> Any:
-        pieces = op.pieces
-        width = max(phi - plo for _, plo, phi in pieces)
-        parts = []
-        for _, plo, phi in pieces:
-            rows = self._contribution(name, grad, plo, phi) if phi > plo else None
-            if rows is None:
-                rows = self._contribution(name, grad, op.lo, op.lo + 1)[:0]
-            pad = rows.new_zeros((width - rows.shape[0], *rows.shape[1:]))
-            parts.append(torch.cat([rows, pad], 0))
-        inp = torch.cat(parts, 0).contiguous()
-        out = inp.new_empty((width, *inp.shape[1:]))
-        mine = next((plo, phi) for r, plo, phi in pieces if r == self.rank)
-        held.append((mine, out.narrow(0, 0, mine[1] - mine[0])))
-        self.stats.push_reduce_scatter_bytes += (len(op.group) - 1) * out.numel() * 4
-        return _reduce_scatter(out, inp, group=self.groups.get(op.group), async_op=True)
+    def _post_reduce_scatter(self, group: tuple[int, ...], ops: list, grads: Mapping[str, Any],
+                             held: dict) -> tuple[Any, Any]:
+        """One reduce-scatter over ``group`` for all its ``(name, op)`` pieces (model order).
+
+        Member i's input chunk is the concatenation, over the ops, of its piece's rows flattened and
+        padded to the op's widest piece, so every member's chunk has the same length.
+        """
+        chunks: list[list[torch.Tensor]] = [[] for _ in group]
+        spans = []                          # (name, (plo, phi), offset, rest) of this rank's pieces
+        offset = 0
+        for name, op in ops:
+            grad = grads.get(name)
+            width = max(phi - plo for _, plo, phi in op.pieces)
+            proto = self._contribution(name, grad, op.lo, op.lo + 1)
+            rest, row_el = tuple(proto.shape[1:]), proto.numel()
+            for i, (member, plo, phi) in enumerate(op.pieces):
+                rows = self._contribution(name, grad, plo, phi).reshape(-1) if phi > plo else proto.new_zeros(0)
+                if phi - plo < width:
+                    rows = torch.cat([rows, rows.new_zeros((width - (phi - plo)) * row_el)])
+                chunks[i].append(rows)
+                if member == self.rank:
+                    spans.append((name, (plo, phi), offset, rest))
+            offset += width * row_el
+        inp = torch.cat([t for chunk in chunks for t in chunk])
+        out = inp.new_empty(offset)
+        self.stats.push_reduce_scatter_bytes += (len(group) - 1) * offset * 4
+        work = _reduce_scatter(out, inp, group=self.groups.get(group), async_op=True)
+
+        def finish() -> None:
+            for name, (plo, phi), at, rest in spans:
+                n = (phi - plo) * int(torch.Size(rest).numel())
+                held[name].append(((plo, phi), out.narrow(0, at, n).view(phi - plo, *rest)))
+
+        return work, finish
 
     def _add(self, out: dict, name: str, lo: int, hi: int, rows: torch.Tensor) -> None:
         plan = self.program.push_plans[name]
