@@ -119,7 +119,7 @@ def describe_trace_failure(model: nn.Module, tracer: HGraphTracer, exc: BaseExce
     reason = (str(exc).strip().splitlines() or [""])[0]
     subject = " ".join([f"torch.fx cannot trace {type(model).__name__}"] + where)
     return (f"{subject}: {type(exc).__name__}: {reason}; make that code traceable (a torch.fx.wrap'ped "
-            "helper, a leaf module) or use the torch.export frontend (not available yet)")
+            "helper, a leaf module) or use the torch.export frontend (frontend=\"export\")")
 
 
 def _user_frame(exc: BaseException) -> Optional[traceback.FrameSummary]:
