@@ -13,6 +13,9 @@
    higher-order ops around no-grad / autocast regions (the rotary tables) are inlined.
 4. ``hgraph.frontends.aten_canonical`` turns the aten ops into the canonical ops (linear, Conv1D,
    embedding, layer norm, causal SDPA, torch-level layout ops).
+5. A deep model is exported with two layers and the second layer's graph replicated (checked to be
+   a copy of the first; ``hgraph.frontends.layer_replication``), which makes export time nearly
+   independent of depth.
 
 The GraphModule shares the model's parameters and buffers (references, not copies). Export failures
 raise a one-line ``TraceError`` naming the exception and the model code where export stopped.
@@ -32,6 +35,8 @@ import torch.nn as nn
 from hgraph.errors import TraceError
 from hgraph.frontends import aten_canonical
 from hgraph.frontends.canonicalize import _check_attention, canonical_param_names
+from hgraph.frontends.layer_replication import NotReplicable, layer_container, truncated_layers
+from hgraph.frontends.layer_replication import replicate_layers as replicate
 
 __all__ = ["LogitsOf", "export_trace", "logits_of"]
 
@@ -307,12 +312,38 @@ def _mask_evaluator(graph: fx.Graph, root: dict, vocab: int):
     return evaluate
 
 
-def export_trace(model: nn.Module) -> fx.GraphModule:
+def export_trace(model: nn.Module, *, replicate_layers: bool = True) -> fx.GraphModule:
     """The canonical GraphModule of ``model`` through torch.export (placeholders ``input_ids``,
-    ``position_ids``; the model's parameter FQNs; see the module docstring)."""
+    ``position_ids``; the model's parameter FQNs; see the module docstring).
+
+    ``replicate_layers``: a model with more than two layers in a config-sized ModuleList is exported
+    with two and the second layer's graph is replicated (``hgraph.frontends.layer_replication``);
+    when the layers turn out not to be copies of each other the whole model is exported.
+    """
     if not isinstance(model, nn.Module):
         raise TraceError(f"hgraph exports nn.Module instances, got {type(model).__name__}")
     prepare_hf_attention(model)
+    layers = layer_container(model) if replicate_layers else None
+    if layers is not None and len(layers[1]) > 2:
+        path, modules = layers
+        try:
+            with truncated_layers(model, path, keep=2):
+                graph, root = _canonical_graph(model)
+            replicate(graph, root, model, path, len(modules), canonical_param_names(model))
+        except NotReplicable:
+            graph, root = _canonical_graph(model)
+    else:
+        graph, root = _canonical_graph(model)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm = fx.GraphModule(root, graph, class_name=f"{type(model).__name__}HGraph")
+    if hasattr(model, "config"):
+        gm.config = model.config
+    return gm
+
+
+def _canonical_graph(model: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+    """Export ``model`` and rewrite the graph into the canonical form: (graph, get_attr root)."""
     ep = export_program(model)
     graph, root = _GraphBuilder(ep, model).build()
     params = {name for name, obj in root.items() if isinstance(obj, nn.Parameter)}
@@ -324,8 +355,4 @@ def export_trace(model: nn.Module) -> fx.GraphModule:
                                      lambda n: not _depends_on_params(n, params, memo))
     graph.eliminate_dead_code()
     _check_attention(graph)
-    graph.lint()
-    gm = fx.GraphModule(root, graph, class_name=f"{type(model).__name__}HGraph")
-    if hasattr(model, "config"):
-        gm.config = model.config
-    return gm
+    return graph, root

@@ -147,3 +147,58 @@ def test_hgraph_dump_of_an_hf_model(capsys):
     out = capsys.readouterr().out
     assert code in (0, None)
     assert "transformer.h.0.mlp.c_fc.weight" in out and "split on dim 1" in out
+
+
+class _Config:
+    def __init__(self, layers):
+        self.num_hidden_layers = layers
+
+
+class ScaledBlock(Block):
+    def __init__(self, d, heads, scale):
+        super().__init__(d, heads)
+        self.scale = scale
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class DistinctLayers(ShapeBranching):
+    """Same layer type, but layer i multiplies by i + 1 (a constant): the layers are not copies."""
+
+    def __init__(self, layers=3):
+        super().__init__(layers=layers)
+        self.layers = nn.ModuleList(ScaledBlock(16, 2, i + 1.0) for i in range(layers))
+        self.config = _Config(layers)
+
+
+def test_layers_that_are_not_copies_are_exported_whole():
+    torch.manual_seed(0)
+    model = DistinctLayers()
+    gm = export_trace(model)
+    assert model.config.num_hidden_layers == 3 and len(model.layers) == 3     # restored after the 2-layer export
+    ids = torch.randint(0, 50, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids, torch.arange(6).expand(2, 6)), model(ids), rtol=0, atol=1e-6)
+    assert {n.target for n in gm.graph.nodes if n.op == "get_attr"} >= {"layers.2.out", "layers.1.out"}
+
+
+@pytest.mark.parametrize("spec,args", [("hf:llama", {"num_hidden_layers": 4}), ("hf:gpt2", {"n_layer": 3})])
+def test_replicated_layers_equal_the_whole_export(spec, args):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = resolve_model_spec(spec, dict(args, vocab_size=64))
+    fast = hgraph.compile(model)
+    whole = export_trace(model, replicate_layers=False)
+    assert len(fast.hgraph.gm.graph.nodes) > 0 and fast.hgraph.num_layers == model.config.num_hidden_layers
+    from hgraph.graph import HGraph
+    from hgraph.passes.annotate import annotate_pass
+    from hgraph.passes.insert_slots import insert_slots_pass
+    reference = HGraph(insert_slots_pass(annotate_pass(whole)), model)
+    assert len(fast.hgraph.gm.graph.nodes) == len(reference.gm.graph.nodes)
+    assert fast.hgraph.params == reference.params
+    assert fast.hgraph.slot_counts() == reference.slot_counts()
+    ids = torch.randint(0, 64, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(fast(ids), reference(ids))
+        assert torch.equal(fast(ids), model(ids, use_cache=False).logits)
