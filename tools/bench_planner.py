@@ -15,8 +15,8 @@ length. Figures printed:
 3. packing alone: fast vs CP-SAT per pipeline;
 4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow).
 
-Candidates: the strategy proposer (``proposal.propose_strategies``) when present, else every
-homogeneous strategy that holds the context length; the proposer's own time is not counted.
+Candidates: ``selection.auto_candidates`` (the strategy proposer's set plus the best homogeneous
+strategy); the proposer's own time is not counted.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _pct(values, q):
 def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8):
     cost = load_cost_model(profile, world_size=gpus, gpus_per_node=gpus_per_node)
     t0 = time.perf_counter()
-    cands, source = auto_candidates(lengths, cost, gpus, context)
+    cands, source = auto_candidates(lengths, cost, gpus, context, tokens)
     proposal_s = time.perf_counter() - t0
     batches = minibatches(lengths, tokens)[:iters]
     times, cpu, plans = [], [], []

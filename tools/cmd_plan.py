@@ -43,9 +43,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _candidates(text: str, lengths: np.ndarray, cost, gpus: int, max_len: int) -> tuple[list[Strategy], str]:
+def _candidates(text: str, lengths: np.ndarray, cost, gpus: int, max_len: int,
+                tokens_per_iter: int) -> tuple[list[Strategy], str]:
     if text.strip().lower() == "auto":
-        return auto_candidates(lengths, cost, gpus, max_len)
+        return auto_candidates(lengths, cost, gpus, max_len, tokens_per_iter)
     cluster = Cluster(gpus, cost.gpus_per_node)
     out = []
     for part in text.split(";"):
@@ -82,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         raise HGraphError(
             f"document {i} has {int(lengths[i])} tokens (after truncation to --max-len {args.max_len}), more than "
             f"the largest MaxLen {largest} of any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len")
-    candidates, source = _candidates(args.strategies, lengths, cost, args.gpus, min(args.max_len, int(lengths.max())))
+    candidates, source = _candidates(args.strategies, lengths, cost, args.gpus, min(args.max_len, int(lengths.max())),
+                                     args.tokens_per_iter)
     if args.time_limit <= 0:
         raise HGraphError(f"--time-limit must be positive, got {args.time_limit}")
     plans = [plan_iteration(lengths[ids], candidates, cost, method=args.method, seed=args.seed, doc_ids=ids, index=k,

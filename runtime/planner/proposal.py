@@ -23,7 +23,8 @@ gives ``t[N][L]`` for every ``L`` and, by backtracking, the optimal intervals wi
 pipeline counts. Schemes dominated by another on every ingredient are dropped first.
 
 **Rounding.** For every ``L`` the fractional count of each scheme is rounded down and up (all
-combinations), at least one pipeline must hold ``L`` tokens, GPUs left over are filled with more
+combinations of the ``MAX_FREE_ROUNDINGS`` counts whose fraction is nearest 1/2; the others to the
+nearest integer), at least one pipeline must hold ``L`` tokens, GPUs left over are filled with more
 pipelines of the scheme that needs them most, and a strategy must use exactly ``N`` GPUs. Each
 combination is scored by the interval cost with pooled pipelines (all intervals of a scheme share
 its pipelines; a scheme rounded to zero hands its intervals to the present scheme that finishes
@@ -69,6 +70,8 @@ DEFAULT_STEP = 128
 DEFAULT_GROWTH = 0.05
 # Hydraulis §8 / App. E: 200K tokens per iteration on 64 GPUs, 3.2M on 1024: 3125 per GPU.
 DEFAULT_TOKENS_PER_GPU = 3125
+# Rounding tries floor and ceil of at most this many fractional pipeline counts (2^5 combinations).
+MAX_FREE_ROUNDINGS = 5
 
 
 def bucket_edges(max_len: int, step: int = DEFAULT_STEP, growth: float = DEFAULT_GROWTH) -> np.ndarray:
@@ -413,13 +416,14 @@ def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: 
     pipeline of the in-use scheme (``need > 0``) with the most work per pipeline that still fits,
     or else the smallest scheme that fits. Plain Python: K is small and this runs per combination.
     """
-    c = [int(x) for x in counts]
-    size = [int(x) for x in table.gpus]
-    nd = [float(x) for x in need]
-    kp = [int(x) for x in keep]
+    counts = np.asarray(counts, dtype=np.int64)
+    c = counts.tolist()
+    size = np.asarray(table.gpus, dtype=np.int64).tolist()
+    nd = np.asarray(need, dtype=np.float64).tolist()
+    kp = np.asarray(keep, dtype=np.int64).tolist()
     K = len(c)
-    used = sum(ci * si for ci, si in zip(c, size))
-    active = [k for k in range(K) if c[k] > kp[k]]
+    used = int(np.dot(counts, np.asarray(table.gpus, dtype=np.int64)))
+    active = np.nonzero(counts > np.asarray(keep))[0].tolist()
     while used > gpus:
         best, score = -1, math.inf
         for k in active:
@@ -433,7 +437,7 @@ def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: 
         c[best] -= 1
         used -= size[best]
     left = gpus - used
-    wanted = [k for k in range(K) if nd[k] > 0]
+    wanted = np.nonzero(np.asarray(need) > 0)[0].tolist()
     while left > 0:
         best, score = -1, -math.inf
         for k in wanted:
@@ -469,7 +473,12 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
     """Best integer rounding of fractional pipeline counts ``d`` (module docstring)."""
     K = len(d)
     used = np.nonzero(d > 1e-9)[0]
-    options = [sorted({math.floor(d[k]), math.ceil(d[k])}) for k in used]
+    # Both roundings for the ``MAX_FREE_ROUNDINGS`` counts whose fraction is nearest 1/2, the
+    # nearest integer for the others: 2^used combinations grow too fast with derived CP schemes.
+    frac = d[used] - np.floor(d[used])
+    free = set(used[np.argsort(np.abs(frac - 0.5), kind="stable")[:MAX_FREE_ROUNDINGS]].tolist())
+    options = [sorted({math.floor(d[k]), math.ceil(d[k])}) if k in free else [int(math.floor(d[k] + 0.5))]
+               for k in used]
     ranked: dict[tuple, tuple[float, np.ndarray]] = {}
     need = np.zeros(K)
     for j, l, k in intervals:
@@ -481,6 +490,7 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
     last = max(intervals, key=lambda x: x[1])
     holder_cost = np.where(holds, table.work[:, last[1] - 1] * table.gpus + table.beta[:, last[1] - 1], np.inf)
     holders = [int(h) for h in np.argsort(holder_cost)[:holder_options] if np.isfinite(holder_cost[h])]
+    seen: set[tuple] = set()  # (counts, kept scheme) already fitted: the fit is deterministic
     for combo, h in itertools.product(itertools.product(*options), [None] + holders):
         counts = np.zeros(K, dtype=np.int64)
         counts[used] = combo
@@ -491,14 +501,21 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
         if not (counts[holds] > 0).any():
             continue
         # Keep one pipeline that holds the longest length while trimming.
+        kept = h if h is not None else int(np.argmax(np.where(holds & (counts > 0), need, -1.0)))
+        fit_key = (tuple(counts.tolist()), kept)
+        if fit_key in seen:
+            continue
+        seen.add(fit_key)
         keep = np.zeros(K, dtype=np.int64)
-        keep[h if h is not None else int(np.argmax(np.where(holds & (counts > 0), need, -1.0)))] = 1
+        keep[kept] = 1
         filled = _fit_budget(counts, need, table, gpus, keep)
         if filled is None:
             continue
-        c = pooled_cost(filled, intervals, table, prefix)
         key = tuple(filled.tolist())
-        if math.isfinite(c) and (key not in ranked or c < ranked[key][0]):
+        if key in ranked:
+            continue  # same integer strategy, same intervals: same cost
+        c = pooled_cost(filled, intervals, table, prefix)
+        if math.isfinite(c):
             ranked[key] = (c, filled)
     return sorted(ranked.values(), key=lambda x: x[0])[:top_n]
 

@@ -244,27 +244,62 @@ def homogeneous_strategies(cost, gpus: int, max_len: int | None = None) -> list[
     return out
 
 
-def auto_candidates(lengths, cost, gpus: int, max_len: int) -> tuple[list[Strategy], str]:
+# Mini-batches sampled from the dataset to pick the homogeneous fallback of ``auto_candidates``.
+FALLBACK_SAMPLES = 3
+
+
+def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, *,
+                     samples: int = FALLBACK_SAMPLES, seed: int = 0) -> Strategy | None:
+    """The homogeneous strategy (holding ``max_len``) with the lowest mean greedy-dispatch latency on
+    ``samples`` mini-batches of ``tokens_per_iter`` tokens drawn (seeded) from ``lengths``;
+    strategies whose lower bound already exceeds the best mean are skipped. None if none holds it."""
+    homogeneous = homogeneous_strategies(cost, gpus, max_len)
+    if len(homogeneous) <= 1:
+        return homogeneous[0] if homogeneous else None
+    from hgraph.runtime.planner.lengths_io import minibatches
+
+    lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
+    rng = np.random.default_rng(seed)
+    picked = []
+    for _ in range(samples):
+        start = int(rng.integers(0, max(lens.size - 1, 1)))
+        window = lens[start:start + max(int(tokens_per_iter), 1)]
+        picked.append(window[minibatches(window, int(tokens_per_iter))[0]])
+    scored = sorted(((float(np.mean([strategy_lower_bound(b, s, cost) for b in picked])), i, s)
+                     for i, s in enumerate(homogeneous)), key=lambda x: (x[0], x[1]))
+    best, best_mean = None, math.inf
+    for lb, _, s in scored:
+        if lb >= best_mean:
+            continue
+        mean = float(np.mean([dispatch_fast(b, s.pipelines, cost, polish=False).latency for b in picked]))
+        if mean < best_mean:
+            best, best_mean = s, mean
+    return best
+
+
+def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int | None = None
+                    ) -> tuple[list[Strategy], str]:
     """Candidates for ``--strategies auto`` and where they came from.
 
-    The strategy proposer's (``hgraph.runtime.planner.proposal.propose_strategies``) when it exists,
-    plus every homogeneous strategy whose scheme holds ``max_len`` tokens: the homogeneous ones
-    cost little to check (the bound prunes most) and keep the choice never worse than the best
-    static strategy.
+    The strategy proposer's set (``proposal.propose_strategies``; a candidate proposed for a length
+    range only holds documents up to the range's top, and ``plan_iteration`` skips it for
+    iterations with a longer document), plus the single best homogeneous strategy
+    (``best_homogeneous``) when the proposer did not already include it: it costs one candidate
+    (its bound prunes it in most iterations) and keeps every iteration's plan never worse than that
+    best static strategy on the same documents. ``tokens_per_iter`` defaults to the proposer's
+    (3125 per GPU).
     """
-    try:
-        from hgraph.runtime.planner.proposal import propose_strategies  # type: ignore[attr-defined]
-    except ImportError:
-        propose_strategies = None
-    homogeneous = homogeneous_strategies(cost, gpus, max_len)
-    proposed: list[Strategy] = []
-    if propose_strategies is not None:
-        proposed = list(propose_strategies(lengths, cost, gpus, max_len))
-    cands = list(dict.fromkeys(proposed + homogeneous))
-    if not cands:
+    from hgraph.runtime.planner.proposal import DEFAULT_TOKENS_PER_GPU, propose_strategies
+
+    tokens = int(tokens_per_iter or DEFAULT_TOKENS_PER_GPU * gpus)
+    if not homogeneous_strategies(cost, gpus, max_len) and cost.largest_max_len() < max_len:
         raise HGraphError(
             f"no strategy of {gpus} GPUs holds {max_len} tokens with profile {cost.name!r} "
             f"(largest MaxLen {cost.largest_max_len()})")
-    source = (f"{len(proposed)} proposed + {len(cands) - len(proposed)} homogeneous" if propose_strategies
-              else "homogeneous (no strategy proposer installed)")
+    proposed = list(propose_strategies(lengths, cost, gpus, max_len, tokens_per_iter=tokens))
+    fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
+    cands = list(dict.fromkeys(proposed + ([fallback] if fallback is not None else [])))
+    added = len(cands) - len(proposed)
+    source = f"{len(proposed)} proposed" + (" + the best homogeneous" if added else
+                                            " (the best homogeneous among them)" if fallback is not None else "")
     return cands, source

@@ -1,14 +1,18 @@
 """Strategy proposal: relaxed DP vs the integer DP, rounding, candidates, errors."""
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
+from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.proposal import (
     LengthHistogram, SchemeTable, bucket_edges, integer_dp, pipeline_capacity, pipeline_latency, pooled_cost,
     propose, propose_strategies)
+from hgraph.runtime.planner.selection import homogeneous_strategies, plan_iteration
+from hgraph.runtime.planner.simulator import sample_minibatches
 from hgraph.strategy import Cluster
 
 
@@ -90,3 +94,27 @@ def test_errors():
         propose([], cost, 8, 4096)
     with pytest.raises(HGraphError, match="fits 1 GPUs"):
         propose([100], load_cost_model("llama-7b", 1), 1, 4096)
+
+
+WIKI = [p / "shared" / "data" / "wikipedia_lengths.txt" for p in Path(__file__).resolve().parents]
+
+
+@pytest.mark.parametrize("model,max_cp", [("llama-7b", 1), ("llama-13b", 1), ("llama-32b", 8)])
+def test_proposal_plans_at_least_as_well_as_the_best_homogeneous(model, max_cp):
+    # Hydraulis' setting: Wikipedia lengths, 32K context, 64 GPUs, 200K tokens per iteration.
+    path = next((p for p in WIKI if p.exists()), None)
+    if path is None:
+        pytest.skip("../shared/data/wikipedia_lengths.txt not beside the repository")
+    lengths = read_lengths(path)[:200_000]
+    cost = load_cost_model(model, 64, max_cp=max_cp)
+    prop = propose(lengths, cost, 64, 32768, tokens_per_iter=200_000)
+    for c in prop.candidates:  # a candidate holds the documents of the range it is proposed for
+        assert max(cost.max_len(p) for p in c.strategy.pipelines) >= c.len_range[1]
+    assert prop.candidates[-1].len_range[1] == 32768
+    batches = sample_minibatches(lengths, 200_000, 3, 32768, seed=1)
+    proposed = [plan_iteration(b, prop.strategies, cost).est_latency_ms for b in batches]
+    per_homogeneous = [[plan_iteration(b, [s], cost).est_latency_ms for b in batches]
+                       for s in homogeneous_strategies(cost, 64, 32768)]
+    best = min(per_homogeneous, key=sum)
+    assert sum(proposed) <= sum(best)
+    assert all(p <= h * (1 + 1e-9) for p, h in zip(proposed, best))

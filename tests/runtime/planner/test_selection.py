@@ -9,8 +9,9 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.dispatch import dispatch_sequences
 from hgraph.runtime.planner.plan import estimate_plan
+from hgraph.runtime.planner.proposal import propose_strategies
 from hgraph.runtime.planner.selection import (
-    auto_candidates, homogeneous_strategies, plan_iteration, strategy_lower_bound)
+    auto_candidates, best_homogeneous, homogeneous_strategies, plan_iteration, strategy_lower_bound)
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)
@@ -106,7 +107,11 @@ def test_homogeneous_candidates():
     assert cands and all(s.num_ranks == 64 and CM.max_len(s.pipelines[0]) >= 32768 for s in cands)
     assert all(len(set(s.pipelines)) == 1 for s in cands)
     got, source = auto_candidates(_lengths(0, 10), CM, 64, 32768)
-    assert set(cands) <= set(got) and len(got) == len(set(got)) and "homogeneous" in source
+    assert len(got) == len(set(got)) and "homogeneous" in source
+    fallback = best_homogeneous(_lengths(0, 10), CM, 64, 32768, 200_000)
+    assert fallback in cands and fallback in got  # the proposer's set plus the best homogeneous only
+    assert len([s for s in got if len(set(s.pipelines)) == 1 and s not in propose_strategies(
+        _lengths(0, 10), CM, 64, 32768, tokens_per_iter=200_000)]) <= 1
     small = load_cost_model("llama-32b", world_size=8)
     with pytest.raises(HGraphError, match="holds 100000 tokens"):
         auto_candidates(_lengths(0, 10), small, 8, 100_000)
