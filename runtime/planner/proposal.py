@@ -236,7 +236,13 @@ class SchemeTable:
 
 @dataclass
 class Candidate:
-    """A proposed strategy, the context lengths it was proposed for and its expected cost."""
+    """A proposed strategy, the context lengths it was proposed for and its expected cost.
+
+    The top of ``len_range`` bounds the iterations the candidate serves: its largest MaxLen holds
+    documents up to ``len_range[1]`` (a candidate for short-document iterations may not hold the
+    full context), and ``selection.plan_iteration`` skips a candidate for an iteration whose
+    longest document it cannot hold. The last candidate of a proposal covers the full context.
+    """
 
     strategy: Strategy
     len_range: tuple[int, int]  # (lo, hi]: proposed for iterations whose longest document is in here
