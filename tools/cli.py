@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, str] = {
     "simulate": "hgraph.tools.cmd_simulate",
     "profile": "hgraph.tools.cmd_profile",
     "train": "hgraph.tools.cmd_train",
+    "report": "hgraph.tools.cmd_report",
 }
 
 
