@@ -147,6 +147,40 @@ def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: 
     return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def write_manifest(folder: Path, step: int, world_size: int, entries: list,
+                   data_position: Optional[Mapping[str, Any]] = None,
+                   delay_queues: Optional[Mapping[str, Any]] = None,
+                   planner_state: Optional[Mapping[str, Any]] = None) -> None:
+    """Complete a checkpoint: write its manifest atomically, after every shard file is in place.
+
+    ``entries``: the ``write_shard`` results of ranks 0..world_size-1, in rank order.
+    """
+    if len(entries) != world_size or any(e["name"] != shard_file_name(r, world_size)
+                                         for r, e in enumerate(entries)):
+        raise HGraphError(f"checkpoint: the manifest needs the shard entries of ranks 0..{world_size - 1} "
+                          "in rank order")
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "shards": list(entries),
+                "data_position": _json_state("data_position", data_position),
+                "delay_queues": _json_state("delay_queues", delay_queues),
+                "planner_state": _json_state("planner_state", planner_state)}
+    _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (POSIX; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _gather_entries(entry: dict, rank: int, world_size: int, group: Any) -> Optional[list]:
     if world_size == 1:
         return [entry]
@@ -189,9 +223,7 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
     entry = write_shard(folder, rank, world_size, step, optimizer, capture_rng())
     entries = _gather_entries(entry, rank, world_size, group)
     if rank == 0:
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
-                    "shards": entries, **state}
-        _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+        write_manifest(folder, step, world_size, entries, **state)
         if keep_last is not None:
             for old in complete_steps(root)[:-keep_last]:
                 shutil.rmtree(step_dir(root, old), ignore_errors=True)
