@@ -14,6 +14,8 @@ Layout: ``DIR/step-SSSSSSSS/``. Writes are atomic: every file goes to a temporar
 folder and is then renamed (``os.replace``); the manifest is renamed into place only after every rank
 has renamed its shard. A step folder without a valid manifest is incomplete and ``latest`` skips it,
 so a crash mid-save leaves the previous checkpoint usable. Several ranks must see one shared folder.
+``save`` is the collective front; its two phases are public (``write_shard`` on every rank, then
+``write_manifest`` on rank 0) for tools that assemble a checkpoint without a process group.
 
 ``load`` returns this rank's optimizer state in ``ShardedAdam.state_dict()`` form. When the world size
 differs from the saved one it re-shards: it reads (memory-mapped) only the saved shard files whose

@@ -12,11 +12,13 @@ disallowed values raise ``HGraphError`` naming the file, the key, the value and 
 CLI prints it and exits with code 2).
 
 ``add_arguments(parser)`` declares every flag with an absent default, so ``resolve`` can tell the
-flags that were given from those that were not; ``help_text()`` renders the table for ``--help``.
+flags that were given from those that were not; ``help_text()`` renders the table for ``--help``;
+``dump_toml`` writes a resolved configuration back as a file that loads to the same values.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field
@@ -248,7 +250,6 @@ def _flag_type(key: ConfigKey) -> Callable[[str], Any]:
             elif key.kind == "pair":
                 value = tuple(float(v) for v in text.split(","))
             elif key.kind == "table":
-                import json
                 value = json.loads(text)
             else:
                 value = text
@@ -338,6 +339,49 @@ def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) ->
         raise HGraphError(f"{where('resume')} needs checkpoint-dir (--checkpoint-dir DIR)")
     if values["keep_checkpoints"] is not None and values["checkpoint_dir"] is None:
         raise HGraphError(f"{where('keep_checkpoints')} needs checkpoint-dir (--checkpoint-dir DIR)")
+
+
+# ---- writing a config back -------------------------------------------------------------------------
+def _toml_literal(key: ConfigKey, value: Any) -> str:
+    if value is None:
+        return '"none"'
+    if key.kind == "bool":
+        return "true" if value else "false"
+    if key.kind == "pair":
+        return "[" + ", ".join(repr(float(v)) for v in value) + "]"
+    if key.kind == "table":
+        return _plain_toml(value, key.name)
+    if key.kind == "float":
+        return repr(float(value))
+    if key.kind == "int":
+        return str(int(value))
+    return json.dumps(value)        # a JSON string is a valid TOML basic string
+
+
+def _plain_toml(value: Any, name: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float, str)):
+        return json.dumps(value) if not isinstance(value, float) else repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_plain_toml(v, name) for v in value) + "]"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_plain_toml(v, k)}" for k, v in value.items()) + "}"
+    raise HGraphError(f"{name} = {value!r}: only numbers, strings, booleans, lists and tables can be "
+                      "written to TOML (TOML has no null)")
+
+
+def dump_toml(config: Union[ResolvedConfig, Mapping[str, Any]]) -> str:
+    """Every key's value as a TOML document (e.g. the ``run.toml`` a run folder keeps); loading it
+    back with ``load_config`` gives the same values."""
+    values = config.values if isinstance(config, ResolvedConfig) else config
+    lines: list[str] = []
+    for section in SECTIONS:
+        lines.append(f"[{section}]")
+        for key in (k for k in SCHEMA if k.section == section):
+            lines.append(f"{key.name} = {_toml_literal(key, values.get(key.dest, key.default))}")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # ---- help ---------------------------------------------------------------------------------------

@@ -155,3 +155,24 @@ def test_help_text_defaults_round_trip_as_toml(tmp_path):
     path = _write(tmp_path, "\n".join(lines) + "\n")
     cfg = rc.resolve(argparse.Namespace(), path)
     assert cfg.values == rc.resolve(argparse.Namespace()).values
+
+
+def test_dump_toml_round_trips(tmp_path):
+    path = _write(tmp_path, """
+[model]
+model-args = { num_layers = 2, rope = { theta = 500000.0 }, names = ["a", "b"], tie = true }
+[optimizer]
+betas = [0.8, 0.95]
+lr = 0.1
+grad-clip = 1.5
+[planner]
+strategy-schedule = "4xTP1PP1;1xTP2PP2"
+""")
+    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--steps", "3", "--no-plots"]))
+    text = rc.dump_toml(cfg)
+    again = _write(tmp_path, text)
+    back = rc.resolve(argparse.Namespace(), again)
+    assert back.values == cfg.values
+    assert back.model_args["rope"] == {"theta": 500000.0} and back.weight_decay is None
+    with pytest.raises(HGraphError, match="TOML has no null"):
+        rc.dump_toml({**cfg.values, "model_args": {"x": None}})
