@@ -145,19 +145,27 @@ class Executor:
                   if k in ("tp", "cp") and len(g) > 1}
         self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
         gm = rp.graph_module
-        working = {}
+        working, aliased = {}, set()
         for name, shard in rp.params.items():
             *path, leaf = name.split(".")
             mod = gm
             for part in path:
                 mod = getattr(mod, part)
-            param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
+            master = self.optimizer.params[name]
+            if (self.world_size == 1 and self.working_dtype == master.dtype and not shard.pad
+                    and master.device == self.device):
+                # one rank in fp32: the working parameter IS the master (shares its storage), so the
+                # pull and the push move nothing and the optimizer's update is seen directly
+                param = nn.Parameter(master.view(shard.shard_shape))
+                aliased.add(name)
+            else:
+                param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
             setattr(mod, leaf, param)
             working[name] = param
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device)
         comm.bindings = dict(rp.bindings)
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
-                         self.working_dtype)
+                         self.working_dtype, frozenset(aliased))
         comm.param_sync = sync
         state = RankState(program, rp, gm, working, comm, sync)
         self._states[id(program)] = state

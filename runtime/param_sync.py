@@ -104,8 +104,10 @@ class ParamSync:
 
     def __init__(self, program: Any, rank: int, masters: Mapping[str, torch.Tensor],
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
-                 working_dtype: torch.dtype = torch.float32) -> None:
+                 working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset()) -> None:
         self.program = program
+        # working tensors that share their fp32 master's storage (one rank, fp32: nothing to move)
+        self.aliased = frozenset(aliased)
         self.rank = rank
         self.world_size = program.cluster.world_size
         self.masters = masters
@@ -146,12 +148,14 @@ class ParamSync:
         self.stats = SyncStats()
         self._pulls = {}
         self._active = True
-        gathered = [n for n in self.order if self.program.pull_plans[n].is_all_gather]
+        gathered = [n for n in self.order if self.program.pull_plans[n].is_all_gather and n not in self.aliased]
         bucket = self._post_all_gather(gathered) if gathered else None
         for name in self.order:
             plan = self.program.pull_plans[name]
             pull = _Pull()
-            if plan.is_all_gather:
+            if name in self.aliased:
+                pull.done = True
+            elif plan.is_all_gather:
                 pull.gather = bucket
             else:
                 p2p = []
@@ -263,7 +267,15 @@ class ParamSync:
         ``grads[name]``: the working gradient of a parameter this rank holds (``None``: no
         micro-batch ran, pushed as zeros). Collective: every rank calls it once per step.
         """
-        out = {name: torch.zeros_like(self.masters[name], dtype=torch.float32) for name in self.order}
+        if self.aliased:                  # one rank: the working gradient is the owner's gradient
+            out = {n: grads[n].float().reshape(self.masters[n].shape) if grads.get(n) is not None
+                   else torch.zeros_like(self.masters[n]) for n in self.order if n in self.aliased}
+            if len(out) == len(self.order):
+                return out
+        else:
+            out = {}
+        out.update({name: torch.zeros_like(self.masters[name], dtype=torch.float32)
+                    for name in self.order if name not in out})
         held: dict[str, list] = {name: [] for name in self.order}
         by_group: dict[tuple[int, ...], list] = {}
         for name in self.order:           # 1. reduce-scatters among replicas: one per group, async

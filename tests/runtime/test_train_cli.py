@@ -75,6 +75,21 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
     assert out["cache"]["misses"] == 3
 
 
+def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
+    """One rank in fp32: working parameters share the masters' storage; still PyTorch's numbers."""
+    final = tmp_path / "final1.pt"
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3",
+                     "--save-final", str(final), "--json"))
+    assert rc == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    ref_losses, ref_state = _reference(data, 3, 30)
+    for s, want in zip(steps, ref_losses):
+        assert abs(s["loss"] - want) <= 1e-6 * want
+    state = torch.load(final)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5)
+
+
 def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
     rc = main(_train(data, "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1", "--steps", "3",
                      "--dtype", "bf16", "--json"))

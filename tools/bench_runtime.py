@@ -1,0 +1,219 @@
+"""Runtime benchmarks: step overhead vs eager PyTorch, DP4 vs DDP, pull/push bytes vs the minimum,
+and the host time of a strategy switch with a graph-cache hit.
+
+``python -m hgraph.tools.bench_runtime [--model tiny] [--steps 20] [--docs 16] [--doc-len 64]``
+
+1. **Single rank**: one training step of the compiled model (Executor, ``1xTP1PP1``, one packed
+   micro-batch) vs the same step in eager PyTorch (each document alone, same loss, ``torch.optim.Adam``)
+   in the same process, alternating the two; median of the per-pair ratios compiled / eager.
+2. **DP4 on gloo**: compiled ``4xTP1PP1`` vs ``DistributedDataParallel`` + Adam, 4 processes, each rank
+   the same documents in both (its quarter of the mini-batch); median step time of rank 0.
+3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
+   payloads) against the minimum (each rank receives exactly the slices it lacks / owners receive each
+   foreign row once), from the Programs' plans that ParamSync executes op for op.
+4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
+   before (every step's pull is not included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+STRATEGIES_4 = ["4xTP1PP1", "1xTP2PP1+2xTP1PP1", "1xTP2PP2", "1xTP1PP2+1xTP2PP1"]
+
+
+def _docs(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [max(2, length // 2 + (i * 37) % length) for i in range(n)]
+    return [torch.randint(0, vocab, (l,), generator=g).tolist() for l in lens]
+
+
+def _eager_step(model, opt, docs) -> float:
+    opt.zero_grad(set_to_none=True)
+    targets = sum(len(d) - 1 for d in docs)
+    total = 0.0
+    for d in docs:
+        ids = torch.tensor([d])
+        loss = F.cross_entropy(model(ids)[0, :-1], ids[0, 1:], reduction="sum") / targets
+        loss.backward()
+        total += float(loss)
+    opt.step()
+    return total
+
+
+def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3) -> dict:
+    """Alternate ``fn_a`` and ``fn_b`` (so load drifts hit both alike); median times and the median of
+    the per-pair ratios a / b (robust on a shared, loaded machine)."""
+    for _ in range(warmup):
+        fn_a()
+        fn_b()
+    ta, tb = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn_a()
+        t1 = time.perf_counter()
+        fn_b()
+        t2 = time.perf_counter()
+        ta.append(t1 - t0)
+        tb.append(t2 - t1)
+    return {"a_ms": 1e3 * statistics.median(ta), "b_ms": 1e3 * statistics.median(tb),
+            "ratio": statistics.median(a / b for a, b in zip(ta, tb)), "ratio_of_minima": min(ta) / min(tb)}
+
+
+def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
+    import hgraph
+    from hgraph.runtime.executor import Executor
+    from hgraph.runtime.process_groups import GroupCache
+    from hgraph.runtime.trainer import TrainConfig, build_model, make_optimizer
+    cfg = TrainConfig(model=model_name, world_size=world, schedule=[strategy], steps=1, tokens_per_iter=1)
+    model = build_model(cfg)
+    compiled = hgraph.compile(model)
+    opt = make_optimizer(cfg, compiled, rank, world)
+    ex = Executor(compiled, opt, rank, world, groups or GroupCache(rank, world))
+    return compiled, ex
+
+
+def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
+    """Compiled vs eager step time in this process (a one-rank gloo group for the executor)."""
+    import torch.distributed as dist
+    from hgraph.runtime.executor import MicroBatch
+    from hgraph.runtime.trainer import TrainConfig, build_model
+    store_dir = tempfile.mkdtemp(prefix="hgraph-bench-")
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(store_dir, "s"), rank=0, world_size=1)
+    try:
+        compiled, ex = _setup(model_name, "1xTP1PP1", 0, 1)
+        prog = compiled.instantiate("1xTP1PP1")
+        mb = [[MicroBatch.pack(docs)]]
+        targets = sum(len(d) - 1 for d in docs)
+        model = build_model(TrainConfig(model=model_name, world_size=1, schedule=["1xTP1PP1"], steps=1,
+                                        tokens_per_iter=1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        t = _paired_times(lambda: ex.step(prog, mb, targets), lambda: _eager_step(model, opt, docs), steps)
+    finally:
+        dist.destroy_process_group()
+    return {"compiled_ms": t["a_ms"], "eager_ms": t["b_ms"], "ratio": t["ratio"],
+            "ratio_of_minima": t["ratio_of_minima"]}
+
+
+def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[list[int]]) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from hgraph.runtime.executor import MicroBatch
+    from hgraph.runtime.trainer import GraphCache, TrainConfig, build_model
+    from hgraph.strategy import Cluster, Strategy
+    compiled, ex = _setup(model_name, "4xTP1PP1", rank, world)
+    cache = GraphCache(compiled, Cluster(world, 8))
+    share = [docs[i::world] for i in range(world)]
+    targets = sum(len(d) - 1 for d in docs)
+    mbs = [[MicroBatch.pack(s)] for s in share]
+    prog = cache.get(Strategy.parse("4xTP1PP1"))
+
+    model = build_model(TrainConfig(model=model_name, world_size=world, schedule=["4xTP1PP1"], steps=1,
+                                    tokens_per_iter=1))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+
+    def ddp_step():
+        opt.zero_grad(set_to_none=True)
+        mine = share[rank]
+        with ddp.no_sync():
+            for d in mine[:-1]:
+                ids = torch.tensor([d])
+                (F.cross_entropy(ddp(ids)[0, :-1], ids[0, 1:], reduction="sum") * world / targets).backward()
+        ids = torch.tensor([mine[-1]])
+        (F.cross_entropy(ddp(ids)[0, :-1], ids[0, 1:], reduction="sum") * world / targets).backward()
+        opt.step()
+
+    t = _paired_times(lambda: ex.step(prog, mbs, targets), ddp_step, steps)
+
+    # switch with a cache hit: alternate two strategies already built
+    other = Strategy.parse("1xTP2PP1+2xTP1PP1")
+    ex.state_for(cache.get(other))
+    ex.state_for(prog)
+    switches = []
+    for i in range(50):
+        t0 = time.perf_counter()
+        p = cache.get(other if i % 2 == 0 else Strategy.parse("4xTP1PP1"))
+        ex.state_for(p)
+        switches.append(time.perf_counter() - t0)
+    dist.barrier()
+    return {"compiled_ms": t["a_ms"], "ddp_ms": t["b_ms"], "ratio": t["ratio"], "ratio_of_minima": t["ratio_of_minima"],
+            "switch_hit_ms_max": 1e3 * max(switches), "switch_hit_ms_median": 1e3 * statistics.median(switches)}
+
+
+def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict]:
+    """Pull / push bytes of each strategy's plans against the per-rank minimum."""
+    import hgraph
+    from hgraph.passes.lnk_plans import min_pull_bytes, min_push_bytes
+    from hgraph.runtime.trainer import TrainConfig, build_model
+    compiled = hgraph.compile(build_model(TrainConfig(model=model_name, world_size=world, schedule=strategies,
+                                                      steps=1, tokens_per_iter=1)))
+    rows = []
+    for text in strategies:
+        prog = compiled.instantiate(text, world_size=world)
+        pull = pull_min = push = push_rs = push_min = 0
+        for name in prog.pull_plans:
+            pp, ph = prog.pull_plans[name], prog.push_plans[name]
+            if pp.is_all_gather:      # ring all-gather: each rank receives every other segment (padded)
+                width = -(-pp.param.size // world)
+                pull += world * (world - 1) * pp.param.slice_bytes(0, width, pp.working_dtype_bytes)
+            else:
+                pull += pp.total_bytes
+            pull_min += sum(min_pull_bytes(pp.param, pp.needs, world,
+                                           working_dtype_bytes=pp.working_dtype_bytes).values())
+            push += ph.total_bytes
+            push_rs += ph.reduce_scatter_bytes
+            push_min += sum(min_push_bytes(ph.param, ph.contributions, world).values())
+        rows.append({"strategy": text, "pull_bytes": pull, "pull_min_bytes": pull_min,
+                     "push_lnk_bytes": push, "push_reduce_scatter_bytes": push_rs, "push_min_bytes": push_min})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--docs", type=int, default=16)
+    ap.add_argument("--doc-len", type=int, default=64)
+    ap.add_argument("--skip-dp4", action="store_true")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the single-rank comparison (default 1: steady on a shared machine)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from hgraph.runtime.launch import spawn
+    docs = _docs(args.docs, args.doc_len, 512)
+    one = _docs(4, 4 * args.doc_len, 512, seed=1)
+    # "one doc": one document per rank, so packing plays no part and the ratio is the runtime's
+    # overhead; "packed": --docs documents, packed into one row by hgraph, one at a time in eager
+    out = {"single_rank": {"one_doc": single_rank(args.model, args.steps, one[:1]),
+                           "packed": single_rank(args.model, args.steps, docs)}}
+    if not args.skip_dp4:
+        out["dp4"] = {"one_doc": spawn(_dp4_worker, 4, args=(args.model, args.steps, one), timeout_s=600)[0],
+                      "packed": spawn(_dp4_worker, 4, args=(args.model, args.steps, docs), timeout_s=600)[0]}
+    out["bytes"] = bytes_table(args.model, STRATEGIES_4, 4)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for kind, s in out["single_rank"].items():
+        print(f"single rank ({kind}): compiled {s['compiled_ms']:.2f} ms, eager {s['eager_ms']:.2f} ms, "
+              f"ratio {s['ratio']:.3f} (of minima {s['ratio_of_minima']:.3f})")
+    for kind, d in out.get("dp4", {}).items():
+        print(f"DP4 gloo ({kind}): compiled {d['compiled_ms']:.2f} ms, DDP {d['ddp_ms']:.2f} ms, ratio {d['ratio']:.3f} (of minima {d['ratio_of_minima']:.3f})")
+        print(f"switch with a cache hit: median {d['switch_hit_ms_median']:.4f} ms, max {d['switch_hit_ms_max']:.4f} ms")
+    for r in out["bytes"]:
+        print(f"{r['strategy']:<22} pull {r['pull_bytes']:>9} B (min {r['pull_min_bytes']:>9})  push LNK "
+              f"{r['push_lnk_bytes']:>9} B + reduce-scatter {r['push_reduce_scatter_bytes']:>9} B "
+              f"(min {r['push_min_bytes']:>9}, each owner receiving each foreign row once)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
