@@ -55,6 +55,9 @@ class DispatchResult:
     # True when ``bound`` is of a model restricted to fewer micro-batch slots than the App. C range
     # allows (then it bounds that model only, not every dispatch).
     bound_restricted: bool = False
+    # The longest-first passes' dispatches (``dispatch_fast``), reused when a screened candidate
+    # gets the full method.
+    greedy_starts: list | None = None
     polished: bool = True  # packs include the packing local search
 
     @property
@@ -158,7 +161,7 @@ def dispatch_sequences(lengths, pipelines: Sequence[Scheme], cost, *, method: st
 # ---- fast: surrogate greedy + real-packing local search ------------------------------------------
 def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
                   improve_rounds: int | None = None, polish: bool = True, restarts: int | None = None,
-                  seed: int = 0, alg1_seed: bool = True) -> DispatchResult:
+                  seed: int = 0, alg1_seed: bool = True, greedy_starts: list | None = None) -> DispatchResult:
     """Longest-first greedy on the packing surrogate, then local search on the real packing.
 
     Small cases (at most ``SMALL_RESTART_DOCS`` documents) also try ``restarts`` (default
@@ -172,26 +175,31 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
     ``polish=False`` (screening many candidates): the longest-first passes only, no restarts, no
     Alg. 1 start, no packing or dispatch local search. ``alg1_seed=False`` leaves out the Alg. 1
     start (selection adds it to the winning candidate only, with ``improve_with_alg1``).
+    ``greedy_starts``: the ``greedy_starts`` of an earlier result on the same input (the
+    longest-first passes are deterministic, so they are not recomputed).
     """
     groups, of = _groups(pipelines, cost, lengths)
     _check_eligible(lengths, groups)
-    order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
-    result = _greedy(lengths, pipelines, cost, groups, of, order, polish)
-    if len(groups) > 1:  # heterogeneous: the MaxLen-aware rule may avoid high floors
-        # Fill towards the work bound (rank-ms of every document at its cheapest / all ranks).
-        ranks = sum(p.num_ranks for p in pipelines)
-        work = np.min(np.stack([np.where(lengths <= g.cap, g.t * g.scheme.num_ranks, np.inf) for g in groups]), axis=0)
-        other = _greedy(lengths, pipelines, cost, groups, of, order, polish, rule="fill",
-                        target=float(work.sum()) / ranks)
-        if other.latency < result.latency:
-            result = other
+    if greedy_starts is None:
+        order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
+        greedy_starts = [_greedy_members(lengths, pipelines, groups, of, order)]
+        if len(groups) > 1:  # heterogeneous: the MaxLen-aware rule may avoid high floors
+            # Fill towards the work bound (rank-ms of every document at its cheapest / all ranks).
+            ranks = sum(p.num_ranks for p in pipelines)
+            work = np.min(np.stack([np.where(lengths <= g.cap, g.t * g.scheme.num_ranks, np.inf) for g in groups]),
+                          axis=0)
+            greedy_starts.append(_greedy_members(lengths, pipelines, groups, of, order, rule="fill",
+                                                 target=float(work.sum()) / ranks))
+    result = min((_finish(lengths, pipelines, cost, m, polish=polish) for m in greedy_starts),
+                 key=lambda r: r.latency)
     if restarts is None:
         restarts = SMALL_RESTARTS if len(lengths) <= SMALL_RESTART_DOCS and len(pipelines) > 1 else 0
     starts = [result]
     if polish and restarts > 0:
         rng = np.random.default_rng(seed)
         for _ in range(restarts):
-            starts.append(_greedy(lengths, pipelines, cost, groups, of, rng.permutation(len(lengths)).tolist(), polish))
+            members = _greedy_members(lengths, pipelines, groups, of, rng.permutation(len(lengths)).tolist())
+            starts.append(_finish(lengths, pipelines, cost, members, polish=polish))
         starts.sort(key=lambda r: r.latency)
         starts = starts[:SMALL_RESTARTS_IMPROVED]
     if polish and (improve_rounds is None or improve_rounds > 0):
@@ -199,6 +207,7 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
     best = min(starts, key=lambda r: r.latency)
     if polish and alg1_seed:
         best = improve_with_alg1(lengths, pipelines, cost, best, seed=seed, improve_rounds=improve_rounds)
+    best.greedy_starts = greedy_starts
     return best
 
 
@@ -208,20 +217,24 @@ def improve_with_alg1(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, re
 
     Done for 2..``ALG1_SEED_MAX_DOCS`` documents on more than one pipeline; then the returned
     latency is at most ``dispatch_randomized_greedy(lengths, pipelines, cost, trials=ALG1_TRIALS,
-    seed=seed).latency`` (same packing, and the local search never makes a start worse).
+    seed=seed).latency`` (same packing, and the local search never makes a start worse). The
+    local search runs on Alg. 1's dispatch only when its packing already beats ``result`` (rare),
+    which keeps the guarantee at the cost of one Alg. 1 pass and one packing.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(pipelines) <= 1 or not 1 < len(lengths) <= ALG1_SEED_MAX_DOCS:
         return result
     start = _finish(lengths, pipelines, cost, alg1_assignment(lengths, pipelines, cost, trials=ALG1_TRIALS, seed=seed))
+    if start.latency >= result.latency:
+        return result
     if improve_rounds is None or improve_rounds > 0:
         start = improve_dispatch(lengths, pipelines, cost, start, rounds=improve_rounds)
-    return start if start.latency < result.latency else result
+    return start
 
 
-def _greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, groups: list[_Scheme], of: list[int],
-            order: list[int], polish: bool, rule: str = "lpt", target: float = 0.0) -> DispatchResult:
-    """One greedy pass in ``order``, then packing. Each document goes, per scheme, to the pipeline
+def _greedy_members(lengths: np.ndarray, pipelines: Sequence[Scheme], groups: list[_Scheme], of: list[int],
+                    order: list[int], rule: str = "lpt", target: float = 0.0) -> list[list[int]]:
+    """One greedy pass in ``order``: per pipeline, its documents. Each document goes, per scheme, to the pipeline
     with the smallest surrogate (one heap per distinct scheme); across schemes ``rule`` decides:
     ``lpt``: the smallest surrogate after taking it; ``fill``: the scheme with the largest MaxLen
     whose surrogate stays within ``max(target, current maximum)`` (as Alg. 1 does), else the
@@ -272,7 +285,7 @@ def _greedy(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, groups: list
         est[j] = best_val
         members[j].append(i)
         heapq.heappush(heaps[g], (best_val, j))
-    return _finish(lengths, pipelines, cost, members, polish=polish)
+    return members
 
 
 def improve_dispatch(lengths, pipelines: Sequence[Scheme], cost, result: DispatchResult, *,

@@ -159,7 +159,7 @@ def _select_fast(lengths, bounds, cost):
     for latency, lb, s, res in greedy:
         if best is not None and (lb >= best[0].latency or latency > best_latency * (1 + IMPROVE_MARGIN)):
             continue
-        res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False)
+        res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False, greedy_starts=res.greedy_starts)
         if best is None or res.latency < best[0].latency:
             best = (res, s)
     if best is not None:
