@@ -264,12 +264,13 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
         summary = Trainer(config, rank, world_size).run()
     except HGraphError as exc:
         return {"error": str(exc)}
-    return {"steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
+    return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "final_params": summary.final_params if rank == 0 else None}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
-    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError).
+    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError); under
+    ``torchrun`` this process's own result (its ``"rank"`` says which).
 
     Under ``torchrun`` (``RANK`` set) this process is one rank of the run; otherwise
     ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so

@@ -103,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     except SpawnError as exc:
         sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}\n")
         return 1
+    if result.get("rank", 0) != 0:
+        return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
     if args.json:
         print(json.dumps({"steps": steps, "cache": result["cache"],

@@ -102,6 +102,17 @@ def test_pull_moves_the_minimum_bytes(results, case):
         assert r[case]["pull_recv"] == minimum
 
 
+def test_benchmark_bytes_table_pull_equals_the_minimum_for_the_acceptance_strategies():
+    from hgraph.tools.bench_runtime import STRATEGIES_4, bytes_table
+    rows = bytes_table("tiny", STRATEGIES_4, 4)
+    assert [r["strategy"] for r in rows] == STRATEGIES_4
+    for r in rows:
+        assert r["pull_bytes"] == r["pull_min_bytes"] > 0
+        assert r["push_lnk_bytes"] + r["push_reduce_scatter_bytes"] >= r["push_min_bytes"] > 0
+    no_replicas = next(r for r in rows if r["strategy"] == "1xTP2PP2")
+    assert no_replicas["push_lnk_bytes"] == no_replicas["push_min_bytes"]
+
+
 def test_pull_outside_a_step_is_a_clear_error():
     torch.manual_seed(0)
     compiled = hgraph.compile(llama.build("tiny"))
