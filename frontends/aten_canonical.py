@@ -169,7 +169,7 @@ def _param(node: Any, is_param: Callable[[str], bool]) -> Optional[fx.Node]:
     return None
 
 
-def _transposed_param(node: Any, is_param: Callable[[str], bool], graph: fx.Graph) -> Optional[fx.Node]:
+def _transposed_param(node: Any, is_param: Callable[[str], bool]) -> Optional[fx.Node]:
     """The get_attr of ``w`` if ``node`` is ``aten.t(w)`` / ``aten.transpose(w, 0, 1)`` / ``permute(w, [1, 0])``."""
     if not isinstance(node, fx.Node):
         return None
@@ -210,7 +210,7 @@ def rewrite_linears(graph: fx.Graph, is_param: Callable[[str], bool], param_shap
             _replace(graph, node, "call_function", F.layer_norm, tuple(node.args[:5]))
         elif pk is aten.addmm and not node.kwargs:
             bias, x, w = node.args
-            wt = _transposed_param(w, is_param, graph)
+            wt = _transposed_param(w, is_param)
             if wt is not None:
                 _replace(graph, node, "call_function", F.linear, (x, wt, bias))
                 _erase_if_unused(graph, w)
@@ -218,7 +218,7 @@ def rewrite_linears(graph: fx.Graph, is_param: Callable[[str], bool], param_shap
                 _rewrite_conv1d(graph, node, param_shape)
         elif pk in (aten.matmul, aten.mm) and not node.kwargs:
             x, w = node.args
-            wt = _transposed_param(w, is_param, graph)
+            wt = _transposed_param(w, is_param)
             if wt is None:
                 continue
             new = _replace(graph, node, "call_function", F.linear, (x, wt))

@@ -69,8 +69,10 @@ class LogitsOf(nn.Module):
         self.model = model
         params = _forward_parameters(model)
         self.takes_positions = "position_ids" in params
-        self.extra = {"use_cache": False} if "use_cache" in params or _accepts_var_kwargs(model) and \
-            hasattr(getattr(model, "config", None), "use_cache") else {}
+        # no KV cache: HF models take use_cache as a named argument or through **kwargs
+        takes_cache = "use_cache" in params or (_accepts_var_kwargs(model) and
+                                                hasattr(getattr(model, "config", None), "use_cache"))
+        self.extra = {"use_cache": False} if takes_cache else {}
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         if self.takes_positions:
