@@ -219,6 +219,34 @@ def _tune(space: Sequence, run: Callable[[object], SystemResult], what: str) -> 
     return best
 
 
+def iteration_lower_bound(lengths, cost, gpus: int) -> float:
+    """A latency no system can beat on these documents with the cost model's schemes (ms).
+
+    The larger of (1) the longest document alone on the scheme that runs it fastest:
+    ``min_P PP * (T(l, P) + c)`` over the schemes whose MaxLen holds it (1F1B with one micro-batch);
+    (2) the work: every document at its cheapest rank-ms ``r_P (t_P(l) + c_P l / MaxLen_P)`` (a
+    pipeline runs at least ``tokens / MaxLen`` micro-batches, each paying ``c``) spread over all
+    ``gpus`` GPUs. Holds for every system here (same cost model, every rank busy at most the
+    iteration), except WLB-LLM, which moves documents between iterations.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        return 0.0
+    lf = lengths.astype(np.float64)
+    alone = np.full(lengths.size, np.inf)
+    work = np.full(lengths.size, np.inf)
+    for s in cost.schemes:
+        if s.num_ranks > gpus:
+            continue
+        a, b, c = cost.coeffs(s)
+        cap = cost.max_len(s)
+        t = a * lf * lf + b * lf
+        ok = lengths <= cap
+        alone = np.where(ok, np.minimum(alone, s.pp * (t + c)), alone)
+        work = np.where(ok, np.minimum(work, s.num_ranks * (t + c * lf / cap)), work)
+    return float(max(alone.max(), work.sum() / gpus))
+
+
 # ---- systems ------------------------------------------------------------------------------------
 def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int,
                     gpus_per_node: int) -> SystemResult:

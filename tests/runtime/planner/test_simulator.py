@@ -5,7 +5,7 @@ import pytest
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.simulator import (
-    SYSTEMS, _accumulate, fixed_length_pack, pipeline_ms, sample_minibatches, simulate)
+    SYSTEMS, _accumulate, fixed_length_pack, iteration_lower_bound, pipeline_ms, sample_minibatches, simulate)
 from hgraph.strategy import Scheme
 
 
@@ -30,6 +30,17 @@ def test_every_system_runs_the_same_tokens(sim):
         else:
             assert [i.tokens for i in r.iterations] == want
         assert all(i.latency_ms > 0 and 0 <= i.spread <= 1 for i in r.iterations)
+
+
+def test_no_system_beats_the_iteration_lower_bound(sim):
+    cost = load_cost_model("llama-7b", 8, max_cp=1)
+    batches = sample_minibatches(_data(), 60000, 3, 16384, seed=1)
+    bounds = [iteration_lower_bound(b, cost, 8) for b in batches]
+    longest = [iteration_lower_bound(b[b == b.max()], cost, 8) for b in batches]
+    assert all(0 < lo <= bd for lo, bd in zip(longest, bounds))
+    for name, r in sim.results.items():
+        if name != "wlb":  # WLB-LLM moves documents between iterations
+            assert all(i.latency_ms >= bd * (1 - 1e-9) for i, bd in zip(r.iterations, bounds)), name
 
 
 def test_hgraph_beats_the_static_homogeneous_baselines(sim):
