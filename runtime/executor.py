@@ -12,8 +12,9 @@
    number of targets), so the gradient never depends on the strategy or the packing.
 3. **Push Gradient**: ``ParamSync.push`` reduce-scatters and LNKs the working gradients to the
    optimizer owners (a pipeline without micro-batches pushes zeros).
-4. The loss is summed over the world (one all-reduce; a non-finite loss raises naming the step, or
-   skips the update when ``skip_nonfinite``), then the sharded optimizer steps.
+4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
+   non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
+   sharded optimizer steps.
 
 Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
 process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict
@@ -208,11 +209,14 @@ class Executor:
         state.comm.wait_all()
         sync.finish_pulls()
         t_compute = time.perf_counter()
+        loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
         grads = {name: w.grad for name, w in state.working.items()}
         grad_shards = sync.push(grads)
         sync.end_step()
         t_push = time.perf_counter()
-        loss = self._global_loss(rp, loss_sum) / num_targets
+        if loss_work is not None:
+            loss_work.wait()
+        loss = float(loss_value[0]) / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
         skipped = False
         norm = None
@@ -252,13 +256,13 @@ class Executor:
                     torch.autograd.backward(out)
         return loss_sum
 
-    def _global_loss(self, rp: Any, loss_sum: float) -> float:
-        """The mini-batch's summed loss: one copy per pipeline (its last stage's first TP rank)."""
+    def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
+        """Start summing the mini-batch's loss over the world: one copy per pipeline (its last
+        stage's first TP rank); returns the buffer and the work to wait for (None on one rank)."""
         counts = rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 and rp.cp_rank == 0
-        value = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(value)
-        return float(value[0])
+        value = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
+        return value, work
 
     def cache_info(self) -> dict:
         return {"programs": len(self._states)}
