@@ -204,9 +204,10 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
 
     ``optimizer``: this rank's ``ShardedAdam``; ``data_position`` (e.g. next document index and
     step), ``delay_queues`` and ``planner_state``: JSON-ready dicts, the same on every rank (rank 0's
-    are stored). ``keep_last``: delete all but the newest ``keep_last`` complete checkpoints after
-    this one is complete (at least 2, so a fallback stays possible). Returns after the manifest is in
-    place on every rank.
+    are stored). ``keep_last``: once this one is complete, delete older complete checkpoints so that
+    ``keep_last`` remain up to this step (at least 2, so a fallback stays possible); later steps are
+    left alone. Re-saving an existing step replaces it (it is incomplete while being rewritten).
+    Returns after the manifest is in place on every rank.
     """
     if step < 0:
         raise HGraphError(f"checkpoint: step must be >= 0, got {step}")
@@ -227,7 +228,9 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
     if rank == 0:
         write_manifest(folder, step, world_size, entries, **state)
         if keep_last is not None:
-            for old in complete_steps(root)[:-keep_last]:
+            # only checkpoints older than this one: later steps (another run's) are never touched
+            older = [s for s in complete_steps(root) if s < step]
+            for old in older[: max(len(older) - (keep_last - 1), 0)]:
                 shutil.rmtree(step_dir(root, old), ignore_errors=True)
     _barrier(world_size, group)
     return folder

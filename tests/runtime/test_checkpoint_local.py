@@ -86,6 +86,12 @@ def test_keep_last_and_resave_same_step(tmp_path):
     assert torch.equal(ck.optimizer["params"]["p0"], opt.params["p0"])
     assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 4)
     assert not list(tmp_path.rglob(".*.tmp-*"))          # no temp files left by a finished save
+    # retention counts only the steps up to the one saved: a later step (another run's) stays,
+    # and the one just written is never removed
+    checkpoint.save(tmp_path, 2, opt, keep_last=2)
+    assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
+    checkpoint.save(tmp_path, 3, opt, keep_last=2)
+    assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
 
 
 def test_files_are_weights_only_loadable(tmp_path):
