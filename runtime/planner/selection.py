@@ -244,8 +244,28 @@ def homogeneous_strategies(cost, gpus: int, max_len: int | None = None) -> list[
     return out
 
 
-# Mini-batches sampled from the dataset to pick the homogeneous fallback of ``auto_candidates``.
+# Mini-batches sampled from the dataset to pick the homogeneous fallback and the proposed
+# candidates of ``auto_candidates``.
 FALLBACK_SAMPLES = 3
+AUTO_SAMPLES = 8
+# ``auto_candidates`` also draws from a wider proposal: the best 4 roundings per length, 16 candidates.
+AUTO_WIDE_PROPOSAL = {"per_len": 4, "max_candidates": 16}
+
+
+def sample_dataset_minibatches(lengths, max_len: int, tokens_per_iter: int, samples: int,
+                               seed: int = 0) -> list[np.ndarray]:
+    """``samples`` mini-batches of ``tokens_per_iter`` tokens (lengths truncated to ``max_len``),
+    each the first one of a window starting at a seeded random position of ``lengths``."""
+    from hgraph.runtime.planner.lengths_io import minibatches
+
+    lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
+    rng = np.random.default_rng(seed)
+    picked = []
+    for _ in range(samples):
+        start = int(rng.integers(0, max(lens.size - 1, 1)))
+        window = lens[start:start + max(int(tokens_per_iter), 1)]
+        picked.append(window[minibatches(window, int(tokens_per_iter))[0]])
+    return picked
 
 
 def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, *,
@@ -256,15 +276,7 @@ def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: in
     homogeneous = homogeneous_strategies(cost, gpus, max_len)
     if len(homogeneous) <= 1:
         return homogeneous[0] if homogeneous else None
-    from hgraph.runtime.planner.lengths_io import minibatches
-
-    lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
-    rng = np.random.default_rng(seed)
-    picked = []
-    for _ in range(samples):
-        start = int(rng.integers(0, max(lens.size - 1, 1)))
-        window = lens[start:start + max(int(tokens_per_iter), 1)]
-        picked.append(window[minibatches(window, int(tokens_per_iter))[0]])
+    picked = sample_dataset_minibatches(lengths, max_len, tokens_per_iter, samples, seed)
     scored = sorted(((float(np.mean([strategy_lower_bound(b, s, cost) for b in picked])), i, s)
                      for i, s in enumerate(homogeneous)), key=lambda x: (x[0], x[1]))
     best, best_mean = None, math.inf
@@ -277,29 +289,40 @@ def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: in
     return best
 
 
-def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int | None = None
-                    ) -> tuple[list[Strategy], str]:
+def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int | None = None, *,
+                    samples: int = AUTO_SAMPLES, seed: int = 0) -> tuple[list[Strategy], str]:
     """Candidates for ``--strategies auto`` and where they came from.
 
-    The strategy proposer's set (``proposal.propose_strategies``; a candidate proposed for a length
-    range only holds documents up to the range's top, and ``plan_iteration`` skips it for
-    iterations with a longer document), plus the single best homogeneous strategy
-    (``best_homogeneous``) when the proposer did not already include it: it costs one candidate
-    (its bound prunes it in most iterations) and keeps every iteration's plan never worse than that
-    best static strategy on the same documents. ``tokens_per_iter`` defaults to the proposer's
-    (3125 per GPU).
+    From the strategy proposer (``proposal.propose``; a candidate proposed for a length range only
+    holds documents up to the range's top, and ``plan_iteration`` skips it for iterations with a
+    longer document): its default set, whose full-context candidate is always kept, plus the
+    candidates of a wider proposal (``AUTO_WIDE_PROPOSAL``) that win at least one of ``samples``
+    mini-batches sampled from ``lengths`` (the proposer ranks roundings by an interval-cost
+    estimate, which sometimes misses the strategy that plans best), plus the single best
+    homogeneous strategy (``best_homogeneous``) when not already there: one candidate (its bound
+    prunes it in most iterations) that keeps every iteration's plan never worse than that best
+    static strategy. ``tokens_per_iter`` defaults to the proposer's (3125 per GPU).
     """
-    from hgraph.runtime.planner.proposal import DEFAULT_TOKENS_PER_GPU, propose_strategies
+    from hgraph.runtime.planner.proposal import DEFAULT_TOKENS_PER_GPU, propose
 
     tokens = int(tokens_per_iter or DEFAULT_TOKENS_PER_GPU * gpus)
     if not homogeneous_strategies(cost, gpus, max_len) and cost.largest_max_len() < max_len:
         raise HGraphError(
             f"no strategy of {gpus} GPUs holds {max_len} tokens with profile {cost.name!r} "
             f"(largest MaxLen {cost.largest_max_len()})")
-    proposed = list(propose_strategies(lengths, cost, gpus, max_len, tokens_per_iter=tokens))
+    proposed = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens).strategies
+    wide = [s for s in propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, **AUTO_WIDE_PROPOSAL).strategies
+            if s not in proposed]
+    winners: set[Strategy] = set()
+    if wide and samples > 0:
+        pool = list(dict.fromkeys(proposed + wide))
+        for b in sample_dataset_minibatches(lengths, max_len, tokens, samples, seed):
+            winners.add(plan_iteration(b, pool, cost).strategy)
+    extra = [s for s in wide if s in winners]
     fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
-    cands = list(dict.fromkeys(proposed + ([fallback] if fallback is not None else [])))
-    added = len(cands) - len(proposed)
-    source = f"{len(proposed)} proposed" + (" + the best homogeneous" if added else
-                                            " (the best homogeneous among them)" if fallback is not None else "")
+    cands = list(dict.fromkeys(proposed + extra + ([fallback] if fallback is not None else [])))
+    added = len(cands) - len(proposed) - len(extra)
+    source = (f"{len(proposed)} proposed + {len(extra)} of a wider proposal"
+              + (" + the best homogeneous" if added else " (the best homogeneous among them)" if fallback is not None
+                 else ""))
     return cands, source

@@ -14,7 +14,9 @@ busy times in an iteration (Hydraulis Fig. 12b: 0 = every rank finishes together
 Systems (Hydraulis §8.1 / App. F baselines, each tuned over its own strategy space on the simulated
 iterations themselves, i.e. the best static configuration in hindsight):
 
-- ``hgraph``: the candidates of ``proposal.propose`` on the whole dataset, and per iteration P1's
+- ``hgraph``: the candidates of ``selection.auto_candidates`` (what ``hgraph plan --strategies auto``
+  uses: the strategy proposer's set on the whole dataset, checked on sampled mini-batches of the
+  dataset, not on the simulated ones, plus the best homogeneous strategy), and per iteration
   ``plan_iteration`` (dispatch across pipelines + packing within them) picks the best candidate.
 - ``megatron``: one homogeneous ``DP x <TP, PP, CP>`` for all iterations (any scheme of the cost
   model whose MaxLen holds the context); fixed-length packing (documents in order, a micro-batch is
@@ -250,23 +252,22 @@ def iteration_lower_bound(lengths, cost, gpus: int) -> float:
 # ---- systems ------------------------------------------------------------------------------------
 def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int,
                     gpus_per_node: int) -> SystemResult:
-    from hgraph.runtime.planner.proposal import propose
-    from hgraph.runtime.planner.selection import plan_iteration
+    from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 
     t0 = time.perf_counter()
-    prop = propose(dataset, cost, gpus, max_len, gpus_per_node=gpus_per_node, tokens_per_iter=tokens_per_iter)
+    candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
     propose_ms = (time.perf_counter() - t0) * 1e3
     iters, chosen, solve = [], {}, 0.0
     for i, b in enumerate(batches):
-        plan = plan_iteration(b, prop.strategies, cost, index=i)
+        plan = plan_iteration(b, candidates, cost, index=i)
         solve += plan.solve_ms
         # Re-estimated with the simulator's pipeline formula, the same for every system.
         busy = [pipeline_ms(_mb_times(cost, p.scheme, [[plan.doc_lengths[d] for d in mb] for mb in p.microbatches]),
                             p.scheme) for p in plan.pipelines]
         iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
         chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
-    return SystemResult("hgraph", f"{len(prop.strategies)} proposed candidates", iters, solve,
-                        {"candidates": [str(s) for s in prop.strategies], "chosen": chosen,
+    return SystemResult("hgraph", f"{len(candidates)} candidates ({source})", iters, solve,
+                        {"candidates": [str(s) for s in candidates], "chosen": chosen,
                          "propose_ms": propose_ms})
 
 
