@@ -8,7 +8,8 @@ One JSON object per line, one line per step. Fields read (the trainer writes the
 * when present: ``est_latency_ms`` (the planner's estimate of the step), ``pipelines`` (a list of
   ``{"scheme", "est_latency_ms", "measured_latency_ms"}``; the step estimate defaults to the slowest
   pipeline's), ``rank_busy_s`` (per rank, seconds of work in the step), ``planner_wait_s`` (time the
-  trainer waited for the plan), ``switch_s`` (strategy switch time), ``cache_hit`` (bool), ``skipped``.
+  trainer waited for the plan), ``switch_s`` (strategy switch time), ``cache_hit`` (bool; else the running ``cache_hits`` /
+  ``cache_misses`` counters), ``skipped``.
 
 Figures (``write_plots``), each as ``NAME.png`` and ``NAME.svg``:
 
@@ -144,6 +145,7 @@ def summarize(records: Sequence[dict]) -> RunSummary:
     waits = [float(r["planner_wait_s"]) for r in records if _finite(r.get("planner_wait_s"))]
     switches = [float(r["switch_s"]) for r in records if _finite(r.get("switch_s"))]
     hits = [bool(r["cache_hit"]) for r in records if "cache_hit" in r]
+    hit_rate = sum(hits) / len(hits) if hits else _cumulative_hit_rate(records)
     counts = Counter(r["strategy"] for r in records)
     return RunSummary(
         steps=len(records), strategies=dict(counts.most_common()), distinct_strategies=len(counts),
@@ -153,7 +155,16 @@ def summarize(records: Sequence[dict]) -> RunSummary:
         mean_balance=sum(bal) / len(bal) if bal else None,
         est_within_10pct=sum(abs(e - m) <= 0.1 * m for e, m in pairs) / len(pairs) if pairs else None,
         planner_wait_s=sum(waits) if waits else None, switch_s=sum(switches) if switches else None,
-        cache_hit_rate=sum(hits) / len(hits) if hits else None)
+        cache_hit_rate=hit_rate)
+
+
+def _cumulative_hit_rate(records: Sequence[dict]) -> Optional[float]:
+    """Hit rate from the running ``cache_hits`` / ``cache_misses`` counters (the last line's)."""
+    last = records[-1]
+    if not (_finite(last.get("cache_hits")) and _finite(last.get("cache_misses"))):
+        return None
+    total = last["cache_hits"] + last["cache_misses"]
+    return last["cache_hits"] / total if total > 0 else None
 
 
 # ---- plotting -------------------------------------------------------------------------------------

@@ -159,3 +159,7 @@ def test_summary_without_optional_fields():
     s = plots.summarize([_record(k, full=False) for k in range(3)])
     assert s.mean_balance is None and s.est_within_10pct is None and s.planner_wait_s is None
     assert s.distinct_strategies == 3 and math.isclose(s.mean_step_s, (0.1 + 0.11 + 0.12) / 3)
+    assert s.cache_hit_rate is None
+    # the trainer's running counters: 2 hits of 5 lookups at the last line
+    counted = [{**_record(k, full=False), "cache_hits": k, "cache_misses": 3} for k in range(3)]
+    assert plots.summarize(counted).cache_hit_rate == pytest.approx(2 / 5)
