@@ -23,7 +23,9 @@ raise a one-line ``TraceError`` naming the exception and the model code where ex
 from __future__ import annotations
 
 import contextlib
+import logging
 import inspect
+import io
 import os
 import traceback
 from typing import Any, Iterator, Optional
@@ -127,6 +129,19 @@ def _vocab_size(model: nn.Module) -> int:
     return emb.num_embeddings if emb is not None else 2
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export logs warnings and prints the partial graph to stderr when it fails; the error we
+    raise says what matters in one line, so both are held back while exporting."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
+
+
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in eval mode."""
     wrapper = LogitsOf(model)
@@ -135,7 +150,7 @@ def export_program(model: nn.Module) -> torch.export.ExportedProgram:
     pos = torch.arange(EXAMPLE_LEN, device=device).expand(2, EXAMPLE_LEN)
     dyn = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     try:
-        with _eval_mode(model):
+        with _eval_mode(model), _quiet_torch_logs():
             return torch.export.export(wrapper, (ids, pos), dynamic_shapes=(dyn, dyn), strict=False)
     except TraceError:
         raise
