@@ -24,7 +24,7 @@ from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.proposal import (
     DEFAULT_TOKENS_PER_GPU, LengthHistogram, SchemeTable, _fit_budget, _order_pipelines, balanced_cost, integer_dp,
     propose)
-from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.runtime.planner.selection import auto_candidates, homogeneous_strategies, plan_iteration
 from hgraph.runtime.planner.simulator import sample_minibatches
 from hgraph.strategy import Cluster
 
@@ -36,13 +36,38 @@ def _lengths_path() -> Path:
 def timing(lengths, model: str, gpus: int, max_len: int, repeats: int) -> dict:
     cost = load_cost_model(model, gpus)
     propose(lengths, cost, gpus, max_len)  # warm caches
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         prop = propose(lengths, cost, gpus, max_len)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     return {"model": model, "gpus": gpus, "max_len": max_len, "median_s": statistics.median(times),
-            "min_s": min(times), "candidates": [str(s) for s in prop.strategies]}
+            "min_s": min(times), "cpu_median_s": statistics.median(cpu), "candidates": [str(s) for s in prop.strategies]}
+
+
+def against_homogeneous(lengths, model: str, gpus: int, max_len: int, samples: int) -> dict:
+    """Sampled mini-batches planned (``plan_iteration``) with the proposal, with ``auto_candidates``
+    and with the best single homogeneous strategy (each one alone, best total): total estimates."""
+    cost = load_cost_model(model, gpus, max_cp=1)
+    if cost.largest_max_len() < max_len:  # no <TP,PP> scheme holds the context: derived CP schemes
+        cost = load_cost_model(model, gpus)
+    tokens = DEFAULT_TOKENS_PER_GPU * gpus
+    prop = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens)
+    auto, _ = auto_candidates(lengths, cost, gpus, max_len, tokens)
+    batches = sample_minibatches(lengths, tokens, samples, max_len, seed=7)
+
+    def total(cands):
+        return float(sum(plan_iteration(b, cands, cost).est_latency_ms for b in batches))
+    homo = {str(h): total([h]) for h in homogeneous_strategies(cost, gpus, max_len)}
+    best = min(homo, key=homo.get)
+    holds = [max(cost.max_len(p) for p in c.strategy.pipelines) >= c.len_range[1] for c in prop.candidates]
+    return {"model": model, "gpus": gpus, "max_cp": cost.max_cp, "proposal_ms": total(prop.strategies),
+            "auto_ms": total(auto), "best_homogeneous": best, "best_homogeneous_ms": homo[best],
+            "candidates": len(prop.strategies), "auto_candidates": len(auto),
+            "candidates_holding_their_range": f"{sum(holds)}/{len(holds)}",
+            "candidates_holding_the_context": sum(max(cost.max_len(p) for p in c.strategy.pipelines) >= max_len
+                                                  for c in prop.candidates)}
 
 
 def quality(lengths, model: str, gpus: int, max_len: int, samples: int, max_cp: int) -> dict:
@@ -84,20 +109,34 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default=str(_lengths_path()))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--homogeneous-samples", type=int, default=20,
+                    help="mini-batches of the comparison with the best homogeneous strategy (20)")
+    ap.add_argument("--skip-integer-dp", action="store_true", help="leave out the integer-DP comparison (slow)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     lengths = read_lengths(args.lengths)
     times = [timing(lengths, m, g, 32768, args.repeats) for m, g in
-             (("llama-7b", 64), ("llama-32b", 64), ("llama-7b", 1024), ("llama-32b", 1024))]
-    qual = [quality(lengths, m, g, L, args.samples, cp) for cp in (1, 8) for m, g, L in
-            (("llama-7b", 8, 16384), ("llama-7b", 16, 32768), ("llama-13b", 16, 32768), ("llama-13b", 32, 32768))]
+             (("llama-7b", 64), ("llama-13b", 64), ("llama-32b", 64), ("llama-7b", 1024), ("llama-13b", 1024),
+              ("llama-32b", 1024))]
+    homo = [against_homogeneous(lengths, m, 64, 32768, args.homogeneous_samples)
+            for m in ("llama-7b", "llama-13b", "llama-32b")]
+    qual = [] if args.skip_integer_dp else [
+        quality(lengths, m, g, L, args.samples, cp) for cp in (1, 8) for m, g, L in
+        (("llama-7b", 8, 16384), ("llama-7b", 16, 32768), ("llama-13b", 16, 32768), ("llama-13b", 32, 32768))]
     if args.json:
-        print(json.dumps({"timing": times, "quality": qual}))
+        print(json.dumps({"timing": times, "against_homogeneous": homo, "quality": qual}))
         return 0
     print("proposal time (one core), 32K context:")
     for t in times:
-        print(f"  {t['model']:<10} {t['gpus']:>5} GPUs: median {t['median_s']:.3f} s (min {t['min_s']:.3f} s), "
-              f"{len(t['candidates'])} candidates")
+        print(f"  {t['model']:<10} {t['gpus']:>5} GPUs: median {t['median_s']:.3f} s wall, {t['cpu_median_s']:.3f} s CPU "
+              f"(min {t['min_s']:.3f} s), {len(t['candidates'])} candidates")
+    print(f"planned with plan_iteration on {args.homogeneous_samples} sampled mini-batches, 64 GPUs, 200K tokens, 32K "
+          f"(total estimated ms, lower is better):")
+    for h in homo:
+        print(f"  {h['model']} max CP {h['max_cp']}: proposal {h['proposal_ms']:.0f} ({h['candidates']} candidates, "
+              f"{h['candidates_holding_their_range']} hold their range's top, {h['candidates_holding_the_context']} "
+              f"hold 32K) | auto {h['auto_ms']:.0f} ({h['auto_candidates']}) | best homogeneous {h['best_homogeneous']} "
+              f"{h['best_homogeneous_ms']:.0f}: proposal/best homogeneous {h['proposal_ms'] / h['best_homogeneous_ms']:.4f}")
     print("full-context candidate vs the integer DP of Eq. 4 (lower is better):")
     for q in qual:
         s = q["sampled_ms"]

@@ -248,6 +248,8 @@ def homogeneous_strategies(cost, gpus: int, max_len: int | None = None) -> list[
 # candidates of ``auto_candidates``.
 FALLBACK_SAMPLES = 3
 AUTO_SAMPLES = 8
+# ... at most this many tokens in all (at least 2 mini-batches): 8 at 200K tokens, 2 at 3.2M.
+AUTO_SAMPLE_TOKENS = 1_600_000
 # ``auto_candidates`` also draws from a wider proposal: the best 4 roundings per length, 16 candidates.
 AUTO_WIDE_PROPOSAL = {"per_len": 4, "max_candidates": 16}
 
@@ -297,7 +299,8 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     holds documents up to the range's top, and ``plan_iteration`` skips it for iterations with a
     longer document): its default set, whose full-context candidate is always kept, plus the
     candidates of a wider proposal (``AUTO_WIDE_PROPOSAL``) that win at least one of ``samples``
-    mini-batches sampled from ``lengths`` (the proposer ranks roundings by an interval-cost
+    (fewer when they would hold more than ``AUTO_SAMPLE_TOKENS``) mini-batches sampled from ``lengths`` by the greedy screening pass of ``plan_iteration`` (the
+    proposer ranks roundings by an interval-cost
     estimate, which sometimes misses the strategy that plans best), plus the single best
     homogeneous strategy (``best_homogeneous``) when not already there: one candidate (its bound
     prunes it in most iterations) that keeps every iteration's plan never worse than that best
@@ -314,10 +317,24 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     wide = [s for s in propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, **AUTO_WIDE_PROPOSAL).strategies
             if s not in proposed]
     winners: set[Strategy] = set()
+    samples = min(samples, max(2, AUTO_SAMPLE_TOKENS // tokens))
     if wide and samples > 0:
         pool = list(dict.fromkeys(proposed + wide))
         for b in sample_dataset_minibatches(lengths, max_len, tokens, samples, seed):
-            winners.add(plan_iteration(b, pool, cost).strategy)
+            longest = int(b.max())
+            fitting = [s for s in pool if _fits(s, cost, longest)]
+            bounds = sorted(((strategy_lower_bound(b, s, cost), i, s) for i, s in enumerate(fitting)),
+                            key=lambda x: (x[0], x[1]))
+            # The screening pass of plan_iteration's fast method (one greedy pass per candidate).
+            best, best_latency = None, math.inf
+            for lb, _, s in bounds:
+                if lb >= best_latency:
+                    break
+                latency = dispatch_fast(b, s.pipelines, cost, polish=False).latency
+                if latency < best_latency:
+                    best, best_latency = s, latency
+            if best is not None:
+                winners.add(best)
     extra = [s for s in wide if s in winners]
     fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
     cands = list(dict.fromkeys(proposed + extra + ([fallback] if fallback is not None else [])))
