@@ -469,9 +469,15 @@ def alg1_assignment(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, t
     rng = np.random.default_rng(seed)
     perms = np.stack([rng.permutation(B) for _ in range(trials)])  # trials x B
     rows = np.arange(trials)
+    cols = np.arange(D)[None, :]
+    any_inelig = bool(inelig.any())
     C = np.zeros((trials, D))
     emax = np.zeros((trials, D))
-    total = np.zeros((trials, D))
+    # Per trial: the largest bound, its pipeline, and the largest bound of the other pipelines
+    # (bounds only grow, so both are kept up to date from the one changed entry per step).
+    top1 = np.zeros(trials)
+    top2 = np.zeros(trials)
+    top_at = np.zeros(trials, dtype=np.int64)
     assign = np.empty((trials, B), dtype=np.int64)
     for step in range(B):
         i = perms[:, step]
@@ -479,19 +485,20 @@ def alg1_assignment(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *, t
         ne = np.maximum(emax, e_all[i])
         new_total = newC + c + ne
         # The largest bound of the *other* pipelines: the top one's, except at the top itself.
-        if D > 1:
-            top = np.argmax(total, axis=1)
-            two = np.partition(total, D - 2, axis=1)
-            others = np.repeat(two[:, D - 1:D], D, axis=1)
-            others[rows, top] = two[:, D - 2]
-        else:
-            others = np.zeros((trials, 1))
+        others = np.where(cols == top_at[:, None], top2[:, None], top1[:, None])
         obj = np.maximum(new_total, others)
-        obj[inelig[i]] = np.inf
+        if any_inelig:
+            obj[inelig[i]] = np.inf
         j = np.argmin(obj, axis=1)
-        C[rows, j] = newC[rows, j]; emax[rows, j] = ne[rows, j]; total[rows, j] = new_total[rows, j]
+        C[rows, j] = newC[rows, j]; emax[rows, j] = ne[rows, j]
+        v = new_total[rows, j]
+        at_top = j == top_at
+        above = ~at_top & (v > top1)
+        top2 = np.where(above, top1, np.where(at_top, top2, np.maximum(top2, v)))
+        top1 = np.where(at_top | above, v, top1)
+        top_at = np.where(above, j, top_at)
         assign[rows, i] = j
-    best = int(np.argmin(total.max(axis=1)))
+    best = int(np.argmin(top1))
     return [np.flatnonzero(assign[best] == j).tolist() for j in range(D)]
 
 
