@@ -116,6 +116,8 @@ def test_non_finite_loss_names_the_step_or_is_skipped(data, tmp_path, capsys):
     (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "2xTP1PP1", "--world-size", "3"),
      "strategy '2xTP1PP1' uses 2 ranks but --world-size is 3"),
     (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP1PP1;", ), "expected strategies separated by ';'"),
+    (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP3PP1", "--world-size", "3"),
+     "scheme TP3PP1: TP=3 does not divide the model's 4 attention heads"),
     (['{"input_ids": [1, 2]}'], ("--betas", "0.9"), "--betas '0.9': expected two numbers"),
     (['{"input_ids": [1, 2]}'], ("--grad-clip", "-1"), "--grad-clip '-1': expected a positive number"),
     (['{"input_ids": [1, 2]}', '{"input_ids": [%s]}' % ", ".join(["5"] * 1100)], ("--tokens-per-iter", "4000"),
