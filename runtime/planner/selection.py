@@ -135,7 +135,9 @@ def _validate(strategy: Strategy, world_size: int, gpus_per_node: int) -> None:
 
 
 # Candidates whose greedy dispatch is within this fraction of the best get the local search.
-IMPROVE_MARGIN = 0.03
+# Measured at 64 GPUs / 200K tokens (llama-32b, 50 iterations): 3% -> 1% cut the mean CPU time per
+# iteration from 34 to 21 ms (p90 53 -> 27 ms) for +0.02% in the summed estimate.
+IMPROVE_MARGIN = 0.01
 
 
 def _select_fast(lengths, bounds, cost):
