@@ -250,8 +250,7 @@ def iteration_lower_bound(lengths, cost, gpus: int) -> float:
 
 
 # ---- systems ------------------------------------------------------------------------------------
-def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int,
-                    gpus_per_node: int) -> SystemResult:
+def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int) -> SystemResult:
     from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 
     t0 = time.perf_counter()
@@ -429,6 +428,8 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
+    if gpus_per_node != cost.gpus_per_node:  # the candidates' node layout comes from the cost model
+        raise HGraphError(f"{gpus_per_node} GPUs per node differs from the cost model's {cost.gpus_per_node}")
     if iters < 1 or tokens_per_iter < 1:
         raise HGraphError(f"iterations and tokens per iteration must be positive, got {iters}, {tokens_per_iter}")
     if cost.largest_max_len() < max_len:
@@ -440,7 +441,7 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
     results: dict[str, SystemResult] = {}
     for name in systems:
         if name == "hgraph":
-            results[name] = simulate_hgraph(batches, cost, gpus, max_len, dataset, tokens_per_iter, gpus_per_node)
+            results[name] = simulate_hgraph(batches, cost, gpus, max_len, dataset, tokens_per_iter)
         elif name == "megatron":
             results[name] = simulate_homogeneous("megatron", batches, cost, gpus, max_len,
                                                  homogeneous_space(cost, gpus, max_len))
