@@ -163,7 +163,8 @@ class Executor:
                 param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
             setattr(mod, leaf, param)
             working[name] = param
-        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device)
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
         comm.bindings = dict(rp.bindings)
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased))

@@ -169,7 +169,8 @@ class ParamSync:
                         self.stats.pull_send_bytes += buf.numel() * buf.element_size()
                     elif isinstance(op, Transfer):
                         rest = _rows(self.masters[name], plan.param.shard_dim).shape[1:]
-                        buf = torch.empty((op.hi - op.lo, *rest), dtype=self.working_dtype)
+                        buf = torch.empty((op.hi - op.lo, *rest), dtype=self.working_dtype,
+                                          device=self.masters[name].device)
                         p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=2 * self.tags[name] + 1))
                         pull.held.append(((op.lo, op.hi), buf))
                         self.stats.pull_recv_bytes += buf.numel() * buf.element_size()
@@ -255,7 +256,7 @@ class ParamSync:
                 if grad is None:
                     shape = list(_rows(self.working[name], dim).shape)
                     shape[0] = hi - lo
-                    return torch.zeros(shape, dtype=torch.float32)
+                    return torch.zeros(shape, dtype=torch.float32, device=self.masters[name].device)
                 return _rows(grad, dim).narrow(0, offset + lo - a, hi - lo).float()
             offset += b - a
         raise AssertionError(f"rank {self.rank} pushes rows [{lo}, {hi}) of {name!r} that it does not hold")
@@ -305,7 +306,7 @@ class ParamSync:
                     self.stats.push_send_bytes += buf.numel() * 4
                 else:
                     rest = _rows(out[name], dim).shape[1:]
-                    buf = torch.empty((op.hi - op.lo, *rest), dtype=torch.float32)
+                    buf = torch.empty((op.hi - op.lo, *rest), dtype=torch.float32, device=out[name].device)
                     p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=tag))
                     recvs.append((name, op.lo, op.hi, buf))
                     self.stats.push_recv_bytes += buf.numel() * 4

@@ -181,6 +181,10 @@ class Trainer:
         self.schedule = parse_schedule(";".join(config.schedule), world_size) \
             if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
+        # one GPU per process under NCCL: masters, working tensors and buffers live on it
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.model.to(self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.dtype)
         self.cluster = Cluster(world_size, config.gpus_per_node)
         self.cache = GraphCache(self.compiled, self.cluster)
@@ -190,7 +194,7 @@ class Trainer:
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
-                                 skip_nonfinite=config.skip_nonfinite)
+                                 device=self.device, skip_nonfinite=config.skip_nonfinite)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -244,7 +248,7 @@ class Trainer:
         with torch.no_grad():
             for name, p in self.compiled._orig_mod.named_parameters():
                 p.copy_(params[name].to(p.dtype))
-        return {k: v.detach().clone() for k, v in self.compiled._orig_mod.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in self.compiled._orig_mod.state_dict().items()}
 
 
 def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
