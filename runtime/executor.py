@@ -9,7 +9,10 @@
    may have different numbers of micro-batches of different packed lengths; the received
    activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
    The last stage backpropagates ``packed_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
-   number of targets), so the gradient never depends on the strategy or the packing.
+   number of targets), so the gradient never depends on the strategy or the packing. In a CP
+   pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
+   per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
+   whole documents.
 3. **Push Gradient**: ``ParamSync.push`` reduce-scatters and LNKs the working gradients to the
    optimizer owners (a pipeline without micro-batches pushes zeros).
 4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
@@ -30,10 +33,13 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm_ops import CommContext
-from hgraph.runtime.loss import packed_loss_sum
+from hgraph.runtime.cp_attention import CPLayout
+from hgraph.runtime.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
+from hgraph.runtime.planner.cp_sharding import choose_sharding
 from hgraph.runtime.param_sync import ParamSync
 from hgraph.runtime.varlen_attention import cu_seqlens_for
 
@@ -101,6 +107,13 @@ class RankState:
     sync: ParamSync
 
 
+def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int) -> CPLayout:
+    """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
+    the attention-kernel estimate says is faster (WLB-LLM §5.3)."""
+    plan, _ = choose_sharding(mb.doc_lengths, cp)
+    return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
+
+
 def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
     """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
     warmup = min(num_stages - stage - 1, num_microbatches)
@@ -139,8 +152,6 @@ class Executor:
         if program.cluster.world_size != self.world_size:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
                               f"but this run has {self.world_size}")
-        if any(p.cp > 1 for p in program.strategy.pipelines):
-            raise HGraphError(f"strategy {program.strategy}: CP > 1 is not supported by the executor yet")
         rp = program.rank(self.rank)
         groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
                   if k in ("tp", "cp") and len(g) > 1}
@@ -242,9 +253,20 @@ class Executor:
         for kind, i in one_f_one_b(len(mbs), rp.scheme.pp, rp.stage):
             mb = mbs[i]
             if kind == "F":
-                out = gm(mb.input_ids.to(self.device), mb.position_ids.to(self.device), comm)
+                ids, pos, targets = mb.input_ids, mb.position_ids, None
+                if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
+                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank)
+                    local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
+                    cu = cu_seqlens_for(mb.doc_lengths)
+                    ids, pos = ids[:, local], pos[:, local]
+                    targets = packed_targets(mb.input_ids, cu)[:, local]
+                out = gm(ids.to(self.device), pos.to(self.device), comm)
                 if last:
-                    s = packed_loss_sum(out, mb.input_ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                    if targets is None:
+                        s = packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                    else:
+                        s = F.cross_entropy(out[0].float(), targets[0].to(self.device),
+                                            ignore_index=IGNORE_INDEX, reduction="sum")
                     loss_sum += float(s.detach())
                     pending[i] = s / num_targets
                 else:
@@ -260,7 +282,7 @@ class Executor:
     def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
         """Start summing the mini-batch's loss over the world: one copy per pipeline (its last
         stage's first TP rank); returns the buffer and the work to wait for (None on one rank)."""
-        counts = rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 and rp.cp_rank == 0
+        counts = rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0   # every CP rank holds part of the loss
         value = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
