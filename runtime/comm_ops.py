@@ -114,6 +114,12 @@ class CommContext:
         self._detached.clear()
 
 
+# Single-tensor all-gather / reduce-scatter: the ``*_single`` names where this torch has them (the
+# ``*_into_tensor`` / ``*_tensor`` ones are deprecated there), the older names otherwise.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 # ---- issuing on the comm stream ------------------------------------------------------------------
 def _comm_stream_scope(comm: CommContext, buffers: Sequence[torch.Tensor]) -> Any:
     if comm.comm_stream is None:
@@ -215,7 +221,7 @@ class _GatherTP(torch.autograd.Function):
         inp.narrow(dim, 0, x.shape[dim]).copy_(x)
         inp = inp.unsqueeze(0)
         out = x.new_empty([n, *pad_shape])
-        holder.pending = _issue(comm, [inp, out], lambda: dist.all_gather_into_tensor(
+        holder.pending = _issue(comm, [inp, out], lambda: all_gather_single(
             out, inp, group=group, async_op=True))
         return out
 
@@ -224,7 +230,7 @@ class _GatherTP(torch.autograd.Function):
         if ctx.reduce_grad:
             full = grad.contiguous()
             mine = full.new_empty(full.shape[1:]).unsqueeze(0)
-            _run(ctx.comm, [full, mine], lambda: dist.reduce_scatter_tensor(
+            _run(ctx.comm, [full, mine], lambda: reduce_scatter_single(
                 mine, full, group=ctx.group, async_op=True))
             g = mine[0].narrow(ctx.dim, 0, ctx.size)
         else:

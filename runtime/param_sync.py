@@ -34,13 +34,13 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.passes.lnk_plans import LocalAdd, LocalCopy, ReduceScatter, Transfer
+from hgraph.runtime.comm_ops import all_gather_single, reduce_scatter_single
 from hgraph.runtime.optimizer import shard_bounds
 
 Range = tuple[int, int]
 
-# torch 2.13 renamed the tensor forms of these collectives (the old names warn)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = all_gather_single
+_reduce_scatter = reduce_scatter_single
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
