@@ -23,6 +23,10 @@ MODELS = [
     ("hf:llama", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                   "num_key_value_heads": 2}),
     ("hf:gpt2", {"vocab_size": 64, "n_embd": 32, "n_head": 4}),
+    ("hf:qwen2", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                  "num_key_value_heads": 2}),   # tied embeddings
+    ("hf:mistral", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                    "num_key_value_heads": 2}),
 ]
 
 
