@@ -62,6 +62,21 @@ class ParamShard:
             parts.append(full.new_zeros(shape))
         return torch.cat(parts, dim=self.shard_dim) if len(parts) > 1 else parts[0].clone()
 
+    def add_into(self, full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """Add a shard-shaped tensor (e.g. this rank's gradient) into its place in ``full``; the
+        inverse of ``take`` (the padding rows are dropped). Returns ``full``."""
+        if full.dim() == 0:
+            return full.add_(shard)
+        offset = 0
+        for lo, hi in self.ranges:
+            full.narrow(self.shard_dim, lo, hi - lo).add_(shard.narrow(self.shard_dim, offset, hi - lo))
+            offset += hi - lo
+        return full
+
+    def padding_of(self, shard: torch.Tensor) -> torch.Tensor:
+        """The padding rows of a shard-shaped tensor (empty when there is no padding)."""
+        return shard.narrow(self.shard_dim, shard.shape[self.shard_dim] - self.pad, self.pad)
+
 
 @dataclass(frozen=True)
 class SubgraphInfo:

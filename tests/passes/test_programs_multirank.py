@@ -90,7 +90,7 @@ def _worker(rank, world, cases):
         else:
             torch.autograd.backward(list(result))
         comm.wait_all()
-        grads = {n: (s.ranges, s.pad, s.tp_sharded, s.shard_dim, params[n].grad.detach())
+        grads = {n: (s, params[n].grad.detach())
                  for n, s in rp.params.items()}
         out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank, "tokens": idx,
                     "logits": logits, "grads": grads})
@@ -126,17 +126,12 @@ def test_forward_and_backward_match_the_module(results, case):
         seen = sorted(t for r in ranks if r["logits"] is not None and r["tp_rank"] == 0 for t in r["tokens"])
         assert seen == list(range(sum(DOCS))), "the CP ranks of the last stage cover every token once"
         for r in ranks:
-            for n, (ranges, pad, sharded, dim, grad) in r["grads"].items():
-                if not sharded:
-                    if r["tp_rank"] == 0:     # replicated: identical on every TP rank
-                        rebuilt[n] += grad
-                    continue
-                offset = 0
-                for lo, hi in ranges:
-                    rebuilt[n].narrow(dim, lo, hi - lo).add_(grad.narrow(dim, offset, hi - lo))
-                    offset += hi - lo
-                if pad:
-                    assert torch.count_nonzero(grad.narrow(dim, offset, pad)) == 0
+            for n, (shard, grad) in r["grads"].items():
+                if shard.tp_sharded:
+                    shard.add_into(rebuilt[n], grad)
+                    assert torch.count_nonzero(shard.padding_of(grad)) == 0
+                elif r["tp_rank"] == 0:     # replicated: identical on every TP rank
+                    rebuilt[n] += grad
         for n in ref_grads:
             atol = 1e-6 * float(ref_grads[n].abs().max())
             torch.testing.assert_close(rebuilt[n], ref_grads[n], rtol=1e-4, atol=atol, msg=lambda m: f"{n}: {m}")
