@@ -16,20 +16,14 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import minibatches, read_lengths
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.tools.length_options import add_workload_options
 from hgraph.strategy import Cluster, Strategy
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="plan strategies and micro-batches for the first iterations of a dataset",
                               description=__doc__)
-    p.add_argument("--lengths", required=True, metavar="FILE",
-                   help="document lengths: one integer per line, or JSONL objects with input_ids")
-    p.add_argument("--profile", required=True, metavar="NAME|FILE",
-                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
-    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs (world size)")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
-    p.add_argument("--max-len", required=True, type=int, metavar="L",
-                   help="context length: longer documents are truncated to L tokens")
+    add_workload_options(p, max_len_help="context length: longer documents are truncated to L tokens")
     p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per mini-batch")
     p.add_argument("--iters", type=int, default=1, metavar="K", help="number of iterations to plan (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the randomized methods (default 0)")

@@ -16,20 +16,13 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.proposal import propose
-from hgraph.tools.length_options import add_long_option, limit_lengths
+from hgraph.tools.length_options import add_long_option, add_workload_options, limit_lengths
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("propose", help="propose candidate strategies for a length distribution",
                               description=__doc__)
-    p.add_argument("--lengths", required=True, metavar="FILE",
-                   help="document lengths: one integer per line, or JSONL objects with input_ids")
-    p.add_argument("--profile", required=True, metavar="NAME|FILE",
-                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
-    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
-    p.add_argument("--max-len", required=True, type=int, metavar="L",
-                   help="context length: longer documents are truncated to L tokens")
+    add_workload_options(p, max_len_help="context length: longer documents are truncated to L tokens")
     p.add_argument("--tokens-per-iter", type=int, default=None, metavar="T",
                    help="tokens per iteration for the expected cost (default 3125 per GPU, as Hydraulis)")
     p.add_argument("--max-candidates", type=int, default=8, metavar="C", help="most candidates kept (default 8)")

@@ -19,18 +19,13 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.simulator import SYSTEMS, simulate
+from hgraph.tools.length_options import add_workload_options
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="simulate training iterations: hgraph vs Megatron, DeepSpeed, "
                               "HotSPa, WLB-LLM, DCP", description=__doc__)
-    p.add_argument("--lengths", required=True, metavar="FILE",
-                   help="document lengths: one integer per line, or JSONL objects with input_ids")
-    p.add_argument("--profile", required=True, metavar="NAME|FILE",
-                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
-    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
-    p.add_argument("--max-len", required=True, type=int, metavar="L", help="context length")
+    add_workload_options(p, max_len_help="context length")
     p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per iteration")
     p.add_argument("--iters", required=True, type=int, metavar="K", help="iterations to simulate")
     p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",

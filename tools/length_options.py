@@ -1,4 +1,9 @@
-"""Length handling shared by ``hgraph propose``, ``pack`` and ``simulate``.
+"""Options shared by the planner commands (``plan``, ``propose``, ``pack``, ``simulate``).
+
+``add_workload_options`` declares the dataset / cluster options they have in common (``--lengths``,
+``--profile``, ``--gpus``, ``--gpus-per-node``, ``--max-len``).
+
+Length handling shared by ``hgraph propose``, ``pack`` and ``simulate``:
 
 Documents longer than the context ``--max-len`` are truncated to it (the papers' practice; ``plan``
 does the same) except where a command says otherwise; documents that no scheme can hold are an
@@ -12,6 +17,17 @@ import numpy as np
 from hgraph.errors import HGraphError
 
 LONG_CHOICES = ("error", "truncate", "drop")
+
+
+def add_workload_options(p, *, max_len_help: str = "context length") -> None:
+    """``--lengths FILE --profile NAME|FILE --gpus N [--gpus-per-node G] --max-len L``."""
+    p.add_argument("--lengths", required=True, metavar="FILE",
+                   help="document lengths: one integer per line, or JSONL objects with input_ids")
+    p.add_argument("--profile", required=True, metavar="NAME|FILE",
+                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
+    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs (world size)")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
+    p.add_argument("--max-len", required=True, type=int, metavar="L", help=max_len_help)
 
 
 def add_long_option(p, what: str) -> None:
