@@ -181,8 +181,28 @@ class _Traffic:
         return dict(sorted(out.items()))
 
 
+class _TransferFigures:
+    """Byte figures of a plan's LNK transfers (reduce-scatter traffic excluded), from its ``_traffic``."""
+
+    _traffic: "_Traffic"
+    total_bytes = property(lambda self: self._traffic.total_bytes)
+    intra_node_bytes = property(lambda self: self._traffic.intra_node_bytes)
+    inter_node_bytes = property(lambda self: self._traffic.inter_node_bytes)
+
+    def recv_bytes(self) -> dict[int, int]:
+        """Transfer bytes received per rank."""
+        return self._traffic.recv_bytes()
+
+    def send_bytes(self) -> dict[int, int]:
+        """Transfer bytes sent per rank."""
+        return self._traffic.send_bytes()
+
+    def is_intra_node(self, t: Transfer) -> bool:
+        return self._traffic.is_intra_node(t)
+
+
 @dataclass(frozen=True)
-class PullPlan:
+class PullPlan(_TransferFigures):
     """How ranks get the working-dtype rows they need of one parameter from its optimizer owners.
 
     ``assembly[rank][i]`` lists, in order, the sub-ranges that tile ``needs[rank][i]``; each lies inside
@@ -219,19 +239,6 @@ class PullPlan:
         return (tuple(t for t in self.transfers if rank in (t.src, t.dst))
                 + tuple(c for c in self.local_copies if c.rank == rank))
 
-    total_bytes = property(lambda self: self._traffic.total_bytes)
-    intra_node_bytes = property(lambda self: self._traffic.intra_node_bytes)
-    inter_node_bytes = property(lambda self: self._traffic.inter_node_bytes)
-
-    def recv_bytes(self) -> dict[int, int]:
-        return self._traffic.recv_bytes()
-
-    def send_bytes(self) -> dict[int, int]:
-        return self._traffic.send_bytes()
-
-    def is_intra_node(self, t: Transfer) -> bool:
-        return self._traffic.is_intra_node(t)
-
     @property
     def local_bytes(self) -> int:
         """Working-dtype bytes produced by local copies."""
@@ -255,7 +262,7 @@ class PullPlan:
 
 
 @dataclass(frozen=True)
-class PushPlan:
+class PushPlan(_TransferFigures):
     """How partial gradients of one parameter reach the optimizer owners, summed.
 
     Order of execution: ``reduce_scatters`` (replicas sum a range, each member keeps one piece), then
@@ -283,20 +290,6 @@ class PushPlan:
                 + tuple(t for t in self.transfers if rank in (t.src, t.dst))
                 + tuple(a for a in self.local_adds if a.rank == rank))
 
-    total_bytes = property(lambda self: self._traffic.total_bytes)
-    intra_node_bytes = property(lambda self: self._traffic.intra_node_bytes)
-    inter_node_bytes = property(lambda self: self._traffic.inter_node_bytes)
-
-    def recv_bytes(self) -> dict[int, int]:
-        """LNK transfer bytes received per rank (reduce-scatter traffic excluded)."""
-        return self._traffic.recv_bytes()
-
-    def send_bytes(self) -> dict[int, int]:
-        """LNK transfer bytes sent per rank (reduce-scatter traffic excluded)."""
-        return self._traffic.send_bytes()
-
-    def is_intra_node(self, t: Transfer) -> bool:
-        return self._traffic.is_intra_node(t)
 
     def reduce_scatter_recv_bytes(self) -> dict[int, int]:
         """Bytes each member receives in its reduce-scatters: a ring over chunks padded to the largest
