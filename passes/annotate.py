@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from hgraph.errors import TraceError
 from hgraph.frontends.linear_ops import IN_OUT_LINEARS
-from hgraph.meta import NodeMeta, OpKind, TPRole, get_meta, set_meta, update_meta
+from hgraph.meta import NodeMeta, OpKind, TPRole, set_meta, update_meta
 
 PRE, POST = "pre", "post"
 STACK_KEY = "nn_module_stack"

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.errors import StrategyError
-from hgraph.meta import SlotKind, TPRole, get_meta
+from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.lnk_plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
@@ -25,7 +25,7 @@ from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages
 from hgraph.runtime import graph_ops
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
-from hgraph.strategy import Cluster, Scheme, Strategy
+from hgraph.strategy import Cluster, Strategy
 
 
 @dataclass

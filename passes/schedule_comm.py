@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from hgraph.meta import SlotKind, get_meta
+from hgraph.meta import get_meta
 from hgraph.runtime import graph_ops
 
 

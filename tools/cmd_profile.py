@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = sys.stdout
     out.write(f"profiled {args.model} ({config.num_layers} layers, hidden {h}) on {raw['device']}\n")
-    out.write(f"  per-layer fwd+bwd ms: " + ", ".join(f"l={l}: {t:.3f}" for l, t in zip(lengths, raw["layer_ms"])) + "\n")
+    out.write("  per-layer fwd+bwd ms: " + ", ".join(f"l={l}: {t:.3f}" for l, t in zip(lengths, raw["layer_ms"])) + "\n")
     out.write(f"  {'scheme':<10} {'a':>12} {'b':>12} {'c':>10}\n")
     for s in schemes:
         a, b, c = cost.coeffs(s) if cost.has(s) else cost.profiled[(s.tp, s.pp, s.cp)]
