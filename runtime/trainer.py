@@ -1,10 +1,17 @@
 """The training loop: data -> mini-batches -> a strategy per step -> dispatch + pack -> executor step.
 
-Deterministic mode (``hgraph train``): step ``k`` uses strategy ``schedule[k % len(schedule)]``; the
-model is built right after ``torch.manual_seed(seed)`` on every rank, so every rank starts from the
-same parameters; mini-batches take whole documents in file order up to ``tokens_per_iter``.
+Deterministic mode (``schedule``, ``hgraph train --strategy-schedule``): step ``k`` uses strategy
+``schedule[k % len(schedule)]``; the model is built right after ``torch.manual_seed(seed)`` on every
+rank, so every rank starts from the same parameters; mini-batches take whole documents in file order
+up to ``tokens_per_iter``.
 
-Dispatch and packing use a simple built-in rule until the planner is wired in (``dispatch_and_pack``):
+Planner-driven mode (``strategies`` set: ``auto`` or ``"S1;S2"``): every iteration the planner
+(``hgraph.runtime.planned_dispatch``) picks the strategy and the documents' pipelines and
+micro-batches with the cost model of ``profile``; rank 0 plans and broadcasts the plan, and the
+executor runs exactly it. The metrics line then also has the estimate, per-pipeline estimated and
+measured latency, per-rank busy time, planner wait, switch time and cache hit.
+
+In schedule mode, dispatch and packing use a simple built-in rule (``dispatch_and_pack``):
 documents, longest first (ties by file order), go to the pipeline with the least tokens per rank
 after adding them (LPT weighted by the pipeline's ranks); inside a pipeline they are packed
 first-fit-decreasing into micro-batches of at most ``microbatch_tokens`` tokens (default: the larger
@@ -58,6 +65,9 @@ class TrainConfig:
     save_final: Optional[str] = None
     metrics: Optional[str] = None
     gpus_per_node: int = 8
+    strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
+    profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
+    log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
 
 
 @dataclass
@@ -67,6 +77,7 @@ class TrainSummary:
     steps: list
     cache: dict
     final_params: Optional[dict] = None
+    planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -178,9 +189,17 @@ class Trainer:
         if config.steps < 1:
             raise HGraphError(f"--steps must be >= 1, got {config.steps}")
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.schedule = parse_schedule(";".join(config.schedule), world_size) \
-            if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
+        self.planner = None
+        if config.strategies is None:
+            self.schedule = parse_schedule(";".join(config.schedule), world_size) \
+                if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
+        if config.strategies is not None:
+            from hgraph.runtime.planned_dispatch import IterationPlanner
+            self.planner = IterationPlanner.create(config.strategies, config.profile, self.model,
+                                                   self.documents(), config.tokens_per_iter, rank, world_size,
+                                                   config.gpus_per_node)
+            self.schedule = list(self.planner.candidates)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
@@ -188,10 +207,13 @@ class Trainer:
         self.compiled = hgraph.compile(self.model, dtype=config.dtype)
         self.cluster = Cluster(world_size, config.gpus_per_node)
         self.cache = GraphCache(self.compiled, self.cluster)
-        for s in dict.fromkeys(self.schedule):        # bad strategies fail before any step
-            self.cache.get(s)
-        self.cache.hits = 0
+        if self.planner is None:
+            for s in dict.fromkeys(self.schedule):    # bad strategies fail before any step
+                self.cache.get(s)
+            self.cache.hits = 0
+        # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
                                  device=self.device, skip_nonfinite=config.skip_nonfinite)
@@ -221,8 +243,12 @@ class Trainer:
                 result = self.step(batch)
                 results.append(result)
                 if metrics is not None:
-                    metrics.write(json.dumps(_metrics_line(result, self.cache)) + "\n")
+                    line = _metrics_line(result, self.cache)
+                    line.update(self.planned.get(batch.step, {}))
+                    metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
+                if cfg.log_steps and self.rank == 0:
+                    print(format_step_line(result, self.planned.get(batch.step)), flush=True)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -233,14 +259,35 @@ class Trainer:
         if final is not None and self.rank == 0:
             Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, cfg.save_final)
-        return TrainSummary(results, self.cache.info(), final)
+        planned = [self.planned[r.step] for r in results if r.step in self.planned]
+        return TrainSummary(results, self.cache.info(), final, planned)
 
     def step(self, batch: MiniBatch) -> StepResult:
+        if self.planner is not None:
+            return self.planned_step(batch)
         strategy = self.schedule[batch.step % len(self.schedule)]
         program = self.cache.get(strategy)
         plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
         mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
         return self.executor.step(program, mbs, batch.num_targets, batch.step)
+
+    def planned_step(self, batch: MiniBatch) -> StepResult:
+        """One step on the planner's plan; its planner figures go to ``self.planned[step]``."""
+        from hgraph.runtime.planned_dispatch import all_gather_floats, pipeline_metrics
+        planned = self.planner.plan(batch)
+        hits = self.cache.hits
+        t0 = time.perf_counter()
+        program = self.cache.get(planned.plan.strategy)
+        switch_s = time.perf_counter() - t0
+        result = self.executor.step(program, planned.microbatches, batch.num_targets, batch.step)
+        busy = all_gather_floats(result.compute_s, self.world_size, self.device)
+        self.planned[batch.step] = {
+            "est_latency_ms": float(planned.plan.est_latency_ms),
+            "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
+            "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
+            "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
+            "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
+        return result
 
     def final_state_dict(self) -> dict:
         """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""
@@ -249,6 +296,16 @@ class Trainer:
             for name, p in self.compiled._orig_mod.named_parameters():
                 p.copy_(params[name].to(p.dtype))
         return {k: v.detach().cpu().clone() for k, v in self.compiled._orig_mod.state_dict().items()}
+
+
+def format_step_line(r: StepResult, planned: Optional[dict] = None) -> str:
+    """The readable per-iteration line: step, strategy, estimated vs measured ms, loss, tokens/s,
+    cache hit (the planner's fields only in planner-driven mode)."""
+    est = f"est {planned['est_latency_ms']:8.2f} ms  " if planned else ""
+    hit = ("  cache hit" if planned["cache_hit"] else "  cache miss") if planned else ""
+    tps = r.tokens / r.time_s if r.time_s > 0 else 0.0
+    return (f"step {r.step:>4}  {r.strategy:<28} {est}measured {1e3 * r.time_s:8.1f} ms  loss {r.loss:.6f}  "
+            f"{tps:8.0f} tok/s{hit}" + ("  (skipped: non-finite loss)" if r.skipped else ""))
 
 
 def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
@@ -269,7 +326,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     except HGraphError as exc:
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
-            "final_params": summary.final_params if rank == 0 else None}
+            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
