@@ -211,6 +211,26 @@ class Strategy:
                             "GPUs per node; TP groups must stay inside one node")
 
 
+def parse_strategy_list(text: str, world_size: int, option: str, *, alternatives: str = "") -> list[Strategy]:
+    """``"S1;S2;..."`` given to ``option`` -> strategies, each using exactly ``world_size`` ranks.
+
+    Bad input raises StrategyError with one line naming the option; ``alternatives`` names other
+    accepted values in that message (e.g. ``"'auto' or "``).
+    """
+    parts = [p.strip() for p in text.split(";")]
+    if not text.strip() or any(not p for p in parts):
+        raise StrategyError(f"{option} {text!r}: expected {alternatives}strategies separated by ';', "
+                            "e.g. '4xTP1PP1;1xTP2PP2'")
+    out = []
+    for part in parts:
+        s = Strategy.parse(part)
+        if s.num_ranks != world_size:
+            raise StrategyError(f"{option}: strategy {part!r} uses {s.num_ranks} ranks but --world-size is "
+                                f"{world_size}")
+        out.append(s)
+    return out
+
+
 @dataclass(frozen=True)
 class Cluster:
     """The devices a program is compiled for."""

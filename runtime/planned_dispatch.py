@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch
 from hgraph.runtime.executor import MicroBatch
-from hgraph.strategy import Strategy
+from hgraph.strategy import Strategy, parse_strategy_list
 
 ANALYTIC = "analytic"
 
@@ -55,18 +55,8 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
 
 
 def parse_candidates(text: str, world_size: int) -> list[Strategy]:
-    """``"S1;S2;..."`` -> strategies of exactly ``world_size`` ranks (one-line error otherwise)."""
-    parts = [p.strip() for p in text.split(";")]
-    if not text.strip() or any(not p for p in parts):
-        raise HGraphError(f"--strategies {text!r}: expected 'auto' or strategies separated by ';', "
-                          "e.g. '4xTP1PP1;1xTP2PP2'")
-    out = []
-    for part in parts:
-        s = Strategy.parse(part)
-        if s.num_ranks != world_size:
-            raise HGraphError(f"--strategies: {part!r} uses {s.num_ranks} ranks but --world-size is {world_size}")
-        out.append(s)
-    return list(dict.fromkeys(out))
+    """``"S1;S2;..."`` -> distinct strategies of exactly ``world_size`` ranks (one-line error otherwise)."""
+    return list(dict.fromkeys(parse_strategy_list(text, world_size, "--strategies", alternatives="'auto' or ")))
 
 
 def _on_rank0(compute: Callable[[], Any], rank: int) -> Any:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
-from hgraph.strategy import Cluster, Strategy
+from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
 @dataclass
@@ -82,17 +82,7 @@ class TrainSummary:
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
     """``"S1;S2;..."`` -> strategies; each must use exactly ``world_size`` ranks (one-line error)."""
-    parts = [p.strip() for p in text.split(";")]
-    if not text.strip() or any(not p for p in parts):
-        raise HGraphError(f"--strategy-schedule {text!r}: expected strategies separated by ';', e.g. "
-                          "'4xTP1PP1;1xTP2PP2'")
-    out = []
-    for part in parts:
-        s = Strategy.parse(part)
-        if s.num_ranks != world_size:
-            raise HGraphError(f"strategy {part!r} uses {s.num_ranks} ranks but --world-size is {world_size}")
-        out.append(s)
-    return out
+    return parse_strategy_list(text, world_size, "--strategy-schedule")
 
 
 def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
