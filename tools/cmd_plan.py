@@ -13,10 +13,9 @@ import sys
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import minibatches, read_lengths
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
-from hgraph.tools.length_options import add_workload_options
+from hgraph.tools.length_options import add_workload_options, workload_cost_model
 from hgraph.strategy import Cluster, Strategy
 
 
@@ -63,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     raw = read_lengths(args.lengths)
-    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node)
-    if not cost.schemes:
-        raise HGraphError(
-            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
-            "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
+    cost = workload_cost_model(args)
     lengths = np.minimum(raw, args.max_len)
     batches = minibatches(lengths, args.tokens_per_iter)[: args.iters]
     largest = cost.largest_max_len()

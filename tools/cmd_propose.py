@@ -13,10 +13,9 @@ import sys
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.proposal import propose
-from hgraph.tools.length_options import add_long_option, add_workload_options, limit_lengths
+from hgraph.tools.length_options import add_long_option, add_workload_options, limit_lengths, workload_cost_model
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -38,11 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens_per_iter is not None and args.tokens_per_iter < 1:
         raise HGraphError(f"--tokens-per-iter must be a positive integer, got {args.tokens_per_iter}")
     raw = read_lengths(args.lengths)
-    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node)
-    if not cost.schemes:
-        raise HGraphError(
-            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
-            "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
+    cost = workload_cost_model(args)
     largest = cost.largest_max_len()
     lengths, _ = limit_lengths(np.minimum(raw, args.max_len), largest, args.long,
                                f"the largest MaxLen of any scheme of {cost.name!r} on {args.gpus} GPUs")

@@ -16,10 +16,9 @@ import json
 import sys
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.simulator import SYSTEMS, simulate
-from hgraph.tools.length_options import add_workload_options
+from hgraph.tools.length_options import add_workload_options, workload_cost_model
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -53,11 +52,7 @@ def run(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     if args.max_cp is not None and args.max_cp < 1:
         raise HGraphError(f"--max-cp must be a positive integer, got {args.max_cp}")
-    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node, max_cp=args.max_cp)
-    if not cost.schemes:
-        raise HGraphError(
-            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
-            "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
+    cost = workload_cost_model(args, max_cp=args.max_cp)
     if cost.largest_max_len() < args.max_len:
         raise HGraphError(f"--max-len {args.max_len} is longer than the largest MaxLen {cost.largest_max_len()} of "
                           f"any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len or add GPUs")

@@ -19,6 +19,19 @@ from hgraph.errors import HGraphError
 LONG_CHOICES = ("error", "truncate", "drop")
 
 
+def workload_cost_model(args, **options):
+    """The cost model of ``--profile`` on ``--gpus`` (``options`` go to ``load_cost_model``); a profile
+    none of whose schemes fits the cluster is a one-line error."""
+    from hgraph.runtime.planner.cost_model import load_cost_model
+
+    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node, **options)
+    if not cost.schemes:
+        raise HGraphError(
+            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
+            "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
+    return cost
+
+
 def add_workload_options(p, *, max_len_help: str = "context length") -> None:
     """``--lengths FILE --profile NAME|FILE --gpus N [--gpus-per-node G] --max-len L``."""
     p.add_argument("--lengths", required=True, metavar="FILE",
