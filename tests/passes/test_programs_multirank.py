@@ -6,31 +6,44 @@ each document alone, and the gradients of its
 working parameters, put back together from the TP shards and PP stages, must equal the module's
 gradients. Pull/Push are not exercised here (a pass-through parameter sync stands in for them; the
 runtime tests cover them): this checks the TP collectives, vocabulary padding, KV-head replication,
-PP send/recv and the CP all-gather / per-document attention that the compiler inserted.
+PP send/recv and the CP all-gather / per-document attention that the compiler inserted, for the zoo
+model (fx frontend) and, when transformers is installed, Hugging Face Llama and GPT-2 (export frontend).
 
 fp32 tolerances: logits atol 2e-5; gradients rtol 1e-4 and atol 1e-6 x the tensor's largest |gradient|
 (TP sums partial products in a different order than the single-device matmul, so an element that
 nearly cancels keeps an absolute error of a few ulps of the tensor's scale).
 """
+import importlib.util
+
 import pytest
 import torch
 
 import hgraph
-from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.comm_ops import CommContext
 from hgraph.runtime.launch import spawn
 
-# (model, config overrides, strategy, CP sharding of the packed documents)
+# (model spec, config overrides, strategy, CP sharding of the packed documents)
 CASES = [
-    ("tiny", {}, "1xTP2PP1+1xTP1PP2", None),
-    ("tiny", {}, "1xTP2PP2", None),
-    ("tiny", {}, "1xTP4PP1", None),                        # TP4 > 2 KV heads: replicated KV heads
-    ("tiny-tied", {"vocab_size": 509}, "2xTP2PP1", None),  # vocabulary not divisible by TP: padded
-    ("tiny-tied", {}, "1xTP1PP2+1xTP2PP1", None),          # tied embedding split across stages
-    ("tiny", {}, "1xTP1PP1CP2+2xTP1PP1", "per-document"),  # CP next to pipelines without CP
-    ("tiny", {}, "1xTP2PP1CP2", "per-sequence"),
-    ("tiny-tied", {}, "1xTP1PP2CP2", "per-document"),      # CP inside a pipeline with two stages
+    ("llama:tiny", {}, "1xTP2PP1+1xTP1PP2", None),
+    ("llama:tiny", {}, "1xTP2PP2", None),
+    ("llama:tiny", {}, "1xTP4PP1", None),                        # TP4 > 2 KV heads: replicated KV heads
+    ("llama:tiny-tied", {"vocab_size": 509}, "2xTP2PP1", None),  # vocabulary not divisible by TP: padded
+    ("llama:tiny-tied", {}, "1xTP1PP2+1xTP2PP1", None),          # tied embedding split across stages
+    ("llama:tiny", {}, "1xTP1PP1CP2+2xTP1PP1", "per-document"),  # CP next to pipelines without CP
+    ("llama:tiny", {}, "1xTP2PP1CP2", "per-sequence"),
+    ("llama:tiny-tied", {}, "1xTP1PP2CP2", "per-document"),      # CP inside a pipeline with two stages
 ]
+if importlib.util.find_spec("transformers") is not None:   # Hugging Face models, through torch.export
+    HF_LLAMA = ("hf:llama", {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 64,
+                             "num_attention_heads": 4, "num_key_value_heads": 2})
+    HF_GPT2 = ("hf:gpt2", {"vocab_size": 61, "n_embd": 32, "n_head": 4})
+    CASES += [
+        (*HF_LLAMA, "1xTP2PP1+1xTP1PP2", None),   # vocabulary 61 not divisible by TP2: padded
+        (*HF_LLAMA, "1xTP2PP2", None),
+        (*HF_GPT2, "1xTP2PP1+1xTP1PP2", None),    # Conv1D weights split on their [in, out] dims; tied head
+        (*HF_GPT2, "1xTP2PP2", None),
+    ]
 DOCS = [7, 5, 9]   # packed documents; 21 tokens, not divisible by 2 x CP
 
 
@@ -45,9 +58,14 @@ class _PassThroughSync:
         return w
 
 
-def _model(name, args):
+def _model(spec, args):
     torch.manual_seed(0)
-    return llama.build(name, **args)
+    return resolve_model_spec(spec, args)
+
+
+def _logits(model, ids, pos):
+    out = model(ids, position_ids=pos)
+    return getattr(out, "logits", out)   # Hugging Face models return an output object
 
 
 def _inputs(vocab):
@@ -64,8 +82,8 @@ def _worker(rank, world, cases):
     from hgraph.runtime.planner.cp_sharding import per_document_plan, per_sequence_plan
 
     out = []
-    for name, args, text, sharding in cases:
-        model = _model(name, args)
+    for spec, args, text, sharding in cases:
+        model = _model(spec, args)
         compiled = hgraph.compile(model)
         prog = compiled.instantiate(text)
         comm = CommContext.from_default_group()
@@ -93,15 +111,16 @@ def _worker(rank, world, cases):
         grads = {n: (s, params[n].grad.detach())
                  for n, s in rp.params.items()}
         out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank, "tokens": idx,
-                    "logits": logits, "grads": grads})
+                    "logits": logits, "grads": grads, "frontend": compiled.frontend})
     return out
 
 
-def _reference(name, args):
-    model = _model(name, args)
+def _reference(spec, args):
+    model = _model(spec, args)
     ids, pos, weights = _inputs(model.config.vocab_size)
     bounds = [0] + torch.tensor(DOCS).cumsum(0).tolist()
-    logits = torch.cat([model(ids[:, a:b], pos[:, a:b]) for a, b in zip(bounds, bounds[1:])], dim=1)  # each doc alone
+    logits = torch.cat([_logits(model, ids[:, a:b], pos[:, a:b]) for a, b in zip(bounds, bounds[1:])],
+                       dim=1)  # each document alone
     (logits * weights).sum().backward()
     return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
@@ -113,9 +132,10 @@ def results():
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_forward_and_backward_match_the_module(results, case):
-    name, args, text, _ = CASES[case]
-    ref_logits, ref_grads = _reference(name, args)
+    spec, args, text, _ = CASES[case]
+    ref_logits, ref_grads = _reference(spec, args)
     per_rank = [r[case] for r in results]
+    assert {r["frontend"] for r in per_rank} == {"export" if spec.startswith("hf:") else "fx"}
     strategy = hgraph.Strategy.parse(text)
     for i in range(len(strategy.pipelines)):
         ranks = [per_rank[r] for r in strategy.pipeline_ranks(i)]
