@@ -138,26 +138,39 @@ class ShardedAdam:
             total_norm = self.global_grad_norm(grads)
             clip_coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
             grads = {name: g * clip_coef for name, g in grads.items()}
+        if grads:
+            self._update(grads)
+        return total_norm
+
+    def _update(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """torch's ``_single_tensor_adam`` operation for operation, each op applied to all shards at
+        once (``torch._foreach_*``: the same per-element arithmetic, one call instead of one per shard)."""
         beta1, beta2 = self.betas
         lr, wd = self.lr, self.weight_decay
-        for name, grad in grads.items():  # torch's _single_tensor_adam, operation for operation
-            param, exp_avg, exp_avg_sq = self.params[name], self.exp_avg[name], self.exp_avg_sq[name]
-            self.steps[name] += 1
-            step = self.steps[name]
-            if wd != 0:
-                if self.decoupled_weight_decay:
-                    param.mul_(1 - lr * wd)
-                else:
-                    grad = grad.add(param, alpha=wd)
-            exp_avg.lerp_(grad, 1 - beta1)
-            exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            bias_correction1 = 1 - beta1 ** step
-            bias_correction2 = 1 - beta2 ** step
-            step_size = lr / bias_correction1
-            bias_correction2_sqrt = bias_correction2 ** 0.5
-            denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
-            param.addcdiv_(exp_avg, denom, value=-step_size)
-        return total_norm
+        names = list(grads)
+        params = [self.params[n] for n in names]
+        exp_avgs = [self.exp_avg[n] for n in names]
+        exp_avg_sqs = [self.exp_avg_sq[n] for n in names]
+        g = [grads[n] for n in names]
+        for n in names:
+            self.steps[n] += 1
+        if wd != 0:
+            if self.decoupled_weight_decay:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            else:
+                g = torch._foreach_add(g, params, alpha=wd)
+        torch._foreach_lerp_(exp_avgs, g, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, g, g, value=1 - beta2)
+        step_sizes, bc2_sqrts = [], []
+        for n in names:
+            step = self.steps[n]
+            step_sizes.append(-(lr / (1 - beta1 ** step)))
+            bc2_sqrts.append((1 - beta2 ** step) ** 0.5)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bc2_sqrts)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
 
     # ---- state ------------------------------------------------------------------------------------
     @torch.no_grad()
