@@ -13,8 +13,9 @@
    pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
    whole documents.
-3. **Push Gradient**: ``ParamSync.push`` reduce-scatters and LNKs the working gradients to the
-   optimizer owners (a pipeline without micro-batches pushes zeros).
+3. **Push Gradient**: the reduce-scatters among replicas start during the last backward, bucket by
+   bucket as gradients become final (``ParamSync.arm_push``); ``ParamSync.push`` waits for them and
+   LNKs the working gradients to the optimizer owners (a pipeline without micro-batches pushes zeros).
 4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
@@ -221,8 +222,9 @@ class Executor:
         state.comm.wait_all()
         sync.finish_pulls()
         t_compute = time.perf_counter()
-        loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
         grads = {name: w.grad for name, w in state.working.items()}
+        sync.flush_pushes(grads)          # the reduce-scatters backward did not issue, before the loss's
+        loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
         grad_shards = sync.push(grads)
         sync.end_step()
         t_push = time.perf_counter()
@@ -250,7 +252,8 @@ class Executor:
         last = rp.stage == rp.scheme.pp - 1
         pending: dict[int, Any] = {}
         loss_sum = 0.0
-        for kind, i in one_f_one_b(len(mbs), rp.scheme.pp, rp.stage):
+        order = one_f_one_b(len(mbs), rp.scheme.pp, rp.stage)
+        for n, (kind, i) in enumerate(order):
             mb = mbs[i]
             if kind == "F":
                 ids, pos, targets = mb.input_ids, mb.position_ids, None
@@ -273,6 +276,8 @@ class Executor:
                     pending[i] = list(out)
             else:
                 out = pending.pop(i)
+                if n == len(order) - 1:     # gradients finished by this backward start their push
+                    state.sync.arm_push()
                 if last:
                     out.backward()
                 else:

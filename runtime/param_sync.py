@@ -5,19 +5,22 @@
 
 * **Pull** (``begin_step``): every rank walks *all* parameters in model order (``Program.pull_plans``
   order, which is ``list(hgraph.params)``), owners included for parameters they do not use, and posts
-  its part of each plan at once: the fp32 master rows are cast to the working dtype, then an
-  all-gather (``is_all_gather``; all such parameters share ONE all-gather, as DDP buckets) or one
-  ``batch_isend_irecv`` of the plan's transfers; local copies are done on the spot. ``pull_wait(name)`` waits for that parameter's work and assembles the
-  received rows into the working tensor (idempotent within a step); ``finish_pulls`` completes the
+  its part of each plan at once: the parameters every rank needs whole (``is_all_gather``) travel in
+  all-gathers of up to ``pull_bucket_bytes`` each (``param_gather.GatherBucket``, model order, as DDP
+  buckets), the others as one ``batch_isend_irecv`` of the plan's transfers each, the fp32 master rows
+  cast to the working dtype; local copies are done on the spot. ``pull_wait(name)`` waits for that
+  parameter's work and assembles the received rows into the working tensor (a gathered bucket is
+  written out whole at its first wait; idempotent within a step); ``finish_pulls`` completes the
   rest (the sends, and the pulls of a pipeline that ran no micro-batch).
-* **Push** (``push``): after the last micro-batch's backward, for every parameter in model order:
-  reduce-scatters among replica groups (async; one per group carrying all its parameters), then the plan's transfers to the optimizer owners
-  (one batch), then local adds. Owners get the summed fp32 gradient of their optimizer shard. A rank
-  whose pipeline ran no micro-batch pushes zeros, so every rank takes part and nothing hangs.
-  ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
-  over micro-batches, and the push at the end of the step sends it once. Pushing parameter by
-  parameter from inside backward (``eager``) would give each rank its own order of collectives; one
-  shared model order is what keeps NCCL (in-order p2p matching) and gloo (tag matching) both safe.
+* **Push**: the reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``,
+  reverse model order, up to ``push_bucket_bytes``). On CPU each is issued while the step's last
+  backward still runs, as soon as its gradients are final (a post-accumulate-grad hook, armed by
+  ``arm_push``), in one global bucket order; ``flush_pushes`` issues the rest. ``push`` then waits
+  for them, sends the plan's transfers to the optimizer owners (one batch in model order) and does
+  the local adds. Owners get the summed fp32 gradient of their optimizer shard (the reduced rows
+  themselves when they are the whole shard). A rank whose pipeline ran no micro-batch pushes zeros,
+  so every rank takes part and nothing hangs. ``push_gradient`` (the graph's node) is the identity:
+  autograd accumulates the working gradient over micro-batches, and the push sends it once.
 
 Point-to-point messages carry a tag per parameter and direction (pull ``2i+1``, push ``2i+2``;
 pipeline activations use tag 0), so gloo matches them by tag; NCCL matches them in order, and every
@@ -33,14 +36,16 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.passes.lnk_plans import LocalAdd, LocalCopy, ReduceScatter, Transfer
-from hgraph.runtime.comm_ops import all_gather_single, reduce_scatter_single
+from hgraph.passes.lnk_plans import LocalAdd, LocalCopy, Transfer
+from hgraph.runtime.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.optimizer import shard_bounds
+from hgraph.runtime.param_gather import GatherBucket
 
 Range = tuple[int, int]
 
-_all_gather = all_gather_single
-_reduce_scatter = reduce_scatter_single
+#: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
+#: early and the forward starts while the later ones are still travelling.
+DEFAULT_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -58,6 +63,7 @@ class SyncStats:
     push_recv_bytes: int = 0
     push_send_bytes: int = 0
     push_reduce_scatter_bytes: int = 0
+    push_all_reduce_extra_bytes: int = 0      # gloo runs the reduce-scatters as all-reduces (grad_buckets)
 
 
 @dataclass
@@ -66,31 +72,8 @@ class _Pull:
 
     works: list = field(default_factory=list)
     held: list = field(default_factory=list)         # [((lo, hi), rows-first tensor)]
-    gather: Optional["_GatherBucket"] = None          # the shared all-gather carrying this parameter
+    gather: Optional[GatherBucket] = None             # the shared all-gather carrying this parameter
     done: bool = False
-
-
-class _GatherBucket:
-    """One all-gather carrying several parameters: ``layout[name] = (offset, width, size, rest, row_el)``
-    inside each rank's chunk of ``chunk`` elements."""
-
-    def __init__(self, works: list, out: torch.Tensor, chunk: int, layout: dict) -> None:
-        self.works, self.out, self.chunk, self.layout = works, out, chunk, layout
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-
-    def rows(self, name: str, world_size: int) -> torch.Tensor:
-        """Parameter ``name``'s full rows (rows-first), put together from every rank's segment."""
-        offset, width, size, rest, row_el = self.layout[name]
-        parts = []
-        for r in range(world_size):
-            lo, hi = shard_bounds(size, r, world_size)
-            start = r * self.chunk + offset
-            parts.append(self.out.narrow(0, start, (hi - lo) * row_el).view(hi - lo, *rest))
-        return torch.cat(parts, 0) if len(parts) > 1 else parts[0]
 
 
 class ParamSync:
@@ -104,7 +87,9 @@ class ParamSync:
 
     def __init__(self, program: Any, rank: int, masters: Mapping[str, torch.Tensor],
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
-                 working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset()) -> None:
+                 working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
+                 push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: int = DEFAULT_PULL_BUCKET_BYTES,
+                 overlap_push: bool = True) -> None:
         self.program = program
         # working tensors that share their fp32 master's storage (one rank, fp32: nothing to move)
         self.aliased = frozenset(aliased)
@@ -122,6 +107,43 @@ class ParamSync:
         self.stats = SyncStats()
         self._pulls: dict[str, _Pull] = {}
         self._active = False
+        self._sole_add = self._sole_local_adds()
+        gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
+        self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype)
+                         for names in self._pull_buckets(gathered, pull_bucket_bytes)]
+        row_shapes = {n: tuple(_rows(self.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
+                      for n in self.order}
+        device = next(iter(masters.values())).device if masters else torch.device("cpu")
+        self._buckets = GradBuckets(rank, self.order, self.push_ops, row_shapes, groups, self._contribution,
+                                    device, push_bucket_bytes)
+        # the step's last backward finishes each gradient: its hook issues the bucket's reduce-scatter
+        # then (``arm_push``); NCCL keeps them at the end (all communicators share one stream order,
+        # and pipelines of different schemes finish gradients in different orders)
+        self._armed = False
+        self.overlap_push = overlap_push and device.type == "cpu"
+        if self.overlap_push and self._buckets.buckets:
+            for name, w in working.items():
+                if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf and name not in self.aliased:
+                    w.register_post_accumulate_grad_hook(lambda p, n=name: self._grad_ready(n, p))
+
+    def _sole_local_adds(self) -> dict[str, LocalAdd]:
+        """Parameters whose owned segment is one local add and nothing received: the reduced rows
+        themselves are the gradient shard (no zeros + add)."""
+        out = {}
+        for name in self.order:
+            seg = shard_bounds(self.program.push_plans[name].param.size, self.rank, self.world_size)
+            adds = [op for op in self.push_ops[name] if isinstance(op, LocalAdd)]
+            recvs = [op for op in self.push_ops[name] if isinstance(op, Transfer) and op.dst == self.rank]
+            if len(adds) == 1 and not recvs and (adds[0].lo, adds[0].hi) == seg and seg[1] > seg[0]:
+                out[name] = adds[0]
+        return out
+
+    def _gather_entry(self, name: str) -> tuple:
+        """``GatherBucket`` entry of ``name``: rows, master rows, working rows (None if not held)."""
+        param = self.program.pull_plans[name].param
+        w = self.working.get(name)
+        return (name, param.size, _rows(self.masters[name], param.shard_dim),
+                None if w is None else _rows(w.data, param.shard_dim))
 
     @staticmethod
     def groups_needed(program: Any) -> list[tuple[int, ...]]:
@@ -148,15 +170,21 @@ class ParamSync:
         self.stats = SyncStats()
         self._pulls = {}
         self._active = True
-        gathered = [n for n in self.order if self.program.pull_plans[n].is_all_gather and n not in self.aliased]
-        bucket = self._post_all_gather(gathered) if gathered else None
+        self._armed = False
+        self._buckets.reset()
+        bucket_of = {}
+        for bucket in self._gathers:
+            bucket.post()
+            bucket_of.update((n, bucket) for n in bucket.names)
+            if self.world_size > 1:
+                self.stats.pull_all_gather_bytes += (self.world_size - 1) * bucket.send_bytes
         for name in self.order:
             plan = self.program.pull_plans[name]
             pull = _Pull()
             if name in self.aliased:
                 pull.done = True
             elif plan.is_all_gather:
-                pull.gather = bucket
+                pull.gather = bucket_of[name]
             else:
                 p2p = []
                 for op in self.pull_ops[name]:
@@ -178,54 +206,47 @@ class ParamSync:
                     pull.works = dist.batch_isend_irecv(p2p)
             self._pulls[name] = pull
 
-    def _post_all_gather(self, names: list[str]) -> "_GatherBucket":
-        """One all-gather of this rank's segments of ``names`` (flattened, each padded to its widest)."""
-        layout, pieces, offset = {}, [], 0
+    def _pull_buckets(self, names: list[str], cap: int) -> list[list[str]]:
+        """``names`` (model order) cut into all-gathers of at most ``pull_bucket_bytes`` (at least one
+        parameter each); every rank cuts the same buckets (widths and dtypes are the same everywhere)."""
+        buckets: list[list[str]] = []
+        size = 0
         for name in names:
             plan = self.program.pull_plans[name]
-            size = plan.param.size
-            width = -(-size // self.world_size)
-            lo, hi = shard_bounds(size, self.rank, self.world_size)
-            mine = _rows(self.masters[name], plan.param.shard_dim).to(self.working_dtype)
-            rest = tuple(mine.shape[1:])
-            row_el = int(torch.Size(rest).numel())
-            flat = mine.reshape(-1)
-            if hi - lo < width:
-                flat = torch.cat([flat, flat.new_zeros((width - (hi - lo)) * row_el)])
-            pieces.append(flat)
-            layout[name] = (offset, width, size, rest, row_el)
-            offset += width * row_el
-        inp = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-        if self.world_size == 1:                      # one rank: the "gather" is the cast itself
-            return _GatherBucket([], inp, offset, layout)
-        out = inp.new_empty(offset * self.world_size)
-        works = [_all_gather(out, inp, async_op=True)]
-        self.stats.pull_all_gather_bytes += (self.world_size - 1) * inp.numel() * inp.element_size()
-        return _GatherBucket(works, out, offset, layout)
+            width = -(-plan.param.size // self.world_size)
+            nbytes = self.world_size * plan.param.slice_bytes(0, width, plan.working_dtype_bytes)
+            if not buckets or size + nbytes > cap:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(name)
+            size += nbytes
+        return buckets
 
     def pull_issue(self, name: str) -> None:
         """The graph's issue node: the pulls were posted by ``begin_step``, so only check that."""
         if not self._active:
             raise HGraphError(f"pull of {name!r} outside a training step: call ParamSync.begin_step first")
 
-    @torch.no_grad()
     def pull_wait(self, name: str) -> None:
         """Wait for parameter ``name``'s pull and write it into the working tensor (once per step)."""
         pull = self._pulls.get(name)
         if pull is None:
             raise HGraphError(f"pull of {name!r} was not posted this step")
-        if pull.done:
-            return
+        if not pull.done:            # the graph calls this once per use: the common case returns here
+            with torch.no_grad():
+                self._complete_pull(name, pull)
+
+    def _complete_pull(self, name: str, pull: "_Pull") -> None:
         for work in pull.works:
             work.wait()
-        if pull.gather is not None:
-            pull.gather.wait()
         pull.done = True
+        if pull.gather is not None:                    # every rank needs the whole parameter
+            pull.gather.complete()
+            pull.gather = None
+            return
         if name not in self.working:
             return                                     # an owner that only sent
         plan = self.program.pull_plans[name]
-        if pull.gather is not None:
-            pull.held = [((0, plan.param.size), pull.gather.rows(name, self.world_size))]
         dest = _rows(self.working[name].data, plan.param.shard_dim)
         offset = 0
         for (lo, hi), tiles in zip(plan.needs[self.rank], plan.assembly[self.rank]):
@@ -261,6 +282,20 @@ class ParamSync:
             offset += b - a
         raise AssertionError(f"rank {self.rank} pushes rows [{lo}, {hi}) of {name!r} that it does not hold")
 
+    def arm_push(self) -> None:
+        """The step's last backward starts: from now on a finished gradient issues its bucket."""
+        self._armed = self.overlap_push
+
+    def _grad_ready(self, name: str, param: torch.Tensor) -> None:
+        if self._armed:
+            self._buckets.ready(name, param.grad)
+
+    def flush_pushes(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
+        """Issue every reduce-scatter not issued during backward (before any other collective of the
+        step's end, so every rank issues its collectives in the same order)."""
+        self._armed = False
+        self._buckets.flush(grads)
+
     @torch.no_grad()
     def push(self, grads: Mapping[str, Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Run every push plan; returns this rank's summed fp32 gradient shard for every parameter.
@@ -275,23 +310,28 @@ class ParamSync:
                 return out
         else:
             out = {}
-        out.update({name: torch.zeros_like(self.masters[name], dtype=torch.float32)
-                    for name in self.order if name not in out})
         held: dict[str, list] = {name: [] for name in self.order}
-        by_group: dict[tuple[int, ...], list] = {}
-        for name in self.order:           # 1. reduce-scatters among replicas: one per group, async
-            for op in self.push_ops[name]:
-                if isinstance(op, ReduceScatter):
-                    by_group.setdefault(op.group, []).append((name, op))
-        posted = [self._post_reduce_scatter(group, ops, grads, held) for group, ops in sorted(by_group.items())]
-        for work, finish in posted:
-            work.wait()
-            finish()
+        self._armed = False
+        self._buckets.flush(grads)        # 1. reduce-scatters among replicas (mostly issued in backward)
+        self._buckets.wait(held)
+        self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
+        self.stats.push_all_reduce_extra_bytes += self._buckets.all_reduce_extra_bytes
         for name in self.order:           # own contribution when not reduced with replicas
             if not held[name] and name in self.shards:
                 held[name] = [((lo, hi), self._contribution(name, grads.get(name), lo, hi))
                               for lo, hi in self.program.push_plans[name].contributions.get(self.rank, ())
                               if hi > lo]
+        for name in self.order:
+            if name in out:
+                continue
+            add = self._sole_add.get(name)
+            if add is not None:
+                rows = _lookup(held[name], add.lo, add.hi, name)
+                dim = self.program.push_plans[name].param.shard_dim
+                out[name] = (rows.reshape(self.masters[name].shape) if self.masters[name].dim() <= 1
+                             else rows.movedim(0, dim))
+            else:
+                out[name] = torch.zeros_like(self.masters[name], dtype=torch.float32)
         p2p, recvs = [], []
         for name in self.order:           # 2. transfers to the owners, one batch in model order
             dim = self.program.push_plans[name].param.shard_dim
@@ -313,7 +353,7 @@ class ParamSync:
         works = dist.batch_isend_irecv(p2p) if p2p else []
         for name in self.order:           # 3. local adds (overlap with the transfers)
             for op in self.push_ops[name]:
-                if isinstance(op, LocalAdd):
+                if isinstance(op, LocalAdd) and name not in self._sole_add:
                     self._add(out, name, op.lo, op.hi, _lookup(held[name], op.lo, op.hi, name))
         for work in works:
             work.wait()
@@ -321,41 +361,6 @@ class ParamSync:
             if name is not None:
                 self._add(out, name, lo, hi, buf)
         return out
-
-    def _post_reduce_scatter(self, group: tuple[int, ...], ops: list, grads: Mapping[str, Any],
-                             held: dict) -> tuple[Any, Any]:
-        """One reduce-scatter over ``group`` for all its ``(name, op)`` pieces (model order).
-
-        Member i's input chunk is the concatenation, over the ops, of its piece's rows flattened and
-        padded to the op's widest piece, so every member's chunk has the same length.
-        """
-        chunks: list[list[torch.Tensor]] = [[] for _ in group]
-        spans = []                          # (name, (plo, phi), offset, rest) of this rank's pieces
-        offset = 0
-        for name, op in ops:
-            grad = grads.get(name)
-            width = max(phi - plo for _, plo, phi in op.pieces)
-            proto = self._contribution(name, grad, op.lo, op.lo + 1)
-            rest, row_el = tuple(proto.shape[1:]), proto.numel()
-            for i, (member, plo, phi) in enumerate(op.pieces):
-                rows = self._contribution(name, grad, plo, phi).reshape(-1) if phi > plo else proto.new_zeros(0)
-                if phi - plo < width:
-                    rows = torch.cat([rows, rows.new_zeros((width - (phi - plo)) * row_el)])
-                chunks[i].append(rows)
-                if member == self.rank:
-                    spans.append((name, (plo, phi), offset, rest))
-            offset += width * row_el
-        inp = torch.cat([t for chunk in chunks for t in chunk])
-        out = inp.new_empty(offset)
-        self.stats.push_reduce_scatter_bytes += (len(group) - 1) * offset * 4
-        work = _reduce_scatter(out, inp, group=self.groups.get(group), async_op=True)
-
-        def finish() -> None:
-            for name, (plo, phi), at, rest in spans:
-                n = (phi - plo) * int(torch.Size(rest).numel())
-                held[name].append(((plo, phi), out.narrow(0, at, n).view(phi - plo, *rest)))
-
-        return work, finish
 
     def _add(self, out: dict, name: str, lo: int, hi: int, rows: torch.Tensor) -> None:
         plan = self.program.push_plans[name]
