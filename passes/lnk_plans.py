@@ -10,9 +10,12 @@ The fp32 master copy of a parameter is sharded along its shard dimension over al
   (``PullPlan.is_all_gather``, concatenation in ``all_gather_ranks`` order).
 * **Push** (``push_plan``): each rank holds partial gradients on some ranges; owners must end with the
   sum of all contributions on their segment. Replicas holding the same ranges first reduce-scatter
-  (``ReduceScatter``: the range split evenly into one piece per member); each member then forwards its
-  reduced piece to the owners of the rows (``Transfer``; the owner adds what it receives into its fp32
-  gradient) or adds it itself when it owns them (``LocalAdd``). Which member receives which piece is
+  (``ReduceScatter``: runs of one optimizer segment per member, a member keeping its own segment when
+  it owns one; rows of the last fewer-than-a-run segments are not reduced but sent by every member);
+  each member then forwards its reduced piece (or its own rows) to the owners of the rows
+  (``Transfer``; the owner adds what it receives into its fp32 gradient) or adds it itself when it
+  owns them (``LocalAdd``). This moves the least bytes a summing push can (``min_reduce_push_bytes``)
+  up to the padding of segments that differ by one row. Which member receives which piece is
   chosen by min-cost matching (``lnk_assignment``). When every rank of the world is one replica group
   contributing the whole parameter the plan is one plain reduce-scatter
   (``PushPlan.is_plain_reduce_scatter``) and no LNK traffic.
@@ -49,7 +52,7 @@ from hgraph.passes.mutual_slices import (PlanError, Range, even_segments, merge_
 __all__ = [
     "ParamLayout", "Transfer", "LocalCopy", "LocalAdd", "ReduceScatter", "PullPlan", "PushPlan",
     "LinkWeights", "pull_plan", "push_plan", "replica_groups_from", "min_pull_bytes", "min_push_bytes",
-    "simulate_pull", "simulate_push",
+    "min_reduce_push_bytes", "uncovered_ranges", "simulate_pull", "simulate_push",
 ]
 
 
@@ -129,7 +132,8 @@ class ReduceScatter:
     """Push: the ranks of ``group`` (sorted) sum their gradients of rows ``[lo, hi)``; member ``rank``
     receives the reduced rows ``[plo, phi)`` for each ``(rank, plo, phi)`` of ``pieces`` (listed in
     group order, so the i-th input chunk of a torch reduce-scatter is ``pieces[i]``'s rows). Pieces are
-    the even floor split of the range (sizes differ by at most one row). ``bytes``: each member's input."""
+    optimizer segments cut to the range (or the even floor split of a range shorter than one segment
+    per member); sizes differ by at most one row. ``bytes``: each member's input."""
 
     group: tuple[int, ...]
     lo: int
@@ -267,7 +271,8 @@ class PushPlan(_TransferFigures):
 
     Order of execution: ``reduce_scatters`` (replicas sum a range, each member keeps one piece), then
     ``transfers`` (the sender's source is the unique buffer it holds containing the rows: its reduced
-    piece when it is in a replica group of several ranks, else its own contribution) and ``local_adds``.
+    piece, or its own contribution for rows that no reduce-scatter of its carries, ``uncovered_ranges``)
+    and ``local_adds``.
     An owner's gradient is the sum of its local adds and of the transfers it receives.
     """
 
@@ -453,14 +458,18 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
             continue
         sent_load: dict[int, int] = defaultdict(int)
         for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
-            pieces = [(lo + a, lo + b) for a, b in even_segments(hi - lo, len(group))]
-            member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
-            for (plo, phi), m in zip(pieces, member_of):
-                sent_load[m] += sum(b - a for a, b, o in _owner_chunks(plo, phi, size, world_size) if o != m)
-                held[m].append((plo, phi))
-            scatters.append(ReduceScatter(
-                group, lo, hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
-                (hi - lo) * row_bytes))
+            runs, direct = _scatter_runs(lo, hi, len(group), size, world_size)
+            if direct is not None:          # each member sends its own rows to the owners
+                for m in group:
+                    held[m].append(direct)
+            for run_lo, run_hi, pieces in runs:
+                member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
+                for (plo, phi), m in zip(pieces, member_of):
+                    sent_load[m] += sum(b - a for a, b, o in _owner_chunks(plo, phi, size, world_size) if o != m)
+                    held[m].append((plo, phi))
+                scatters.append(ReduceScatter(
+                    group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
+                    (run_hi - run_lo) * row_bytes))
 
     slices = mutual_slices(optimizer_segments(size, world_size), *layout.values(), *held.values())
     transfers: list[Transfer] = []
@@ -473,6 +482,27 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
                 else:
                     transfers.append(Transfer(rank, owner, run_lo, run_hi, (run_hi - run_lo) * row_bytes))
     return tuple(slices), tuple(sorted(scatters)), tuple(sorted(transfers)), tuple(sorted(adds))
+
+
+def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
+                  ) -> tuple[list[tuple[int, int, list[Range]]], Range | None]:
+    """``[lo, hi)`` as reduce-scatter runs ``(run_lo, run_hi, k pieces)`` for a group of ``k`` ranks,
+    and the range left to direct sends (or None).
+
+    Pieces are optimizer segments (cut to the range), ``k`` consecutive ones per run, so a member that
+    owns a piece can keep it: a row reduced at its owner needs no further message, which is what the
+    least total push needs (``min_reduce_push_bytes``). Consecutive segments differ by at most one row,
+    so a run pads as little as an even split. The rows of the last fewer-than-``k`` segments go from
+    every member straight to their owner: ``k - 1`` messages per row when the owner is a member, ``k``
+    otherwise, never more than a reduce-scatter and a forward, and no padding.
+    """
+    # segments cut to the range; an empty segment inside it stays a (zero-row) piece, so a group of all
+    # ranks over the whole parameter is one reduce-scatter onto the optimizer layout
+    blocks = [(max(a, lo), min(b, hi)) for a, b in optimizer_segments(size, world_size)
+              if (a < hi and lo < b) or (a == b and lo <= a < hi)]
+    full = len(blocks) // k * k
+    runs = [(blocks[i][0], blocks[i + k - 1][1], blocks[i:i + k]) for i in range(0, full, k)]
+    return runs, ((blocks[full][0], hi) if full < len(blocks) else None)
 
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
@@ -504,6 +534,29 @@ def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Rang
         others = merge_ranges(r for rank, rs in norm.items() if rank != owner for r in rs)
         out[owner] = _overlap(others, seg) * param.row_elements * gbytes
     return out
+
+
+def min_reduce_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
+                          *, grad_dtype_bytes: int | None = None) -> int:
+    """The least bytes any push can move in all (every rank's receipts summed), when values are summed
+    on the way: a row with contributors ``C`` and owner ``o`` needs ``|C| - 1`` messages if ``o`` is in
+    ``C`` (every contributor but the owner must send the row, or a partial sum including it, at least
+    once) and ``|C|`` otherwise; a reduction chain ending at the owner reaches it.
+
+    ``min_push_bytes`` (each owner receives each foreign row once) is this bound only when no row has
+    two contributors besides its owner: with replicas, partial sums must meet somewhere before the
+    owner, and that rank receives them too.
+    """
+    gbytes = param.dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
+    norm = _normalise_layout(contributions, param.size, world_size, "contributions")
+    layouts = [merge_ranges(rs) for rs in norm.values()]
+    segments = optimizer_segments(param.size, world_size)
+    rows = 0
+    for lo, hi in mutual_slices(segments, *layouts):
+        contributors = [r for r, rs in zip(norm, layouts) if _overlap(rs, (lo, hi))]
+        owner = next(o for o, (a, b) in enumerate(segments) if a <= lo and hi <= b)
+        rows += (hi - lo) * (len(contributors) - (owner in contributors))
+    return rows * param.row_elements * gbytes
 
 
 # ---- numpy simulation --------------------------------------------------------------------------
@@ -546,12 +599,14 @@ def simulate_push(plan: PushPlan, grads: Mapping[int, Sequence[np.ndarray]]) -> 
     dim = plan.param.shard_dim
     buffers: dict[int, list[tuple[Range, np.ndarray]]] = defaultdict(list)
     own = {r: dict(zip(rs, grads[r])) for r, rs in plan.contributions.items()}
-    scattered = {m for rs in plan.reduce_scatters for m in rs.group}
     for rank, ranges in own.items():
-        if rank not in scattered:
-            buffers[rank].extend((r, a) for r, a in ranges.items() if r[0] < r[1])
+        reduced = [(rs.lo, rs.hi) for rs in plan.reduce_scatters if rank in rs.group]
+        for (lo, hi), a in ranges.items():
+            for plo, phi in uncovered_ranges(lo, hi, reduced):
+                buffers[rank].append(((plo, phi), _take(a, lo, plo, phi, dim)))
     for rs in plan.reduce_scatters:
-        total = sum(own[m][(rs.lo, rs.hi)] for m in rs.group)
+        total = sum(_take(a, lo, rs.lo, rs.hi, dim) for m in rs.group
+                    for (lo, hi), a in own[m].items() if lo <= rs.lo and rs.hi <= hi)
         for rank, lo, hi in rs.pieces:
             buffers[rank].append(((lo, hi), _take(total, rs.lo, lo, hi, dim)))
     dtype = np.result_type(*[a for arrays in grads.values() for a in arrays]) if grads else np.float64
@@ -607,6 +662,18 @@ def _tile(lo: int, hi: int, held: Sequence[Range]) -> tuple[Range, ...]:
 
 def _overlap(ranges: Sequence[Range], seg: Range) -> int:
     return sum(max(0, min(hi, seg[1]) - max(lo, seg[0])) for lo, hi in ranges)
+
+
+def uncovered_ranges(lo: int, hi: int, covered: Sequence[Range]) -> list[Range]:
+    """The parts of ``[lo, hi)`` outside every range of ``covered`` (non-empty, sorted)."""
+    out, at = [], lo
+    for a, b in merge_ranges(c for c in covered if c[0] < hi and lo < c[1]):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < hi:
+        out.append((at, hi))
+    return out
 
 
 def _take(array: np.ndarray, base: int, lo: int, hi: int, dim: int) -> np.ndarray:

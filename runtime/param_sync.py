@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.passes.lnk_plans import LocalAdd, LocalCopy, Transfer
+from hgraph.passes.lnk_plans import LocalAdd, LocalCopy, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.optimizer import shard_bounds
 from hgraph.runtime.param_gather import GatherBucket
@@ -108,6 +108,7 @@ class ParamSync:
         self._pulls: dict[str, _Pull] = {}
         self._active = False
         self._sole_add = self._sole_local_adds()
+        self._own_rows = self._unreduced_rows()
         gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
         self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype)
                          for names in self._pull_buckets(gathered, pull_bucket_bytes)]
@@ -136,6 +137,16 @@ class ParamSync:
             recvs = [op for op in self.push_ops[name] if isinstance(op, Transfer) and op.dst == self.rank]
             if len(adds) == 1 and not recvs and (adds[0].lo, adds[0].hi) == seg and seg[1] > seg[0]:
                 out[name] = adds[0]
+        return out
+
+    def _unreduced_rows(self) -> dict[str, list[Range]]:
+        """Per parameter, the rows this rank forwards from its own gradient: its contributions that no
+        reduce-scatter of its carries (all of them when it has no replica)."""
+        out = {}
+        for name in self.order:
+            reduced = [(op.lo, op.hi) for op in self.push_ops[name] if isinstance(op, ReduceScatter)]
+            out[name] = [r for lo, hi in self.program.push_plans[name].contributions.get(self.rank, ())
+                         for r in uncovered_ranges(lo, hi, reduced)]
         return out
 
     def _gather_entry(self, name: str) -> tuple:
@@ -316,11 +327,8 @@ class ParamSync:
         self._buckets.wait(held)
         self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
         self.stats.push_all_reduce_extra_bytes += self._buckets.all_reduce_extra_bytes
-        for name in self.order:           # own contribution when not reduced with replicas
-            if not held[name] and name in self.shards:
-                held[name] = [((lo, hi), self._contribution(name, grads.get(name), lo, hi))
-                              for lo, hi in self.program.push_plans[name].contributions.get(self.rank, ())
-                              if hi > lo]
+        for name, rows in self._own_rows.items():     # own rows that no reduce-scatter carries
+            held[name].extend(((lo, hi), self._contribution(name, grads.get(name), lo, hi)) for lo, hi in rows)
         for name in self.order:
             if name in out:
                 continue

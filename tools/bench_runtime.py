@@ -1,16 +1,25 @@
 """Runtime benchmarks: step overhead vs eager PyTorch, DP4 vs DDP, pull/push bytes vs the minimum,
 and the host time of a strategy switch with a graph-cache hit.
 
-``python -m hgraph.tools.bench_runtime [--model tiny] [--steps 20] [--docs 16] [--doc-len 64]``
+``python -m hgraph.tools.bench_runtime [--model tiny] [--steps 20] [--docs 16] [--doc-len 64] [--repeats 3]``
+
+Every comparison alternates the two sides in one process (so load drifts hit both alike), takes the
+median of the per-pair ratios and its quartiles, and is launched ``--repeats`` times; the summary is
+the median over launches. On a shared, loaded machine read the quartiles and the launches' spread.
 
 1. **Single rank**: one training step of the compiled model (Executor, ``1xTP1PP1``, one packed
    micro-batch) vs the same step in eager PyTorch (each document alone, same loss, ``torch.optim.Adam``)
-   in the same process, alternating the two; median of the per-pair ratios compiled / eager.
+   in the same process.
 2. **DP4 on gloo**: compiled ``4xTP1PP1`` vs ``DistributedDataParallel`` + Adam, 4 processes, each rank
-   the same documents in both (its quarter of the mini-batch); median step time of rank 0.
+   the same documents in both (its quarter of the mini-batch); step times of rank 0.
 3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
-   payloads) against the minimum (each rank receives exactly the slices it lacks / owners receive each
-   foreign row once), from the Programs' plans that ParamSync executes op for op.
+   payloads, all ranks' receipts summed) from the Programs' plans that ParamSync executes op for op,
+   against the minima: pull, each rank receives exactly the rows it needs and does not own; push, the
+   least a push that sums on the way can move (per row, one message per contributor other than the
+   owner) and the owner-receipt figure (each owner receives each foreign row once), which is below
+   anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
+   run as all-reduces (faster there, see ``runtime.grad_buckets``), which adds their all-gather half
+   on the wire; these figures are the plans' (what NCCL moves).
 4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
    before (every step's pull is not included).
 """
@@ -43,7 +52,7 @@ def _eager_step(model, opt, docs) -> float:
         ids = torch.tensor([d])
         loss = F.cross_entropy(model(ids)[0, :-1], ids[0, 1:], reduction="sum") / targets
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     opt.step()
     return total
 
@@ -63,8 +72,11 @@ def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3) -> dict:
         t2 = time.perf_counter()
         ta.append(t1 - t0)
         tb.append(t2 - t1)
+    ratios = sorted(a / b for a, b in zip(ta, tb))
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"a_ms": 1e3 * statistics.median(ta), "b_ms": 1e3 * statistics.median(tb),
-            "ratio": statistics.median(a / b for a, b in zip(ta, tb)), "ratio_of_minima": min(ta) / min(tb)}
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "ratio_of_minima": min(ta) / min(tb)}
 
 
 def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
@@ -98,8 +110,8 @@ def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
         t = _paired_times(lambda: ex.step(prog, mb, targets), lambda: _eager_step(model, opt, docs), steps)
     finally:
         dist.destroy_process_group()
-    return {"compiled_ms": t["a_ms"], "eager_ms": t["b_ms"], "ratio": t["ratio"],
-            "ratio_of_minima": t["ratio_of_minima"]}
+    return {"compiled_ms": t["a_ms"], "eager_ms": t["b_ms"], "ratio": t["ratio"], "ratio_q1": t["ratio_q1"],
+            "ratio_q3": t["ratio_q3"], "ratio_of_minima": t["ratio_of_minima"]}
 
 
 def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[list[int]]) -> dict:
@@ -144,21 +156,22 @@ def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[l
         ex.state_for(p)
         switches.append(time.perf_counter() - t0)
     dist.barrier()
-    return {"compiled_ms": t["a_ms"], "ddp_ms": t["b_ms"], "ratio": t["ratio"], "ratio_of_minima": t["ratio_of_minima"],
+    return {"compiled_ms": t["a_ms"], "ddp_ms": t["b_ms"], "ratio": t["ratio"], "ratio_q1": t["ratio_q1"],
+            "ratio_q3": t["ratio_q3"], "ratio_of_minima": t["ratio_of_minima"],
             "switch_hit_ms_max": 1e3 * max(switches), "switch_hit_ms_median": 1e3 * statistics.median(switches)}
 
 
 def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict]:
     """Pull / push bytes of each strategy's plans against the per-rank minimum."""
     import hgraph
-    from hgraph.passes.lnk_plans import min_pull_bytes, min_push_bytes
+    from hgraph.passes.lnk_plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
     from hgraph.runtime.trainer import TrainConfig, build_model
     compiled = hgraph.compile(build_model(TrainConfig(model=model_name, world_size=world, schedule=strategies,
                                                       steps=1, tokens_per_iter=1)))
     rows = []
     for text in strategies:
         prog = compiled.instantiate(text, world_size=world)
-        pull = pull_min = push = push_rs = push_min = 0
+        pull = pull_min = push = push_rs = push_min = push_reduce_min = 0
         for name in prog.pull_plans:
             pp, ph = prog.pull_plans[name], prog.push_plans[name]
             if pp.is_all_gather:      # ring all-gather: each rank receives every other segment (padded)
@@ -171,8 +184,10 @@ def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict
             push += ph.total_bytes
             push_rs += ph.reduce_scatter_bytes
             push_min += sum(min_push_bytes(ph.param, ph.contributions, world).values())
+            push_reduce_min += min_reduce_push_bytes(ph.param, ph.contributions, world)
         rows.append({"strategy": text, "pull_bytes": pull, "pull_min_bytes": pull_min,
-                     "push_lnk_bytes": push, "push_reduce_scatter_bytes": push_rs, "push_min_bytes": push_min})
+                     "push_lnk_bytes": push, "push_reduce_scatter_bytes": push_rs, "push_min_bytes": push_min,
+                     "push_reduce_min_bytes": push_reduce_min})
     return rows
 
 
@@ -183,6 +198,9 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-len", type=int, default=64)
     ap.add_argument("--skip-dp4", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="launches of each comparison (each alternates the pair --steps times); the summary "
+                         "is the median of the launches' median ratios")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the single-rank comparison (default 1: steady on a shared machine)")
     ap.add_argument("--json", action="store_true")
@@ -193,25 +211,40 @@ def main(argv=None) -> int:
     one = _docs(4, 4 * args.doc_len, 512, seed=1)
     # "one doc": one document per rank, so packing plays no part and the ratio is the runtime's
     # overhead; "packed": --docs documents, packed into one row by hgraph, one at a time in eager
-    out = {"single_rank": {"one_doc": single_rank(args.model, args.steps, one[:1]),
-                           "packed": single_rank(args.model, args.steps, docs)}}
+    runs = range(max(1, args.repeats))
+    out = {"single_rank": {"one_doc": [single_rank(args.model, args.steps, one[:1]) for _ in runs],
+                           "packed": [single_rank(args.model, args.steps, docs) for _ in runs]}}
     if not args.skip_dp4:
-        out["dp4"] = {"one_doc": spawn(_dp4_worker, 4, args=(args.model, args.steps, one), timeout_s=600)[0],
-                      "packed": spawn(_dp4_worker, 4, args=(args.model, args.steps, docs), timeout_s=600)[0]}
+        out["dp4"] = {kind: [spawn(_dp4_worker, 4, args=(args.model, args.steps, d), timeout_s=600)[0] for _ in runs]
+                      for kind, d in (("one_doc", one), ("packed", docs))}
     out["bytes"] = bytes_table(args.model, STRATEGIES_4, 4)
     if args.json:
         print(json.dumps(out))
         return 0
-    for kind, s in out["single_rank"].items():
-        print(f"single rank ({kind}): compiled {s['compiled_ms']:.2f} ms, eager {s['eager_ms']:.2f} ms, "
-              f"ratio {s['ratio']:.3f} (of minima {s['ratio_of_minima']:.3f})")
-    for kind, d in out.get("dp4", {}).items():
-        print(f"DP4 gloo ({kind}): compiled {d['compiled_ms']:.2f} ms, DDP {d['ddp_ms']:.2f} ms, ratio {d['ratio']:.3f} (of minima {d['ratio_of_minima']:.3f})")
-        print(f"switch with a cache hit: median {d['switch_hit_ms_median']:.4f} ms, max {d['switch_hit_ms_max']:.4f} ms")
+    print(f"ratios: median of {args.steps} alternated pairs per launch [quartiles], {len(runs)} launches; "
+          f"summary = median over launches")
+    for section, base, label in (("single_rank", "eager_ms", "eager"), ("dp4", "ddp_ms", "DDP")):
+        for kind, launches in out.get(section, {}).items():
+            name = "single rank" if section == "single_rank" else "DP4 gloo 4xTP1PP1"
+            each = "  ".join(f"{d['ratio']:.3f} [{d['ratio_q1']:.3f}, {d['ratio_q3']:.3f}]" for d in launches)
+            summary = statistics.median(d["ratio"] for d in launches)
+            print(f"{name} ({kind}): compiled {statistics.median(d['compiled_ms'] for d in launches):.2f} ms, {label} "
+                  f"{statistics.median(d[base] for d in launches):.2f} ms, ratio {summary:.3f}  (launches: {each})")
+    for launches in out.get("dp4", {}).values():
+        worst = max(d["switch_hit_ms_max"] for d in launches)
+        print(f"switch with a cache hit: median {statistics.median(d['switch_hit_ms_median'] for d in launches):.4f} ms, "
+              f"max {worst:.4f} ms")
+        break
+    print("bytes per step, all ranks' receipts summed (pull in the working dtype, push in fp32):")
     for r in out["bytes"]:
-        print(f"{r['strategy']:<22} pull {r['pull_bytes']:>9} B (min {r['pull_min_bytes']:>9})  push LNK "
-              f"{r['push_lnk_bytes']:>9} B + reduce-scatter {r['push_reduce_scatter_bytes']:>9} B "
-              f"(min {r['push_min_bytes']:>9}, each owner receiving each foreign row once)")
+        push = r["push_lnk_bytes"] + r["push_reduce_scatter_bytes"]
+        print(f"  {r['strategy']:<22} pull {r['pull_bytes']:>9} B (min {r['pull_min_bytes']:>9})  push {push:>9} B = "
+              f"LNK {r['push_lnk_bytes']:>9} + reduce-scatter {r['push_reduce_scatter_bytes']:>9} "
+              f"(summing min {r['push_reduce_min_bytes']:>9}; owner-receipt {r['push_min_bytes']:>9})")
+    print("  push minima: 'summing min' = per row, one message per contributor other than its owner, the least\n"
+          "  any push that adds partial gradients can move; 'owner-receipt' = each owner receives each row it\n"
+          "  lacks once. The second is reachable only when no row has two contributors besides its owner:\n"
+          "  otherwise two partial sums must meet on some rank before the owner, and that rank receives one.")
     return 0
 
 
