@@ -11,7 +11,8 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    micro-batch) vs the same step in eager PyTorch (each document alone, same loss, ``torch.optim.Adam``)
    in the same process.
 2. **DP4 on gloo**: compiled ``4xTP1PP1`` vs ``DistributedDataParallel`` + Adam, 4 processes, each rank
-   the same documents in both (its quarter of the mini-batch); step times of rank 0.
+   the same documents in both (its quarter of the mini-batch); step times of rank 0 (``--barrier``:
+   each timed step starts from an untimed barrier).
 3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
    payloads, all ranks' receipts summed) from the Programs' plans that ParamSync executes op for op,
    against the minima: pull, each rank receives exactly the rows it needs and does not own; push, the
@@ -57,21 +58,24 @@ def _eager_step(model, opt, docs) -> float:
     return total
 
 
-def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3) -> dict:
+def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3, before=None) -> dict:
     """Alternate ``fn_a`` and ``fn_b`` (so load drifts hit both alike); median times and the median of
-    the per-pair ratios a / b (robust on a shared, loaded machine)."""
+    the per-pair ratios a / b (robust on a shared, loaded machine). ``before`` runs untimed before
+    each timed call (the DP4 comparison's barrier)."""
+    before = before or (lambda: None)
     for _ in range(warmup):
         fn_a()
         fn_b()
     ta, tb = [], []
     for _ in range(steps):
+        before()
         t0 = time.perf_counter()
         fn_a()
+        ta.append(time.perf_counter() - t0)
+        before()
         t1 = time.perf_counter()
         fn_b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
+        tb.append(time.perf_counter() - t1)
     ratios = sorted(a / b for a, b in zip(ta, tb))
     q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"a_ms": 1e3 * statistics.median(ta), "b_ms": 1e3 * statistics.median(tb),
@@ -114,7 +118,8 @@ def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
             "ratio_q3": t["ratio_q3"], "ratio_of_minima": t["ratio_of_minima"]}
 
 
-def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[list[int]]) -> dict:
+def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[list[int]],
+                barrier: bool = False) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from hgraph.runtime.executor import MicroBatch
@@ -143,7 +148,11 @@ def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[l
         (F.cross_entropy(ddp(ids)[0, :-1], ids[0, 1:], reduction="sum") * world / targets).backward()
         opt.step()
 
-    t = _paired_times(lambda: ex.step(prog, mbs, targets), ddp_step, steps)
+    # with ``barrier`` every timed step starts aligned, as in a run of one kind of step (a step begins
+    # right after the previous one's last collective); without, each side's first collective absorbs
+    # the skew the other left (DDP's optimizer step over all parameters is the longer, more varied one)
+    t = _paired_times(lambda: ex.step(prog, mbs, targets), ddp_step, steps,
+                      before=dist.barrier if barrier else None)
 
     # switch with a cache hit: alternate two strategies already built
     other = Strategy.parse("1xTP2PP1+2xTP1PP1")
@@ -198,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-len", type=int, default=64)
     ap.add_argument("--skip-dp4", action="store_true")
+    ap.add_argument("--barrier", action="store_true",
+                    help="DP4: start every timed step from a barrier (untimed), so neither side absorbs the "
+                         "skew the other left; default: back-to-back alternated steps")
     ap.add_argument("--repeats", type=int, default=3,
                     help="launches of each comparison (each alternates the pair --steps times); the summary "
                          "is the median of the launches' median ratios")
@@ -215,14 +227,15 @@ def main(argv=None) -> int:
     out = {"single_rank": {"one_doc": [single_rank(args.model, args.steps, one[:1]) for _ in runs],
                            "packed": [single_rank(args.model, args.steps, docs) for _ in runs]}}
     if not args.skip_dp4:
-        out["dp4"] = {kind: [spawn(_dp4_worker, 4, args=(args.model, args.steps, d), timeout_s=600)[0] for _ in runs]
+        out["dp4"] = {kind: [spawn(_dp4_worker, 4, args=(args.model, args.steps, d, args.barrier),
+                                      timeout_s=600)[0] for _ in runs]
                       for kind, d in (("one_doc", one), ("packed", docs))}
     out["bytes"] = bytes_table(args.model, STRATEGIES_4, 4)
     if args.json:
         print(json.dumps(out))
         return 0
     print(f"ratios: median of {args.steps} alternated pairs per launch [quartiles], {len(runs)} launches; "
-          f"summary = median over launches")
+          f"summary = median over launches; DP4 steps {'after a barrier each' if args.barrier else 'back to back'}")
     for section, base, label in (("single_rank", "eager_ms", "eager"), ("dp4", "ddp_ms", "DDP")):
         for kind, launches in out.get(section, {}).items():
             name = "single rank" if section == "single_rank" else "DP4 gloo 4xTP1PP1"
