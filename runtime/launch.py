@@ -71,6 +71,14 @@ def _check_backend(backend: str, world_size: int) -> None:
                           f"{torch.cuda.device_count()} GPUs visible; use backend='gloo'")
 
 
+def local_backend(choice: str, world_size: int) -> str:
+    """``auto``: NCCL when every local process can have a GPU of its own, else gloo (CPU)."""
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    _check_backend(choice, world_size)
+    return choice
+
+
 def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
                         timeout_s: float, local_rank: int) -> None:
     if backend == "nccl":

@@ -68,6 +68,7 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
+    backend: str = "auto"                     # local launch: auto (nccl with a GPU per rank, else gloo) | gloo | nccl
 
 
 @dataclass
@@ -332,9 +333,10 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
         rank, world = init_from_env(timeout_s=timeout_s)
         results = [train_worker(rank, world, config)]
     else:
-        from hgraph.runtime.launch import spawn
+        from hgraph.runtime.launch import local_backend, spawn
         total = 120.0 + timeout_s * (config.steps + 1)
-        results = spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
+        results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),
+                        args=(config,), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
         raise HGraphError(error)

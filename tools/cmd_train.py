@@ -12,7 +12,8 @@ to pipelines and micro-batches with the cost model of ``--profile`` (``analytic`
 for the model and world size; or a built-in profile NAME or a profile FILE); rank 0 plans and
 broadcasts the plan. Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
-Starts ``--world-size`` local processes (gloo on CPU) or, under ``torchrun``, runs as this process's
+Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough GPUs,
+gloo on CPU otherwise) or, under ``torchrun``, runs as this process's
 rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
 of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens; in
 deterministic mode documents are dispatched and packed by the runtime's built-in rule
@@ -73,6 +74,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--microbatch-tokens", default=None, type=int, metavar="T",
                    help="token limit of a packed micro-batch (default: see the built-in dispatch rule)")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose loss is NaN/inf")
+    p.add_argument("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+                   help="local processes: auto (NCCL with one GPU per process when there are enough GPUs, "
+                        "else gloo on CPU), gloo or nccl; under torchrun NCCL when CUDA is available")
     p.add_argument("--timeout", default=60.0, type=float, metavar="S",
                    help="seconds a collective may wait (a lost rank is reported within it; default 60)")
     p.add_argument("--save-final", default=None, metavar="PATH")
@@ -133,7 +137,7 @@ def config_from_args(args: argparse.Namespace):
                        model_args=model_args, optimizer=args.optimizer, lr=args.lr, betas=betas, eps=args.eps,
                        weight_decay=args.weight_decay, grad_clip=clip, seed=args.seed, dtype=args.dtype,
                        microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
-                       save_final=args.save_final, metrics=args.metrics)
+                       save_final=args.save_final, metrics=args.metrics, backend=args.backend)
 
 
 def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int) -> list[list[int]]:

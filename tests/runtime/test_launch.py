@@ -74,6 +74,17 @@ def test_bad_arguments_are_one_line_errors():
         spawn(_sum_of_ranks, 0)
 
 
+def test_local_backend_takes_nccl_only_with_a_gpu_per_process(monkeypatch):
+    from hgraph.runtime.launch import local_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert local_backend("auto", 2) == "nccl"
+    assert local_backend("auto", 4) == "gloo"          # not enough GPUs: CPU processes
+    assert local_backend("gloo", 2) == "gloo"
+    with pytest.raises(HGraphError, match="needs one GPU per process: 4 processes, 2 GPUs"):
+        local_backend("nccl", 4)
+
+
 def test_init_from_env_names_missing_variables(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
