@@ -90,8 +90,8 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Initialise the default process group of a ``torchrun`` process; returns (rank, world_size).
 
-    ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. Does nothing but return
-    the numbers when the group is already initialised.
+    ``backend`` defaults to ``nccl`` when every local process (``LOCAL_WORLD_SIZE``) can have a GPU
+    of its own, else ``gloo``. Does nothing but return the numbers when the group is already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -101,8 +101,8 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> t
                           "start the program with torchrun or use hgraph.runtime.launch.spawn")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    _check_backend(backend, 1 if backend == "nccl" else world_size)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = local_backend(backend or "auto", local_world)
     _init_process_group(backend, "env://", rank, world_size, timeout_s, local_rank)
     return rank, world_size
 

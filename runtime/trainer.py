@@ -330,7 +330,7 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
-        rank, world = init_from_env(timeout_s=timeout_s)
+        rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
         results = [train_worker(rank, world, config)]
     else:
         from hgraph.runtime.launch import local_backend, spawn
