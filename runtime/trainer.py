@@ -68,6 +68,12 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
+    checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.run_checkpoint)
+    checkpoint_every: Optional[int] = None    # None: only after the last step
+    keep_checkpoints: Optional[int] = None
+    resume: bool = False                      # continue from the newest checkpoint in checkpoint_dir
+    resume_fallback: bool = False             # ... or the previous one when the newest is broken
+    resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
 
 
 @dataclass
@@ -78,6 +84,8 @@ class TrainSummary:
     cache: dict
     final_params: Optional[dict] = None
     planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
+    checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
+    resumed_from: Optional[dict] = None               # the checkpoint this run started from
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -184,11 +192,13 @@ class Trainer:
             self.schedule = parse_schedule(";".join(config.schedule), world_size) \
                 if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
+        self.docs = self.documents()
+        self.resumed = self._load_resume_checkpoint()
         if config.strategies is not None:
             from hgraph.runtime.planned_dispatch import IterationPlanner
-            self.planner = IterationPlanner.create(config.strategies, config.profile, self.model,
-                                                   self.documents(), config.tokens_per_iter, rank, world_size,
-                                                   config.gpus_per_node)
+            self.planner = self._planner_from_checkpoint() or IterationPlanner.create(
+                config.strategies, config.profile, self.model, self.docs, config.tokens_per_iter, rank,
+                world_size, config.gpus_per_node)
             self.schedule = list(self.planner.candidates)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -203,6 +213,11 @@ class Trainer:
             self.cache.hits = 0
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        if self.resumed is not None:
+            from hgraph.runtime.checkpoint import restore_rng
+            self.optimizer.load_state_dict(self.resumed.optimizer)   # resharded when the world size changed
+            if self.resumed.rng is not None:       # a rank that did not exist before keeps its seeded state
+                restore_rng(self.resumed.rng)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
@@ -222,23 +237,86 @@ class Trainer:
         check_lengths(docs, cfg.tokens_per_iter, getattr(getattr(self.model, "config", None), "max_seq_len", None))
         return docs
 
+    def _load_resume_checkpoint(self) -> Any:
+        """This rank's part of the checkpoint to resume (None for a fresh run); checks it fits the run."""
+        from hgraph.runtime import checkpoint as ckpt
+        from hgraph.runtime.run_checkpoint import check_resume, data_fingerprint, find_resume_point
+        cfg = self.config
+        self.fingerprint = data_fingerprint(self.docs)
+        if not cfg.resume:
+            return None
+        if cfg.checkpoint_dir is None:
+            raise HGraphError("--resume needs --checkpoint-dir DIR")
+        folder = cfg.resume_from or find_resume_point(cfg.checkpoint_dir, fallback=cfg.resume_fallback).folder
+        loaded = ckpt.load(folder, self.rank, self.world_size)
+        check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=cfg.model,
+                     model_args=dict(cfg.model_args), fingerprint=self.fingerprint, total_steps=cfg.steps)
+        return loaded
+
+    def _planner_from_checkpoint(self) -> Any:
+        """The resumed run's planner with the checkpoint's candidates (no new proposal), when they were
+        made for this world size and the same ``--strategies``; else None (a fresh planner)."""
+        state = self.resumed.planner_state if self.resumed is not None else {}
+        if (state.get("mode") != "planner" or state.get("world_size") != self.world_size
+                or state.get("strategies") != self.config.strategies or state.get("profile") != self.config.profile):
+            return None
+        from hgraph.runtime.planned_dispatch import IterationPlanner, model_cost_model, parse_candidates
+        cost = model_cost_model(self.config.profile, self.model, self.world_size, self.config.gpus_per_node)
+        return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), self.world_size), self.rank,
+                                source=state.get("source", "checkpoint"), method=state.get("method", "fast"))
+
+    def planner_state(self) -> dict:
+        if self.planner is None:
+            return {"mode": "schedule", "schedule": [str(s) for s in self.schedule]}
+        return {"mode": "planner", "strategies": self.config.strategies, "profile": self.config.profile,
+                "world_size": self.world_size, "candidates": [str(c) for c in self.planner.candidates],
+                "source": self.planner.source, "method": self.planner.method}
+
+    def run_state(self) -> dict:
+        cfg = self.config
+        return {"model": cfg.model, "model_args": dict(cfg.model_args), "seed": cfg.seed, "dtype": cfg.dtype,
+                "optimizer": cfg.optimizer, "world_size": self.world_size, "steps": cfg.steps}
+
     def run(self) -> TrainSummary:
+        from hgraph.runtime.run_checkpoint import RunCheckpoints, data_position, rewrite_metrics_before
         cfg = self.config
         results: list[StepResult] = []
-        metrics = open(cfg.metrics, "w", encoding="utf-8") if cfg.metrics and self.rank == 0 else None
+        start_step = self.resumed.step if self.resumed is not None else 0
+        start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
+        checkpoints = RunCheckpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
+                                     cfg.checkpoint_every, cfg.steps, cfg.keep_checkpoints)
+        metrics = None
+        if cfg.metrics and self.rank == 0:
+            if self.resumed is not None:
+                rewrite_metrics_before(Path(cfg.metrics), start_step)
+            metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.heartbeat import Heartbeat
         self.executor.heartbeat = Heartbeat.for_default_group()
         try:
-            for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
+            for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
+                                      start_position=start_position):
                 result = self.step(batch)
                 results.append(result)
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
+                    # the documents of the step and the data position after it: a resumed run can
+                    # be checked to train every document exactly once
+                    line["documents"] = [d.index for d in batch.docs]
+                    line["next_document"] = batch.next_position
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
                     print(format_step_line(result, self.planned.get(batch.step)), flush=True)
+                if checkpoints.due(batch.step + 1):
+                    pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
+                                        self.fingerprint)
+                    saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
+                                             world_size=self.world_size, data_position=pos,
+                                             planner_state=self.planner_state(), run=self.run_state())
+                    if cfg.log_steps and self.rank == 0:
+                        print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in "
+                              f"{1e3 * saved.save_s:.0f} ms", flush=True)
         finally:
             if metrics is not None:
                 metrics.close()
@@ -250,7 +328,12 @@ class Trainer:
             Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, cfg.save_final)
         planned = [self.planned[r.step] for r in results if r.step in self.planned]
-        return TrainSummary(results, self.cache.info(), final, planned)
+        resumed = None if self.resumed is None else {
+            "path": str(self.resumed.path), "step": self.resumed.step,
+            "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
+            "next_document": start_position}
+        return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
+                            resumed)
 
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
@@ -316,7 +399,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     except HGraphError as exc:
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
-            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None}
+            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
+            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
@@ -327,6 +411,10 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
     a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
+    if config.resume and config.resume_from is None and config.checkpoint_dir is not None:
+        # resolved once, before any process starts: every rank loads the same checkpoint
+        from hgraph.runtime.run_checkpoint import find_resume_point
+        config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
         rank, world = init_from_env(timeout_s=timeout_s)
