@@ -68,6 +68,9 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
+    log_every: int = 1                        # ... every this many steps (and the last)
+    method: str = "fast"                      # the planner's dispatch method (fast | greedy | cpsat)
+    backend: str = "auto"                     # auto: gloo for spawned processes, torchrun's choice
     checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.run_checkpoint)
     checkpoint_every: Optional[int] = None    # None: only after the last step
     keep_checkpoints: Optional[int] = None
@@ -199,6 +202,7 @@ class Trainer:
             self.planner = self._planner_from_checkpoint() or IterationPlanner.create(
                 config.strategies, config.profile, self.model, self.docs, config.tokens_per_iter, rank,
                 world_size, config.gpus_per_node)
+            self.planner.method = config.method
             self.schedule = list(self.planner.candidates)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -306,7 +310,8 @@ class Trainer:
                     line["next_document"] = batch.next_position
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
-                if cfg.log_steps and self.rank == 0:
+                if cfg.log_steps and self.rank == 0 and (batch.step % cfg.log_every == 0
+                                                         or batch.step + 1 == cfg.steps):
                     print(format_step_line(result, self.planned.get(batch.step)), flush=True)
                 if checkpoints.due(batch.step + 1):
                     pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
@@ -417,12 +422,13 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
         config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
-        rank, world = init_from_env(timeout_s=timeout_s)
+        rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
         results = [train_worker(rank, world, config)]
     else:
         from hgraph.runtime.launch import spawn
         total = 120.0 + timeout_s * (config.steps + 1)
-        results = spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
+        results = spawn(train_worker, config.world_size, args=(config,), timeout_s=total,
+                        backend="gloo" if config.backend == "auto" else config.backend)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
         raise HGraphError(error)
