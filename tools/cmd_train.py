@@ -19,12 +19,19 @@ deterministic mode documents are dispatched and packed by the runtime's built-in
 (``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are
 PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
+
+Every option is a key of ``hgraph.runtime.run_config.SCHEMA`` and of a TOML file (``--config
+RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
+--checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
+one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
+checked here, before any process starts (``hgraph.runtime.run_checkpoint``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -219,7 +226,7 @@ def _resume_point(config, quiet: bool):
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{config.steps}: nothing left to train (--steps is the run's total)")
     config.resume_from = str(point.folder)
-    if not quiet:
+    if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
         pos = point.data_position
         resharded = (f", resharded from {point.world_size} to {config.world_size} ranks"
                      if point.world_size != config.world_size else "")
