@@ -219,7 +219,13 @@ class Trainer:
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
         if self.resumed is not None:
             from hgraph.runtime.checkpoint import restore_rng
-            self.optimizer.load_state_dict(self.resumed.optimizer)   # resharded when the world size changed
+            # masters, moments and step counts come from the checkpoint (resharded when the world size
+            # changed); the settings are this run's own, so e.g. a new --lr takes effect on resume
+            opt = self.optimizer
+            settings = (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.decoupled_weight_decay, opt.max_grad_norm)
+            opt.load_state_dict(self.resumed.optimizer)
+            (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.decoupled_weight_decay,
+             opt.max_grad_norm) = settings
             if self.resumed.rng is not None:       # a rank that did not exist before keeps its seeded state
                 restore_rng(self.resumed.rng)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
