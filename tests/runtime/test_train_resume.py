@@ -225,3 +225,67 @@ plots = false
     first = ref["metrics"][0]                  # the same first mini-batch, on 1 rank instead of 2
     assert out["steps"][0]["tokens"] == first["tokens"]
     assert abs(out["steps"][0]["loss"] - first["loss"]) <= 1e-6 * first["loss"]
+
+
+def _rank_processes(parent_pid):
+    """The spawned rank processes of ``parent_pid`` (Linux /proc), oldest first (rank order): its
+    children, or under the forkserver start method the server's children; not the resource tracker."""
+    procs = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            cmd = open(f"/proc/{d}/cmdline", "rb").read()
+        except OSError:
+            continue
+        procs[int(d)] = (int(stat.rsplit(")", 1)[1].split()[1]), cmd)
+    children = [pid for pid, (ppid, cmd) in procs.items() if ppid == parent_pid and b"resource_tracker" not in cmd]
+    servers = [pid for pid in children if b"forkserver" in procs[pid][1]]
+    ranks = [pid for pid in children if pid not in servers]
+    ranks += [pid for pid, (ppid, _) in procs.items() if ppid in servers]
+    return sorted(ranks)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the rank processes through /proc")
+def test_sigkilled_rank_stops_the_cli_run_and_resume_trains_each_document_once(ref, capsys):
+    """A real ``hgraph train`` process tree: rank 1 is SIGKILLed at a point the test does not choose
+    (right after the first checkpoint, possibly mid-save); the run exits naming it within the
+    timeout, and the resume trains exactly the mini-batches of an uninterrupted run."""
+    import signal
+    import subprocess
+    import sys
+    from hgraph.runtime.data import mini_batches, read_jsonl
+    base, steps = ref["base"], 40
+    ck, run = base / "sigkill-ck", base / "sigkill-run"
+    argv = _argv(ref["data"], ck, run, "--strategies", CANDIDATES, "--timeout", "20")
+    argv[argv.index("--steps") + 1] = str(steps)
+    proc = subprocess.Popen([sys.executable, "-m", "hgraph.tools.cli", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck / "step-00000002" / "manifest.json").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.02)
+        ranks = _rank_processes(proc.pid)
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1 and time.monotonic() - killed_at < 20 + 5
+    err_lines = err.strip().splitlines()
+    assert any(line.startswith("hgraph train: error: ") and "rank 1" in line for line in err_lines), err
+
+    assert main(_argv(ref["data"], ck, run, "--strategies", CANDIDATES, "--resume", "--steps", str(steps))) == 0
+    out = _json_out(capsys)
+    start = out["resumed_from"]["step"]
+    assert start >= 2 and start % EVERY == 0
+    expected = list(mini_batches(read_jsonl(ref["data"]), TOKENS, steps))
+    got = _metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(steps))
+    assert [r["documents"] for r in got] == [[d.index for d in b.docs] for b in expected]
+    assert out["resumed_from"]["next_document"] == expected[start - 1].next_position
+    assert [r["loss"] for r in got[:6]] == [r["loss"] for r in ref["metrics"]]
