@@ -195,3 +195,60 @@ def rewrite_metrics_before(path: Path, step: int) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     tmp.replace(path)
+
+
+# ---- the trainer's resume --------------------------------------------------------------------------
+def load_resume(config: Any, rank: int, world_size: int, fingerprint: str) -> Any:
+    """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
+    world size changed), or None for a fresh run; checks that it fits the run (``check_resume``)."""
+    if not config.resume:
+        return None
+    if config.checkpoint_dir is None:
+        raise HGraphError("--resume needs --checkpoint-dir DIR")
+    folder = config.resume_from or find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder
+    loaded = ckpt.load(folder, rank, world_size)
+    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model,
+                 model_args=dict(config.model_args), fingerprint=fingerprint, total_steps=config.steps)
+    return loaded
+
+
+def restore_state(loaded: Any, optimizer: Any) -> None:
+    """Masters, moments and step counts from the checkpoint; the optimizer settings stay this run's
+    own (a new --lr takes effect on resume); this rank's RNG states (a rank that did not exist in
+    the saved run keeps its seeded state)."""
+    settings = (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay,
+                optimizer.decoupled_weight_decay, optimizer.max_grad_norm)
+    optimizer.load_state_dict(loaded.optimizer)
+    (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.decoupled_weight_decay,
+     optimizer.max_grad_norm) = settings
+    if loaded.rng is not None:
+        ckpt.restore_rng(loaded.rng)
+
+
+def planner_from_checkpoint(loaded: Any, config: Any, model: Any, rank: int, world_size: int) -> Any:
+    """The resumed run's planner with the checkpoint's candidates (no new proposal), when they were
+    made for this world size, the same ``--strategies`` and profile; else None (a fresh planner)."""
+    state = loaded.planner_state if loaded is not None else {}
+    if (state.get("mode") != "planner" or state.get("world_size") != world_size
+            or state.get("strategies") != config.strategies or state.get("profile") != config.profile):
+        return None
+    from hgraph.runtime.planned_dispatch import IterationPlanner, model_cost_model, parse_candidates
+    cost = model_cost_model(config.profile, model, world_size, config.gpus_per_node)
+    return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
+                            source=state.get("source", "checkpoint"), method=state.get("method", "fast"))
+
+
+def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
+    """What a resume needs of the strategy choice: the schedule, or the planner's candidates."""
+    if planner is None:
+        return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
+    return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
+            "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
+            "source": planner.source, "method": planner.method}
+
+
+def run_state(config: Any, world_size: int) -> dict:
+    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)."""
+    return {"model": config.model, "model_args": dict(config.model_args), "seed": config.seed,
+            "dtype": config.dtype, "optimizer": config.optimizer, "world_size": world_size,
+            "steps": config.steps}

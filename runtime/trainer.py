@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, planner_from_checkpoint, restore_state
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
@@ -196,10 +197,12 @@ class Trainer:
                 if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
         self.docs = self.documents()
-        self.resumed = self._load_resume_checkpoint()
+        self.fingerprint = data_fingerprint(self.docs)
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
         if config.strategies is not None:
             from hgraph.runtime.planned_dispatch import IterationPlanner
-            self.planner = self._planner_from_checkpoint() or IterationPlanner.create(
+            self.planner = planner_from_checkpoint(self.resumed, config, self.model, rank, world_size) or \
+                IterationPlanner.create(
                 config.strategies, config.profile, self.model, self.docs, config.tokens_per_iter, rank,
                 world_size, config.gpus_per_node)
             self.planner.method = config.method
@@ -218,16 +221,7 @@ class Trainer:
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
         if self.resumed is not None:
-            from hgraph.runtime.checkpoint import restore_rng
-            # masters, moments and step counts come from the checkpoint (resharded when the world size
-            # changed); the settings are this run's own, so e.g. a new --lr takes effect on resume
-            opt = self.optimizer
-            settings = (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.decoupled_weight_decay, opt.max_grad_norm)
-            opt.load_state_dict(self.resumed.optimizer)
-            (opt.lr, opt.betas, opt.eps, opt.weight_decay, opt.decoupled_weight_decay,
-             opt.max_grad_norm) = settings
-            if self.resumed.rng is not None:       # a rank that did not exist before keeps its seeded state
-                restore_rng(self.resumed.rng)
+            restore_state(self.resumed, self.optimizer)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
@@ -247,48 +241,9 @@ class Trainer:
         check_lengths(docs, cfg.tokens_per_iter, getattr(getattr(self.model, "config", None), "max_seq_len", None))
         return docs
 
-    def _load_resume_checkpoint(self) -> Any:
-        """This rank's part of the checkpoint to resume (None for a fresh run); checks it fits the run."""
-        from hgraph.runtime import checkpoint as ckpt
-        from hgraph.runtime.run_checkpoint import check_resume, data_fingerprint, find_resume_point
-        cfg = self.config
-        self.fingerprint = data_fingerprint(self.docs)
-        if not cfg.resume:
-            return None
-        if cfg.checkpoint_dir is None:
-            raise HGraphError("--resume needs --checkpoint-dir DIR")
-        folder = cfg.resume_from or find_resume_point(cfg.checkpoint_dir, fallback=cfg.resume_fallback).folder
-        loaded = ckpt.load(folder, self.rank, self.world_size)
-        check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=cfg.model,
-                     model_args=dict(cfg.model_args), fingerprint=self.fingerprint, total_steps=cfg.steps)
-        return loaded
-
-    def _planner_from_checkpoint(self) -> Any:
-        """The resumed run's planner with the checkpoint's candidates (no new proposal), when they were
-        made for this world size and the same ``--strategies``; else None (a fresh planner)."""
-        state = self.resumed.planner_state if self.resumed is not None else {}
-        if (state.get("mode") != "planner" or state.get("world_size") != self.world_size
-                or state.get("strategies") != self.config.strategies or state.get("profile") != self.config.profile):
-            return None
-        from hgraph.runtime.planned_dispatch import IterationPlanner, model_cost_model, parse_candidates
-        cost = model_cost_model(self.config.profile, self.model, self.world_size, self.config.gpus_per_node)
-        return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), self.world_size), self.rank,
-                                source=state.get("source", "checkpoint"), method=state.get("method", "fast"))
-
-    def planner_state(self) -> dict:
-        if self.planner is None:
-            return {"mode": "schedule", "schedule": [str(s) for s in self.schedule]}
-        return {"mode": "planner", "strategies": self.config.strategies, "profile": self.config.profile,
-                "world_size": self.world_size, "candidates": [str(c) for c in self.planner.candidates],
-                "source": self.planner.source, "method": self.planner.method}
-
-    def run_state(self) -> dict:
-        cfg = self.config
-        return {"model": cfg.model, "model_args": dict(cfg.model_args), "seed": cfg.seed, "dtype": cfg.dtype,
-                "optimizer": cfg.optimizer, "world_size": self.world_size, "steps": cfg.steps}
-
     def run(self) -> TrainSummary:
-        from hgraph.runtime.run_checkpoint import RunCheckpoints, data_position, rewrite_metrics_before
+        from hgraph.runtime.run_checkpoint import (RunCheckpoints, data_position, planner_state, rewrite_metrics_before,
+                                                   run_state)
         cfg = self.config
         results: list[StepResult] = []
         start_step = self.resumed.step if self.resumed is not None else 0
@@ -324,7 +279,9 @@ class Trainer:
                                         self.fingerprint)
                     saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
                                              world_size=self.world_size, data_position=pos,
-                                             planner_state=self.planner_state(), run=self.run_state())
+                                             planner_state=planner_state(cfg, self.planner, self.schedule,
+                                                                         self.world_size),
+                                             run=run_state(cfg, self.world_size))
                     if cfg.log_steps and self.rank == 0:
                         print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in "
                               f"{1e3 * saved.save_s:.0f} ms", flush=True)
