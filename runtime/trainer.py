@@ -18,6 +18,11 @@ first-fit-decreasing into micro-batches of at most ``microbatch_tokens`` tokens 
 of the pipeline's longest document and its tokens divided by its PP degree, so a PP pipeline gets
 about PP micro-batches). A pipeline may get no document; it still takes part in pull and push.
 
+Checkpoints (``checkpoint_dir``): after every ``checkpoint_every`` steps and after the last one, the
+strategy-independent optimizer shards, RNG states, data position and planner state are saved
+(``hgraph.runtime.run_checkpoint``); ``resume`` continues from one, on any world size, at the saved
+data position, up to ``steps`` in all.
+
 ``GraphCache`` keeps one Program per strategy (and, in the executor, the rank's working tensors and
 process groups), counting hits, misses and the host time of a switch.
 """
