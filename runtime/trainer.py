@@ -262,9 +262,11 @@ class Trainer:
             metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.heartbeat import Heartbeat
         self.executor.heartbeat = Heartbeat.for_default_group()
+        now = start_step
         try:
             for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
                                       start_position=start_position):
+                now = batch.step
                 result = self.step(batch)
                 results.append(result)
                 if metrics is not None:
@@ -290,6 +292,15 @@ class Trainer:
                     if cfg.log_steps and self.rank == 0:
                         print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in "
                               f"{1e3 * saved.save_s:.0f} ms", flush=True)
+        except RuntimeError as exc:
+            # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
+            # name the rank that died, as the executor does inside a step
+            from hgraph.runtime.executor import RankLostError
+            beat = self.executor.heartbeat
+            lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
+            if lost:
+                raise RankLostError(now, lost, self.rank, exc) from exc
+            raise
         finally:
             if metrics is not None:
                 metrics.close()

@@ -178,7 +178,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_training(config, timeout_s=cfg.timeout)
     except SpawnError as exc:
-        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}\n")
+        hint = ""
+        if config.checkpoint_dir is not None:
+            from hgraph.runtime.checkpoint import latest
+            last = latest(config.checkpoint_dir)
+            hint = f"; --resume continues from {last}" if last is not None else ""
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
         return 1
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports

@@ -120,6 +120,41 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
         assert torch.equal(final[k], v), k
 
 
+def _dying_in_save_worker(rank, world, config, victim, save_step):
+    """The trainer, with rank ``victim`` dying right after writing its shard of checkpoint ``save_step``
+    (before the manifest: a save that does not finish)."""
+    from hgraph.runtime import checkpoint
+    if rank == victim:
+        original = checkpoint.write_shard
+
+        def write_shard(folder, rank, world_size, step, *args, **kwargs):
+            entry = original(folder, rank, world_size, step, *args, **kwargs)
+            if step == save_step:
+                os._exit(17)
+            return entry
+        checkpoint.write_shard = write_shard
+    return train_worker(rank, world, config)
+
+
+def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp_path):
+    """The others fail in the save's collective, outside a training step: the error still names the
+    lost rank, and the unfinished checkpoint is skipped (with a note) in favour of the previous one."""
+    from hgraph.runtime import checkpoint
+    from hgraph.runtime.run_checkpoint import find_resume_point
+    ck = tmp_path / "ck"
+    config = TrainConfig(model="llama:tiny", world_size=2, schedule=["2xTP1PP1"], steps=STEPS,
+                         tokens_per_iter=TOKENS, data=str(ref["data"]), checkpoint_dir=str(ck), checkpoint_every=EVERY)
+    t0 = time.monotonic()
+    with pytest.raises(SpawnError, match="rank 1 was lost") as info:
+        spawn(_dying_in_save_worker, 2, args=(config, 1, 4), timeout_s=60)
+    assert info.value.rank == 1 and time.monotonic() - t0 < 60
+    assert checkpoint.complete_steps(ck) == [2]
+    assert (ck / "step-00000004" / "rank-00001-of-00002.pt").exists()
+    assert not (ck / "step-00000004" / "manifest.json").exists()
+    point = find_resume_point(ck)
+    assert point.step == 2 and "step-00000004" in point.warnings[0]
+
+
 def _copy_without(src, dst, *steps):
     shutil.copytree(src, dst)
     for s in steps:
@@ -277,7 +312,8 @@ def test_sigkilled_rank_stops_the_cli_run_and_resume_trains_each_document_once(r
             proc.kill()
     assert proc.returncode == 1 and time.monotonic() - killed_at < 20 + 5
     err_lines = err.strip().splitlines()
-    assert any(line.startswith("hgraph train: error: ") and "rank 1" in line for line in err_lines), err
+    assert any(line.startswith("hgraph train: error: ") and "rank 1" in line and "--resume continues from" in line
+               for line in err_lines), err
 
     assert main(_argv(ref["data"], ck, run, "--strategies", CANDIDATES, "--resume", "--steps", str(steps))) == 0
     out = _json_out(capsys)
