@@ -291,7 +291,7 @@ def test_sigkilled_rank_stops_the_cli_run_and_resume_trains_each_document_once(r
     import subprocess
     import sys
     from hgraph.runtime.data import mini_batches, read_jsonl
-    base, steps = ref["base"], 40
+    base, steps = ref["base"], 24
     ck, run = base / "sigkill-ck", base / "sigkill-run"
     argv = _argv(ref["data"], ck, run, "--strategies", CANDIDATES, "--timeout", "20")
     argv[argv.index("--steps") + 1] = str(steps)
