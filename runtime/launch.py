@@ -242,6 +242,13 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         failures.append((rank, message, detail))
     if failures:
+        lost = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+        if lost and all(any(m in f[1] for m in _PEER_LOSS_MARKERS) for f in failures):
+            # the reports only say a peer went away (e.g. in a collective outside a training step):
+            # name the rank that died without a report
+            r = lost[0]
+            raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} without "
+                             f"a result); rank(s) {sorted(f[0] for f in failures)} stopped on losing it", rank=r)
         raise _first_cause(failures)
     return [done[r] for r in range(world_size)]
 

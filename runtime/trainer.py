@@ -18,6 +18,11 @@ first-fit-decreasing into micro-batches of at most ``microbatch_tokens`` tokens 
 of the pipeline's longest document and its tokens divided by its PP degree, so a PP pipeline gets
 about PP micro-batches). A pipeline may get no document; it still takes part in pull and push.
 
+Checkpoints (``checkpoint_dir``): after every ``checkpoint_every`` steps and after the last one, the
+strategy-independent optimizer shards, RNG states, data position and planner state are saved
+(``hgraph.runtime.run_checkpoint``); ``resume`` continues from one, on any world size, at the saved
+data position, up to ``steps`` in all.
+
 ``GraphCache`` keeps one Program per strategy (and, in the executor, the rank's working tensors and
 process groups), counting hits, misses and the host time of a switch.
 """
@@ -37,6 +42,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, planner_from_checkpoint, restore_state
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
@@ -68,7 +74,15 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
-    backend: str = "auto"                     # local launch: auto (nccl with a GPU per rank, else gloo) | gloo | nccl
+    log_every: int = 1                        # ... every this many steps (and the last)
+    method: str = "fast"                      # the planner's dispatch method (fast | greedy | cpsat)
+    backend: str = "auto"                     # auto: NCCL with a GPU per local process, else gloo
+    checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.run_checkpoint)
+    checkpoint_every: Optional[int] = None    # None: only after the last step
+    keep_checkpoints: Optional[int] = None
+    resume: bool = False                      # continue from the newest checkpoint in checkpoint_dir
+    resume_fallback: bool = False             # ... or the previous one when the newest is broken
+    resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
 
 
 @dataclass
@@ -79,6 +93,8 @@ class TrainSummary:
     cache: dict
     final_params: Optional[dict] = None
     planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
+    checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
+    resumed_from: Optional[dict] = None               # the checkpoint this run started from
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -185,11 +201,16 @@ class Trainer:
             self.schedule = parse_schedule(";".join(config.schedule), world_size) \
                 if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
+        self.docs = self.documents()
+        self.fingerprint = data_fingerprint(self.docs)
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
         if config.strategies is not None:
             from hgraph.runtime.planned_dispatch import IterationPlanner
-            self.planner = IterationPlanner.create(config.strategies, config.profile, self.model,
-                                                   self.documents(), config.tokens_per_iter, rank, world_size,
-                                                   config.gpus_per_node)
+            self.planner = planner_from_checkpoint(self.resumed, config, self.model, rank, world_size) or \
+                IterationPlanner.create(
+                config.strategies, config.profile, self.model, self.docs, config.tokens_per_iter, rank,
+                world_size, config.gpus_per_node)
+            self.planner.method = config.method
             self.schedule = list(self.planner.candidates)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -204,6 +225,8 @@ class Trainer:
             self.cache.hits = 0
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        if self.resumed is not None:
+            restore_state(self.resumed, self.optimizer)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
@@ -224,22 +247,60 @@ class Trainer:
         return docs
 
     def run(self) -> TrainSummary:
+        from hgraph.runtime.run_checkpoint import (RunCheckpoints, data_position, planner_state, rewrite_metrics_before,
+                                                   run_state)
         cfg = self.config
         results: list[StepResult] = []
-        metrics = open(cfg.metrics, "w", encoding="utf-8") if cfg.metrics and self.rank == 0 else None
+        start_step = self.resumed.step if self.resumed is not None else 0
+        start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
+        checkpoints = RunCheckpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
+                                     cfg.checkpoint_every, cfg.steps, cfg.keep_checkpoints)
+        metrics = None
+        if cfg.metrics and self.rank == 0:
+            if self.resumed is not None:
+                rewrite_metrics_before(Path(cfg.metrics), start_step)
+            metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.heartbeat import Heartbeat
         self.executor.heartbeat = Heartbeat.for_default_group()
+        now = start_step
         try:
-            for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
+            for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
+                                      start_position=start_position):
+                now = batch.step
                 result = self.step(batch)
                 results.append(result)
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
+                    # the documents of the step and the data position after it: a resumed run can
+                    # be checked to train every document exactly once
+                    line["documents"] = [d.index for d in batch.docs]
+                    line["next_document"] = batch.next_position
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
-                if cfg.log_steps and self.rank == 0:
+                if cfg.log_steps and self.rank == 0 and (batch.step % cfg.log_every == 0
+                                                         or batch.step + 1 == cfg.steps):
                     print(format_step_line(result, self.planned.get(batch.step)), flush=True)
+                if checkpoints.due(batch.step + 1):
+                    pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
+                                        self.fingerprint)
+                    saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
+                                             world_size=self.world_size, data_position=pos,
+                                             planner_state=planner_state(cfg, self.planner, self.schedule,
+                                                                         self.world_size),
+                                             run=run_state(cfg, self.world_size))
+                    if cfg.log_steps and self.rank == 0:
+                        print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in "
+                              f"{1e3 * saved.save_s:.0f} ms", flush=True)
+        except RuntimeError as exc:
+            # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
+            # name the rank that died, as the executor does inside a step
+            from hgraph.runtime.executor import RankLostError
+            beat = self.executor.heartbeat
+            lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
+            if lost:
+                raise RankLostError(now, lost, self.rank, exc) from exc
+            raise
         finally:
             if metrics is not None:
                 metrics.close()
@@ -251,7 +312,12 @@ class Trainer:
             Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, cfg.save_final)
         planned = [self.planned[r.step] for r in results if r.step in self.planned]
-        return TrainSummary(results, self.cache.info(), final, planned)
+        resumed = None if self.resumed is None else {
+            "path": str(self.resumed.path), "step": self.resumed.step,
+            "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
+            "next_document": start_position}
+        return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
+                            resumed)
 
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
@@ -317,7 +383,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
     except HGraphError as exc:
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
-            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None}
+            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
+            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
@@ -328,6 +395,10 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
     a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
+    if config.resume and config.resume_from is None and config.checkpoint_dir is not None:
+        # resolved once, before any process starts: every rank loads the same checkpoint
+        from hgraph.runtime.run_checkpoint import find_resume_point
+        config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
         rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)

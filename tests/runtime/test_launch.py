@@ -109,3 +109,18 @@ def test_init_from_env_initialises_a_torchrun_style_process(monkeypatch):
         assert init_from_env() == (0, 1)  # already initialised: no second group
     finally:
         dist.destroy_process_group()
+
+
+def _rank1_exits_during_a_collective(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(17)              # no report: rank 0's all_reduce fails with "Connection closed by peer"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_rank_that_dies_is_named_even_when_a_peer_reports_losing_it_first():
+    with pytest.raises(SpawnError, match=r"rank 1 was lost") as info:
+        spawn(_rank1_exits_during_a_collective, 2, timeout_s=300)
+    assert info.value.rank == 1
