@@ -54,8 +54,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--strategies", default=None, metavar="auto|S1;S2;...",
                    help="planner-driven: candidate strategies, 'auto' (proposed for the data) or a list "
                         "(default auto unless --strategy-schedule is given)")
-    p.add_argument("--profile", default="analytic", metavar="analytic|NAME|FILE",
-                   help="cost model of the planner (default analytic: the analytic prior for the model)")
+    p.add_argument("--profile", default="measure", metavar="measure|analytic|NAME|FILE",
+                   help="cost model of the planner (default measure: timed on this machine by the ranks at "
+                        "the start; analytic: the prior from the model's shape)")
+    p.add_argument("--plan-ahead", default=2, type=int, metavar="Q",
+                   help="plans computed ahead in the planner process (bounded queue; 0: plan inline; default 2)")
+    p.add_argument("--progress", default="auto", choices=("auto", "on", "off"),
+                   help="progress bars (auto: when stdout is a terminal; plain lines otherwise)")
     p.add_argument("--strategy-schedule", default=None, metavar="S1;S2;...",
                    help="deterministic mode: strategies, one per step in turn, e.g. '4xTP1PP1;1xTP2PP2'")
     p.add_argument("--steps", default=DEFAULT_STEPS, type=int, metavar="K", help=f"default {DEFAULT_STEPS}")
@@ -115,6 +120,8 @@ def config_from_args(args: argparse.Namespace):
         raise HGraphError(f"--tokens-per-iter must be >= 1, got {args.tokens_per_iter}")
     if args.timeout <= 0:
         raise HGraphError(f"--timeout must be > 0, got {args.timeout}")
+    if args.plan_ahead < 0:
+        raise HGraphError(f"--plan-ahead must be >= 0, got {args.plan_ahead}")
     schedule, strategies = args.strategy_schedule, args.strategies
     if schedule is not None and strategies is not None:
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
@@ -133,7 +140,7 @@ def config_from_args(args: argparse.Namespace):
                        model_args=model_args, optimizer=args.optimizer, lr=args.lr, betas=betas, eps=args.eps,
                        weight_decay=args.weight_decay, grad_clip=clip, seed=args.seed, dtype=args.dtype,
                        microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
-                       save_final=args.save_final, metrics=args.metrics)
+                       save_final=args.save_final, metrics=args.metrics, plan_ahead=args.plan_ahead)
 
 
 def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int) -> list[list[int]]:
@@ -201,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter)
     config.log_steps = planned and not args.json
+    from hgraph.tools.progress import resolve_mode
+    config.progress = config.log_steps and resolve_mode(args.progress)
+    if run_dir is not None:
+        from hgraph.tools.run_record import write_run_record
+        write_run_record(run_dir, config)
     if config.log_steps:
         source = args.data or "built-in long-tail documents"
         print(f"hgraph train: {config.model} on {config.world_size} processes, {source}, "

@@ -1,0 +1,204 @@
+"""A cost model of *this* machine, measured by the ranks of a run at its start (``--profile measure``),
+and the online correction of its estimates from the steps measured so far.
+
+``calibrate_cost_model`` runs on every rank at once, so the timings include the contention of the
+training itself (on a CPU machine, N rank processes share the cores exactly as they will in training):
+
+* compute: dual-layer timing (``profiler.dual_layer_timings``: a 1- and a 2-layer copy of the model,
+  forward + backward on one sequence) at a few lengths; each rank measures, the median over ranks is
+  fitted to ``layer(l)`` and ``rest(l)`` (embedding, head, loss) as ``a l^2 + b l + c``;
+* tensor parallelism: all-reduce of ``l x hidden`` activations inside every TP group of each TP degree
+  (all groups at once), fitted to ``alpha + beta l``; a TP stage pays it once per TP slot of its layers
+  (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in backward or forward), its compute is
+  divided by TP;
+* pipeline parallelism: send/recv of ``l x hidden`` between neighbour ranks, fitted the same way; a
+  stage pays one forward and one backward transfer per micro-batch.
+
+Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
+divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
+4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets ``T(l) = ceil(layers/PP) * (layer(l)/TP + tp_comm(l)) + rest(l)/TP +
+pp_comm(l)`` (the slowest stage holds the rest). Memory and MaxLen come from the analytic prior.
+
+What the model leaves out on purpose: the pull / push / optimizer phases of a step and the per-document
+cost of varlen attention; ``StepCorrection`` scales every estimate by the median ratio measured/estimate
+of the last steps (the same factor for every strategy, so it never changes the planner's choice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost_model import CostModel, fit_coefficients
+
+DEFAULT_LENGTHS = (64, 256, 1024)
+COMM_LENGTHS = (64, 1024)
+
+
+def _median_rows(rows: Sequence[Sequence[float]]) -> list[float]:
+    return [statistics.median(col) for col in zip(*rows)]
+
+
+def _fit_line(lengths: Sequence[int], ms: Sequence[float]) -> tuple[float, float]:
+    """``alpha + beta l`` through two or more points (least squares, both kept >= 0)."""
+    (l0, t0), (l1, t1) = (lengths[0], ms[0]), (lengths[-1], ms[-1])
+    beta = max((t1 - t0) / (l1 - l0), 0.0) if l1 != l0 else 0.0
+    alpha = max(statistics.mean(t - beta * l for l, t in zip(lengths, ms)), 0.0)
+    return alpha, beta
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _time_comm(fn: Callable[[], None], repeats: int) -> float:
+    fn()                                                # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
+                    repeats: int) -> Optional[list[float]]:
+    """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
+    ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
+    import torch
+    import torch.distributed as dist
+    members = [list(range(g, g + tp)) for g in range(0, world_size - tp + 1, tp)]
+    groups.ensure(members)
+    mine = next((m for m in members if rank in m), None)
+    if mine is None:
+        dist.barrier()
+        return None
+    group = groups.get(mine)
+    out = []
+    for l in COMM_LENGTHS:
+        x = torch.ones(l, hidden, dtype=dtype)
+        out.append(_time_comm(lambda: dist.all_reduce(x, group=group), repeats))
+    dist.barrier()
+    return out
+
+
+def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats: int) -> Optional[list[float]]:
+    """ms of one send/recv of ``l x hidden`` between ranks 2i and 2i+1 (all pairs at once); the
+    receiver's time (which includes the transfer) is returned on the odd rank."""
+    import torch
+    import torch.distributed as dist
+    pairs = world_size // 2 * 2
+    if rank >= pairs:
+        dist.barrier()
+        return None
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    out = []
+    for l in COMM_LENGTHS:
+        x = torch.ones(l, hidden, dtype=dtype)
+        op = (lambda: dist.send(x, peer)) if rank % 2 == 0 else (lambda: dist.recv(x, peer))
+        out.append(_time_comm(op, repeats))
+    dist.barrier()
+    return out if rank % 2 == 1 else None
+
+
+def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
+                         world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
+                         lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
+                         progress: Optional[Callable[[str], None]] = None) -> tuple[CostModel, dict]:
+    """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
+    every rank returns the same model). ``build(n)``: a copy of the model with ``n`` layers;
+    ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
+    Returns the model and the raw measurements."""
+    import torch
+    from hgraph.runtime.planner.profiler import dual_layer_timings
+
+    dtype = dtype or torch.float32
+    hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
+    lengths = [int(l) for l in lengths if l <= max(getattr(model_config, "max_seq_len", max(lengths)), 3)]
+    if len(set(lengths)) < 3:
+        raise HGraphError(f"calibration needs 3 distinct lengths up to the model's context, got {lengths}")
+    say = progress or (lambda _text: None)
+    say("compute")
+    t = dual_layer_timings(build, lengths, vocab, repeats=repeats, warmup=1)
+    rows = _all_gather((t.layer_ms, t.rest_ms))
+    layer_ms = _median_rows([r[0] for r in rows])
+    rest_ms = _median_rows([r[1] for r in rows])
+    layer = fit_coefficients(list(zip(lengths, layer_ms)))
+    rest = fit_coefficients(list(zip(lengths, rest_ms)))
+    tps = sorted({tp for tp, _, _ in prior.profiled})
+    pps = sorted({pp for _, pp, _ in prior.profiled})
+    tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
+    raw: dict[str, Any] = {"lengths": lengths, "layer_ms": layer_ms, "rest_ms": rest_ms, "tp_comm_ms": {},
+                           "pp_comm_ms": None, "repeats": repeats, "ranks": world_size}
+    import torch.distributed as dist
+    multi = dist.is_initialized() and world_size > 1
+    for tp in tps:
+        if tp == 1 or not multi:
+            continue
+        say(f"all-reduce TP{tp}")
+        ms = [r for r in _all_gather(measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats))
+              if r is not None]
+        med = _median_rows(ms)
+        raw["tp_comm_ms"][tp] = med
+        tp_line[tp] = _fit_line(COMM_LENGTHS, med)
+    pp_line = (0.0, 0.0)
+    if multi and max(pps) > 1:
+        say("send/recv PP")
+        ms = [r for r in _all_gather(measure_pp_comm(rank, world_size, hidden, dtype, repeats)) if r is not None]
+        med = _median_rows(ms)
+        raw["pp_comm_ms"] = med
+        pp_line = _fit_line(COMM_LENGTHS, med)
+    profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+    per_layer_slots = tp_slots / layers if layers else 0.0
+    for (tp, pp, cp) in prior.profiled:
+        if cp != 1 or tp not in tp_line:
+            continue
+        stage = math.ceil(layers / pp)
+        ta, tb = tp_line[tp]
+        pa, pb = pp_line if pp > 1 else (0.0, 0.0)
+        a = (stage * layer[0] + rest[0]) / tp
+        b = (stage * layer[1] + rest[1]) / tp + stage * per_layer_slots * tb + 2 * pb
+        c = stage * layer[2] + rest[2] + stage * per_layer_slots * ta + 2 * pa
+        profiled[(tp, pp, 1)] = (a, b, c)
+    util = {}
+    for tp in tps:
+        a, b, c = profiled.get((tp, 1, 1)) or next(v for k, v in profiled.items() if k[0] == tp)
+        util[tp] = max(int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else max(lengths), 1)
+    cost = CostModel(name="measured", model=prior.model, profiled=profiled, util_len_tokens=util,
+                     memory=prior.memory, world_size=prior.world_size, gpus_per_node=prior.gpus_per_node,
+                     max_cp=1, extra={"source": "measured at the start of the run (hgraph.runtime.planner.calibration)",
+                            "calibration": raw})
+    return cost, raw
+
+
+class StepCorrection:
+    """Scales the cost model's estimate by the median of measured/estimated over the last ``window``
+    steps (1 before any step). Steps that compiled a program (cache miss) are not counted."""
+
+    def __init__(self, window: int = 8) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    @property
+    def factor(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else 1.0
+
+    def observe(self, est_ms: float, measured_ms: float) -> None:
+        if est_ms > 0 and measured_ms > 0 and math.isfinite(measured_ms):
+            self.ratios.append(measured_ms / est_ms)
+
+
+def scaled_plan(plan: Any, factor: float) -> Any:
+    """A copy of ``plan`` with every estimate multiplied by ``factor``."""
+    if factor == 1.0:
+        return plan
+    pipes = [dataclasses.replace(p, est_latency_ms=p.est_latency_ms * factor) for p in plan.pipelines]
+    return dataclasses.replace(plan, pipelines=pipes, est_latency_ms=plan.est_latency_ms * factor)

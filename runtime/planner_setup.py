@@ -1,0 +1,49 @@
+"""Wiring of the planner into a training run: the planner process's owner side (``planner_process``)
+and the ranks' side (``start_planner``: cost model, candidates, and rank 0's job for the planner
+process). See ``hgraph.runtime.plan_ahead`` for the process and its channel."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+
+@contextlib.contextmanager
+def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
+    """The channel of a planner process started here for the run (None: inline planning, i.e.
+    deterministic mode, ``plan_ahead`` 0 or not the owner); the process is stopped on exit."""
+    if not owner or config.strategies is None or config.plan_ahead < 1:
+        yield None
+        return
+    from hgraph.runtime.plan_ahead import PlannerProcess
+    with PlannerProcess(config.plan_ahead) as proc:
+        yield proc.channel
+
+
+def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
+    """The trainer's ``IterationPlanner`` (collective on every rank); on rank 0 with a ``channel``,
+    the planner process gets the run's mini-batches to plan ahead."""
+    from hgraph.runtime.data import mini_batches
+    from hgraph.runtime.planned_dispatch import IterationPlanner
+    from hgraph.tools.progress import Progress
+
+    cfg, rank = trainer.config, trainer.rank
+    counts = trainer.compiled.hgraph.slot_counts()
+    bar = Progress(4, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
+    try:
+        planner = IterationPlanner.create(cfg.strategies, cfg.profile, trainer.model, trainer.documents(),
+                                          cfg.tokens_per_iter, rank, trainer.world_size, cfg.gpus_per_node,
+                                          groups=groups, tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
+                                          progress=lambda what: bar.update(1, what))
+    finally:
+        bar.close()
+    if rank == 0 and cfg.log_steps:
+        c = planner.cost
+        print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
+              f"{', '.join(map(str, planner.candidates))}; cost model {c.name}"
+              + (f"; plans {cfg.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
+                 else "; plans inline"), flush=True)
+    if channel is not None and rank == 0:
+        from hgraph.runtime.plan_ahead import PlanConsumer
+        planner.plan_ahead(PlanConsumer(channel), list(mini_batches(trainer.documents(), cfg.tokens_per_iter,
+                                                                    cfg.steps)))
+    return planner
