@@ -128,7 +128,9 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         raise HGraphError(f"calibration needs 3 distinct lengths up to the model's context, got {lengths}")
     say = progress or (lambda _text: None)
     say("compute")
-    t = dual_layer_timings(build, lengths, vocab, repeats=repeats, warmup=1)
+    # the median, not the fastest run: ranks sharing cores are slowed for the whole step, and the
+    # fastest of a few runs catches the moments a rank had a core to itself (measured: ~2.5x too low)
+    t = dual_layer_timings(build, lengths, vocab, repeats=repeats, warmup=1, reduce=statistics.median)
     rows = _all_gather((t.layer_ms, t.rest_ms))
     layer_ms = _median_rows([r[0] for r in rows])
     rest_ms = _median_rows([r[1] for r in rows])
