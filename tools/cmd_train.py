@@ -2,15 +2,21 @@
 
 With no arguments it runs the built-in default: ``llama:tiny`` on the built-in long-tail documents
 (``hgraph.runtime.builtin_data.synthetic_documents``: real Wikipedia lengths scaled for CPU), 4 local
-processes, the analytic cost model, ``auto`` candidate strategies and the planner's choice every
-iteration; it prints one line per iteration and a summary, and writes ``metrics.jsonl`` and the plots
-(``hgraph.tools.plots``) into ``--run-dir`` (default ``runs/<UTC timestamp>``).
+processes, a cost model measured on the spot by the ranks (``--profile measure``), ``auto`` candidate
+strategies and the planner's choice every iteration, planned ahead in a planner process; it prints
+one line per iteration (a progress bar on a terminal) and a summary, and writes ``run.json``,
+``metrics.jsonl`` and the plots (``hgraph.tools.plots``) into ``--run-dir`` (default
+``runs/<UTC timestamp>``).
 
 Planner-driven mode (``--strategies auto|"S1;S2"``, the default): every iteration
 ``plan_iteration`` picks the strategy among the candidates and dispatches the mini-batch's documents
-to pipelines and micro-batches with the cost model of ``--profile`` (``analytic``: the analytic prior
-for the model and world size; or a built-in profile NAME or a profile FILE); rank 0 plans and
-broadcasts the plan. Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
+to pipelines and micro-batches with the cost model of ``--profile`` (``measure``: timed on this
+machine at the start, ``hgraph.runtime.planner.calibration``; ``analytic``: the analytic prior for the
+model and world size; or a built-in profile NAME or a profile FILE). A planner process started by
+the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead
+(``hgraph.runtime.plan_ahead``); rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
+once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
+Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (gloo on CPU) or, under ``torchrun``, runs as this process's
 rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents

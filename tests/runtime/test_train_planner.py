@@ -88,6 +88,7 @@ def test_plan_to_microbatches_keeps_documents_and_rejects_a_partial_plan():
 @pytest.mark.parametrize("extra, match", [
     (("--strategies", "2xTP1PP1"), "uses 2 ranks but --world-size is 4"),
     (("--strategies", "auto", "--strategy-schedule", "4xTP1PP1"), "exclude each other"),
+    (("--plan-ahead", "-1"), "--plan-ahead must be >= 0"),
     (("--strategies", "4xTP1PP1", "--profile", "no-such-profile"), "no-such-profile"),
     # raised by the planner on rank 0 in the spawned run: every rank stops with it, none hangs
     (("--strategies", "4xTP1PP1", "--profile", "llama-7b"), "scheme TP1PP1 is not available in cost profile"),
