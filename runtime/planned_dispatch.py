@@ -84,7 +84,6 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                         tp_slots: int = 0, progress: Callable[[str], None] | None = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.calibration``; collective). Needs a zoo Llama-style model."""
-    import dataclasses as dc
     from hgraph.frontends.zoo import llama
     from hgraph.runtime.planner.calibration import calibrate_cost_model
 
@@ -95,9 +94,18 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                           "give --profile analytic or a profile FILE")
     import torch
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
-        cost, _ = calibrate_cost_model(prior, cfg, lambda n: llama.build(dc.replace(cfg, num_layers=n)), rank,
+        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(tp_shard_config(cfg, n, tp)), rank,
                                        world_size, groups, tp_slots=tp_slots, progress=progress)
     return cost
+
+
+def tp_shard_config(cfg: Any, layers: int, tp: int) -> Any:
+    """The LlamaConfig of one TP rank's shard with ``layers`` layers: heads, KV heads, MLP width and
+    vocabulary divided by ``tp`` (the head size and the hidden size stay)."""
+    import dataclasses as dc
+    return dc.replace(cfg, num_layers=layers, num_heads=cfg.num_heads // tp,
+                      num_kv_heads=max(cfg.num_kv_heads // tp, 1), head_dim=cfg.head_dim,
+                      intermediate_size=-(-cfg.intermediate_size // tp), vocab_size=-(-cfg.vocab_size // tp))
 
 
 @dataclass

@@ -28,7 +28,16 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
 
     cfg, rank = trainer.config, trainer.rank
     counts = trainer.compiled.hgraph.slot_counts()
-    bar = Progress(4, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
+    phases = int(cfg.strategies.strip() == "auto")
+    if cfg.profile == "measure":
+        from hgraph.runtime.planned_dispatch import model_cost_model
+        from hgraph.runtime.planner.calibration import calibration_phases
+        try:
+            phases += calibration_phases(model_cost_model("measure", trainer.model, trainer.world_size,
+                                                          cfg.gpus_per_node), trainer.world_size)
+        except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
+            pass
+    bar = Progress(phases, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
     try:
         planner = IterationPlanner.create(cfg.strategies, cfg.profile, trainer.model, trainer.documents(),
                                           cfg.tokens_per_iter, rank, trainer.world_size, cfg.gpus_per_node,

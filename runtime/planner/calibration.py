@@ -5,8 +5,9 @@ and the online correction of its estimates from the steps measured so far.
 training itself (on a CPU machine, N rank processes share the cores exactly as they will in training):
 
 * compute: dual-layer timing (``profiler.dual_layer_timings``: a 1- and a 2-layer copy of the model,
-  forward + backward on one sequence) at a few lengths; each rank measures, the median over ranks is
-  fitted to ``layer(l)`` and ``rest(l)`` (embedding, head, loss) as ``a l^2 + b l + c``;
+  forward + backward on one sequence) at a few lengths, for every TP degree on one TP rank's shard of
+  the model (heads, MLP width and vocabulary divided by TP); each rank measures, the median over
+  ranks is fitted to ``layer_TP(l)`` and ``rest_TP(l)`` (embedding, head, loss) as ``a l^2 + b l + c``;
 * tensor parallelism: all-reduce of ``l x hidden`` activations inside every TP group of each TP degree
   (all groups at once), fitted to ``alpha + beta l``; a TP stage pays it once per TP slot of its layers
   (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in backward or forward), its compute is
@@ -16,7 +17,7 @@ training itself (on a CPU machine, N rank processes share the cores exactly as t
 
 Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
 divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
-4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets ``T(l) = ceil(layers/PP) * (layer(l)/TP + tp_comm(l)) + rest(l)/TP +
+4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets ``T(l) = ceil(layers/PP) * (layer_TP(l) + tp_comm(l)) + rest_TP(l) +
 pp_comm(l)`` (the slowest stage holds the rest). Memory and MaxLen come from the analytic prior.
 
 What the model leaves out on purpose: the pull / push / optimizer phases of a step and the per-document
@@ -110,12 +111,21 @@ def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats
     return out if rank % 2 == 1 else None
 
 
+def calibration_phases(prior: CostModel, world_size: int) -> int:
+    """How many ``progress`` calls ``calibrate_cost_model`` makes (for a progress bar's total)."""
+    tps = {tp for tp, _, _ in prior.profiled}
+    pps = {pp for _, pp, _ in prior.profiled}
+    multi = world_size > 1
+    return len(tps) + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0)
+
+
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
                          lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
                          progress: Optional[Callable[[str], None]] = None) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
-    every rank returns the same model). ``build(n)``: a copy of the model with ``n`` layers;
+    every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
+    shard (``tp`` 1: the model's own layers);
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
     Returns the model and the raw measurements."""
     import torch
@@ -127,20 +137,27 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     if len(set(lengths)) < 3:
         raise HGraphError(f"calibration needs 3 distinct lengths up to the model's context, got {lengths}")
     say = progress or (lambda _text: None)
-    say("compute")
-    # the median, not the fastest run: ranks sharing cores are slowed for the whole step, and the
-    # fastest of a few runs catches the moments a rank had a core to itself (measured: ~2.5x too low)
-    t = dual_layer_timings(build, lengths, vocab, repeats=repeats, warmup=1, reduce=statistics.median)
-    rows = _all_gather((t.layer_ms, t.rest_ms))
-    layer_ms = _median_rows([r[0] for r in rows])
-    rest_ms = _median_rows([r[1] for r in rows])
-    layer = fit_coefficients(list(zip(lengths, layer_ms)))
-    rest = fit_coefficients(list(zip(lengths, rest_ms)))
     tps = sorted({tp for tp, _, _ in prior.profiled})
     pps = sorted({pp for _, pp, _ in prior.profiled})
-    tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
-    raw: dict[str, Any] = {"lengths": lengths, "layer_ms": layer_ms, "rest_ms": rest_ms, "tp_comm_ms": {},
+    raw: dict[str, Any] = {"lengths": lengths, "layer_ms": {}, "rest_ms": {}, "tp_comm_ms": {},
                            "pp_comm_ms": None, "repeats": repeats, "ranks": world_size}
+    layer: dict[int, tuple[float, float, float]] = {}
+    rest: dict[int, tuple[float, float, float]] = {}
+    for tp in tps:
+        # the compute of one TP rank is timed on its own shard (heads, MLP width and vocabulary / TP):
+        # dividing the full layer's time by TP misses what does not shrink with the width
+        # (measured on CPU: 1xTP2PP1 ran 5x slower than that estimate)
+        say(f"compute TP{tp}")
+        # the median, not the fastest run: ranks sharing cores are slowed for the whole step, and the
+        # fastest of a few runs catches the moments a rank had a core to itself (measured: ~2.5x too low)
+        t = dual_layer_timings(lambda n, tp=tp: build(n, tp), lengths, -(-vocab // tp), repeats=repeats, warmup=1,
+                               reduce=statistics.median)
+        rows = _all_gather((t.layer_ms, t.rest_ms))
+        raw["layer_ms"][tp] = _median_rows([r[0] for r in rows])
+        raw["rest_ms"][tp] = _median_rows([r[1] for r in rows])
+        layer[tp] = fit_coefficients(list(zip(lengths, raw["layer_ms"][tp])))
+        rest[tp] = fit_coefficients(list(zip(lengths, raw["rest_ms"][tp])))
+    tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
     import torch.distributed as dist
     multi = dist.is_initialized() and world_size > 1
     for tp in tps:
@@ -162,14 +179,15 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     per_layer_slots = tp_slots / layers if layers else 0.0
     for (tp, pp, cp) in prior.profiled:
-        if cp != 1 or tp not in tp_line:
+        if cp != 1 or tp not in tp_line or tp not in layer:
             continue
         stage = math.ceil(layers / pp)
         ta, tb = tp_line[tp]
         pa, pb = pp_line if pp > 1 else (0.0, 0.0)
-        a = (stage * layer[0] + rest[0]) / tp
-        b = (stage * layer[1] + rest[1]) / tp + stage * per_layer_slots * tb + 2 * pb
-        c = stage * layer[2] + rest[2] + stage * per_layer_slots * ta + 2 * pa
+        (la, lb, lc), (ra, rb, rc) = layer[tp], rest[tp]
+        a = stage * la + ra
+        b = stage * lb + rb + stage * per_layer_slots * tb + 2 * pb
+        c = stage * lc + rc + stage * per_layer_slots * ta + 2 * pa
         profiled[(tp, pp, 1)] = (a, b, c)
     util = {}
     for tp in tps:

@@ -13,6 +13,15 @@ from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
 
+def test_a_tp_shard_divides_heads_mlp_and_vocabulary_and_keeps_the_head_size():
+    from hgraph.runtime.planned_dispatch import tp_shard_config
+    cfg = llama.make_config("tiny")
+    shard = tp_shard_config(cfg, 2, 2)
+    assert (shard.num_layers, shard.num_heads, shard.num_kv_heads, shard.head_dim) == (2, 2, 1, cfg.head_dim)
+    assert (shard.intermediate_size, shard.vocab_size, shard.hidden_size) == (88, 256, 64)
+    assert tp_shard_config(cfg, 1, 1) == llama.make_config("tiny", num_layers=1)
+
+
 def _calibrate(rank, world_size):
     import hgraph
     import torch
@@ -42,20 +51,20 @@ def test_two_ranks_build_the_same_measured_model_with_tp_and_pp_comm(measured):
     assert set(raw["tp_comm_ms"]) == {2} and len(raw["pp_comm_ms"]) == 2
     assert all(t > 0 for t in raw["tp_comm_ms"][2] + raw["pp_comm_ms"])
     # each scheme is assembled from the fitted layer, rest and communication lines (exactly)
-    layer = fit_coefficients(list(zip(raw["lengths"], raw["layer_ms"])))
-    rest = fit_coefficients(list(zip(raw["lengths"], raw["rest_ms"])))
+    layer = {tp: fit_coefficients(list(zip(raw["lengths"], raw["layer_ms"][tp]))) for tp in (1, 2)}
+    rest = {tp: fit_coefficients(list(zip(raw["lengths"], raw["rest_ms"][tp]))) for tp in (1, 2)}
     (l0, l1), tp, pp = COMM_LENGTHS, raw["tp_comm_ms"][2], raw["pp_comm_ms"]
     tb = max((tp[1] - tp[0]) / (l1 - l0), 0.0)
     ta = max((tp[0] - tb * l0 + tp[1] - tb * l1) / 2, 0.0)
     pb = max((pp[1] - pp[0]) / (l1 - l0), 0.0)
     pa = max((pp[0] - pb * l0 + pp[1] - pb * l1) / 2, 0.0)
     slots_per_layer = 18 / 4
-    assert a.coeffs(Scheme(1, 1)) == pytest.approx([4 * x + y for x, y in zip(layer, rest)])
-    assert a.coeffs(Scheme(2, 1)) == pytest.approx([(4 * layer[0] + rest[0]) / 2,
-                                                    (4 * layer[1] + rest[1]) / 2 + 4 * slots_per_layer * tb,
-                                                    4 * layer[2] + rest[2] + 4 * slots_per_layer * ta])
-    assert a.coeffs(Scheme(1, 2)) == pytest.approx([2 * layer[0] + rest[0], 2 * layer[1] + rest[1] + 2 * pb,
-                                                    2 * layer[2] + rest[2] + 2 * pa])
+    assert a.coeffs(Scheme(1, 1)) == pytest.approx([4 * x + y for x, y in zip(layer[1], rest[1])])
+    assert a.coeffs(Scheme(2, 1)) == pytest.approx([4 * layer[2][0] + rest[2][0],
+                                                    4 * layer[2][1] + rest[2][1] + 4 * slots_per_layer * tb,
+                                                    4 * layer[2][2] + rest[2][2] + 4 * slots_per_layer * ta])
+    assert a.coeffs(Scheme(1, 2)) == pytest.approx([2 * layer[1][0] + rest[1][0], 2 * layer[1][1] + rest[1][1] + 2 * pb,
+                                                    2 * layer[1][2] + rest[1][2] + 2 * pa])
 
 
 def test_measured_estimates_are_not_gpu_class_figures(measured):
