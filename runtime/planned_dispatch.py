@@ -119,6 +119,7 @@ class PlannedStep:
     wait_s: float
     model_est_ms: float = 0.0
     source: str = "inline"
+    queue_wait_s: float = 0.0                   # rank 0 blocked on the planner process (0 inline)
 
 
 class IterationPlanner:
@@ -166,15 +167,15 @@ class IterationPlanner:
         consumer.setup(self.cost, self.candidates, self.method, [(b.step, [len(d) for d in b.docs]) for b in batches])
         self.ahead = consumer
 
-    def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float]:
+    def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float]:
         from hgraph.runtime.planner.calibration import scaled_plan
         from hgraph.runtime.planner.selection import plan_iteration
         from hgraph.runtime.plan_ahead import PlannerLost
 
-        plan, source = None, "inline"
+        plan, source, queue_wait = None, "inline", 0.0
         if self.ahead is not None:
             try:
-                plan, _ = self.ahead.get(batch.step)
+                plan, queue_wait = self.ahead.get(batch.step)
                 source = "ahead"
             except PlannerLost as exc:
                 self.ahead = None
@@ -184,14 +185,14 @@ class IterationPlanner:
         if plan is None:
             plan = plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
                                   method=self.method, index=batch.step)
-        return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms)
+        return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait
 
     def plan(self, batch: MiniBatch) -> PlannedStep:
         """The plan of ``batch`` (the same on every rank) and its packed micro-batches per pipeline."""
         t0 = time.perf_counter()
-        plan, source, model_est = _on_rank0(lambda: self._plan_on_rank0(batch), self.rank)
+        plan, source, model_est, queue_wait = _on_rank0(lambda: self._plan_on_rank0(batch), self.rank)
         wait = time.perf_counter() - t0
-        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait, model_est, source)
+        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait, model_est, source, queue_wait)
 
     def observe(self, model_est_ms: float, measured_ms: float) -> None:
         """A measured step (rank 0): feeds the online correction of later estimates."""

@@ -282,7 +282,7 @@ class Trainer:
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
-            "planner_source": planned.source,
+            "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
             "switch_s": switch_s, "cache_hit": self.cache.hits > hits,

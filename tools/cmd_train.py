@@ -188,7 +188,10 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     if s.est_within_10pct is not None:
         extra.append(f"estimate within 10% of measured in {100 * s.est_within_10pct:.0f}% of steps")
     if s.planner_wait_s is not None:
-        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all")
+        queue = [r["planner_queue_wait_s"] for r in records if r.get("planner_source") == "ahead"]
+        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all"
+                     + (f" ({sum(queue):.2f} s blocked on the planner process in {len(queue)} planned-ahead "
+                        f"steps)" if queue else ""))
     if s.cache_hit_rate is not None:
         extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
     print(f"         {loss}; " + "; ".join(extra))
