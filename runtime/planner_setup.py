@@ -51,6 +51,12 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
               f"{', '.join(map(str, planner.candidates))}; cost model {c.name}"
               + (f"; plans {cfg.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"), flush=True)
+    if rank == 0 and cfg.profile == "measure" and cfg.metrics:
+        # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
+        import json
+        from pathlib import Path
+        path = Path(cfg.metrics).parent / "profile.json"
+        path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
     if channel is not None and rank == 0:
         from hgraph.runtime.plan_ahead import PlanConsumer
         planner.plan_ahead(PlanConsumer(channel), list(mini_batches(trainer.documents(), cfg.tokens_per_iter,

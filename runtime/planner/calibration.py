@@ -4,10 +4,11 @@ and the online correction of its estimates from the steps measured so far.
 ``calibrate_cost_model`` runs on every rank at once, so the timings include the contention of the
 training itself (on a CPU machine, N rank processes share the cores exactly as they will in training):
 
-* compute: dual-layer timing (``profiler.dual_layer_timings``: a 1- and a 2-layer copy of the model,
-  forward + backward on one sequence) at a few lengths, for every TP degree on one TP rank's shard of
-  the model (heads, MLP width and vocabulary divided by TP); each rank measures, the median over
-  ranks is fitted to ``layer_TP(l)`` and ``rest_TP(l)`` (embedding, head, loss) as ``a l^2 + b l + c``;
+* compute: dual-layer timing (a 1- and a 2-layer copy of the model, forward + backward on one
+  sequence, ``interleaved_layer_timings``) at a few lengths, for every TP degree on one TP rank's
+  shard of the model (heads, MLP width and vocabulary divided by TP); each rank measures, the median
+  over ranks is fitted to ``layer_TP(l)`` and ``rest_TP(l)`` (embedding, head, loss) as
+  ``a l^2 + b l + c``;
 * tensor parallelism: all-reduce of ``l x hidden`` activations inside every TP group of each TP degree
   (all groups at once), fitted to ``alpha + beta l``; a TP stage pays it once per TP slot of its layers
   (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in backward or forward), its compute is
@@ -36,7 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import CostModel, fit_coefficients
 
-DEFAULT_LENGTHS = (64, 256, 1024)
+DEFAULT_LENGTHS = (64, 256, 512, 1024)
 COMM_LENGTHS = (64, 1024)
 
 
@@ -111,17 +112,52 @@ def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats
     return out if rank % 2 == 1 else None
 
 
+def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[int], lengths: Sequence[int],
+                              vocab: int, repeats: int) -> dict[int, tuple[list[float], list[float]]]:
+    """Per TP degree, ms of one decoder layer and of the rest at each length, forward + backward on one
+    rank's shard (``build(n, tp)``: ``n`` layers).
+
+    Why not ``profiler.dual_layer_timings`` per degree: on a loaded machine the load changes between
+    two phases, and a layer's time is a difference of two timings. Here every repeat runs the 1- and
+    the 2-layer model of every degree back to back (round robin), the layer is the median of the
+    paired differences and the rest the median 1-layer time minus it; medians, not minima, because
+    ranks that share cores are slowed for the whole step (measured: the minimum was ~2.5x too low).
+    """
+    import torch
+    from hgraph.runtime.planner.profiler import _fwd_bwd_ms
+
+    torch.manual_seed(0)
+    models = {tp: (build(1, tp), build(2, tp)) for tp in tps}
+    out: dict[int, tuple[list[float], list[float]]] = {tp: ([], []) for tp in tps}
+    for length in lengths:
+        diffs: dict[int, list[float]] = {tp: [] for tp in tps}
+        ones: dict[int, list[float]] = {tp: [] for tp in tps}
+        ids = {tp: torch.randint(0, -(-vocab // tp), (1, length)) for tp in tps}
+        for k in range(repeats + 1):
+            for tp in tps:
+                one, two = models[tp]
+                t1, t2 = _fwd_bwd_ms(one, ids[tp]), _fwd_bwd_ms(two, ids[tp])
+                if k:                                    # the first round warms up
+                    diffs[tp].append(t2 - t1)
+                    ones[tp].append(t1)
+        for tp in tps:
+            lay = max(statistics.median(diffs[tp]), 0.0)
+            out[tp][0].append(lay)
+            out[tp][1].append(max(statistics.median(ones[tp]) - lay, 0.0))
+    return out
+
+
 def calibration_phases(prior: CostModel, world_size: int) -> int:
     """How many ``progress`` calls ``calibrate_cost_model`` makes (for a progress bar's total)."""
     tps = {tp for tp, _, _ in prior.profiled}
     pps = {pp for _, pp, _ in prior.profiled}
     multi = world_size > 1
-    return len(tps) + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0)
+    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0)
 
 
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
-                         lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 3,
+                         lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 5,
                          progress: Optional[Callable[[str], None]] = None) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
     every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
@@ -129,7 +165,6 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
     Returns the model and the raw measurements."""
     import torch
-    from hgraph.runtime.planner.profiler import dual_layer_timings
 
     dtype = dtype or torch.float32
     hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
@@ -143,18 +178,12 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
                            "pp_comm_ms": None, "repeats": repeats, "ranks": world_size}
     layer: dict[int, tuple[float, float, float]] = {}
     rest: dict[int, tuple[float, float, float]] = {}
+    say("compute " + ", ".join(f"TP{tp}" for tp in tps))
+    timed = interleaved_layer_timings(build, tps, lengths, vocab, repeats)
+    rows = _all_gather(timed)
     for tp in tps:
-        # the compute of one TP rank is timed on its own shard (heads, MLP width and vocabulary / TP):
-        # dividing the full layer's time by TP misses what does not shrink with the width
-        # (measured on CPU: 1xTP2PP1 ran 5x slower than that estimate)
-        say(f"compute TP{tp}")
-        # the median, not the fastest run: ranks sharing cores are slowed for the whole step, and the
-        # fastest of a few runs catches the moments a rank had a core to itself (measured: ~2.5x too low)
-        t = dual_layer_timings(lambda n, tp=tp: build(n, tp), lengths, -(-vocab // tp), repeats=repeats, warmup=1,
-                               reduce=statistics.median)
-        rows = _all_gather((t.layer_ms, t.rest_ms))
-        raw["layer_ms"][tp] = _median_rows([r[0] for r in rows])
-        raw["rest_ms"][tp] = _median_rows([r[1] for r in rows])
+        raw["layer_ms"][tp] = _median_rows([r[tp][0] for r in rows])
+        raw["rest_ms"][tp] = _median_rows([r[tp][1] for r in rows])
         layer[tp] = fit_coefficients(list(zip(lengths, raw["layer_ms"][tp])))
         rest[tp] = fit_coefficients(list(zip(lengths, raw["rest_ms"][tp])))
     tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
