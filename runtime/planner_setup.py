@@ -4,6 +4,7 @@ process). See ``hgraph.runtime.plan_ahead`` for the process and its channel."""
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Iterator, Optional
 
 
@@ -38,6 +39,7 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
             pass
     bar = Progress(phases, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
+    t0 = time.perf_counter()
     try:
         planner = IterationPlanner.create(cfg.strategies, cfg.profile, trainer.model, trainer.documents(),
                                           cfg.tokens_per_iter, rank, trainer.world_size, cfg.gpus_per_node,
@@ -48,7 +50,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     if rank == 0 and cfg.log_steps:
         c = planner.cost
         print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
-              f"{', '.join(map(str, planner.candidates))}; cost model {c.name}"
+              f"{', '.join(map(str, planner.candidates))}; cost model {c.name}; "
+              f"set up in {time.perf_counter() - t0:.1f} s"
               + (f"; plans {cfg.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"), flush=True)
     if rank == 0 and cfg.profile == "measure" and cfg.metrics:
