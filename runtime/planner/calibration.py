@@ -62,10 +62,14 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _time_comm(fn: Callable[[], None], repeats: int) -> float:
+def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[], Any]] = None) -> float:
+    """Median ms of ``fn()``; ``work()`` (untimed) runs before each call, so the time includes the
+    wait for peers that were descheduled or slower in their own work, as between a layer's ops."""
     fn()                                                # warm-up: connections, buffers
     times = []
     for _ in range(repeats):
+        if work is not None:
+            work()
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -88,7 +92,12 @@ def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: An
     out = []
     for l in COMM_LENGTHS:
         x = torch.ones(l, hidden, dtype=dtype)
-        out.append(_time_comm(lambda: dist.all_reduce(x, group=group), repeats))
+        # an MLP shard's matmuls between the all-reduces, as in a TP layer: on shared cores the
+        # all-reduce mostly waits for the peer (measured alone it was ~0.5 ms, and TP2 estimated
+        # 2-5x too fast)
+        w = torch.randn(hidden, max(4 * hidden // tp, 1), dtype=dtype)
+        out.append(_time_comm(lambda: dist.all_reduce(x, group=group), repeats,
+                              work=lambda: torch.tanh(x @ w) @ w.T))
     dist.barrier()
     return out
 
