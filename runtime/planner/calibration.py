@@ -10,16 +10,17 @@ training itself (on a CPU machine, N rank processes share the cores exactly as t
   over ranks is fitted to ``layer_TP(l)`` and ``rest_TP(l)`` (embedding, head, loss) as
   ``a l^2 + b l + c``;
 * tensor parallelism: all-reduce of ``l x hidden`` activations inside every TP group of each TP degree
-  (all groups at once), fitted to ``alpha + beta l``; a TP stage pays it once per TP slot of its layers
-  (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in backward or forward), its compute is
-  divided by TP;
+  (all groups at once, each after an MLP shard's matmuls), fitted to ``alpha + beta l``; a TP stage
+  pays it once per TP slot of its layers (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in
+  backward or forward);
 * pipeline parallelism: send/recv of ``l x hidden`` between neighbour ranks, fitted the same way; a
   stage pays one forward and one backward transfer per micro-batch.
 
 Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
 divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
-4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets ``T(l) = ceil(layers/PP) * (layer_TP(l) + tp_comm(l)) + rest_TP(l) +
-pp_comm(l)`` (the slowest stage holds the rest). Memory and MaxLen come from the analytic prior.
+4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets
+``T(l) = ceil(layers/PP) * (layer_TP(l) + tp_comm(l)) + rest_TP(l) + pp_comm(l)`` (the slowest stage
+holds the rest). Memory and MaxLen come from the analytic prior.
 
 What the model leaves out on purpose: the pull / push / optimizer phases of a step and the per-document
 cost of varlen attention; ``StepCorrection`` scales every estimate by the median ratio measured/estimate

@@ -49,10 +49,9 @@ def _fwd_bwd_ms(model, ids) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _time_pair(one, two, length: int, vocab: int, repeats: int, warmup: int,
-               reduce: Callable[[list], float] = min) -> tuple[float, float]:
-    """Fastest (``reduce``) of ``repeats`` runs of each model, the two interleaved so that a busy
-    machine slows both alike; the minimum is the run least disturbed by other processes."""
+def _time_pair(one, two, length: int, vocab: int, repeats: int, warmup: int) -> tuple[float, float]:
+    """Fastest of ``repeats`` runs of each model, the two interleaved so that a busy machine
+    slows both alike; the minimum is the run least disturbed by other processes."""
     import torch
 
     ids = torch.randint(0, vocab, (1, length))
@@ -63,7 +62,7 @@ def _time_pair(one, two, length: int, vocab: int, repeats: int, warmup: int,
     for _ in range(repeats):
         t1.append(_fwd_bwd_ms(one, ids))
         t2.append(_fwd_bwd_ms(two, ids))
-    return reduce(t1), reduce(t2)
+    return min(t1), min(t2)
 
 
 def _saved_bytes(model, length: int, vocab: int) -> int:
@@ -90,13 +89,10 @@ def _saved_bytes(model, length: int, vocab: int) -> int:
 
 
 def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], vocab: int, *, repeats: int = 10,
-                       warmup: int = 2, threads: int | None = None,
-                       reduce: Callable[[list], float] = min) -> LayerTimings:
+                       warmup: int = 2, threads: int | None = None) -> LayerTimings:
     """Time a 1-layer and a 2-layer model (``build(num_layers)``) on every length.
 
-    ``threads`` sets torch's intra-op threads while timing (restored afterwards); ``reduce`` turns
-    the repeats into one figure (the minimum: the cost undisturbed; the median: the cost under the
-    contention of the moment, what ranks sharing cores see).
+    ``threads`` sets torch's intra-op threads while timing (restored afterwards).
     """
     import torch
 
@@ -108,7 +104,7 @@ def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], voca
         torch.set_num_threads(threads)
     try:
         for l in lengths:
-            t1, t2 = _time_pair(one, two, l, vocab, repeats, warmup, reduce)
+            t1, t2 = _time_pair(one, two, l, vocab, repeats, warmup)
             per_layer = max(t2 - t1, 0.0)  # noise can make a tiny layer look free; never negative
             layer.append(per_layer)
             rest.append(max(t1 - per_layer, 0.0))
