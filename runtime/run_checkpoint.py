@@ -225,17 +225,21 @@ def restore_state(loaded: Any, optimizer: Any) -> None:
         ckpt.restore_rng(loaded.rng)
 
 
-def planner_from_checkpoint(loaded: Any, config: Any, model: Any, rank: int, world_size: int) -> Any:
-    """The resumed run's planner with the checkpoint's candidates (no new proposal), when they were
-    made for this world size, the same ``--strategies`` and profile; else None (a fresh planner)."""
+def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any:
+    """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
+    measurement, so it plans as the interrupted run would have), when they were made for this world
+    size, the same ``--strategies`` and profile; else None (a fresh planner)."""
     state = loaded.planner_state if loaded is not None else {}
     if (state.get("mode") != "planner" or state.get("world_size") != world_size
-            or state.get("strategies") != config.strategies or state.get("profile") != config.profile):
+            or state.get("strategies") != config.strategies or state.get("profile") != config.profile
+            or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
         return None
-    from hgraph.runtime.planned_dispatch import IterationPlanner, model_cost_model, parse_candidates
-    cost = model_cost_model(config.profile, model, world_size, config.gpus_per_node)
+    from hgraph.runtime.planned_dispatch import IterationPlanner, parse_candidates
+    from hgraph.runtime.planner.cost_model import cost_model_from_entry
+    (name, entry), = state["cost_profile"].items()
+    cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
     return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
-                            source=state.get("source", "checkpoint"), method=state.get("method", "fast"))
+                            source=state.get("source", "checkpoint"), method=config.method)
 
 
 def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
@@ -244,7 +248,7 @@ def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size
         return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
     return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
             "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
-            "source": planner.source, "method": planner.method}
+            "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
 
 
 def run_state(config: Any, world_size: int) -> dict:

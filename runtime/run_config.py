@@ -108,14 +108,16 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "data)", metavar="S1;S2|auto"),
     _k("planner", "max-candidates", "int", None, "most candidate strategies kept by the proposal (none: "
        "the proposal's own set; only none so far)", optional=True, minimum=1),
-    _k("planner", "profile", "str", "analytic", "cost profile: analytic (prior from the model's shape), "
-       "llama-7b|llama-13b|llama-32b, FILE or FILE:NAME (measured with hgraph profile)", metavar="NAME|FILE"),
+    _k("planner", "profile", "str", "measure", "cost profile: measure (timed on this machine by the ranks "
+       "at the start, kept as RUN_DIR/profile.json), analytic (prior from the model's shape), "
+       "llama-7b|llama-13b|llama-32b, FILE or FILE:NAME (measured with hgraph profile)",
+       metavar="measure|analytic|NAME|FILE"),
     _k("planner", "method", "str", "fast", "dispatch method", choices=("fast", "greedy", "cpsat")),
     _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat; only 10 so far)",
        minimum=1e-3,
        metavar="S"),
-    _k("planner", "plan-ahead", "int", 0, "plans computed ahead in the planner process (bounded queue; "
-       "0: plan inline; only 0 so far)", minimum=0, metavar="Q"),
+    _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
+       "0: plan inline)", minimum=0, metavar="Q"),
     _k("planner", "outlier-queues", "int", 0, "outlier-delay queues of the packing (0: no delay; only 0 "
        "so far)", minimum=0, metavar="K"),
     _k("planner", "microbatch-tokens", "int", None, "token limit of a packed micro-batch (default: "
@@ -137,7 +139,7 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("logging", "metrics", "path", None, "also write the per-step metrics here", optional=True,
        metavar="PATH.jsonl"),
     _k("logging", "plots", "bool", True, "write the PNG and SVG plots into the run folder at the end"),
-    _k("logging", "progress", "str", "off", "progress bars: auto (on a terminal), on, off (only off so far)",
+    _k("logging", "progress", "str", "auto", "progress bars: auto (on a terminal), on, off",
        choices=("auto", "on", "off")),
     _k("logging", "log-every", "int", 1, "print one line every K steps", minimum=1, metavar="K"),
     _k("logging", "json", "bool", False, "print one JSON object at the end instead of lines"),

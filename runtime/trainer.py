@@ -42,7 +42,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
-from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, planner_from_checkpoint, restore_state
+from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, restore_state
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
@@ -83,6 +83,8 @@ class TrainConfig:
     resume: bool = False                      # continue from the newest checkpoint in checkpoint_dir
     resume_fallback: bool = False             # ... or the previous one when the newest is broken
     resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
+    plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
+    progress: bool = False                    # rank 0 draws progress bars (the launcher saw a terminal)
 
 
 @dataclass
@@ -188,7 +190,8 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
 class Trainer:
     """Runs a ``TrainConfig`` on this rank of an initialised process group (or alone)."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None) -> None:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
+                 planner_channel: Any = None) -> None:
         import hgraph
         from hgraph.runtime.process_groups import GroupCache
         if world_size != config.world_size:
@@ -204,19 +207,16 @@ class Trainer:
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
-        if config.strategies is not None:
-            from hgraph.runtime.planned_dispatch import IterationPlanner
-            self.planner = planner_from_checkpoint(self.resumed, config, self.model, rank, world_size) or \
-                IterationPlanner.create(
-                config.strategies, config.profile, self.model, self.docs, config.tokens_per_iter, rank,
-                world_size, config.gpus_per_node)
-            self.planner.method = config.method
-            self.schedule = list(self.planner.candidates)
+        groups = groups if groups is not None else GroupCache(rank, world_size)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
         self.model.to(self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.dtype)
+        if config.strategies is not None:
+            from hgraph.runtime.planner_setup import start_planner
+            self.planner = start_planner(self, groups, planner_channel)
+            self.schedule = list(self.planner.candidates)
         self.cluster = Cluster(world_size, config.gpus_per_node)
         self.cache = GraphCache(self.compiled, self.cluster)
         if self.planner is None:
@@ -228,8 +228,7 @@ class Trainer:
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
-        self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
-                                 groups if groups is not None else GroupCache(rank, world_size),
+        self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.skip_nonfinite)
 
     def documents(self) -> list[Document]:
@@ -261,8 +260,10 @@ class Trainer:
                 rewrite_metrics_before(Path(cfg.metrics), start_step)
             metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.heartbeat import Heartbeat
+        from hgraph.tools.progress import Progress
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
+        bar = Progress(cfg.steps, "training", enabled=cfg.progress and self.rank == 0 and cfg.log_steps)
         try:
             for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
                                       start_position=start_position):
@@ -278,9 +279,10 @@ class Trainer:
                     line["next_document"] = batch.next_position
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
-                if cfg.log_steps and self.rank == 0 and (batch.step % cfg.log_every == 0
-                                                         or batch.step + 1 == cfg.steps):
-                    print(format_step_line(result, self.planned.get(batch.step)), flush=True)
+                if cfg.log_steps and self.rank == 0:
+                    if batch.step % cfg.log_every == 0 or batch.step + 1 == cfg.steps:
+                        bar.write(format_step_line(result, self.planned.get(batch.step)))
+                    bar.update(1, f"step {batch.step}")
                 if checkpoints.due(batch.step + 1):
                     pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
                                         self.fingerprint)
@@ -302,6 +304,9 @@ class Trainer:
                 raise RankLostError(now, lost, self.rank, exc) from exc
             raise
         finally:
+            bar.close()
+            if self.planner is not None and self.planner.ahead is not None:
+                self.planner.ahead.stop()
             if metrics is not None:
                 metrics.close()
             if self.executor.heartbeat is not None:
@@ -338,8 +343,11 @@ class Trainer:
         switch_s = time.perf_counter() - t0
         result = self.executor.step(program, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, self.world_size, self.device)
+        if self.rank == 0 and self.cache.hits > hits:   # a compiling step says nothing about later ones
+            self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
-            "est_latency_ms": float(planned.plan.est_latency_ms),
+            "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
+            "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
             "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
@@ -372,14 +380,14 @@ def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
             "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
-def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
+def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
     """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params).
 
     Bad input (HGraphError) is returned as ``{"error": message}``: it happens at the same point on
     every rank (before any collective, or after the loss all-reduce), so no rank is left waiting.
     """
     try:
-        summary = Trainer(config, rank, world_size).run()
+        summary = Trainer(config, rank, world_size, planner_channel=planner_channel if rank == 0 else None).run()
     except HGraphError as exc:
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
@@ -399,15 +407,18 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
         # resolved once, before any process starts: every rank loads the same checkpoint
         from hgraph.runtime.run_checkpoint import find_resume_point
         config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
+    from hgraph.runtime.planner_setup import planner_process
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
         rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
-        results = [train_worker(rank, world, config)]
+        with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
+            results = [train_worker(rank, world, config, channel)]
     else:
         from hgraph.runtime.launch import local_backend, spawn
         total = 120.0 + timeout_s * (config.steps + 1)
-        results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),
-                        args=(config,), timeout_s=total)
+        with planner_process(config, True) as channel:           # the launcher owns the planner
+            results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),
+                            args=(config, channel), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
         raise HGraphError(error)

@@ -2,18 +2,24 @@
 
 With no arguments it runs the built-in default: ``llama:tiny`` on the built-in long-tail documents
 (``hgraph.runtime.builtin_data.synthetic_documents``: real Wikipedia lengths scaled for CPU), 4 local
-processes, the analytic cost model, ``auto`` candidate strategies and the planner's choice every
-iteration; it prints one line per iteration and a summary, and writes ``metrics.jsonl`` and the plots
-(``hgraph.tools.plots``) into ``--run-dir`` (default ``runs/<UTC timestamp>``).
+processes, a cost model measured on the spot by the ranks (``--profile measure``), ``auto`` candidate
+strategies and the planner's choice every iteration, planned ahead in a planner process; it prints
+one line per iteration (a progress bar on a terminal) and a summary, and writes ``run.json``,
+``metrics.jsonl`` and the plots (``hgraph.tools.plots``) into ``--run-dir`` (default
+``runs/<UTC timestamp>``).
 
 Planner-driven mode (``--strategies auto|"S1;S2"``, the default): every iteration
 ``plan_iteration`` picks the strategy among the candidates and dispatches the mini-batch's documents
-to pipelines and micro-batches with the cost model of ``--profile`` (``analytic``: the analytic prior
-for the model and world size; or a built-in profile NAME or a profile FILE); rank 0 plans and
-broadcasts the plan. Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
+to pipelines and micro-batches with the cost model of ``--profile`` (``measure``: timed on this
+machine at the start, ``hgraph.runtime.planner.calibration``; ``analytic``: the analytic prior for the
+model and world size; or a built-in profile NAME or a profile FILE). A planner process started by
+the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead
+(``hgraph.runtime.plan_ahead``); rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
+once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
+Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
-Starts ``--world-size`` local processes (gloo on CPU) or, under ``torchrun``, runs as this process's
-rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
+Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
+GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
 of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens; in
 deterministic mode documents are dispatched and packed by the runtime's built-in rule
 (``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are
@@ -59,8 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # Keys of the configuration whose feature this trainer does not have yet: only the value given here
 # is accepted (any other is bad input, not silently ignored).
-_ONLY_VALUE = {"plan_ahead": 0, "outlier_queues": 0, "max_candidates": None, "time_limit": 10.0,
-               "progress": "off"}
+_ONLY_VALUE = {"outlier_queues": 0, "max_candidates": None, "time_limit": 10.0}
 
 
 def config_from_args(args: argparse.Namespace):
@@ -95,7 +100,7 @@ def config_from_args(args: argparse.Namespace):
                        gpus_per_node=cfg.gpus_per_node, backend=cfg.backend, log_every=cfg.log_every,
                        checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
-                       resume_fallback=cfg.resume_fallback), cfg
+                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead), cfg
 
 
 def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int,
@@ -140,7 +145,10 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     if s.est_within_10pct is not None:
         extra.append(f"estimate within 10% of measured in {100 * s.est_within_10pct:.0f}% of steps")
     if s.planner_wait_s is not None:
-        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all")
+        queue = [r["planner_queue_wait_s"] for r in records if r.get("planner_source") == "ahead"]
+        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all"
+                     + (f" ({sum(queue):.2f} s blocked on the planner process in {len(queue)} planned-ahead "
+                        f"steps)" if queue else ""))
     if s.cache_hit_rate is not None:
         extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
     print(f"         {loss}; " + "; ".join(extra))
@@ -170,6 +178,11 @@ def run(args: argparse.Namespace) -> int:
         config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
                                         cfg.builtin_docs or saved_n, cfg.builtin_scale)
     config.log_steps = planned and not cfg.json
+    from hgraph.tools.progress import resolve_mode
+    config.progress = config.log_steps and resolve_mode(cfg.progress)
+    if run_dir is not None:
+        from hgraph.tools.run_record import write_run_record
+        write_run_record(run_dir, config)
     if config.log_steps:
         source = cfg.data or "built-in long-tail documents"
         print(f"hgraph train: {config.model} on {config.world_size} processes, {source}, "

@@ -85,3 +85,32 @@ def test_resumed_trainer_takes_masters_from_the_checkpoint_and_settings_from_its
             assert torch.equal(state[key][name], t), (key, name)
     summary = again.run()
     assert [r.step for r in summary.steps] == [3] and summary.resumed_from["next_document"] > 0
+
+
+def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
+    """A resume plans with the interrupted run's cost model (a measured one is not measured again)."""
+    import dataclasses
+    import json
+    from types import SimpleNamespace
+
+    from hgraph.frontends.zoo import llama
+    from hgraph.runtime.planned_dispatch import IterationPlanner, model_cost_model, parse_candidates
+    from hgraph.runtime.run_checkpoint import planner_state, resumed_planner
+    from hgraph.strategy import Scheme
+
+    cost = model_cost_model("analytic", llama.build("tiny"), 4)
+    # stands for a measured model: coefficients no prior would give
+    cost = dataclasses.replace(cost, name="measured",
+                               profiled={k: (a * 3.0, b + 0.5, c * 7.0) for k, (a, b, c) in cost.profiled.items()})
+    planner = IterationPlanner(cost, parse_candidates("4xTP1PP1;1xTP2PP2", 4), 0, source="proposed")
+    config = SimpleNamespace(strategies="auto", profile="measure", gpus_per_node=8, method="fast")
+    state = json.loads(json.dumps(planner_state(config, planner, [], 4)))     # as the manifest keeps it
+    loaded = SimpleNamespace(planner_state=state)
+    again = resumed_planner(loaded, config, 0, 4)
+    assert [str(c) for c in again.candidates] == ["4xTP1PP1", "1xTP2PP2"] and again.source == "proposed"
+    for scheme in ("TP1PP1", "TP2PP2"):
+        s = Scheme.parse(scheme)
+        assert again.cost.coeffs(s) == cost.coeffs(s)
+    # made for another world size or another profile: a fresh planner
+    assert resumed_planner(loaded, config, 0, 2) is None
+    assert resumed_planner(loaded, SimpleNamespace(**{**vars(config), "profile": "analytic"}), 0, 4) is None
