@@ -68,6 +68,7 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
+    memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
 
 
 @dataclass
@@ -206,7 +207,8 @@ class Trainer:
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
-                                 device=self.device, skip_nonfinite=config.skip_nonfinite)
+                                 device=self.device, skip_nonfinite=config.skip_nonfinite,
+                                 memory_budget=config.memory_budget)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -232,9 +234,11 @@ class Trainer:
             for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
                 result = self.step(batch)
                 results.append(result)
+                memory_line = self._memory_per_rank(result) if cfg.metrics else {}
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
+                    line.update(memory_line)
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
@@ -278,6 +282,17 @@ class Trainer:
             "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
+
+    def _memory_per_rank(self, r: StepResult) -> dict:
+        """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
+        from hgraph.runtime.planned_dispatch import all_gather_floats
+        nan = float("nan")
+        peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, self.world_size, self.device)
+        pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes,
+                                 self.world_size, self.device)
+        return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
+                "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
+                "memory_budget": self.config.memory_budget, "recompute_layers": r.recompute_layers}
 
     def final_state_dict(self) -> dict:
         """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""

@@ -72,6 +72,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="working precision (masters stay fp32)")
     p.add_argument("--microbatch-tokens", default=None, type=int, metavar="T",
                    help="token limit of a packed micro-batch (default: see the built-in dispatch rule)")
+    p.add_argument("--memory-budget", default=None, metavar="BYTES",
+                   help="activation bytes per rank (suffix K/M/G allowed): blocks are recomputed per "
+                        "micro-batch, as few as fit (dynamic recomputation); default: no recomputation")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose loss is NaN/inf")
     p.add_argument("--timeout", default=60.0, type=float, metavar="S",
                    help="seconds a collective may wait (a lost rank is reported within it; default 60)")
@@ -133,7 +136,24 @@ def config_from_args(args: argparse.Namespace):
                        model_args=model_args, optimizer=args.optimizer, lr=args.lr, betas=betas, eps=args.eps,
                        weight_decay=args.weight_decay, grad_clip=clip, seed=args.seed, dtype=args.dtype,
                        microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
-                       save_final=args.save_final, metrics=args.metrics)
+                       save_final=args.save_final, metrics=args.metrics,
+                       memory_budget=parse_bytes(args.memory_budget, "--memory-budget"))
+
+
+def parse_bytes(text, option: str):
+    """``123``, ``1.5e6``, ``512K``, ``64M``, ``2G`` (powers of 1024) -> bytes; None stays None."""
+    if text is None:
+        return None
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    t = str(text).strip().upper().removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise HGraphError(f"{option} {text!r}: expected a positive number of bytes, e.g. 512M")
+    return value
 
 
 def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int) -> list[list[int]]:
