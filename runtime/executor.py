@@ -40,9 +40,14 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm_ops import CommContext
 from hgraph.runtime.cp_attention import CPLayout
 from hgraph.runtime.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
-from hgraph.runtime.planner.cp_sharding import choose_sharding
+from hgraph.runtime.planner.cp_sharding import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
+                                                 per_document_plan, per_sequence_plan)
 from hgraph.runtime.param_sync import ParamSync
 from hgraph.runtime.varlen_attention import cu_seqlens_for
+
+
+ADAPTIVE = "adaptive"
+CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
 @dataclass(frozen=True)
@@ -112,10 +117,17 @@ class RankState:
     memory: Any = None      # a runtime.recompute.StageMemory: activation accounting, recomputation
 
 
-def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int) -> CPLayout:
+def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
     """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
-    the attention-kernel estimate says is faster (WLB-LLM §5.3)."""
-    plan, _ = choose_sharding(mb.doc_lengths, cp)
+    the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
+    if method == PER_DOCUMENT:
+        plan = per_document_plan(mb.doc_lengths, cp)
+    elif method == PER_SEQUENCE:
+        plan = per_sequence_plan(mb.doc_lengths, cp)
+    elif method == ADAPTIVE:
+        plan, _ = choose_sharding(mb.doc_lengths, cp)
+    else:
+        raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
@@ -138,7 +150,8 @@ class Executor:
 
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
-                 memory_budget: Optional[float] = None, track_memory: bool = True) -> None:
+                 memory_budget: Optional[float] = None, track_memory: bool = True,
+                 cp_sharding: str = ADAPTIVE) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -148,6 +161,9 @@ class Executor:
         # DCP-intra: with a budget (bytes of activations per rank) blocks are recomputed per micro-batch
         self.memory_budget = memory_budget
         self.track_memory = track_memory or memory_budget is not None
+        if cp_sharding not in CP_SHARDINGS:
+            raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
+        self.cp_sharding = cp_sharding
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self._states: dict[Any, RankState] = {}
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
@@ -276,7 +292,7 @@ class Executor:
             if kind == "F":
                 ids, pos, targets = mb.input_ids, mb.position_ids, None
                 if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank)
+                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
                     local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
                     cu = cu_seqlens_for(mb.doc_lengths)
                     ids, pos = ids[:, local], pos[:, local]

@@ -37,27 +37,32 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from hgraph.meta import get_meta
+from hgraph.meta import CommPoint, get_meta
 
 BLOCK_PREFIX = "hgraph_block_"
 
 
 # ---- the graph rewrite ----------------------------------------------------------------------------
 def block_ranges(graph: fx.Graph) -> list[tuple[int, list[fx.Node]]]:
-    """Per layer (in graph order): the nodes from its first to its last node, contiguous."""
+    """Per layer (in graph order): the nodes from its first to its last node, contiguous; the
+    pipeline send / receive at a stage boundary (tagged with the layer it leaves) are not part of it."""
     nodes = list(graph.nodes)
     first: dict[int, int] = {}
     last: dict[int, int] = {}
+    pp_at = set()
     for i, n in enumerate(nodes):
-        layer = get_meta(n).layer
-        if layer is not None and n.op not in ("placeholder", "output"):
-            first.setdefault(layer, i)
-            last[layer] = i
+        meta = get_meta(n)
+        if meta.comm_point == CommPoint.PP_BOUNDARY:
+            pp_at.add(i)        # a stage's send / receive: never replayed (the peer expects it once)
+            continue
+        if meta.layer is not None and n.op not in ("placeholder", "output"):
+            first.setdefault(meta.layer, i)
+            last[meta.layer] = i
     out = []
     prev_end = -1
     for layer in sorted(first, key=first.get):
         lo, hi = first[layer], last[layer]
-        if lo <= prev_end:
+        if lo <= prev_end or any(lo < i < hi for i in pp_at):
             return []       # interleaved layers (not a plain stack of blocks): leave the graph alone
         out.append((layer, nodes[lo:hi + 1]))
         prev_end = hi
@@ -307,7 +312,8 @@ class StageMemory:
 
     ``budget``: bytes of activations this rank may hold; None measures only. ``layers``: the layer
     indices of the stage's blocks (in order). ``group``: the process group of the stage's TP x CP
-    ranks (None alone), over which the recomputed layer count is agreed (max).
+    ranks as a 1-tuple (its process group, None for the default group) or None alone; the recomputed
+    layer count is agreed over it (max).
     """
 
     def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
@@ -377,7 +383,7 @@ class StageMemory:
             return r
         import torch.distributed as dist
         t = torch.tensor([r], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group[0])   # None: the default group
         return int(t[0])
 
 
@@ -394,11 +400,13 @@ def attach_stage_memory(state: Any, program: Any, groups: Any, budget: Optional[
         if outlined is not state.graph:
             layers = [layer for layer, _ in block_ranges(state.graph.graph)]
             state.graph = outlined
-        stage_ranks = sorted(r.rank for r in program.ranks
-                             if r.pipeline == rp.pipeline and r.stage == rp.stage)
+        stages: dict[tuple[int, int], list[int]] = {}
+        for r in program.ranks:
+            stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
+        groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
+        stage_ranks = sorted(stages[(rp.pipeline, rp.stage)])
         if len(stage_ranks) > 1:
-            groups.ensure([stage_ranks])
-            group = groups.get(stage_ranks)
+            group = (groups.get(stage_ranks),)
     state.comm.activation_meter = meter
     state.comm.recompute_layers = None
     state.memory = StageMemory(meter, layers, budget, group, device)

@@ -69,6 +69,7 @@ class TrainConfig:
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
     memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
+    cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
 
 
 @dataclass
@@ -191,6 +192,8 @@ class Trainer:
                                                    self.documents(), config.tokens_per_iter, rank, world_size,
                                                    config.gpus_per_node)
             self.schedule = list(self.planner.candidates)
+            # the planner's micro-batch times include the recomputation the budget forces
+            self.planner.cost.activation_budget_bytes = config.memory_budget
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
@@ -208,7 +211,7 @@ class Trainer:
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
                                  device=self.device, skip_nonfinite=config.skip_nonfinite,
-                                 memory_budget=config.memory_budget)
+                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding)
 
     def documents(self) -> list[Document]:
         cfg = self.config

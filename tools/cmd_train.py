@@ -75,6 +75,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, metavar="BYTES",
                    help="activation bytes per rank (suffix K/M/G allowed): blocks are recomputed per "
                         "micro-batch, as few as fit (dynamic recomputation); default: no recomputation")
+    p.add_argument("--cp-sharding", default="adaptive", choices=("adaptive", "per-document", "per-sequence"),
+                   help="how CP ranks split a micro-batch (default: by the attention-kernel estimate, WLB §5.3)")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose loss is NaN/inf")
     p.add_argument("--timeout", default=60.0, type=float, metavar="S",
                    help="seconds a collective may wait (a lost rank is reported within it; default 60)")
@@ -137,7 +139,8 @@ def config_from_args(args: argparse.Namespace):
                        weight_decay=args.weight_decay, grad_clip=clip, seed=args.seed, dtype=args.dtype,
                        microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
                        save_final=args.save_final, metrics=args.metrics,
-                       memory_budget=parse_bytes(args.memory_budget, "--memory-budget"))
+                       memory_budget=parse_bytes(args.memory_budget, "--memory-budget"),
+                       cp_sharding=args.cp_sharding)
 
 
 def parse_bytes(text, option: str):

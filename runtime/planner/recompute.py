@@ -120,29 +120,38 @@ def recompute_ms(layer_time_ms: float, r: int) -> float:
     return r * FORWARD_FRACTION * layer_time_ms
 
 
-def recompute_aware_microbatch_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: float,
-                                  ) -> tuple[float, int]:
-    """Micro-batch time of the cost model plus its recomputation under ``budget_bytes`` (App. B.1).
+def recompute_extra_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: float) -> tuple[float, int]:
+    """Time (ms) the recomputation adds to one micro-batch of the cost model, and the layers recomputed,
+    with ``budget_bytes`` of activations per rank (App. B.1 activation model).
 
-    The activation bytes of the App. B.1 model (``layers * l * H / (TP*CP) * A``) are per layer
-    ``l * H / (TP*CP) * A`` on a stage of ``layers / PP`` layers; a recomputed layer keeps its input
-    (``2 * l * H / CP`` bytes in 16-bit working precision) instead; the first stage holds ``PP``
-    micro-batches. The fewest layers that fit ``budget_bytes - model states`` are recomputed, each
-    adding a third of its share of the micro-batch's forward+backward time.
-    Returns ``(ms, recomputed layers)``.
+    A layer stashes ``l * H / (TP*CP) * A`` bytes (the App. B.1 activation term per layer); a
+    recomputed layer keeps its input instead (``2 * l * H / CP`` bytes, 16-bit working precision);
+    a stage has ``layers / PP`` layers and its first stage holds ``PP`` micro-batches under 1F1B
+    (the others counted without recomputation: conservative). The fewest layers that fit are
+    recomputed, each adding a third of its share of the micro-batch's forward+backward time.
     """
     mem, shape = cost.memory, cost.model
     A = mem.activation_A(scheme.tp)
-    base = cost.microbatch_time(lengths, scheme)
     if A is None:
-        return base, 0
-    tokens = float(sum(lengths))
+        return 0.0, 0
+    lengths = np.asarray(lengths, dtype=np.float64)
+    tokens = float(lengths.sum())
+    if tokens <= 0:
+        return 0.0, 0
     stage_layers = max(math.ceil(shape.layers / scheme.pp), 1)
-    per_layer = tokens * shape.hidden / (scheme.tp * scheme.cp) * A
-    model = ActivationModel(per_layer / tokens if tokens else 0.0, 0.0, 2.0 * shape.hidden / scheme.cp)
-    free = budget_bytes - mem.state_bytes(shape, scheme, cost.world_size) - mem.framework_gap_bytes
-    held = (scheme.pp - 1) * model.held((tokens, 0.0), stage_layers, 0)   # conservative: others stash all
-    choice = choose_recompute_layers(model, (tokens, 0.0), stage_layers, max(free, 1.0), held) \
-        if free > 0 else RecomputeChoice(stage_layers, float("inf"), False)
-    layer_ms = float(np.sum(cost.seq_time(np.asarray(lengths, dtype=np.float64), scheme))) / stage_layers
-    return base + recompute_ms(layer_ms, choice.layers), choice.layers
+    model = ActivationModel(shape.hidden / (scheme.tp * scheme.cp) * A, 0.0, 2.0 * shape.hidden / scheme.cp)
+    held = (scheme.pp - 1) * model.held((tokens, 0.0), stage_layers, 0)
+    choice = choose_recompute_layers(model, (tokens, 0.0), stage_layers, budget_bytes, held)
+    a, b, _ = cost.coeffs(scheme)
+    layer_ms = float(np.sum(a * lengths * lengths + b * lengths)) / stage_layers
+    return recompute_ms(layer_ms, choice.layers), choice.layers
+
+
+def recompute_aware_microbatch_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: float,
+                                  ) -> tuple[float, int]:
+    """The cost model's micro-batch time (without its own budget) plus the recomputation under
+    ``budget_bytes`` of activations per rank; returns ``(ms, recomputed layers)``."""
+    a, b, c = cost.coeffs(scheme)
+    arr = np.asarray(lengths, dtype=np.float64)
+    extra, r = recompute_extra_ms(cost, arr, scheme, budget_bytes)
+    return float(np.sum(a * arr * arr + b * arr)) + c + extra, r
