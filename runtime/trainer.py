@@ -70,6 +70,7 @@ class TrainConfig:
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
     memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
     cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
+    balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
 
 
 @dataclass
@@ -208,10 +209,42 @@ class Trainer:
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
+        self.balance_info: dict[int, dict] = {}  # --balance dcp-inter: per step, its figures
+        self.dcp_cost = self._dcp_inter_cost()
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
                                  groups if groups is not None else GroupCache(rank, world_size),
                                  device=self.device, skip_nonfinite=config.skip_nonfinite,
                                  memory_budget=config.memory_budget, cp_sharding=config.cp_sharding)
+
+    def _dcp_inter_cost(self) -> Any:
+        """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
+        from hgraph.runtime.dcp_balance import BALANCE_MODES, DCP_INTER
+        cfg = self.config
+        if cfg.balance not in BALANCE_MODES:
+            raise HGraphError(f"--balance {cfg.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
+        if cfg.balance != DCP_INTER:
+            return None
+        homogeneous = (self.planner is None and len(set(self.schedule)) == 1
+                       and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in self.schedule[0].pipelines))
+        if not homogeneous:
+            raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+                              f"--strategy-schedule {self.world_size}xTP1PP1 (the SP size is chosen per batch)")
+        from hgraph.runtime.planned_dispatch import model_cost_model
+        cost = model_cost_model(cfg.profile, self.model, self.world_size, cfg.gpus_per_node)
+        cost.activation_budget_bytes = cfg.memory_budget
+        return cost
+
+    def dcp_inter_step(self, batch: MiniBatch) -> StepResult:
+        """One step of DCP-inter: per-batch SP size, micro-batches balanced over the replicas."""
+        from hgraph.runtime.dcp_balance import dcp_inter_step
+        cfg = self.config
+        rank_tokens = cfg.microbatch_tokens or math.ceil(cfg.tokens_per_iter / self.world_size)
+        planned = dcp_inter_step(batch.docs, self.world_size, rank_tokens, self.dcp_cost.microbatch_time)
+        self.balance_info[batch.step] = planned.metrics()
+        program = self.cache.get(planned.strategy)
+        mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe]
+               for pipe in planned.plan]
+        return self.executor.step(program, mbs, batch.num_targets, batch.step)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -242,6 +275,7 @@ class Trainer:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
                     line.update(memory_line)
+                    line.update(self.balance_info.get(batch.step, {}))
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
@@ -262,6 +296,8 @@ class Trainer:
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
             return self.planned_step(batch)
+        if self.dcp_cost is not None:
+            return self.dcp_inter_step(batch)
         strategy = self.schedule[batch.step % len(self.schedule)]
         program = self.cache.get(strategy)
         plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)

@@ -77,6 +77,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "micro-batch, as few as fit (dynamic recomputation); default: no recomputation")
     p.add_argument("--cp-sharding", default="adaptive", choices=("adaptive", "per-document", "per-sequence"),
                    help="how CP ranks split a micro-batch (default: by the attention-kernel estimate, WLB §5.3)")
+    p.add_argument("--balance", default="none", choices=("none", "dcp-inter"),
+                   help="dcp-inter: homogeneous data parallelism (--strategy-schedule NxTP1PP1) with the "
+                        "sequence-parallel size chosen per batch and gradient accumulation balancing the replicas")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose loss is NaN/inf")
     p.add_argument("--timeout", default=60.0, type=float, metavar="S",
                    help="seconds a collective may wait (a lost rank is reported within it; default 60)")
@@ -140,7 +143,7 @@ def config_from_args(args: argparse.Namespace):
                        microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
                        save_final=args.save_final, metrics=args.metrics,
                        memory_budget=parse_bytes(args.memory_budget, "--memory-budget"),
-                       cp_sharding=args.cp_sharding)
+                       cp_sharding=args.cp_sharding, balance=args.balance)
 
 
 def parse_bytes(text, option: str):
