@@ -11,7 +11,8 @@ order, all trained in its step):
    ``W/c`` identical replicas, each a CP group of ``c`` ranks (per-document / per-sequence sharding
    inside, as for any CP pipeline).
 2. **Micro-batches** (the accumulation unit): documents, longest first, packed first-fit into
-   micro-batches of at most ``c * rank_tokens`` tokens; each has the cost model's time ``T_j``
+   micro-batches of at most ``c * rank_tokens`` tokens (one with fewer than ``c`` tokens joins the
+   roomiest other one, so no CP rank is left without tokens); each has the cost model's time ``T_j``
    (quadratic in its documents' lengths, so micro-batches of equal tokens differ in time).
 3. **Gradient-accumulation balancing**: instead of equal accumulation counts (what a fixed batch
    size per replica gives), every replica gets as many micro-batches ``g_i`` as keeps its
@@ -92,7 +93,17 @@ def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_
         else:
             bins[j].append(d)
             room[j] -= len(d)
-    mbs = [sorted(b, key=lambda d: d.index) for b in bins]
+    for j in [j for j, b in enumerate(bins) if sum(len(d) for d in b) < c]:
+        # fewer tokens than CP ranks would leave a rank without any: join the roomiest other bin
+        need = sum(len(d) for d in bins[j])
+        k = max((k for k in range(len(bins)) if k != j and bins[k]), key=lambda k: room[k], default=None)
+        if k is None or room[k] < need:
+            raise HGraphError(f"DCP-inter: a micro-batch of {need} tokens cannot be spread over CP{c}; "
+                              "raise --microbatch-tokens")
+        bins[k] += bins[j]
+        room[k] -= need
+        bins[j] = []
+    mbs = [sorted(b, key=lambda d: d.index) for b in bins if b]
     times = [float(time_ms([len(d) for d in mb], scheme)) for mb in mbs]
     order = sorted(range(len(mbs)), key=lambda j: (-times[j], j))
     loads = [0.0] * replicas

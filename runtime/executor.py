@@ -126,8 +126,13 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
         plan = per_sequence_plan(mb.doc_lengths, cp)
     elif method == ADAPTIVE:
         plan, _ = choose_sharding(mb.doc_lengths, cp)
+        if min(plan.tokens_per_rank()) == 0:     # a short micro-batch: per-sequence chunks may be empty
+            plan = per_document_plan(mb.doc_lengths, cp)
     else:
         raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
+    if min(plan.tokens_per_rank()) == 0:
+        raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
+                          f"({plan.method} sharding); give CP micro-batches at least {2 * cp} tokens")
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 

@@ -47,6 +47,9 @@ CP_CASES = [
     ("1xTP1PP1CP4", {"cp_sharding": "per-document"}),
 ]
 RUNS = [(s, dict(o, memory_budget=b)) for s, o in CP_CASES for b in (None, BUDGET)]
+# DCP-inter: homogeneous DP whose SP size follows each mini-batch (6 tokens per rank and micro-batch:
+# a mini-batch whose longest document has 13 tokens runs on CP4, one of 7..12 tokens on CP2)
+DCP_RUN = ("4xTP1PP1", {"balance": "dcp-inter", "microbatch_tokens": 6})
 
 # micro-batch of documents that 2*CP (CP = 4) divides, and one it does not divide
 DIVISIBLE = [16, 8, 24, 32]
@@ -91,9 +94,15 @@ def _worker(rank, world):
                      "final": final if rank == 0 else None, "peaks": [s.peak_mem_bytes for s in steps],
                      "predicted": [s.predicted_mem_bytes for s in steps],
                      "recompute": [s.recompute_layers for s in steps], "live_after": live_after})
+    trainer = Trainer(EQ._config("tiny", DCP_RUN[0], world, {}, DCP_RUN[1]), rank, world, groups)
+    steps = [trainer.step(b) for b in EQ._batches()]
+    final = trainer.final_state_dict()          # collective: every rank gathers
+    dcp = {"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+           "final": final if rank == 0 else None,
+           "info": [trainer.balance_info[b.step] for b in EQ._batches()]}
     counts = {(tuple(lengths), method): _count_attention(rank, world, groups, lengths, method)
               for lengths in (DIVISIBLE, NOT_DIVISIBLE) for method in ("per-document", "per-sequence")}
-    return {"runs": runs, "counts": counts}
+    return {"runs": runs, "counts": counts, "dcp": dcp}
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +132,26 @@ def test_cp_with_and_without_recomputation_matches_single_process_adam(results, 
     same effect (its AdamW case). Measured: one element (1xTP1PP1CP4, ``layers.2.self_attn.q_proj
     .weight[38, 48]``, first gradient 1.06e-9) ends 1.02e-5 away; every other element is within 1e-5."""
     schedule, options = RUNS[run]
-    ref_losses, ref_state, first_grad = reference
     result = results[0]["runs"][run]
     expected = [str(Strategy.parse(s)) for s in schedule.split(";")]
     assert result["strategies"] == [expected[k % len(expected)] for k in range(EQ.STEPS)]
+    _matches_reference(result, reference)
+    assert len({tuple(r["runs"][run]["losses"]) for r in results}) == 1
+
+
+def test_dcp_inter_matches_single_process_adam_with_a_per_batch_sp_size(results, reference):
+    dcp = results[0]["dcp"]
+    _matches_reference(dcp, reference)
+    sizes = [i["sp_size"] for i in dcp["info"]]
+    assert len(set(sizes)) > 1                                   # the SP size followed the batches
+    for info, strategy in zip(dcp["info"], dcp["strategies"]):
+        c = info["sp_size"]
+        assert strategy == str(Strategy.parse(f"{4 // c}xTP1PP1" + (f"CP{c}" if c > 1 else "")))
+        assert info["idle_fraction"] <= info["equal_count_idle_fraction"] + 1e-12
+
+
+def _matches_reference(result, reference):
+    ref_losses, ref_state, first_grad = reference
     for k, (got, want) in enumerate(zip(result["losses"], ref_losses)):
         assert abs(got - want) <= 1e-6 * abs(want), f"step {k}: loss {got} vs {want}"
     assert set(result["final"]) == set(ref_state)
@@ -135,7 +160,6 @@ def test_cp_with_and_without_recomputation_matches_single_process_adam(results, 
         tiny = first_grad[name].abs() < 1e-8 if name in first_grad else torch.zeros_like(want, dtype=torch.bool)
         torch.testing.assert_close(got[~tiny], want[~tiny], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(got[tiny], want[tiny], atol=2e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
-    assert len({tuple(r["runs"][run]["losses"]) for r in results}) == 1
 
 
 @pytest.mark.parametrize("case", range(len(CP_CASES)))
