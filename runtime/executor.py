@@ -132,7 +132,7 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
         raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
     if min(plan.tokens_per_rank()) == 0:
         raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
-                          f"({plan.method} sharding); give CP micro-batches at least {2 * cp} tokens")
+                          f"({plan.method} sharding); give CP micro-batches at least {cp} tokens")
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
