@@ -50,6 +50,9 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     finally:
         bar.close()
     planner.method = cfg.method
+    # the planner's micro-batch times include the recomputation the budget forces (set before the
+    # planner process gets its copy of the cost model)
+    planner.cost.activation_budget_bytes = cfg.memory_budget
     if rank == 0 and cfg.log_steps:
         c = planner.cost
         print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "

@@ -122,6 +122,13 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "so far)", minimum=0, metavar="K"),
     _k("planner", "microbatch-tokens", "int", None, "token limit of a packed micro-batch (default: "
        "chosen per pipeline)", optional=True, minimum=1, metavar="T"),
+    _k("planner", "memory-budget", "str", None, "activation bytes per rank (512M, 2G): blocks are "
+       "recomputed per micro-batch, as few as fit (default: no recomputation)", optional=True,
+       metavar="BYTES"),
+    _k("planner", "cp-sharding", "str", "adaptive", "how CP ranks split a micro-batch",
+       choices=("adaptive", "per-document", "per-sequence")),
+    _k("planner", "balance", "str", "none", "dcp-inter: homogeneous data parallelism with a per-batch "
+       "sequence-parallel size, balanced by gradient accumulation", choices=("none", "dcp-inter")),
     _k("checkpointing", "checkpoint-dir", "path", None, "folder of the checkpoints (none: no "
        "checkpoints)", optional=True, metavar="DIR"),
     _k("checkpointing", "checkpoint-every", "int", None, "save every K steps and at the end (needs "

@@ -85,6 +85,9 @@ class TrainConfig:
     resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
     plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
     progress: bool = False                    # rank 0 draws progress bars (the launcher saw a terminal)
+    memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
+    cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
+    balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
 
 
 @dataclass
@@ -228,8 +231,41 @@ class Trainer:
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
+        self.balance_info: dict[int, dict] = {}  # --balance dcp-inter: per step, its figures
+        self.dcp_cost = self._dcp_inter_cost()
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
-                                 device=self.device, skip_nonfinite=config.skip_nonfinite)
+                                 device=self.device, skip_nonfinite=config.skip_nonfinite,
+                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding)
+
+    def _dcp_inter_cost(self) -> Any:
+        """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
+        from hgraph.runtime.dcp_balance import BALANCE_MODES, DCP_INTER
+        cfg = self.config
+        if cfg.balance not in BALANCE_MODES:
+            raise HGraphError(f"--balance {cfg.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
+        if cfg.balance != DCP_INTER:
+            return None
+        homogeneous = (self.planner is None and len(set(self.schedule)) == 1
+                       and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in self.schedule[0].pipelines))
+        if not homogeneous:
+            raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+                              f"--strategy-schedule {self.world_size}xTP1PP1 (the SP size is chosen per batch)")
+        from hgraph.runtime.planned_dispatch import model_cost_model
+        cost = model_cost_model(cfg.profile, self.model, self.world_size, cfg.gpus_per_node)
+        cost.activation_budget_bytes = cfg.memory_budget
+        return cost
+
+    def dcp_inter_step(self, batch: MiniBatch) -> StepResult:
+        """One step of DCP-inter: per-batch SP size, micro-batches balanced over the replicas."""
+        from hgraph.runtime.dcp_balance import dcp_inter_step
+        cfg = self.config
+        rank_tokens = cfg.microbatch_tokens or math.ceil(cfg.tokens_per_iter / self.world_size)
+        planned = dcp_inter_step(batch.docs, self.world_size, rank_tokens, self.dcp_cost.microbatch_time)
+        self.balance_info[batch.step] = planned.metrics()
+        program = self.cache.get(planned.strategy)
+        mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe]
+               for pipe in planned.plan]
+        return self.executor.step(program, mbs, batch.num_targets, batch.step)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -270,6 +306,7 @@ class Trainer:
                 now = batch.step
                 result = self.step(batch)
                 results.append(result)
+                memory_line = self._memory_per_rank(result) if cfg.metrics else {}
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
@@ -277,6 +314,8 @@ class Trainer:
                     # be checked to train every document exactly once
                     line["documents"] = [d.index for d in batch.docs]
                     line["next_document"] = batch.next_position
+                    line.update(memory_line)
+                    line.update(self.balance_info.get(batch.step, {}))
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
@@ -327,6 +366,8 @@ class Trainer:
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
             return self.planned_step(batch)
+        if self.dcp_cost is not None:
+            return self.dcp_inter_step(batch)
         strategy = self.schedule[batch.step % len(self.schedule)]
         program = self.cache.get(strategy)
         plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
@@ -353,6 +394,17 @@ class Trainer:
             "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
+
+    def _memory_per_rank(self, r: StepResult) -> dict:
+        """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
+        from hgraph.runtime.planned_dispatch import all_gather_floats
+        nan = float("nan")
+        peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, self.world_size, self.device)
+        pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes,
+                                 self.world_size, self.device)
+        return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
+                "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
+                "memory_budget": self.config.memory_budget, "recompute_layers": r.recompute_layers}
 
     def final_state_dict(self) -> dict:
         """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""

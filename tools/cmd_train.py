@@ -100,7 +100,25 @@ def config_from_args(args: argparse.Namespace):
                        gpus_per_node=cfg.gpus_per_node, backend=cfg.backend, log_every=cfg.log_every,
                        checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
                        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
-                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead), cfg
+                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
+                       memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance), cfg
+
+
+def parse_bytes(text, option: str):
+    """``123``, ``1.5e6``, ``512K``, ``64M``, ``2G`` (powers of 1024) -> bytes; None stays None."""
+    if text is None:
+        return None
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    t = str(text).strip().upper().removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise HGraphError(f"{option} {text!r}: expected a positive number of bytes, e.g. 512M")
+    return value
 
 
 def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int,
