@@ -8,7 +8,8 @@ nothing here names a strategy):
   numpy, python ``random``), stored as tensors and plain containers only, so ``torch.load(...,
   weights_only=True)`` reads it;
 * ``manifest.json`` (rank 0, written last): step, world size, size and SHA-256 of every shard file,
-  and the run's JSON state: data position, outlier-delay queues, planner state.
+  and the run's JSON state: data position, outlier-delay queues, planner state, and ``run`` (what
+  produced it: model spec and arguments, data fingerprint; used to resume and to export).
 
 Layout: ``DIR/step-SSSSSSSS/``. Writes are atomic: every file goes to a temporary name in the same
 folder and is then renamed (``os.replace``); the manifest is renamed into place only after every rank
@@ -80,6 +81,7 @@ class Checkpoint:
     data_position: dict = field(default_factory=dict)
     delay_queues: dict = field(default_factory=dict)
     planner_state: dict = field(default_factory=dict)
+    run: dict = field(default_factory=dict)
     rng: Optional[dict] = None
     resharded: bool = False
     full_shapes: dict = field(default_factory=dict)
@@ -152,7 +154,8 @@ def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: 
 def write_manifest(folder: Path, step: int, world_size: int, entries: list,
                    data_position: Optional[Mapping[str, Any]] = None,
                    delay_queues: Optional[Mapping[str, Any]] = None,
-                   planner_state: Optional[Mapping[str, Any]] = None) -> None:
+                   planner_state: Optional[Mapping[str, Any]] = None,
+                   run: Optional[Mapping[str, Any]] = None) -> None:
     """Complete a checkpoint: write its manifest atomically, after every shard file is in place.
 
     ``entries``: the ``write_shard`` results of ranks 0..world_size-1, in rank order.
@@ -164,7 +167,8 @@ def write_manifest(folder: Path, step: int, world_size: int, entries: list,
     manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size, "shards": list(entries),
                 "data_position": _json_state("data_position", data_position),
                 "delay_queues": _json_state("delay_queues", delay_queues),
-                "planner_state": _json_state("planner_state", planner_state)}
+                "planner_state": _json_state("planner_state", planner_state),
+                "run": _json_state("run", run)}
     _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
     _fsync_dir(folder)
 
@@ -198,8 +202,8 @@ def _barrier(world_size: int, group: Any) -> None:
 
 def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
          data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
-         planner_state: Optional[Mapping[str, Any]] = None, keep_last: Optional[int] = None,
-         group: Any = None) -> Path:
+         planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
+         keep_last: Optional[int] = None, group: Any = None) -> Path:
     """Save the checkpoint of ``step`` under ``root`` (collective: every rank calls it); returns its folder.
 
     ``optimizer``: this rank's ``ShardedAdam``; ``data_position`` (e.g. next document index and
@@ -216,7 +220,8 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
                           f"got {keep_last}")
     state = {"data_position": _json_state("data_position", data_position),
              "delay_queues": _json_state("delay_queues", delay_queues),
-             "planner_state": _json_state("planner_state", planner_state)}
+             "planner_state": _json_state("planner_state", planner_state),
+             "run": _json_state("run", run)}
     folder = step_dir(root, step)
     if rank == 0:
         # Re-saving a step: its old manifest goes first, so the folder is never "complete" with a mix.
@@ -304,6 +309,19 @@ def _read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
+def verify(folder: PathLike) -> dict:
+    """Check one checkpoint folder completely: its manifest, then every shard file (present, the
+    manifest's size and SHA-256, loadable). Returns the manifest; HGraphError names the first bad file."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    if len(manifest["shards"]) != manifest["world_size"]:
+        raise HGraphError(f"checkpoint manifest {str(folder / MANIFEST)!r} lists {len(manifest['shards'])} "
+                          f"shard files for world size {manifest['world_size']}")
+    for entry in manifest["shards"]:
+        _read_shard(folder, entry, verify=True)
+    return manifest
+
+
 def _resolve(path: PathLike, step: Optional[int]) -> tuple[Path, Optional[Path]]:
     """(checkpoint root, requested step folder or None for the newest)."""
     path = Path(path)
@@ -354,7 +372,8 @@ def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Chec
     common = {"path": folder, "step": manifest["step"], "saved_world_size": saved_n,
               "data_position": manifest.get("data_position", {}),
               "delay_queues": manifest.get("delay_queues", {}),
-              "planner_state": manifest.get("planner_state", {})}
+              "planner_state": manifest.get("planner_state", {}),
+              "run": manifest.get("run", {})}
     if saved_n == world_size:
         shard = _read_shard(folder, entries[rank], verify)
         return Checkpoint(optimizer=_materialise(shard["optimizer"]), rng=shard["rng"], resharded=False,

@@ -32,6 +32,9 @@ class MiniBatch:
 
     step: int
     docs: tuple[Document, ...]
+    # documents consumed from the start of the run once this batch is taken (all epochs): the data
+    # position a checkpoint stores, so a resumed run starts at exactly the next document
+    next_position: int = 0
 
     @property
     def tokens(self) -> int:
@@ -88,16 +91,19 @@ def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optio
                               f"{tokens_per_iter}: a mini-batch holds whole documents")
 
 
-def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int) -> Iterator[MiniBatch]:
-    """``steps`` mini-batches of whole documents in file order (wrapping around at the end).
+def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int, *, start_step: int = 0,
+                 start_position: int = 0) -> Iterator[MiniBatch]:
+    """The mini-batches of steps ``start_step .. steps-1``: whole documents in file order (wrapping
+    around at the end), the first one starting at document ``start_position`` (documents consumed so
+    far, all epochs counted: a checkpoint's data position).
 
     Raises HGraphError for a mini-batch without any target (only one-token documents): its loss
     (a sum over no targets divided by zero) is undefined.
     """
     if not docs:
         raise HGraphError("no documents to train on")
-    pos = 0
-    for step in range(steps):
+    pos = start_position
+    for step in range(start_step, steps):
         taken: list[Document] = []
         total = 0
         while True:
@@ -112,7 +118,7 @@ def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int) -> 
             pos += 1
             if len(taken) >= len(docs):   # never repeat a document inside one mini-batch
                 break
-        batch = MiniBatch(step, tuple(taken))
+        batch = MiniBatch(step, tuple(taken), pos)
         if batch.num_targets == 0:
             raise HGraphError(f"step {step}: the mini-batch (documents {[d.index for d in taken]}) is empty of "
                               "targets (only one-token documents); the loss is undefined")

@@ -26,6 +26,7 @@ lookup, and no optimizer state moves (its layout does not depend on the strategy
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,9 +41,14 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm_ops import CommContext
 from hgraph.runtime.cp_attention import CPLayout
 from hgraph.runtime.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
-from hgraph.runtime.planner.cp_sharding import choose_sharding
+from hgraph.runtime.planner.cp_sharding import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
+                                                 per_document_plan, per_sequence_plan)
 from hgraph.runtime.param_sync import ParamSync
 from hgraph.runtime.varlen_attention import cu_seqlens_for
+
+
+ADAPTIVE = "adaptive"
+CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class StepResult:
     skipped: bool = False
     grad_norm: Optional[float] = None
     bytes: dict = field(default_factory=dict)
+    peak_mem_bytes: Optional[int] = None          # activations measured (CPU) / allocator peak (CUDA)
+    predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
+    recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
 
 
 class RankLostError(RuntimeError):
@@ -106,12 +115,25 @@ class RankState:
     working: dict
     comm: CommContext
     sync: ParamSync
+    memory: Any = None      # a runtime.recompute.StageMemory: activation accounting, recomputation
 
 
-def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int) -> CPLayout:
+def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
     """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
-    the attention-kernel estimate says is faster (WLB-LLM §5.3)."""
-    plan, _ = choose_sharding(mb.doc_lengths, cp)
+    the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
+    if method == PER_DOCUMENT:
+        plan = per_document_plan(mb.doc_lengths, cp)
+    elif method == PER_SEQUENCE:
+        plan = per_sequence_plan(mb.doc_lengths, cp)
+    elif method == ADAPTIVE:
+        plan, _ = choose_sharding(mb.doc_lengths, cp)
+        if min(plan.tokens_per_rank()) == 0:     # a short micro-batch: per-sequence chunks may be empty
+            plan = per_document_plan(mb.doc_lengths, cp)
+    else:
+        raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
+    if min(plan.tokens_per_rank()) == 0:
+        raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
+                          f"({plan.method} sharding); give CP micro-batches at least {cp} tokens")
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
@@ -133,13 +155,21 @@ class Executor:
     """
 
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
-                 device: Optional[torch.device] = None, skip_nonfinite: bool = False) -> None:
+                 device: Optional[torch.device] = None, skip_nonfinite: bool = False,
+                 memory_budget: Optional[float] = None, track_memory: bool = True,
+                 cp_sharding: str = ADAPTIVE) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
         self.groups = groups
         self.device = torch.device(device or "cpu")
         self.skip_nonfinite = skip_nonfinite
+        # DCP-intra: with a budget (bytes of activations per rank) blocks are recomputed per micro-batch
+        self.memory_budget = memory_budget
+        self.track_memory = track_memory or memory_budget is not None
+        if cp_sharding not in CP_SHARDINGS:
+            raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
+        self.cp_sharding = cp_sharding
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self._states: dict[Any, RankState] = {}
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
@@ -182,6 +212,9 @@ class Executor:
                          self.working_dtype, frozenset(aliased))
         comm.param_sync = sync
         state = RankState(program, rp, gm, working, comm, sync)
+        if self.track_memory:
+            from hgraph.runtime.recompute import attach_stage_memory
+            attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
         self._states[id(program)] = state
         return state
 
@@ -216,6 +249,10 @@ class Executor:
         for w in state.working.values():
             w.grad = None
         sync.begin_step()
+        if state.memory is not None:
+            state.memory.begin_step()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
         t_pull = time.perf_counter()
         mine = list(microbatches[rp.pipeline])
         loss_sum = self._run_pipeline(state, mine, num_targets)
@@ -243,12 +280,17 @@ class Executor:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
         t_end = time.perf_counter()
-        return StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
-                          t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                          dict(vars(sync.stats)))
+        result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
+                            t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
+                            dict(vars(sync.stats)))
+        if state.memory is not None:
+            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
+            result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
+                                     if self.device.type == "cuda" else peak)
+        return result
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int) -> float:
-        rp, gm, comm = state.rank_program, state.graph, state.comm
+        rp, gm, comm, memory = state.rank_program, state.graph, state.comm, state.memory
         last = rp.stage == rp.scheme.pp - 1
         pending: dict[int, Any] = {}
         loss_sum = 0.0
@@ -258,22 +300,27 @@ class Executor:
             if kind == "F":
                 ids, pos, targets = mb.input_ids, mb.position_ids, None
                 if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank)
+                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
                     local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
                     cu = cu_seqlens_for(mb.doc_lengths)
                     ids, pos = ids[:, local], pos[:, local]
                     targets = packed_targets(mb.input_ids, cu)[:, local]
-                out = gm(ids.to(self.device), pos.to(self.device), comm)
-                if last:
-                    if targets is None:
-                        s = packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                if memory is not None:
+                    memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
+                with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
+                    out = gm(ids.to(self.device), pos.to(self.device), comm)
+                    if last:
+                        if targets is None:
+                            s = packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                        else:
+                            s = F.cross_entropy(out[0].float(), targets[0].to(self.device),
+                                                ignore_index=IGNORE_INDEX, reduction="sum")
+                        loss_sum += float(s.detach())
+                        pending[i] = s / num_targets
                     else:
-                        s = F.cross_entropy(out[0].float(), targets[0].to(self.device),
-                                            ignore_index=IGNORE_INDEX, reduction="sum")
-                    loss_sum += float(s.detach())
-                    pending[i] = s / num_targets
-                else:
-                    pending[i] = list(out)
+                        pending[i] = list(out)
+                if memory is not None:
+                    memory.after_forward()
             else:
                 out = pending.pop(i)
                 if n == len(order) - 1:     # gradients finished by this backward start their push
@@ -282,6 +329,9 @@ class Executor:
                     out.backward()
                 else:
                     torch.autograd.backward(out)
+                del out
+                if memory is not None:
+                    memory.after_backward(i)
         return loss_sum
 
     def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:

@@ -71,6 +71,14 @@ def _check_backend(backend: str, world_size: int) -> None:
                           f"{torch.cuda.device_count()} GPUs visible; use backend='gloo'")
 
 
+def local_backend(choice: str, world_size: int) -> str:
+    """``auto``: NCCL when every local process can have a GPU of its own, else gloo (CPU)."""
+    if choice == "auto":
+        return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+    _check_backend(choice, world_size)
+    return choice
+
+
 def _init_process_group(backend: str, init_method: str, rank: int, world_size: int,
                         timeout_s: float, local_rank: int) -> None:
     if backend == "nccl":
@@ -82,8 +90,8 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
 def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Initialise the default process group of a ``torchrun`` process; returns (rank, world_size).
 
-    ``backend`` defaults to ``nccl`` when CUDA is available, else ``gloo``. Does nothing but return
-    the numbers when the group is already initialised.
+    ``backend`` defaults to ``nccl`` when every local process (``LOCAL_WORLD_SIZE``) can have a GPU
+    of its own, else ``gloo``. Does nothing but return the numbers when the group is already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -93,8 +101,8 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> t
                           "start the program with torchrun or use hgraph.runtime.launch.spawn")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    _check_backend(backend, 1 if backend == "nccl" else world_size)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend = local_backend(backend or "auto", local_world)
     _init_process_group(backend, "env://", rank, world_size, timeout_s, local_rank)
     return rank, world_size
 
@@ -234,6 +242,13 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
             deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         failures.append((rank, message, detail))
     if failures:
+        lost = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+        if lost and all(any(m in f[1] for m in _PEER_LOSS_MARKERS) for f in failures):
+            # the reports only say a peer went away (e.g. in a collective outside a training step):
+            # name the rank that died without a report
+            r = lost[0]
+            raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} without "
+                             f"a result); rank(s) {sorted(f[0] for f in failures)} stopped on losing it", rank=r)
         raise _first_cause(failures)
     return [done[r] for r in range(world_size)]
 

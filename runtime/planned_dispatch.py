@@ -12,6 +12,7 @@ plan needs every id once.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -24,6 +25,7 @@ from hgraph.runtime.executor import MicroBatch
 from hgraph.strategy import Strategy, parse_strategy_list
 
 ANALYTIC = "analytic"
+MEASURE = "measure"      # the analytic prior's schemes, timed on this machine at the start of the run
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -33,16 +35,17 @@ def _divisors(n: int, limit: int) -> list[int]:
 def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: int = 8):
     """The cost model for ``--profile``: ``analytic`` = the analytic prior for ``model``'s shape
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers) on
-    ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``."""
+    ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
+    (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     from hgraph.runtime.planner.cost_model import analytic_cost_model, load_cost_model
 
-    if profile != ANALYTIC:
+    if profile not in (ANALYTIC, MEASURE):
         return load_cost_model(profile, world_size, gpus_per_node)
     cfg = getattr(model, "config", None)
     try:
         hidden, layers, vocab = int(cfg.hidden_size), int(cfg.num_layers), int(cfg.vocab_size)
     except AttributeError:
-        raise HGraphError("--profile analytic needs a zoo Llama-style model (hidden_size, num_layers, "
+        raise HGraphError(f"--profile {profile} needs a zoo Llama-style model (hidden_size, num_layers, "
                           "vocab_size); give a measured profile with --profile NAME|FILE") from None
     heads = math.gcd(int(getattr(cfg, "num_heads", 1)), int(getattr(cfg, "num_kv_heads", 0) or 0)) \
         or int(getattr(cfg, "num_heads", 1))
@@ -77,48 +80,123 @@ def _on_rank0(compute: Callable[[], Any], rank: int) -> Any:
     return value
 
 
+def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = None, gpus_per_node: int = 8,
+                        tp_slots: int = 0, progress: Callable[[str], None] | None = None):
+    """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
+    (``hgraph.runtime.planner.calibration``; collective). Needs a zoo Llama-style model."""
+    from hgraph.frontends.zoo import llama
+    from hgraph.runtime.planner.calibration import calibrate_cost_model
+
+    prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
+    cfg = model.config
+    if not isinstance(cfg, llama.LlamaConfig):
+        raise HGraphError("--profile measure needs a zoo Llama model (it times 1- and 2-layer copies); "
+                          "give --profile analytic or a profile FILE")
+    import torch
+    with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
+        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(tp_shard_config(cfg, n, tp)), rank,
+                                       world_size, groups, tp_slots=tp_slots, progress=progress)
+    return cost
+
+
+def tp_shard_config(cfg: Any, layers: int, tp: int) -> Any:
+    """The LlamaConfig of one TP rank's shard with ``layers`` layers: heads, KV heads, MLP width and
+    vocabulary divided by ``tp`` (the head size and the hidden size stay)."""
+    import dataclasses as dc
+    return dc.replace(cfg, num_layers=layers, num_heads=cfg.num_heads // tp,
+                      num_kv_heads=max(cfg.num_kv_heads // tp, 1), head_dim=cfg.head_dim,
+                      intermediate_size=-(-cfg.intermediate_size // tp), vocab_size=-(-cfg.vocab_size // tp))
+
+
 @dataclass
 class PlannedStep:
-    """One iteration's plan turned into the executor's input, with the time it took to get it."""
+    """One iteration's plan turned into the executor's input, with the time it took to get it.
+    ``model_est_ms``: the cost model's own estimate (``plan.est_latency_ms`` is it times the online
+    correction); ``source``: ``ahead`` (the planner process) or ``inline`` (planned on rank 0)."""
 
     plan: Any                                   # hgraph.runtime.planner.plan.Plan
     microbatches: list[list[MicroBatch]]
     wait_s: float
+    model_est_ms: float = 0.0
+    source: str = "inline"
+    queue_wait_s: float = 0.0                   # rank 0 blocked on the planner process (0 inline)
 
 
 class IterationPlanner:
-    """Plans each mini-batch on rank 0 and shares the plan with every rank (module docstring)."""
+    """Plans each mini-batch on rank 0 and shares the plan with every rank (module docstring).
+
+    With ``ahead`` (rank 0's ``PlanConsumer``) the plans come from the planner process; if it is lost,
+    rank 0 prints one warning and plans inline from then on. ``correction`` (rank 0) scales the
+    estimates by what the last steps measured (``observe``)."""
 
     def __init__(self, cost: Any, candidates: Sequence[Strategy], rank: int, *, source: str = "given",
                  method: str = "fast") -> None:
+        from hgraph.runtime.planner.calibration import StepCorrection
         self.cost, self.candidates, self.rank = cost, list(candidates), rank
         self.source, self.method = source, method
+        self.ahead = None
+        self.correction = StepCorrection()
+        self.warnings: list[str] = []
 
     @classmethod
     def create(cls, strategies: str, profile: str, model: Any, documents: Sequence[Document],
-               tokens_per_iter: int, rank: int, world_size: int, gpus_per_node: int = 8) -> "IterationPlanner":
+               tokens_per_iter: int, rank: int, world_size: int, gpus_per_node: int = 8, *,
+               groups: Any = None, tp_slots: int = 0,
+               progress: Callable[[str], None] | None = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
-        ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast."""
+        ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
+        calibrates on every rank (collective)."""
         from hgraph.runtime.planner.selection import auto_candidates
 
-        cost = model_cost_model(profile, model, world_size, gpus_per_node)
+        if profile == MEASURE:
+            cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
+        else:
+            cost = model_cost_model(profile, model, world_size, gpus_per_node)
         if strategies.strip() != "auto":
             return cls(cost, parse_candidates(strategies, world_size), rank, source="given")
         lengths = [len(d) for d in documents]
         max_len = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
+        if progress is not None:
+            progress("proposal")
         candidates, source = _on_rank0(lambda: auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter),
                                        rank)
         return cls(cost, candidates, rank, source=source)
 
+    def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
+        """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""
+        consumer.setup(self.cost, self.candidates, self.method, [(b.step, [len(d) for d in b.docs]) for b in batches])
+        self.ahead = consumer
+
+    def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float]:
+        from hgraph.runtime.planner.calibration import scaled_plan
+        from hgraph.runtime.planner.selection import plan_iteration
+        from hgraph.runtime.plan_ahead import PlannerLost
+
+        plan, source, queue_wait = None, "inline", 0.0
+        if self.ahead is not None:
+            try:
+                plan, queue_wait = self.ahead.get(batch.step)
+                source = "ahead"
+            except PlannerLost as exc:
+                self.ahead = None
+                warning = f"hgraph train: warning: {exc}; planning inline from step {batch.step} on"
+                self.warnings.append(warning)
+                print(warning, file=sys.stderr, flush=True)
+        if plan is None:
+            plan = plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
+                                  method=self.method, index=batch.step)
+        return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait
+
     def plan(self, batch: MiniBatch) -> PlannedStep:
         """The plan of ``batch`` (the same on every rank) and its packed micro-batches per pipeline."""
-        from hgraph.runtime.planner.selection import plan_iteration
-
         t0 = time.perf_counter()
-        plan = _on_rank0(lambda: plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
-                                                method=self.method, index=batch.step), self.rank)
+        plan, source, model_est, queue_wait = _on_rank0(lambda: self._plan_on_rank0(batch), self.rank)
         wait = time.perf_counter() - t0
-        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait)
+        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait, model_est, source, queue_wait)
+
+    def observe(self, model_est_ms: float, measured_ms: float) -> None:
+        """A measured step (rank 0): feeds the online correction of later estimates."""
+        self.correction.observe(model_est_ms, measured_ms)
 
 
 def microbatches_of_plan(plan: Any, docs: Sequence[Document]) -> list[list[MicroBatch]]:

@@ -74,18 +74,20 @@ SCHEMA: tuple[ConfigKey, ...] = (
        minimum=0),
     _k("data", "data", "path", None, "training data, JSONL with input_ids (default: the built-in "
        "long-tail dataset)", optional=True, metavar="FILE.jsonl"),
-    _k("data", "builtin-docs", "int", 4000, "documents of the built-in dataset", minimum=1, metavar="N"),
+    _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "
+       "--steps without repeating one)", optional=True, minimum=1, metavar="N"),
     _k("data", "builtin-scale", "float", 1 / 16, "length scale of the built-in dataset (real Wikipedia "
        "lengths times this)", minimum=1e-6, metavar="X"),
-    _k("data", "tokens-per-iter", "int", 4096, "tokens per mini-batch (whole documents in order)",
+    _k("data", "tokens-per-iter", "int", 8192, "tokens per mini-batch (whole documents in order)",
        minimum=1, metavar="T"),
-    _k("data", "steps", "int", 40, "total steps of the run (a resumed run continues up to it)",
+    _k("data", "steps", "int", 60, "total steps of the run (a resumed run continues up to it)",
        minimum=1, metavar="K"),
     _k("cluster", "world-size", "int", 4, "number of ranks (local processes, or torchrun's)", minimum=1,
        metavar="N"),
     _k("cluster", "gpus-per-node", "int", 8, "ranks per node (a TP group never crosses a node)", minimum=1,
        metavar="G"),
-    _k("cluster", "backend", "str", "auto", "collective backend (auto: nccl with GPUs, else gloo)",
+    _k("cluster", "backend", "str", "auto", "collective backend (auto: nccl when every local process "
+       "can have a GPU of its own, else gloo; the same rule under torchrun)",
        choices=("auto", "gloo", "nccl")),
     _k("cluster", "timeout", "float", 60.0, "seconds a collective may wait (a lost rank is reported "
        "within it)", minimum=1e-3, metavar="S"),
@@ -104,18 +106,29 @@ SCHEMA: tuple[ConfigKey, ...] = (
        metavar="S1;S2;..."),
     _k("planner", "strategies", "str", "auto", "candidate strategies 'S1;S2' or auto (proposed for the "
        "data)", metavar="S1;S2|auto"),
-    _k("planner", "max-candidates", "int", 8, "most candidate strategies kept by the proposal", minimum=1),
-    _k("planner", "profile", "str", "measure", "cost profile: measure (profile on the spot), analytic "
-       "(prior from the graph), llama-7b|llama-13b|llama-32b, FILE or FILE:NAME", metavar="NAME|FILE"),
+    _k("planner", "max-candidates", "int", None, "most candidate strategies kept by the proposal (none: "
+       "the proposal's own set; only none so far)", optional=True, minimum=1),
+    _k("planner", "profile", "str", "measure", "cost profile: measure (timed on this machine by the ranks "
+       "at the start, kept as RUN_DIR/profile.json), analytic (prior from the model's shape), "
+       "llama-7b|llama-13b|llama-32b, FILE or FILE:NAME (measured with hgraph profile)",
+       metavar="measure|analytic|NAME|FILE"),
     _k("planner", "method", "str", "fast", "dispatch method", choices=("fast", "greedy", "cpsat")),
-    _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat)", minimum=1e-3,
+    _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat; only 10 so far)",
+       minimum=1e-3,
        metavar="S"),
     _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
        "0: plan inline)", minimum=0, metavar="Q"),
-    _k("planner", "outlier-queues", "int", 2, "outlier-delay queues of the packing (0: no delay)",
-       minimum=0, metavar="K"),
+    _k("planner", "outlier-queues", "int", 0, "outlier-delay queues of the packing (0: no delay; only 0 "
+       "so far)", minimum=0, metavar="K"),
     _k("planner", "microbatch-tokens", "int", None, "token limit of a packed micro-batch (default: "
        "chosen per pipeline)", optional=True, minimum=1, metavar="T"),
+    _k("planner", "memory-budget", "str", None, "activation bytes per rank (512M, 2G): blocks are "
+       "recomputed per micro-batch, as few as fit (default: no recomputation)", optional=True,
+       metavar="BYTES"),
+    _k("planner", "cp-sharding", "str", "adaptive", "how CP ranks split a micro-batch",
+       choices=("adaptive", "per-document", "per-sequence")),
+    _k("planner", "balance", "str", "none", "dcp-inter: homogeneous data parallelism with a per-batch "
+       "sequence-parallel size, balanced by gradient accumulation", choices=("none", "dcp-inter")),
     _k("checkpointing", "checkpoint-dir", "path", None, "folder of the checkpoints (none: no "
        "checkpoints)", optional=True, metavar="DIR"),
     _k("checkpointing", "checkpoint-every", "int", None, "save every K steps and at the end (needs "
@@ -124,6 +137,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "default: all)", optional=True, minimum=2, metavar="K"),
     _k("checkpointing", "resume", "bool", False, "continue from the newest complete checkpoint in "
        "checkpoint-dir (also with another world-size)"),
+    _k("checkpointing", "resume-fallback", "bool", False, "with resume: when the newest checkpoint is "
+       "corrupt or truncated, use the previous one (default: stop with an error naming the file)"),
     _k("checkpointing", "save-final", "path", None, "write the final fp32 state_dict (keyed like the "
        "module) here", optional=True, metavar="PATH"),
     _k("logging", "run-dir", "path", None, "run folder for metrics.jsonl and plots (default "
@@ -259,7 +274,8 @@ def _flag_type(key: ConfigKey) -> Callable[[str], Any]:
         try:
             return _validate(key, value, "command line")
         except HGraphError as exc:
-            raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[-1]) from None
+            # "--steps = 0: must be >= 1" -> argparse's "argument --steps: 0: must be >= 1"
+            raise argparse.ArgumentTypeError(str(exc).split(" = ", 1)[-1]) from None
     convert.__name__ = key.kind      # argparse names the type in its messages
     return convert
 
@@ -337,6 +353,8 @@ def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) ->
         raise HGraphError(f"{where('checkpoint_every')} needs checkpoint-dir (--checkpoint-dir DIR)")
     if values["resume"] and values["checkpoint_dir"] is None:
         raise HGraphError(f"{where('resume')} needs checkpoint-dir (--checkpoint-dir DIR)")
+    if values["resume_fallback"] and not values["resume"]:
+        raise HGraphError(f"{where('resume_fallback')} needs resume (--resume)")
     if values["keep_checkpoints"] is not None and values["checkpoint_dir"] is None:
         raise HGraphError(f"{where('keep_checkpoints')} needs checkpoint-dir (--checkpoint-dir DIR)")
 

@@ -18,6 +18,11 @@ first-fit-decreasing into micro-batches of at most ``microbatch_tokens`` tokens 
 of the pipeline's longest document and its tokens divided by its PP degree, so a PP pipeline gets
 about PP micro-batches). A pipeline may get no document; it still takes part in pull and push.
 
+Checkpoints (``checkpoint_dir``): after every ``checkpoint_every`` steps and after the last one, the
+strategy-independent optimizer shards, RNG states, data position and planner state are saved
+(``hgraph.runtime.run_checkpoint``); ``resume`` continues from one, on any world size, at the saved
+data position, up to ``steps`` in all.
+
 ``GraphCache`` keeps one Program per strategy (and, in the executor, the rank's working tensors and
 process groups), counting hits, misses and the host time of a switch.
 """
@@ -37,6 +42,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, restore_state
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
@@ -68,6 +74,20 @@ class TrainConfig:
     strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
     profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
+    log_every: int = 1                        # ... every this many steps (and the last)
+    method: str = "fast"                      # the planner's dispatch method (fast | greedy | cpsat)
+    backend: str = "auto"                     # auto: NCCL with a GPU per local process, else gloo
+    checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.run_checkpoint)
+    checkpoint_every: Optional[int] = None    # None: only after the last step
+    keep_checkpoints: Optional[int] = None
+    resume: bool = False                      # continue from the newest checkpoint in checkpoint_dir
+    resume_fallback: bool = False             # ... or the previous one when the newest is broken
+    resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
+    plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
+    progress: bool = False                    # rank 0 draws progress bars (the launcher saw a terminal)
+    memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
+    cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
+    balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
 
 
 @dataclass
@@ -78,6 +98,8 @@ class TrainSummary:
     cache: dict
     final_params: Optional[dict] = None
     planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
+    checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
+    resumed_from: Optional[dict] = None               # the checkpoint this run started from
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -171,7 +193,8 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
 class Trainer:
     """Runs a ``TrainConfig`` on this rank of an initialised process group (or alone)."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None) -> None:
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
+                 planner_channel: Any = None) -> None:
         import hgraph
         from hgraph.runtime.process_groups import GroupCache
         if world_size != config.world_size:
@@ -184,17 +207,19 @@ class Trainer:
             self.schedule = parse_schedule(";".join(config.schedule), world_size) \
                 if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
         self.model = build_model(config)
-        if config.strategies is not None:
-            from hgraph.runtime.planned_dispatch import IterationPlanner
-            self.planner = IterationPlanner.create(config.strategies, config.profile, self.model,
-                                                   self.documents(), config.tokens_per_iter, rank, world_size,
-                                                   config.gpus_per_node)
-            self.schedule = list(self.planner.candidates)
+        self.docs = self.documents()
+        self.fingerprint = data_fingerprint(self.docs)
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
+        groups = groups if groups is not None else GroupCache(rank, world_size)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
         self.model.to(self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.dtype)
+        if config.strategies is not None:
+            from hgraph.runtime.planner_setup import start_planner
+            self.planner = start_planner(self, groups, planner_channel)
+            self.schedule = list(self.planner.candidates)
         self.cluster = Cluster(world_size, config.gpus_per_node)
         self.cache = GraphCache(self.compiled, self.cluster)
         if self.planner is None:
@@ -203,10 +228,44 @@ class Trainer:
             self.cache.hits = 0
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        if self.resumed is not None:
+            restore_state(self.resumed, self.optimizer)
         self.planned: dict[int, dict] = {}      # planner-driven mode: per step, its planner figures
-        self.executor = Executor(self.compiled, self.optimizer, rank, world_size,
-                                 groups if groups is not None else GroupCache(rank, world_size),
-                                 device=self.device, skip_nonfinite=config.skip_nonfinite)
+        self.balance_info: dict[int, dict] = {}  # --balance dcp-inter: per step, its figures
+        self.dcp_cost = self._dcp_inter_cost()
+        self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
+                                 device=self.device, skip_nonfinite=config.skip_nonfinite,
+                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding)
+
+    def _dcp_inter_cost(self) -> Any:
+        """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
+        from hgraph.runtime.dcp_balance import BALANCE_MODES, DCP_INTER
+        cfg = self.config
+        if cfg.balance not in BALANCE_MODES:
+            raise HGraphError(f"--balance {cfg.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
+        if cfg.balance != DCP_INTER:
+            return None
+        homogeneous = (self.planner is None and len(set(self.schedule)) == 1
+                       and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in self.schedule[0].pipelines))
+        if not homogeneous:
+            raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+                              f"--strategy-schedule {self.world_size}xTP1PP1 (the SP size is chosen per batch)")
+        from hgraph.runtime.planned_dispatch import model_cost_model
+        cost = model_cost_model(cfg.profile, self.model, self.world_size, cfg.gpus_per_node)
+        cost.activation_budget_bytes = cfg.memory_budget
+        return cost
+
+    def dcp_inter_step(self, batch: MiniBatch) -> StepResult:
+        """One step of DCP-inter: per-batch SP size, micro-batches balanced over the replicas."""
+        from hgraph.runtime.dcp_balance import dcp_inter_step
+        cfg = self.config
+        rank_tokens = cfg.microbatch_tokens or math.ceil(cfg.tokens_per_iter / self.world_size)
+        planned = dcp_inter_step(batch.docs, self.world_size, rank_tokens, self.dcp_cost.microbatch_time)
+        self.balance_info[batch.step] = planned.metrics()
+        program = self.cache.get(planned.strategy)
+        mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe]
+               for pipe in planned.plan]
+        return self.executor.step(program, mbs, batch.num_targets, batch.step)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -223,23 +282,70 @@ class Trainer:
         return docs
 
     def run(self) -> TrainSummary:
+        from hgraph.runtime.run_checkpoint import (RunCheckpoints, data_position, planner_state, rewrite_metrics_before,
+                                                   run_state)
         cfg = self.config
         results: list[StepResult] = []
-        metrics = open(cfg.metrics, "w", encoding="utf-8") if cfg.metrics and self.rank == 0 else None
+        start_step = self.resumed.step if self.resumed is not None else 0
+        start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
+        checkpoints = RunCheckpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
+                                     cfg.checkpoint_every, cfg.steps, cfg.keep_checkpoints)
+        metrics = None
+        if cfg.metrics and self.rank == 0:
+            if self.resumed is not None:
+                rewrite_metrics_before(Path(cfg.metrics), start_step)
+            metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.heartbeat import Heartbeat
+        from hgraph.tools.progress import Progress
         self.executor.heartbeat = Heartbeat.for_default_group()
+        now = start_step
+        bar = Progress(cfg.steps, "training", enabled=cfg.progress and self.rank == 0 and cfg.log_steps)
         try:
-            for batch in mini_batches(self.documents(), cfg.tokens_per_iter, cfg.steps):
+            for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
+                                      start_position=start_position):
+                now = batch.step
                 result = self.step(batch)
                 results.append(result)
+                memory_line = self._memory_per_rank(result) if cfg.metrics else {}
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
+                    # the documents of the step and the data position after it: a resumed run can
+                    # be checked to train every document exactly once
+                    line["documents"] = [d.index for d in batch.docs]
+                    line["next_document"] = batch.next_position
+                    line.update(memory_line)
+                    line.update(self.balance_info.get(batch.step, {}))
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
-                    print(format_step_line(result, self.planned.get(batch.step)), flush=True)
+                    if batch.step % cfg.log_every == 0 or batch.step + 1 == cfg.steps:
+                        bar.write(format_step_line(result, self.planned.get(batch.step)))
+                    bar.update(1, f"step {batch.step}")
+                if checkpoints.due(batch.step + 1):
+                    pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
+                                        self.fingerprint)
+                    saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
+                                             world_size=self.world_size, data_position=pos,
+                                             planner_state=planner_state(cfg, self.planner, self.schedule,
+                                                                         self.world_size),
+                                             run=run_state(cfg, self.world_size))
+                    if cfg.log_steps and self.rank == 0:
+                        print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in "
+                              f"{1e3 * saved.save_s:.0f} ms", flush=True)
+        except RuntimeError as exc:
+            # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
+            # name the rank that died, as the executor does inside a step
+            from hgraph.runtime.executor import RankLostError
+            beat = self.executor.heartbeat
+            lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
+            if lost:
+                raise RankLostError(now, lost, self.rank, exc) from exc
+            raise
         finally:
+            bar.close()
+            if self.planner is not None and self.planner.ahead is not None:
+                self.planner.ahead.stop()
             if metrics is not None:
                 metrics.close()
             if self.executor.heartbeat is not None:
@@ -250,11 +356,18 @@ class Trainer:
             Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, cfg.save_final)
         planned = [self.planned[r.step] for r in results if r.step in self.planned]
-        return TrainSummary(results, self.cache.info(), final, planned)
+        resumed = None if self.resumed is None else {
+            "path": str(self.resumed.path), "step": self.resumed.step,
+            "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
+            "next_document": start_position}
+        return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
+                            resumed)
 
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
             return self.planned_step(batch)
+        if self.dcp_cost is not None:
+            return self.dcp_inter_step(batch)
         strategy = self.schedule[batch.step % len(self.schedule)]
         program = self.cache.get(strategy)
         plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
@@ -271,13 +384,27 @@ class Trainer:
         switch_s = time.perf_counter() - t0
         result = self.executor.step(program, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, self.world_size, self.device)
+        if self.rank == 0 and self.cache.hits > hits:   # a compiling step says nothing about later ones
+            self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
-            "est_latency_ms": float(planned.plan.est_latency_ms),
+            "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
+            "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
             "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
+
+    def _memory_per_rank(self, r: StepResult) -> dict:
+        """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
+        from hgraph.runtime.planned_dispatch import all_gather_floats
+        nan = float("nan")
+        peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, self.world_size, self.device)
+        pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes,
+                                 self.world_size, self.device)
+        return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
+                "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
+                "memory_budget": self.config.memory_budget, "recompute_layers": r.recompute_layers}
 
     def final_state_dict(self) -> dict:
         """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""
@@ -305,18 +432,19 @@ def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
             "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
-def train_worker(rank: int, world_size: int, config: TrainConfig) -> dict:
+def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
     """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params).
 
     Bad input (HGraphError) is returned as ``{"error": message}``: it happens at the same point on
     every rank (before any collective, or after the loss all-reduce), so no rank is left waiting.
     """
     try:
-        summary = Trainer(config, rank, world_size).run()
+        summary = Trainer(config, rank, world_size, planner_channel=planner_channel if rank == 0 else None).run()
     except HGraphError as exc:
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
-            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None}
+            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
+            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
@@ -327,14 +455,22 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
     a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
+    if config.resume and config.resume_from is None and config.checkpoint_dir is not None:
+        # resolved once, before any process starts: every rank loads the same checkpoint
+        from hgraph.runtime.run_checkpoint import find_resume_point
+        config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
+    from hgraph.runtime.planner_setup import planner_process
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from hgraph.runtime.launch import init_from_env
-        rank, world = init_from_env(timeout_s=timeout_s)
-        results = [train_worker(rank, world, config)]
+        rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
+        with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
+            results = [train_worker(rank, world, config, channel)]
     else:
-        from hgraph.runtime.launch import spawn
+        from hgraph.runtime.launch import local_backend, spawn
         total = 120.0 + timeout_s * (config.steps + 1)
-        results = spawn(train_worker, config.world_size, args=(config,), timeout_s=total)
+        with planner_process(config, True) as channel:           # the launcher owns the planner
+            results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),
+                            args=(config, channel), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
         raise HGraphError(error)

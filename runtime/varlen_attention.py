@@ -106,10 +106,29 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         out = flash_attn_varlen_func(q_, k_, v_, cu_t, cu_t, max_len, max_len, dropout_p=0.0,
                                      softmax_scale=scale, causal=True)
     else:
-        from torch.nn.attention.varlen import varlen_attn
-        out = varlen_attn(q_, k_, v_, cu_t, cu_t, max_len, max_len, scale=scale,
-                          window_size=(-1, 0), enable_gqa=enable_gqa)
+        out = _torch_varlen(q_, k_, v_, cu_t, max_len, scale, enable_gqa)
     return out.transpose(0, 1).unsqueeze(0)
+
+
+def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+                  scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
+    """PyTorch's varlen kernel on packed ``[T, H, D]``, causal. Its keywords changed across releases
+    (2.11: ``is_causal`` and no GQA; 2.13: ``window_size`` and ``enable_gqa``), so ask it what it takes."""
+    import inspect
+    from torch.nn.attention.varlen import varlen_attn
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict = {"scale": scale}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)          # causal: no key after the query
+    else:
+        kwargs["is_causal"] = True
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = enable_gqa
+        else:                                    # query head h reads key/value head h // group
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],

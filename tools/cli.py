@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "profile": "hgraph.tools.cmd_profile",
     "train": "hgraph.tools.cmd_train",
     "report": "hgraph.tools.cmd_report",
+    "export": "hgraph.tools.cmd_export",
 }
 
 

@@ -16,9 +16,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        description="Trace MODEL, instantiate STRATEGY and print the programs. MODEL is a zoo "
                                    "name (llama:tiny), FILE.py:CLASS or package.module:CLASS. The model is "
                                    "built on the meta device: no weights are allocated.")
-    p.add_argument("model", help="llama:tiny | FILE.py:CLASS | package.module:CLASS")
+    p.add_argument("model", nargs="?", default=None, help="llama:tiny | FILE.py:CLASS | package.module:CLASS")
     p.add_argument("--model-args", default=None, help="JSON object of config overrides / constructor kwargs")
-    p.add_argument("--strategy", required=True, help='e.g. "1xTP2PP2+2xTP1PP1"')
+    p.add_argument("--strategy", default=None, help='e.g. "1xTP2PP2+2xTP1PP1"')
+    p.add_argument("--run-dir", default=None, metavar="RUN_DIR",
+                   help="dump every strategy a training run used (model and world size from its run.json, "
+                        "strategies from its metrics.jsonl); -o names a folder, one file per strategy")
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: what the strategy uses)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
@@ -42,6 +45,13 @@ def _model_args(text):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.run_dir is not None:
+        if args.model is not None or args.strategy is not None:
+            raise HGraphError("--run-dir takes the model and strategies from the run: give no MODEL or --strategy")
+        from hgraph.tools.dump_run import dump_run
+        return dump_run(args)
+    if args.model is None or args.strategy is None:
+        raise HGraphError("give MODEL and --strategy, or --run-dir RUN_DIR")
     import hgraph
     from hgraph.frontends.zoo import resolve_model_spec
     from hgraph.strategy import Cluster, Strategy

@@ -2,32 +2,46 @@
 
 With no arguments it runs the built-in default: ``llama:tiny`` on the built-in long-tail documents
 (``hgraph.runtime.builtin_data.synthetic_documents``: real Wikipedia lengths scaled for CPU), 4 local
-processes, the analytic cost model, ``auto`` candidate strategies and the planner's choice every
-iteration; it prints one line per iteration and a summary, and writes ``metrics.jsonl`` and the plots
-(``hgraph.tools.plots``) into ``--run-dir`` (default ``runs/<UTC timestamp>``).
+processes, a cost model measured on the spot by the ranks (``--profile measure``), ``auto`` candidate
+strategies and the planner's choice every iteration, planned ahead in a planner process; it prints
+one line per iteration (a progress bar on a terminal) and a summary, and writes ``run.json``,
+``metrics.jsonl`` and the plots (``hgraph.tools.plots``) into ``--run-dir`` (default
+``runs/<UTC timestamp>``).
 
 Planner-driven mode (``--strategies auto|"S1;S2"``, the default): every iteration
 ``plan_iteration`` picks the strategy among the candidates and dispatches the mini-batch's documents
-to pipelines and micro-batches with the cost model of ``--profile`` (``analytic``: the analytic prior
-for the model and world size; or a built-in profile NAME or a profile FILE); rank 0 plans and
-broadcasts the plan. Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
+to pipelines and micro-batches with the cost model of ``--profile`` (``measure``: timed on this
+machine at the start, ``hgraph.runtime.planner.calibration``; ``analytic``: the analytic prior for the
+model and world size; or a built-in profile NAME or a profile FILE). A planner process started by
+the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead
+(``hgraph.runtime.plan_ahead``); rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
+once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
+Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
-Starts ``--world-size`` local processes (gloo on CPU) or, under ``torchrun``, runs as this process's
-rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
+Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
+GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
 of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens; in
 deterministic mode documents are dispatched and packed by the runtime's built-in rule
 (``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are
 PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
+
+Every option is a key of ``hgraph.runtime.run_config.SCHEMA`` and of a TOML file (``--config
+RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
+--checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
+one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
+checked here, before any process starts (``hgraph.runtime.run_checkpoint``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 from hgraph.errors import HGraphError
 
@@ -41,104 +55,77 @@ BUILTIN_SEED = 0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
+    from hgraph.runtime.run_config import add_arguments, help_text
     p = subparsers.add_parser("train", help="train with the planner's strategy every iteration (no arguments: "
-                              "the built-in default run)", description=__doc__,
+                              "the built-in default run)", description=__doc__, epilog=help_text(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=DEFAULT_MODEL, metavar="SPEC",
-                   help=f"zoo config (tiny, llama:tiny) or FILE.py:CLASS (default {DEFAULT_MODEL})")
-    p.add_argument("--model-args", default="{}", metavar="JSON", help="model config overrides / class kwargs")
-    p.add_argument("--data", default=None, metavar="FILE.jsonl",
-                   help="one object per line with input_ids (default: the built-in long-tail documents)")
-    p.add_argument("--world-size", default=DEFAULT_WORLD_SIZE, type=int, metavar="N",
-                   help=f"processes (default {DEFAULT_WORLD_SIZE})")
-    p.add_argument("--strategies", default=None, metavar="auto|S1;S2;...",
-                   help="planner-driven: candidate strategies, 'auto' (proposed for the data) or a list "
-                        "(default auto unless --strategy-schedule is given)")
-    p.add_argument("--profile", default="analytic", metavar="analytic|NAME|FILE",
-                   help="cost model of the planner (default analytic: the analytic prior for the model)")
-    p.add_argument("--strategy-schedule", default=None, metavar="S1;S2;...",
-                   help="deterministic mode: strategies, one per step in turn, e.g. '4xTP1PP1;1xTP2PP2'")
-    p.add_argument("--steps", default=DEFAULT_STEPS, type=int, metavar="K", help=f"default {DEFAULT_STEPS}")
-    p.add_argument("--tokens-per-iter", default=DEFAULT_TOKENS_PER_ITER, type=int, metavar="T",
-                   help=f"default {DEFAULT_TOKENS_PER_ITER}")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw"))
-    p.add_argument("--lr", default=1e-3, type=float)
-    p.add_argument("--betas", default="0.9,0.999", metavar="B1,B2")
-    p.add_argument("--eps", default=1e-8, type=float)
-    p.add_argument("--weight-decay", default=None, type=float,
-                   help="default: 0 for adam, 1e-2 for adamw (PyTorch's)")
-    p.add_argument("--grad-clip", default="none", metavar="NORM|none", help="clip by global norm (default none)")
-    p.add_argument("--seed", default=0, type=int)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="working precision (masters stay fp32)")
-    p.add_argument("--microbatch-tokens", default=None, type=int, metavar="T",
-                   help="token limit of a packed micro-batch (default: see the built-in dispatch rule)")
-    p.add_argument("--skip-nonfinite", action="store_true", help="skip the update of a step whose loss is NaN/inf")
-    p.add_argument("--timeout", default=60.0, type=float, metavar="S",
-                   help="seconds a collective may wait (a lost rank is reported within it; default 60)")
-    p.add_argument("--save-final", default=None, metavar="PATH")
-    p.add_argument("--metrics", default=None, metavar="PATH.jsonl",
-                   help="metrics file (planner-driven default: RUN_DIR/metrics.jsonl)")
-    p.add_argument("--run-dir", default=None, metavar="DIR",
-                   help="planner-driven: where metrics.jsonl and the plots go (default runs/<UTC timestamp>)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_arguments(p)        # every flag is a key of hgraph.runtime.run_config.SCHEMA (and of --config)
     return p
 
 
+# Keys of the configuration whose feature this trainer does not have yet: only the value given here
+# is accepted (any other is bad input, not silently ignored).
+_ONLY_VALUE = {"outlier_queues": 0, "max_candidates": None, "time_limit": 10.0}
+
+
 def config_from_args(args: argparse.Namespace):
-    """A ``TrainConfig`` from the parsed options (bad values: one-line HGraphError)."""
+    """A ``TrainConfig`` from the parsed options and ``--config`` (bad values: one-line HGraphError)."""
+    from hgraph.runtime.run_config import BY_DEST, resolve
     from hgraph.runtime.trainer import TrainConfig, parse_schedule
-    try:
-        model_args = json.loads(args.model_args)
-    except json.JSONDecodeError as exc:
-        raise HGraphError(f"--model-args is not valid JSON: {exc.msg}") from None
-    if not isinstance(model_args, dict):
-        raise HGraphError("--model-args must be a JSON object, e.g. '{\"num_layers\": 2}'")
-    try:
-        betas = tuple(float(b) for b in args.betas.split(","))
-    except ValueError:
-        betas = ()
-    if len(betas) != 2:
-        raise HGraphError(f"--betas {args.betas!r}: expected two numbers B1,B2, e.g. 0.9,0.999")
-    clip = None
-    if args.grad_clip.lower() != "none":
-        try:
-            clip = float(args.grad_clip)
-        except ValueError:
-            clip = -1.0
-        if not clip > 0 or not math.isfinite(clip):
-            raise HGraphError(f"--grad-clip {args.grad_clip!r}: expected a positive number or 'none'")
-    if args.world_size < 1:
-        raise HGraphError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.steps < 1:
-        raise HGraphError(f"--steps must be >= 1, got {args.steps}")
-    if args.tokens_per_iter < 1:
-        raise HGraphError(f"--tokens-per-iter must be >= 1, got {args.tokens_per_iter}")
-    if args.timeout <= 0:
-        raise HGraphError(f"--timeout must be > 0, got {args.timeout}")
-    schedule, strategies = args.strategy_schedule, args.strategies
-    if schedule is not None and strategies is not None:
+    cfg = resolve(args)
+    for dest, only in _ONLY_VALUE.items():
+        if cfg.values[dest] != only:
+            key, src = BY_DEST[dest], cfg.sources[dest]
+            where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
+            raise HGraphError(f"{where} = {cfg.values[dest]!r}: not available in this hgraph train yet; "
+                              f"allowed is {only!r}")
+    schedule, strategies = cfg.strategy_schedule, cfg.strategies
+    if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
                           "or the schedule does")
     if schedule is not None:
-        parse_schedule(schedule, args.world_size)      # fails here, before any process starts
-    else:
+        strategies = None
+        parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
+    elif strategies.strip() != "auto":
         from hgraph.runtime.planned_dispatch import parse_candidates
-        strategies = strategies or "auto"
-        if strategies.strip() != "auto":
-            parse_candidates(strategies, args.world_size)
-    return TrainConfig(model=args.model, world_size=args.world_size,
+        parse_candidates(strategies, cfg.world_size)
+    return TrainConfig(model=cfg.model, world_size=cfg.world_size,
                        schedule=schedule.split(";") if schedule is not None else (),
-                       strategies=strategies, profile=args.profile,
-                       steps=args.steps, tokens_per_iter=args.tokens_per_iter, data=args.data,
-                       model_args=model_args, optimizer=args.optimizer, lr=args.lr, betas=betas, eps=args.eps,
-                       weight_decay=args.weight_decay, grad_clip=clip, seed=args.seed, dtype=args.dtype,
-                       microbatch_tokens=args.microbatch_tokens, skip_nonfinite=args.skip_nonfinite,
-                       save_final=args.save_final, metrics=args.metrics)
+                       strategies=strategies, profile=cfg.profile, method=cfg.method,
+                       steps=cfg.steps, tokens_per_iter=cfg.tokens_per_iter, data=cfg.data,
+                       model_args=dict(cfg.model_args), optimizer=cfg.optimizer, lr=cfg.lr, betas=cfg.betas,
+                       eps=cfg.eps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
+                       dtype=cfg.dtype, microbatch_tokens=cfg.microbatch_tokens,
+                       skip_nonfinite=cfg.skip_nonfinite, save_final=cfg.save_final, metrics=cfg.metrics,
+                       gpus_per_node=cfg.gpus_per_node, backend=cfg.backend, log_every=cfg.log_every,
+                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+                       keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
+                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
+                       memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance), cfg
 
 
-def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int) -> list[list[int]]:
-    """The built-in long-tail documents for ``model`` (its vocabulary and context length): enough for
-    ``steps`` mini-batches without wrapping around (the scaled lengths average ~62 tokens)."""
+def parse_bytes(text, option: str):
+    """``123``, ``1.5e6``, ``512K``, ``64M``, ``2G`` (powers of 1024) -> bytes; None stays None."""
+    if text is None:
+        return None
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    t = str(text).strip().upper().removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise HGraphError(f"{option} {text!r}: expected a positive number of bytes, e.g. 512M")
+    return value
+
+
+def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int,
+                      num_docs: Optional[int] = None, scale: Optional[float] = None) -> list[list[int]]:
+    """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
+    of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
+    average ~62 tokens); ``scale``: the length scale (default the generator's)."""
     from hgraph.runtime.builtin_data import synthetic_documents
     from hgraph.runtime.trainer import TrainConfig, build_model
 
@@ -148,8 +135,9 @@ def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter:
     if not vocab or not max_len:
         raise HGraphError(f"--model {model}: the built-in data needs a zoo model with vocab_size and "
                           "max_seq_len; give --data FILE.jsonl")
-    num_docs = max(64, math.ceil(steps * tokens_per_iter / 24))
-    return synthetic_documents(num_docs, int(vocab), min(int(max_len), tokens_per_iter), BUILTIN_SEED)
+    num_docs = num_docs or max(64, math.ceil(steps * tokens_per_iter / 24))
+    extra = {} if scale is None else {"scale": scale}
+    return synthetic_documents(num_docs, int(vocab), min(int(max_len), tokens_per_iter), BUILTIN_SEED, **extra)
 
 
 def default_run_dir() -> Path:
@@ -175,7 +163,10 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     if s.est_within_10pct is not None:
         extra.append(f"estimate within 10% of measured in {100 * s.est_within_10pct:.0f}% of steps")
     if s.planner_wait_s is not None:
-        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all")
+        queue = [r["planner_queue_wait_s"] for r in records if r.get("planner_source") == "ahead"]
+        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all"
+                     + (f" ({sum(queue):.2f} s blocked on the planner process in {len(queue)} planned-ahead "
+                        f"steps)" if queue else ""))
     if s.cache_hit_rate is not None:
         extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
     print(f"         {loss}; " + "; ".join(extra))
@@ -188,39 +179,54 @@ def run(args: argparse.Namespace) -> int:
     from hgraph.runtime.launch import SpawnError
     from hgraph.runtime.trainer import run_training
 
-    config = config_from_args(args)
+    config, cfg = config_from_args(args)
     planned = config.strategies is not None
+    point = _resume_point(config, quiet=cfg.json)
     run_dir = None
-    if planned or args.run_dir is not None:
-        run_dir = Path(args.run_dir) if args.run_dir is not None else default_run_dir()
+    if planned or cfg.run_dir is not None:
+        run_dir = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
         if config.metrics is None:
             config.metrics = str(run_dir / "metrics.jsonl")
     if config.data is not None:
         read_jsonl(config.data)                          # a malformed line fails before the launch
     else:
-        config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter)
-    config.log_steps = planned and not args.json
+        # a resumed run regenerates the same built-in documents as the run it continues
+        saved_n = point.data_position.get("num_documents") if point is not None else None
+        config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
+                                        cfg.builtin_docs or saved_n, cfg.builtin_scale)
+    config.log_steps = planned and not cfg.json
+    from hgraph.tools.progress import resolve_mode
+    config.progress = config.log_steps and resolve_mode(cfg.progress)
+    if run_dir is not None:
+        from hgraph.tools.run_record import write_run_record
+        write_run_record(run_dir, config)
     if config.log_steps:
-        source = args.data or "built-in long-tail documents"
+        source = cfg.data or "built-in long-tail documents"
         print(f"hgraph train: {config.model} on {config.world_size} processes, {source}, "
               f"{config.steps} steps of {config.tokens_per_iter} tokens, strategies {config.strategies}, "
               f"profile {config.profile}", flush=True)
     try:
-        result = run_training(config, timeout_s=args.timeout)
+        result = run_training(config, timeout_s=cfg.timeout)
     except SpawnError as exc:
-        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}\n")
+        hint = ""
+        if config.checkpoint_dir is not None:
+            from hgraph.runtime.checkpoint import latest
+            last = latest(config.checkpoint_dir)
+            hint = f"; --resume continues from {last}" if last is not None else ""
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
         return 1
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
     plots = None
-    if run_dir is not None and config.metrics is not None:
+    if run_dir is not None and config.metrics is not None and cfg.plots:
         from hgraph.tools.plots import read_metrics, write_plots
         records = read_metrics(config.metrics)
         plots = write_plots(records, run_dir)
-    if args.json:
+    if cfg.json:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
+                          "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.save_final, "metrics": config.metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
@@ -232,6 +238,34 @@ def run(args: argparse.Namespace) -> int:
     c = result["cache"]
     print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
           f"<= {c['max_hit_switch_ms']:.3f} ms")
+    saved = result.get("checkpoints", [])
+    if saved:
+        print(f"checkpoints: {', '.join(Path(c['path']).name for c in saved)} in {config.checkpoint_dir} "
+              f"({saved[-1]['bytes'] / 1e6:.2f} MB each, save <= {1e3 * max(c['save_s'] for c in saved):.0f} ms)")
     if plots is not None:
         _print_summary(records, run_dir, plots)
+    elif run_dir is not None:
+        print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _resume_point(config, quiet: bool):
+    """With ``--resume``: the checkpoint to continue from, checked before any process starts (the
+    ranks then all load it); its warnings go to stderr. None for a fresh run."""
+    if not config.resume:
+        return None
+    from hgraph.runtime.run_checkpoint import find_resume_point
+    point = find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback)
+    for w in point.warnings:
+        sys.stderr.write(f"hgraph train: warning: {w}\n")
+    if point.step >= config.steps:
+        raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
+                          f"{config.steps}: nothing left to train (--steps is the run's total)")
+    config.resume_from = str(point.folder)
+    if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
+        pos = point.data_position
+        resharded = (f", resharded from {point.world_size} to {config.world_size} ranks"
+                     if point.world_size != config.world_size else "")
+        print(f"resuming from {point.folder}: {point.step} of {config.steps} steps done, next document "
+              f"{pos.get('next_document')} (epoch {pos.get('epoch')}){resharded}", flush=True)
+    return point

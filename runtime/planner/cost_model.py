@@ -118,6 +118,8 @@ class CostModel:
     cp_efficiency: float = DEFAULT_CP_EFFICIENCY
     max_cp: int = DEFAULT_MAX_CP
     extra: dict[str, Any] = field(default_factory=dict)  # other profile keys, kept for to_profile_dict
+    # DCP-intra: activation bytes per rank; a micro-batch over it recomputes layers and pays their forward
+    activation_budget_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -180,9 +182,14 @@ class CostModel:
         return a * l * l + b * l
 
     def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
-        """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms)."""
+        """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus the forward of the layers it
+        recomputes when ``activation_budget_bytes`` is set (``planner.recompute``)."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
-        return float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
+        t = float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
+        if self.activation_budget_bytes is not None:
+            from hgraph.runtime.planner.recompute import recompute_extra_ms
+            t += recompute_extra_ms(self, arr, scheme, self.activation_budget_bytes)[0]
+        return t
 
     def pipeline_time(self, mb_times: Sequence[float], scheme: Scheme) -> float:
         """1F1B latency ``(PP - 1 + V) * max(mb_times)``; 0 for a pipeline with no micro-batch."""

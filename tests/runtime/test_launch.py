@@ -74,6 +74,17 @@ def test_bad_arguments_are_one_line_errors():
         spawn(_sum_of_ranks, 0)
 
 
+def test_local_backend_takes_nccl_only_with_a_gpu_per_process(monkeypatch):
+    from hgraph.runtime.launch import local_backend
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert local_backend("auto", 2) == "nccl"
+    assert local_backend("auto", 4) == "gloo"          # not enough GPUs: CPU processes
+    assert local_backend("gloo", 2) == "gloo"
+    with pytest.raises(HGraphError, match="needs one GPU per process: 4 processes, 2 GPUs"):
+        local_backend("nccl", 4)
+
+
 def test_init_from_env_names_missing_variables(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
@@ -98,3 +109,18 @@ def test_init_from_env_initialises_a_torchrun_style_process(monkeypatch):
         assert init_from_env() == (0, 1)  # already initialised: no second group
     finally:
         dist.destroy_process_group()
+
+
+def _rank1_exits_during_a_collective(rank, world_size):
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(17)              # no report: rank 0's all_reduce fails with "Connection closed by peer"
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_a_rank_that_dies_is_named_even_when_a_peer_reports_losing_it_first():
+    with pytest.raises(SpawnError, match=r"rank 1 was lost") as info:
+        spawn(_rank1_exits_during_a_collective, 2, timeout_s=300)
+    assert info.value.rank == 1

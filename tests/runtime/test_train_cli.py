@@ -118,8 +118,8 @@ def test_non_finite_loss_names_the_step_or_is_skipped(data, tmp_path, capsys):
     (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP1PP1;", ), "expected strategies separated by ';'"),
     (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP3PP1", "--world-size", "3"),
      "scheme TP3PP1: TP=3 does not divide the model's 4 attention heads"),
-    (['{"input_ids": [1, 2]}'], ("--betas", "0.9"), "--betas '0.9': expected two numbers"),
-    (['{"input_ids": [1, 2]}'], ("--grad-clip", "-1"), "--grad-clip '-1': expected a positive number"),
+    (['{"input_ids": [1, 2]}'], ("--betas", "0.9"), r"argument --betas: \(0.9,\): expected two numbers"),
+    (['{"input_ids": [1, 2]}'], ("--grad-clip", "-1"), "argument --grad-clip: -1.0: must be >= 1e-12"),
     (['{"input_ids": [1, 2]}', '{"input_ids": [%s]}' % ", ".join(["5"] * 1100)], ("--tokens-per-iter", "4000"),
      "document 1 has 1100 tokens, longer than the 1024 the model supports"),
     (['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}'], ("--tokens-per-iter", "5"),
@@ -133,7 +133,11 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, m
     for k, v in zip(extra[::2], extra[1::2]):
         args[k] = v
     argv = ["train", "--model", "tiny", "--data", str(path)] + [x for kv in args.items() for x in kv]
-    assert main(argv) == 2
+    try:
+        rc = main(argv)
+    except SystemExit as exc:          # a flag's value is rejected by the parser itself
+        rc = exc.code
+    assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) >= 1
     import re

@@ -115,3 +115,58 @@ def test_untraceable_model_names_where_and_suggests_export(capsys, tmp_path):
     code, out, err = run(capsys, "dump", f"{src}:Bad", "--strategy", "1xTP1PP1")
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and "export" in err and "Traceback" not in err
+
+
+# ---- from a run directory ------------------------------------------------------------------------
+@pytest.fixture
+def run_dir(tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "run.json").write_text(json.dumps({"model": "llama:tiny", "model_args": {}, "world_size": 4,
+                                            "gpus_per_node": 8, "dtype": "fp32"}))
+    used = ["4xTP1PP1", "1xTP2PP1+2xTP1PP1", "4xTP1PP1", "2xTP1PP2"]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": k, "strategy": s, "loss": 1.0}) + "\n"
+                                             for k, s in enumerate(used)))
+    return d
+
+
+def test_run_dir_dumps_each_strategy_used_once_with_its_steps(capsys, run_dir, tmp_path):
+    code, out, _ = run(capsys, "dump", "--run-dir", str(run_dir), "--format", "json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["world_size"] == 4 and doc["model"] == "llama:tiny"
+    assert [(s["strategy"], s["steps"]) for s in doc["strategies"]] == [
+        ("4xTP1PP1", [0, 2]), ("1xTP2PP1+2xTP1PP1", [1]), ("2xTP1PP2", [3])]
+    assert all(s["dump"]["strategy"] == s["strategy"] and len(s["dump"]["ranks"]) == 4 for s in doc["strategies"])
+    code, out, _ = run(capsys, "dump", "--run-dir", str(run_dir), "--rank", "1")
+    assert code == 0 and out.count("# ==== ") == 3 and "# ==== 4xTP1PP1: 2 steps (0, 2)" in out
+    code, _, err = run(capsys, "dump", "--run-dir", str(run_dir), "--format", "svg", "-o", str(tmp_path / "svg"))
+    assert code == 0 and sorted(p.name for p in (tmp_path / "svg").iterdir()) == [
+        "1xTP2PP1+2xTP1PP1.svg", "2xTP1PP2.svg", "4xTP1PP1.svg"]
+    ET.parse(tmp_path / "svg" / "2xTP1PP2.svg")
+
+
+@pytest.mark.parametrize("setup, argv, message", [
+    (None, ["--format", "svg"], "needs -o DIR"),
+    ("no-run-json", [], "run.json does not exist"),
+    ("bad-metrics", [], "metrics.jsonl:2: not a metrics line"),
+    (None, ["llama:tiny"], "give no MODEL or --strategy"),
+])
+def test_run_dir_bad_input_is_one_line_and_exit_2(capsys, run_dir, setup, argv, message):
+    if setup == "no-run-json":
+        (run_dir / "run.json").unlink()
+    elif setup == "bad-metrics":
+        (run_dir / "metrics.jsonl").write_text('{"step": 0, "strategy": "4xTP1PP1"}\n{"step": 1}\n')
+    code, _, err = run(capsys, "dump", "--run-dir", str(run_dir), *argv)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_training_records_the_run_for_dump(tmp_path, capsys):
+    from hgraph.runtime.trainer import TrainConfig
+    from hgraph.tools.run_record import read_run_record, write_run_record
+    config = TrainConfig(model="llama:tiny", world_size=2, schedule=(), steps=3, tokens_per_iter=64,
+                         model_args={"num_layers": 2}, strategies="auto", profile="measure")
+    write_run_record(tmp_path, config)
+    record = read_run_record(tmp_path)
+    assert record["model"] == "llama:tiny" and record["model_args"] == {"num_layers": 2}
+    assert record["world_size"] == 2 and record["strategies"] == "auto" and record["profile"] == "measure"

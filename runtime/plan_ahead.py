@@ -1,0 +1,161 @@
+"""The planner process of a training run: plans for iterations k+1.. while iteration k trains
+(producer-consumer with a bounded queue, Hydraulis App. E).
+
+Who starts it: the launcher (``run_training``), before it spawns the ranks; under ``torchrun`` rank
+0's process. The spawned ranks are daemon processes (so that they never outlive a launcher that
+dies) and Python forbids a daemon process to have children; keeping the ranks daemonic and starting
+the planner from their non-daemonic parent keeps that guarantee. The planner process itself is a
+daemon of its starter for the same reason.
+
+The channel (``PlannerChannel``, picklable into the ranks at their start) has three parts:
+
+* ``jobs``: rank 0 -> planner, one ``("setup", cost, candidates, method, batches)`` message once the
+  cost model and candidates are known (they are measured by the ranks, after the planner started),
+  then ``("stop",)``; ``batches`` are ``(step, [document lengths])`` in training order.
+* ``plans``: planner -> rank 0, ``("plan", step, Plan)`` or ``("error", step, message)``; a queue of
+  at most ``depth`` plans, so the planner runs at most ``depth`` iterations ahead.
+* ``alive``: the read end of a pipe whose only write end the planner holds: it reads EOF once the
+  planner process is gone, however it ended (killed, crashed), with no polling of process ids.
+
+``PlanConsumer`` (rank 0) takes the plans in order and measures how long it waited for each; when
+the planner process dies or reports an error it raises ``PlannerLost`` and the caller falls back to
+planning inline.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+_POLL_S = 0.02
+
+
+class PlannerLost(RuntimeError):
+    """The planner process is gone (or failed) before delivering the plan asked for."""
+
+
+@dataclass
+class PlannerChannel:
+    """What rank 0 needs to talk to the planner process (picklable only while starting a process)."""
+
+    jobs: Any
+    plans: Any
+    alive: Any
+    pid: int
+    depth: int
+
+
+def _serve(jobs, plans, alive_w) -> None:
+    """Planner process body: wait for the setup, then plan every batch in order into ``plans``
+    (blocking while it holds ``depth`` unconsumed plans)."""
+    from hgraph.runtime.planner.selection import plan_iteration
+
+    msg = jobs.get()
+    if msg[0] != "setup":
+        return
+    _, cost, candidates, method, batches = msg
+    for step, lengths in batches:
+        try:
+            plan = plan_iteration(lengths, candidates, cost, method=method, index=step)
+        except BaseException as exc:  # noqa: BLE001 - the consumer reports it and plans inline
+            plans.put(("error", step, f"{type(exc).__name__}: {exc}"))
+            return
+        plans.put(("plan", step, plan))
+        try:
+            if jobs.get_nowait()[0] == "stop":
+                return
+        except queue_mod.Empty:
+            pass
+    plans.close()
+    plans.join_thread()           # everything delivered before the process (and ``alive``) ends
+    del alive_w
+
+
+class PlannerProcess:
+    """The planner process, started by the process that owns it (the launcher, or torchrun's rank 0)."""
+
+    def __init__(self, depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
+        ctx = mp.get_context("spawn")     # a clean interpreter: the caller may hold threads
+        jobs, plans = ctx.Queue(), ctx.Queue(maxsize=depth)
+        alive_r, alive_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(jobs, plans, alive_w), daemon=True,
+                                   name="hgraph-planner")
+        self.process.start()
+        alive_w.close()                   # only the planner holds the write end now
+        self.channel = PlannerChannel(jobs, plans, alive_r, self.process.pid, depth)
+
+    def close(self) -> None:
+        """Stop the planner (it may be blocked on a full queue) and release the queues."""
+        if self.process.is_alive():
+            self.process.terminate()
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for q in (self.channel.jobs, self.channel.plans):
+            q.cancel_join_thread()
+            q.close()
+        self.channel.alive.close()
+
+    def __enter__(self) -> "PlannerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PlanConsumer:
+    """Rank 0's side: send the job once, then take plans in step order."""
+
+    def __init__(self, channel: PlannerChannel) -> None:
+        self.channel = channel
+        self.lost: Optional[str] = None
+
+    def setup(self, cost: Any, candidates: Sequence[Any], method: str,
+              batches: Sequence[tuple[int, list[int]]]) -> None:
+        self.channel.jobs.put(("setup", cost, list(candidates), method, list(batches)))
+
+    def get(self, step: int) -> tuple[Any, float]:
+        """The plan of ``step`` and the seconds waited for it; ``PlannerLost`` if the planner is gone."""
+        if self.lost is not None:
+            raise PlannerLost(self.lost)
+        t0 = time.perf_counter()
+        while True:
+            try:
+                kind, got, payload = self.channel.plans.get(timeout=_POLL_S)
+                break
+            except queue_mod.Empty:
+                if self._gone():
+                    try:      # a plan may have been put just before the process ended
+                        kind, got, payload = self.channel.plans.get(timeout=_POLL_S)
+                        break
+                    except queue_mod.Empty:
+                        self.lost = f"planner process {self.channel.pid} exited before the plan of step {step}"
+                        raise PlannerLost(self.lost) from None
+        wait = time.perf_counter() - t0
+        if kind == "error":
+            self.lost = f"planner process failed at step {got}: {payload}"
+            raise PlannerLost(self.lost)
+        if got != step:
+            self.lost = f"planner process sent the plan of step {got} where step {step} was expected"
+            raise PlannerLost(self.lost)
+        return payload, wait
+
+    def _gone(self) -> bool:
+        try:
+            if not self.channel.alive.poll():
+                return False
+            self.channel.alive.recv()       # never sent: only EOF gets here
+        except (EOFError, OSError):
+            return True
+        return False
+
+    def stop(self) -> None:
+        try:
+            self.channel.jobs.put(("stop",))
+        except (OSError, ValueError):
+            pass
