@@ -156,7 +156,7 @@ class Executor:
 
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
-                 memory_budget: Optional[float] = None, track_memory: bool = True,
+                 memory_budget: Optional[float] = None, track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE) -> None:
         self.compiled = compiled
         self.optimizer = optimizer

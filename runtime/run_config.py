@@ -150,6 +150,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        choices=("auto", "on", "off")),
     _k("logging", "log-every", "int", 1, "print one line every K steps", minimum=1, metavar="K"),
     _k("logging", "json", "bool", False, "print one JSON object at the end instead of lines"),
+    _k("logging", "track-memory", "bool", False, "measure each rank's peak activation bytes into the "
+       "metrics (saved-tensor accounting; about 8% of a tiny-model step on CPU; always on with "
+       "memory-budget)"),
 )
 
 KEYS: dict[tuple[str, str], ConfigKey] = {(k.section, k.name): k for k in SCHEMA}

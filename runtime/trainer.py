@@ -88,6 +88,7 @@ class TrainConfig:
     memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
     cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
     balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
+    track_memory: bool = False                # peak activation bytes per rank in the metrics (on with a budget)
 
 
 @dataclass
@@ -235,7 +236,8 @@ class Trainer:
         self.dcp_cost = self._dcp_inter_cost()
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.skip_nonfinite,
-                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding)
+                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding,
+                                 track_memory=config.track_memory)
 
     def _dcp_inter_cost(self) -> Any:
         """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
@@ -306,7 +308,7 @@ class Trainer:
                 now = batch.step
                 result = self.step(batch)
                 results.append(result)
-                memory_line = self._memory_per_rank(result) if cfg.metrics else {}
+                memory_line = self._memory_per_rank(result) if cfg.metrics and self.executor.track_memory else {}
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))

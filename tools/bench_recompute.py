@@ -39,7 +39,7 @@ def _run(rank: int, world: int, strategy: str, steps: int, tokens: int, budgets:
     out = []
     for budget in budgets:
         cfg = TrainConfig(model="tiny", world_size=world, schedule=[strategy], steps=steps, tokens_per_iter=tokens,
-                          docs=docs, memory_budget=budget)
+                          docs=docs, memory_budget=budget, track_memory=True)
         trainer = Trainer(cfg, rank, world, groups)
         res = [trainer.step(b) for b in batches]
         out.append({"budget": budget, "times": [r.time_s for r in res], "losses": [r.loss for r in res],

@@ -102,7 +102,7 @@ def config_from_args(args: argparse.Namespace):
                        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
                        resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
                        memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
-                       cp_sharding=cfg.cp_sharding, balance=cfg.balance), cfg
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory), cfg
 
 
 def parse_bytes(text, option: str):

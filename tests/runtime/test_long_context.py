@@ -46,7 +46,8 @@ CP_CASES = [
     ("1xTP1PP2CP2", {"cp_sharding": "adaptive"}),
     ("1xTP1PP1CP4", {"cp_sharding": "per-document"}),
 ]
-RUNS = [(s, dict(o, memory_budget=b)) for s, o in CP_CASES for b in (None, BUDGET)]
+# without a budget the accounting is asked for (track_memory): the peaks are compared
+RUNS = [(s, dict(o, memory_budget=b, track_memory=True)) for s, o in CP_CASES for b in (None, BUDGET)]
 # DCP-inter: homogeneous DP whose SP size follows each mini-batch (6 tokens per rank and micro-batch:
 # a mini-batch whose longest document has 13 tokens runs on CP4, one of 7..12 tokens on CP2)
 DCP_RUN = ("4xTP1PP1", {"balance": "dcp-inter", "microbatch_tokens": 6})

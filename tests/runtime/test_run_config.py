@@ -178,3 +178,12 @@ strategy-schedule = "4xTP1PP1;1xTP2PP2"
     assert back.model_args["rope"] == {"theta": 500000.0} and back.weight_decay is None
     with pytest.raises(HGraphError, match="TOML has no null"):
         rc.dump_toml({**cfg.values, "model_args": {"x": None}})
+
+
+def test_memory_tracking_is_off_unless_asked_or_budgeted():
+    """The saved-tensor accounting costs step time: a plain run does not pay for it."""
+    from hgraph.runtime.executor import Executor
+    import inspect
+    assert inspect.signature(Executor).parameters["track_memory"].default is False
+    from hgraph.runtime.run_config import BY_DEST
+    assert BY_DEST["track_memory"].default is False
