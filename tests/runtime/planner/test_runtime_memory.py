@@ -111,3 +111,14 @@ def test_device_memory_option_and_config_key(tmp_path):
     assert device_memory_option("none", None) is None
     with pytest.raises(HGraphError, match="--device-memory '-3G'"):
         device_memory_option("-3G", None)
+    # the TOML key [cluster] device-memory, and a flag overriding it
+    import argparse
+    from hgraph.tools import cmd_train
+    (tmp_path / "run.toml").write_text('[cluster]\ndevice-memory = "2G"\n')
+    parser = argparse.ArgumentParser()
+    cmd_train.add_parser(parser.add_subparsers(dest="cmd"))
+    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml")]))
+    assert config.device_memory == 2 * 2 ** 30
+    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml"),
+                                                              "--device-memory", "none"]))
+    assert config.device_memory is None
