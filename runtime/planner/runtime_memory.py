@@ -126,7 +126,9 @@ def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: 
                         schemes: Optional[Sequence[Any]] = None, offset: int = 0) -> None:
     """One-line error naming the first document longer than every scheme's MaxLen (of ``schemes``,
     default every scheme of ``cost``); ``offset``: index of ``lengths[0]`` in the data."""
-    pool = [s for s in (schemes if schemes is not None else cost.schemes) if cost.has(s)]
+    pool = list(dict.fromkeys(schemes if schemes is not None else cost.schemes))
+    for s in pool:
+        cost.max_len(s)      # a given scheme the profile lacks (or that does not fit) is that error
     largest = max((cost.max_len(s) for s in pool), default=0)
     for i, l in enumerate(lengths):
         if l > largest:
