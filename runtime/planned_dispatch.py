@@ -57,6 +57,25 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
                                tps=tps, pps=pps)
 
 
+def _bounded(cost: Any, model: Any, device_memory: Any, working_bytes: int) -> tuple[Any, float | None]:
+    """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes."""
+    from hgraph.runtime.planner.runtime_memory import default_device_memory, with_device_memory
+    if device_memory is None:
+        return cost, None
+    if device_memory == "auto":
+        sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes)
+        context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or 0)
+        if not context:
+            raise HGraphError("--device-memory auto needs a model with max_seq_len; give BYTES")
+        device_memory = default_device_memory(sized, cost.model, cost.world_size, context)
+    return with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes), float(device_memory)
+
+
+def _check_fit(lengths: Sequence[int], cost: Any, limit: float | None, schemes: Any = None) -> None:
+    from hgraph.runtime.planner.runtime_memory import check_documents_fit
+    check_documents_fit(lengths, cost, limit, schemes)
+
+
 def parse_candidates(text: str, world_size: int) -> list[Strategy]:
     """``"S1;S2;..."`` -> distinct strategies of exactly ``world_size`` ranks (one-line error otherwise)."""
     return list(dict.fromkeys(parse_strategy_list(text, world_size, "--strategies", alternatives="'auto' or ")))
@@ -142,25 +161,41 @@ class IterationPlanner:
     def create(cls, strategies: str, profile: str, model: Any, documents: Sequence[Document],
                tokens_per_iter: int, rank: int, world_size: int, gpus_per_node: int = 8, *,
                groups: Any = None, tp_slots: int = 0,
-               progress: Callable[[str], None] | None = None) -> "IterationPlanner":
+               progress: Callable[[str], None] | None = None, device_memory: Any = None,
+               working_bytes: int = 4) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
-        calibrates on every rank (collective)."""
+        calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
+        scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
+        None: the profile's own memory model)."""
         from hgraph.runtime.planner.selection import auto_candidates
 
         if profile == MEASURE:
             cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
-        if strategies.strip() != "auto":
-            return cls(cost, parse_candidates(strategies, world_size), rank, source="given")
+        cost, limit = _on_rank0(lambda: _bounded(cost, model, device_memory, working_bytes), rank)
         lengths = [len(d) for d in documents]
-        max_len = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
+        if strategies.strip() != "auto":
+            candidates = parse_candidates(strategies, world_size)
+            _on_rank0(lambda: _check_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]), rank)
+            planner = cls(cost, candidates, rank, source="given")
+            planner.device_memory = limit
+            return planner
+        _on_rank0(lambda: _check_fit(lengths, cost, limit), rank)
+        # the longest document is what a candidate must hold (not the model's context, which may
+        # be longer than any scheme's MaxLen under a device memory limit)
+        context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
+        max_len = min(context, max(lengths))
         if progress is not None:
             progress("proposal")
         candidates, source = _on_rank0(lambda: auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter),
                                        rank)
-        return cls(cost, candidates, rank, source=source)
+        planner = cls(cost, candidates, rank, source=source)
+        planner.device_memory = limit
+        return planner
+
+    device_memory: float | None = None          # bytes per rank bounding MaxLen (None: the profile's)
 
     def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
         """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""

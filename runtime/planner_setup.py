@@ -25,6 +25,7 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     the planner process gets the run's mini-batches to plan ahead."""
     from hgraph.runtime.data import mini_batches
     from hgraph.runtime.planned_dispatch import IterationPlanner
+    from hgraph.runtime.planner.runtime_memory import max_len_table
     from hgraph.runtime.run_checkpoint import resumed_planner
     from hgraph.tools.progress import Progress
 
@@ -46,7 +47,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         planner = kept if kept is not None else IterationPlanner.create(
             cfg.strategies, cfg.profile, trainer.model, trainer.docs, cfg.tokens_per_iter, rank, trainer.world_size,
             cfg.gpus_per_node, groups=groups, tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
-            progress=lambda what: bar.update(1, what))
+            progress=lambda what: bar.update(1, what), device_memory=cfg.device_memory,
+            working_bytes=2 if cfg.dtype == "bf16" else 4)
     finally:
         bar.close()
     planner.method = cfg.method
@@ -58,6 +60,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
               f"{', '.join(map(str, planner.candidates))}; cost model {c.name}; "
               f"set up in {time.perf_counter() - t0:.1f} s"
+              + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
+                 f"{max_len_table(c)}" if planner.device_memory is not None else "")
               + (f"; plans {cfg.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"), flush=True)
     if rank == 0 and cfg.profile == "measure" and cfg.metrics:

@@ -89,6 +89,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("cluster", "backend", "str", "auto", "collective backend (auto: nccl when every local process "
        "can have a GPU of its own, else gloo; the same rule under torchrun)",
        choices=("auto", "gloo", "nccl")),
+    _k("cluster", "device-memory", "str", "auto", "memory per rank (512M, 2G) that bounds each scheme's "
+       "longest micro-batch (MaxLen, from this runtime's measured activation and model-state bytes); "
+       "none: no limit; auto: with the built-in data, sized from the model (the widest TP scheme just "
+       "holds the model's context), with --data none", metavar="BYTES|auto|none"),
     _k("cluster", "timeout", "float", 60.0, "seconds a collective may wait (a lost rank is reported "
        "within it)", minimum=1e-3, metavar="S"),
     _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),

@@ -86,6 +86,7 @@ class TrainConfig:
     plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
     progress: bool = False                    # rank 0 draws progress bars (the launcher saw a terminal)
     memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
+    device_memory: Any = None                 # bytes per rank bounding MaxLen, "auto" (sized from the model) or None
     cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
     balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
     track_memory: bool = False                # peak activation bytes per rank in the metrics (on with a budget)

@@ -102,7 +102,19 @@ def config_from_args(args: argparse.Namespace):
                        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
                        resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
                        memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                       device_memory=device_memory_option(cfg.device_memory, cfg.data),
                        cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory), cfg
+
+
+def device_memory_option(text, data):
+    """``--device-memory``: bytes, None (``none``), or ``"auto"`` (sized on the ranks from the
+    model) with the built-in data; ``auto`` with ``--data`` is no limit (module docstring)."""
+    t = str(text).strip().lower()
+    if t == "none":
+        return None
+    if t == "auto":
+        return "auto" if data is None else None
+    return parse_bytes(text, "--device-memory")
 
 
 def parse_bytes(text, option: str):

@@ -53,6 +53,11 @@ class MemoryModel:
     framework_gap_bytes: int
     safety_margin_bytes: int
     gpu_memory_bytes: int
+    # Optional terms of a memory model measured on this runtime (``runtime_memory``); the defaults
+    # keep App. B.1 exactly: per TP degree, activation bytes per token outside the layers (embedding,
+    # head, loss; split over TP x CP), and bytes per embedding parameter (B.1 uses 16).
+    other_coeff: tuple[tuple[int, float], ...] = ()
+    embedding_bytes_per_param: float = EMBEDDING_BYTES_PER_PARAM
 
     def activation_A(self, tp: int) -> float | None:
         return dict(self.activation_coeff).get(tp)
@@ -63,15 +68,16 @@ class MemoryModel:
         states = (model.layers * h2 / world_size) * self.state_coeff * self.alpha \
             + (model.layers / scheme.pp) * (h2 / scheme.tp) * self.state_coeff * (1 - self.alpha)
         emb = model.hidden * model.vocab
-        embedding = emb / world_size * EMBEDDING_BYTES_PER_PARAM * self.alpha \
-            + emb / scheme.tp * EMBEDDING_BYTES_PER_PARAM * (1 - self.alpha)
+        embedding = emb / world_size * self.embedding_bytes_per_param * self.alpha \
+            + emb / scheme.tp * self.embedding_bytes_per_param * (1 - self.alpha)
         return states + embedding
 
     def activation_bytes_per_token(self, model: ModelShape, scheme: Scheme) -> float | None:
         A = self.activation_A(scheme.tp)
         if A is None:
             return None
-        return model.layers * model.hidden / (scheme.tp * scheme.cp) * A
+        other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.cp
+        return model.layers * model.hidden / (scheme.tp * scheme.cp) * A + other
 
     def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
         """Longest packed micro-batch (tokens) that fits; 0 when even the model states do not fit."""
@@ -90,6 +96,10 @@ class MemoryModel:
             "framework_gap_bytes": self.framework_gap_bytes,
             "safety_margin_bytes": self.safety_margin_bytes,
             "gpu_memory_bytes": self.gpu_memory_bytes,
+            **({"other_activation_bytes_per_token": {f"tp{tp}": v for tp, v in self.other_coeff}}
+               if self.other_coeff else {}),
+            **({"embedding_bytes_per_param": self.embedding_bytes_per_param}
+               if self.embedding_bytes_per_param != EMBEDDING_BYTES_PER_PARAM else {}),
         }
 
 
@@ -257,6 +267,9 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
             framework_gap_bytes=int(mem["framework_gap_bytes"]),
             safety_margin_bytes=int(mem["safety_margin_bytes"]),
             gpu_memory_bytes=int(mem["gpu_memory_bytes"]),
+            other_coeff=tuple(sorted(
+                (_tp_key(k, where), float(v)) for k, v in mem.get("other_activation_bytes_per_token", {}).items())),
+            embedding_bytes_per_param=float(mem.get("embedding_bytes_per_param", EMBEDDING_BYTES_PER_PARAM)),
         )
     except (TypeError, ValueError, AttributeError) as exc:
         raise HGraphError(f"{where}: malformed value ({exc})") from None
