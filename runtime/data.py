@@ -35,6 +35,11 @@ class MiniBatch:
     # documents consumed from the start of the run once this batch is taken (all epochs): the data
     # position a checkpoint stores, so a resumed run starts at exactly the next document
     next_position: int = 0
+    # outlier delay (``hgraph.runtime.outlier_delay``): documents of this batch read in an earlier
+    # step, documents read but not yet trained after it, and each document's delay in steps
+    delayed: int = 0
+    pending: int = 0
+    delay_iters: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:
