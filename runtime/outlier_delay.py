@@ -79,13 +79,14 @@ class DelayedMiniBatches:
 
     def _restore(self, state: dict) -> None:
         if not state.get("outlier_delay"):
-            raise HGraphError("--resume with --outlier-queues: the checkpoint was written without outlier delay; "
-                              "resume with --outlier-queues 0")
-        if (list(state.get("thresholds", [])) != self.wlb.thresholds or state.get("release") != self.wlb.n):
-            raise HGraphError(f"--resume: the checkpoint's outlier queues (thresholds {state.get('thresholds')}, "
-                              f"release {state.get('release')}) differ from this run's (thresholds "
-                              f"{self.wlb.thresholds}, release {self.wlb.n}); give the same --outlier-queues "
-                              "and --world-size")
+            raise HGraphError("the saved stream state has no outlier delay")
+        # the release size follows this run's world size (a resharded resume releases by its own);
+        # the thresholds come from the data and K, so a difference means another --outlier-queues
+        if list(state.get("thresholds", [])) != self.wlb.thresholds:
+            raise HGraphError(f"--resume: the checkpoint's {len(state.get('thresholds', []))} outlier queues "
+                              f"(thresholds {state.get('thresholds')}) differ from this run's "
+                              f"{len(self.wlb.thresholds)} (thresholds {self.wlb.thresholds}); give the same "
+                              "--outlier-queues")
         n = len(self.docs)
         mk = lambda p: _Doc(int(p[0]), len(self.docs[int(p[0]) % n]), int(p[1]))   # noqa: E731
         for q, saved in zip(self.wlb.queues, state["queues"]):
@@ -167,3 +168,42 @@ def delayed_mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: 
     while stream.step < steps:
         batch = stream.next_batch()
         yield batch, stream.state()
+
+
+def check_resume_queues(saved: dict, outlier_queues: int, folder) -> None:
+    """A resume must keep the checkpoint's delayed documents: with the same number of queues (their
+    thresholds), and never with delay turned off while documents wait (one-line HGraphError)."""
+    waiting = int(saved.get("pending", 0)) if saved.get("outlier_delay") else 0
+    saved_k = len(saved.get("thresholds", [])) if saved.get("outlier_delay") else 0
+    if waiting and outlier_queues != saved_k:
+        raise HGraphError(f"--resume: {str(folder)!r} holds {waiting} delayed documents in {saved_k} outlier "
+                          f"queues; resume with --outlier-queues {saved_k} (got {outlier_queues}) so they are "
+                          "trained")
+
+
+def run_mini_batches(docs: Sequence[Document], config, world_size: int,
+                     resumed=None) -> Iterator[tuple[MiniBatch, Optional[dict]]]:
+    """The mini-batches a run (``TrainConfig``) trains from its start or from the checkpoint
+    ``resumed``, each with the delay state after it (None without outlier delay). The trainer and the
+    planner process both call this, so they see the same stream."""
+    from hgraph.runtime.data import mini_batches
+    queues = int(getattr(config, "outlier_queues", 0) or 0)
+    saved = dict(resumed.delay_queues) if resumed is not None else {}
+    if resumed is not None:
+        check_resume_queues(saved, queues, resumed.path)
+    if queues == 0:
+        start_step = resumed.step if resumed is not None else 0
+        start = resumed.data_position["next_document"] if resumed is not None else 0
+        for batch in mini_batches(docs, config.tokens_per_iter, config.steps, start_step=start_step,
+                                  start_position=start):
+            yield batch, None
+        return
+    state = None
+    if resumed is not None:
+        state = saved
+        if not state.get("outlier_delay") or len(state.get("thresholds", [])) != queues:
+            # a checkpoint of a run without delay (or with other queues, all empty: checked above):
+            # nothing waits, the stream starts at its position
+            state = DelayedMiniBatches(docs, config.tokens_per_iter, config.steps, queues, world_size).state()
+            state.update(next_step=resumed.step, next_document=resumed.data_position["next_document"])
+    yield from delayed_mini_batches(docs, config.tokens_per_iter, config.steps, queues, world_size, state=state)

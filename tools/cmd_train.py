@@ -65,7 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # Keys of the configuration whose feature this trainer does not have yet: only the value given here
 # is accepted (any other is bad input, not silently ignored).
-_ONLY_VALUE = {"outlier_queues": 0, "max_candidates": None, "time_limit": 10.0}
+_ONLY_VALUE = {"max_candidates": None, "time_limit": 10.0}
 
 
 def config_from_args(args: argparse.Namespace):
@@ -102,7 +102,8 @@ def config_from_args(args: argparse.Namespace):
                        keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
                        resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
                        memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
-                       cp_sharding=cfg.cp_sharding, balance=cfg.balance), cfg
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance,
+                       outlier_queues=cfg.outlier_queues), cfg
 
 
 def parse_bytes(text, option: str):
@@ -261,6 +262,8 @@ def _resume_point(config, quiet: bool):
     if point.step >= config.steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{config.steps}: nothing left to train (--steps is the run's total)")
+    from hgraph.runtime.outlier_delay import check_resume_queues
+    check_resume_queues(point.manifest.get("delay_queues", {}), config.outlier_queues, point.folder)
     config.resume_from = str(point.folder)
     if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
         pos = point.data_position

@@ -97,7 +97,7 @@ def test_restore_refuses_other_queues():
     state = next(delayed_mini_batches(docs, 400, 5, 2, 2))[1]
     with pytest.raises(HGraphError, match="outlier queues"):
         DelayedMiniBatches(docs, 400, 5, 3, 2, state=state)
-    with pytest.raises(HGraphError, match="without outlier delay"):
+    with pytest.raises(HGraphError, match="no outlier delay"):
         DelayedMiniBatches(docs, 400, 5, 2, 2, state={"outlier_delay": False, "queues": []})
 
 
