@@ -3,7 +3,8 @@
 One JSON object per line with ``input_ids`` (a list of non-negative ints); blank lines are skipped.
 A mini-batch takes whole documents in file order until the next one would pass ``tokens_per_iter``
 (DESIGN.md, data order). When the data runs out before the last step, the next mini-batch starts
-again at the first document (a new epoch), so any number of steps can be trained.
+again at the first document (a new epoch), so any number of steps can be trained. With outlier delay
+(``--outlier-queues``) the stream is ``hgraph.runtime.outlier_delay``'s, which uses these types.
 """
 from __future__ import annotations
 

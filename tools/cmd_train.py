@@ -20,7 +20,9 @@ Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
 GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
-of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens; in
+of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues
+K``: long documents wait in WLB-LLM's K queues and are all trained by the run's last step,
+``hgraph.runtime.outlier_delay``); in
 deterministic mode documents are dispatched and packed by the runtime's built-in rule
 (``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are
 PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
