@@ -10,7 +10,7 @@ import pytest
 from hgraph.errors import HGraphError
 from hgraph.runtime.builtin_data import synthetic_documents
 from hgraph.runtime.data import Document, mini_batches
-from hgraph.runtime.outlier_delay import DelayedMiniBatches, delayed_mini_batches
+from hgraph.runtime.outlier_delay import DelayedMiniBatches, delayed_mini_batches, release_size
 
 
 def _docs(n, max_len=128, seed=0):
@@ -106,3 +106,10 @@ def test_mean_delay_on_the_builtin_like_data_is_small():
     batches = [b for b, _ in delayed_mini_batches(docs, 2048, 30, 2, 4)]
     delays = np.concatenate([b.delay_iters for b in batches])
     assert 0 < delays.mean() < 2
+
+
+def test_release_size_is_one_per_rank_capped_by_what_a_step_holds():
+    docs = [Document(0, tuple(range(1024))), Document(1, (1, 2))]
+    assert release_size(docs, 8192, 4) == 4          # 8 documents of the longest fit: one per rank
+    assert release_size(docs, 2048, 4) == 2          # only 2 fit a step
+    assert release_size(docs, 1024, 4) == 1
