@@ -173,6 +173,11 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     if s.cache_hit_rate is not None:
         extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
     print(f"         {loss}; " + "; ".join(extra))
+    delays = [d for r in records for d in r.get("delay_iters", ())]
+    if any("delayed" in r for r in records):   # --outlier-queues: show that nothing was left behind
+        print(f"outlier delay: {sum(d > 0 for d in delays)} of {len(delays)} documents delayed, mean delay "
+              f"{sum(delays) / max(len(delays), 1):.3f} steps (max {max(delays, default=0)}); "
+              f"{records[-1].get('pending_delay', 0)} waiting at the end")
     print(f"run dir: {run_dir} (metrics.jsonl, {len(plots.files)} plot files"
           + (f"; skipped: {', '.join(plots.skipped)}" if plots.skipped else "") + ")")
 
