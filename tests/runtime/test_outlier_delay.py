@@ -54,8 +54,11 @@ def test_every_document_read_is_trained_exactly_once(seed, tokens, steps, queues
         assert b.tokens <= tokens                     # only the last step may pass the budget
         assert len({d.index for d in b.docs}) == len(b.docs)
     assert batches[-1].pending == 0
-    # a delay is bounded: a queue releases once it holds `release` outliers, an epoch's end flushes
-    assert max(max(b.delay_iters) for b in batches) <= steps
+    # what waits is bounded: each queue holds fewer than `release`, at most one released group is
+    # held at a time, plus what an epoch's end or the run's end flushed from the queues
+    assert max(b.pending for b in batches) <= release + 2 * queues * (release - 1)
+    for _, _, state in out:
+        assert all(len(q) < release for q in state["queues"])
 
 
 def test_epoch_end_flushes_so_no_document_waits_past_its_epoch():
