@@ -6,7 +6,8 @@ at least ``thresholds[0]`` tokens long waits in FIFO queue ``i`` (``L_i <= len <
 documents, then all of them join the step. WLB releases one per micro-batch; here ``release`` is the
 world size (one per rank) capped by how many documents of length ``L`` a step's budget holds
 (``release_size``): a larger group would not fit one step and would be split anyway (measured:
-releasing 4 at 2048 tokens per step raised the planner's estimated imbalance, releasing 2 did not). What is the trainer's own is how a mini-batch fills its ``tokens_per_iter`` budget:
+releasing 4 at 2048 tokens per step raised the planner's estimated imbalance, releasing 2 did not).
+What is the trainer's own is how a mini-batch fills its ``tokens_per_iter`` budget:
 
 1. documents held back from earlier steps (released but not fitting) go first, oldest first;
 2. then new documents in file order, while they fit (DESIGN.md data order): a short document is
