@@ -3,7 +3,8 @@
 One JSON object per line with ``input_ids`` (a list of non-negative ints); blank lines are skipped.
 A mini-batch takes whole documents in file order until the next one would pass ``tokens_per_iter``
 (DESIGN.md, data order). When the data runs out before the last step, the next mini-batch starts
-again at the first document (a new epoch), so any number of steps can be trained.
+again at the first document (a new epoch), so any number of steps can be trained. With outlier delay
+(``--outlier-queues``) the stream is ``hgraph.runtime.outlier_delay``'s, which uses these types.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ class MiniBatch:
     # documents consumed from the start of the run once this batch is taken (all epochs): the data
     # position a checkpoint stores, so a resumed run starts at exactly the next document
     next_position: int = 0
+    # outlier delay (``hgraph.runtime.outlier_delay``): documents of this batch read in an earlier
+    # step, documents read but not yet trained after it, and each document's delay in steps
+    delayed: int = 0
+    pending: int = 0
+    delay_iters: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> int:

@@ -23,7 +23,7 @@ def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
 def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     """The trainer's ``IterationPlanner`` (collective on every rank); on rank 0 with a ``channel``,
     the planner process gets the run's mini-batches to plan ahead."""
-    from hgraph.runtime.data import mini_batches
+    from hgraph.runtime.outlier_delay import run_mini_batches
     from hgraph.runtime.planned_dispatch import IterationPlanner
     from hgraph.runtime.planner.runtime_memory import max_len_table
     from hgraph.runtime.run_checkpoint import resumed_planner
@@ -74,7 +74,6 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         from hgraph.runtime.plan_ahead import PlanConsumer
         # a resumed run plans only the steps it has left
         start = trainer.resumed
-        planner.plan_ahead(PlanConsumer(channel), list(mini_batches(
-            trainer.docs, cfg.tokens_per_iter, cfg.steps, start_step=start.step if start else 0,
-            start_position=start.data_position["next_document"] if start else 0)))
+        planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(
+            trainer.docs, cfg, trainer.world_size, start)])
     return planner

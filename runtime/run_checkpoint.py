@@ -13,9 +13,13 @@ Adam moments, RNG states, atomic writes, resharding). This module is the trainer
   epochs, and a fingerprint of the data), the outlier-delay queues, the planner state (candidate
   strategies) and what produced it (model spec and arguments, used by ``hgraph export``).
 
-Outlier-delay queues: this trainer packs every mini-batch on its own (no WLB outlier delay), so no
-document is ever held back between steps; the checkpoint says so (``outlier_delay: false``, empty
-queues), and the data position alone tells where the next step starts.
+Outlier-delay queues: with ``--outlier-queues K`` (``hgraph.runtime.outlier_delay``) the checkpoint
+holds the stream's state after the step: documents waiting in each queue and those released but held
+back (each as [position, arrival step], position = documents read from the run's start), and
+whether the run's end is draining them; the data position counts documents *read*, so a document
+read but not trained is in the queues, never lost. Without delay nothing is held back and the
+checkpoint says so (``outlier_delay: false``, empty queues). A resume with K = 0 from a checkpoint
+that holds delayed documents is refused (they would be lost).
 
 A checkpoint named ``step-N`` holds the state after N steps (steps 0..N-1 trained); resuming it runs
 steps N.. up to ``--steps`` (the run's total).
@@ -138,11 +142,13 @@ class RunCheckpoints:
         return steps_done == self.total_steps or (self.every is not None and steps_done % self.every == 0)
 
     def save(self, steps_done: int, optimizer: Any, *, rank: int, world_size: int, data_position: dict,
-             planner_state: dict, run: dict) -> SavedCheckpoint:
-        """Write the checkpoint of ``steps_done`` (collective: every rank calls it)."""
+             planner_state: dict, run: dict, delay_queues: Optional[dict] = None) -> SavedCheckpoint:
+        """Write the checkpoint of ``steps_done`` (collective: every rank calls it); ``delay_queues``:
+        the outlier-delay stream's state after that step (None: a run without delay)."""
         t0 = time.perf_counter()
         folder = ckpt.save(self.root, steps_done, optimizer, rank=rank, world_size=world_size,
-                           data_position=data_position, delay_queues=NO_DELAY_QUEUES,
+                           data_position=data_position,
+                           delay_queues=NO_DELAY_QUEUES if delay_queues is None else delay_queues,
                            planner_state=planner_state, run=run, keep_last=self.keep_last)
         elapsed = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if rank == 0 else 0

@@ -122,8 +122,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        metavar="S"),
     _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
        "0: plan inline)", minimum=0, metavar="Q"),
-    _k("planner", "outlier-queues", "int", 0, "outlier-delay queues of the packing (0: no delay; only 0 "
-       "so far)", minimum=0, metavar="K"),
+    _k("planner", "outlier-queues", "int", 0, "WLB outlier-delay queues of the data stream: long "
+       "documents wait until a group of their length class (one per rank) gathers (0: no delay; all are "
+       "trained by the run's last step)", minimum=0, metavar="K"),
     _k("planner", "microbatch-tokens", "int", None, "token limit of a packed micro-batch (default: "
        "chosen per pipeline)", optional=True, minimum=1, metavar="T"),
     _k("planner", "memory-budget", "str", None, "activation bytes per rank (512M, 2G): blocks are "

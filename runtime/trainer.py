@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.data import Document, MiniBatch, check_lengths, mini_batches, read_jsonl
+from hgraph.runtime.data import Document, MiniBatch, check_lengths, read_jsonl
+from hgraph.runtime.outlier_delay import run_mini_batches
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
 from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, restore_state
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
@@ -90,6 +91,7 @@ class TrainConfig:
     cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
     balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
     track_memory: bool = False                # peak activation bytes per rank in the metrics (on with a budget)
+    outlier_queues: int = 0                   # WLB outlier-delay queues of the data stream (0: no delay)
 
 
 @dataclass
@@ -304,8 +306,7 @@ class Trainer:
         now = start_step
         bar = Progress(cfg.steps, "training", enabled=cfg.progress and self.rank == 0 and cfg.log_steps)
         try:
-            for batch in mini_batches(self.docs, cfg.tokens_per_iter, cfg.steps, start_step=start_step,
-                                      start_position=start_position):
+            for batch, delay_state in run_mini_batches(self.docs, cfg, self.world_size, self.resumed):
                 now = batch.step
                 result = self.step(batch)
                 results.append(result)
@@ -317,6 +318,12 @@ class Trainer:
                     # be checked to train every document exactly once
                     line["documents"] = [d.index for d in batch.docs]
                     line["next_document"] = batch.next_position
+                    if delay_state is not None:
+                        # outlier delay: what came from earlier steps and what still waits, so a
+                        # reader can check that every document read is trained once
+                        line["delayed"] = batch.delayed
+                        line["pending_delay"] = batch.pending
+                        line["delay_iters"] = list(batch.delay_iters)
                     line.update(memory_line)
                     line.update(self.balance_info.get(batch.step, {}))
                     metrics.write(json.dumps(line) + "\n")
@@ -330,6 +337,7 @@ class Trainer:
                                         self.fingerprint)
                     saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
                                              world_size=self.world_size, data_position=pos,
+                                             delay_queues=delay_state,
                                              planner_state=planner_state(cfg, self.planner, self.schedule,
                                                                          self.world_size),
                                              run=run_state(cfg, self.world_size))

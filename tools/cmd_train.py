@@ -19,11 +19,13 @@ once and plans inline. Estimates are scaled by the median measured/estimated rat
 Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
-GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built right after ``torch.manual_seed(--seed)``; mini-batches take whole documents
-of ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens; in
-deterministic mode documents are dispatched and packed by the runtime's built-in rule
-(``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are
-PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
+GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
+right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of ``--data`` (JSONL with
+``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
+wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.outlier_delay``);
+in deterministic mode documents are dispatched and packed by the runtime's built-in rule
+(``hgraph.runtime.trainer.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
+decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
 
 Every option is a key of ``hgraph.runtime.run_config.SCHEMA`` and of a TOML file (``--config
@@ -65,7 +67,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 # Keys of the configuration whose feature this trainer does not have yet: only the value given here
 # is accepted (any other is bad input, not silently ignored).
-_ONLY_VALUE = {"outlier_queues": 0, "max_candidates": None, "time_limit": 10.0}
+_ONLY_VALUE = {"max_candidates": None, "time_limit": 10.0}
 
 
 def config_from_args(args: argparse.Namespace):
@@ -103,7 +105,8 @@ def config_from_args(args: argparse.Namespace):
                        resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
                        memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                        device_memory=device_memory_option(cfg.device_memory, cfg.data),
-                       cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory), cfg
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory,
+                       outlier_queues=cfg.outlier_queues), cfg
 
 
 def device_memory_option(text, data):
@@ -182,6 +185,11 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     if s.cache_hit_rate is not None:
         extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
     print(f"         {loss}; " + "; ".join(extra))
+    delays = [d for r in records for d in r.get("delay_iters", ())]
+    if any("delayed" in r for r in records):   # --outlier-queues: show that nothing was left behind
+        print(f"outlier delay: {sum(d > 0 for d in delays)} of {len(delays)} documents delayed, mean delay "
+              f"{sum(delays) / max(len(delays), 1):.3f} steps (max {max(delays, default=0)}); "
+              f"{records[-1].get('pending_delay', 0)} waiting at the end")
     print(f"run dir: {run_dir} (metrics.jsonl, {len(plots.files)} plot files"
           + (f"; skipped: {', '.join(plots.skipped)}" if plots.skipped else "") + ")")
 
@@ -273,6 +281,8 @@ def _resume_point(config, quiet: bool):
     if point.step >= config.steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{config.steps}: nothing left to train (--steps is the run's total)")
+    from hgraph.runtime.outlier_delay import check_resume_queues
+    check_resume_queues(point.manifest.get("delay_queues", {}), config.outlier_queues, point.folder)
     config.resume_from = str(point.folder)
     if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
         pos = point.data_position
