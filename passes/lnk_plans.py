@@ -46,7 +46,7 @@ from typing import Iterable, Mapping, Sequence, Union
 import numpy as np
 
 from hgraph.passes.lnk_assignment import LinkWeights, assign_pieces
-from hgraph.passes.mutual_slices import (PlanError, Range, even_segments, merge_ranges, mutual_slices,
+from hgraph.passes.mutual_slices import (PlanError, Range, merge_ranges, mutual_slices,
                                          normalise_ranges, optimizer_segments, slices_within)
 
 __all__ = [

@@ -97,6 +97,22 @@ def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optio
                               f"{tokens_per_iter}: a mini-batch holds whole documents")
 
 
+def first_fit(docs: Sequence[Document], cap: int) -> list[list[Document]]:
+    """Documents, in the order given (longest first for first-fit-decreasing), into bins of at most
+    ``cap`` tokens: each goes to the first bin with room, else opens a new one."""
+    bins: list[list[Document]] = []
+    room: list[int] = []
+    for d in docs:
+        j = next((j for j, r in enumerate(room) if r >= len(d)), None)
+        if j is None:
+            bins.append([d])
+            room.append(cap - len(d))
+        else:
+            bins[j].append(d)
+            room[j] -= len(d)
+    return bins
+
+
 def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int, *, start_step: int = 0,
                  start_position: int = 0) -> Iterator[MiniBatch]:
     """The mini-batches of steps ``start_step .. steps-1``: whole documents in file order (wrapping

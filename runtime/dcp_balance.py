@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data import first_fit
 from hgraph.runtime.planner.dcp import idle_fraction
 from hgraph.strategy import Scheme, Strategy
 
@@ -83,16 +84,8 @@ def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_
     scheme = Scheme(1, 1, c)
     replicas = world_size // c
     cap = c * rank_tokens
-    bins: list[list[Any]] = []
-    room: list[int] = []
-    for d in sorted(docs, key=lambda d: (-len(d), d.index)):
-        j = next((j for j, r in enumerate(room) if r >= len(d)), None)
-        if j is None:
-            bins.append([d])
-            room.append(cap - len(d))
-        else:
-            bins[j].append(d)
-            room[j] -= len(d)
+    bins = first_fit(sorted(docs, key=lambda d: (-len(d), d.index)), cap)
+    room = [cap - sum(len(d) for d in b) for b in bins]
     for j in [j for j, b in enumerate(bins) if sum(len(d) for d in b) < c]:
         # fewer tokens than CP ranks would leave a rank without any: join the roomiest other bin
         need = sum(len(d) for d in bins[j])

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.data import Document, MiniBatch, check_lengths, read_jsonl
+from hgraph.runtime.data import Document, MiniBatch, check_lengths, first_fit, read_jsonl
 from hgraph.runtime.outlier_delay import run_mini_batches
 from hgraph.runtime.executor import Executor, MicroBatch, StepResult, shard_dims_of
 from hgraph.runtime.run_checkpoint import data_fingerprint, load_resume, restore_state
@@ -131,16 +131,7 @@ def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
         if cap < longest:
             d = max(mine, key=len)
             raise HGraphError(f"document {d.index} has {len(d)} tokens, more than the micro-batch limit {cap}")
-        bins: list[list[Document]] = []
-        room: list[int] = []
-        for d in mine:                     # already longest first
-            j = next((j for j, r in enumerate(room) if r >= len(d)), None)
-            if j is None:
-                bins.append([d])
-                room.append(cap - len(d))
-            else:
-                bins[j].append(d)
-                room[j] -= len(d)
+        bins = first_fit(mine, cap)        # already longest first
         out.append([sorted(b, key=lambda d: d.index) for b in bins])
     return out
 

@@ -6,7 +6,7 @@ import torch
 import hgraph
 from hgraph import Cluster, Strategy, StrategyError
 from hgraph.frontends.zoo import llama
-from hgraph.meta import CommPoint, SlotKind, get_meta
+from hgraph.meta import SlotKind, get_meta
 from hgraph.passes.lnk_plans import simulate_pull, simulate_push
 from hgraph.runtime import graph_ops
 

@@ -1,6 +1,5 @@
 """DCP-inter accumulation balancing and DCP-intra recomputation choice."""
 import itertools
-import math
 
 import pytest
 from hypothesis import given, settings, strategies as st

@@ -1,5 +1,4 @@
 """Strategy proposal: relaxed DP vs the integer DP, rounding, candidates, errors."""
-import math
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +8,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost_model import load_cost_model
 from hgraph.runtime.planner.lengths_io import read_lengths
 from hgraph.runtime.planner.proposal import (
-    LengthHistogram, SchemeTable, bucket_edges, integer_dp, pipeline_capacity, pipeline_latency, pooled_cost,
+    LengthHistogram, bucket_edges, integer_dp, pipeline_capacity, pipeline_latency,
     propose, propose_strategies)
 from hgraph.runtime.planner.selection import homogeneous_strategies, plan_iteration
 from hgraph.runtime.planner.simulator import sample_minibatches
