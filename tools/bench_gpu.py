@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -55,15 +56,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_gpu: error: needs a CUDA GPU")
+        print("bench_gpu: error: needs a CUDA GPU", file=sys.stderr)
         return 2
     import torch.distributed as dist
     import hgraph
-    from hgraph.frontends.zoo import llama
     from hgraph.runtime.executor import Executor, MicroBatch
-    from hgraph.runtime.optimizer import ShardedAdam
     from hgraph.runtime.process_groups import GroupCache
-    from hgraph.runtime.executor import shard_dims_of
+    from hgraph.runtime.trainer import TrainConfig, build_model, make_optimizer
     from hgraph.runtime.varlen_attention import available_backend
 
     model_args = json.loads(args.model_args)
@@ -72,19 +71,17 @@ def main(argv=None) -> int:
     store = os.path.join(tempfile.mkdtemp(prefix="hgraph-bench-gpu-"), "s")
     dist.init_process_group("nccl", init_method="file://" + store, rank=0, world_size=1)
     try:
-        torch.manual_seed(0)
-        model = llama.build("tiny", **model_args).to(dev)
+        cfg = TrainConfig(model="tiny", model_args=model_args, world_size=1, schedule=["1xTP1PP1"], steps=1,
+                          tokens_per_iter=args.tokens, lr=1e-4, dtype=args.dtype)
+        model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
         docs = _documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
         targets = sum(len(d) - 1 for d in docs)
         compiled = hgraph.compile(model, dtype=args.dtype)
-        named = [(n, dict(model.named_parameters())[n]) for n in compiled.hgraph.params]
-        opt = ShardedAdam(named, shard_dims_of(compiled), 0, 1, lr=1e-4)
-        ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), device=dev)
+        ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1), device=dev)
         prog = compiled.instantiate("1xTP1PP1")
         mbs = [[MicroBatch.pack(docs)]]
 
-        torch.manual_seed(0)
-        ref = llama.build("tiny", **model_args).to(dev)
+        ref = build_model(cfg).to(dev)                # the same initial weights
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-4, fused=True)
         amp = torch.bfloat16 if args.dtype == "bf16" else torch.float32
         tensors = [torch.tensor([d], device=dev) for d in docs]
