@@ -20,6 +20,14 @@
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
 
+Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
+ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
+global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
+soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
+posted as their parameters are updated and completed before the step returns (``prefetch``), so the
+next step of the same Program pulls nothing. A ZeRO-3 step needs two collectives in sequence where
+DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way.
+
 Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
 process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict
 lookup, and no optimizer state moves (its layout does not depend on the strategy).
@@ -93,6 +101,8 @@ class StepResult:
     peak_mem_bytes: Optional[int] = None          # activations measured (CPU) / allocator peak (CUDA)
     predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
+    overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
+    pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
 
 
 class RankLostError(RuntimeError):
@@ -172,6 +182,7 @@ class Executor:
         self.cp_sharding = cp_sharding
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self._states: dict[Any, RankState] = {}
+        self._last_program: Any = None
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
 
     # ---- per-program state (the graph cache of this rank) -----------------------------------------
@@ -208,8 +219,10 @@ class Executor:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
         comm.bindings = dict(rp.bindings)
+        # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
+        update = self.optimizer.step if getattr(self.optimizer, "updates_in_parts", False) else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
-                         self.working_dtype, frozenset(aliased))
+                         self.working_dtype, frozenset(aliased), update=update)
         comm.param_sync = sync
         state = RankState(program, rp, gm, working, comm, sync)
         if self.track_memory:
@@ -220,14 +233,17 @@ class Executor:
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-             step: int = 0) -> StepResult:
+             step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
         """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
 
         Every rank must call it with the same arguments (collective). A collective that fails
         because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
+        ``prefetch``: a plain data-parallel step also pulls the next step's parameters, which pays
+        off when the next step runs the same Program (``None``: when the last step ran this one too,
+        a repeat being the best guess; give the answer when the caller knows it).
         """
         try:
-            return self._step(program, microbatches, num_targets, step)
+            return self._step(program, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
             if self.heartbeat is None or isinstance(exc, RankLostError):
                 raise
@@ -236,8 +252,13 @@ class Executor:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
 
+    def _overlaps_update(self, state: RankState) -> bool:
+        """Whether this step updates the shards as their reductions arrive: a plain data-parallel
+        Program without global-norm clipping (which needs every gradient before any update)."""
+        return state.sync.can_overlap_update and getattr(self.optimizer, "max_grad_norm", None) is None
+
     def _step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-              step: int) -> StepResult:
+              step: int, prefetch: Optional[bool]) -> StepResult:
         t0 = time.perf_counter()
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
@@ -248,26 +269,45 @@ class Executor:
         rp, sync = state.rank_program, state.sync
         for w in state.working.values():
             w.grad = None
-        sync.begin_step()
+        overlap = self._overlaps_update(state)
+        if prefetch is None:
+            prefetch = self._last_program is program
+        self._last_program = program
+        sync.begin_step(overlap_update=overlap, prefetch=prefetch)
         if state.memory is not None:
             state.memory.begin_step()
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
         t_pull = time.perf_counter()
         mine = list(microbatches[rp.pipeline])
-        loss_sum = self._run_pipeline(state, mine, num_targets)
+        loss_set = []
+
+        def last_backward(loss_sum: float) -> None:
+            if overlap:       # before any reduction: the loss rides in the first one
+                sync.set_loss(self._loss_share(rp, loss_sum))
+                loss_set.append(True)
+            sync.arm_push()
+
+        loss_sum = self._run_pipeline(state, mine, num_targets, last_backward)
         state.comm.wait_all()
         sync.finish_pulls()
         t_compute = time.perf_counter()
         grads = {name: w.grad for name, w in state.working.items()}
-        sync.flush_pushes(grads)          # the reduce-scatters backward did not issue, before the loss's
-        loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
-        grad_shards = sync.push(grads)
+        grad_shards = None
+        if overlap:
+            if not loss_set:              # a rank without micro-batches: its loss share is zero
+                sync.set_loss(0.0)
+            total_loss = sync.finish_update(grads)    # the shards are updated when the loss is finite
+        else:
+            sync.flush_pushes(grads)      # the reduce-scatters backward did not issue, before the loss's
+            loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
+            grad_shards = sync.push(grads)
+            if loss_work is not None:
+                loss_work.wait()
+            total_loss = float(loss_value[0])
         sync.end_step()
         t_push = time.perf_counter()
-        if loss_work is not None:
-            loss_work.wait()
-        loss = float(loss_value[0]) / num_targets
+        loss = total_loss / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
         skipped = False
         norm = None
@@ -276,20 +316,23 @@ class Executor:
                 raise HGraphError(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
                                   "lower the learning rate, check the data, or ask to skip such steps")
             skipped = True
-        else:
+        elif grad_shards is not None:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
         t_end = time.perf_counter()
         result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
                             t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                            dict(vars(sync.stats)))
+                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
         if state.memory is not None:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
         return result
 
-    def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int) -> float:
+    def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
+                      last_backward: Any) -> float:
+        """The rank's 1F1B; ``last_backward(loss_sum)`` runs before its last backward (every forward
+        done, so ``loss_sum`` is final)."""
         rp, gm, comm, memory = state.rank_program, state.graph, state.comm, state.memory
         last = rp.stage == rp.scheme.pp - 1
         pending: dict[int, Any] = {}
@@ -324,7 +367,7 @@ class Executor:
             else:
                 out = pending.pop(i)
                 if n == len(order) - 1:     # gradients finished by this backward start their push
-                    state.sync.arm_push()
+                    last_backward(loss_sum)
                 if last:
                     out.backward()
                 else:
@@ -334,11 +377,16 @@ class Executor:
                     memory.after_backward(i)
         return loss_sum
 
+    @staticmethod
+    def _loss_share(rp: Any, loss_sum: float) -> float:
+        """What this rank adds to the mini-batch's loss sum: one copy per pipeline (its last stage's
+        first TP rank; every CP rank holds part of the loss)."""
+        return loss_sum if rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 else 0.0
+
     def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
-        """Start summing the mini-batch's loss over the world: one copy per pipeline (its last
-        stage's first TP rank); returns the buffer and the work to wait for (None on one rank)."""
-        counts = rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0   # every CP rank holds part of the loss
-        value = torch.tensor([loss_sum if counts else 0.0], dtype=torch.float64, device=self.device)
+        """Start summing the mini-batch's loss over the world; returns the buffer and the work to
+        wait for (None on one rank)."""
+        value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
 

@@ -13,8 +13,10 @@ same relative order (what gloo's per-group matching and NCCL's in-order streams 
 ``ready(name, grad)``: the parameter's gradient is final (called from its post-accumulate-grad hook
 during the step's last backward); issues every bucket that became issuable. ``flush(grads)`` issues
 the rest (a rank whose pipeline ran no micro-batch pushes zeros). ``wait(held)`` completes them in
-order and hands each member piece to ``held[name]`` as ``((lo, hi), rows)``. ``bytes_issued`` counts
-what the reduce-scatters receive; ``all_reduce_extra_bytes`` what running them as all-reduces adds.
+order (``complete_next``: one at a time) and hands each member piece to ``held[name]`` as
+``((lo, hi), rows)``. ``carry(values)`` adds a few fp32 values to the first bucket's all-reduce (the
+step's loss, so that it needs no collective of its own). ``bytes_issued`` counts what the
+reduce-scatters receive; ``all_reduce_extra_bytes`` what running them as all-reduces adds.
 
 On gloo a reduce-scatter is run as an all-reduce of the bucket, this rank keeping its chunk: gloo's
 reduce-scatter is slower than its all-reduce of the same buffer (measured on 4 local ranks, 1 MB:
@@ -28,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hgraph.errors import HGraphError
 from hgraph.runtime.comm_ops import reduce_scatter_single
 
 #: DDP's default bucket cap (``bucket_cap_mb=25``).
@@ -97,10 +100,28 @@ class GradBuckets:
         for b in self.buckets:
             b.missing = {name for name, _ in b.ops}
             b.work = b.finish = None
-        self._next = 0
+        self._next = 0          # buckets issued
+        self._done = 0          # buckets completed (in order)
+        self._carry: Optional[torch.Tensor] = None
+        self.carried: Optional[torch.Tensor] = None    # the carried values' sums, once bucket 0 completed
         self._grads: dict[str, Optional[torch.Tensor]] = {}
         self.bytes_issued = 0
         self.all_reduce_extra_bytes = 0
+
+    @property
+    def issued(self) -> int:
+        return self._next
+
+    @property
+    def completed(self) -> int:
+        return self._done
+
+    def carry(self, values: torch.Tensor) -> None:
+        """Sum the fp32 ``values`` over the first bucket's group in its collective (an all-reduce on
+        gloo only): after that bucket completes, ``carried`` holds the sums. Call before it is issued."""
+        if self._next > 0 or not self.buckets:
+            raise HGraphError("GradBuckets.carry: the first bucket was already issued (or there is none)")
+        self._carry = values.to(torch.float32)
 
     def ready(self, name: str, grad: Optional[torch.Tensor]) -> None:
         """``name``'s gradient is final for this step: issue every bucket that can go now, in order."""
@@ -122,11 +143,22 @@ class GradBuckets:
             self._next += 1
 
     def wait(self, held: dict) -> None:
-        """Complete every bucket (all issued) and put this rank's reduced pieces into ``held``."""
-        for b in self.buckets:
-            b.work.wait()
-            b.finish(held)
-            b.work = b.finish = None
+        """Complete every bucket not completed yet (all issued) and put this rank's reduced pieces into
+        ``held``."""
+        while self.complete_next(held) is not None:
+            pass
+
+    def complete_next(self, held: dict) -> Optional[list[str]]:
+        """Wait for the next bucket in issue order, if it was issued; put its pieces into ``held`` and
+        return its parameters (None when no issued bucket is left)."""
+        if self._done >= self._next:
+            return None
+        b = self.buckets[self._done]
+        b.work.wait()
+        b.finish(held)
+        b.work = b.finish = None
+        self._done += 1
+        return [name for name, _ in b.ops]
 
     @torch.no_grad()
     def _issue(self, b: _Bucket) -> None:
@@ -136,7 +168,10 @@ class GradBuckets:
         the others in one batched copy; any other piece is copied on its own."""
         k, me = len(b.group), b.group.index(self.rank)
         exact = all(even for even in b.even) and all(self._grads.get(n) is not None for n, _ in b.ops)
-        inp = (torch.empty if exact else torch.zeros)(k * b.elements, dtype=torch.float32, device=self.device)
+        carry = self._carry if b is self.buckets[0] else None
+        extra = 0 if carry is None else carry.numel()
+        buf = (torch.empty if exact else torch.zeros)(k * b.elements + extra, dtype=torch.float32, device=self.device)
+        inp = buf.narrow(0, 0, k * b.elements)
         pieces = inp.view(k, b.elements).split(b.split, dim=1)
         dests, srcs = [], []
         for j, (name, op) in enumerate(b.ops):
@@ -156,14 +191,20 @@ class GradBuckets:
         group = self.groups.get(b.group)
         self.bytes_issued += (k - 1) * b.elements * 4
         if dist.get_backend(group) == "gloo":       # see the module docstring
-            b.work = dist.all_reduce(inp, group=group, async_op=True)
+            if carry is not None:
+                buf.narrow(0, k * b.elements, extra).copy_(carry)
+            b.work = dist.all_reduce(buf, group=group, async_op=True)
             self.all_reduce_extra_bytes += (k - 1) * b.elements * 4    # its all-gather half
             out = inp.view(k, b.elements)[me]
         else:
+            if carry is not None:
+                raise HGraphError("GradBuckets.carry needs the all-reduce of gloo")
             out = inp.new_empty(b.elements)
             b.work = reduce_scatter_single(out, inp, group=group, async_op=True)
 
         def finish(held: dict) -> None:
+            if carry is not None:
+                self.carried = buf.narrow(0, k * b.elements, extra)
             for (name, _), piece, width, (plo, phi) in zip(b.ops, out.split(b.split), b.widths, b.mine):
                 rows = piece.view(width, *self.row_shapes[name]).narrow(0, 0, phi - plo)
                 held[name].append(((plo, phi), rows))

@@ -61,6 +61,11 @@ class ShardedAdam:
     shards only.
     """
 
+    #: ``step`` may take disjoint parts of the gradients one after another within one training step
+    #: (each parameter keeps its own step count): the executor updates shards as their gradients
+    #: arrive when no global-norm clipping needs them all first
+    updates_in_parts = True
+
     def __init__(self, named_parameters: NamedParams, shard_dims: Optional[Mapping[str, int]] = None,
                  rank: int = 0, world_size: int = 1, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

@@ -6,12 +6,19 @@ rows), so all chunks have the same length. Everything that does not change betwe
 the master and working views) is computed once; a step costs one batched copy into the send buffer,
 the all-gather, and one batched copy out of the receive buffer (``torch._foreach_copy_``), instead of
 a handful of tensor ops per parameter.
+
+On gloo the all-gather runs as an all-reduce: each rank writes its chunk into a zeroed buffer of all
+chunks and the sum is the gathered buffer (adding zeros is exact). gloo's all-reduce is much faster
+than its all-gather (4 local ranks, 16 free cores: 1 MB gathered in 1.1 ms by all-reduce, 3.9 ms by
+``all_gather_single``; on 2 cores 5.4 vs 9.1 ms), for twice the bytes on the wire; ``send_bytes``
+stays the all-gather's figure, ``sum_extra_bytes`` is what the all-reduce adds.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hgraph.runtime.comm_ops import all_gather_single
 from hgraph.runtime.optimizer import shard_bounds
@@ -21,11 +28,11 @@ class GatherBucket:
     """One all-gather carrying several parameters (see the module docstring)."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-                 world_size: int, dtype: torch.dtype) -> None:
+                 world_size: int, dtype: torch.dtype, group: Any = None) -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of
-        the parameter and only sends its segment."""
-        self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        the parameter and only sends its segment; ``group``: a group of all ranks (default ``WORLD``)."""
+        self.rank, self.world_size, self.dtype, self.group = rank, world_size, dtype, group
         self.names = [name for name, _, _, _ in entries]
         self.sizes, self.widths, self.rests, self.split = [], [], [], []
         self.masters, self.mine = [], []          # what this rank sends: master rows -> rows in its chunk
@@ -55,6 +62,7 @@ class GatherBucket:
         self.chunk = sum(self.split)
         self.work: Any = None
         self.out: Optional[torch.Tensor] = None
+        self._by_sum: Optional[bool] = None
         self.done = False
 
     @property
@@ -62,20 +70,39 @@ class GatherBucket:
         """Bytes of this rank's chunk (what every other rank receives from it)."""
         return self.chunk * torch.empty((), dtype=self.dtype).element_size()
 
+    @property
+    def sum_extra_bytes(self) -> int:
+        """What running it as an all-reduce adds to what this rank receives (0 for an all-gather):
+        a ring all-reduce's reduce-scatter half, ``(N - 1)`` chunks."""
+        return (self.world_size - 1) * self.send_bytes if self.world_size > 1 and self._sum_gather() else 0
+
     @torch.no_grad()
     def post(self) -> None:
         """Cast this rank's segments into the send buffer and start the all-gather."""
         device = self.masters[0].device
-        inp = (torch.zeros if self.padded else torch.empty)(self.chunk, dtype=self.dtype, device=device)
+        self.done = False
+        by_sum = self.world_size > 1 and self._sum_gather()
+        if by_sum:        # this rank's chunk of a zeroed buffer of all chunks (see the module docstring)
+            out = torch.zeros(self.chunk * self.world_size, dtype=self.dtype, device=device)
+            inp = out.view(self.world_size, self.chunk)[self.rank]
+        else:
+            inp = (torch.zeros if self.padded else torch.empty)(self.chunk, dtype=self.dtype, device=device)
         views = [piece.view(self.widths[i], *self.rests[i]).narrow(0, 0, self.mine[i])
                  for i, piece in enumerate(inp.split(self.split))]
         torch._foreach_copy_(views, self.masters)
-        self.done = False
         if self.world_size == 1:                # one rank: the "gather" is the cast itself
             self.out, self.work = inp, None
-            return
-        self.out = inp.new_empty(self.chunk * self.world_size)
-        self.work = all_gather_single(self.out, inp, async_op=True)
+        elif by_sum:
+            self.out = out
+            self.work = dist.all_reduce(out, group=self.group, async_op=True)
+        else:
+            self.out = inp.new_empty(self.chunk * self.world_size)
+            self.work = all_gather_single(self.out, inp, group=self.group, async_op=True)
+
+    def _sum_gather(self) -> bool:
+        if self._by_sum is None:
+            self._by_sum = dist.get_backend(self.group) == "gloo"
+        return self._by_sum
 
     @torch.no_grad()
     def complete(self) -> None:

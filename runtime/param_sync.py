@@ -7,11 +7,12 @@
   order, which is ``list(hgraph.params)``), owners included for parameters they do not use, and posts
   its part of each plan at once: the parameters every rank needs whole (``is_all_gather``) travel in
   all-gathers of up to ``pull_bucket_bytes`` each (``param_gather.GatherBucket``, model order, as DDP
-  buckets), the others as one ``batch_isend_irecv`` of the plan's transfers each, the fp32 master rows
-  cast to the working dtype; local copies are done on the spot. ``pull_wait(name)`` waits for that
-  parameter's work and assembles the received rows into the working tensor (a gathered bucket is
-  written out whole at its first wait; idempotent within a step); ``finish_pulls`` completes the
-  rest (the sends, and the pulls of a pipeline that ran no micro-batch).
+  buckets; on gloo run as all-reduces, one bucket by default), the others as one
+  ``batch_isend_irecv`` of the plan's transfers each, the fp32 master rows cast to the working
+  dtype; local copies are done on the spot. ``pull_wait(name)`` waits for that parameter's work and
+  assembles the received rows into the working tensor (a gathered bucket is written out whole at its
+  first wait; idempotent within a step); ``finish_pulls`` completes the rest (the sends, and the
+  pulls of a pipeline that ran no micro-batch).
 * **Push**: the reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``,
   reverse model order, up to ``push_bucket_bytes``). On CPU each is issued while the step's last
   backward still runs, as soon as its gradients are final (a post-accumulate-grad hook, armed by
@@ -21,6 +22,18 @@
   themselves when they are the whole shard). A rank whose pipeline ran no micro-batch pushes zeros,
   so every rank takes part and nothing hangs. ``push_gradient`` (the graph's node) is the identity:
   autograd accumulates the working gradient over micro-batches, and the push sends it once.
+* **Overlapped update** (``can_overlap_update``: plain data parallelism on gloo, an ``update``
+  callable given; the executor asks for it per step with ``begin_step(overlap_update=True)``): a
+  rank's reduced piece of a plain reduce-scatter IS its optimizer shard's gradient, so each
+  reduction updates its shards when taken (``update``, the optimizer's ``step`` on those shards),
+  one reduction behind the newest during backward and the rest in ``finish_update``; no ``push``.
+  With ``prefetch`` the all-gathers of the next step are posted as their parameters are updated and
+  completed into the working tensors before ``finish_update`` returns; the next ``begin_step`` of
+  this Program pulls nothing while the masters are unchanged (their version counters say so: another
+  Program's step or a checkpoint load means a fresh pull). The step's loss rides in the first
+  reduction (``set_loss``): no shard is updated unless it is finite. Everything happens at points
+  that follow from the order of the reductions, so every rank issues the same collectives in the
+  same order on one group.
 
 Point-to-point messages carry a tag per parameter and direction (pull ``2i+1``, push ``2i+2``;
 pipeline activations use tag 0), so gloo matches them by tag; NCCL matches them in order, and every
@@ -29,8 +42,9 @@ dimension 0, so a range of rows is a ``narrow(0, ...)``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,11 +59,15 @@ Range = tuple[int, int]
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
 #: early and the forward starts while the later ones are still travelling. Measured with
-#: bench_runtime's DP4 step (tiny model, gloo, 16 free cores): 25 MB (one all-gather) 55-57 ms,
-#: 1 MB 53-56 ms, 256 KB 42-45 ms, 64 KB 72-76 ms (more collectives than the overlap repays). On 2
-#: cores shared by 4 ranks and other work, 200 KB measured slower than one bucket: there the gloo
-#: threads compete with the forward for the cores.
+#: bench_runtime's DP4 step (tiny model, gloo all-gathers, 16 free cores): 25 MB (one all-gather)
+#: 55-57 ms, 1 MB 53-56 ms, 256 KB 42-45 ms, 64 KB 72-76 ms (more collectives than the overlap
+#: repays). Kept where the gathers are real all-gathers (NCCL).
 DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
+
+#: On gloo the gathers run as all-reduces (``param_gather``), each paying gloo's latency, and the
+#: same DP4 step is fastest with one: 16 cores 32-35 ms (256 KB buckets: 46-47 ms), 2 cores 88-92 ms
+#: (103-114 ms).
+GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -64,6 +82,7 @@ class SyncStats:
     pull_recv_bytes: int = 0
     pull_send_bytes: int = 0
     pull_all_gather_bytes: int = 0
+    pull_all_reduce_extra_bytes: int = 0      # gloo runs the all-gathers as all-reduces (param_gather)
     push_recv_bytes: int = 0
     push_send_bytes: int = 0
     push_reduce_scatter_bytes: int = 0
@@ -92,8 +111,8 @@ class ParamSync:
     def __init__(self, program: Any, rank: int, masters: Mapping[str, torch.Tensor],
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
-                 push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: int = DEFAULT_PULL_BUCKET_BYTES,
-                 overlap_push: bool = True) -> None:
+                 push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
+                 overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None) -> None:
         self.program = program
         # working tensors that share their fp32 master's storage (one rank, fp32: nothing to move)
         self.aliased = frozenset(aliased)
@@ -113,19 +132,40 @@ class ParamSync:
         self._active = False
         self._sole_add = self._sole_local_adds()
         self._own_rows = self._unreduced_rows()
-        gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
-        self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype)
-                         for names in self._pull_buckets(gathered, pull_bucket_bytes)]
-        row_shapes = {n: tuple(_rows(self.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
-                      for n in self.order}
         device = next(iter(masters.values())).device if masters else torch.device("cpu")
-        self._buckets = GradBuckets(rank, self.order, self.push_ops, row_shapes, groups, self._contribution,
-                                    device, push_bucket_bytes)
         # the step's last backward finishes each gradient: its hook issues the bucket's reduce-scatter
         # then (``arm_push``); NCCL keeps them at the end (all communicators share one stream order,
         # and pipelines of different schemes finish gradients in different orders)
         self._armed = False
         self.overlap_push = overlap_push and device.type == "cpu"
+        # the optimizer update overlapped with the backward (see the module docstring): a property
+        # of the Program, the same on every rank, since it changes the order of the step's
+        # collectives; gloo only (the loss rides in the first reduction, an all-reduce there)
+        self.update = update
+        self.can_overlap_update = (update is not None and self.overlap_push and self.world_size > 1
+                                   and not self.aliased and self.is_plain_data_parallel(program)
+                                   and dist.get_backend() == "gloo")
+        if pull_bucket_bytes is None:
+            gloo = self.world_size > 1 and dist.get_backend() == "gloo"
+            pull_bucket_bytes = GLOO_PULL_BUCKET_BYTES if gloo else DEFAULT_PULL_BUCKET_BYTES
+        gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
+        self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype)
+                         for names in self._pull_buckets(gathered, pull_bucket_bytes)]
+        row_shapes = {n: tuple(_rows(self.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
+                      for n in self.order}
+        self._buckets = GradBuckets(rank, self.order, self.push_ops, row_shapes, groups, self._contribution,
+                                    device, push_bucket_bytes)
+        if self.can_overlap_update and not self._buckets.buckets:
+            self.can_overlap_update = False           # nothing to carry the loss
+        # per step of the overlapped update: reduced pieces, the global loss, what was updated/posted
+        self._overlap = self._prefetch = False
+        self._held: dict[str, list] = {}
+        self.global_loss: Optional[float] = None
+        self._updated: set[str] = set()
+        self._posted: list[GatherBucket] = []
+        self._prefetched: Optional[tuple] = None     # masters' stamp when the working tensors were filled
+        self.pull_reused = False          # this step's all-gathers were prefetched by the last one
+        self.updates_in_backward = 0      # reductions taken (shards updated) while backward ran
         if self.overlap_push and self._buckets.buckets:
             for name, w in working.items():
                 if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf and name not in self.aliased:
@@ -166,6 +206,19 @@ class ParamSync:
         return sorted({rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters
                        if len(rs.group) > 1})
 
+    @staticmethod
+    def is_plain_data_parallel(program: Any) -> bool:
+        """Every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
+        reduce-scatter over all ranks onto the optimizer segments: the reduced piece a rank receives
+        IS its optimizer shard's gradient, so it can update it on arrival."""
+        return all(program.pull_plans[n].is_all_gather and program.push_plans[n].is_plain_reduce_scatter
+                   for n in program.pull_plans)
+
+    def _masters_stamp(self) -> tuple:
+        """Identity and version counter of every master: any in-place write (an optimizer step, a
+        checkpoint load) changes it, so a prefetched pull is reused only while it is current."""
+        return tuple((id(m), m._version) for m in self.masters.values())
+
     # ---- pull ----------------------------------------------------------------------------------
     def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         plan = self.program.pull_plans[name]
@@ -174,11 +227,15 @@ class ParamSync:
         return rows.narrow(0, lo - base, hi - lo).to(self.working_dtype).contiguous()
 
     @torch.no_grad()
-    def begin_step(self) -> None:
+    def begin_step(self, overlap_update: bool = False, prefetch: bool = False) -> None:
         """Post every pull of this rank (all parameters, model order); returns before they complete.
 
-        The all-gather parameters travel in ONE all-gather (each rank's segments of all of them,
-        concatenated, each padded to the widest segment), the LNK ones as one batch each.
+        The all-gather parameters travel in all-gathers of up to ``pull_bucket_bytes``, the LNK ones
+        as one batch each; none of it when the last step prefetched them and the masters have not
+        changed since. ``overlap_update`` (only where ``can_overlap_update``; the same on every
+        rank): this step updates the optimizer shards as their reductions arrive (``set_loss``,
+        ``finish_update``) instead of ``push`` + an optimizer step; ``prefetch``: and posts the next
+        step's all-gathers as soon as their parameters are updated.
         """
         if self._active:
             raise HGraphError("ParamSync.begin_step called twice without finishing the step")
@@ -187,16 +244,23 @@ class ParamSync:
         self._active = True
         self._armed = False
         self._buckets.reset()
+        reuse = self._prefetched is not None and self._prefetched == self._masters_stamp()
+        self._prefetched = None
+        self.pull_reused = reuse
+        self.updates_in_backward = 0
+        self._overlap = overlap_update and self.can_overlap_update
+        self._prefetch = prefetch and self._overlap
+        self._held = {name: [] for name in self.order}
+        self.global_loss = None
+        self._updated, self._posted = set(), []
         bucket_of = {}
-        for bucket in self._gathers:
-            bucket.post()
+        for bucket in self._gathers if not reuse else ():
+            self._post_gather(bucket)
             bucket_of.update((n, bucket) for n in bucket.names)
-            if self.world_size > 1:
-                self.stats.pull_all_gather_bytes += (self.world_size - 1) * bucket.send_bytes
         for name in self.order:
             plan = self.program.pull_plans[name]
             pull = _Pull()
-            if name in self.aliased:
+            if name in self.aliased or (reuse and plan.is_all_gather):
                 pull.done = True
             elif plan.is_all_gather:
                 pull.gather = bucket_of[name]
@@ -220,6 +284,12 @@ class ParamSync:
                 if p2p:
                     pull.works = dist.batch_isend_irecv(p2p)
             self._pulls[name] = pull
+
+    def _post_gather(self, bucket: GatherBucket) -> None:
+        bucket.post()
+        if self.world_size > 1:
+            self.stats.pull_all_gather_bytes += (self.world_size - 1) * bucket.send_bytes
+            self.stats.pull_all_reduce_extra_bytes += bucket.sum_extra_bytes
 
     def _pull_buckets(self, names: list[str], cap: int) -> list[list[str]]:
         """``names`` (model order) cut into all-gathers of at most ``pull_bucket_bytes`` (at least one
@@ -304,6 +374,74 @@ class ParamSync:
     def _grad_ready(self, name: str, param: torch.Tensor) -> None:
         if self._armed:
             self._buckets.ready(name, param.grad)
+            # overlapped update: one reduction behind the newest (it had that bucket's gradients'
+            # time to arrive); blocking and in issue order, so all ranks post the same collectives
+            while self._overlap and self._buckets.completed < self._buckets.issued - 1:
+                self._update_next()
+                self.updates_in_backward += 1
+
+    # ---- the optimizer update overlapped with the backward -------------------------------------
+    def set_loss(self, loss_share: float) -> None:
+        """This rank's share of the step's loss sum, before any reduction of the step is issued: it
+        rides in the first reduction (each rank's value in its own slot, as an fp32 pair hi + lo, so
+        the sum is taken in float64 in rank order, the same on every rank)."""
+        hi = torch.tensor(loss_share, dtype=torch.float64).to(torch.float32)
+        lo = (torch.tensor(loss_share, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
+        slots = torch.zeros(2 * self.world_size, dtype=torch.float32)
+        slots[2 * self.rank], slots[2 * self.rank + 1] = hi, lo
+        self._buckets.carry(slots.to(next(iter(self.masters.values())).device))
+
+    def _update_next(self) -> None:
+        """Wait for the next reduction (issue order); update its parameters' shards unless the loss is
+        not finite, then post every all-gather whose parameters are all updated. Everything happens at
+        points that follow from the order of the reductions, so every rank issues the same sequence of
+        collectives."""
+        names = self._buckets.complete_next(self._held)
+        if names is None:
+            return
+        if self.global_loss is None:
+            if self._buckets.carried is None:
+                raise HGraphError("overlapped update: the step's loss was not set before its reductions")
+            self.global_loss = float(self._buckets.carried.double().view(-1, 2).sum(1).sum())
+        if not math.isfinite(self.global_loss):
+            return
+        self.update({name: self._owned_gradient(name, self._held) for name in names})
+        self._updated.update(names)
+        if self._prefetch:
+            for bucket in reversed(self._gathers):      # reverse model order: as backward finishes
+                if bucket not in self._posted and self._updated.issuperset(bucket.names):
+                    self._post_gather(bucket)
+                    self._posted.append(bucket)
+
+    @torch.no_grad()
+    def finish_update(self, grads: Mapping[str, Optional[torch.Tensor]]) -> float:
+        """End an overlapped-update step: issue the reductions backward did not, update every shard
+        (unless the loss is not finite), then complete the prefetched all-gathers into the working
+        tensors. Returns the step's global loss sum. Collective."""
+        if not self._overlap:
+            raise HGraphError("ParamSync.finish_update: this step was not begun with overlap_update")
+        self._armed = False
+        self._buckets.flush(grads)
+        while self._buckets.completed < self._buckets.issued:
+            self._update_next()
+        self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
+        self.stats.push_all_reduce_extra_bytes += self._buckets.all_reduce_extra_bytes
+        for bucket in self._posted:
+            bucket.complete()
+        if self._prefetch and len(self._posted) == len(self._gathers) and math.isfinite(self.global_loss):
+            self._prefetched = self._masters_stamp()
+        self._held, self._posted = {}, []
+        return self.global_loss
+
+    def _owned_gradient(self, name: str, held: Mapping[str, list]) -> torch.Tensor:
+        """The fp32 gradient of this rank's optimizer shard of ``name`` when it is exactly the reduced
+        rows it holds (a plain reduce-scatter; an empty shard gets an empty gradient)."""
+        add = self._sole_add.get(name)
+        if add is None:
+            return torch.zeros_like(self.masters[name], dtype=torch.float32)
+        rows = _lookup(held[name], add.lo, add.hi, name)
+        dim = self.program.push_plans[name].param.shard_dim
+        return rows.reshape(self.masters[name].shape) if self.masters[name].dim() <= 1 else rows.movedim(0, dim)
 
     def flush_pushes(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
         """Issue every reduce-scatter not issued during backward (before any other collective of the
@@ -334,16 +472,8 @@ class ParamSync:
         for name, rows in self._own_rows.items():     # own rows that no reduce-scatter carries
             held[name].extend(((lo, hi), self._contribution(name, grads.get(name), lo, hi)) for lo, hi in rows)
         for name in self.order:
-            if name in out:
-                continue
-            add = self._sole_add.get(name)
-            if add is not None:
-                rows = _lookup(held[name], add.lo, add.hi, name)
-                dim = self.program.push_plans[name].param.shard_dim
-                out[name] = (rows.reshape(self.masters[name].shape) if self.masters[name].dim() <= 1
-                             else rows.movedim(0, dim))
-            else:
-                out[name] = torch.zeros_like(self.masters[name], dtype=torch.float32)
+            if name not in out:
+                out[name] = self._owned_gradient(name, held)
         p2p, recvs = [], []
         for name in self.order:           # 2. transfers to the owners, one batch in model order
             dim = self.program.push_plans[name].param.shard_dim

@@ -374,7 +374,10 @@ class Trainer:
         program = self.cache.get(strategy)
         plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
         mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
-        return self.executor.step(program, mbs, batch.num_targets, batch.step)
+        # a plain data-parallel step pulls the next step's parameters only if that step runs the same
+        # strategy (with a planner the next strategy is not known yet: the executor's default)
+        again = batch.step + 1 < self.config.steps and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy
+        return self.executor.step(program, mbs, batch.num_targets, batch.step, prefetch=again)
 
     def planned_step(self, batch: MiniBatch) -> StepResult:
         """One step on the planner's plan; its planner figures go to ``self.planned[step]``."""
@@ -430,7 +433,8 @@ def format_step_line(r: StepResult, planned: Optional[dict] = None) -> str:
 def _metrics_line(r: StepResult, cache: GraphCache) -> dict:
     return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
-            "skipped": r.skipped, "grad_norm": r.grad_norm, "cache_hits": cache.hits,
+            "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
+            "pull_prefetched": r.pull_prefetched, "cache_hits": cache.hits,
             "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
 
 

@@ -12,15 +12,20 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    in the same process.
 2. **DP4 on gloo**: compiled ``4xTP1PP1`` vs ``DistributedDataParallel`` + Adam, 4 processes, each rank
    the same documents in both (its quarter of the mini-batch); step times of rank 0 (``--barrier``:
-   each timed step starts from an untimed barrier).
+   each timed step starts from an untimed barrier). The compiled step is the executor's overlapped
+   update (plain data parallelism): gradients reduced in one all-reduce carrying the loss, shards
+   updated, the next step's parameters gathered in one all-reduce before the step returns; DDP's step
+   is one all-reduce and Adam over every parameter. Both use the launcher's torch threads per rank
+   (``OMP_NUM_THREADS`` if set).
 3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
    payloads, all ranks' receipts summed) from the Programs' plans that ParamSync executes op for op,
    against the minima: pull, each rank receives exactly the rows it needs and does not own; push, the
    least a push that sums on the way can move (per row, one message per contributor other than the
    owner) and the owner-receipt figure (each owner receives each foreign row once), which is below
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
-   run as all-reduces (faster there, see ``runtime.grad_buckets``), which adds their all-gather half
-   on the wire; these figures are the plans' (what NCCL moves).
+   and the all-gathers run as all-reduces (faster there, see ``runtime.grad_buckets`` and
+   ``runtime.param_gather``), which adds their other half on the wire; these figures are the plans'
+   (what NCCL moves).
 4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
    before (every step's pull is not included).
 """
@@ -151,7 +156,8 @@ def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[l
     # with ``barrier`` every timed step starts aligned, as in a run of one kind of step (a step begins
     # right after the previous one's last collective); without, each side's first collective absorbs
     # the skew the other left (DDP's optimizer step over all parameters is the longer, more varied one)
-    t = _paired_times(lambda: ex.step(prog, mbs, targets), ddp_step, steps,
+    last = []
+    t = _paired_times(lambda: last.append(ex.step(prog, mbs, targets)), ddp_step, steps,
                       before=dist.barrier if barrier else None)
 
     # switch with a cache hit: alternate two strategies already built
@@ -167,7 +173,9 @@ def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[l
     dist.barrier()
     return {"compiled_ms": t["a_ms"], "ddp_ms": t["b_ms"], "ratio": t["ratio"], "ratio_q1": t["ratio_q1"],
             "ratio_q3": t["ratio_q3"], "ratio_of_minima": t["ratio_of_minima"],
-            "switch_hit_ms_max": 1e3 * max(switches), "switch_hit_ms_median": 1e3 * statistics.median(switches)}
+            "switch_hit_ms_max": 1e3 * max(switches), "switch_hit_ms_median": 1e3 * statistics.median(switches),
+            "overlapped_update": last[-1].overlapped_update, "pull_prefetched": last[-1].pull_prefetched,
+            "torch_threads": torch.get_num_threads()}
 
 
 def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict]:
@@ -244,6 +252,9 @@ def main(argv=None) -> int:
             print(f"{name} ({kind}): compiled {statistics.median(d['compiled_ms'] for d in launches):.2f} ms, {label} "
                   f"{statistics.median(d[base] for d in launches):.2f} ms, ratio {summary:.3f}  (launches: {each})")
     for launches in out.get("dp4", {}).values():
+        d = launches[0]
+        print(f"DP4 compiled step: overlapped update {d['overlapped_update']}, pull prefetched by the step before "
+              f"{d['pull_prefetched']}, torch threads per rank {d['torch_threads']}")
         worst = max(d["switch_hit_ms_max"] for d in launches)
         print(f"switch with a cache hit: median {statistics.median(d['switch_hit_ms_median'] for d in launches):.4f} ms, "
               f"max {worst:.4f} ms")

@@ -39,7 +39,12 @@ CASES_4 = [
     # a vocabulary TP does not divide (padded shards), AdamW with weight decay and global-norm clipping
     ("tiny-tied", "2xTP2PP1;1xTP2PP2;1xTP4PP1", {"vocab_size": 509},
      {"optimizer": "adamw", "weight_decay": 0.1, "grad_clip": 0.5}),     # param atol 2e-5, see above
+    # plain data parallelism twice in a row: the overlapped update, the second step's pull done by
+    # the first; then another strategy, after which the pull cannot be reused (3- and 2-document
+    # steps leave ranks idle)
+    ("tiny-tied", "4xTP1PP1;4xTP1PP1;1xTP2PP2", {}, {"optimizer": "adamw", "weight_decay": 0.1}),
 ]
+DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
     ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {}),
 ]
@@ -69,6 +74,8 @@ def _worker(rank, world, cases):
         steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
         final = trainer.final_state_dict()
         out.append({"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+                    "overlapped": [s.overlapped_update for s in steps],
+                    "prefetched": [s.pull_prefetched for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.cache.info()})
     return out
 
@@ -121,6 +128,16 @@ def test_four_ranks_match_single_process_adam(results4, case):
     _check(results4[0][case], *CASES_4[case])
     # every rank saw the same global loss
     assert len({tuple(r[case]["losses"]) for r in results4}) == 1
+
+
+def test_plain_data_parallel_steps_update_while_reducing_and_reuse_the_prefetched_pull(results4):
+    """The DP_REPEAT case took the overlapped path where it applies (so its equivalence above covers
+    it): steps 0, 1, 3 are 4xTP1PP1; step 1 reused the pull step 0 prefetched; step 3 follows a
+    1xTP2PP2 step, whose update made the old prefetch stale, and pulled afresh."""
+    for r in results4:
+        case = r[DP_REPEAT]
+        assert case["overlapped"] == [True, True, False, True]
+        assert case["prefetched"] == [False, True, False, False]
 
 
 def test_eight_ranks_three_schemes_match_single_process_adam(results8):

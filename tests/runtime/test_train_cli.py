@@ -64,6 +64,10 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
     assert [m["strategy"] for m in lines] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2"]
     for m in lines:
         assert {"step", "strategy", "loss", "tokens", "time_s"} <= set(m) and m["time_s"] > 0
+    # the plain data-parallel step updated its shards as the reduction arrived (the next step runs
+    # another strategy, so nothing was prefetched for it)
+    assert [(m["overlapped_update"], m["pull_prefetched"]) for m in lines] == [(False, False), (True, False),
+                                                                               (False, False)]
     ref_losses, ref_state = _reference(data, 3, 30)
     assert [m["tokens"] for m in lines] == [s["tokens"] for s in out["steps"]]
     for m, want in zip(lines, ref_losses):
@@ -147,18 +151,16 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, m
 
 def _dying_worker(rank, world, config, victim, die_at_step):
     """Runs the trainer; rank ``victim`` dies (no report, no cleanup) inside step ``die_at_step``."""
-    from hgraph.runtime import param_sync
-    if rank == victim:
-        original = param_sync.ParamSync.push
-        calls = []
+    from hgraph.runtime.executor import Executor
+    if rank == victim:     # dies between posting the step's pulls and its forward (every step does both)
+        original, calls = Executor._run_pipeline, []
 
-        def push(self, grads):
+        def run_pipeline(self, *args):
             calls.append(1)
             if len(calls) == die_at_step + 1:
                 os._exit(17)
-            return original(self, grads)
-
-        param_sync.ParamSync.push = push
+            return original(self, *args)
+        Executor._run_pipeline = run_pipeline
     return train_worker(rank, world, config)
 
 

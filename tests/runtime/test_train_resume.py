@@ -74,16 +74,16 @@ def test_reference_run_saves_every_k_steps_and_at_the_end(ref):
 
 def _dying_worker(rank, world, config, victim, die_at_step):
     """The trainer, with rank ``victim`` dying (no report, no cleanup) inside step ``die_at_step``."""
-    from hgraph.runtime import param_sync
-    if rank == victim:
-        original, calls = param_sync.ParamSync.push, []
+    from hgraph.runtime.executor import Executor
+    if rank == victim:     # dies between posting the step's pulls and its forward (every step does both)
+        original, calls = Executor._run_pipeline, []
 
-        def push(self, grads):
+        def run_pipeline(self, *args):
             calls.append(1)
             if len(calls) == die_at_step + 1:
                 os._exit(17)
-            return original(self, grads)
-        param_sync.ParamSync.push = push
+            return original(self, *args)
+        Executor._run_pipeline = run_pipeline
     return train_worker(rank, world, config)
 
 
