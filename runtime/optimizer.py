@@ -149,8 +149,7 @@ class ShardedAdam:
 
     def _update(self, grads: Mapping[str, torch.Tensor]) -> None:
         """torch's ``_single_tensor_adam`` operation for operation, each op applied to all shards at
-        once (``torch._foreach_*``: the same per-element arithmetic, one call instead of one per shard);
-        or torch's fused Adam/AdamW kernel where its results are bitwise those (see ``_fused``)."""
+        once (``torch._foreach_*``: the same per-element arithmetic, one call instead of one per shard)."""
         beta1, beta2 = self.betas
         lr, wd = self.lr, self.weight_decay
         names = list(grads)
@@ -160,14 +159,6 @@ class ShardedAdam:
         g = [grads[n] for n in names]
         for n in names:
             self.steps[n] += 1
-        fused = self._fused(params)
-        if fused is not None:
-            steps = [torch.tensor(self.steps[n], dtype=torch.float32, device=p.device) for n, p in zip(names, params)]
-            fused(params, [x.contiguous() for x in g], exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1,
-                  beta2=beta2, weight_decay=wd, eps=self.eps, amsgrad=False, maximize=False)
-            # the kernel does not bump version counters; readers of the masters rely on them
-            torch.autograd.graph.increment_version(params + exp_avgs + exp_avg_sqs)
-            return
         if wd != 0:
             if self.decoupled_weight_decay:
                 torch._foreach_mul_(params, 1 - lr * wd)
@@ -185,16 +176,6 @@ class ShardedAdam:
         torch._foreach_div_(denom, bc2_sqrts)
         torch._foreach_add_(denom, self.eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_sizes)
-
-    def _fused(self, params: list) -> Any:
-        """torch's fused kernel (one call for every shard; 3-4x faster than the foreach ops on CPU),
-        where it gives ``_single_tensor_adam``'s bits: Adam without weight decay and AdamW (measured;
-        Adam's L2 decay rounds differently there and stays on the foreach ops)."""
-        if self.weight_decay != 0 and not self.decoupled_weight_decay:
-            return None
-        if not params or any(p.dtype != torch.float32 or p.device.type not in ("cpu", "cuda") for p in params):
-            return None
-        return getattr(torch, "_fused_adamw_" if self.decoupled_weight_decay else "_fused_adam_", None)
 
     # ---- state ------------------------------------------------------------------------------------
     @torch.no_grad()
