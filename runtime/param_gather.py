@@ -28,11 +28,11 @@ class GatherBucket:
     """One all-gather carrying several parameters (see the module docstring)."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-                 world_size: int, dtype: torch.dtype, group: Any = None) -> None:
+                 world_size: int, dtype: torch.dtype) -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of
-        the parameter and only sends its segment; ``group``: a group of all ranks (default ``WORLD``)."""
-        self.rank, self.world_size, self.dtype, self.group = rank, world_size, dtype, group
+        the parameter and only sends its segment."""
+        self.rank, self.world_size, self.dtype = rank, world_size, dtype
         self.names = [name for name, _, _, _ in entries]
         self.sizes, self.widths, self.rests, self.split = [], [], [], []
         self.masters, self.mine = [], []          # what this rank sends: master rows -> rows in its chunk
@@ -94,14 +94,14 @@ class GatherBucket:
             self.out, self.work = inp, None
         elif by_sum:
             self.out = out
-            self.work = dist.all_reduce(out, group=self.group, async_op=True)
+            self.work = dist.all_reduce(out, async_op=True)
         else:
             self.out = inp.new_empty(self.chunk * self.world_size)
-            self.work = all_gather_single(self.out, inp, group=self.group, async_op=True)
+            self.work = all_gather_single(self.out, inp, async_op=True)
 
     def _sum_gather(self) -> bool:
         if self._by_sum is None:
-            self._by_sum = dist.get_backend(self.group) == "gloo"
+            self._by_sum = dist.get_backend() == "gloo"
         return self._by_sum
 
     @torch.no_grad()
