@@ -28,11 +28,13 @@ class GatherBucket:
     """One all-gather carrying several parameters (see the module docstring)."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-                 world_size: int, dtype: torch.dtype) -> None:
+                 world_size: int, dtype: torch.dtype, by_sum: bool = False) -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of
-        the parameter and only sends its segment."""
+        the parameter and only sends its segment; ``by_sum``: gather by all-reduce (gloo, see the
+        module docstring)."""
         self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        self.by_sum = by_sum and world_size > 1
         self.names = [name for name, _, _, _ in entries]
         self.sizes, self.widths, self.rests, self.split = [], [], [], []
         self.masters, self.mine = [], []          # what this rank sends: master rows -> rows in its chunk
@@ -62,7 +64,6 @@ class GatherBucket:
         self.chunk = sum(self.split)
         self.work: Any = None
         self.out: Optional[torch.Tensor] = None
-        self._by_sum: Optional[bool] = None
         self.done = False
 
     @property
@@ -74,15 +75,14 @@ class GatherBucket:
     def sum_extra_bytes(self) -> int:
         """What running it as an all-reduce adds to what this rank receives (0 for an all-gather):
         a ring all-reduce's reduce-scatter half, ``(N - 1)`` chunks."""
-        return (self.world_size - 1) * self.send_bytes if self.world_size > 1 and self._sum_gather() else 0
+        return (self.world_size - 1) * self.send_bytes if self.by_sum else 0
 
     @torch.no_grad()
     def post(self) -> None:
         """Cast this rank's segments into the send buffer and start the all-gather."""
         device = self.masters[0].device
         self.done = False
-        by_sum = self.world_size > 1 and self._sum_gather()
-        if by_sum:        # this rank's chunk of a zeroed buffer of all chunks (see the module docstring)
+        if self.by_sum:        # this rank's chunk of a zeroed buffer of all chunks (see the module docstring)
             out = torch.zeros(self.chunk * self.world_size, dtype=self.dtype, device=device)
             inp = out.view(self.world_size, self.chunk)[self.rank]
         else:
@@ -92,17 +92,12 @@ class GatherBucket:
         torch._foreach_copy_(views, self.masters)
         if self.world_size == 1:                # one rank: the "gather" is the cast itself
             self.out, self.work = inp, None
-        elif by_sum:
+        elif self.by_sum:
             self.out = out
             self.work = dist.all_reduce(out, async_op=True)
         else:
             self.out = inp.new_empty(self.chunk * self.world_size)
             self.work = all_gather_single(self.out, inp, async_op=True)
-
-    def _sum_gather(self) -> bool:
-        if self._by_sum is None:
-            self._by_sum = dist.get_backend() == "gloo"
-        return self._by_sum
 
     @torch.no_grad()
     def complete(self) -> None:

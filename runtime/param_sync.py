@@ -141,15 +141,15 @@ class ParamSync:
         # the optimizer update overlapped with the backward (see the module docstring): a property
         # of the Program, the same on every rank, since it changes the order of the step's
         # collectives; gloo only (the loss rides in the first reduction, an all-reduce there)
+        gloo = self.world_size > 1 and dist.get_backend() == "gloo"
         self.update = update
-        self.can_overlap_update = (update is not None and self.overlap_push and self.world_size > 1
-                                   and not self.aliased and self.is_plain_data_parallel(program)
-                                   and dist.get_backend() == "gloo")
+        self.can_overlap_update = (update is not None and self.overlap_push and gloo and not self.aliased
+                                   and self.is_plain_data_parallel(program))
         if pull_bucket_bytes is None:
-            gloo = self.world_size > 1 and dist.get_backend() == "gloo"
             pull_bucket_bytes = GLOO_PULL_BUCKET_BYTES if gloo else DEFAULT_PULL_BUCKET_BYTES
         gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
-        self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype)
+        self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype,
+                                      by_sum=gloo)
                          for names in self._pull_buckets(gathered, pull_bucket_bytes)]
         row_shapes = {n: tuple(_rows(self.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
                       for n in self.order}
@@ -389,7 +389,7 @@ class ParamSync:
         lo = (torch.tensor(loss_share, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
         slots = torch.zeros(2 * self.world_size, dtype=torch.float32)
         slots[2 * self.rank], slots[2 * self.rank + 1] = hi, lo
-        self._buckets.carry(slots.to(next(iter(self.masters.values())).device))
+        self._buckets.carry(slots)        # copied into the reduction's buffer, on its device
 
     def _update_next(self) -> None:
         """Wait for the next reduction (issue order); update its parameters' shards unless the loss is
