@@ -6,7 +6,6 @@ working precision rounds every working parameter and activation to 8 bits of man
 is only required to stay within 2 % of the fp32 reference over three steps.
 """
 import json
-import os
 import time
 
 import pytest
@@ -18,8 +17,9 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.data import mini_batches, read_jsonl
 from hgraph.runtime.heartbeat import Heartbeat
 from hgraph.runtime.launch import SpawnError, spawn
-from hgraph.runtime.trainer import TrainConfig, train_worker
+from hgraph.runtime.trainer import TrainConfig
 from hgraph.tools.cli import main
+from tests.runtime.fault_injection import dying_worker
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 
@@ -149,27 +149,12 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, m
     assert err[-1].startswith("hgraph train: error: ")
 
 
-def _dying_worker(rank, world, config, victim, die_at_step):
-    """Runs the trainer; rank ``victim`` dies (no report, no cleanup) inside step ``die_at_step``."""
-    from hgraph.runtime.executor import Executor
-    if rank == victim:     # dies between posting the step's pulls and its forward (every step does both)
-        original, calls = Executor._run_pipeline, []
-
-        def run_pipeline(self, *args):
-            calls.append(1)
-            if len(calls) == die_at_step + 1:
-                os._exit(17)
-            return original(self, *args)
-        Executor._run_pipeline = run_pipeline
-    return train_worker(rank, world, config)
-
-
 def test_a_rank_lost_mid_step_is_named_within_the_timeout(data):
     config = TrainConfig(model="tiny", world_size=4, schedule=["1xTP2PP1+2xTP1PP1", "4xTP1PP1"], steps=4,
                          tokens_per_iter=30, data=str(data))
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 2") as info:
-        spawn(_dying_worker, 4, args=(config, 2, 1), timeout_s=60)
+        spawn(dying_worker, 4, args=(config, 2, 1), timeout_s=60)
     assert info.value.rank == 2
     assert time.monotonic() - t0 < 60
 

@@ -21,6 +21,7 @@ from hgraph.runtime.builtin_data import synthetic_documents, write_jsonl
 from hgraph.runtime.launch import SpawnError, spawn
 from hgraph.runtime.trainer import TrainConfig, train_worker
 from hgraph.tools.cli import main
+from tests.runtime.fault_injection import dying_worker
 
 STEPS, EVERY, TOKENS = 6, 2, 512
 CANDIDATES = "2xTP1PP1;1xTP2PP1"
@@ -72,21 +73,6 @@ def test_reference_run_saves_every_k_steps_and_at_the_end(ref):
     assert trained == list(range(len(trained)))          # file order, each once
 
 
-def _dying_worker(rank, world, config, victim, die_at_step):
-    """The trainer, with rank ``victim`` dying (no report, no cleanup) inside step ``die_at_step``."""
-    from hgraph.runtime.executor import Executor
-    if rank == victim:     # dies between posting the step's pulls and its forward (every step does both)
-        original, calls = Executor._run_pipeline, []
-
-        def run_pipeline(self, *args):
-            calls.append(1)
-            if len(calls) == die_at_step + 1:
-                os._exit(17)
-            return original(self, *args)
-        Executor._run_pipeline = run_pipeline
-    return train_worker(rank, world, config)
-
-
 def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, capsys):
     base = ref["base"]
     ck, run = base / "kill-ck", base / "kill-run"
@@ -96,7 +82,7 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
                          checkpoint_every=EVERY, metrics=str(run / "metrics.jsonl"))
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 1") as info:
-        spawn(_dying_worker, 2, args=(config, 1, 3), timeout_s=60)
+        spawn(dying_worker, 2, args=(config, 1, 3), timeout_s=60)
     assert info.value.rank == 1 and time.monotonic() - t0 < 60
     from hgraph.runtime import checkpoint as ckpt
     assert ckpt.complete_steps(ck) == [2]
