@@ -26,7 +26,9 @@ global-norm clipping): the loss rides in the first reduction, each reduction upd
 soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
 posted as their parameters are updated and completed before the step returns (``prefetch``), so the
 next step of the same Program pulls nothing. A ZeRO-3 step needs two collectives in sequence where
-DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way.
+DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way. On gloo both
+are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes ``2(N - 1)`` steps in
+sequence (``grad_buckets``, ``param_gather``).
 
 Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
 process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict

@@ -7,7 +7,7 @@
   order, which is ``list(hgraph.params)``), owners included for parameters they do not use, and posts
   its part of each plan at once: the parameters every rank needs whole (``is_all_gather``) travel in
   all-gathers of up to ``pull_bucket_bytes`` each (``param_gather.GatherBucket``, model order, as DDP
-  buckets; on gloo run as all-reduces, one bucket by default), the others as one
+  buckets; on gloo run as all-to-alls, one bucket by default), the others as one
   ``batch_isend_irecv`` of the plan's transfers each, the fp32 master rows cast to the working
   dtype; local copies are done on the spot. ``pull_wait(name)`` waits for that parameter's work and
   assembles the received rows into the working tensor (a gathered bucket is written out whole at its
@@ -64,9 +64,10 @@ Range = tuple[int, int]
 #: repays). Kept where the gathers are real all-gathers (NCCL).
 DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
 
-#: On gloo the gathers run as all-reduces (``param_gather``), each paying gloo's latency, and the
-#: same DP4 step is fastest with one: 16 cores 32-35 ms (256 KB buckets: 46-47 ms), 2 cores 88-92 ms
-#: (103-114 ms).
+#: On gloo the gathers run as all-to-alls (``param_gather``), each paying gloo's latency, and the
+#: same DP4 step is fastest with one (bench_runtime ratio to DDP, 2 cores, alternated single steps:
+#: 1.10 with one gather and one reduction, 1.15 with both in 256 KB buckets; with all-reduces the
+#: measure was 16 cores 32-35 ms vs 46-47 ms, 2 cores 88-92 ms vs 103-114 ms).
 GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
@@ -82,11 +83,9 @@ class SyncStats:
     pull_recv_bytes: int = 0
     pull_send_bytes: int = 0
     pull_all_gather_bytes: int = 0
-    pull_all_reduce_extra_bytes: int = 0      # gloo runs the all-gathers as all-reduces (param_gather)
     push_recv_bytes: int = 0
     push_send_bytes: int = 0
     push_reduce_scatter_bytes: int = 0
-    push_all_reduce_extra_bytes: int = 0      # gloo runs the reduce-scatters as all-reduces (grad_buckets)
 
 
 @dataclass
@@ -140,7 +139,7 @@ class ParamSync:
         self.overlap_push = overlap_push and device.type == "cpu"
         # the optimizer update overlapped with the backward (see the module docstring): a property
         # of the Program, the same on every rank, since it changes the order of the step's
-        # collectives; gloo only (the loss rides in the first reduction, an all-reduce there)
+        # collectives; gloo only (the loss rides in the first reduction's all-to-all there)
         gloo = self.world_size > 1 and dist.get_backend() == "gloo"
         self.update = update
         self.can_overlap_update = (update is not None and self.overlap_push and gloo and not self.aliased
@@ -149,7 +148,7 @@ class ParamSync:
             pull_bucket_bytes = GLOO_PULL_BUCKET_BYTES if gloo else DEFAULT_PULL_BUCKET_BYTES
         gathered = [n for n in self.order if program.pull_plans[n].is_all_gather and n not in self.aliased]
         self._gathers = [GatherBucket([self._gather_entry(n) for n in names], rank, self.world_size, working_dtype,
-                                      by_sum=gloo)
+                                      all_to_all=gloo)
                          for names in self._pull_buckets(gathered, pull_bucket_bytes)]
         row_shapes = {n: tuple(_rows(self.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
                       for n in self.order}
@@ -289,7 +288,6 @@ class ParamSync:
         bucket.post()
         if self.world_size > 1:
             self.stats.pull_all_gather_bytes += (self.world_size - 1) * bucket.send_bytes
-            self.stats.pull_all_reduce_extra_bytes += bucket.sum_extra_bytes
 
     def _pull_buckets(self, names: list[str], cap: int) -> list[list[str]]:
         """``names`` (model order) cut into all-gathers of at most ``pull_bucket_bytes`` (at least one
@@ -425,7 +423,6 @@ class ParamSync:
         while self._buckets.completed < self._buckets.issued:
             self._update_next()
         self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
-        self.stats.push_all_reduce_extra_bytes += self._buckets.all_reduce_extra_bytes
         for bucket in self._posted:
             bucket.complete()
         if self._prefetch and len(self._posted) == len(self._gathers) and math.isfinite(self.global_loss):
@@ -468,7 +465,6 @@ class ParamSync:
         self._buckets.flush(grads)        # 1. reduce-scatters among replicas (mostly issued in backward)
         self._buckets.wait(held)
         self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
-        self.stats.push_all_reduce_extra_bytes += self._buckets.all_reduce_extra_bytes
         for name, rows in self._own_rows.items():     # own rows that no reduce-scatter carries
             held[name].extend(((lo, hi), self._contribution(name, grads.get(name), lo, hi)) for lo, hi in rows)
         for name in self.order:

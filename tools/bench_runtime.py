@@ -1,7 +1,7 @@
 """Runtime benchmarks: step overhead vs eager PyTorch, DP4 vs DDP, pull/push bytes vs the minimum,
 and the host time of a strategy switch with a graph-cache hit.
 
-``python -m hgraph.tools.bench_runtime [--model tiny] [--steps 20] [--docs 16] [--doc-len 64] [--repeats 3]``
+``python -m hgraph.tools.bench_runtime [--model tiny] [--steps 20] [--block 5] [--docs 16] [--doc-len 64] [--repeats 3]``
 
 Every comparison alternates the two sides in one process (so load drifts hit both alike), takes the
 median of the per-pair ratios and its quartiles, and is launched ``--repeats`` times; the summary is
@@ -11,21 +11,26 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    micro-batch) vs the same step in eager PyTorch (each document alone, same loss, ``torch.optim.Adam``)
    in the same process.
 2. **DP4 on gloo**: compiled ``4xTP1PP1`` vs ``DistributedDataParallel`` + Adam, 4 processes, each rank
-   the same documents in both (its quarter of the mini-batch); step times of rank 0 (``--barrier``:
-   each timed step starts from an untimed barrier). The compiled step is the executor's overlapped
-   update (plain data parallelism): gradients reduced in one all-reduce carrying the loss, shards
-   updated, the next step's parameters gathered in one all-reduce before the step returns; DDP's step
-   is one all-reduce and Adam over every parameter. Both use the launcher's torch threads per rank
-   (``OMP_NUM_THREADS`` if set).
+   the same documents in both (its quarter of the mini-batch). What a run of training sees is the time
+   of consecutive steps, so the two sides alternate in runs of ``--block`` consecutive steps, each run
+   timed on rank 0 from a barrier to a barrier (the closing barrier counts: it is where the run's
+   stragglers finish) and divided by its steps; the ratio is the median of the per-pair ratios.
+   (Alternating single steps, as before, charges the compiled step with the skew DDP's step leaves:
+   DDP ends in an optimizer step over every parameter whose length varies per rank, the compiled step
+   in a collective that lines the ranks up, so the next compiled step's first collective waits for the
+   slowest DDP rank while DDP's never waits for a compiled one.)
+   The compiled step is the executor's overlapped update (plain data parallelism): gradients reduced
+   in one all-to-all carrying the loss, shards updated, the next step's parameters gathered in one
+   all-to-all before the step returns; DDP's step is one all-reduce and Adam over every parameter.
+   Both use the launcher's torch threads per rank (``OMP_NUM_THREADS`` if set).
 3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
    payloads, all ranks' receipts summed) from the Programs' plans that ParamSync executes op for op,
    against the minima: pull, each rank receives exactly the rows it needs and does not own; push, the
    least a push that sums on the way can move (per row, one message per contributor other than the
    owner) and the owner-receipt figure (each owner receives each foreign row once), which is below
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
-   and the all-gathers run as all-reduces (faster there, see ``runtime.grad_buckets`` and
-   ``runtime.param_gather``), which adds their other half on the wire; these figures are the plans'
-   (what NCCL moves).
+   and the all-gathers run as all-to-alls (faster there, see ``runtime.grad_buckets`` and
+   ``runtime.param_gather``), which move the same bytes.
 4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
    before (every step's pull is not included).
 """
@@ -63,21 +68,17 @@ def _eager_step(model, opt, docs) -> float:
     return total
 
 
-def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3, before=None) -> dict:
+def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3) -> dict:
     """Alternate ``fn_a`` and ``fn_b`` (so load drifts hit both alike); median times and the median of
-    the per-pair ratios a / b (robust on a shared, loaded machine). ``before`` runs untimed before
-    each timed call (the DP4 comparison's barrier)."""
-    before = before or (lambda: None)
+    the per-pair ratios a / b (robust on a shared, loaded machine)."""
     for _ in range(warmup):
         fn_a()
         fn_b()
     ta, tb = [], []
     for _ in range(steps):
-        before()
         t0 = time.perf_counter()
         fn_a()
         ta.append(time.perf_counter() - t0)
-        before()
         t1 = time.perf_counter()
         fn_b()
         tb.append(time.perf_counter() - t1)
@@ -123,8 +124,32 @@ def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
             "ratio_q3": t["ratio_q3"], "ratio_of_minima": t["ratio_of_minima"]}
 
 
-def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[list[int]],
-                barrier: bool = False) -> dict:
+def _paired_blocks(fn_a, fn_b, blocks: int, block: int, barrier) -> dict:
+    """Alternate runs of ``block`` consecutive calls of ``fn_a`` and of ``fn_b``, each run timed from
+    ``barrier`` to ``barrier`` (both inside) and divided by ``block``; medians and the median of the
+    per-pair ratios a / b, as ``_paired_times``."""
+    def run(fn) -> float:
+        barrier()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            fn()
+        barrier()
+        return (time.perf_counter() - t0) / block
+    run(fn_a)
+    run(fn_b)                    # warm-up
+    ta, tb = [], []
+    for _ in range(blocks):
+        ta.append(run(fn_a))
+        tb.append(run(fn_b))
+    ratios = sorted(a / b for a, b in zip(ta, tb))
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
+    return {"a_ms": 1e3 * statistics.median(ta), "b_ms": 1e3 * statistics.median(tb),
+            "ratio": statistics.median(ratios), "ratio_q1": q1, "ratio_q3": q3,
+            "ratio_of_minima": min(ta) / min(tb)}
+
+
+def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[list[int]],
+                block: int = 5) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from hgraph.runtime.executor import MicroBatch
@@ -153,12 +178,8 @@ def _dp4_worker(rank: int, world: int, model_name: str, steps: int, docs: list[l
         (F.cross_entropy(ddp(ids)[0, :-1], ids[0, 1:], reduction="sum") * world / targets).backward()
         opt.step()
 
-    # with ``barrier`` every timed step starts aligned, as in a run of one kind of step (a step begins
-    # right after the previous one's last collective); without, each side's first collective absorbs
-    # the skew the other left (DDP's optimizer step over all parameters is the longer, more varied one)
     last = []
-    t = _paired_times(lambda: last.append(ex.step(prog, mbs, targets)), ddp_step, steps,
-                      before=dist.barrier if barrier else None)
+    t = _paired_blocks(lambda: last.append(ex.step(prog, mbs, targets)), ddp_step, blocks, block, dist.barrier)
 
     # switch with a cache hit: alternate two strategies already built
     other = Strategy.parse("1xTP2PP1+2xTP1PP1")
@@ -215,9 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--docs", type=int, default=16)
     ap.add_argument("--doc-len", type=int, default=64)
     ap.add_argument("--skip-dp4", action="store_true")
-    ap.add_argument("--barrier", action="store_true",
-                    help="DP4: start every timed step from a barrier (untimed), so neither side absorbs the "
-                         "skew the other left; default: back-to-back alternated steps")
+    ap.add_argument("--block", type=int, default=5,
+                    help="DP4: consecutive steps per timed run (each run from a barrier to a barrier; "
+                         "the sides alternate --steps runs each)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="launches of each comparison (each alternates the pair --steps times); the summary "
                          "is the median of the launches' median ratios")
@@ -235,7 +256,7 @@ def main(argv=None) -> int:
     out = {"single_rank": {"one_doc": [single_rank(args.model, args.steps, one[:1]) for _ in runs],
                            "packed": [single_rank(args.model, args.steps, docs) for _ in runs]}}
     if not args.skip_dp4:
-        out["dp4"] = {kind: [spawn(_dp4_worker, 4, args=(args.model, args.steps, d, args.barrier),
+        out["dp4"] = {kind: [spawn(_dp4_worker, 4, args=(args.model, args.steps, d, max(1, args.block)),
                                       timeout_s=600)[0] for _ in runs]
                       for kind, d in (("one_doc", one), ("packed", docs))}
     out["bytes"] = bytes_table(args.model, STRATEGIES_4, 4)
@@ -243,7 +264,8 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         return 0
     print(f"ratios: median of {args.steps} alternated pairs per launch [quartiles], {len(runs)} launches; "
-          f"summary = median over launches; DP4 steps {'after a barrier each' if args.barrier else 'back to back'}")
+          f"summary = median over launches; DP4 pairs are runs of {max(1, args.block)} consecutive steps "
+          "(per-step time of a run, barrier to barrier)")
     for section, base, label in (("single_rank", "eager_ms", "eager"), ("dp4", "ddp_ms", "DDP")):
         for kind, launches in out.get(section, {}).items():
             name = "single rank" if section == "single_rank" else "DP4 gloo 4xTP1PP1"
