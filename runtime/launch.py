@@ -8,7 +8,8 @@ Two entry points share one initialisation path (``_init_process_group``):
   runs ``fn(rank, world_size, *args)``; the parent returns every rank's (picklable) result in rank
   order. If a rank raises, the parent raises ``SpawnError`` naming the rank and its message; the other
   ranks get a short grace period and are then terminated, so a failure never hangs the caller. A rank
-  that dies without reporting (killed, segfault) is named as lost.
+  that dies without reporting (killed, segfault) is named as lost. After a success the ranks exit by
+  themselves (``EXIT_GRACE_S``), so their finalizers release what they hold.
 * ``init_from_env()``: for processes started by ``torchrun`` (``RANK``, ``WORLD_SIZE``,
   ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``).
 
@@ -46,6 +47,10 @@ from hgraph.errors import HGraphError
 
 #: How long the surviving ranks may take to finish on their own after one rank failed.
 FAILURE_GRACE_S = 3.0
+#: How long ranks that all reported a result may take to exit on their own (process-group teardown,
+#: multiprocessing finalizers) before they are terminated: a rank terminated inside its finalizers
+#: leaves a named semaphore behind, which Python's resource tracker reports as leaked at shutdown.
+EXIT_GRACE_S = 10.0
 _POLL_S = 0.05
 
 
@@ -200,11 +205,18 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
                          args=(r, world_size, ref, tuple(args), backend, init_method, timeout_s, results,
                                dict(os.environ)))
              for r in range(world_size)]
+    finished = False
     try:
         for p in procs:
             p.start()
-        return _collect(procs, results, timeout_s)
+        out = _collect(procs, results, timeout_s)
+        finished = True
+        return out
     finally:
+        if finished:                     # every rank reported: let it exit by itself
+            deadline = time.monotonic() + EXIT_GRACE_S
+            for p in procs:
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in procs:
             if p.is_alive():
                 p.terminate()
