@@ -55,10 +55,10 @@ def _serve(jobs, plans, alive_w) -> None:
     msg = jobs.get()
     if msg[0] != "setup":
         return
-    _, cost, candidates, method, batches = msg
+    _, cost, candidates, method, time_limit_s, batches = msg
     for step, lengths in batches:
         try:
-            plan = plan_iteration(lengths, candidates, cost, method=method, index=step)
+            plan = plan_iteration(lengths, candidates, cost, method=method, index=step, time_limit_s=time_limit_s)
         except BaseException as exc:  # noqa: BLE001 - the consumer reports it and plans inline
             plans.put(("error", step, f"{type(exc).__name__}: {exc}"))
             return
@@ -115,9 +115,9 @@ class PlanConsumer:
         self.channel = channel
         self.lost: Optional[str] = None
 
-    def setup(self, cost: Any, candidates: Sequence[Any], method: str,
+    def setup(self, cost: Any, candidates: Sequence[Any], method: str, time_limit_s: float,
               batches: Sequence[tuple[int, list[int]]]) -> None:
-        self.channel.jobs.put(("setup", cost, list(candidates), method, list(batches)))
+        self.channel.jobs.put(("setup", cost, list(candidates), method, time_limit_s, list(batches)))
 
     def get(self, step: int) -> tuple[Any, float]:
         """The plan of ``step`` and the seconds waited for it; ``PlannerLost`` if the planner is gone."""

@@ -149,10 +149,10 @@ class IterationPlanner:
     estimates by what the last steps measured (``observe``)."""
 
     def __init__(self, cost: Any, candidates: Sequence[Strategy], rank: int, *, source: str = "given",
-                 method: str = "fast") -> None:
+                 method: str = "fast", time_limit_s: float = 10.0) -> None:
         from hgraph.runtime.planner.calibration import StepCorrection
         self.cost, self.candidates, self.rank = cost, list(candidates), rank
-        self.source, self.method = source, method
+        self.source, self.method, self.time_limit_s = source, method, time_limit_s
         self.ahead = None
         self.correction = StepCorrection()
         self.warnings: list[str] = []
@@ -162,12 +162,13 @@ class IterationPlanner:
                tokens_per_iter: int, rank: int, world_size: int, gpus_per_node: int = 8, *,
                groups: Any = None, tp_slots: int = 0,
                progress: Callable[[str], None] | None = None, device_memory: Any = None,
-               working_bytes: int = 4) -> "IterationPlanner":
+               working_bytes: int = 4, max_candidates: int | None = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
         scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
-        None: the profile's own memory model)."""
+        None: the profile's own memory model); ``max_candidates``: at most this many ``auto``
+        candidates."""
         from hgraph.runtime.planner.selection import auto_candidates
 
         if profile == MEASURE:
@@ -189,8 +190,8 @@ class IterationPlanner:
         max_len = min(context, max(lengths))
         if progress is not None:
             progress("proposal")
-        candidates, source = _on_rank0(lambda: auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter),
-                                       rank)
+        candidates, source = _on_rank0(lambda: auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter,
+                                                               max_candidates=max_candidates), rank)
         planner = cls(cost, candidates, rank, source=source)
         planner.device_memory = limit
         return planner
@@ -199,7 +200,8 @@ class IterationPlanner:
 
     def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
         """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""
-        consumer.setup(self.cost, self.candidates, self.method, [(b.step, [len(d) for d in b.docs]) for b in batches])
+        consumer.setup(self.cost, self.candidates, self.method, self.time_limit_s,
+                       [(b.step, [len(d) for d in b.docs]) for b in batches])
         self.ahead = consumer
 
     def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float]:
@@ -219,7 +221,7 @@ class IterationPlanner:
                 print(warning, file=sys.stderr, flush=True)
         if plan is None:
             plan = plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
-                                  method=self.method, index=batch.step)
+                                  method=self.method, index=batch.step, time_limit_s=self.time_limit_s)
         return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait
 
     def plan(self, batch: MiniBatch) -> PlannedStep:

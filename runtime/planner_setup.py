@@ -48,10 +48,10 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
             cfg.strategies, cfg.profile, trainer.model, trainer.docs, cfg.tokens_per_iter, rank, trainer.world_size,
             cfg.gpus_per_node, groups=groups, tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
             progress=lambda what: bar.update(1, what), device_memory=cfg.device_memory,
-            working_bytes=2 if cfg.dtype == "bf16" else 4)
+            working_bytes=2 if cfg.dtype == "bf16" else 4, max_candidates=cfg.max_candidates)
     finally:
         bar.close()
-    planner.method = cfg.method
+    planner.method, planner.time_limit_s = cfg.method, cfg.time_limit
     # the planner's micro-batch times include the recomputation the budget forces (set before the
     # planner process gets its copy of the cost model)
     planner.cost.activation_budget_bytes = cfg.memory_budget

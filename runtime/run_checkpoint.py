@@ -234,10 +234,11 @@ def restore_state(loaded: Any, optimizer: Any) -> None:
 def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any:
     """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
     measurement, so it plans as the interrupted run would have), when they were made for this world
-    size, the same ``--strategies`` and profile; else None (a fresh planner)."""
+    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner)."""
     state = loaded.planner_state if loaded is not None else {}
     if (state.get("mode") != "planner" or state.get("world_size") != world_size
             or state.get("strategies") != config.strategies or state.get("profile") != config.profile
+            or state.get("max_candidates") != config.max_candidates
             or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
         return None
     from hgraph.runtime.planned_dispatch import IterationPlanner, parse_candidates
@@ -253,6 +254,7 @@ def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size
     if planner is None:
         return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
     return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
+            "max_candidates": config.max_candidates,
             "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
             "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
 

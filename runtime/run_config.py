@@ -110,16 +110,15 @@ SCHEMA: tuple[ConfigKey, ...] = (
        metavar="S1;S2;..."),
     _k("planner", "strategies", "str", "auto", "candidate strategies 'S1;S2' or auto (proposed for the "
        "data)", metavar="S1;S2|auto"),
-    _k("planner", "max-candidates", "int", None, "most candidate strategies kept by the proposal (none: "
-       "the proposal's own set; only none so far)", optional=True, minimum=1),
+    _k("planner", "max-candidates", "int", None, "most candidate strategies of --strategies auto (none: "
+       "the proposal's own set plus what sampled mini-batches add)", optional=True, minimum=1),
     _k("planner", "profile", "str", "measure", "cost profile: measure (timed on this machine by the ranks "
        "at the start, kept as RUN_DIR/profile.json), analytic (prior from the model's shape), "
        "llama-7b|llama-13b|llama-32b, FILE or FILE:NAME (measured with hgraph profile)",
        metavar="measure|analytic|NAME|FILE"),
     _k("planner", "method", "str", "fast", "dispatch method", choices=("fast", "greedy", "cpsat")),
-    _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat; only 10 so far)",
-       minimum=1e-3,
-       metavar="S"),
+    _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat: one solve per "
+       "candidate strategy not pruned by its bound)", minimum=1e-3, metavar="S"),
     _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
        "0: plan inline)", minimum=0, metavar="Q"),
     _k("planner", "outlier-queues", "int", 0, "WLB outlier-delay queues of the data stream: long "

@@ -77,6 +77,8 @@ class TrainConfig:
     log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
     log_every: int = 1                        # ... every this many steps (and the last)
     method: str = "fast"                      # the planner's dispatch method (fast | greedy | cpsat)
+    time_limit: float = 10.0                  # seconds per CP-SAT solve (method cpsat)
+    max_candidates: Optional[int] = None      # most candidates of --strategies auto (None: the proposal's set)
     backend: str = "auto"                     # auto: NCCL with a GPU per local process, else gloo
     checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.run_checkpoint)
     checkpoint_every: Optional[int] = None    # None: only after the last step
@@ -104,6 +106,7 @@ class TrainSummary:
     planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
     checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
+    candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -363,7 +366,7 @@ class Trainer:
             "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
             "next_document": start_position}
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
-                            resumed)
+                            resumed, [str(s) for s in self.planner.candidates] if self.planner is not None else [])
 
     def step(self, batch: MiniBatch) -> StepResult:
         if self.planner is not None:
@@ -450,7 +453,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
         return {"error": str(exc)}
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
-            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from}
+            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
+            "candidates": summary.candidates}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:

@@ -65,22 +65,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# Keys of the configuration whose feature this trainer does not have yet: only the value given here
-# is accepted (any other is bad input, not silently ignored).
-_ONLY_VALUE = {"max_candidates": None, "time_limit": 10.0}
-
-
 def config_from_args(args: argparse.Namespace):
     """A ``TrainConfig`` from the parsed options and ``--config`` (bad values: one-line HGraphError)."""
     from hgraph.runtime.run_config import BY_DEST, resolve
     from hgraph.runtime.trainer import TrainConfig, parse_schedule
     cfg = resolve(args)
-    for dest, only in _ONLY_VALUE.items():
-        if cfg.values[dest] != only:
-            key, src = BY_DEST[dest], cfg.sources[dest]
-            where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
-            raise HGraphError(f"{where} = {cfg.values[dest]!r}: not available in this hgraph train yet; "
-                              f"allowed is {only!r}")
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
@@ -88,12 +77,18 @@ def config_from_args(args: argparse.Namespace):
     if schedule is not None:
         strategies = None
         parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
-    elif strategies.strip() != "auto":
+    if cfg.max_candidates is not None and (schedule is not None or strategies.strip() != "auto"):
+        key, src = BY_DEST["max_candidates"], cfg.sources["max_candidates"]
+        where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
+        raise HGraphError(f"{where} = {cfg.max_candidates}: applies to the proposed candidates of "
+                          "--strategies auto only, not to a given strategy list or schedule")
+    if schedule is None and strategies.strip() != "auto":
         from hgraph.runtime.planned_dispatch import parse_candidates
         parse_candidates(strategies, cfg.world_size)
     return TrainConfig(model=cfg.model, world_size=cfg.world_size,
                        schedule=schedule.split(";") if schedule is not None else (),
                        strategies=strategies, profile=cfg.profile, method=cfg.method,
+                       time_limit=cfg.time_limit, max_candidates=cfg.max_candidates,
                        steps=cfg.steps, tokens_per_iter=cfg.tokens_per_iter, data=cfg.data,
                        model_args=dict(cfg.model_args), optimizer=cfg.optimizer, lr=cfg.lr, betas=cfg.betas,
                        eps=cfg.eps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,

@@ -294,7 +294,8 @@ def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: in
 
 
 def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int | None = None, *,
-                    samples: int = AUTO_SAMPLES, seed: int = 0) -> tuple[list[Strategy], str]:
+                    samples: int = AUTO_SAMPLES, seed: int = 0,
+                    max_candidates: int | None = None) -> tuple[list[Strategy], str]:
     """Candidates for ``--strategies auto`` and where they came from.
 
     From the strategy proposer (``proposal.propose``; a candidate proposed for a length range only
@@ -307,6 +308,10 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     homogeneous strategy (``best_homogeneous``) when not already there: one candidate (its bound
     prunes it in most iterations) that keeps every iteration's plan never worse than that best
     static strategy. ``tokens_per_iter`` defaults to the proposer's (3125 per GPU).
+
+    ``max_candidates``: at most this many. The proposer keeps at most that many of its own (the
+    full-context candidate always among them); the best homogeneous strategy and then the sampled
+    winners take what room is left, so a set with room keeps the guarantee above.
     """
     from hgraph.runtime.planner.proposal import DEFAULT_TOKENS_PER_GPU, propose
 
@@ -315,7 +320,10 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
         raise HGraphError(
             f"no strategy of {gpus} GPUs holds {max_len} tokens with profile {cost.name!r} "
             f"(largest MaxLen {cost.largest_max_len()})")
-    proposed = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens).strategies
+    if max_candidates is not None and max_candidates < 1:
+        raise HGraphError(f"max_candidates must be >= 1, got {max_candidates}")
+    cap = {} if max_candidates is None else {"max_candidates": max_candidates}
+    proposed = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, **cap).strategies
     wide = [s for s in propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, **AUTO_WIDE_PROPOSAL).strategies
             if s not in proposed]
     winners: set[Strategy] = set()
@@ -339,9 +347,18 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
                 winners.add(best)
     extra = [s for s in wide if s in winners]
     fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
+    if max_candidates is not None:
+        room = max_candidates - len(proposed)
+        if fallback is not None and fallback not in proposed:
+            if room > 0:
+                room -= 1
+            else:
+                fallback = None            # no room left for it
+        extra = extra[:max(room, 0)]
     cands = list(dict.fromkeys(proposed + extra + ([fallback] if fallback is not None else [])))
     added = len(cands) - len(proposed) - len(extra)
     source = (f"{len(proposed)} proposed + {len(extra)} of a wider proposal"
               + (" + the best homogeneous" if added else " (the best homogeneous among them)" if fallback is not None
-                 else ""))
+                 else "")
+              + (f", at most {max_candidates}" if max_candidates is not None else ""))
     return cands, source

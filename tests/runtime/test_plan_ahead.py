@@ -38,7 +38,7 @@ def test_plans_arrive_in_order_equal_to_inline_planning_and_at_most_depth_ahead(
     batches = _batches(6)
     with PlannerProcess(depth=2) as proc:
         consumer = PlanConsumer(proc.channel)
-        consumer.setup(cost, candidates, "fast", batches)
+        consumer.setup(cost, candidates, "fast", 10.0, batches)
         deadline = time.monotonic() + 60
         while proc.channel.plans.qsize() < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -56,7 +56,7 @@ def test_plans_arrive_in_order_equal_to_inline_planning_and_at_most_depth_ahead(
 def test_a_killed_planner_is_reported_at_once_naming_the_step(cost):
     with PlannerProcess(depth=1) as proc:
         consumer = PlanConsumer(proc.channel)
-        consumer.setup(cost, parse_candidates(CANDIDATES, 4), "fast", _batches(5))
+        consumer.setup(cost, parse_candidates(CANDIDATES, 4), "fast", 10.0, _batches(5))
         consumer.get(0)
         os.kill(proc.channel.pid, signal.SIGKILL)
         proc.process.join(5)
@@ -72,7 +72,7 @@ def test_a_planning_error_is_forwarded_not_hung(cost):
     with PlannerProcess(depth=2) as proc:
         consumer = PlanConsumer(proc.channel)
         too_long = [(0, [cost.largest_max_len() + 1])]
-        consumer.setup(cost, parse_candidates("4xTP1PP1", 4), "fast", too_long)
+        consumer.setup(cost, parse_candidates("4xTP1PP1", 4), "fast", 10.0, too_long)
         with pytest.raises(PlannerLost, match="failed at step 0: HGraphError"):
             consumer.get(0)
 
@@ -127,3 +127,20 @@ def test_training_survives_the_planner_process_killed_mid_run(data, tmp_path):
     expected = [sorted(d.index for d in b.docs) for b in mini_batches(read_jsonl(data), TOKENS_PER_ITER, STEPS)]
     assert [r["plan_documents"] for r in records] == expected
     assert "summary: 10 steps" in "".join(out)
+
+
+def test_inline_planning_uses_the_runs_method_and_time_limit(cost, monkeypatch):
+    from hgraph.runtime.data import Document, MiniBatch
+    from hgraph.runtime.planned_dispatch import IterationPlanner
+    from hgraph.runtime.planner import selection
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return plan_iteration(*args, **kwargs)
+    monkeypatch.setattr(selection, "plan_iteration", spy)
+    planner = IterationPlanner(cost, parse_candidates(CANDIDATES, 4), 0, method="cpsat", time_limit_s=0.25)
+    batch = MiniBatch(3, tuple(Document(i, (1,) * n) for i, n in enumerate([40, 7, 90, 12])))
+    plan, source, _, _ = planner._plan_on_rank0(batch)
+    assert source == "inline" and seen["method"] == "cpsat" and seen["time_limit_s"] == 0.25
+    assert sorted(plan.documents()) == [0, 1, 2, 3]

@@ -9,11 +9,13 @@ import torch.nn.functional as F
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data import Document, mini_batches, read_jsonl
-from hgraph.runtime.planned_dispatch import microbatches_of_plan, model_cost_model, parse_candidates
+from hgraph.runtime.planned_dispatch import (IterationPlanner, microbatches_of_plan, model_cost_model,
+                                             parse_candidates)
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.trainer import TrainConfig, run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
+from hgraph.tools.cmd_train import builtin_documents
 from hgraph.tools.plots import PLOT_NAMES
 
 # a long tail: many short documents and a few long ones, so the candidates' plans differ
@@ -72,6 +74,22 @@ def test_planned_run_on_4_ranks_equals_pytorch_and_trains_each_document_once(dat
     assert [p["est_latency_ms"] for p in result["planned"]] == [m["est_latency_ms"] for m in lines]
 
 
+def test_max_candidates_caps_the_auto_candidates_of_a_run(tmp_path):
+    # the built-in long-tail documents: the proposal offers more than one candidate for them
+    ids = builtin_documents("tiny", {}, 1, 2048)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in ids))
+    config = TrainConfig(model="tiny", world_size=4, schedule=(), steps=1, tokens_per_iter=2048, data=str(data),
+                         strategies="auto", profile="analytic", max_candidates=1, metrics=str(tmp_path / "m.jsonl"))
+    result = run_training(config, timeout_s=60)
+    assert len(result["candidates"]) == 1
+    assert [json.loads(line)["strategy"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == \
+        result["candidates"]
+    docs = [Document(i, tuple(d)) for i, d in enumerate(ids)]
+    uncapped = IterationPlanner.create("auto", "analytic", llama.build("tiny"), docs, 2048, 0, 4)
+    assert len(uncapped.candidates) > 1        # so the cap is what made it one
+
+
 def test_plan_to_microbatches_keeps_documents_and_rejects_a_partial_plan():
     docs = [Document(10 + i, tuple(range(1, n + 1))) for i, n in enumerate([30, 5, 7, 12, 3])]
     cost = model_cost_model("analytic", llama.build("tiny"), 4)
@@ -107,7 +125,8 @@ def test_bad_planner_options_are_one_line_and_exit_code_2(data, tmp_path, capsys
 
 def test_default_run_shortened_writes_metrics_and_plots(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--steps", "2", "--tokens-per-iter", "2048", "--run-dir", str(run_dir)]) == 0
+    assert main(["train", "--steps", "2", "--tokens-per-iter", "2048", "--run-dir", str(run_dir),
+                 "--max-candidates", "2"]) == 0
     out = capsys.readouterr().out
     assert "summary: 2 steps" in out and "loss " in out and str(run_dir) in out
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

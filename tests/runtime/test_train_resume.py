@@ -211,8 +211,9 @@ def test_resume_bad_input_is_one_line_and_exit_code_2(ref, tmp_path, capsys):
     ("[checkpointing]\nevery = 2\n", "run.toml: unknown key [checkpointing] every; allowed in [checkpointing]: "
                                      "checkpoint-dir, checkpoint-every"),
     ("[optimizer]\noptimizer = \"sgd\"\n", 'run.toml: [optimizer] optimizer = "sgd": allowed are adam, adamw'),
-    ("[planner]\nmax-candidates = 3\n", "run.toml: [planner] max-candidates = 3: not available in this hgraph "
-                                        "train yet; allowed is None"),
+    ("[planner]\nmax-candidates = 0\n", "run.toml: [planner] max-candidates = 0: must be >= 1"),
+    ("[planner]\nmax-candidates = 3\nstrategies = \"4xTP1PP1\"\n", "run.toml: [planner] max-candidates = 3: "
+                                                                 "applies to the proposed candidates of --strategies auto only"),
     ("[planner]\noutlier-queues = -1\n", "run.toml: [planner] outlier-queues = -1: must be >= 0"),
     ("[cluster]\nworld_size = \"four\"\n", 'run.toml: [cluster] world-size = "four": expected an integer'),
 ])

@@ -115,3 +115,18 @@ def test_homogeneous_candidates():
     small = load_cost_model("llama-32b", world_size=8)
     with pytest.raises(HGraphError, match="holds 100000 tokens"):
         auto_candidates(_lengths(0, 10), small, 8, 100_000)
+
+
+def test_auto_candidates_keep_at_most_max_candidates():
+    lengths = _lengths(0, 10)
+    full, _ = auto_candidates(lengths, CM, 64, 32768)
+    for cap in (1, 2, 3):
+        got, source = auto_candidates(lengths, CM, 64, 32768, max_candidates=cap)
+        assert 1 <= len(got) <= cap and len(got) == len(set(got)) and f"at most {cap}" in source
+        # the proposer's own picks under the cap come first; one of them holds the full context
+        own = propose_strategies(lengths, CM, 64, 32768, tokens_per_iter=200_000, max_candidates=cap)
+        assert got[:len(own)] == own
+        assert any(max(CM.max_len(p) for p in s.pipelines) >= 32768 for s in got)
+    assert auto_candidates(lengths, CM, 64, 32768, max_candidates=len(full))[0] == full   # room for all
+    with pytest.raises(HGraphError, match="max_candidates must be >= 1"):
+        auto_candidates(lengths, CM, 64, 32768, max_candidates=0)
