@@ -299,6 +299,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         g = groups[key.section]
         # a help text that already explains its default keeps it; the others get the table's
         text = key.help if "default" in key.help else f"{key.help} (default: {_default_text(key)})"
+        text = text.replace("%", "%%")        # argparse %-formats help texts ("8%" would break --help)
         if key.kind == "bool":
             g.add_argument(key.flag, dest=key.dest, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=text)
