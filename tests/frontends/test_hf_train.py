@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
 from hgraph.frontends.zoo import resolve_model_spec  # noqa: E402
 from hgraph.runtime.data import mini_batches, read_jsonl  # noqa: E402
 from hgraph.tools.cli import main  # noqa: E402
+from tests.runtime.reference_training import reference_steps, write_random_documents  # noqa: E402
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1+1xTP1PP2;4xTP1PP1;1xTP2PP2"
@@ -32,29 +32,18 @@ MODELS = [
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(3)
-    path = tmp_path_factory.mktemp("hf_train") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 64, (n,), generator=g).tolist()}) + "\n"
-                            for n in LENGTHS))
-    return path
+    return write_random_documents(tmp_path_factory.mktemp("hf_train") / "docs.jsonl", LENGTHS, seed=3, vocab=64)
+
+
+def _hf_logits(model, ids):
+    return model(ids, position_ids=torch.arange(ids.shape[1])[None], use_cache=False).logits
 
 
 def _reference(spec, args, path, steps, tokens_per_iter, lr=1e-3):
     torch.manual_seed(0)
     model = resolve_model_spec(spec, args)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for batch in mini_batches(read_jsonl(path), tokens_per_iter, steps):
-        opt.zero_grad()
-        total = 0
-        for d in batch.docs:
-            ids = torch.tensor([d.input_ids])
-            logits = model(ids, position_ids=torch.arange(len(d.input_ids))[None], use_cache=False).logits
-            total = total + F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="sum")
-        loss = total / batch.num_targets
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [loss for _, loss in reference_steps(model, mini_batches(read_jsonl(path), tokens_per_iter, steps), lr,
+                                                  logits=_hf_logits)]
     return losses, model.state_dict()
 
 

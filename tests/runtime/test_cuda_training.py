@@ -16,11 +16,11 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data import mini_batches, read_jsonl
 from hgraph.tools.cli import main
+from tests.runtime.reference_training import reference_steps, write_random_documents
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,11 +31,7 @@ LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2, 64, 31, 17, 90]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(5)
-    path = tmp_path_factory.mktemp("cuda") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}) + "\n"
-                            for n in LENGTHS))
-    return path
+    return write_random_documents(tmp_path_factory.mktemp("cuda") / "docs.jsonl", LENGTHS, seed=5)
 
 
 @pytest.fixture(autouse=True)
@@ -49,21 +45,14 @@ def no_tf32():
 def _reference(path, steps, tokens_per_iter):
     torch.manual_seed(0)
     model = llama.build("tiny").cuda()
-    opt = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
     noisy = {n: torch.zeros_like(p, dtype=torch.bool) for n, p in model.named_parameters()}
-    for batch in mini_batches(read_jsonl(path), tokens_per_iter, steps):
-        opt.zero_grad()
-        total = sum(F.cross_entropy(model(torch.tensor([d.input_ids], device="cuda"))[0, :-1],
-                                    torch.tensor(d.input_ids[1:], device="cuda"), reduction="sum")
-                    for d in batch.docs)
-        loss = total / batch.num_targets
-        loss.backward()
+
+    def mark_noise(model):
         for n, p in model.named_parameters():
             g = p.grad.abs()
             noisy[n] |= (g > 0) & (g < NOISE_GRAD)    # exact zeros (unseen tokens) are exact on both sides
-        opt.step()
-        losses.append(loss.item())
+    losses = [loss for _, loss in reference_steps(model, mini_batches(read_jsonl(path), tokens_per_iter, steps), LR,
+                                                  after_backward=mark_noise)]
     return losses, {k: v.cpu() for k, v in model.state_dict().items()}, {n: m.cpu() for n, m in noisy.items()}
 
 

@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data import mini_batches, read_jsonl
 from hgraph.runtime.plan_ahead import PlanConsumer, PlannerLost, PlannerProcess
 from hgraph.runtime.planned_dispatch import model_cost_model, parse_candidates
 from hgraph.runtime.planner.selection import plan_iteration
+from tests.runtime.reference_training import write_random_documents
 
 CANDIDATES = "4xTP1PP1;1xTP2PP1+2xTP1PP1;2xTP1PP2"
 
@@ -85,11 +85,7 @@ STEPS = 10
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(7)
-    path = tmp_path_factory.mktemp("ahead") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}) + "\n"
-                            for n in LENGTHS))
-    return path
+    return write_random_documents(tmp_path_factory.mktemp("ahead") / "docs.jsonl", LENGTHS, seed=7)
 
 
 def test_training_survives_the_planner_process_killed_mid_run(data, tmp_path):

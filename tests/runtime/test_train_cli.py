@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data import mini_batches, read_jsonl
@@ -20,32 +19,20 @@ from hgraph.runtime.launch import SpawnError, spawn
 from hgraph.runtime.trainer import TrainConfig
 from hgraph.tools.cli import main
 from tests.runtime.fault_injection import dying_worker
+from tests.runtime.reference_training import reference_steps, write_random_documents
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(3)
-    path = tmp_path_factory.mktemp("train") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}) + "\n"
-                            for n in LENGTHS))
-    return path
+    return write_random_documents(tmp_path_factory.mktemp("train") / "docs.jsonl", LENGTHS, seed=3)
 
 
 def _reference(path, steps, tokens_per_iter, lr=1e-3):
     torch.manual_seed(0)
     model = llama.build("tiny")
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    losses = []
-    for batch in mini_batches(read_jsonl(path), tokens_per_iter, steps):
-        opt.zero_grad()
-        total = sum(F.cross_entropy(model(torch.tensor([d.input_ids]))[0, :-1], torch.tensor(d.input_ids[1:]),
-                                    reduction="sum") for d in batch.docs)
-        loss = total / batch.num_targets
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = [loss for _, loss in reference_steps(model, mini_batches(read_jsonl(path), tokens_per_iter, steps), lr)]
     return losses, model.state_dict()
 
 

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
@@ -16,6 +15,7 @@ from hgraph.runtime.trainer import TrainConfig, run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 from hgraph.tools.cmd_train import builtin_documents
+from tests.runtime.reference_training import reference_steps, write_random_documents
 from hgraph.tools.plots import PLOT_NAMES
 
 # a long tail: many short documents and a few long ones, so the candidates' plans differ
@@ -26,28 +26,13 @@ CANDIDATES = "1xTP2PP1+2xTP1PP1;1xTP1PP2+1xTP1PP1CP2"   # heterogeneous only: DP
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    g = torch.Generator().manual_seed(5)
-    path = tmp_path_factory.mktemp("planned") / "docs.jsonl"
-    path.write_text("".join(json.dumps({"input_ids": torch.randint(0, 512, (n,), generator=g).tolist()}) + "\n"
-                            for n in LENGTHS))
-    return path
+    return write_random_documents(tmp_path_factory.mktemp("planned") / "docs.jsonl", LENGTHS, seed=5)
 
 
 def _reference(path, steps):
     torch.manual_seed(0)
-    model = llama.build("tiny")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses, batches = [], []
-    for batch in mini_batches(read_jsonl(path), TOKENS_PER_ITER, steps):
-        opt.zero_grad()
-        total = sum(F.cross_entropy(model(torch.tensor([d.input_ids]))[0, :-1], torch.tensor(d.input_ids[1:]),
-                                    reduction="sum") for d in batch.docs)
-        loss = total / batch.num_targets
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        batches.append(sorted(d.index for d in batch.docs))
-    return losses, batches
+    steps = list(reference_steps(llama.build("tiny"), mini_batches(read_jsonl(path), TOKENS_PER_ITER, steps)))
+    return [loss for _, loss in steps], [sorted(d.index for d in batch.docs) for batch, _ in steps]
 
 
 
