@@ -418,8 +418,7 @@ class ParamSync:
         tensors. Returns the step's global loss sum. Collective."""
         if not self._overlap:
             raise HGraphError("ParamSync.finish_update: this step was not begun with overlap_update")
-        self._armed = False
-        self._buckets.flush(grads)
+        self.flush_pushes(grads)
         while self._buckets.completed < self._buckets.issued:
             self._update_next()
         self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
@@ -461,8 +460,7 @@ class ParamSync:
         else:
             out = {}
         held: dict[str, list] = {name: [] for name in self.order}
-        self._armed = False
-        self._buckets.flush(grads)        # 1. reduce-scatters among replicas (mostly issued in backward)
+        self.flush_pushes(grads)          # 1. reduce-scatters among replicas (mostly issued in backward)
         self._buckets.wait(held)
         self.stats.push_reduce_scatter_bytes += self._buckets.bytes_issued
         for name, rows in self._own_rows.items():     # own rows that no reduce-scatter carries
