@@ -79,7 +79,7 @@ class CompiledModule(nn.Module):
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:
         """Render the instantiated programs (all ranks, or one) in ``format``; write to ``path`` if given."""
-        from hgraph.tools.dump import render_program
+        from hgraph.tools.report.dump import render_program
         prog = self.instantiate(strategy, world_size=world_size, gpus_per_node=gpus_per_node)
         text = render_program(prog, fmt=format, rank=rank)
         if path is not None:

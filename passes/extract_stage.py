@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.stage_split import stage_of_blocks
-from hgraph.runtime import graph_ops
+from hgraph import ops
 
 FREE = -1  # a node that only depends on graph inputs and parameters
 
@@ -88,7 +88,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
         dims, vdtype = ctx.shapes[v.name]
         spec = (tuple(dims), dtype if vdtype.is_floating_point else vdtype)
         ctx.recv_specs.append(spec)
-        r = g.call_function(graph_ops.pp_recv, (comm, "pp_prev", i, spec[0], spec[1], input_ids))
+        r = g.call_function(ops.pp_recv, (comm, "pp_prev", i, spec[0], spec[1], input_ids))
         r.name = f"recv_{v.name}"
         set_meta(r, NodeMeta(block=get_meta(v).block, layer=get_meta(v).layer,
                              slot=SlotKind.COMM_ACTIVATION, comm_point=CommPoint.PP_BOUNDARY,
@@ -109,7 +109,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
         for i, v in enumerate(send_vals):
             dims, vdtype = ctx.shapes[v.name]
             ctx.send_specs.append((tuple(dims), dtype if vdtype.is_floating_point else vdtype))
-            t = g.call_function(graph_ops.pp_send, (comm, env[v], "pp_next", i))
+            t = g.call_function(ops.pp_send, (comm, env[v], "pp_next", i))
             t.name = f"send_{v.name}"
             set_meta(t, NodeMeta(block=get_meta(v).block, layer=get_meta(v).layer,
                                  slot=SlotKind.COMM_ACTIVATION, comm_point=CommPoint.PP_BOUNDARY,

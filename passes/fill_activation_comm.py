@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
-from hgraph.runtime import graph_ops
+from hgraph import ops
 from hgraph.slots import empty_slot
 
 
@@ -59,23 +59,23 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
                 dims = ctx.shapes.get(x.name, (None,))[0]
                 if dims is None or "T" not in dims:
                     raise AssertionError(f"no sequence dim known for the key/value {x.name}")
-                issue = _mark(g.call_function(graph_ops.cp_kv_gather_issue, (comm, x, "cp", dims.index("T"))),
+                issue = _mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, "cp", dims.index("T"))),
                               slot, "all_gather")
-                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+                out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_ENTER:
-                out = _mark(g.call_function(graph_ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
+                out = _mark(g.call_function(ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
             elif point == CommPoint.TP_EXIT:
-                issue = _mark(g.call_function(graph_ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")
-                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+                issue = _mark(g.call_function(ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")
+                out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_GATHER:
                 gather = ctx.gathers.get(slot.name)
                 if gather is None:   # the op before was not sharded: nothing to gather
                     _replace(slot, x)
                     continue
                 sizes, real = gather
-                issue = _mark(g.call_function(graph_ops.tp_gather_issue, (comm, x, "tp", -1, tuple(sizes))),
+                issue = _mark(g.call_function(ops.tp_gather_issue, (comm, x, "tp", -1, tuple(sizes))),
                               slot, "all_gather")
-                out = _mark(g.call_function(graph_ops.comm_wait, (comm, issue)), slot, "wait")
+                out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
                 if sum(sizes) != real:
                     out = _mark(g.call_function(torch.narrow, (out, -1, 0, real)), slot, "unpad")
             else:

@@ -6,7 +6,7 @@
 * pull_parameter slot (one per use site) -> ``pull_issue(comm, name)`` (starts the LNK of the pull
   plan) + ``pull_wait(comm, w, name)`` + ``to_working_dtype`` (the fp32 -> working-precision cast).
 
-The plans themselves are data in the Program (``hgraph.passes.lnk_plans``); these nodes only say
+The plans themselves are data in the Program (``hgraph.passes.lnk.plans``); these nodes only say
 *when* each transfer is started and waited for. ``schedule_comm_pass`` moves the issues.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 
 from hgraph.meta import NodeMeta, SlotKind, get_meta, set_meta
-from hgraph.runtime import graph_ops
+from hgraph import ops
 from hgraph.slots import empty_slot
 
 
@@ -39,11 +39,11 @@ def fill_param_slots_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
 
         with g.inserting_before(slot):
             if m.slot == SlotKind.PUSH_GRADIENT:
-                out = mark(g.call_function(graph_ops.push_gradient, (comm, w, name, True)), "push")
+                out = mark(g.call_function(ops.push_gradient, (comm, w, name, True)), "push")
             else:
-                mark(g.call_function(graph_ops.pull_issue, (comm, name)), "pull_issue")
-                out = mark(g.call_function(graph_ops.pull_wait, (comm, w, name)), "pull_wait")
-                out = mark(g.call_function(graph_ops.to_working_dtype, (out, dtype)), "cast")
+                mark(g.call_function(ops.pull_issue, (comm, name)), "pull_issue")
+                out = mark(g.call_function(ops.pull_wait, (comm, w, name)), "pull_wait")
+                out = mark(g.call_function(ops.to_working_dtype, (out, dtype)), "cast")
         slot.replace_all_uses_with(out)
         g.erase_node(slot)
     return gm

@@ -19,11 +19,11 @@ import torch.nn as nn
 from hgraph.errors import StrategyError
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
-from hgraph.passes.lnk_plans import ParamLayout, pull_plan, push_plan
+from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages
-from hgraph.runtime import graph_ops
+from hgraph import ops
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.strategy import Cluster, Strategy
 
@@ -209,9 +209,9 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
     return prog
 
 
-def _peers_and_bytes(ops, rank: int) -> tuple[tuple[int, ...], int]:
+def _peers_and_bytes(plan_ops, rank: int) -> tuple[tuple[int, ...], int]:
     peers, nbytes = set(), 0
-    for op in ops:
+    for op in plan_ops:
         src, dst = getattr(op, "src", None), getattr(op, "dst", None)
         if src is not None and dst is not None:
             peers.add(dst if src == rank else src)
@@ -224,7 +224,7 @@ def _peers_and_bytes(ops, rank: int) -> tuple[tuple[int, ...], int]:
 
 def _bytes_per_token(node: fx.Node, shapes: dict, dtype: torch.dtype) -> int:
     """Bytes of the activation a comm node moves for one token of the micro-batch (B = T = 1)."""
-    if node.target is graph_ops.pp_recv:
+    if node.target is ops.pp_recv:
         dims, dt = node.args[3], node.args[4]
     else:
         x = next((a for a in node.args if isinstance(a, fx.Node) and a.op != "placeholder"), None)
@@ -253,15 +253,15 @@ def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
     out: list[SubgraphInfo] = []
     for tag, nodes in by_tag.items():
         m = get_meta(nodes[0])
-        ops = tuple(n.name for n in nodes)
+        names = tuple(n.name for n in nodes)
         if m.slot in (SlotKind.PULL_PARAMETER, SlotKind.PUSH_GRADIENT):
             plan = (pulls if m.slot == SlotKind.PULL_PARAMETER else pushes)[m.param]
             peers, nbytes = _peers_and_bytes(plan.for_rank(rp.rank), rp.rank)
-            out.append(SubgraphInfo(m.slot, m.param, ops, peers, nbytes))
+            out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:
             key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next"}.get(
                 m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
             peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
-            out.append(SubgraphInfo(m.slot, None, ops, peers, _bytes_per_token(nodes[0], shapes, dtype),
+            out.append(SubgraphInfo(m.slot, None, names, peers, _bytes_per_token(nodes[0], shapes, dtype),
                                     m.comm_point.value))
     return out

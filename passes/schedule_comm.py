@@ -16,7 +16,7 @@ from typing import Any
 import torch.fx as fx
 
 from hgraph.meta import get_meta
-from hgraph.runtime import graph_ops
+from hgraph import ops
 
 
 def _first_compute_of_block(g: fx.Graph) -> dict[str, fx.Node]:
@@ -32,18 +32,18 @@ def schedule_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
     """Reorder pull issues and set push modes for ``ctx.role.stage``; a stage without parameters is unchanged."""
     g = gm.graph
     stage = ctx.role.stage
-    issues = [n for n in g.nodes if n.target is graph_ops.pull_issue]
+    issues = [n for n in g.nodes if n.target is ops.pull_issue]
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
     anchor_start = placeholders[-1]
     order = list(ctx.hgraph.blocks)
     first = _first_compute_of_block(g)
 
     for n in g.nodes:
-        if n.target is graph_ops.push_gradient:
+        if n.target is ops.push_gradient:
             n.args = n.args[:3] + (stage == 0,)
 
     for issue in issues:
-        wait = next(u for u in g.nodes if u.target is graph_ops.pull_wait and u.args[2] == issue.args[1]
+        wait = next(u for u in g.nodes if u.target is ops.pull_wait and u.args[2] == issue.args[1]
                     and get_meta(u).subgraph == get_meta(issue).subgraph)
         target = None
         if stage == 0:

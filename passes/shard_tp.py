@@ -27,7 +27,7 @@ import torch.fx as fx
 from hgraph.errors import StrategyError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_meta
 from hgraph.program import ParamShard
-from hgraph.runtime import graph_ops
+from hgraph import ops
 
 _RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
 
@@ -98,19 +98,19 @@ class TPShardPlanner:
         gm = hg.gm
         self.gqa = _uses_gqa_attention(gm)
         self.plans: dict[str, _ParamPlan] = {}
-        for name, ops in param_uses(gm).items():
+        for name, uses in param_uses(gm).items():
             info = hg.params[name]
             shape = tuple(info.shape)
             role = info.tp_role
             if role == TPRole.ROW:
-                unit = max(_head_unit(shapes, op.args[0], False) for op in ops)
+                unit = max(_head_unit(shapes, op.args[0], False) for op in uses)
             elif role == TPRole.COLUMN:
-                unit = max(_head_unit(shapes, op, True) for op in ops)   # a bias splits like its weight
+                unit = max(_head_unit(shapes, op, True) for op in uses)   # a bias splits like its weight
             else:
                 unit = 1
             self.plans[name] = _ParamPlan(name, shape, info.shard_dim if shape else 0, role, unit,
-                                          any(_feeds(op, CommPoint.TP_GATHER) for op in ops),
-                                          frozenset(get_meta(op).block for op in ops))
+                                          any(_feeds(op, CommPoint.TP_GATHER) for op in uses),
+                                          frozenset(get_meta(op).block for op in uses))
 
     def shard(self, name: str, tp: int, t: int) -> ParamShard:
         p = self.plans[name]
@@ -162,11 +162,11 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
     ctx.gathers = {}
     if ctx.role.scheme.tp == 1:
         return gm
-    for name, ops in param_uses(gm).items():
+    for name, uses in param_uses(gm).items():
         shard, role = ctx.params[name], ctx.hgraph.params[name].tp_role
         if not shard.tp_sharded:
             continue
-        for op in ops:
+        for op in uses:
             if role == TPRole.VOCAB and get_meta(op).op == OpKind.EMBEDDING:   # a tied head is a plain column linear
                 _rewrite_vocab_embedding(op, shard.ranges[0])
             elif role == TPRole.ROW:
@@ -180,10 +180,10 @@ def _feeds(op: fx.Node, point: CommPoint) -> bool:
 
 
 def _rewrite_vocab_embedding(op: fx.Node, rng: tuple[int, int]) -> None:
-    if op.target is graph_ops.vocab_parallel_embedding:
+    if op.target is ops.vocab_parallel_embedding:
         return
     ids, w = op.args[0], op.args[1]
-    op.target = graph_ops.vocab_parallel_embedding
+    op.target = ops.vocab_parallel_embedding
     op.args = (ids, w, rng[0], rng[1])
     op.kwargs = {}
 

@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.dispatch import dispatch_fast, dispatch_sequences, improve_with_alg1
+from hgraph.runtime.planner.schedule.dispatch import dispatch_fast, dispatch_sequences, improve_with_alg1
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -260,7 +260,7 @@ def sample_dataset_minibatches(lengths, max_len: int, tokens_per_iter: int, samp
                                seed: int = 0) -> list[np.ndarray]:
     """``samples`` mini-batches of ``tokens_per_iter`` tokens (lengths truncated to ``max_len``),
     each the first one of a window starting at a seeded random position of ``lengths``."""
-    from hgraph.runtime.planner.lengths_io import minibatches
+    from hgraph.runtime.data.lengths import minibatches
 
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
     rng = np.random.default_rng(seed)

@@ -56,9 +56,9 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.dcp import idle_fraction
-from hgraph.runtime.planner.lengths_io import minibatches
-from hgraph.runtime.planner.wlb import DocLatency, WLBPacker
+from hgraph.runtime.planner.schedule.dcp import idle_fraction
+from hgraph.runtime.data.lengths import minibatches
+from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "deepspeed", "hotspa", "wlb", "dcp")

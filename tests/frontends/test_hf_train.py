@@ -3,7 +3,7 @@
 Four gloo ranks, fp32, three Adam steps with the strategy switching every step (TP2 and PP2
 pipelines side by side, pure data parallelism, one TP2 x PP2 pipeline). The reference runs the
 unmodified HF model on each document alone with ``torch.optim.Adam``. Tolerances as in
-``tests/runtime/test_train_cli.py``: loss |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5.
+``tests/runtime/train/test_train_cli.py``: loss |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5.
 """
 import json
 
@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from hgraph.frontends.zoo import resolve_model_spec  # noqa: E402
-from hgraph.runtime.data import mini_batches, read_jsonl  # noqa: E402
+from hgraph.runtime.data.documents import mini_batches, read_jsonl  # noqa: E402
 from hgraph.tools.cli import main  # noqa: E402
 from tests.runtime.reference_training import reference_steps, write_random_documents  # noqa: E402
 

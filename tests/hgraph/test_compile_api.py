@@ -5,7 +5,7 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.frontends.zoo.llama import Llama, make_config
-from hgraph.runtime import graph_ops
+from hgraph import ops
 
 
 def test_compile_instance_runs_like_the_original():
@@ -52,7 +52,7 @@ def test_disabling_an_unknown_pass_is_an_error_and_a_known_one_is_skipped():
     with pytest.raises(hgraph.HGraphError, match="unknown pass"):
         hgraph.compile(model, disable_passes=["nope"])
     prog = hgraph.compile(model, disable_passes=["schedule_comm"]).instantiate("1xTP1PP2")
-    pushes = [n for n in prog.rank(1).graph_module.graph.nodes if n.target is graph_ops.push_gradient]
+    pushes = [n for n in prog.rank(1).graph_module.graph.nodes if n.target is ops.push_gradient]
     assert pushes and all(n.args[3] is True for n in pushes)   # later stages stay eager without the scheduler
 
 

@@ -7,8 +7,8 @@ import hgraph
 from hgraph import Cluster, Strategy, StrategyError
 from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
-from hgraph.passes.lnk_plans import simulate_pull, simulate_push
-from hgraph.runtime import graph_ops
+from hgraph.passes.lnk.plans import simulate_pull, simulate_push
+from hgraph import ops
 
 STRATEGIES_8 = ["1xTP4PP1+2xTP2PP1", "1xTP2PP2+1xTP1PP2+2xTP1PP1", "1xTP2PP1+1xTP1PP4+2xTP1PP1"]
 
@@ -96,27 +96,27 @@ def test_slots_issue_wait_pairs_and_pp_boundaries(compiled, text):
     for rp in prog.ranks:
         g = rp.graph_module.graph
         nodes = list(g.nodes)
-        pushes = [n for n in nodes if n.target is graph_ops.push_gradient]
+        pushes = [n for n in nodes if n.target is ops.push_gradient]
         assert sorted(n.args[2] for n in pushes) == sorted(rp.params), "one push per held parameter"
-        issues = [n for n in nodes if n.target is graph_ops.pull_issue]
-        waits = [n for n in nodes if n.target is graph_ops.pull_wait]
+        issues = [n for n in nodes if n.target is ops.pull_issue]
+        waits = [n for n in nodes if n.target is ops.pull_wait]
         assert sorted(n.args[1] for n in issues) == sorted(n.args[2] for n in waits)
         for w in waits:   # every wait comes after its issue
             issue = next(i for i in issues if get_meta(i).subgraph == get_meta(w).subgraph)
             assert nodes.index(issue) < nodes.index(w)
         for n in nodes:
-            if n.target in (graph_ops.tp_reduce_issue, graph_ops.tp_gather_issue):
-                assert [u.target for u in n.users] == [graph_ops.comm_wait]
+            if n.target in (ops.tp_reduce_issue, ops.tp_gather_issue):
+                assert [u.target for u in n.users] == [ops.comm_wait]
             assert not (get_meta(n).slot is not None and n.target is hgraph.slots.empty_slot), "unfilled slot"
-        tp_exits = [n for n in nodes if n.target is graph_ops.tp_reduce_issue]
+        tp_exits = [n for n in nodes if n.target is ops.tp_reduce_issue]
         if rp.scheme.tp == 1:
-            assert not tp_exits and not any(n.target is graph_ops.tp_copy for n in nodes)
+            assert not tp_exits and not any(n.target is ops.tp_copy for n in nodes)
         else:
             # one all-reduce per row-parallel linear (o, down) per layer + the vocab embedding
             layers = sum(1 for b in rp.role.blocks)
             assert len(tp_exits) == 2 * layers + (1 if rp.stage == 0 else 0)
-        sends = [n for n in nodes if n.target is graph_ops.pp_send]
-        recvs = [n for n in nodes if n.target is graph_ops.pp_recv]
+        sends = [n for n in nodes if n.target is ops.pp_send]
+        recvs = [n for n in nodes if n.target is ops.pp_recv]
         assert bool(recvs) == (rp.stage > 0) and bool(sends) == (rp.stage < rp.scheme.pp - 1)
         if sends:
             nxt = prog.rank(rp.bindings["pp_next"][0])
@@ -195,10 +195,10 @@ def test_schedule_first_stage_prefetches_one_block_ahead_later_stages_group_pull
     for rp in prog.ranks:
         nodes = list(rp.graph_module.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
-        issues = [n for n in nodes if n.target is graph_ops.pull_issue]
+        issues = [n for n in nodes if n.target is ops.pull_issue]
         computes = [n for n in nodes if get_meta(n).slot is None and n.op in ("call_function", "call_method")
                     and get_meta(n).block is not None]
-        pushes = [n for n in nodes if n.target is graph_ops.push_gradient]
+        pushes = [n for n in nodes if n.target is ops.push_gradient]
         if rp.stage == 0:
             assert all(n.args[3] is True for n in pushes)
             first_of = {}
@@ -218,7 +218,7 @@ def test_schedule_first_stage_prefetches_one_block_ahead_later_stages_group_pull
 
 def _user_block(rp, name):
     for n in rp.graph_module.graph.nodes:
-        if n.target is graph_ops.pull_wait and n.args[2] == name:
+        if n.target is ops.pull_wait and n.args[2] == name:
             work = list(n.users)
             while work:
                 u = work.pop()

@@ -20,8 +20,8 @@ import torch
 
 import hgraph
 from hgraph.frontends.zoo import resolve_model_spec
-from hgraph.runtime.comm_ops import CommContext
-from hgraph.runtime.launch import spawn
+from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.train.launch import spawn
 
 # (model spec, config overrides, strategy, CP sharding of the packed documents)
 CASES = [
@@ -78,8 +78,8 @@ def _inputs(vocab):
 
 
 def _worker(rank, world, cases):
-    from hgraph.runtime.cp_attention import CPLayout
-    from hgraph.runtime.planner.cp_sharding import per_document_plan, per_sequence_plan
+    from hgraph.runtime.kernels.cp_attention import CPLayout
+    from hgraph.runtime.kernels.cp_layout import per_document_plan, per_sequence_plan
 
     out = []
     for spec, args, text, sharding in cases:

@@ -6,8 +6,8 @@ import os
 def dying_worker(rank, world, config, victim, die_at_step):
     """Runs the trainer; rank ``victim`` dies (no report, no cleanup) in step ``die_at_step``, between
     posting the step's pulls and its forward (every step does both)."""
-    from hgraph.runtime.executor import Executor
-    from hgraph.runtime.trainer import train_worker
+    from hgraph.runtime.engine.executor import Executor
+    from hgraph.runtime.train.trainer import train_worker
     if rank == victim:
         original, calls = Executor._run_pipeline, []
 

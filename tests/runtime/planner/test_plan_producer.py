@@ -5,8 +5,8 @@ import signal
 import numpy as np
 import pytest
 
-from hgraph.runtime.planner.cost_model import load_cost_model
-from hgraph.runtime.planner.lengths_io import minibatches
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.planner.producer import PlanProducer, PlanProducerDied
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Strategy

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost_model import load_cost_model
-from hgraph.runtime.planner.lengths_io import read_lengths
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.planner.proposal import (
     LengthHistogram, bucket_edges, integer_dp, pipeline_capacity, pipeline_latency,
     propose, propose_strategies)

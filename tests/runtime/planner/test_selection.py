@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost_model import load_cost_model
-from hgraph.runtime.planner.dispatch import dispatch_sequences
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.plan import estimate_plan
 from hgraph.runtime.planner.proposal import propose_strategies
 from hgraph.runtime.planner.selection import (

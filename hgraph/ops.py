@@ -1,0 +1,177 @@
+"""The functions that instantiated per-rank graphs call (``call_function`` targets).
+
+Every communication op takes the rank's communication context ``comm`` as its first argument and
+names its peers by a *binding key* (``"tp"``, ``"pp_prev"``, ``"pp_next"``, ``"cp"``) that the
+context resolves to ranks (``comm.bindings[key]``); that is why ranks of the same role can share one
+graph. With ``comm=None`` the graph runs in one process: ops whose group has one rank are the
+identity, and anything that really needs a peer raises a clear error.
+
+A collective is an *issue* op followed by a *wait* op, so the schedule is the node order.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.fx import wrap
+
+from hgraph.errors import HGraphError
+
+
+def _ranks(comm: Any, key: str) -> tuple[int, ...]:
+    return tuple(comm.bindings[key])
+
+
+def _need_runtime(op: str) -> HGraphError:
+    return HGraphError(f"{op} needs peers: run this rank's program under the hgraph runtime "
+                       "(a communication context), not as a plain module")
+
+
+# ---- Pull Parameter / Push Gradient -------------------------------------------------------------
+def pull_issue(comm: Any, name: str) -> None:
+    """Start bringing this rank the slices of parameter ``name`` it needs (LNK), once per iteration."""
+    if comm is not None:
+        comm.param_sync.pull_issue(name)
+
+
+def pull_wait(comm: Any, w: torch.Tensor, name: str) -> torch.Tensor:
+    """Wait until the working parameter ``w`` holds this iteration's values; returns it."""
+    if comm is not None:
+        comm.param_sync.pull_wait(name)
+    return w
+
+
+def to_working_dtype(w: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The cast of the Pull Parameter subgraph (fp32 master -> working precision); no-op if equal."""
+    return w if dtype is None or w.dtype == dtype else w.to(dtype)
+
+
+def push_gradient(comm: Any, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
+    """Identity in forward; in backward the gradient of ``w`` is pushed to the optimizer shard owners.
+
+    ``eager``: issue the push as soon as the last micro-batch finishes the gradient (first PP stage),
+    otherwise group it with the other pushes at the end of the step (later stages, inside the bubble).
+    """
+    if comm is None:
+        return w
+    return comm.param_sync.push_gradient(w, name, eager)
+
+
+# ---- Communicate Activation: tensor parallelism --------------------------------------------------
+def tp_copy(comm: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+    """Megatron f: identity forward, all-reduce of the gradient in backward."""
+    if comm is None:
+        return x
+    from hgraph.runtime.comm import collectives as comm_ops
+    return comm_ops.tp_copy_issue(comm, x, _ranks(comm, key))
+
+
+def tp_reduce_issue(comm: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+    """Megatron g, issue half: start the all-reduce (sum) of ``x`` over the TP group."""
+    if comm is None:
+        raise _need_runtime("tp_reduce_issue")
+    from hgraph.runtime.comm import collectives as comm_ops
+    return comm_ops.tp_reduce_issue(comm, x, _ranks(comm, key))
+
+
+def tp_gather_issue(comm: Any, x: torch.Tensor, key: str, dim: int,
+                    sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Start the all-gather of ``x`` along ``dim`` over the TP group (uneven ``sizes`` allowed)."""
+    if comm is None:
+        raise _need_runtime("tp_gather_issue")
+    from hgraph.runtime.comm import collectives as comm_ops
+    return comm_ops.tp_gather_issue(comm, x, _ranks(comm, key), dim, list(sizes) if sizes else None)
+
+
+def comm_wait(comm: Any, t: torch.Tensor) -> torch.Tensor:
+    """Wait for the collective issued for ``t``; identity for autograd."""
+    if comm is None:
+        return t
+    from hgraph.runtime.comm import collectives as comm_ops
+    return comm_ops.comm_wait(comm, t)
+
+
+@wrap
+def vocab_parallel_embedding(ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Look up the rows [lo, hi) held by this rank; other ids give zeros (summed by the TP all-reduce)."""
+    inside = (ids >= lo) & (ids < hi)
+    local = torch.where(inside, ids - lo, torch.zeros_like(ids))
+    out = F.embedding(local, w)
+    return out * inside.unsqueeze(-1).to(out.dtype)
+
+
+# ---- Communicate Activation: pipeline parallelism ------------------------------------------------
+def _resolve_shape(dims: Sequence[Any], input_ids: torch.Tensor) -> list[int]:
+    sym = {"B": input_ids.shape[0], "T": input_ids.shape[1]}
+    return [sym[d] if isinstance(d, str) else int(d) for d in dims]
+
+
+def pp_recv(comm: Any, key: str, index: int, dims: Sequence[Any], dtype: torch.dtype,
+            input_ids: torch.Tensor) -> torch.Tensor:
+    """Receive activation ``index`` of this micro-batch from the previous stage.
+
+    Its shape comes from the plan (``dims`` with ``"B"``/``"T"`` taken from ``input_ids``), so no
+    shape message is exchanged. In backward, the gradient is sent back to the previous stage.
+    """
+    if comm is None:
+        raise _need_runtime("pp_recv")
+    from hgraph.runtime.comm import collectives as comm_ops
+    (src,) = _ranks(comm, key)
+    return comm_ops.pp_recv(comm, src, tuple(_resolve_shape(dims, input_ids)), dtype)
+
+
+def pp_send(comm: Any, x: torch.Tensor, key: str, index: int) -> torch.Tensor:
+    """Send activation ``index`` to the next stage; returns a token whose backward receives dL/dx."""
+    if comm is None:
+        raise _need_runtime("pp_send")
+    from hgraph.runtime.comm import collectives as comm_ops
+    (dst,) = _ranks(comm, key)
+    return comm_ops.pp_send(comm, x, dst)
+
+
+# ---- packed attention -----------------------------------------------------------------------------
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
+                     scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Causal attention inside each document of a packed row, none across documents.
+
+    Documents are found from ``position_ids``: a document starts where its position is 0 (and at the
+    start of the row). A row holding one document is plain causal SDPA.
+    """
+    from hgraph.runtime.kernels.varlen_attention import varlen_attention
+
+    B, T = q.shape[0], q.shape[-2]
+    pos = position_ids.expand(B, T)
+    rows = []
+    for b in range(B):
+        starts = (pos[b] == 0).nonzero().flatten().tolist()
+        cu = sorted({0, *starts}) + [T]
+        qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
+        if len(cu) == 2:
+            rows.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                                       enable_gqa=enable_gqa))
+        else:
+            rows.append(varlen_attention(qb, kb, vb, cu, scale=scale, enable_gqa=enable_gqa))
+    return rows[0] if B == 1 else torch.cat(rows, dim=0)
+
+
+# ---- Communicate Activation: context parallelism --------------------------------------------------
+def cp_kv_gather_issue(comm: Any, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    """Start the all-gather of keys / values along the sequence ``dim`` over the CP group.
+
+    The piece sizes come from this micro-batch's CP layout (``comm.cp_layout``); the backward
+    reduce-scatters the gradient.
+    """
+    if comm is None or getattr(comm, "cp_layout", None) is None:
+        raise _need_runtime("cp_kv_gather_issue")
+    from hgraph.runtime.comm import collectives as comm_ops
+    return comm_ops.cp_gather_issue(comm, x, _ranks(comm, key), dim, comm.cp_layout.sizes)
+
+
+def cp_attention(comm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
+    """Attention of this CP rank's queries against the gathered keys, per document and causal."""
+    if comm is None or getattr(comm, "cp_layout", None) is None:
+        raise _need_runtime("cp_attention")
+    from hgraph.runtime.kernels.cp_attention import cp_attention as attend
+    return attend(q, k, v, comm.cp_layout, scale, enable_gqa)

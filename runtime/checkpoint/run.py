@@ -1,0 +1,266 @@
+"""Checkpoints of a training run: which one a resume uses, what the trainer stores, how it resumes.
+
+``hgraph.runtime.checkpoint.shards`` writes and reads strategy-independent checkpoints (fp32 master shards,
+Adam moments, RNG states, atomic writes, resharding). This module is the trainer's side:
+
+* ``find_resume_point(DIR, fallback)``: the newest checkpoint under DIR whose manifest and every
+  shard file check out (size, SHA-256, loadable). A broken one is an HGraphError naming the file,
+  unless ``fallback`` (``--resume-fallback``): then the next older complete one is used, with a
+  warning. A step folder without a manifest is a save that did not finish: skipped with a note.
+  The launcher resolves it once, before any process starts, so every rank loads the same folder.
+* ``RunCheckpoints``: when to save (every ``checkpoint_every`` steps and after the last step), and
+  the run's JSON state stored with the shards: the data position (documents consumed so far, all
+  epochs, and a fingerprint of the data), the outlier-delay queues, the planner state (candidate
+  strategies) and what produced it (model spec and arguments, used by ``hgraph export``).
+
+Outlier-delay queues: with ``--outlier-queues K`` (``hgraph.runtime.data.outlier_delay``) the checkpoint
+holds the stream's state after the step: documents waiting in each queue and those released but held
+back (each as [position, arrival step], position = documents read from the run's start), and
+whether the run's end is draining them; the data position counts documents *read*, so a document
+read but not trained is in the queues, never lost. Without delay nothing is held back and the
+checkpoint says so (``outlier_delay: false``, empty queues). A resume with K = 0 from a checkpoint
+that holds delayed documents is refused (they would be lost).
+
+A checkpoint named ``step-N`` holds the state after N steps (steps 0..N-1 trained); resuming it runs
+steps N.. up to ``--steps`` (the run's total).
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.data.documents import Document
+
+NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
+                   "note": "mini-batches are packed without outlier delay: no document is held back"}
+
+
+def data_fingerprint(docs: Sequence[Document]) -> str:
+    """SHA-256 of the documents' tokens in order (a resume must read the same data)."""
+    h = hashlib.sha256()
+    for d in docs:
+        arr = np.asarray(d.input_ids, dtype=np.int64)
+        h.update(np.int64(arr.size).tobytes())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a resume uses: its folder and manifest, and warnings for the user."""
+
+    folder: Path
+    manifest: dict
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    @property
+    def data_position(self) -> dict:
+        return dict(self.manifest.get("data_position", {}))
+
+    @property
+    def run(self) -> dict:
+        return dict(self.manifest.get("run", {}))
+
+
+def _step_folders(root: Path) -> list[tuple[int, Path]]:
+    out = []
+    for child in root.iterdir():
+        m = ckpt._STEP_DIR.match(child.name)
+        if m is not None and child.is_dir():
+            out.append((int(m.group(1)), child))
+    return sorted(out, reverse=True)
+
+
+def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
+    """The checkpoint to resume from under ``root`` (module docstring); HGraphError otherwise."""
+    root = Path(root)
+    if not root.is_dir():
+        raise HGraphError(f"--resume: checkpoint folder {str(root)!r} does not exist")
+    folders = _step_folders(root)
+    incomplete = [(s, f) for s, f in folders if not (f / ckpt.MANIFEST).exists()]
+    candidates = [(s, f) for s, f in folders if (f / ckpt.MANIFEST).exists()]
+    if not candidates:
+        raise HGraphError(f"--resume: no complete checkpoint in {str(root)!r}")
+    notes: list[str] = []
+    for i, (step, folder) in enumerate(candidates):
+        try:
+            manifest = ckpt.verify(folder)
+        except HGraphError as exc:
+            older = candidates[i + 1:]
+            if not older:
+                raise HGraphError(f"--resume: {exc}; no older checkpoint to fall back to") from None
+            if not fallback:
+                raise HGraphError(f"--resume: {exc}; --resume-fallback resumes from the previous checkpoint "
+                                  f"({older[0][1].name})") from None
+            notes.append(f"{exc}; falling back to {older[0][1].name}")
+            continue
+        skipped = [f"{str(f)!r} has no manifest (a save that did not finish); skipped"
+                   for s, f in incomplete if s > step]
+        return ResumePoint(folder, manifest, tuple(skipped + notes))
+    raise AssertionError("unreachable: the oldest candidate either loads or raises")
+
+
+@dataclass
+class SavedCheckpoint:
+    """One checkpoint written by the run: its step, folder, total bytes and save time."""
+
+    step: int
+    path: str
+    bytes: int
+    save_s: float
+
+
+@dataclass
+class RunCheckpoints:
+    """When the trainer saves, and the JSON state it stores (module docstring)."""
+
+    root: Optional[Path]
+    every: Optional[int]
+    total_steps: int
+    keep_last: Optional[int] = None
+    saved: list = field(default_factory=list)
+
+    def due(self, steps_done: int) -> bool:
+        """Save after ``steps_done`` steps? Every ``every`` steps and after the run's last step."""
+        if self.root is None:
+            return False
+        return steps_done == self.total_steps or (self.every is not None and steps_done % self.every == 0)
+
+    def save(self, steps_done: int, optimizer: Any, *, rank: int, world_size: int, data_position: dict,
+             planner_state: dict, run: dict, delay_queues: Optional[dict] = None) -> SavedCheckpoint:
+        """Write the checkpoint of ``steps_done`` (collective: every rank calls it); ``delay_queues``:
+        the outlier-delay stream's state after that step (None: a run without delay)."""
+        t0 = time.perf_counter()
+        folder = ckpt.save(self.root, steps_done, optimizer, rank=rank, world_size=world_size,
+                           data_position=data_position,
+                           delay_queues=NO_DELAY_QUEUES if delay_queues is None else delay_queues,
+                           planner_state=planner_state, run=run, keep_last=self.keep_last)
+        elapsed = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if rank == 0 else 0
+        record = SavedCheckpoint(steps_done, str(folder), size, elapsed)
+        self.saved.append(record)
+        return record
+
+
+def data_position(steps_done: int, next_document: int, docs: Sequence[Document], tokens_per_iter: int,
+                  fingerprint: str) -> dict:
+    """Where the next step starts: ``next_document`` documents consumed so far (all epochs)."""
+    n = len(docs)
+    return {"next_step": steps_done, "next_document": next_document, "epoch": next_document // n,
+            "index_in_epoch": next_document % n, "num_documents": n, "tokens_per_iter": tokens_per_iter,
+            "documents_sha256": fingerprint}
+
+
+def check_resume(point_step: int, folder: Path, run: dict, position: dict, *, model: str, model_args: dict,
+                 fingerprint: str, total_steps: int) -> None:
+    """A resume must train the same model on the same data, and have steps left (one-line errors)."""
+    if run.get("model") is not None and (run["model"], run.get("model_args", {})) != (model, model_args):
+        raise HGraphError(f"--resume: {str(folder)!r} was written for model {run['model']} with arguments "
+                          f"{run.get('model_args', {})}, this run is {model} with {model_args}")
+    saved_fp = position.get("documents_sha256")
+    if saved_fp is not None and saved_fp != fingerprint:
+        raise HGraphError(f"--resume: {str(folder)!r} was trained on other data ({position.get('num_documents')} "
+                          "documents with another fingerprint); give the same --data (and, for the built-in "
+                          "data, the same --seed)")
+    if "next_document" not in position:
+        raise HGraphError(f"--resume: {str(folder)!r} holds no data position; it was not written by hgraph train")
+    if point_step >= total_steps:
+        raise HGraphError(f"--resume: {str(folder)!r} is at step {point_step} and --steps is {total_steps}: "
+                          "nothing left to train (--steps is the run's total)")
+
+
+def rewrite_metrics_before(path: Path, step: int) -> None:
+    """Keep only the metrics lines of steps before ``step`` (a resumed run rewrites the rest, so a
+    step trained after the last checkpoint by a run that then died is not counted twice)."""
+    import json
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue                 # a line cut by the crash
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step:
+            kept.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
+# ---- the trainer's resume --------------------------------------------------------------------------
+def load_resume(config: Any, rank: int, world_size: int, fingerprint: str) -> Any:
+    """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
+    world size changed), or None for a fresh run; checks that it fits the run (``check_resume``)."""
+    if not config.resume:
+        return None
+    if config.checkpoint_dir is None:
+        raise HGraphError("--resume needs --checkpoint-dir DIR")
+    folder = config.resume_from or find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder
+    loaded = ckpt.load(folder, rank, world_size)
+    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model,
+                 model_args=dict(config.model_args), fingerprint=fingerprint, total_steps=config.steps)
+    return loaded
+
+
+def restore_state(loaded: Any, optimizer: Any) -> None:
+    """Masters, moments and step counts from the checkpoint; the optimizer settings stay this run's
+    own (a new --lr takes effect on resume); this rank's RNG states (a rank that did not exist in
+    the saved run keeps its seeded state)."""
+    settings = (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay,
+                optimizer.decoupled_weight_decay, optimizer.max_grad_norm)
+    optimizer.load_state_dict(loaded.optimizer)
+    (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.decoupled_weight_decay,
+     optimizer.max_grad_norm) = settings
+    if loaded.rng is not None:
+        ckpt.restore_rng(loaded.rng)
+
+
+def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any:
+    """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
+    measurement, so it plans as the interrupted run would have), when they were made for this world
+    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner)."""
+    state = loaded.planner_state if loaded is not None else {}
+    if (state.get("mode") != "planner" or state.get("world_size") != world_size
+            or state.get("strategies") != config.strategies or state.get("profile") != config.profile
+            or state.get("max_candidates") != config.max_candidates
+            or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
+        return None
+    from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
+    from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
+    (name, entry), = state["cost_profile"].items()
+    cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
+    return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
+                            source=state.get("source", "checkpoint"), method=config.method)
+
+
+def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
+    """What a resume needs of the strategy choice: the schedule, or the planner's candidates."""
+    if planner is None:
+        return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
+    return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
+            "max_candidates": config.max_candidates,
+            "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
+            "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
+
+
+def run_state(config: Any, world_size: int) -> dict:
+    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)."""
+    return {"model": config.model, "model_args": dict(config.model_args), "seed": config.seed,
+            "dtype": config.dtype, "optimizer": config.optimizer, "world_size": world_size,
+            "steps": config.steps}

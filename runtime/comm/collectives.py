@@ -1,0 +1,360 @@
+"""Communication ops called by instantiated per-rank graphs: each collective is an ISSUE and a WAIT.
+
+Every op takes the rank's ``CommContext`` first (no globals). An issue op starts the collective with
+``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
+compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
+it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
+schedule is a node order: whatever sits between issue and wait overlaps with the communication.
+
+Autograd (all ops are differentiable):
+
+* ``tp_copy_issue``  (Megatron f): forward identity, backward all-reduce (sum) of the gradient.
+* ``tp_reduce_issue`` (Megatron g): forward all-reduce (sum), backward identity.
+* ``tp_gather_issue``: forward all-gather along ``dim`` (uneven ``sizes`` allowed, pieces ordered as
+  ``ranks`` is), backward: this rank's slice of the gradient (the gathered tensor is replicated).
+* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
+* ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
+
+Backward communication runs inside the autograd engine, so it is issued and completed there
+(gradient sends are asynchronous and collected by ``CommContext.wait_all``). With one rank in
+``ranks`` every TP op is the identity, so single-process graphs need no process group
+(``CommContext.single()``). The executor calls ``comm.wait_all()`` at the end of a step.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.process_groups import GroupCache, group_key
+
+
+@dataclass
+class PendingWork:
+    """Work handles of one issued op, the buffers they use and how to finish the issued tensor."""
+
+    works: list
+    keep: tuple = ()
+    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    done: bool = False
+
+    def wait(self, comm: "CommContext") -> None:
+        if self.done:
+            return
+        for work in self.works:
+            work.wait()
+        if comm.comm_stream is not None:
+            torch.cuda.current_stream().wait_stream(comm.comm_stream)
+        self.done = True
+        self.keep = ()
+
+
+@dataclass
+class CommContext:
+    """Everything a rank's comm ops need: who it is, its groups, and the work still in flight.
+
+    ``bindings`` maps role keys of the graphs (``"tp"``, ``"pp_prev"``, ...) to ranks and
+    ``param_sync`` is the Pull/Push engine; both are filled by the executor.
+    """
+
+    rank: int
+    world_size: int
+    groups: GroupCache
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    comm_stream: Any = None
+    bindings: dict = field(default_factory=dict)
+    param_sync: Any = None
+    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
+    _pending: dict = field(default_factory=dict, init=False, repr=False)
+    _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
+
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "CommContext":
+        """A context for one process without a process group (every TP op is the identity)."""
+        return cls(0, 1, GroupCache(0, 1), device=torch.device(device or "cpu"))
+
+    @classmethod
+    def from_default_group(cls, device: Optional[torch.device] = None,
+                           groups: Optional[GroupCache] = None) -> "CommContext":
+        """A context for this process of the initialised default group (comm stream on CUDA)."""
+        device = torch.device(device or "cpu")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        return cls(dist.get_rank(), dist.get_world_size(), groups or GroupCache(), device=device,
+                   comm_stream=stream)
+
+    def register(self, t: torch.Tensor, pending: PendingWork) -> None:
+        self._pending[id(t)] = (t, pending)
+
+    def take(self, t: torch.Tensor) -> Optional[PendingWork]:
+        entry = self._pending.get(id(t))
+        if entry is None or entry[0] is not t:
+            return None
+        del self._pending[id(t)]
+        return entry[1]
+
+    def detach_work(self, pending: PendingWork) -> None:
+        self._detached.append(pending)
+
+    def num_pending(self) -> int:
+        """Issued ops not waited yet (forward issues plus backward sends)."""
+        return (sum(not p.done for _, p in self._pending.values())
+                + sum(not p.done for p in self._detached))
+
+    def wait_all(self) -> None:
+        """Wait for every op still in flight (end of a step)."""
+        for _, pending in self._pending.values():
+            pending.wait(self)
+        for pending in self._detached:
+            pending.wait(self)
+        self._pending.clear()
+        self._detached.clear()
+
+
+# Single-tensor all-gather / reduce-scatter: the ``*_single`` names where this torch has them (the
+# ``*_into_tensor`` / ``*_tensor`` ones are deprecated there), the older names otherwise.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---- issuing on the comm stream ------------------------------------------------------------------
+def _comm_stream_scope(comm: CommContext, buffers: Sequence[torch.Tensor]) -> Any:
+    if comm.comm_stream is None:
+        return contextlib.nullcontext()
+    comm.comm_stream.wait_stream(torch.cuda.current_stream())
+    for b in buffers:  # allocated on the compute stream, used on the comm stream
+        b.record_stream(comm.comm_stream)
+    return torch.cuda.stream(comm.comm_stream)
+
+
+def _issue(comm: CommContext, buffers: Sequence[torch.Tensor], start: Callable[[], Any],
+           finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PendingWork:
+    with _comm_stream_scope(comm, buffers):
+        work = start()
+    return PendingWork([work], tuple(buffers), finish)
+
+
+def _run(comm: CommContext, buffers: Sequence[torch.Tensor], start: Callable[[], Any]) -> None:
+    """Issue and wait at once (communication inside backward)."""
+    _issue(comm, buffers, start).wait(comm)
+
+
+class _Holder:
+    """Lets an autograd Function hand its PendingWork to the caller (Function outputs are tensors)."""
+
+    pending: Optional[PendingWork] = None
+
+
+def _tp_group(comm: CommContext, ranks: Sequence[int]) -> tuple[tuple[int, ...], Any]:
+    key = group_key(ranks)
+    if comm.rank not in key:
+        raise HGraphError(f"comm op over ranks {list(ranks)} called on rank {comm.rank}, which is "
+                          "not one of them")
+    return key, (comm.groups.get(key) if len(key) > 1 else None)
+
+
+# ---- Megatron f / g ------------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, group):
+        ctx.comm, ctx.group = comm, group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous().clone()
+        _run(ctx.comm, [g], lambda: dist.all_reduce(g, group=ctx.group, async_op=True))
+        return g, None, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, group, holder):
+        buf = x.detach().contiguous().clone()
+        holder.pending = _issue(comm, [buf],
+                                lambda: dist.all_reduce(buf, group=group, async_op=True))
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def tp_copy_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Megatron f: identity forward; backward all-reduces (sums) dL/dx over ``ranks``."""
+    key, group = _tp_group(comm, ranks)
+    if len(key) == 1:
+        return x
+    return _CopyToTP.apply(x, comm, group)
+
+
+def tp_reduce_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+    """Megatron g, issue half: start the all-reduce (sum) of ``x``; ``comm_wait`` finishes it."""
+    key, group = _tp_group(comm, ranks)
+    if len(key) == 1:
+        return x
+    holder = _Holder()
+    out = _ReduceFromTP.apply(x, comm, group, holder)
+    comm.register(out, holder.pending)
+    return out
+
+
+# ---- all-gather ----------------------------------------------------------------------------------
+class _GatherTP(torch.autograd.Function):
+    """Gathers ``x`` padded to ``padded`` along ``dim`` into a [group size, *padded shape] buffer.
+
+    Backward: with ``reduce_grad`` False (TP: the gathered tensor is used identically on every rank)
+    this rank's slice of the gradient; with True (CP: every rank's use contributes a partial gradient
+    to every piece) the reduce-scatter (sum) of the gradient, this rank's piece.
+    """
+
+    @staticmethod
+    def forward(ctx, x, comm, group, n, index, dim, padded, holder, reduce_grad=False):
+        ctx.index, ctx.dim, ctx.size = index, dim, x.shape[dim]
+        ctx.comm, ctx.group, ctx.reduce_grad = comm, group, reduce_grad
+        pad_shape = list(x.shape)
+        pad_shape[dim] = padded
+        inp = x.new_zeros(pad_shape)
+        inp.narrow(dim, 0, x.shape[dim]).copy_(x)
+        inp = inp.unsqueeze(0)
+        out = x.new_empty([n, *pad_shape])
+        holder.pending = _issue(comm, [inp, out], lambda: all_gather_single(
+            out, inp, group=group, async_op=True))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduce_grad:
+            full = grad.contiguous()
+            mine = full.new_empty(full.shape[1:]).unsqueeze(0)
+            _run(ctx.comm, [full, mine], lambda: reduce_scatter_single(
+                mine, full, group=ctx.group, async_op=True))
+            g = mine[0].narrow(ctx.dim, 0, ctx.size)
+        else:
+            g = grad[ctx.index].narrow(ctx.dim, 0, ctx.size)
+        return g, None, None, None, None, None, None, None, None
+
+
+def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
+                    sizes: Optional[Sequence[int]] = None, *, reduce_grad: bool = False) -> torch.Tensor:
+    """Start the all-gather of ``x`` along ``dim`` over ``ranks``; ``comm_wait`` gives the result.
+
+    ``sizes[i]`` is the size along ``dim`` of the piece of ``ranks[i]`` (all equal to this rank's
+    when omitted); the pieces are concatenated in the order of ``ranks``.
+    """
+    key, group = _tp_group(comm, ranks)
+    dim = dim % x.dim()
+    ranks = [int(r) for r in ranks]
+    sizes = [x.shape[dim]] * len(ranks) if sizes is None else [int(s) for s in sizes]
+    if len(sizes) != len(ranks) or len(set(ranks)) != len(ranks):
+        raise HGraphError(f"tp_gather_issue: {len(sizes)} sizes for ranks {ranks} (one size per "
+                          "distinct rank)")
+    mine = ranks.index(comm.rank)
+    if sizes[mine] != x.shape[dim]:
+        raise HGraphError(f"tp_gather_issue: rank {comm.rank} holds {x.shape[dim]} along dim {dim} "
+                          f"but sizes say {sizes[mine]}")
+    if len(key) == 1:
+        return x
+    holder = _Holder()
+    out = _GatherTP.apply(x, comm, group, len(key), key.index(comm.rank), dim, max(sizes), holder, reduce_grad)
+    order = [key.index(r) for r in ranks]
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        return torch.cat([buf[i].narrow(dim, 0, s) for i, s in zip(order, sizes)], dim=dim)
+
+    holder.pending.finish = finish
+    comm.register(out, holder.pending)
+    return out
+
+
+def cp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
+                    sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """Context parallelism: start the all-gather of K or V along the sequence ``dim`` over the CP group.
+
+    Backward reduce-scatters the gradient (each rank's queries give a partial gradient of every
+    rank's keys). ``comm_wait`` gives the gathered tensor, pieces in the order of ``ranks``.
+    """
+    return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+
+
+def comm_wait(comm: CommContext, t: torch.Tensor) -> torch.Tensor:
+    """Wait for the op issued for ``t`` and return the finished tensor (``t`` itself if none)."""
+    pending = comm.take(t)
+    if pending is None:
+        return t
+    pending.wait(comm)
+    return pending.finish(t) if pending.finish is not None else t
+
+
+# ---- pipeline point-to-point ---------------------------------------------------------------------
+def _check_peer(comm: CommContext, peer: int, op: str) -> None:
+    if not 0 <= peer < comm.world_size or peer == comm.rank:
+        raise HGraphError(f"{op}: peer rank {peer} is not another rank of this run "
+                          f"(rank {comm.rank} of {comm.world_size})")
+
+
+class _SendActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dst, tag, holder):
+        buf = x.detach().contiguous()
+        holder.pending = _issue(comm, [buf], lambda: dist.isend(buf, dst, tag=tag))
+        ctx.comm, ctx.dst, ctx.tag, ctx.holder = comm, dst, tag, holder
+        ctx.meta = (x.shape, x.dtype, x.device)
+        return torch.zeros((), dtype=x.dtype, device=x.device)
+
+    @staticmethod
+    def backward(ctx, _grad_token):
+        ctx.holder.pending.wait(ctx.comm)
+        shape, dtype, device = ctx.meta
+        g = torch.empty(shape, dtype=dtype, device=device)
+        _run(ctx.comm, [g], lambda: dist.irecv(g, ctx.dst, tag=ctx.tag))
+        return g, None, None, None, None
+
+
+class _RecvActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, anchor, comm, src, shape, dtype, tag, holder):
+        buf = torch.empty(shape, dtype=dtype, device=comm.device)
+        holder.pending = _issue(comm, [buf], lambda: dist.irecv(buf, src, tag=tag))
+        ctx.comm, ctx.src, ctx.tag = comm, src, tag
+        return buf
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous()
+        ctx.comm.detach_work(_issue(ctx.comm, [g], lambda: dist.isend(g, ctx.src, tag=ctx.tag)))
+        return None, None, None, None, None, None, None
+
+
+def pp_send(comm: CommContext, x: torch.Tensor, dst: int, *, tag: int = 0) -> torch.Tensor:
+    """Start sending ``x`` to ``dst``; returns a scalar token connected to ``x``.
+
+    ``comm_wait(comm, token)`` waits for the send. Back-propagating the token (``token.backward()``)
+    receives dL/dx from ``dst`` and carries it into ``x``'s graph (``x`` must require grad).
+    """
+    _check_peer(comm, dst, "pp_send")
+    holder = _Holder()
+    token = _SendActivation.apply(x, comm, dst, tag, holder)
+    comm.register(token, holder.pending)
+    return token
+
+
+def pp_recv(comm: CommContext, src: int, shape: Sequence[int], dtype: torch.dtype, *, tag: int = 0,
+            async_op: bool = False) -> torch.Tensor:
+    """Receive a tensor of ``shape``/``dtype`` from ``src``; it requires grad, and its gradient is
+    sent back to ``src`` in backward.
+
+    With ``async_op=True`` the receive is only issued: ``comm_wait`` on the result completes it.
+    """
+    _check_peer(comm, src, "pp_recv")
+    holder = _Holder()
+    anchor = torch.empty(0, requires_grad=True)  # gives the Function an input to differentiate
+    out = _RecvActivation.apply(anchor, comm, src, tuple(int(s) for s in shape), dtype, tag, holder)
+    if async_op:
+        comm.register(out, holder.pending)
+    else:
+        holder.pending.wait(comm)
+    return out

@@ -1,0 +1,221 @@
+"""The reduce-scatters of Push Gradient in buckets, issued while backward still runs (as DDP's buckets).
+
+A rank's reduce-scatter ops (one per parameter and replica group, from the push plans) are cut into
+buckets: per group, in reverse model order (the order in which backward finishes gradients), closed
+when the next op would pass ``bucket_bytes``. Every member of a group holds the same ops, so every
+member cuts the same buckets.
+
+Order: a rank issues its buckets in one global order (key: position of the bucket's first parameter in
+reverse model order, then the group), and a bucket only after every bucket before it. So the members
+of a group issue its buckets in the same order, and any two ranks issue the buckets they share in the
+same relative order (what gloo's per-group matching and NCCL's in-order streams both need).
+
+``ready(name, grad)``: the parameter's gradient is final (called from its post-accumulate-grad hook
+during the step's last backward); issues every bucket that became issuable. ``flush(grads)`` issues
+the rest (a rank whose pipeline ran no micro-batch pushes zeros). ``wait(held)`` completes them in
+order (``complete_next``: one at a time) and hands each member piece to ``held[name]`` as
+``((lo, hi), rows)``. ``carry(values)`` sends a few fp32 values with the first bucket (the step's
+loss, so that it needs no collective of its own). ``bytes_issued`` counts what the reduce-scatters
+receive.
+
+On gloo a reduce-scatter is run as an all-to-all (``all_to_all_single``): member ``i`` receives
+every member's chunk ``i`` and sums them itself (each sum is taken on one rank only). That is one
+exchange with each peer, where gloo's ring all-reduce and reduce-scatter take ``2(k - 1)`` steps in
+sequence, each waiting for a peer to be scheduled; it moves the reduce-scatter's bytes. Measured on 4
+local ranks (2 cores), 1 MB: all-to-all 2.2 ms, all-reduce 5.5 ms (gloo's reduce-scatter was slower
+still than its all-reduce, 7.3 vs 6.3 ms). The carried values ride in every chunk, each member's in
+its own slots, so their sum is exact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.collectives import reduce_scatter_single
+
+#: DDP's default bucket cap (``bucket_cap_mb=25``).
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+Contribution = Callable[[str, Optional[torch.Tensor], int, int], torch.Tensor]
+
+
+@dataclass
+class _Bucket:
+    """Reduce-scatter ops of one group travelling together: ``ops[i] = (name, ReduceScatter)``."""
+
+    group: tuple[int, ...]
+    ops: list
+    elements: int = 0                    # per member chunk (each op padded to its widest piece)
+    widths: list = field(default_factory=list)   # per op: rows of its widest piece
+    split: list = field(default_factory=list)    # per op: elements in a chunk
+    even: list = field(default_factory=list)     # per op: pieces are consecutive blocks of equal width
+    mine: list = field(default_factory=list)     # per op: the rows this rank keeps
+    missing: set = field(default_factory=set)
+    work: Any = None
+    finish: Optional[Callable[[dict], None]] = None
+
+
+class GradBuckets:
+    """The bucketed reduce-scatters of one rank for one Program (reset every step by ``reset``)."""
+
+    def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
+                 row_shapes: Mapping[str, tuple[int, ...]], groups: Any, contribution: Contribution,
+                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        from hgraph.passes.lnk.plans import ReduceScatter
+        self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
+        self.row_shapes = dict(row_shapes)
+        row_elements = {name: int(torch.Size(shape).numel()) for name, shape in self.row_shapes.items()}
+        position = {name: i for i, name in enumerate(reversed(order))}
+        by_group: dict[tuple[int, ...], list] = {}
+        for name in reversed(order):
+            for op in push_ops[name]:
+                if isinstance(op, ReduceScatter):
+                    by_group.setdefault(op.group, []).append((name, op))
+        buckets = []
+        for group, ops in sorted(by_group.items()):
+            current: Optional[_Bucket] = None
+            for name, op in ops:
+                rows = max(phi - plo for _, plo, phi in op.pieces)
+                elements = rows * row_elements[name]
+                if current is None or (current.ops and (current.elements + elements) * 4 * len(group) > bucket_bytes):
+                    current = _Bucket(group, [])
+                    buckets.append(current)
+                current.ops.append((name, op))
+                current.elements += elements
+                current.widths.append(rows)
+                current.split.append(elements)
+                current.even.append(all(plo == op.lo + i * rows and phi == plo + rows
+                                        for i, (_, plo, phi) in enumerate(op.pieces)))
+                current.mine.append(next((plo, phi) for m, plo, phi in op.pieces if m == rank))
+        self.buckets = sorted(buckets, key=lambda b: (position[b.ops[0][0]], b.group))
+        self._bucket_of: dict[str, list[_Bucket]] = {}
+        for b in self.buckets:
+            for name, _ in b.ops:
+                self._bucket_of.setdefault(name, []).append(b)
+        self.bytes_issued = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the last step's buckets: nothing issued, every gradient pending."""
+        for b in self.buckets:
+            b.missing = {name for name, _ in b.ops}
+            b.work = b.finish = None
+        self._next = 0          # buckets issued
+        self._done = 0          # buckets completed (in order)
+        self._carry: Optional[torch.Tensor] = None
+        self.carried: Optional[torch.Tensor] = None    # the carried values' sums, once bucket 0 completed
+        self._grads: dict[str, Optional[torch.Tensor]] = {}
+        self.bytes_issued = 0
+
+    @property
+    def issued(self) -> int:
+        return self._next
+
+    @property
+    def completed(self) -> int:
+        return self._done
+
+    def carry(self, values: torch.Tensor) -> None:
+        """Sum the fp32 ``values`` over the first bucket's group in its collective (gloo only, where
+        every chunk carries them): after that bucket completes, ``carried`` holds the sums. Call before
+        the bucket is issued."""
+        if self._next > 0 or not self.buckets:
+            raise HGraphError("GradBuckets.carry: the first bucket was already issued (or there is none)")
+        self._carry = values.to(torch.float32)
+
+    def ready(self, name: str, grad: Optional[torch.Tensor]) -> None:
+        """``name``'s gradient is final for this step: issue every bucket that can go now, in order."""
+        self._grads[name] = grad
+        for b in self._bucket_of.get(name, ()):
+            b.missing.discard(name)
+        while self._next < len(self.buckets) and not self.buckets[self._next].missing:
+            self._issue(self.buckets[self._next])
+            self._next += 1
+
+    def flush(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
+        """Issue every bucket not issued yet (``grads[name]``: the final gradient, ``None`` for zeros)."""
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            for name in b.missing:
+                self._grads[name] = grads.get(name)
+            b.missing = set()
+            self._issue(b)
+            self._next += 1
+
+    def wait(self, held: dict) -> None:
+        """Complete every bucket not completed yet (all issued) and put this rank's reduced pieces into
+        ``held``."""
+        while self.complete_next(held) is not None:
+            pass
+
+    def complete_next(self, held: dict) -> Optional[list[str]]:
+        """Wait for the next bucket in issue order, if it was issued; put its pieces into ``held`` and
+        return its parameters (None when no issued bucket is left)."""
+        if self._done >= self._next:
+            return None
+        b = self.buckets[self._done]
+        b.work.wait()
+        b.finish(held)
+        b.work = b.finish = None
+        self._done += 1
+        return [name for name, _ in b.ops]
+
+    @torch.no_grad()
+    def _issue(self, b: _Bucket) -> None:
+        """One collective for the bucket: member ``i``'s chunk holds its piece of every op (rows
+        flattened, each padded to the op's widest piece), so all chunks have ``b.elements`` elements
+        (on gloo followed by the carried values, see the module docstring). An op whose pieces are
+        consecutive blocks of equal width (the usual case) is copied in with the others in one batched
+        copy; any other piece is copied on its own."""
+        k = len(b.group)
+        group = self.groups.get(b.group)
+        gloo = dist.get_backend(group) == "gloo"
+        carry = self._carry if b is self.buckets[0] else None
+        if carry is not None and not gloo:
+            raise HGraphError("GradBuckets.carry needs gloo's all-to-all")
+        extra = 0 if carry is None else carry.numel()
+        exact = all(even for even in b.even) and all(self._grads.get(n) is not None for n, _ in b.ops)
+        buf = (torch.empty if exact else torch.zeros)(k, b.elements + extra, dtype=torch.float32, device=self.device)
+        pieces = buf.narrow(1, 0, b.elements).split(b.split, dim=1)
+        dests, srcs = [], []
+        for j, (name, op) in enumerate(b.ops):
+            grad, rest, width = self._grads.get(name), self.row_shapes[name], b.widths[j]
+            if grad is None:                              # a missing gradient stays zeros
+                continue
+            if b.even[j]:
+                dests.append(pieces[j].view(k, width, *rest))
+                srcs.append(self.contribution(name, grad, op.lo, op.hi).unflatten(0, (k, width)))
+                continue
+            for i, (_, plo, phi) in enumerate(op.pieces):
+                if phi > plo:
+                    dests.append(pieces[j][i].view(width, *rest).narrow(0, 0, phi - plo))
+                    srcs.append(self.contribution(name, grad, plo, phi))
+        if dests:
+            torch._foreach_copy_(dests, srcs)
+        self.bytes_issued += (k - 1) * b.elements * 4
+        if gloo:                                     # see the module docstring
+            if carry is not None:
+                buf.narrow(1, b.elements, extra).copy_(carry.expand(k, extra))
+            received = torch.empty_like(buf)
+            b.work = dist.all_to_all_single(received, buf, group=group, async_op=True)
+        else:
+            received = buf.new_empty(b.elements)
+            b.work = reduce_scatter_single(received, buf.view(-1), group=group, async_op=True)
+
+        def finish(held: dict) -> None:
+            if gloo:            # every member's chunk for this rank: their sum
+                sums = received.sum(0)
+                out = sums.narrow(0, 0, b.elements)
+                if carry is not None:
+                    self.carried = sums.narrow(0, b.elements, extra)
+            else:
+                out = received
+            for (name, _), piece, width, (plo, phi) in zip(b.ops, out.split(b.split), b.widths, b.mine):
+                rows = piece.view(width, *self.row_shapes[name]).narrow(0, 0, phi - plo)
+                held[name].append(((plo, phi), rows))
+
+        b.finish = finish

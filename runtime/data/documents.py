@@ -1,0 +1,147 @@
+"""Training data: documents from a JSONL file and the mini-batches of a deterministic run.
+
+One JSON object per line with ``input_ids`` (a list of non-negative ints); blank lines are skipped.
+A mini-batch takes whole documents in file order until the next one would pass ``tokens_per_iter``
+(DESIGN.md, data order). When the data runs out before the last step, the next mini-batch starts
+again at the first document (a new epoch), so any number of steps can be trained. With outlier delay
+(``--outlier-queues``) the stream is ``hgraph.runtime.data.outlier_delay``'s, which uses these types.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence, Union
+
+from hgraph.errors import HGraphError
+
+
+@dataclass(frozen=True)
+class Document:
+    """One training document: its 0-based position in the file and its tokens."""
+
+    index: int
+    input_ids: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class MiniBatch:
+    """The documents of one training step (whole documents, file order)."""
+
+    step: int
+    docs: tuple[Document, ...]
+    # documents consumed from the start of the run once this batch is taken (all epochs): the data
+    # position a checkpoint stores, so a resumed run starts at exactly the next document
+    next_position: int = 0
+    # outlier delay (``hgraph.runtime.data.outlier_delay``): documents of this batch read in an earlier
+    # step, documents read but not yet trained after it, and each document's delay in steps
+    delayed: int = 0
+    pending: int = 0
+    delay_iters: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(d) for d in self.docs)
+
+    @property
+    def num_targets(self) -> int:
+        """Next-token targets: a document of l tokens has l - 1 (DESIGN.md, loss)."""
+        return sum(max(len(d) - 1, 0) for d in self.docs)
+
+
+def read_jsonl(path: Union[str, Path], vocab_size: Optional[int] = None) -> list[Document]:
+    """The documents of a JSONL file; a malformed line raises HGraphError naming the file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise HGraphError(f"data file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    docs: list[Document] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path.name}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HGraphError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must "
+                              "be an object with 'input_ids'") from None
+        ids = obj.get("input_ids") if isinstance(obj, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise HGraphError(f"{where}: expected an object with 'input_ids' as a list of ints")
+        if not ids:
+            raise HGraphError(f"{where}: 'input_ids' is empty; a document needs at least one token")
+        bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            allowed = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+            raise HGraphError(f"{where}: token id {bad} is outside the vocabulary {allowed}")
+        docs.append(Document(len(docs), tuple(ids)))
+    if not docs:
+        raise HGraphError(f"data file {str(path)!r} holds no documents")
+    return docs
+
+
+def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optional[int]) -> None:
+    """Every document must fit a mini-batch and the model: one line naming the first that does not."""
+    if tokens_per_iter < 1:
+        raise HGraphError(f"--tokens-per-iter must be >= 1, got {tokens_per_iter}")
+    for d in docs:
+        if max_len is not None and len(d) > max_len:
+            raise HGraphError(f"document {d.index} has {len(d)} tokens, longer than the {max_len} the model "
+                              "supports (its max_seq_len)")
+        if len(d) > tokens_per_iter:
+            raise HGraphError(f"document {d.index} has {len(d)} tokens, more than --tokens-per-iter "
+                              f"{tokens_per_iter}: a mini-batch holds whole documents")
+
+
+def first_fit(docs: Sequence[Document], cap: int) -> list[list[Document]]:
+    """Documents, in the order given (longest first for first-fit-decreasing), into bins of at most
+    ``cap`` tokens: each goes to the first bin with room, else opens a new one."""
+    bins: list[list[Document]] = []
+    room: list[int] = []
+    for d in docs:
+        j = next((j for j, r in enumerate(room) if r >= len(d)), None)
+        if j is None:
+            bins.append([d])
+            room.append(cap - len(d))
+        else:
+            bins[j].append(d)
+            room[j] -= len(d)
+    return bins
+
+
+def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int, *, start_step: int = 0,
+                 start_position: int = 0) -> Iterator[MiniBatch]:
+    """The mini-batches of steps ``start_step .. steps-1``: whole documents in file order (wrapping
+    around at the end), the first one starting at document ``start_position`` (documents consumed so
+    far, all epochs counted: a checkpoint's data position).
+
+    Raises HGraphError for a mini-batch without any target (only one-token documents): its loss
+    (a sum over no targets divided by zero) is undefined.
+    """
+    if not docs:
+        raise HGraphError("no documents to train on")
+    pos = start_position
+    for step in range(start_step, steps):
+        taken: list[Document] = []
+        total = 0
+        while True:
+            d = docs[pos % len(docs)]
+            if taken and total + len(d) > tokens_per_iter:
+                break
+            if len(d) > tokens_per_iter:
+                raise HGraphError(f"document {d.index} has {len(d)} tokens, more than --tokens-per-iter "
+                                  f"{tokens_per_iter}: a mini-batch holds whole documents")
+            taken.append(d)
+            total += len(d)
+            pos += 1
+            if len(taken) >= len(docs):   # never repeat a document inside one mini-batch
+                break
+        batch = MiniBatch(step, tuple(taken), pos)
+        if batch.num_targets == 0:
+            raise HGraphError(f"step {step}: the mini-batch (documents {[d.index for d in taken]}) is empty of "
+                              "targets (only one-token documents); the loss is undefined")
+        yield batch

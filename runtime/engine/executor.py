@@ -1,0 +1,402 @@
+"""One training step of a compiled Program on this rank (Hydraulis §5, Fig. 2b).
+
+``Executor.step(program, plan, num_targets)``:
+
+1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
+   graph's ``pull_wait`` node waits for its parameter.
+2. **1F1B** over this rank's pipeline's micro-batches: ``warmup = min(PP - stage - 1, m)``
+   forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
+   may have different numbers of micro-batches of different packed lengths; the received
+   activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
+   The last stage backpropagates ``packed_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
+   number of targets), so the gradient never depends on the strategy or the packing. In a CP
+   pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
+   per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
+   whole documents.
+3. **Push Gradient**: the reduce-scatters among replicas start during the last backward, bucket by
+   bucket as gradients become final (``ParamSync.arm_push``); ``ParamSync.push`` waits for them and
+   LNKs the working gradients to the optimizer owners (a pipeline without micro-batches pushes zeros).
+4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
+   non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
+   sharded optimizer steps.
+
+Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
+ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
+global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
+soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
+posted as their parameters are updated and completed before the step returns (``prefetch``), so the
+next step of the same Program pulls nothing. A ZeRO-3 step needs two collectives in sequence where
+DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way. On gloo both
+are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes ``2(N - 1)`` steps in
+sequence (``grad_buckets``, ``param_gather``).
+
+Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
+process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict
+lookup, and no optimizer state moves (its layout does not depend on the strategy).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.kernels.cp_attention import CPLayout
+from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
+from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
+                                                 per_document_plan, per_sequence_plan)
+from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.kernels.varlen_attention import cu_seqlens_for
+
+
+ADAPTIVE = "adaptive"
+CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One packed row: documents concatenated (``input_ids [1, T]``) with per-document positions."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    doc_lengths: tuple[int, ...]
+    doc_indices: tuple[int, ...] = ()
+
+    @classmethod
+    def pack(cls, docs: Sequence[Sequence[int]], indices: Sequence[int] = ()) -> "MicroBatch":
+        """Pack token lists into one row; positions restart at 0 for every document."""
+        if not docs or any(len(d) == 0 for d in docs):
+            raise HGraphError("a micro-batch needs at least one document and no empty document")
+        ids = torch.tensor([t for d in docs for t in d], dtype=torch.long)[None]
+        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
+        return cls(ids, pos, tuple(len(d) for d in docs), tuple(indices))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class StepResult:
+    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank)."""
+
+    step: int
+    strategy: str
+    loss: float
+    tokens: int
+    time_s: float
+    pull_s: float = 0.0
+    compute_s: float = 0.0
+    push_s: float = 0.0
+    optimizer_s: float = 0.0
+    skipped: bool = False
+    grad_norm: Optional[float] = None
+    bytes: dict = field(default_factory=dict)
+    peak_mem_bytes: Optional[int] = None          # activations measured (CPU) / allocator peak (CUDA)
+    predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
+    recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
+    overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
+    pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
+
+
+class RankLostError(RuntimeError):
+    """A collective failed because a rank of the run died (named from the heartbeats)."""
+
+    def __init__(self, step: int, lost: Sequence[int], rank: int, cause: BaseException) -> None:
+        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"step {step}: lost rank(s) {list(lost)} (no heartbeat); rank {rank} stops "
+                         f"({type(cause).__name__}: {first[:160]})")
+        self.step, self.lost = step, list(lost)
+
+
+@dataclass
+class RankState:
+    """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
+
+    program: Any
+    rank_program: Any
+    graph: Any
+    working: dict
+    comm: CommContext
+    sync: ParamSync
+    memory: Any = None      # a runtime.recompute.StageMemory: activation accounting, recomputation
+
+
+def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
+    """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
+    the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
+    if method == PER_DOCUMENT:
+        plan = per_document_plan(mb.doc_lengths, cp)
+    elif method == PER_SEQUENCE:
+        plan = per_sequence_plan(mb.doc_lengths, cp)
+    elif method == ADAPTIVE:
+        plan, _ = choose_sharding(mb.doc_lengths, cp)
+        if min(plan.tokens_per_rank()) == 0:     # a short micro-batch: per-sequence chunks may be empty
+            plan = per_document_plan(mb.doc_lengths, cp)
+    else:
+        raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
+    if min(plan.tokens_per_rank()) == 0:
+        raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
+                          f"({plan.method} sharding); give CP micro-batches at least {cp} tokens")
+    return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
+
+
+def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
+    """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(num_microbatches - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
+    return order
+
+
+class Executor:
+    """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
+
+    ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
+    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``.
+    """
+
+    def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
+                 device: Optional[torch.device] = None, skip_nonfinite: bool = False,
+                 memory_budget: Optional[float] = None, track_memory: bool = False,
+                 cp_sharding: str = ADAPTIVE) -> None:
+        self.compiled = compiled
+        self.optimizer = optimizer
+        self.rank, self.world_size = rank, world_size
+        self.groups = groups
+        self.device = torch.device(device or "cpu")
+        self.skip_nonfinite = skip_nonfinite
+        # DCP-intra: with a budget (bytes of activations per rank) blocks are recomputed per micro-batch
+        self.memory_budget = memory_budget
+        self.track_memory = track_memory or memory_budget is not None
+        if cp_sharding not in CP_SHARDINGS:
+            raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
+        self.cp_sharding = cp_sharding
+        self.working_dtype = compiled.options.working_dtype or torch.float32
+        self._states: dict[Any, RankState] = {}
+        self._last_program: Any = None
+        self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
+
+    # ---- per-program state (the graph cache of this rank) -----------------------------------------
+    def state_for(self, program: Any) -> RankState:
+        """This rank's state for ``program``, built (collectively: every rank calls it) on first use."""
+        state = self._states.get(id(program))
+        if state is not None and state.program is program:
+            return state
+        if program.cluster.world_size != self.world_size:
+            raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
+                              f"but this run has {self.world_size}")
+        rp = program.rank(self.rank)
+        groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
+                  if k in ("tp", "cp") and len(g) > 1}
+        self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
+        gm = rp.graph_module
+        working, aliased = {}, set()
+        for name, shard in rp.params.items():
+            *path, leaf = name.split(".")
+            mod = gm
+            for part in path:
+                mod = getattr(mod, part)
+            master = self.optimizer.params[name]
+            if (self.world_size == 1 and self.working_dtype == master.dtype and not shard.pad
+                    and master.device == self.device):
+                # one rank in fp32: the working parameter IS the master (shares its storage), so the
+                # pull and the push move nothing and the optimizer's update is seen directly
+                param = nn.Parameter(master.view(shard.shard_shape))
+                aliased.add(name)
+            else:
+                param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
+            setattr(mod, leaf, param)
+            working[name] = param
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
+        comm.bindings = dict(rp.bindings)
+        # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
+        update = self.optimizer.step if getattr(self.optimizer, "updates_in_parts", False) else None
+        sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
+                         self.working_dtype, frozenset(aliased), update=update)
+        comm.param_sync = sync
+        state = RankState(program, rp, gm, working, comm, sync)
+        if self.track_memory:
+            from hgraph.runtime.engine.recompute import attach_stage_memory
+            attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
+        self._states[id(program)] = state
+        return state
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+             step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
+        """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+
+        Every rank must call it with the same arguments (collective). A collective that fails
+        because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
+        ``prefetch``: a plain data-parallel step also pulls the next step's parameters, which pays
+        off when the next step runs the same Program (``None``: when the last step ran this one too,
+        a repeat being the best guess; give the answer when the caller knows it).
+        """
+        try:
+            return self._step(program, microbatches, num_targets, step, prefetch)
+        except RuntimeError as exc:
+            if self.heartbeat is None or isinstance(exc, RankLostError):
+                raise
+            lost = self.heartbeat.lost_ranks()
+            if not lost:
+                raise
+            raise RankLostError(step, lost, self.rank, exc) from exc
+
+    def _overlaps_update(self, state: RankState) -> bool:
+        """Whether this step updates the shards as their reductions arrive: a plain data-parallel
+        Program without global-norm clipping (which needs every gradient before any update)."""
+        return state.sync.can_overlap_update and getattr(self.optimizer, "max_grad_norm", None) is None
+
+    def _step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+              step: int, prefetch: Optional[bool]) -> StepResult:
+        t0 = time.perf_counter()
+        if len(microbatches) != len(program.strategy.pipelines):
+            raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
+                              f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
+        if num_targets < 1:
+            raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
+        state = self.state_for(program)
+        rp, sync = state.rank_program, state.sync
+        for w in state.working.values():
+            w.grad = None
+        overlap = self._overlaps_update(state)
+        if prefetch is None:
+            prefetch = self._last_program is program
+        self._last_program = program
+        sync.begin_step(overlap_update=overlap, prefetch=prefetch)
+        if state.memory is not None:
+            state.memory.begin_step()
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+        t_pull = time.perf_counter()
+        mine = list(microbatches[rp.pipeline])
+        loss_set = []
+
+        def last_backward(loss_sum: float) -> None:
+            if overlap:       # before any reduction: the loss rides in the first one
+                sync.set_loss(self._loss_share(rp, loss_sum))
+                loss_set.append(True)
+            sync.arm_push()
+
+        loss_sum = self._run_pipeline(state, mine, num_targets, last_backward)
+        state.comm.wait_all()
+        sync.finish_pulls()
+        t_compute = time.perf_counter()
+        grads = {name: w.grad for name, w in state.working.items()}
+        grad_shards = None
+        if overlap:
+            if not loss_set:              # a rank without micro-batches: its loss share is zero
+                sync.set_loss(0.0)
+            total_loss = sync.finish_update(grads)    # the shards are updated when the loss is finite
+        else:
+            sync.flush_pushes(grads)      # the reduce-scatters backward did not issue, before the loss's
+            loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
+            grad_shards = sync.push(grads)
+            if loss_work is not None:
+                loss_work.wait()
+            total_loss = float(loss_value[0])
+        sync.end_step()
+        t_push = time.perf_counter()
+        loss = total_loss / num_targets
+        tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
+        skipped = False
+        norm = None
+        if not math.isfinite(loss):
+            if not self.skip_nonfinite:
+                raise HGraphError(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
+                                  "lower the learning rate, check the data, or ask to skip such steps")
+            skipped = True
+        elif grad_shards is not None:
+            total = self.optimizer.step(grad_shards)
+            norm = float(total) if total is not None else None
+        t_end = time.perf_counter()
+        result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
+                            t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
+                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
+        if state.memory is not None:
+            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
+            result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
+                                     if self.device.type == "cuda" else peak)
+        return result
+
+    def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
+                      last_backward: Any) -> float:
+        """The rank's 1F1B; ``last_backward(loss_sum)`` runs before its last backward (every forward
+        done, so ``loss_sum`` is final)."""
+        rp, gm, comm, memory = state.rank_program, state.graph, state.comm, state.memory
+        last = rp.stage == rp.scheme.pp - 1
+        pending: dict[int, Any] = {}
+        loss_sum = 0.0
+        order = one_f_one_b(len(mbs), rp.scheme.pp, rp.stage)
+        for n, (kind, i) in enumerate(order):
+            mb = mbs[i]
+            if kind == "F":
+                ids, pos, targets = mb.input_ids, mb.position_ids, None
+                if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
+                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
+                    local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
+                    cu = cu_seqlens_for(mb.doc_lengths)
+                    ids, pos = ids[:, local], pos[:, local]
+                    targets = packed_targets(mb.input_ids, cu)[:, local]
+                if memory is not None:
+                    memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
+                with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
+                    out = gm(ids.to(self.device), pos.to(self.device), comm)
+                    if last:
+                        if targets is None:
+                            s = packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+                        else:
+                            s = F.cross_entropy(out[0].float(), targets[0].to(self.device),
+                                                ignore_index=IGNORE_INDEX, reduction="sum")
+                        loss_sum += float(s.detach())
+                        pending[i] = s / num_targets
+                    else:
+                        pending[i] = list(out)
+                if memory is not None:
+                    memory.after_forward()
+            else:
+                out = pending.pop(i)
+                if n == len(order) - 1:     # gradients finished by this backward start their push
+                    last_backward(loss_sum)
+                if last:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out)
+                del out
+                if memory is not None:
+                    memory.after_backward(i)
+        return loss_sum
+
+    @staticmethod
+    def _loss_share(rp: Any, loss_sum: float) -> float:
+        """What this rank adds to the mini-batch's loss sum: one copy per pipeline (its last stage's
+        first TP rank; every CP rank holds part of the loss)."""
+        return loss_sum if rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 else 0.0
+
+    def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
+        """Start summing the mini-batch's loss over the world; returns the buffer and the work to
+        wait for (None on one rank)."""
+        value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
+        work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
+        return value, work
+
+    def cache_info(self) -> dict:
+        return {"programs": len(self._states)}
+
+
+def shard_dims_of(compiled: Any) -> dict[str, int]:
+    """The optimizer's shard dimension of every parameter (the HGraph's, 0 for a 0-d parameter)."""
+    return {name: (info.shard_dim if tuple(info.shape) else 0) or 0
+            for name, info in compiled.hgraph.params.items()}

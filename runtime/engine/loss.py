@@ -1,0 +1,48 @@
+"""The training loss of hgraph: next-token cross-entropy inside each document of a packed row.
+
+A document of ``l`` tokens has ``l - 1`` targets (its last token predicts nothing: the next token
+belongs to another document). ``packed_loss_sum`` returns the SUM over the micro-batch's targets;
+the caller divides by ``num_targets`` of the whole mini-batch, so any packing and any micro-batch
+split give the same loss and gradient as one device on the whole mini-batch (DESIGN.md, Loss).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.kernels.varlen_attention import CuSeqlens, boundaries
+
+IGNORE_INDEX = -100
+
+
+def num_targets(doc_lengths: Sequence[int]) -> int:
+    """The number of next-token targets of documents of these lengths: sum of ``max(l - 1, 0)``."""
+    return sum(max(int(n) - 1, 0) for n in doc_lengths)
+
+
+def packed_targets(input_ids: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """Targets ``[1, T]``: the next token of the same document, ``IGNORE_INDEX`` at each document end."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise HGraphError(f"packed loss expects input_ids of shape [1, T], got {list(input_ids.shape)}")
+    cu = boundaries(cu_seqlens, input_ids.shape[1])
+    targets = torch.roll(input_ids, -1, dims=1)
+    ends = torch.tensor([b - 1 for a, b in zip(cu, cu[1:]) if b > a], dtype=torch.long,
+                        device=input_ids.device)
+    targets[0, ends] = IGNORE_INDEX
+    return targets
+
+
+def packed_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: CuSeqlens) -> torch.Tensor:
+    """Summed next-token cross-entropy over every document of the packed row (fp32 scalar).
+
+    ``logits``: ``[1, T, V]``; ``input_ids``: ``[1, T]``; ``cu_seqlens``: document boundaries.
+    """
+    if logits.dim() != 3 or logits.shape[:2] != input_ids.shape:
+        raise HGraphError(f"packed loss: logits {list(logits.shape)} must be [1, T, V] for input_ids "
+                          f"{list(input_ids.shape)}")
+    targets = packed_targets(input_ids, cu_seqlens)
+    # lower-precision logits are upcast: the sum over many tokens needs fp32
+    return F.cross_entropy(logits[0].float(), targets[0], ignore_index=IGNORE_INDEX, reduction="sum")

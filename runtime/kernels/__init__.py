@@ -1,0 +1,1 @@
+"""Attention kernels of the runtime: varlen (packed) attention, context-parallel attention, CP layouts."""

@@ -1,0 +1,1 @@
+"""Cost and memory models: the model itself, analytic prior, profiles, profiler, calibration, runtime memory."""

@@ -1,0 +1,110 @@
+"""Analytic prior for the cost model: FLOPs and activation bytes of a Llama-style layer as sympy
+polynomials in the sequence length ``l``, turned into ``T(l, P) = a l^2 + b l + c`` and MaxLen for
+schemes that were never profiled.
+
+Assumptions (written down because they set the numbers):
+- Llama decoder layer: multi-head attention (Q, K, V, O projections, ``4 H^2`` weights), SwiGLU MLP
+  with three ``H x F`` matrices, two RMSNorms; causal attention computed by a fused kernel, so its
+  matmuls cost ``2 l^2 H`` FLOPs forward (half of ``4 l^2 H``) and no ``l^2`` activations are stored.
+- Backward costs twice the forward; no activation recomputation.
+- Compute runs at ``device_flops * mfu``; TP uses Megatron sequence parallelism: per layer and per
+  forward 2 all-gathers + 2 reduce-scatters of ``l*H`` bf16 values, the same again backward, each
+  moving ``(TP-1)/TP`` of the tensor over ``tp_bandwidth`` bytes/s, not overlapped.
+- The constant ``c`` is kernel-launch and collective-latency overhead: ``launch_ms_per_layer`` per
+  layer on the stage.
+- Activations (Korthikanti et al., flash attention, SP): ``34 H / TP`` bytes per token per layer in
+  bf16, i.e. ``A = 34``; model states: 12 H^2 parameters per layer at 16 bytes (bf16 param + grad,
+  fp32 master, Adam m and v), ``alpha = 12/16`` of which are fully sharded.
+- UtilLen: the length at which the constant overhead is 15% of the time (85% efficiency, App. C).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import sympy as sp
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape
+
+L = sp.Symbol("l", positive=True)
+
+
+def layer_forward_flops(hidden: int, ffn_hidden: int) -> sp.Expr:
+    """Forward FLOPs of one decoder layer on ``l`` tokens (polynomial in ``l``)."""
+    H, F = sp.Integer(hidden), sp.Integer(ffn_hidden)
+    projections = 2 * L * H * (4 * H)  # Q, K, V, O
+    attention = 2 * L ** 2 * H  # QK^T and AV, causal half of 4 l^2 H
+    mlp = 2 * L * H * F * 3  # gate, up, down
+    return sp.expand(projections + attention + mlp)
+
+
+def layer_activation_bytes(hidden: int, tp: int) -> sp.Expr:
+    """Activation bytes one layer keeps for backward on ``l`` tokens (bf16, flash attention, SP)."""
+    H = sp.Integer(hidden)
+    attention_block = 11 * H  # norm input, QKV input, Q/K/V, attention output, projection input
+    mlp_block = 19 * H  # norm input, gate/up inputs and outputs, activation, down input
+    norms = 4 * H
+    return sp.expand(L * (attention_block + mlp_block + norms) / tp)
+
+
+def layer_tp_comm_bytes(hidden: int, tp: int) -> sp.Expr:
+    """Bytes one rank sends per layer for TP with sequence parallelism, forward and backward."""
+    if tp == 1:
+        return sp.Integer(0)
+    per_collective = sp.Rational(tp - 1, tp) * L * hidden * 2
+    return sp.expand(8 * per_collective)
+
+
+def _coeffs(expr: sp.Expr) -> tuple[float, float, float]:
+    poly = sp.Poly(expr, L)
+    a = float(poly.coeff_monomial(L ** 2))
+    b = float(poly.coeff_monomial(L))
+    c = float(poly.coeff_monomial(1))
+    return a, b, c
+
+
+def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, vocab: int, world_size: int,
+                        ffn_hidden: int | None = None, gpus_per_node: int = 8,
+                        tps: Iterable[int] = (1, 2, 4, 8), pps: Iterable[int] = (1, 2, 4, 8),
+                        device_flops: float = 312e12, mfu: float = 0.5, tp_bandwidth: float = 150e9,
+                        launch_ms_per_layer: float = 0.25, gpu_memory_bytes: int = 80 * 2 ** 30,
+                        framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30) -> CostModel:
+    """A CostModel from first principles (module docstring lists the assumptions).
+
+    ``device_flops`` (FLOP/s, bf16 dense) and ``tp_bandwidth`` (bytes/s between TP ranks) describe
+    the device; defaults are an A100/A800-class GPU with NVLink.
+    """
+    if min(hidden, layers, vocab, world_size) < 1 or device_flops <= 0 or tp_bandwidth <= 0 or not 0 < mfu <= 1:
+        raise HGraphError("analytic_cost_model: sizes, device_flops and tp_bandwidth must be positive, 0 < mfu <= 1")
+    ffn = ffn_hidden if ffn_hidden is not None else int(256 * math.ceil(8 * hidden / 3 / 256))
+    fwd = layer_forward_flops(hidden, ffn)
+    profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+    util: dict[int, int] = {}
+    activation_A: list[tuple[int, float]] = []
+    for tp in sorted(set(tps)):
+        act = layer_activation_bytes(hidden, tp)
+        activation_A.append((tp, float(sp.Poly(act, L).coeff_monomial(L)) * tp / hidden))
+        for pp in sorted(set(pps)):
+            if layers % pp:
+                continue
+            stage_layers = layers // pp
+            compute_ms = stage_layers * 3 * fwd / tp / (device_flops * mfu) * 1e3
+            comm_ms = stage_layers * layer_tp_comm_bytes(hidden, tp) / tp_bandwidth * 1e3
+            overhead_ms = stage_layers * launch_ms_per_layer
+            profiled[(tp, pp, 1)] = _coeffs(sp.expand(compute_ms + comm_ms + overhead_ms))
+        a, b, c = profiled.get((tp, 1, 1)) or next(v for k, v in profiled.items() if k[0] == tp)
+        util[tp] = int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else 1
+    params_per_layer = 4 * hidden ** 2 + 3 * hidden * ffn
+    memory = MemoryModel(
+        activation_coeff=tuple(activation_A),
+        state_coeff=params_per_layer / hidden ** 2 * 16,
+        alpha=12 / 16,
+        framework_gap_bytes=framework_gap_bytes,
+        safety_margin_bytes=safety_margin_bytes,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    return CostModel(name=name, model=ModelShape(hidden, layers, vocab), profiled=profiled, util_len_tokens=util,
+                     memory=memory, world_size=world_size, gpus_per_node=gpus_per_node,
+                     extra={"source": "analytic prior (hgraph.runtime.planner.cost.analytic_prior)",
+                            "device": {"flops": device_flops, "mfu": mfu, "tp_bandwidth": tp_bandwidth}})

@@ -1,0 +1,263 @@
+"""A cost model of *this* machine, measured by the ranks of a run at its start (``--profile measure``),
+and the online correction of its estimates from the steps measured so far.
+
+``calibrate_cost_model`` runs on every rank at once, so the timings include the contention of the
+training itself (on a CPU machine, N rank processes share the cores exactly as they will in training):
+
+* compute: dual-layer timing (a 1- and a 2-layer copy of the model, forward + backward on one
+  sequence, ``interleaved_layer_timings``) at a few lengths, for every TP degree on one TP rank's
+  shard of the model (heads, MLP width and vocabulary divided by TP); each rank measures, the median
+  over ranks is fitted to ``layer_TP(l)`` and ``rest_TP(l)`` (embedding, head, loss) as
+  ``a l^2 + b l + c``;
+* tensor parallelism: all-reduce of ``l x hidden`` activations inside every TP group of each TP degree
+  (all groups at once, each after an MLP shard's matmuls), fitted to ``alpha + beta l``; a TP stage
+  pays it once per TP slot of its layers (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in
+  backward or forward);
+* pipeline parallelism: send/recv of ``l x hidden`` between neighbour ranks, fitted the same way; a
+  stage pays one forward and one backward transfer per micro-batch.
+
+Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
+divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
+4x faster), so the measured model has no CP schemes. A scheme ``<TP, PP>`` then gets
+``T(l) = ceil(layers/PP) * (layer_TP(l) + tp_comm(l)) + rest_TP(l) + pp_comm(l)`` (the slowest stage
+holds the rest). Memory and MaxLen come from the analytic prior.
+
+What the model leaves out on purpose: the pull / push / optimizer phases of a step and the per-document
+cost of varlen attention; ``StepCorrection`` scales every estimate by the median ratio measured/estimate
+of the last steps (the same factor for every strategy, so it never changes the planner's choice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
+
+DEFAULT_LENGTHS = (64, 256, 512, 1024)
+COMM_LENGTHS = (64, 1024)
+
+
+def _median_rows(rows: Sequence[Sequence[float]]) -> list[float]:
+    return [statistics.median(col) for col in zip(*rows)]
+
+
+def _fit_line(lengths: Sequence[int], ms: Sequence[float]) -> tuple[float, float]:
+    """``alpha + beta l`` through two or more points (least squares, both kept >= 0)."""
+    (l0, t0), (l1, t1) = (lengths[0], ms[0]), (lengths[-1], ms[-1])
+    beta = max((t1 - t0) / (l1 - l0), 0.0) if l1 != l0 else 0.0
+    alpha = max(statistics.mean(t - beta * l for l, t in zip(lengths, ms)), 0.0)
+    return alpha, beta
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    import torch.distributed as dist
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[], Any]] = None) -> float:
+    """Median ms of ``fn()``; ``work()`` (untimed) runs before each call, so the time includes the
+    wait for peers that were descheduled or slower in their own work, as between a layer's ops."""
+    fn()                                                # warm-up: connections, buffers
+    times = []
+    for _ in range(repeats):
+        if work is not None:
+            work()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
+                    repeats: int) -> Optional[list[float]]:
+    """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
+    ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
+    import torch
+    import torch.distributed as dist
+    members = [list(range(g, g + tp)) for g in range(0, world_size - tp + 1, tp)]
+    groups.ensure(members)
+    mine = next((m for m in members if rank in m), None)
+    if mine is None:
+        dist.barrier()
+        return None
+    group = groups.get(mine)
+    out = []
+    for l in COMM_LENGTHS:
+        x = torch.ones(l, hidden, dtype=dtype)
+        # an MLP shard's matmuls between the all-reduces, as in a TP layer: on shared cores the
+        # all-reduce mostly waits for the peer (measured alone it was ~0.5 ms, and TP2 estimated
+        # 2-5x too fast)
+        w = torch.randn(hidden, max(4 * hidden // tp, 1), dtype=dtype)
+        out.append(_time_comm(lambda: dist.all_reduce(x, group=group), repeats,
+                              work=lambda: torch.tanh(x @ w) @ w.T))
+    dist.barrier()
+    return out
+
+
+def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats: int) -> Optional[list[float]]:
+    """ms of one send/recv of ``l x hidden`` between ranks 2i and 2i+1 (all pairs at once); the
+    receiver's time (which includes the transfer) is returned on the odd rank."""
+    import torch
+    import torch.distributed as dist
+    pairs = world_size // 2 * 2
+    if rank >= pairs:
+        dist.barrier()
+        return None
+    peer = rank + 1 if rank % 2 == 0 else rank - 1
+    out = []
+    for l in COMM_LENGTHS:
+        x = torch.ones(l, hidden, dtype=dtype)
+        op = (lambda: dist.send(x, peer)) if rank % 2 == 0 else (lambda: dist.recv(x, peer))
+        out.append(_time_comm(op, repeats))
+    dist.barrier()
+    return out if rank % 2 == 1 else None
+
+
+def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[int], lengths: Sequence[int],
+                              vocab: int, repeats: int) -> dict[int, tuple[list[float], list[float]]]:
+    """Per TP degree, ms of one decoder layer and of the rest at each length, forward + backward on one
+    rank's shard (``build(n, tp)``: ``n`` layers).
+
+    Why not ``profiler.dual_layer_timings`` per degree: on a loaded machine the load changes between
+    two phases, and a layer's time is a difference of two timings. Here every repeat runs the 1- and
+    the 2-layer model of every degree back to back (round robin), the layer is the median of the
+    paired differences and the rest the median 1-layer time minus it; medians, not minima, because
+    ranks that share cores are slowed for the whole step (measured: the minimum was ~2.5x too low).
+    """
+    import torch
+    from hgraph.runtime.planner.cost.profiler import _fwd_bwd_ms
+
+    torch.manual_seed(0)
+    models = {tp: (build(1, tp), build(2, tp)) for tp in tps}
+    out: dict[int, tuple[list[float], list[float]]] = {tp: ([], []) for tp in tps}
+    for length in lengths:
+        diffs: dict[int, list[float]] = {tp: [] for tp in tps}
+        ones: dict[int, list[float]] = {tp: [] for tp in tps}
+        ids = {tp: torch.randint(0, -(-vocab // tp), (1, length)) for tp in tps}
+        for k in range(repeats + 1):
+            for tp in tps:
+                one, two = models[tp]
+                t1, t2 = _fwd_bwd_ms(one, ids[tp]), _fwd_bwd_ms(two, ids[tp])
+                if k:                                    # the first round warms up
+                    diffs[tp].append(t2 - t1)
+                    ones[tp].append(t1)
+        for tp in tps:
+            lay = max(statistics.median(diffs[tp]), 0.0)
+            out[tp][0].append(lay)
+            out[tp][1].append(max(statistics.median(ones[tp]) - lay, 0.0))
+    return out
+
+
+def calibration_phases(prior: CostModel, world_size: int) -> int:
+    """How many ``progress`` calls ``calibrate_cost_model`` makes (for a progress bar's total)."""
+    tps = {tp for tp, _, _ in prior.profiled}
+    pps = {pp for _, pp, _ in prior.profiled}
+    multi = world_size > 1
+    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0)
+
+
+def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
+                         world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
+                         lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 5,
+                         progress: Optional[Callable[[str], None]] = None) -> tuple[CostModel, dict]:
+    """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
+    every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
+    shard (``tp`` 1: the model's own layers);
+    ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
+    Returns the model and the raw measurements."""
+    import torch
+
+    dtype = dtype or torch.float32
+    hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
+    lengths = [int(l) for l in lengths if l <= max(getattr(model_config, "max_seq_len", max(lengths)), 3)]
+    if len(set(lengths)) < 3:
+        raise HGraphError(f"calibration needs 3 distinct lengths up to the model's context, got {lengths}")
+    say = progress or (lambda _text: None)
+    tps = sorted({tp for tp, _, _ in prior.profiled})
+    pps = sorted({pp for _, pp, _ in prior.profiled})
+    raw: dict[str, Any] = {"lengths": lengths, "layer_ms": {}, "rest_ms": {}, "tp_comm_ms": {},
+                           "pp_comm_ms": None, "repeats": repeats, "ranks": world_size}
+    layer: dict[int, tuple[float, float, float]] = {}
+    rest: dict[int, tuple[float, float, float]] = {}
+    say("compute " + ", ".join(f"TP{tp}" for tp in tps))
+    timed = interleaved_layer_timings(build, tps, lengths, vocab, repeats)
+    rows = _all_gather(timed)
+    for tp in tps:
+        raw["layer_ms"][tp] = _median_rows([r[tp][0] for r in rows])
+        raw["rest_ms"][tp] = _median_rows([r[tp][1] for r in rows])
+        layer[tp] = fit_coefficients(list(zip(lengths, raw["layer_ms"][tp])))
+        rest[tp] = fit_coefficients(list(zip(lengths, raw["rest_ms"][tp])))
+    tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
+    import torch.distributed as dist
+    multi = dist.is_initialized() and world_size > 1
+    for tp in tps:
+        if tp == 1 or not multi:
+            continue
+        say(f"all-reduce TP{tp}")
+        ms = [r for r in _all_gather(measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats))
+              if r is not None]
+        med = _median_rows(ms)
+        raw["tp_comm_ms"][tp] = med
+        tp_line[tp] = _fit_line(COMM_LENGTHS, med)
+    pp_line = (0.0, 0.0)
+    if multi and max(pps) > 1:
+        say("send/recv PP")
+        ms = [r for r in _all_gather(measure_pp_comm(rank, world_size, hidden, dtype, repeats)) if r is not None]
+        med = _median_rows(ms)
+        raw["pp_comm_ms"] = med
+        pp_line = _fit_line(COMM_LENGTHS, med)
+    profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+    per_layer_slots = tp_slots / layers if layers else 0.0
+    for (tp, pp, cp) in prior.profiled:
+        if cp != 1 or tp not in tp_line or tp not in layer:
+            continue
+        stage = math.ceil(layers / pp)
+        ta, tb = tp_line[tp]
+        pa, pb = pp_line if pp > 1 else (0.0, 0.0)
+        (la, lb, lc), (ra, rb, rc) = layer[tp], rest[tp]
+        a = stage * la + ra
+        b = stage * lb + rb + stage * per_layer_slots * tb + 2 * pb
+        c = stage * lc + rc + stage * per_layer_slots * ta + 2 * pa
+        profiled[(tp, pp, 1)] = (a, b, c)
+    util = {}
+    for tp in tps:
+        a, b, c = profiled.get((tp, 1, 1)) or next(v for k, v in profiled.items() if k[0] == tp)
+        util[tp] = max(int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else max(lengths), 1)
+    cost = CostModel(name="measured", model=prior.model, profiled=profiled, util_len_tokens=util,
+                     memory=prior.memory, world_size=prior.world_size, gpus_per_node=prior.gpus_per_node,
+                     max_cp=1, extra={"source": "measured at the start of the run (hgraph.runtime.planner.cost.calibration)",
+                            "calibration": raw})
+    return cost, raw
+
+
+class StepCorrection:
+    """Scales the cost model's estimate by the median of measured/estimated over the last ``window``
+    steps (1 before any step). Steps that compiled a program (cache miss) are not counted."""
+
+    def __init__(self, window: int = 8) -> None:
+        self.ratios: deque[float] = deque(maxlen=window)
+
+    @property
+    def factor(self) -> float:
+        return statistics.median(self.ratios) if self.ratios else 1.0
+
+    def observe(self, est_ms: float, measured_ms: float) -> None:
+        if est_ms > 0 and measured_ms > 0 and math.isfinite(measured_ms):
+            self.ratios.append(measured_ms / est_ms)
+
+
+def scaled_plan(plan: Any, factor: float) -> Any:
+    """A copy of ``plan`` with every estimate multiplied by ``factor``."""
+    if factor == 1.0:
+        return plan
+    pipes = [dataclasses.replace(p, est_latency_ms=p.est_latency_ms * factor) for p in plan.pipelines]
+    return dataclasses.replace(plan, pipelines=pipes, est_latency_ms=plan.est_latency_ms * factor)

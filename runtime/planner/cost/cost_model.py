@@ -1,0 +1,323 @@
+"""Latency and memory model of one pipeline scheme (Hydraulis §6.1, App. B).
+
+Latency: ``T(l, P) = a*l^2 + b*l + c`` ms is the forward+backward time of one micro-batch holding one
+sequence of ``l`` tokens on one pipeline stage of ``P``. A packed micro-batch costs
+``sum(a*l_i^2 + b*l_i) + c`` (varlen attention keeps documents apart, so the per-sequence parts add;
+the constant overhead is paid once per micro-batch) and a 1F1B pipeline with ``V`` micro-batches
+costs ``(PP - 1 + V) * max micro-batch time``.
+
+Memory (App. B.1): activations ``layers * l * H / (TP * CP) * A[TP]`` bytes (the first stage holds PP
+micro-batches of layers/PP layers each); model states ``layers*H^2/N * B * alpha +
+layers/PP * H^2/TP * B * (1 - alpha)`` plus the embedding ``H*V/N*16*alpha + H*V/TP*16*(1-alpha)``;
+``MaxLen(P)`` is the ``l`` where the total plus the framework gap reaches memory minus the margin.
+
+Context-parallel schemes (``CP > 1``) are not in the A800 profiles. Unless a profile lists them
+explicitly they are derived from the profiled ``<TP, PP>``: every CP rank computes ``1/CP`` of the
+tokens and of the (load-balanced) causal attention, so ``a/CP``; the linear part is divided by
+``CP * cp_efficiency`` (the ring exchange of K/V is overlapped with attention but not perfectly,
+``cp_efficiency`` defaults to 0.9, an assumption stored in the profile); ``c`` is unchanged (the same
+kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.profiles import resolve_profile
+from hgraph.strategy import Scheme
+
+DEFAULT_CP_EFFICIENCY = 0.9
+DEFAULT_MAX_CP = 8
+EMBEDDING_BYTES_PER_PARAM = 16  # App. B.1: the embedding term uses 16 bytes per parameter
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes the memory model needs."""
+
+    hidden: int
+    layers: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Constants of the App. B.1 memory model (bytes)."""
+
+    activation_coeff: tuple[tuple[int, float], ...]  # (tp, A): bytes per token per layer per hidden/TP
+    state_coeff: float  # B
+    alpha: float  # fraction of model-state bytes that are fully sharded over all N ranks
+    framework_gap_bytes: int
+    safety_margin_bytes: int
+    gpu_memory_bytes: int
+    # Optional terms of a memory model measured on this runtime (``runtime_memory``); the defaults
+    # keep App. B.1 exactly: per TP degree, activation bytes per token outside the layers (embedding,
+    # head, loss; split over TP x CP), and bytes per embedding parameter (B.1 uses 16).
+    other_coeff: tuple[tuple[int, float], ...] = ()
+    embedding_bytes_per_param: float = EMBEDDING_BYTES_PER_PARAM
+
+    def activation_A(self, tp: int) -> float | None:
+        return dict(self.activation_coeff).get(tp)
+
+    def state_bytes(self, model: ModelShape, scheme: Scheme, world_size: int) -> float:
+        """Model states and embedding bytes on one rank of ``scheme``."""
+        h2 = model.hidden ** 2
+        states = (model.layers * h2 / world_size) * self.state_coeff * self.alpha \
+            + (model.layers / scheme.pp) * (h2 / scheme.tp) * self.state_coeff * (1 - self.alpha)
+        emb = model.hidden * model.vocab
+        embedding = emb / world_size * self.embedding_bytes_per_param * self.alpha \
+            + emb / scheme.tp * self.embedding_bytes_per_param * (1 - self.alpha)
+        return states + embedding
+
+    def activation_bytes_per_token(self, model: ModelShape, scheme: Scheme) -> float | None:
+        A = self.activation_A(scheme.tp)
+        if A is None:
+            return None
+        other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.cp
+        return model.layers * model.hidden / (scheme.tp * scheme.cp) * A + other
+
+    def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
+        """Longest packed micro-batch (tokens) that fits; 0 when even the model states do not fit."""
+        per_token = self.activation_bytes_per_token(model, scheme)
+        if per_token is None:
+            return 0
+        free = self.gpu_memory_bytes - self.safety_margin_bytes - self.framework_gap_bytes \
+            - self.state_bytes(model, scheme, world_size)
+        return max(int(free // per_token), 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "activation_bytes_per_token_per_layer_coeff_A": {f"tp{tp}": a for tp, a in self.activation_coeff},
+            "model_state_coeff_B": self.state_coeff,
+            "alpha_sharded_fraction": self.alpha,
+            "framework_gap_bytes": self.framework_gap_bytes,
+            "safety_margin_bytes": self.safety_margin_bytes,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            **({"other_activation_bytes_per_token": {f"tp{tp}": v for tp, v in self.other_coeff}}
+               if self.other_coeff else {}),
+            **({"embedding_bytes_per_param": self.embedding_bytes_per_param}
+               if self.embedding_bytes_per_param != EMBEDDING_BYTES_PER_PARAM else {}),
+        }
+
+
+def _tp_key(text: str, where: str) -> int:
+    if not (isinstance(text, str) and text.startswith("tp") and text[2:].isdigit()):
+        raise HGraphError(f"{where}: key {text!r} must be tp<n>")
+    return int(text[2:])
+
+
+@dataclass
+class CostModel:
+    """Latency and memory model of every scheme that fits a cluster of ``world_size`` GPUs.
+
+    ``profiled`` maps ``(tp, pp, cp)`` to measured ``(a, b, c)``; CP schemes not profiled are
+    derived (module docstring). ``schemes`` lists the schemes that fit: ``tp*pp*cp <= world_size``,
+    TP inside one node, and a positive MaxLen.
+    """
+
+    name: str
+    model: ModelShape
+    profiled: dict[tuple[int, int, int], tuple[float, float, float]]
+    util_len_tokens: dict[int, int]
+    memory: MemoryModel
+    world_size: int
+    gpus_per_node: int = 8
+    cp_efficiency: float = DEFAULT_CP_EFFICIENCY
+    max_cp: int = DEFAULT_MAX_CP
+    extra: dict[str, Any] = field(default_factory=dict)  # other profile keys, kept for to_profile_dict
+    # DCP-intra: activation bytes per rank; a micro-batch over it recomputes layers and pays their forward
+    activation_budget_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise HGraphError(f"world size must be a positive integer, got {self.world_size!r}")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
+            raise HGraphError(f"GPUs per node must be a positive integer, got {self.gpus_per_node!r}")
+        if not 0 < self.cp_efficiency <= 1:
+            raise HGraphError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency!r}")
+        self._coeffs: dict[Scheme, tuple[float, float, float]] = {}
+        self._max_len: dict[Scheme, int] = {}
+        for (tp, pp, cp), abc in sorted(self._all_coeffs().items()):
+            scheme = Scheme(tp, pp, cp)
+            if scheme.num_ranks > self.world_size or tp > self.gpus_per_node or self.gpus_per_node % tp:
+                continue
+            if tp not in self.util_len_tokens:
+                continue
+            ml = self.memory.max_len(self.model, scheme, self.world_size)
+            if ml <= 0:
+                continue
+            self._coeffs[scheme] = abc
+            self._max_len[scheme] = ml
+        self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.tp * s.pp * s.cp, s.tp, s.pp, s.cp))
+
+    def _all_coeffs(self) -> dict[tuple[int, int, int], tuple[float, float, float]]:
+        out = dict(self.profiled)
+        cp = 2
+        while cp <= self.max_cp:
+            for (tp, pp, base_cp), (a, b, c) in self.profiled.items():
+                if base_cp == 1 and (tp, pp, cp) not in out:
+                    out[(tp, pp, cp)] = (a / cp, b / (cp * self.cp_efficiency), c)
+            cp *= 2
+        return out
+
+    # ---- queries ---------------------------------------------------------------------------
+    def _check(self, scheme: Scheme) -> Scheme:
+        if scheme not in self._coeffs:
+            raise HGraphError(
+                f"scheme {scheme} is not available in cost profile {self.name!r} for {self.world_size} GPUs "
+                f"({self.gpus_per_node} per node); available: {', '.join(map(str, self.schemes)) or 'none'}")
+        return scheme
+
+    def has(self, scheme: Scheme) -> bool:
+        return scheme in self._coeffs
+
+    def coeffs(self, scheme: Scheme) -> tuple[float, float, float]:
+        """``(a, b, c)`` in ms of ``T(l) = a l^2 + b l + c``."""
+        try:
+            return self._coeffs[scheme]
+        except KeyError:
+            self._check(scheme)
+            raise
+
+    def seq_time(self, l, scheme: Scheme):
+        """Per-sequence part ``a l^2 + b l`` (ms); ``l`` may be a number or a numpy array."""
+        a, b, _ = self.coeffs(scheme)
+        if isinstance(l, (list, tuple)):
+            l = np.asarray(l, dtype=np.float64)
+        elif isinstance(l, np.ndarray):
+            l = l.astype(np.float64, copy=False)
+        return a * l * l + b * l
+
+    def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
+        """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus the forward of the layers it
+        recomputes when ``activation_budget_bytes`` is set (``planner.recompute``)."""
+        arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
+        t = float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
+        if self.activation_budget_bytes is not None:
+            from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
+            t += recompute_extra_ms(self, arr, scheme, self.activation_budget_bytes)[0]
+        return t
+
+    def pipeline_time(self, mb_times: Sequence[float], scheme: Scheme) -> float:
+        """1F1B latency ``(PP - 1 + V) * max(mb_times)``; 0 for a pipeline with no micro-batch."""
+        if len(mb_times) == 0:
+            return 0.0
+        return (scheme.pp - 1 + len(mb_times)) * float(max(mb_times))
+
+    def max_len(self, scheme: Scheme) -> int:
+        """MaxLen(P): the longest packed micro-batch (tokens) that fits in memory."""
+        try:
+            return self._max_len[scheme]
+        except KeyError:
+            self._check(scheme)
+            raise
+
+    def util_len(self, scheme: Scheme) -> int:
+        """UtilLen(P): packed length (tokens) at which the scheme runs near full efficiency (App. C)."""
+        self._check(scheme)
+        return self.util_len_tokens[scheme.tp] * scheme.cp
+
+    def largest_max_len(self) -> int:
+        return max(self._max_len.values(), default=0)
+
+    # ---- serialisation ---------------------------------------------------------------------
+    def to_profile_dict(self) -> dict[str, Any]:
+        """This model as a profile file ``{name: entry}`` (the format ``load_cost_model`` reads).
+
+        Only measured schemes are written; derived CP schemes are derived again on load.
+        """
+        schemes = []
+        for (tp, pp, cp), (a, b, c) in sorted(self.profiled.items()):
+            entry: dict[str, Any] = {"tp": tp, "pp": pp}
+            if cp != 1:
+                entry["cp"] = cp
+            entry.update({"a": a, "b": b, "c": c})
+            schemes.append(entry)
+        body: dict[str, Any] = dict(self.extra)
+        body.update({
+            "model": {"hidden": self.model.hidden, "layers": self.model.layers, "vocab": self.model.vocab},
+            "schemes": schemes,
+            "util_len_tokens": {f"tp{tp}": v for tp, v in sorted(self.util_len_tokens.items())},
+            "memory": self.memory.to_dict(),
+            "context_parallel": {"efficiency": self.cp_efficiency, "max_cp": self.max_cp},
+        })
+        return {self.name: body}
+
+
+def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,
+                          cp_efficiency: float | None = None, max_cp: int | None = None) -> CostModel:
+    """Build a CostModel from one (validated) profile entry."""
+    where = f"profile {name!r}"
+    try:
+        model = ModelShape(int(entry["model"]["hidden"]), int(entry["model"]["layers"]), int(entry["model"]["vocab"]))
+        profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+        for s in entry["schemes"]:
+            key = (int(s["tp"]), int(s["pp"]), int(s.get("cp", 1)))
+            profiled[key] = (float(s["a"]), float(s["b"]), float(s["c"]))
+        util = {_tp_key(k, where): int(v) for k, v in entry["util_len_tokens"].items()}
+        mem = entry["memory"]
+        memory = MemoryModel(
+            activation_coeff=tuple(sorted(
+                (_tp_key(k, where), float(v)) for k, v in mem["activation_bytes_per_token_per_layer_coeff_A"].items())),
+            state_coeff=float(mem["model_state_coeff_B"]),
+            alpha=float(mem["alpha_sharded_fraction"]),
+            framework_gap_bytes=int(mem["framework_gap_bytes"]),
+            safety_margin_bytes=int(mem["safety_margin_bytes"]),
+            gpu_memory_bytes=int(mem["gpu_memory_bytes"]),
+            other_coeff=tuple(sorted(
+                (_tp_key(k, where), float(v)) for k, v in mem.get("other_activation_bytes_per_token", {}).items())),
+            embedding_bytes_per_param=float(mem.get("embedding_bytes_per_param", EMBEDDING_BYTES_PER_PARAM)),
+        )
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise HGraphError(f"{where}: malformed value ({exc})") from None
+    cp_conf = entry.get("context_parallel", {})
+    extra = {k: v for k, v in entry.items()
+             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel")}
+    return CostModel(
+        name=name, model=model, profiled=profiled, util_len_tokens=util, memory=memory,
+        world_size=world_size, gpus_per_node=gpus_per_node,
+        cp_efficiency=float(cp_efficiency if cp_efficiency is not None else cp_conf.get("efficiency", DEFAULT_CP_EFFICIENCY)),
+        max_cp=int(max_cp if max_cp is not None else cp_conf.get("max_cp", DEFAULT_MAX_CP)),
+        extra=extra)
+
+
+def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_efficiency: float | None = None,
+                    max_cp: int | None = None) -> CostModel:
+    """Cost model for a built-in profile name, a profile file PATH, or ``PATH:NAME``."""
+    name, entry = resolve_profile(ref)
+    return cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=gpus_per_node,
+                                 cp_efficiency=cp_efficiency, max_cp=max_cp)
+
+
+def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """Least-squares fit of ``ms = a l^2 + b l + c`` to ``[(l, ms)]``.
+
+    Needs three distinct lengths. A negative ``a`` (attention cost hidden by noise) is refitted as
+    linear with ``a = 0``; a negative ``b`` or ``c`` likewise drops that term, so times stay monotone.
+    """
+    pts = np.asarray(list(points), dtype=np.float64)
+    if pts.ndim != 2 or pts.shape[1] != 2:
+        raise HGraphError("fit_coefficients needs (length, ms) pairs")
+    if len(np.unique(pts[:, 0])) < 3:
+        raise HGraphError(f"fitting a*l^2 + b*l + c needs at least 3 distinct lengths, got {len(np.unique(pts[:, 0]))}")
+    l, t = pts[:, 0], pts[:, 1]
+    columns = {"a": l * l, "b": l, "c": np.ones_like(l)}
+    active = ["a", "b", "c"]
+    while True:
+        X = np.stack([columns[k] for k in active], axis=1)
+        sol, *_ = np.linalg.lstsq(X, t, rcond=None)
+        fit = dict(zip(active, sol))
+        negative = [k for k in active if fit[k] < 0]
+        if not negative or len(active) == 1:
+            break
+        active.remove(negative[0])
+    return (float(max(fit.get("a", 0.0), 0.0)), float(max(fit.get("b", 0.0), 0.0)), float(max(fit.get("c", 0.0), 0.0)))
+
+
+def analytic_cost_model(*args, **kwargs) -> CostModel:
+    """Analytic prior (see ``hgraph.runtime.planner.cost.analytic_prior.analytic_cost_model``)."""
+    from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model as build
+    return build(*args, **kwargs)

@@ -1,0 +1,166 @@
+"""Measuring a cost profile on this machine by dual-layer profiling (DCP).
+
+For each sequence length ``l`` the model is built with 1 and with 2 decoder layers and one
+forward + backward on ``[1, l]`` tokens is timed (fastest of ``repeats`` interleaved runs after a
+warm-up); the
+difference is the cost of one decoder layer, the 1-layer time minus that is the rest (embedding,
+final norm, head, loss). A stage of ``<TP1, PP>`` holds ``ceil(layers / PP)`` layers plus the rest
+(the first or last stage, the slowest), so ``T(l) = ceil(layers/PP) * layer(l) + rest(l)`` and
+``a, b, c`` are fitted by least squares.
+
+Memory: ``A`` (activation bytes per token per layer, per hidden/TP) is *measured* by counting the
+bytes of the tensors autograd saves for backward (``saved_tensors_hooks``, distinct storages) with 1
+and 2 layers; the model-state constant ``B`` and ``alpha`` are *derived* from the parameter count
+(16 bytes per parameter under mixed-precision Adam, 12 of them sharded), as in the analytic prior.
+Only TP=1 schemes can be measured in one process; TP/CP > 1 needs the multi-process runtime.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.cost_model import (
+    CostModel, MemoryModel, ModelShape, fit_coefficients)
+from hgraph.strategy import Scheme
+
+UTIL_EFFICIENCY = 0.85  # App. C threshold: UtilLen is where the constant overhead is 15% of the time
+
+
+@dataclass
+class LayerTimings:
+    """Per length: milliseconds of one decoder layer and of the rest of the model (fwd + bwd)."""
+
+    lengths: list[int]
+    layer_ms: list[float]
+    rest_ms: list[float]
+
+
+def _fwd_bwd_ms(model, ids) -> float:
+    import torch
+
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    logits = model(ids)
+    loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    loss.backward()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _time_pair(one, two, length: int, vocab: int, repeats: int, warmup: int) -> tuple[float, float]:
+    """Fastest of ``repeats`` runs of each model, the two interleaved so that a busy machine
+    slows both alike; the minimum is the run least disturbed by other processes."""
+    import torch
+
+    ids = torch.randint(0, vocab, (1, length))
+    for _ in range(warmup):
+        _fwd_bwd_ms(one, ids)
+        _fwd_bwd_ms(two, ids)
+    t1, t2 = [], []
+    for _ in range(repeats):
+        t1.append(_fwd_bwd_ms(one, ids))
+        t2.append(_fwd_bwd_ms(two, ids))
+    return min(t1), min(t2)
+
+
+def _saved_bytes(model, length: int, vocab: int) -> int:
+    """Bytes of the distinct tensors autograd saves for backward in one forward pass."""
+    import torch
+
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t):
+        try:
+            key = (t.untyped_storage().data_ptr(), t.device.index or 0)
+            seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, vocab, (1, length))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    del loss
+    return sum(n for (ptr, _), n in seen.items() if ptr not in params)
+
+
+def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], vocab: int, *, repeats: int = 10,
+                       warmup: int = 2, threads: int | None = None) -> LayerTimings:
+    """Time a 1-layer and a 2-layer model (``build(num_layers)``) on every length.
+
+    ``threads`` sets torch's intra-op threads while timing (restored afterwards).
+    """
+    import torch
+
+    torch.manual_seed(0)
+    one, two = build(1), build(2)
+    layer, rest = [], []
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for l in lengths:
+            t1, t2 = _time_pair(one, two, l, vocab, repeats, warmup)
+            per_layer = max(t2 - t1, 0.0)  # noise can make a tiny layer look free; never negative
+            layer.append(per_layer)
+            rest.append(max(t1 - per_layer, 0.0))
+    finally:
+        torch.set_num_threads(before)
+    return LayerTimings(list(lengths), layer, rest)
+
+
+def measure_activation_coeff(build: Callable[[int], Any], hidden: int, vocab: int, length: int = 256) -> float:
+    """``A``: activation bytes saved per token per layer, divided by the hidden size (TP = 1)."""
+    one, two = build(1), build(2)
+    per_layer = _saved_bytes(two, length, vocab) - _saved_bytes(one, length, vocab)
+    if per_layer <= 0:
+        raise HGraphError("could not measure activation memory: the 2-layer model saved no more than the 1-layer one")
+    return per_layer / length / hidden
+
+
+def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, layers: int, vocab: int,
+                       params_per_layer: int, schemes: Sequence[Scheme], lengths: Sequence[int],
+                       repeats: int = 10, warmup: int = 2, threads: int | None = None, gpu_memory_bytes: int = 80 * 2 ** 30,
+                       framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30,
+                       device: str = "cpu") -> tuple[CostModel, dict[str, Any]]:
+    """Measure ``a, b, c`` per scheme and the memory constants; return the model and the raw data."""
+    for s in schemes:
+        if s.tp != 1 or s.cp != 1:
+            raise HGraphError(
+                f"cannot profile {s} in one process: TP/CP > 1 needs multi-process profiling through the "
+                "runtime, which is not built yet; profile TP1 schemes (TP1PP<n>)")
+    if len(set(lengths)) < 3:
+        raise HGraphError(f"profiling needs at least 3 distinct lengths to fit a*l^2 + b*l + c, got {list(lengths)}")
+    timings = dual_layer_timings(build, lengths, vocab, repeats=repeats, warmup=warmup, threads=threads)
+    profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
+    points: dict[str, list[list[float]]] = {}
+    for s in schemes:
+        stage_layers = math.ceil(layers / s.pp)
+        pts = [(l, stage_layers * lay + rest) for l, lay, rest in zip(timings.lengths, timings.layer_ms, timings.rest_ms)]
+        points[str(s)] = [[float(l), float(t)] for l, t in pts]
+        profiled[(s.tp, s.pp, s.cp)] = fit_coefficients(pts)
+    A = measure_activation_coeff(build, hidden, vocab)
+    base = profiled.get((1, 1, 1)) or next(iter(profiled.values()))
+    a, b, c = base
+    util = int(math.ceil(c * UTIL_EFFICIENCY / ((1 - UTIL_EFFICIENCY) * b))) if b > 0 else max(lengths)
+    memory = MemoryModel(
+        activation_coeff=((1, A),),
+        state_coeff=params_per_layer / hidden ** 2 * 16,
+        alpha=12 / 16,
+        framework_gap_bytes=framework_gap_bytes,
+        safety_margin_bytes=safety_margin_bytes,
+        gpu_memory_bytes=gpu_memory_bytes,
+    )
+    raw = {"method": "dual-layer (DCP): 1- and 2-layer models, forward+backward, fastest of interleaved repeats",
+           "device": device, "lengths": list(map(int, lengths)), "repeats": repeats, "threads": threads,
+           "layer_ms": timings.layer_ms, "rest_ms": timings.rest_ms, "points": points,
+           "memory_source": "A measured by counting saved tensors (1 vs 2 layers); B and alpha derived from the "
+                            "parameter count (16 bytes/parameter, 12 sharded)"}
+    cost = CostModel(name=name, model=ModelShape(hidden, layers, vocab), profiled=profiled,
+                     util_len_tokens={1: max(util, 1)}, memory=memory, world_size=max(s.num_ranks for s in schemes),
+                     gpus_per_node=1, extra={"cluster": {"gpu": device, "gpus_per_node": 1}, "profiling": raw})
+    return cost, raw

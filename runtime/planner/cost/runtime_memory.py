@@ -1,0 +1,176 @@
+"""The memory model of *this* runtime under a per-rank device memory limit (``--device-memory``), and
+the check that every document fits some scheme.
+
+Why not the analytic prior's: it describes a GPU with bf16 working weights, flash attention and
+sequence parallelism (``A = 34``) and 80 GiB, so on CPU MaxLen never binds and every scheme holds
+every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
+
+* activations: bytes autograd saves for backward, counted by the runtime's own accounting
+  (``recompute.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
+  TP rank's shard of the model (``tp_shard_config``) with 1 and 2 layers, on a micro-batch packed
+  from several documents through the runtime's varlen attention (measured against the executor's
+  own ``peak_mem_bytes`` on one rank: within 0.1%; a single-document micro-batch keeps ~4% less, so
+  the model is an upper bound for it): the difference is one layer (``A = bytes_per_token * TP / hidden``), the rest is the embedding, head and loss
+  (``other_coeff``). Counts are bytes, not times: the same on every run and every machine load.
+  No sequence parallelism here, so TP2 does not halve a layer's activations (the residual stream
+  and norms are replicated). Under 1F1B the first stage holds PP micro-batches of ``layers / PP``
+  layers, i.e. the whole model's layers for one micro-batch (B.1): PP alone does not lengthen MaxLen
+  by much, TP does.
+* model states: fp32 masters and Adam's two moments (12 bytes a parameter) sharded evenly over all N
+  ranks (``alpha``), working parameters and their gradients (2 x 4 bytes in fp32, 2 x 2 in bf16) in the
+  scheme's layout (``layers / PP`` layers, ``1 / TP`` of each); embedding and head alike.
+* no framework gap or safety margin: the limit given is what activations and states may use.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Sequence
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel
+
+MEASURE_LENGTH = 128          # tokens of the accounting pass (bytes are linear in it without l^2 terms)
+PACKED_DOC_LEN = 32          # documents of the accounting pass (a packed micro-batch; any size >1 doc counts alike)
+MASTER_AND_ADAM_BYTES = 12    # fp32 master + Adam m + v per parameter, sharded over all ranks
+
+
+def _packed_attention(cu_seqlens: Sequence[int]) -> Any:
+    """A context in which ``F.scaled_dot_product_attention`` runs as the runtime's per-document
+    ``varlen_attention`` over ``cu_seqlens``: a packed micro-batch's attention keeps per-document
+    slices of Q, K, V (measured: +4% bytes per token for llama:tiny), which one SDPA call does not."""
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+    from hgraph.runtime.kernels.varlen_attention import varlen_attention
+
+    class PackedAttention(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:     # the mode is off inside its own handler
+                return varlen_attention(*args[:3], cu_seqlens, enable_gqa=kwargs.get("enable_gqa", False))
+            return func(*args, **kwargs)
+
+    return PackedAttention()
+
+
+def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = None) -> int:
+    """Bytes autograd keeps for backward in one forward of ``model`` on ``length`` random tokens
+    (the runtime's ``ActivationMeter``; parameters excluded), packed as documents of ``doc_len``
+    tokens through the runtime's varlen attention (None: one document, plain SDPA)."""
+    import contextlib
+
+    import torch
+    from hgraph.runtime.engine.recompute import ActivationMeter
+
+    meter = ActivationMeter(excluded=list(model.parameters()))
+    ids = torch.randint(0, model.config.vocab_size, (1, length))
+    packed = _packed_attention(list(range(0, length, doc_len)) + [length]) if doc_len else contextlib.nullcontext()
+    with meter.hooks(), packed:
+        logits = model(ids)
+        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    peak = meter.peak_bytes
+    del loss, logits
+    return int(peak)
+
+
+def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASURE_LENGTH,
+                               dtype: Any = None) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+    """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring)."""
+    import torch
+    from hgraph.frontends.zoo import llama
+    from hgraph.runtime.planner.service.iteration import tp_shard_config
+
+    A, other = [], []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for tp in sorted(set(tps)):
+            counts = []
+            for n in (1, 2):
+                m = llama.build(tp_shard_config(cfg, n, tp))
+                if dtype is not None:
+                    m = m.to(dtype)
+                # packed (the common micro-batch, and the larger count): the model is an upper bound
+                counts.append(saved_activation_bytes(m, length, PACKED_DOC_LEN))
+            layer = max(counts[1] - counts[0], 1) / length
+            A.append((tp, layer * tp / cfg.hidden_size))
+            other.append((tp, max(counts[0] / length - layer, 0.0)))
+    return tuple(A), tuple(other)
+
+
+def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, working_bytes: int = 4,
+                         dtype: Any = None) -> MemoryModel:
+    """This runtime's memory model of a zoo Llama ``cfg`` on devices of ``device_memory`` bytes."""
+    A, other = measured_activation_coeffs(cfg, tps, dtype=dtype)
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_kv_heads * cfg.head_dim
+    layer_params = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * f + 2 * h
+    per_param = MASTER_AND_ADAM_BYTES + 2 * working_bytes
+    embedding_mats = 1 if getattr(cfg, "tie_embeddings", False) else 2   # embedding + head
+    return MemoryModel(activation_coeff=A, state_coeff=layer_params / h ** 2 * per_param,
+                       alpha=MASTER_AND_ADAM_BYTES / per_param, framework_gap_bytes=0, safety_margin_bytes=0,
+                       gpu_memory_bytes=int(device_memory), other_coeff=other,
+                       embedding_bytes_per_param=embedding_mats * per_param)
+
+
+def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[float], *,
+                       working_bytes: int = 4) -> CostModel:
+    """``cost`` with MaxLen bounded by ``device_memory`` bytes per rank (None: ``cost`` unchanged).
+
+    For a zoo Llama whose shape is the cost model's, the memory model becomes this runtime's
+    (``runtime_memory_model``); otherwise (a profile of another model, a non-zoo model) the
+    profile's own App. B.1 constants are kept with the limit as the device memory and no margins.
+    """
+    if device_memory is None:
+        return cost
+    cfg = getattr(model, "config", None)
+    tps = sorted({tp for tp, _, _ in cost.profiled})
+    try:
+        from hgraph.frontends.zoo import llama
+        ours = isinstance(cfg, llama.LlamaConfig) and (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
+            (cost.model.hidden, cost.model.layers, cost.model.vocab)
+    except ImportError:      # pragma: no cover - the zoo ships with the package
+        ours = False
+    if ours:
+        memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes)
+    else:
+        memory = dataclasses.replace(cost.memory, gpu_memory_bytes=int(device_memory), framework_gap_bytes=0,
+                                     safety_margin_bytes=0)
+    return dataclasses.replace(cost, memory=memory)
+
+
+def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, context: int) -> int:
+    """The built-in run's limit: the smallest device on which the widest TP scheme (``TPmax PP1``)
+    still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about two
+    thirds of it (llama:tiny), so the longest documents need TP >= 2 while most fit TP1PP1."""
+    from hgraph.strategy import Scheme
+    mem = cost.memory
+    widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.cp == 1), 1, 1)
+    return int(mem.state_bytes(model_shape, widest, world_size)
+               + mem.activation_bytes_per_token(model_shape, widest) * context) + 1
+
+
+def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: Optional[float],
+                        schemes: Optional[Sequence[Any]] = None, offset: int = 0) -> None:
+    """One-line error naming the first document longer than every scheme's MaxLen (of ``schemes``,
+    default every scheme of ``cost``); ``offset``: index of ``lengths[0]`` in the data."""
+    pool = list(dict.fromkeys(schemes if schemes is not None else cost.schemes))
+    for s in pool:
+        cost.max_len(s)      # a given scheme the profile lacks (or that does not fit) is that error
+    largest = max((cost.max_len(s) for s in pool), default=0)
+    for i, l in enumerate(lengths):
+        if l > largest:
+            best = max(pool, key=cost.max_len, default=None)
+            limit = f"--device-memory {_mib(device_memory)}" if device_memory is not None else \
+                f"profile {cost.name!r}"
+            raise HGraphError(
+                f"document {offset + i} has {l} tokens, more than any scheme holds under {limit} "
+                f"(largest MaxLen {largest} tokens" + (f", {best}" if best is not None else "")
+                + "); give more device memory or truncate the data")
+
+
+def max_len_table(cost: CostModel) -> str:
+    """``TP1PP1<=512, TP2PP1<=1100`` for the PP1 schemes (a log line)."""
+    return ", ".join(f"{s}<={cost.max_len(s)}" for s in cost.schemes if s.pp == 1 and s.cp == 1)
+
+
+def _mib(nbytes: Optional[float]) -> str:
+    return "none" if nbytes is None else f"{nbytes / 2 ** 20:.1f}M"

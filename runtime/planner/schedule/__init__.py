@@ -1,0 +1,1 @@
+"""Scheduling one iteration on a strategy: dispatch, packing, WLB, DCP, recomputation choice."""

@@ -1,0 +1,1 @@
+"""Training: the loop, its configuration, the program cache, step modes, metrics, launch, heartbeat."""

@@ -1,0 +1,225 @@
+"""Strategy-independent checkpoints on 4 gloo ranks (one spawn for the module).
+
+Rank programs: build the zoo's tiny Llama, a ShardedAdam over 4 ranks (some parameters sharded along
+dim 1), take Adam steps with full gradients drawn from a shared seed, save at steps 2 and 4; then a
+save of step 6 that stops after the shard files (what a crash before the manifest leaves); then
+loads at world sizes 4, 2 and 3 (sub-groups of the 4 processes), the 2- and 3-rank loads gathered
+with the collective ``full_state_dict``.
+"""
+from __future__ import annotations
+
+import random
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import build
+from hgraph.runtime.checkpoint import shards as checkpoint
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.engine.optimizer import ShardedAdam, shard_bounds
+
+WORLD = 4
+# Non-default shard dims: a 2-d weight along its columns; sizes that 3 ranks do not divide evenly.
+SHARD_DIMS = {"layers.0.self_attn.q_proj.weight": 1, "layers.1.mlp.down_proj.weight": 1}
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build("tiny")
+
+
+def _optimizer(model, rank, world_size, group=None) -> ShardedAdam:
+    return ShardedAdam(model.named_parameters(), SHARD_DIMS, rank, world_size, lr=1e-2, weight_decay=0.01,
+                       group=group)
+
+
+def _adam_steps(opt: ShardedAdam, first: int, count: int) -> None:
+    for k in range(first, first + count):
+        gen = torch.Generator().manual_seed(1000 + k)   # the same full gradients on every rank
+        grads = {n: lay.slice_of(torch.randn(lay.full_shape or (1,), generator=gen)).clone()
+                 for n, lay in opt.layouts.items()}
+        opt.step(grads)
+
+
+def _state(opt: ShardedAdam) -> dict:
+    return opt.state_dict()
+
+
+def _worker(rank: int, world_size: int, root: str) -> dict:
+    model = _model()
+    opt = _optimizer(model, rank, world_size)
+    out: dict = {}
+    torch.manual_seed(100 + rank)
+    np.random.seed(200 + rank)
+    random.seed(300 + rank)
+    _adam_steps(opt, 0, 2)
+    checkpoint.save(root, 2, opt, rank=rank, world_size=world_size,
+                    data_position={"next_doc": 17, "step": 2}, delay_queues={"held": [[3, 1]]},
+                    planner_state={"seed": 5})
+    _adam_steps(opt, 2, 2)
+    out["rng_at_save"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
+    # The RNG states saved now are restored after loading: the next draws must repeat rng_after.
+    checkpoint.save(root, 4, opt, rank=rank, world_size=world_size,
+                    data_position={"next_doc": 40, "step": 4}, delay_queues={"held": []},
+                    planner_state={"seed": 5, "cache": ["4xTP1PP1"]})
+    out["state4"] = _state(opt)
+    out["rng_after"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
+
+    # A crash mid-save of step 6: the shard files (and a stray temp file) are there, no manifest.
+    _adam_steps(opt, 4, 2)
+    folder = checkpoint.step_dir(root, 6)
+    checkpoint.write_shard(folder, rank, world_size, 6, opt, checkpoint.capture_rng())
+    (folder / f".manifest.json.tmp-{rank}").write_text("{\"format\": 1, \"st")
+    dist.barrier()
+    out["latest_after_crash"] = str(checkpoint.latest(root))
+
+    ck = checkpoint.load(root, rank, world_size)
+    fresh = _optimizer(_model(), rank, world_size)
+    fresh.load_state_dict(ck.optimizer)
+    out["loaded4"] = _state(fresh)
+    out["loaded4_meta"] = (ck.step, ck.resharded, ck.data_position, ck.delay_queues, ck.planner_state)
+    checkpoint.restore_rng(ck.rng)
+    out["rng_restored"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
+    # Training on from the loaded state matches training on from the original one.
+    _adam_steps(fresh, 4, 2)
+    out["continued"] = _state(fresh)
+    out["original_continued"] = _state(opt)
+
+    for n in (2, 3):
+        group = dist.new_group(list(range(n)))         # every rank takes part in new_group
+        if rank < n:
+            ck_n = checkpoint.load(root, rank, n, step=4)
+            opt_n = _optimizer(_model(), rank, n, group=group)
+            opt_n.load_state_dict(ck_n.optimizer)
+            out[f"loaded{n}"] = _state(opt_n)
+            out[f"full{n}"] = opt_n.full_state_dict()
+            out[f"resharded{n}"] = ck_n.resharded
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    results = spawn(_worker, WORLD, args=(str(root),), timeout_s=120)
+    return root, results
+
+
+def _full(states: list[dict], key: str, name: str) -> torch.Tensor:
+    dim = states[0]["shard_dims"][name]
+    return torch.cat([s[key][name] for s in states], dim=dim)
+
+
+def _assert_same_state(a: dict, b: dict) -> None:
+    assert a["steps"] == b["steps"] and a["hyper"] == b["hyper"] and a["shard_dims"] == b["shard_dims"]
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert torch.equal(a[key][name], b[key][name]), (key, name)
+
+
+def test_load_same_world_size_is_bitwise_equal(run):
+    _, results = run
+    for r in results:
+        _assert_same_state(r["loaded4"], r["state4"])
+        step, resharded, pos, queues, planner = r["loaded4_meta"]
+        assert (step, resharded) == (4, False)
+        assert pos == {"next_doc": 40, "step": 4} and queues == {"held": []}
+        assert planner == {"seed": 5, "cache": ["4xTP1PP1"]}
+
+
+def test_training_continues_identically_after_load(run):
+    _, results = run
+    for r in results:
+        _assert_same_state(r["continued"], r["original_continued"])
+
+
+def test_rng_states_restored(run):
+    _, results = run
+    for r in results:
+        a, b = r["rng_after"], r["rng_restored"]
+        assert torch.equal(a[0], b[0]) and a[1] == b[1] and a[2] == b[2]
+        assert not torch.equal(r["rng_at_save"][0], a[0])   # the draws do move the generator
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(run):
+    root, results = run
+    assert all(r["latest_after_crash"] == str(checkpoint.step_dir(root, 4)) for r in results)
+    assert checkpoint.complete_steps(root) == [2, 4]
+    with pytest.raises(HGraphError, match="incomplete"):
+        checkpoint.load(root, 0, 4, step=6)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_resharded_load_gives_bitwise_equal_full_tensors(run, n):
+    _, results = run
+    saved = [r["state4"] for r in results]
+    loaded = [results[r][f"loaded{n}"] for r in range(n)]
+    assert all(results[r][f"resharded{n}"] for r in range(n))
+    for name, dim in saved[0]["shard_dims"].items():
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(loaded, key, name), _full(saved, key, name)), (n, key, name)
+        size = _full(saved, "params", name).shape[dim]
+        for r in range(n):           # each new rank holds exactly its shard_bounds range
+            lo, hi = shard_bounds(size, r, n)
+            assert loaded[r]["params"][name].shape[dim] == hi - lo
+            assert loaded[r]["steps"][name] == saved[0]["steps"][name] == 4.0
+    gathered = results[0][f"full{n}"]
+    for name in saved[0]["shard_dims"]:
+        assert torch.equal(gathered[name], _full(saved, "params", name))
+
+
+def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
+    root, results = run
+    saved = [r["state4"] for r in results]
+    full = checkpoint.full_tensors(root)
+    assert full["step"] == 4
+    out = tmp_path / "model.pt"
+    checkpoint.export_state_dict(root, out)
+    state = torch.load(out, weights_only=True)
+    model = _model()
+    model.load_state_dict(state)            # strict: every key of the module, nothing more
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), _full(saved, "params", name))
+        assert torch.equal(full["exp_avg"][name], _full(saved, "exp_avg", name))
+    # Older step on request; with the model given, its keys (buffers included) are kept.
+    state2 = checkpoint.export_state_dict(root, tmp_path / "m2.pt", step=2, model=_model())
+    assert state2.keys() == _model().state_dict().keys()
+    assert not torch.equal(state2["layers.0.self_attn.q_proj.weight"], state["layers.0.self_attn.q_proj.weight"])
+
+
+def test_truncated_shard_names_file_and_fallback_works(run, tmp_path):
+    import shutil
+    root, results = run
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root, copy)
+    victim = checkpoint.step_dir(copy, 4) / checkpoint.shard_file_name(1, 4)
+    data = victim.read_bytes()
+    victim.write_bytes(data[: len(data) // 2])
+    with pytest.raises(HGraphError, match=r"rank-00001-of-00004\.pt.*truncated"):
+        checkpoint.load(copy, 1, 4)
+    with pytest.raises(HGraphError, match=r"rank-00001-of-00004\.pt"):
+        checkpoint.load(copy, 0, 2)          # re-sharding reads rank 1's file too
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck = checkpoint.load(copy, 1, 4, fallback=True)
+    assert ck.step == 2 and ck.data_position == {"next_doc": 17, "step": 2}
+    assert any("falling back to the checkpoint of step 2" in str(w.message) for w in caught)
+
+
+def test_same_size_corruption_is_caught_by_checksum(run, tmp_path):
+    import shutil
+    root, _ = run
+    copy = tmp_path / "ckpt"
+    shutil.copytree(root, copy)
+    victim = checkpoint.step_dir(copy, 4) / checkpoint.shard_file_name(2, 4)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(HGraphError, match=r"rank-00002-of-00004\.pt.*SHA-256"):
+        checkpoint.load(copy, 2, 4)
+    assert checkpoint.load(copy, 3, 4).step == 4    # other ranks' files are intact

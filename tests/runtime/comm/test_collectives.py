@@ -1,0 +1,173 @@
+"""Comm ops on 4 gloo processes: 2-way TP MLP (f, g), uneven all-gather, 2-stage 1F1B pipeline.
+
+Every check compares with the unsharded computation done locally in fp32. Tolerance: the sharded
+sums only reorder fp32 additions, so values and gradients agree to rtol 1e-5, atol 1e-6.
+"""
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.collectives import (CommContext, comm_wait, pp_recv, pp_send, tp_copy_issue,
+                                     tp_gather_issue, tp_reduce_issue)
+from hgraph.runtime.train.launch import spawn
+
+RTOL, ATOL = 1e-5, 1e-6
+B, T, D, H = 2, 3, 8, 12
+
+
+def _close(a, b):
+    return bool(torch.allclose(a, b, rtol=RTOL, atol=ATOL))
+
+
+def _mlp_weights():
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(H, D, generator=g), torch.randn(D, H, generator=g),
+            torch.randn(B, T, D, generator=g), torch.randn(B, T, D, generator=g))
+
+
+def _tp_mlp(comm, rank):
+    """Column-parallel then row-parallel linear; TP groups {0,1} and {2,3} run side by side."""
+    w1, w2, x, r = _mlp_weights()
+    tp = [0, 1] if rank < 2 else [2, 3]
+    i = tp.index(rank)
+    rows = slice(i * H // 2, (i + 1) * H // 2)
+    w1_i = w1[rows].clone().requires_grad_()
+    w2_i = w2[:, rows].clone().requires_grad_()
+    x_i = x.clone().requires_grad_()
+    h = F.gelu(tp_copy_issue(comm, x_i, tp) @ w1_i.t())
+    y_issued = tp_reduce_issue(comm, h @ w2_i.t(), tp)
+    busy = (x_i * 2).sum()  # work placed between issue and wait
+    y = comm_wait(comm, y_issued)
+    (y * r).sum().backward()
+
+    w1f, w2f, xf = (t.clone().requires_grad_() for t in (w1, w2, x))
+    yf = F.gelu(xf @ w1f.t()) @ w2f.t()
+    (yf * r).sum().backward()
+    return {"y": _close(y, yf), "dx": _close(x_i.grad, xf.grad),
+            "dw1": _close(w1_i.grad, w1f.grad[rows]), "dw2": _close(w2_i.grad, w2f.grad[:, rows]),
+            "busy": busy.item() == (x * 2).sum().item(), "pending": comm.num_pending()}
+
+
+def _gather(comm, rank):
+    """All-gather along dim 1 with uneven pieces, over all 4 ranks and over a reversed pair."""
+    g = torch.Generator().manual_seed(1)
+    sizes = [1, 2, 3, 4]
+    full = torch.randn(2, sum(sizes), 5, generator=g)
+    w = torch.randn(2, sum(sizes), 5, generator=g)
+    lo = sum(sizes[:rank])
+    x = full[:, lo:lo + sizes[rank]].clone().requires_grad_()
+    y = comm_wait(comm, tp_gather_issue(comm, x, [0, 1, 2, 3], dim=1, sizes=sizes))
+    (y * w).sum().backward()
+    out = {"gather": torch.equal(y, full), "grad": torch.equal(x.grad, w[:, lo:lo + sizes[rank]])}
+    pair = [1, 0] if rank < 2 else [3, 2]  # pieces follow the order of the list, not rank order
+    piece = torch.full((3,), float(rank))
+    got = comm_wait(comm, tp_gather_issue(comm, piece, pair, dim=0))
+    out["pair_order"] = got.tolist() == [float(pair[0])] * 3 + [float(pair[1])] * 3
+    return out
+
+
+def _stage_model():
+    torch.manual_seed(2)
+    return torch.nn.Sequential(torch.nn.Linear(D, H), torch.nn.Tanh(), torch.nn.Linear(H, H),
+                               torch.nn.Tanh(), torch.nn.Linear(H, 1))
+
+
+def _pipeline(comm, rank):
+    """Stage 0 = layers 0-3 on ranks 0/2, stage 1 = layer 4 on ranks 1/3; 2 micro-batches, 1F1B."""
+    g = torch.Generator().manual_seed(3)
+    mbs = [(torch.randn(4, D, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
+    model = _stage_model()
+    first = rank % 2 == 0
+    stage = model[:4] if first else model[4:]
+    peer = rank + 1 if first else rank - 1
+    n = sum(len(t) for _, t in mbs)
+    if first:
+        tokens = [pp_send(comm, stage(x), peer, tag=7) for x, _ in mbs]  # warm-up: F0, F1
+        for token in tokens:                                               # cool-down: B0, B1
+            token.backward()
+            comm_wait(comm, token)
+    else:
+        for x, t in mbs:                                                   # F_i then B_i
+            act = pp_recv(comm, peer, (4, H), torch.float32, tag=7)
+            (F.mse_loss(stage(act), t, reduction="sum") / n).backward()
+    comm.wait_all()
+    ref = _stage_model()
+    loss = sum(F.mse_loss(ref(x), t, reduction="sum") for x, t in mbs) / n
+    loss.backward()
+    ref_stage = ref[:4] if first else ref[4:]
+    return {"grads": all(_close(p.grad, q.grad) for p, q in
+                         zip(stage.parameters(), ref_stage.parameters())),
+            "pending": comm.num_pending()}
+
+
+def _issue_does_not_block(comm, rank):
+    """Rank 1 joins the all-reduce 1.5 s late: rank 0's issue returns at once, its wait blocks."""
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.5)
+    start = time.monotonic()
+    issued = tp_reduce_issue(comm, torch.ones(4), [0, 1]) if rank < 2 else None
+    issued_s = time.monotonic() - start
+    out = comm_wait(comm, issued) if rank < 2 else None
+    waited_s = time.monotonic() - start - issued_s
+    return {"issue_s": issued_s, "wait_s": waited_s, "sum": None if out is None else out.tolist()}
+
+
+def _worker(rank, world_size):
+    comm = CommContext.from_default_group()
+    comm.groups.ensure([[0, 1], [2, 3]])
+    return {"tp": _tp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
+            "async": _issue_does_not_block(comm, rank)}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, 4, timeout_s=60)
+
+
+def test_tp_mlp_matches_unsharded(results):
+    for out in results:
+        assert out["tp"] == {"y": True, "dx": True, "dw1": True, "dw2": True, "busy": True,
+                             "pending": 0}
+
+
+def test_issue_returns_before_the_collective_completes(results):
+    early = results[0]["async"]
+    assert early["sum"] == [2.0] * 4
+    assert early["issue_s"] < 0.75 < early["wait_s"]
+
+
+def test_uneven_gather_and_its_backward(results):
+    for out in results:
+        assert out["gather"] == {"gather": True, "grad": True, "pair_order": True}
+
+
+def test_two_stage_1f1b_pipeline_matches_unsplit_model(results):
+    for out in results:
+        assert out["pp"] == {"grads": True, "pending": 0}
+
+
+def test_single_rank_ops_are_identity():
+    comm = CommContext.single()
+    x = torch.randn(3, 4, requires_grad=True)
+    assert tp_copy_issue(comm, x, [0]) is x
+    assert comm_wait(comm, tp_reduce_issue(comm, x, [0])) is x
+    assert comm_wait(comm, tp_gather_issue(comm, x, [0], dim=1)) is x
+    assert comm.num_pending() == 0
+
+
+def test_bad_peers_and_sizes_are_clear_errors():
+    comm = CommContext.single()
+    x = torch.randn(3, 4)
+    with pytest.raises(HGraphError, match="not one of them"):
+        tp_copy_issue(comm, x, [1, 2])
+    with pytest.raises(HGraphError, match="holds 4 along dim 1 but sizes say 5"):
+        tp_gather_issue(comm, x, [0], dim=1, sizes=[5])
+    with pytest.raises(HGraphError, match="peer rank 0 is not another rank"):
+        pp_send(comm, x, 0)
+    with pytest.raises(HGraphError, match="peer rank 3 is not another rank"):
+        pp_recv(comm, 3, (3, 4), torch.float32)

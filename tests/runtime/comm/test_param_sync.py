@@ -1,0 +1,138 @@
+"""ParamSync on 4 gloo ranks: Pull gives every rank exactly its working shard, Push gives every
+optimizer owner exactly the summed gradient of its shard, for fp32 and bf16 working precision.
+
+Values are small integers, so every cast and every sum is exact and the checks are ``torch.equal``.
+Each stage s of pipeline p has a full gradient G_ps and each of its TP ranks holds
+``shard.take(G_ps)`` (what TP ranks of one stage hold; a tied parameter used by two stages gets a
+partial gradient on each); a pipeline that ran no micro-batch pushes ``None`` (zeros). Owners must
+end with the slice of the sum of G_ps over the (pipeline, stage) pairs holding the parameter. Pull bytes received over point-to-point equal the minimum (rows a
+rank needs that it does not own) for every LNK plan.
+"""
+import pytest
+import torch
+
+import hgraph
+from hgraph.frontends.zoo import llama
+from hgraph.passes.lnk.plans import min_pull_bytes, min_reduce_push_bytes
+from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.engine.executor import shard_dims_of
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.engine.optimizer import ShardedAdam
+from hgraph.runtime.comm.param_sync import ParamSync
+
+CASES = [
+    ("tiny", "1xTP2PP1+2xTP1PP1", "fp32", None),
+    ("tiny-tied", "1xTP1PP2+1xTP2PP1", "bf16", 1),      # pipeline 1 runs no micro-batch
+    ("tiny", "1xTP2PP2", "fp32", None),
+    ("tiny", "4xTP1PP1", "bf16", 2),                     # all-gather pull, plain reduce-scatter push
+]
+
+
+def _ints(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=g).float()
+
+
+def _seed(name, pipeline, stage):
+    return 1000 + 97 * pipeline + 13 * stage + len(name)
+
+
+def _worker(rank, world, cases):
+    from hgraph.runtime.comm.process_groups import GroupCache
+    groups = GroupCache(rank, world)
+    out = []
+    for model_name, strategy, dtype, idle in cases:
+        torch.manual_seed(0)
+        model = llama.build(model_name)
+        compiled = hgraph.compile(model, dtype=dtype)
+        prog = compiled.instantiate(strategy)
+        full = {n: _ints(tuple(p.shape), i) for i, (n, p) in enumerate(compiled.hgraph.params.items())}
+        opt = ShardedAdam(list(full.items()), shard_dims_of(compiled), rank, world)
+        groups.ensure(ParamSync.groups_needed(prog))
+        rp = prog.rank(rank)
+        wdtype = compiled.options.working_dtype
+        working = {n: torch.zeros(s.shard_shape, dtype=wdtype) for n, s in rp.params.items()}
+        sync = ParamSync(prog, rank, opt.params, working, rp.params, groups, wdtype)
+        sync.begin_step()
+        sync.finish_pulls()
+        pulled_ok = all(torch.equal(working[n], s.take(full[n]).to(wdtype)) for n, s in rp.params.items())
+        grads = {}
+        for n, s in rp.params.items():
+            g_full = _ints(tuple(full[n].shape), _seed(n, rp.pipeline, rp.stage))
+            grads[n] = None if rp.pipeline == idle else s.take(g_full).to(wdtype)
+        shards = sync.push(grads)
+        sync.end_step()
+        out.append({"pulled_ok": pulled_ok, "shards": shards, "layouts": opt.layouts,
+                    "pull_recv": sync.stats.pull_recv_bytes,
+                    "push_recv": sync.stats.push_recv_bytes + sync.stats.push_reduce_scatter_bytes})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(_worker, 4, args=(CASES,), timeout_s=240)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_pull_and_push_are_exact(results, case):
+    model_name, strategy, dtype, idle = CASES[case]
+    torch.manual_seed(0)
+    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    prog = compiled.instantiate(strategy)
+    assert all(r[case]["pulled_ok"] for r in results)
+    for n, info in compiled.hgraph.params.items():
+        holders = {(rp.pipeline, rp.stage) for rp in prog.ranks if n in rp.params and rp.pipeline != idle}
+        expected = sum(_ints(tuple(info.shape), _seed(n, p, s)) for p, s in sorted(holders))
+        for r in results:
+            layout = r[case]["layouts"][n]
+            assert torch.equal(r[case]["shards"][n], layout.slice_of(expected)), n
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_pull_moves_the_minimum_bytes(results, case):
+    model_name, strategy, dtype, _ = CASES[case]
+    torch.manual_seed(0)
+    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    prog = compiled.instantiate(strategy)
+    for rank, r in enumerate(results):
+        minimum = 0
+        for plan in prog.pull_plans.values():
+            if not plan.is_all_gather and rank in plan.needs:
+                minimum += min_pull_bytes(plan.param, plan.needs, 4,
+                                          working_dtype_bytes=plan.working_dtype_bytes)[rank]
+        assert r[case]["pull_recv"] == minimum
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_push_moves_the_least_bytes_a_summing_push_can(results, case):
+    """What the ranks received in the push (transfers + reduce-scatter payloads) is the reduction
+    bound: per row, one message per contributor that is not its owner."""
+    model_name, strategy, dtype, _ = CASES[case]
+    torch.manual_seed(0)
+    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    prog = compiled.instantiate(strategy)
+    bound = sum(min_reduce_push_bytes(p.param, p.contributions, 4) for p in prog.push_plans.values())
+    assert sum(r[case]["push_recv"] for r in results) == bound > 0
+
+
+def test_benchmark_bytes_table_equals_the_minimum_for_the_acceptance_strategies():
+    from hgraph.tools.bench.runtime import STRATEGIES_4, bytes_table
+    rows = bytes_table("tiny", STRATEGIES_4, 4)
+    assert [r["strategy"] for r in rows] == STRATEGIES_4
+    for r in rows:
+        assert r["pull_bytes"] == r["pull_min_bytes"] > 0
+        push = r["push_lnk_bytes"] + r["push_reduce_scatter_bytes"]
+        assert push == r["push_reduce_min_bytes"] >= r["push_min_bytes"] > 0
+        # the owner-receipt figure is reachable exactly when no row has two non-owner contributors
+        assert (push == r["push_min_bytes"]) == (r["strategy"] in ("1xTP2PP2",))
+
+
+def test_pull_outside_a_step_is_a_clear_error():
+    torch.manual_seed(0)
+    compiled = hgraph.compile(llama.build("tiny"))
+    prog = compiled.instantiate("1xTP1PP1")
+    opt = ShardedAdam(list(compiled._orig_mod.named_parameters()), shard_dims_of(compiled), 0, 1)
+    rp = prog.rank(0)
+    sync = ParamSync(prog, 0, opt.params, {}, rp.params, CommContext.single().groups)
+    with pytest.raises(hgraph.HGraphError, match="outside a training step"):
+        sync.pull_issue("norm.weight")

@@ -1,0 +1,58 @@
+"""Length files and mini-batch formation."""
+import json
+
+import numpy as np
+import pytest
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.data.lengths import minibatches, read_lengths
+
+
+def test_plain_and_jsonl(tmp_path):
+    p = tmp_path / "l.txt"
+    p.write_text("5\n7\n\n3\n")
+    assert read_lengths(p).tolist() == [5, 7, 3] and read_lengths(p).dtype == np.int64
+    j = tmp_path / "l.jsonl"
+    j.write_text("\n".join(json.dumps({"input_ids": list(range(n))}) for n in (4, 9, 1)) + "\n")
+    assert read_lengths(j).tolist() == [4, 9, 1]
+
+
+@pytest.mark.parametrize("text,match", [
+    ("", "empty"), ("\n\n", "empty"), ("5\nabc\n", "line 2"), ("5\n\n0\n", "line 3"),
+    ('{"input_ids": [1]}\n{"x": 1}\n', "line 2.*input_ids"), ('{"input_ids": [1]}\n{oops\n', "line 2.*JSON"),
+])
+def test_bad_files(tmp_path, text, match):
+    p = tmp_path / "bad.txt"
+    p.write_text(text)
+    with pytest.raises(HGraphError, match=match):
+        read_lengths(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(HGraphError, match="cannot read"):
+        read_lengths(tmp_path / "nope.txt")
+
+
+def test_minibatches_whole_documents_in_order():
+    lengths = np.array([3, 4, 2, 10, 1, 1, 5])
+    mbs = minibatches(lengths, 7)
+    assert [m.tolist() for m in mbs] == [[0, 1], [2], [3], [4, 5, 6]]
+    assert np.concatenate(mbs).tolist() == list(range(7))
+    with pytest.raises(HGraphError):
+        minibatches(lengths, 0)
+
+
+def test_iteration_batches_policies():
+    from hgraph.runtime.data.lengths import iteration_batches
+
+    lengths = np.array([3, 20, 4, 2, 30, 5])
+    with pytest.raises(HGraphError, match=r"document 1 has 20 tokens.*longest supported length 10 \(2 such"):
+        iteration_batches(lengths, 8, 10)
+    eff, batches = iteration_batches(lengths, 12, 10, too_long="truncate")
+    assert eff.tolist() == [3, 10, 4, 2, 10, 5]
+    assert [b.tolist() for b in batches] == [[0], [1], [2, 3], [4], [5]]
+    eff, batches = iteration_batches(lengths, 8, 10, too_long="drop")
+    assert [b.tolist() for b in batches] == [[0, 2], [3, 5]]  # file indices; 1 and 4 left out
+    assert eff.tolist() == lengths.tolist()
+    with pytest.raises(HGraphError, match="unknown policy"):
+        iteration_batches(lengths, 8, 10, too_long="skip")

@@ -1,0 +1,93 @@
+"""``--profile measure``: the cost model built from timings on this machine, on 2 ranks (compute,
+TP all-reduce, PP send/recv) and the online correction of the estimates."""
+import math
+
+import pytest
+
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
+from hgraph.runtime.planner.cost.calibration import COMM_LENGTHS, StepCorrection, scaled_plan
+from hgraph.runtime.planner.cost.cost_model import fit_coefficients
+from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.strategy import Scheme, Strategy
+
+
+def test_a_tp_shard_divides_heads_mlp_and_vocabulary_and_keeps_the_head_size():
+    from hgraph.runtime.planner.service.iteration import tp_shard_config
+    cfg = llama.make_config("tiny")
+    shard = tp_shard_config(cfg, 2, 2)
+    assert (shard.num_layers, shard.num_heads, shard.num_kv_heads, shard.head_dim) == (2, 2, 1, cfg.head_dim)
+    assert (shard.intermediate_size, shard.vocab_size, shard.hidden_size) == (88, 256, 64)
+    assert tp_shard_config(cfg, 1, 1) == llama.make_config("tiny", num_layers=1)
+
+
+def _calibrate(rank, world_size):
+    import hgraph
+    import torch
+    from hgraph.runtime.comm.process_groups import GroupCache
+    model = llama.build("tiny")
+    slots = hgraph.compile(model).hgraph.slot_counts()
+    torch.manual_seed(1)
+    expected = torch.rand(3)
+    torch.manual_seed(1)
+    cost = measured_cost_model(model, rank, world_size, GroupCache(rank, world_size), 8,
+                               slots["tp_enter"] + slots["tp_exit"])
+    assert torch.equal(torch.rand(3), expected), "calibration must not move the run's RNG stream"
+    return cost
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return spawn(_calibrate, 2, timeout_s=300)
+
+
+def test_two_ranks_build_the_same_measured_model_with_tp_and_pp_comm(measured):
+    a, b = measured
+    assert a.profiled == b.profiled and a.name == "measured"
+    raw = a.extra["calibration"]
+    # TP up to the KV heads' gcd and PP dividing the layers, on 2 ranks; CP is not timed, so not offered
+    assert set(a.schemes) == {Scheme(1, 1), Scheme(1, 2), Scheme(2, 1)}
+    assert set(raw["tp_comm_ms"]) == {2} and len(raw["pp_comm_ms"]) == 2
+    assert all(t > 0 for t in raw["tp_comm_ms"][2] + raw["pp_comm_ms"])
+    # each scheme is assembled from the fitted layer, rest and communication lines (exactly)
+    layer = {tp: fit_coefficients(list(zip(raw["lengths"], raw["layer_ms"][tp]))) for tp in (1, 2)}
+    rest = {tp: fit_coefficients(list(zip(raw["lengths"], raw["rest_ms"][tp]))) for tp in (1, 2)}
+    (l0, l1), tp, pp = COMM_LENGTHS, raw["tp_comm_ms"][2], raw["pp_comm_ms"]
+    tb = max((tp[1] - tp[0]) / (l1 - l0), 0.0)
+    ta = max((tp[0] - tb * l0 + tp[1] - tb * l1) / 2, 0.0)
+    pb = max((pp[1] - pp[0]) / (l1 - l0), 0.0)
+    pa = max((pp[0] - pb * l0 + pp[1] - pb * l1) / 2, 0.0)
+    slots_per_layer = 18 / 4
+    assert a.coeffs(Scheme(1, 1)) == pytest.approx([4 * x + y for x, y in zip(layer[1], rest[1])])
+    assert a.coeffs(Scheme(2, 1)) == pytest.approx([4 * layer[2][0] + rest[2][0],
+                                                    4 * layer[2][1] + rest[2][1] + 4 * slots_per_layer * tb,
+                                                    4 * layer[2][2] + rest[2][2] + 4 * slots_per_layer * ta])
+    assert a.coeffs(Scheme(1, 2)) == pytest.approx([2 * layer[1][0] + rest[1][0], 2 * layer[1][1] + rest[1][1] + 2 * pb,
+                                                    2 * layer[1][2] + rest[1][2] + 2 * pa])
+
+
+def test_measured_estimates_are_not_gpu_class_figures(measured):
+    cost = measured[0]
+    prior = model_cost_model("analytic", llama.build("tiny"), 2)
+    lengths = [300, 120, 60, 60, 40, 30, 20, 10]
+    plan = plan_iteration(lengths, [Strategy.parse("2xTP1PP1")], cost)
+    prior_plan = plan_iteration(lengths, [Strategy.parse("2xTP1PP1")], prior)
+    assert plan.est_latency_ms > 20 * prior_plan.est_latency_ms   # CPU ms, not A800 microseconds
+
+
+def test_step_correction_is_the_median_ratio_of_recent_steps_and_scales_every_estimate():
+    c = StepCorrection(window=3)
+    assert c.factor == 1.0
+    for est, measured in ((100, 200), (100, 300), (100, 1000), (100, 250)):
+        c.observe(est, measured)
+    assert c.factor == 3.0            # median of the last three ratios 3, 10, 2.5
+    c.observe(0.0, 5.0)
+    c.observe(10.0, math.nan)
+    assert c.factor == 3.0            # unusable pairs are ignored
+    cost = model_cost_model("analytic", llama.build("tiny"), 4)
+    plan = plan_iteration([50, 40, 30, 20], [Strategy.parse("2xTP1PP1+1xTP2PP1")], cost)
+    scaled = scaled_plan(plan, 2.0)
+    assert scaled.est_latency_ms == pytest.approx(2 * plan.est_latency_ms)
+    assert [p.est_latency_ms for p in scaled.pipelines] == pytest.approx([2 * p.est_latency_ms for p in plan.pipelines])
+    assert [p.microbatches for p in scaled.pipelines] == [p.microbatches for p in plan.pipelines]

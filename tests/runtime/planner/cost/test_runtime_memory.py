@@ -1,0 +1,126 @@
+"""A device memory limit bounds MaxLen through this runtime's memory model (no processes)."""
+import pytest
+import torch
+
+from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
+from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, saved_activation_bytes,
+                                                   with_device_memory)
+from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.strategy import Scheme
+
+MiB = 2 ** 20
+TP1, TP2, TP1PP2 = Scheme(1, 1, 1), Scheme(2, 1, 1), Scheme(1, 2, 1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return llama.build("tiny")
+
+
+@pytest.fixture(scope="module")
+def prior(tiny):
+    return model_cost_model("analytic", tiny, 4)
+
+
+def test_limit_binds_max_len_as_states_plus_activations(tiny, prior):
+    assert prior.max_len(TP1) > 10 ** 6                    # the GPU-class prior: never binds on CPU
+    cost = with_device_memory(prior, tiny, 16 * MiB)
+    mem, shape = cost.memory, cost.model
+    for s in (TP1, TP2, TP1PP2):
+        free = 16 * MiB - mem.state_bytes(shape, s, 4)
+        assert cost.max_len(s) == int(free // mem.activation_bytes_per_token(shape, s))
+    assert cost.max_len(TP1) < cost.max_len(TP1PP2) < cost.max_len(TP2)   # TP shrinks activations, PP states
+    more = with_device_memory(prior, tiny, 32 * MiB)
+    assert more.max_len(TP1) > 2 * cost.max_len(TP1)       # the states are paid once
+    # a limit below the model states of TP1PP1 leaves only schemes that shard the weights
+    small = with_device_memory(prior, tiny, mem.state_bytes(shape, TP1, 4) - 1)
+    assert not small.has(TP1) and small.has(TP2)
+
+
+def test_activation_model_predicts_the_runtime_accounting_of_the_whole_model(tiny, prior):
+    cost = with_device_memory(prior, tiny, 64 * MiB)
+    torch.manual_seed(0)
+    for length in (200, 700):
+        packed = saved_activation_bytes(tiny, length, doc_len=50)   # the runtime's varlen attention
+        single = saved_activation_bytes(tiny, length)
+        predicted = cost.memory.activation_bytes_per_token(cost.model, TP1) * length
+        assert abs(predicted - packed) <= 0.01 * packed, (length, predicted, packed)
+        assert single < predicted                                      # an upper bound for one document
+
+
+def test_memory_model_survives_the_profile_file_round_trip(tiny, prior):
+    cost = with_device_memory(prior, tiny, 16 * MiB)
+    (name, entry), = cost.to_profile_dict().items()
+    again = cost_model_from_entry(name, entry, world_size=4)
+    assert [again.max_len(s) for s in cost.schemes] == [cost.max_len(s) for s in cost.schemes]
+
+
+def test_file_profile_of_another_model_takes_the_limit_as_device_memory(tiny):
+    from hgraph.runtime.planner.cost.cost_model import load_cost_model
+    cost = load_cost_model("llama-7b", 16)
+    bounded = with_device_memory(cost, tiny, 40 * 2 ** 30)
+    assert bounded.memory.gpu_memory_bytes == 40 * 2 ** 30
+    s = min(bounded.schemes, key=bounded.max_len)
+    assert bounded.max_len(s) < cost.max_len(s)
+
+
+def test_auto_limit_needs_tp2_for_the_context_only(tiny, prior):
+    cost, limit = _bounded(prior, tiny, "auto", 4)
+    context = tiny.config.max_seq_len
+    assert cost.max_len(TP2) >= context > cost.max_len(TP1) >= context // 2
+    assert not any(s.tp == 1 and s.cp == 1 and cost.max_len(s) >= context for s in cost.schemes)
+    assert 4 * MiB < limit < 64 * MiB
+
+
+def test_document_longer_than_every_max_len_is_one_line_naming_it(tiny, prior):
+    cost = with_device_memory(prior, tiny, 16 * MiB)
+    longest = cost.largest_max_len()
+    check_documents_fit([10, longest], cost, 16 * MiB)
+    with pytest.raises(HGraphError) as err:
+        check_documents_fit([10, 5, longest + 1], cost, 16 * MiB)
+    msg = str(err.value)
+    assert "\n" not in msg and "document 2 " in msg and str(longest + 1) in msg and "16.0M" in msg
+    # only the given candidates' schemes count
+    with pytest.raises(HGraphError, match="document 1 has"):
+        check_documents_fit([5, cost.max_len(TP1) + 1], cost, 16 * MiB, [TP1])
+
+
+def test_candidates_hold_the_long_documents_and_plans_turn_heterogeneous(tiny, prior):
+    cost, _ = _bounded(prior, tiny, "auto", 4)
+    cap1 = cost.max_len(TP1)
+    lengths = [20] * 300 + [cap1 + 200] * 3 + [900]
+    cands, _ = auto_candidates(lengths, cost, 4, 900, 2048)
+    # a candidate holds the longest document, with a scheme wider than TP1PP1 (TP, PP or CP)
+    assert any(any(cost.max_len(p) >= 900 and p.num_ranks > 1 for p in s.pipelines) for s in cands), cands
+    long_batch = [900] + [20] * 40
+    plan = plan_iteration(long_batch, cands, cost)
+    holder = [p for p in plan.pipelines if 0 in {d for mb in p.microbatches for d in mb}][0]
+    assert cost.max_len(holder.scheme) >= 900
+    for p in plan.pipelines:                                # every micro-batch within its MaxLen
+        assert all(sum(long_batch[d] for d in mb) <= cost.max_len(p.scheme) for mb in p.microbatches)
+    short = plan_iteration([20] * 40, cands, cost)          # short documents: other (smaller) pipelines
+    assert short.strategy != plan.strategy
+    assert max(p.scheme.num_ranks for p in short.pipelines) < holder.scheme.num_ranks
+
+
+def test_device_memory_option_and_config_key(tmp_path):
+    from hgraph.tools.cli.train import device_memory_option
+    assert device_memory_option("512M", None) == 512 * MiB
+    assert device_memory_option("auto", None) == "auto" and device_memory_option("auto", "d.jsonl") is None
+    assert device_memory_option("none", None) is None
+    with pytest.raises(HGraphError, match="--device-memory '-3G'"):
+        device_memory_option("-3G", None)
+    # the TOML key [cluster] device-memory, and a flag overriding it
+    import argparse
+    from hgraph.tools.cli import train as cmd_train
+    (tmp_path / "run.toml").write_text('[cluster]\ndevice-memory = "2G"\n')
+    parser = argparse.ArgumentParser()
+    cmd_train.add_parser(parser.add_subparsers(dest="cmd"))
+    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml")]))
+    assert config.device_memory == 2 * 2 ** 30
+    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml"),
+                                                              "--device-memory", "none"]))
+    assert config.device_memory is None

@@ -1,0 +1,53 @@
+"""DCP-inter accumulation balancing and DCP-intra recomputation choice."""
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.planner.schedule.dcp import IntraCandidate, dcp_inter, dcp_intra, idle_fraction
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 50.0), min_size=1, max_size=4), st.integers(1, 4),
+       st.lists(st.integers(1, 8), min_size=4, max_size=4))
+def test_inter_matches_exhaustive_search(times, g_max, gpus):
+    gpus = gpus[:len(times)]
+    plan = dcp_inter(times, gpus, g_max=g_max)
+    budget = g_max * max(times)
+    best = min(idle_fraction(times, g, gpus)
+               for g in itertools.product(*[range(1, int(budget // t) + 1) for t in times])
+               if max(gi * t for gi, t in zip(g, times)) <= budget + 1e-9)
+    assert plan.idle_fraction == pytest.approx(best, abs=1e-9)
+    assert plan.iteration_ms <= budget + 1e-9
+    assert all(g >= 1 for g in plan.accumulation)
+
+
+def test_inter_balances_short_batches_with_more_steps():
+    plan = dcp_inter([10.0, 5.0, 2.5], g_max=1)
+    assert plan.accumulation == (1, 2, 4) and plan.idle_fraction == 0.0
+    # G_min scales every count when all are below it.
+    plan = dcp_inter([10.0, 10.0], g_min=3)
+    assert plan.accumulation == (3, 3)
+
+
+def test_intra_picks_least_recomputation_and_best_throughput():
+    GiB = 2**30
+    cands = {
+        (1, 4): IntraCandidate(t_f=2.0, m=1 * GiB, time_ms=300.0, mem_bytes=60 * GiB),
+        (1, 8): IntraCandidate(t_f=1.0, m=0.5 * GiB, time_ms=170.0, mem_bytes=50 * GiB),
+    }
+    ch = dcp_intra(cands, 80 * GiB, layers=32, seq_len=32768)
+    # (1,4): 20 layers stash (r=12): 300-40=260 ms -> 32768/(4*260); (1,8): 30 layers stash
+    # -> 32 layers fit? spare 30 GiB / 0.5 = 60 >= 32 -> r=0, 170-32=138 ms -> 32768/(8*138).
+    thr4, thr8 = 32768 / (4 * 260.0), 32768 / (8 * 138.0)
+    assert (ch.batch, ch.sp) == ((1, 4) if thr4 > thr8 else (1, 8))
+    assert ch.recompute_layers == (12 if thr4 > thr8 else 0)
+    assert ch.throughput == pytest.approx(max(thr4, thr8))
+
+
+def test_intra_rejects_when_nothing_fits():
+    with pytest.raises(HGraphError, match="fits"):
+        dcp_intra({(1, 1): IntraCandidate(1.0, 1.0, 10.0, 100.0)}, 50.0, 4, 10)
+    with pytest.raises(HGraphError):
+        dcp_inter([])

@@ -1,0 +1,159 @@
+"""``hgraph train``: deterministic runs, outputs, bf16, bad input and a rank lost mid-step.
+
+The fp32 run is checked against single-process ``torch.optim.Adam`` with the tolerances of
+``test_executor_equivalence`` (loss |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5). bf16
+working precision rounds every working parameter and activation to 8 bits of mantissa, so its loss
+is only required to stay within 2 % of the fp32 reference over three steps.
+"""
+import json
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.data.documents import mini_batches, read_jsonl
+from hgraph.runtime.train.heartbeat import Heartbeat
+from hgraph.runtime.train.launch import SpawnError, spawn
+from hgraph.runtime.train.trainer import TrainConfig
+from hgraph.tools.cli import main
+from tests.runtime.fault_injection import dying_worker
+from tests.runtime.reference_training import reference_steps, write_random_documents
+
+LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_random_documents(tmp_path_factory.mktemp("train") / "docs.jsonl", LENGTHS, seed=3)
+
+
+def _reference(path, steps, tokens_per_iter, lr=1e-3):
+    torch.manual_seed(0)
+    model = llama.build("tiny")
+    losses = [loss for _, loss in reference_steps(model, mini_batches(read_jsonl(path), tokens_per_iter, steps), lr)]
+    return losses, model.state_dict()
+
+
+def _train(data, *extra):
+    return ["train", "--model", "tiny", "--data", str(data), "--tokens-per-iter", "30", *extra]
+
+
+def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path, capsys):
+    metrics, final = tmp_path / "m.jsonl", tmp_path / "final.pt"
+    rc = main(_train(data, "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1;1xTP1PP2",
+                     "--steps", "3", "--metrics", str(metrics), "--save-final", str(final), "--json"))
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert [m["strategy"] for m in lines] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2"]
+    for m in lines:
+        assert {"step", "strategy", "loss", "tokens", "time_s"} <= set(m) and m["time_s"] > 0
+    # the plain data-parallel step updated its shards as the reduction arrived (the next step runs
+    # another strategy, so nothing was prefetched for it)
+    assert [(m["overlapped_update"], m["pull_prefetched"]) for m in lines] == [(False, False), (True, False),
+                                                                               (False, False)]
+    ref_losses, ref_state = _reference(data, 3, 30)
+    assert [m["tokens"] for m in lines] == [s["tokens"] for s in out["steps"]]
+    for m, want in zip(lines, ref_losses):
+        assert abs(m["loss"] - want) <= 1e-6 * want
+    state = torch.load(final)
+    assert list(state) == list(ref_state)              # keyed like the original module
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5)
+    assert out["cache"]["misses"] == 3
+
+
+def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
+    """One rank in fp32: working parameters share the masters' storage; still PyTorch's numbers."""
+    final = tmp_path / "final1.pt"
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3",
+                     "--save-final", str(final), "--json"))
+    assert rc == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    ref_losses, ref_state = _reference(data, 3, 30)
+    for s, want in zip(steps, ref_losses):
+        assert abs(s["loss"] - want) <= 1e-6 * want
+    state = torch.load(final)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
+    rc = main(_train(data, "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1", "--steps", "3",
+                     "--dtype", "bf16", "--json"))
+    assert rc == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    ref_losses, _ = _reference(data, 3, 30)
+    for s, want in zip(steps, ref_losses):
+        assert abs(s["loss"] - want) <= 0.02 * want
+
+
+def test_non_finite_loss_names_the_step_or_is_skipped(data, tmp_path, capsys):
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3", "--lr", "1e30"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith("hgraph train: error: step 1: the loss is nan")
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3", "--lr", "1e30",
+                     "--skip-nonfinite", "--json"))
+    assert rc == 0
+    steps = json.loads(capsys.readouterr().out)["steps"]
+    assert [s["skipped"] for s in steps] == [False, True, True]
+
+
+@pytest.mark.parametrize("lines, extra, match", [
+    (['{"input_ids": [1, 2]}', '{"input_ids": [3'], (), "docs.jsonl:2: malformed JSON"),
+    (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "2xTP1PP1", "--world-size", "3"),
+     "strategy '2xTP1PP1' uses 2 ranks but --world-size is 3"),
+    (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP1PP1;", ), "expected strategies separated by ';'"),
+    (['{"input_ids": [1, 2]}'], ("--strategy-schedule", "1xTP3PP1", "--world-size", "3"),
+     "scheme TP3PP1: TP=3 does not divide the model's 4 attention heads"),
+    (['{"input_ids": [1, 2]}'], ("--betas", "0.9"), r"argument --betas: \(0.9,\): expected two numbers"),
+    (['{"input_ids": [1, 2]}'], ("--grad-clip", "-1"), "argument --grad-clip: -1.0: must be >= 1e-12"),
+    (['{"input_ids": [1, 2]}', '{"input_ids": [%s]}' % ", ".join(["5"] * 1100)], ("--tokens-per-iter", "4000"),
+     "document 1 has 1100 tokens, longer than the 1024 the model supports"),
+    (['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}'], ("--tokens-per-iter", "5"),
+     "document 0 has 8 tokens, more than --tokens-per-iter 5"),
+    (['{"input_ids": [1]}', '{"input_ids": [2]}'], (), "step 0: the mini-batch .* is empty of targets"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, match):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    args = {"--world-size": "1", "--strategy-schedule": "1xTP1PP1", "--steps": "1", "--tokens-per-iter": "30"}
+    for k, v in zip(extra[::2], extra[1::2]):
+        args[k] = v
+    argv = ["train", "--model", "tiny", "--data", str(path)] + [x for kv in args.items() for x in kv]
+    try:
+        rc = main(argv)
+    except SystemExit as exc:          # a flag's value is rejected by the parser itself
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) >= 1
+    import re
+    assert re.search(match, err[-1]), err[-1]
+    assert err[-1].startswith("hgraph train: error: ")
+
+
+def test_a_rank_lost_mid_step_is_named_within_the_timeout(data):
+    config = TrainConfig(model="tiny", world_size=4, schedule=["1xTP2PP1+2xTP1PP1", "4xTP1PP1"], steps=4,
+                         tokens_per_iter=30, data=str(data))
+    t0 = time.monotonic()
+    with pytest.raises(SpawnError, match="rank 2") as info:
+        spawn(dying_worker, 4, args=(config, 2, 1), timeout_s=60)
+    assert info.value.rank == 2
+    assert time.monotonic() - t0 < 60
+
+
+def test_heartbeats_tell_a_dead_rank_from_a_live_one(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 3)
+    beats = [Heartbeat(store, r, 3, interval_s=0.05, stale_s=0.4) for r in range(3)]
+    try:
+        assert beats[0].lost_ranks() == []
+        beats[1].stop()                       # rank 1 stops beating, as a dead process does
+        assert beats[0].lost_ranks() == [1]
+        assert beats[2].lost_ranks() == [1]
+    finally:
+        for b in beats:
+            b.stop()

@@ -1,0 +1,64 @@
+"""``hgraph simulate``: JSON output and errors."""
+import json
+
+import numpy as np
+import pytest
+
+from hgraph.tools.cli import main
+
+
+@pytest.fixture()
+def lengths_file(tmp_path):
+    rng = np.random.default_rng(0)
+    lens = np.minimum(rng.lognormal(6.5, 1.5, size=4000).astype(int) + 1, 60000)
+    p = tmp_path / "lengths.txt"
+    p.write_text("\n".join(map(str, lens)) + "\n")
+    return p
+
+
+def test_json(lengths_file, capsys):
+    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+                 "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "2",
+                 "--systems", "hgraph,megatron,dcp", "--max-cp", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["systems"]) == {"hgraph", "megatron", "dcp"}
+    for r in out["systems"].values():
+        assert len(r["latency_ms"]) == 2 and r["throughput_tokens_per_s"] > 0
+    h = out["systems"]["hgraph"]["throughput_tokens_per_s"]
+    best = max(v["throughput_tokens_per_s"] for k, v in out["systems"].items() if k != "hgraph")
+    assert out["speedup_over_best_baseline"] == pytest.approx(h / best)
+
+
+def test_human(lengths_file, capsys):
+    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+                 "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "1", "--systems", "hgraph,megatron"]) == 0
+    assert "speedup of hgraph" in capsys.readouterr().out
+
+
+def test_errors(lengths_file, capsys):
+    base = ["simulate", "--lengths", str(lengths_file), "--tokens-per-iter", "50000", "--iters", "1"]
+    assert main(base + ["--profile", "llama-7b", "--gpus", "8", "--max-len", "16384", "--systems", "foo"]) == 2
+    assert "unknown system" in capsys.readouterr().err
+    assert main(base + ["--profile", "llama-7b", "--gpus", "8", "--max-len", "9999999"]) == 2
+    assert "largest MaxLen" in capsys.readouterr().err
+    assert main(base + ["--profile", "llama-7b", "--gpus", "1", "--max-len", "4096"]) == 2
+    assert "no scheme" in capsys.readouterr().err
+    assert main(base + ["--profile", "nope", "--gpus", "8", "--max-len", "4096"]) == 2
+
+
+def _shared_lengths():
+    from pathlib import Path
+    p = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "wikipedia_lengths.txt"
+    return p if p.exists() else None
+
+
+@pytest.mark.skipif(_shared_lengths() is None, reason="needs ../shared/data/wikipedia_lengths.txt")
+def test_benchmarks_run_in_tiny_configurations(capsys):
+    from hgraph.tools.bench import simulate as bench_simulate
+    from hgraph.tools.bench import wlb as bench_wlb
+    assert bench_simulate.main(["--quick", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["scenarios"][0]["speedup"] > 0
+    assert bench_wlb.main(["--batches", "3", "--solver-batches", "1", "--solver-time-limit", "0.1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows["wlb q=2 cap=memory"]["imbalance"] >= 1.0

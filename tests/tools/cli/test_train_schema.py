@@ -1,0 +1,189 @@
+"""hgraph train configuration: TOML loading and validation, flag overrides, help text."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from hgraph.errors import HGraphError
+from hgraph.tools.cli import train_schema as rc
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hgraph train", exit_on_error=False)
+    rc.add_arguments(p)
+    return p
+
+
+def _write(tmp_path, text: str):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return path
+
+
+def test_every_flag_of_the_deterministic_train_command_is_a_key():
+    from hgraph.tools.cli import train as cmd_train
+    sub = argparse.ArgumentParser().add_subparsers()
+    p = cmd_train.add_parser(sub)
+    # --no-X is the negation of the bool key X; --config names the file itself
+    flags = {o.replace("--no-", "--") for a in p._actions for o in a.option_strings
+             if o.startswith("--") and o not in ("--help", "--config")}
+    keys = {k.flag for k in rc.SCHEMA}
+    assert flags <= keys, sorted(flags - keys)
+    # and the issue-5 options
+    assert {"--checkpoint-dir", "--checkpoint-every", "--resume", "--run-dir", "--method", "--profile",
+            "--plan-ahead", "--strategies"} <= keys
+
+
+def test_schema_is_declarative_and_sections_are_the_seven():
+    assert {k.section for k in rc.SCHEMA} == set(rc.SECTIONS)
+    assert rc.SECTIONS == ("model", "data", "cluster", "optimizer", "planner", "checkpointing", "logging")
+    for key in rc.SCHEMA:
+        assert key.help and key.kind in rc.KINDS
+
+
+def test_defaults_only():
+    cfg = rc.resolve(argparse.Namespace())
+    assert cfg.model == "llama:tiny" and cfg.world_size == 4 and cfg.betas == (0.9, 0.999)
+    assert cfg.grad_clip is None and cfg.resume is False
+    assert set(cfg.sources.values()) == {"default"}
+
+
+def test_file_values_and_flags_win(tmp_path):
+    path = _write(tmp_path, """
+[model]
+model = "llama:tiny-tied"
+model-args = { num_layers = 2 }
+[data]
+tokens_per_iter = 2048
+steps = 7
+[optimizer]
+optimizer = "adamw"
+lr = 3e-4
+betas = [0.8, 0.95]
+grad-clip = 1
+[checkpointing]
+checkpoint-dir = "ckpt"
+checkpoint-every = 5
+""")
+    args = _parser().parse_args(["--config", str(path), "--lr", "0.01", "--steps", "9", "--resume"])
+    cfg = rc.resolve(args)
+    assert cfg.model == "llama:tiny-tied" and cfg.model_args == {"num_layers": 2}
+    assert cfg.tokens_per_iter == 2048 and cfg.optimizer == "adamw" and cfg.betas == (0.8, 0.95)
+    assert cfg.grad_clip == 1.0 and isinstance(cfg.grad_clip, float)
+    assert cfg.lr == 0.01 and cfg.steps == 9 and cfg.resume is True           # flags win
+    assert cfg.sources["lr"] == "command line" and cfg.sources["tokens_per_iter"] == "run.toml"
+    assert cfg.sources["eps"] == "default"
+    assert cfg.section("checkpointing")["checkpoint-every"] == 5
+
+
+def test_bool_flag_can_turn_off_a_file_setting(tmp_path):
+    path = _write(tmp_path, "[logging]\nplots = true\n[checkpointing]\ncheckpoint-dir = 'c'\nresume = true\n")
+    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--no-resume", "--no-plots"]))
+    assert cfg.resume is False and cfg.plots is False
+
+
+def test_none_unsets_optional_keys(tmp_path):
+    path = _write(tmp_path, '[optimizer]\ngrad-clip = "none"\nweight-decay = 0.1\n')
+    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--weight-decay", "none"]))
+    assert cfg.grad_clip is None and cfg.weight_decay is None
+
+
+@pytest.mark.parametrize("text, match", [
+    ("[optimizer]\nlearning-rate = 1\n", r"run\.toml: unknown key \[optimizer\] learning-rate; allowed in "
+                                          r"\[optimizer\]: optimizer, lr, betas"),
+    ("[optimiser]\nlr = 1\n", r"unknown section \[optimiser\]; allowed sections: model, data, cluster"),
+    ("lr = 1\n", r"top-level key 'lr' is not allowed"),
+    ("[optimizer]\nlr = \"fast\"\n", r"\[optimizer\] lr = \"fast\": expected a number"),
+    ("[data]\nsteps = 2.5\n", r"\[data\] steps = 2.5: expected an integer"),
+    ("[data]\nsteps = true\n", r"\[data\] steps = True: expected an integer"),
+    ("[data]\nsteps = 0\n", r"\[data\] steps = 0: must be >= 1"),
+    ("[model]\ndtype = \"fp16\"\n", r"\[model\] dtype = \"fp16\": allowed are fp32, bf16"),
+    ("[planner]\nmethod = \"exact\"\n", r"\[planner\] method = \"exact\": allowed are fast, greedy, cpsat"),
+    ("[optimizer]\nbetas = [0.9]\n", r"\[optimizer\] betas = \[0.9\]: expected two numbers"),
+    ("[optimizer]\nbetas = [0.9, 1.5]\n", r"each beta must be in \[0, 1\)"),
+    ("[optimizer]\ngrad-clip = \"off\"\n", r"grad-clip = \"off\": expected a number or \"none\""),
+    ("[logging]\nplots = \"yes\"\n", r"\[logging\] plots = \"yes\": expected true or false"),
+    ("[model]\nmodel-args = 3\n", r"model-args = 3: expected a table"),
+    ("[data]\nsteps = 3\nsteps = 4\n", r"not valid TOML"),
+    ("[data]\nsteps = 3\n[data]\n", r"not valid TOML"),
+    ("[data]\ntokens-per-iter = 5\ntokens_per_iter = 6\n", r"given twice"),
+    ("[checkpointing]\ncheckpoint-every = 5\n", r"\[checkpointing\] checkpoint-every \(run\.toml\) needs "
+                                                r"checkpoint-dir"),
+])
+def test_bad_files_name_key_value_and_what_is_allowed(tmp_path, text, match):
+    path = _write(tmp_path, text)
+    with pytest.raises(HGraphError, match=match) as info:
+        rc.resolve(argparse.Namespace(), path)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_file_is_one_line(tmp_path):
+    with pytest.raises(HGraphError, match=r"config file '.*nope\.toml' cannot be read"):
+        rc.load_config(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--steps", "zero"], "expected int"),
+    (["--dtype", "fp16"], "allowed are fp32, bf16"),
+    (["--lr", "-1"], "must be >= 0"),
+    (["--betas", "0.9"], "expected two numbers"),
+    (["--model-args", "[1]"], "expected a table"),
+])
+def test_bad_flags_are_argparse_errors(argv, match):
+    with pytest.raises(argparse.ArgumentError, match=match):
+        _parser().parse_args(argv)
+
+
+def test_flag_combination_checked_after_merge():
+    with pytest.raises(HGraphError, match=r"--resume needs checkpoint-dir"):
+        rc.resolve(_parser().parse_args(["--resume"]))
+
+
+def test_help_text_documents_every_key():
+    text = rc.help_text()
+    for key in rc.SCHEMA:
+        assert f"  {key.name} = " in text and key.flag in text
+    for section in rc.SECTIONS:
+        assert f"[{section}]" in text
+    assert "one of fast, greedy, cpsat" in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+
+
+def test_help_text_defaults_round_trip_as_toml(tmp_path):
+    """The help shows each key as 'key = default': those lines form a valid file of the defaults."""
+    lines = [line.strip() for line in rc.help_text().splitlines()
+             if line.startswith("[") or (line.startswith("  ") and not line.startswith("      "))]
+    path = _write(tmp_path, "\n".join(lines) + "\n")
+    cfg = rc.resolve(argparse.Namespace(), path)
+    assert cfg.values == rc.resolve(argparse.Namespace()).values
+
+
+def test_dump_toml_round_trips(tmp_path):
+    path = _write(tmp_path, """
+[model]
+model-args = { num_layers = 2, rope = { theta = 500000.0 }, names = ["a", "b"], tie = true }
+[optimizer]
+betas = [0.8, 0.95]
+lr = 0.1
+grad-clip = 1.5
+[planner]
+strategy-schedule = "4xTP1PP1;1xTP2PP2"
+""")
+    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--steps", "3", "--no-plots"]))
+    text = rc.dump_toml(cfg)
+    again = _write(tmp_path, text)
+    back = rc.resolve(argparse.Namespace(), again)
+    assert back.values == cfg.values
+    assert back.model_args["rope"] == {"theta": 500000.0} and back.weight_decay is None
+    with pytest.raises(HGraphError, match="TOML has no null"):
+        rc.dump_toml({**cfg.values, "model_args": {"x": None}})
+
+
+def test_memory_tracking_is_off_unless_asked_or_budgeted():
+    """The saved-tensor accounting costs step time: a plain run does not pay for it."""
+    from hgraph.runtime.engine.executor import Executor
+    import inspect
+    assert inspect.signature(Executor).parameters["track_memory"].default is False
+    from hgraph.tools.cli.train_schema import BY_DEST
+    assert BY_DEST["track_memory"].default is False

@@ -1,0 +1,65 @@
+"""The ``hgraph`` command line: one subcommand per module, registered below.
+
+Every subcommand prints for people by default and one JSON object with ``--json``; bad input is one
+line on stderr and exit code 2 (DESIGN.md, command-line conventions).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Callable, Optional, Sequence
+
+from hgraph.errors import HGraphError
+
+# name -> module under hgraph.tools that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
+SUBCOMMANDS: dict[str, str] = {
+    "dump": "hgraph.tools.cli.dump",
+    "plan": "hgraph.tools.cli.plan",
+    "pack": "hgraph.tools.cli.pack",
+    "propose": "hgraph.tools.cli.propose",
+    "simulate": "hgraph.tools.cli.simulate",
+    "profile": "hgraph.tools.cli.profile",
+    "train": "hgraph.tools.cli.train",
+    "report": "hgraph.tools.cli.report",
+    "export": "hgraph.tools.cli.export",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports bad usage as one line and exit code 2."""
+
+    def error(self, message: str) -> None:  # noqa: D401 - argparse API
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hgraph", description="hgraph: heterogeneous-parallel training compiler and runtime")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # subcommand not built yet
+        p = module.add_parser(sub)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Optional[Callable[[argparse.Namespace], int]] = getattr(args, "_run", None)
+    if run is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(run(args) or 0)
+    except HGraphError as exc:
+        sys.stderr.write(f"hgraph {args.command}: error: {exc}\n")
+        return 2
+    except BrokenPipeError:
+        return 0

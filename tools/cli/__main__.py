@@ -1,0 +1,4 @@
+"""``python -m hgraph.tools.cli``: the ``hgraph`` command."""
+from hgraph.tools.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""``hgraph dump``: the instantiated per-rank programs of a model and strategy, in several formats."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from hgraph.errors import HGraphError
+from hgraph.tools.report.dump import FORMATS
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("dump", help="dump the instantiated per-rank programs of a model for a strategy",
+                       description="Trace MODEL, instantiate STRATEGY and print the programs. MODEL is a zoo "
+                                   "name (llama:tiny), FILE.py:CLASS or package.module:CLASS. The model is "
+                                   "built on the meta device: no weights are allocated.")
+    p.add_argument("model", nargs="?", default=None, help="llama:tiny | FILE.py:CLASS | package.module:CLASS")
+    p.add_argument("--model-args", default=None, help="JSON object of config overrides / constructor kwargs")
+    p.add_argument("--strategy", default=None, help='e.g. "1xTP2PP2+2xTP1PP1"')
+    p.add_argument("--run-dir", default=None, metavar="RUN_DIR",
+                   help="dump every strategy a training run used (model and world size from its run.json, "
+                        "strategies from its metrics.jsonl); -o names a folder, one file per strategy")
+    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: what the strategy uses)")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
+    p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument("--dtype", default="fp32", help="working precision of the propagation phase (fp32|bf16)")
+    p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+    return p
+
+
+def _model_args(text):
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise HGraphError(f"--model-args is not valid JSON ({exc.msg} at column {exc.colno}); "
+                          "expected an object like '{\"num_layers\": 8}'") from None
+    if not isinstance(value, dict):
+        raise HGraphError("--model-args must be a JSON object like '{\"num_layers\": 8}'")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.run_dir is not None:
+        if args.model is not None or args.strategy is not None:
+            raise HGraphError("--run-dir takes the model and strategies from the run: give no MODEL or --strategy")
+        from hgraph.tools.report.run_dump import dump_run
+        return dump_run(args)
+    if args.model is None or args.strategy is None:
+        raise HGraphError("give MODEL and --strategy, or --run-dir RUN_DIR")
+    import hgraph
+    from hgraph.frontends.zoo import resolve_model_spec
+    from hgraph.strategy import Cluster, Strategy
+
+    strategy = Strategy.parse(args.strategy)
+    cluster = Cluster(args.world_size or strategy.num_ranks, args.gpus_per_node)
+    with torch.device("meta"):
+        model = resolve_model_spec(args.model, _model_args(args.model_args))
+    compiled = hgraph.compile(model, dtype=args.dtype)
+    text = compiled.dump(strategy, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+                         rank=args.rank, format=args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.format} dump of {strategy} ({cluster.world_size} ranks) to {args.output}",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0

@@ -1,0 +1,66 @@
+"""Options shared by the planner commands (``plan``, ``propose``, ``pack``, ``simulate``).
+
+``add_workload_options`` declares the dataset / cluster options they have in common (``--lengths``,
+``--profile``, ``--gpus``, ``--gpus-per-node``, ``--max-len``).
+
+Length handling shared by ``hgraph propose``, ``pack`` and ``simulate``:
+
+Documents longer than the context ``--max-len`` are truncated to it (the papers' practice; ``plan``
+does the same) except where a command says otherwise; documents that no scheme can hold are an
+error naming the longest one and the largest MaxLen, unless ``--long truncate|drop`` asks to cut
+them to the largest MaxLen or to leave them out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hgraph.errors import HGraphError
+
+LONG_CHOICES = ("error", "truncate", "drop")
+
+
+def workload_cost_model(args, **options):
+    """The cost model of ``--profile`` on ``--gpus`` (``options`` go to ``load_cost_model``); a profile
+    none of whose schemes fits the cluster is a one-line error."""
+    from hgraph.runtime.planner.cost.cost_model import load_cost_model
+
+    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node, **options)
+    if not cost.schemes:
+        raise HGraphError(
+            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
+            "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
+    return cost
+
+
+def add_workload_options(p, *, max_len_help: str = "context length") -> None:
+    """``--lengths FILE --profile NAME|FILE --gpus N [--gpus-per-node G] --max-len L``."""
+    p.add_argument("--lengths", required=True, metavar="FILE",
+                   help="document lengths: one integer per line, or JSONL objects with input_ids")
+    p.add_argument("--profile", required=True, metavar="NAME|FILE",
+                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
+    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs (world size)")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
+    p.add_argument("--max-len", required=True, type=int, metavar="L", help=max_len_help)
+
+
+def add_long_option(p, what: str) -> None:
+    p.add_argument("--long", choices=LONG_CHOICES, default="error",
+                   help=f"documents longer than {what}: error (default), truncate them to it, or drop them")
+
+
+def limit_lengths(lengths: np.ndarray, limit: int, policy: str, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Apply ``policy`` to documents longer than ``limit``: (lengths, their indices in the file)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    index = np.arange(lengths.size, dtype=np.int64)
+    over = lengths > limit
+    if not over.any():
+        return lengths, index
+    if policy == "truncate":
+        return np.minimum(lengths, limit), index
+    if policy == "drop":
+        if over.all():
+            raise HGraphError(f"every document is longer than {what} ({limit} tokens); nothing left after --long drop")
+        return lengths[~over], index[~over]
+    i = int(np.argmax(lengths))
+    raise HGraphError(f"document {i} has {int(lengths[i])} tokens, more than {what} ({limit}); "
+                      "pass --long truncate or --long drop to cut or skip such documents")

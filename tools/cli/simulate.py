@@ -1,0 +1,82 @@
+"""``hgraph simulate``: simulated iterations of a length distribution, hgraph against the baselines.
+
+Every system trains the same mini-batches (a seeded shuffle of the dataset cut into
+``--tokens-per-iter`` token mini-batches; documents longer than ``--max-len`` are truncated, or
+dropped with ``--long drop``) under the cost model of ``--profile``: hgraph (proposed candidates,
+per-iteration dispatch + packing), Megatron-LM (static homogeneous, fixed-length packing, even
+dispatch), DeepSpeed-Ulysses (static homogeneous sequence parallel), HotSPa (a few homogeneous
+strategies per iteration with switching cost), WLB-LLM (var-length packing with outlier delay on a
+homogeneous 4D strategy) and DCP (per-length sequence-parallel groups). Each baseline is tuned over
+its own strategy space. Modelling assumptions: ``hgraph.runtime.planner.simulator``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.data.lengths import read_lengths
+from hgraph.runtime.planner.simulator import SYSTEMS, simulate
+from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("simulate", help="simulate training iterations: hgraph vs Megatron, DeepSpeed, "
+                              "HotSPa, WLB-LLM, DCP", description=__doc__)
+    add_workload_options(p, max_len_help="context length")
+    p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per iteration")
+    p.add_argument("--iters", required=True, type=int, metavar="K", help="iterations to simulate")
+    p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
+                   help=f"comma-separated systems (default all: {','.join(SYSTEMS)})")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data shuffle (default 0)")
+    p.add_argument("--long", choices=("truncate", "drop"), default="truncate",
+                   help="documents longer than --max-len: truncate (default) or drop")
+    p.add_argument("--max-cp", type=int, default=None, metavar="C",
+                   help="largest context-parallel degree the cost model derives (1: only the profiled <TP,PP> "
+                        "schemes, the papers' setting; default: the profile's own, 8)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("gpus", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
+        if getattr(args, name) < 1:
+            raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not systems:
+        raise HGraphError(f"--systems is empty; choose from {','.join(SYSTEMS)}")
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise HGraphError(f"unknown system(s) {', '.join(unknown)} in --systems; choose from {','.join(SYSTEMS)}")
+    lengths = read_lengths(args.lengths)
+    if args.max_cp is not None and args.max_cp < 1:
+        raise HGraphError(f"--max-cp must be a positive integer, got {args.max_cp}")
+    cost = workload_cost_model(args, max_cp=args.max_cp)
+    if cost.largest_max_len() < args.max_len:
+        raise HGraphError(f"--max-len {args.max_len} is longer than the largest MaxLen {cost.largest_max_len()} of "
+                          f"any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len or add GPUs")
+    sim = simulate(lengths, cost, args.gpus, args.max_len, args.tokens_per_iter, args.iters, systems=systems,
+                   seed=args.seed, gpus_per_node=args.gpus_per_node, long=args.long)
+    if args.json:
+        out = sim.to_json()
+        out["profile"] = cost.name
+        json.dump(out, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    w = sys.stdout.write
+    w(f"profile {cost.name}, {args.gpus} GPUs, context {args.max_len}, {args.tokens_per_iter} tokens per "
+      f"iteration, {args.iters} iterations\n")
+    w(f"  {'system':<10} {'mean ms':>9} {'std ms':>8} {'tokens/s':>10} {'spread':>7}  configuration\n")
+    for name, r in sim.results.items():
+        j = r.to_json()
+        w(f"  {name:<10} {j['mean_latency_ms']:>9.1f} {j['std_latency_ms']:>8.1f} {j['throughput_tokens_per_s']:>10.0f} "
+          f"{j['mean_spread']:>7.2f}  {r.config}\n")
+    if "hgraph" in sim.results:
+        h = sim.results["hgraph"]
+        w(f"hgraph candidates: {', '.join(h.notes['candidates'])}\n")
+        w("hgraph chose: " + ", ".join(f"{s} x{n}" for s, n in h.notes["chosen"].items()) + "\n")
+    sp = sim.speedup()
+    if sp is not None:
+        w(f"speedup of hgraph over the best baseline ({sim.best_baseline().system}): {sp:.2f}x\n")
+    return 0

@@ -1,0 +1,288 @@
+"""``hgraph train``: dynamic heterogeneous training, the planner choosing every iteration's strategy.
+
+With no arguments it runs the built-in default: ``llama:tiny`` on the built-in long-tail documents
+(``hgraph.runtime.data.builtin.synthetic_documents``: real Wikipedia lengths scaled for CPU), 4 local
+processes, a cost model measured on the spot by the ranks (``--profile measure``), ``auto`` candidate
+strategies and the planner's choice every iteration, planned ahead in a planner process; it prints
+one line per iteration (a progress bar on a terminal) and a summary, and writes ``run.json``,
+``metrics.jsonl`` and the plots (``hgraph.tools.report.plots``) into ``--run-dir`` (default
+``runs/<UTC timestamp>``).
+
+Planner-driven mode (``--strategies auto|"S1;S2"``, the default): every iteration
+``plan_iteration`` picks the strategy among the candidates and dispatches the mini-batch's documents
+to pipelines and micro-batches with the cost model of ``--profile`` (``measure``: timed on this
+machine at the start, ``hgraph.runtime.planner.cost.calibration``; ``analytic``: the analytic prior for the
+model and world size; or a built-in profile NAME or a profile FILE). A planner process started by
+the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead
+(``hgraph.runtime.planner.service.plan_ahead``); rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
+once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
+Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
+
+Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
+GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
+right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of ``--data`` (JSONL with
+``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
+wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.data.outlier_delay``);
+in deterministic mode documents are dispatched and packed by the runtime's built-in rule
+(``hgraph.runtime.train.trainer.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
+decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
+(keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
+
+Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
+RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
+--checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
+one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
+checked here, before any process starts (``hgraph.runtime.checkpoint.run``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from hgraph.errors import HGraphError
+
+# The built-in default run: sized so that it finishes in a few minutes with 4 processes on 2 CPU
+# cores (about DEFAULT_TOKENS_PER_ITER tokens per step, a long-tail mix of short and long documents).
+DEFAULT_MODEL = "llama:tiny"
+DEFAULT_WORLD_SIZE = 4
+DEFAULT_STEPS = 60
+DEFAULT_TOKENS_PER_ITER = 8192
+BUILTIN_SEED = 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from hgraph.tools.cli.train_schema import add_arguments, help_text
+    p = subparsers.add_parser("train", help="train with the planner's strategy every iteration (no arguments: "
+                              "the built-in default run)", description=__doc__, epilog=help_text(),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)        # every flag is a key of hgraph.tools.cli.train_schema.SCHEMA (and of --config)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    """A ``TrainConfig`` from the parsed options and ``--config`` (bad values: one-line HGraphError)."""
+    from hgraph.tools.cli.train_schema import BY_DEST, resolve
+    from hgraph.runtime.train.trainer import TrainConfig, parse_schedule
+    cfg = resolve(args)
+    schedule, strategies = cfg.strategy_schedule, cfg.strategies
+    if schedule is not None and cfg.sources["strategies"] != "default":
+        raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
+                          "or the schedule does")
+    if schedule is not None:
+        strategies = None
+        parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
+    if cfg.max_candidates is not None and (schedule is not None or strategies.strip() != "auto"):
+        key, src = BY_DEST["max_candidates"], cfg.sources["max_candidates"]
+        where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
+        raise HGraphError(f"{where} = {cfg.max_candidates}: applies to the proposed candidates of "
+                          "--strategies auto only, not to a given strategy list or schedule")
+    if schedule is None and strategies.strip() != "auto":
+        from hgraph.runtime.planner.service.iteration import parse_candidates
+        parse_candidates(strategies, cfg.world_size)
+    return TrainConfig(model=cfg.model, world_size=cfg.world_size,
+                       schedule=schedule.split(";") if schedule is not None else (),
+                       strategies=strategies, profile=cfg.profile, method=cfg.method,
+                       time_limit=cfg.time_limit, max_candidates=cfg.max_candidates,
+                       steps=cfg.steps, tokens_per_iter=cfg.tokens_per_iter, data=cfg.data,
+                       model_args=dict(cfg.model_args), optimizer=cfg.optimizer, lr=cfg.lr, betas=cfg.betas,
+                       eps=cfg.eps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
+                       dtype=cfg.dtype, microbatch_tokens=cfg.microbatch_tokens,
+                       skip_nonfinite=cfg.skip_nonfinite, save_final=cfg.save_final, metrics=cfg.metrics,
+                       gpus_per_node=cfg.gpus_per_node, backend=cfg.backend, log_every=cfg.log_every,
+                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
+                       keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
+                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
+                       memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                       device_memory=device_memory_option(cfg.device_memory, cfg.data),
+                       cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory,
+                       outlier_queues=cfg.outlier_queues), cfg
+
+
+def device_memory_option(text, data):
+    """``--device-memory``: bytes, None (``none``), or ``"auto"`` (sized on the ranks from the
+    model) with the built-in data; ``auto`` with ``--data`` is no limit (module docstring)."""
+    t = str(text).strip().lower()
+    if t == "none":
+        return None
+    if t == "auto":
+        return "auto" if data is None else None
+    return parse_bytes(text, "--device-memory")
+
+
+def parse_bytes(text, option: str):
+    """``123``, ``1.5e6``, ``512K``, ``64M``, ``2G`` (powers of 1024) -> bytes; None stays None."""
+    if text is None:
+        return None
+    units = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30}
+    t = str(text).strip().upper().removesuffix("B")
+    scale = units.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if t[-1:] in units else t) * scale
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise HGraphError(f"{option} {text!r}: expected a positive number of bytes, e.g. 512M")
+    return value
+
+
+def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter: int,
+                      num_docs: Optional[int] = None, scale: Optional[float] = None) -> list[list[int]]:
+    """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
+    of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
+    average ~62 tokens); ``scale``: the length scale (default the generator's)."""
+    from hgraph.runtime.data.builtin import synthetic_documents
+    from hgraph.runtime.train.trainer import TrainConfig, build_model
+
+    cfg = getattr(build_model(TrainConfig(model=model, world_size=1, schedule=(), steps=1, tokens_per_iter=1,
+                                          model_args=model_args)), "config", None)
+    vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
+    if not vocab or not max_len:
+        raise HGraphError(f"--model {model}: the built-in data needs a zoo model with vocab_size and "
+                          "max_seq_len; give --data FILE.jsonl")
+    num_docs = num_docs or max(64, math.ceil(steps * tokens_per_iter / 24))
+    extra = {} if scale is None else {"scale": scale}
+    return synthetic_documents(num_docs, int(vocab), min(int(max_len), tokens_per_iter), BUILTIN_SEED, **extra)
+
+
+def default_run_dir() -> Path:
+    """``runs/<UTC timestamp>`` (with a suffix if a run of the same second exists)."""
+    base = Path("runs") / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _print_summary(records: list, run_dir: Path, plots) -> None:
+    from hgraph.tools.report.plots import summarize
+    s = summarize(records)
+    used = ", ".join(f"{k} x{v}" for k, v in s.strategies.items())
+    print(f"summary: {s.steps} steps, {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s; "
+          f"{s.distinct_strategies} distinct strategies: {used}")
+    loss = (f"loss {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.first_loss is not None else "no finite loss")
+    extra = []
+    if s.mean_balance is not None:
+        extra.append(f"mean balance (max/mean busy) {s.mean_balance:.2f}")
+    if s.est_within_10pct is not None:
+        extra.append(f"estimate within 10% of measured in {100 * s.est_within_10pct:.0f}% of steps")
+    if s.planner_wait_s is not None:
+        queue = [r["planner_queue_wait_s"] for r in records if r.get("planner_source") == "ahead"]
+        extra.append(f"planner wait {s.planner_wait_s:.2f} s in all"
+                     + (f" ({sum(queue):.2f} s blocked on the planner process in {len(queue)} planned-ahead "
+                        f"steps)" if queue else ""))
+    if s.cache_hit_rate is not None:
+        extra.append(f"cache hit rate {100 * s.cache_hit_rate:.0f}%")
+    print(f"         {loss}; " + "; ".join(extra))
+    delays = [d for r in records for d in r.get("delay_iters", ())]
+    if any("delayed" in r for r in records):   # --outlier-queues: show that nothing was left behind
+        print(f"outlier delay: {sum(d > 0 for d in delays)} of {len(delays)} documents delayed, mean delay "
+              f"{sum(delays) / max(len(delays), 1):.3f} steps (max {max(delays, default=0)}); "
+              f"{records[-1].get('pending_delay', 0)} waiting at the end")
+    print(f"run dir: {run_dir} (metrics.jsonl, {len(plots.files)} plot files"
+          + (f"; skipped: {', '.join(plots.skipped)}" if plots.skipped else "") + ")")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hgraph.runtime.data.documents import read_jsonl
+    from hgraph.runtime.train.launch import SpawnError
+    from hgraph.runtime.train.trainer import run_training
+
+    config, cfg = config_from_args(args)
+    planned = config.strategies is not None
+    point = _resume_point(config, quiet=cfg.json)
+    run_dir = None
+    if planned or cfg.run_dir is not None:
+        run_dir = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if config.metrics is None:
+            config.metrics = str(run_dir / "metrics.jsonl")
+    if config.data is not None:
+        read_jsonl(config.data)                          # a malformed line fails before the launch
+    else:
+        # a resumed run regenerates the same built-in documents as the run it continues
+        saved_n = point.data_position.get("num_documents") if point is not None else None
+        config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
+                                        cfg.builtin_docs or saved_n, cfg.builtin_scale)
+    config.log_steps = planned and not cfg.json
+    from hgraph.tools.cli.progress import resolve_mode
+    config.progress = config.log_steps and resolve_mode(cfg.progress)
+    if run_dir is not None:
+        from hgraph.tools.report.run_record import write_run_record
+        write_run_record(run_dir, config)
+    if config.log_steps:
+        source = cfg.data or "built-in long-tail documents"
+        print(f"hgraph train: {config.model} on {config.world_size} processes, {source}, "
+              f"{config.steps} steps of {config.tokens_per_iter} tokens, strategies {config.strategies}, "
+              f"profile {config.profile}", flush=True)
+    try:
+        result = run_training(config, timeout_s=cfg.timeout)
+    except SpawnError as exc:
+        hint = ""
+        if config.checkpoint_dir is not None:
+            from hgraph.runtime.checkpoint.shards import latest
+            last = latest(config.checkpoint_dir)
+            hint = f"; --resume continues from {last}" if last is not None else ""
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
+        return 1
+    if result.get("rank", 0) != 0:
+        return 0                                          # under torchrun only rank 0 reports
+    steps = result["steps"]
+    plots = None
+    if run_dir is not None and config.metrics is not None and cfg.plots:
+        from hgraph.tools.report.plots import read_metrics, write_plots
+        records = read_metrics(config.metrics)
+        plots = write_plots(records, run_dir)
+    if cfg.json:
+        print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
+                          "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
+                          "save_final": config.save_final, "metrics": config.metrics,
+                          "run_dir": str(run_dir) if run_dir is not None else None,
+                          "plots": [str(f) for f in plots.files] if plots is not None else []}))
+        return 0
+    if not planned:
+        for s in steps:
+            print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
+                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else ""))
+    c = result["cache"]
+    print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
+          f"<= {c['max_hit_switch_ms']:.3f} ms")
+    saved = result.get("checkpoints", [])
+    if saved:
+        print(f"checkpoints: {', '.join(Path(c['path']).name for c in saved)} in {config.checkpoint_dir} "
+              f"({saved[-1]['bytes'] / 1e6:.2f} MB each, save <= {1e3 * max(c['save_s'] for c in saved):.0f} ms)")
+    if plots is not None:
+        _print_summary(records, run_dir, plots)
+    elif run_dir is not None:
+        print(f"run dir: {run_dir} (metrics.jsonl)")
+    return 0
+
+
+def _resume_point(config, quiet: bool):
+    """With ``--resume``: the checkpoint to continue from, checked before any process starts (the
+    ranks then all load it); its warnings go to stderr. None for a fresh run."""
+    if not config.resume:
+        return None
+    from hgraph.runtime.checkpoint.run import find_resume_point
+    point = find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback)
+    for w in point.warnings:
+        sys.stderr.write(f"hgraph train: warning: {w}\n")
+    if point.step >= config.steps:
+        raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
+                          f"{config.steps}: nothing left to train (--steps is the run's total)")
+    from hgraph.runtime.data.outlier_delay import check_resume_queues
+    check_resume_queues(point.manifest.get("delay_queues", {}), config.outlier_queues, point.folder)
+    config.resume_from = str(point.folder)
+    if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
+        pos = point.data_position
+        resharded = (f", resharded from {point.world_size} to {config.world_size} ranks"
+                     if point.world_size != config.world_size else "")
+        print(f"resuming from {point.folder}: {point.step} of {config.steps} steps done, next document "
+              f"{pos.get('next_document')} (epoch {pos.get('epoch')}){resharded}", flush=True)
+    return point

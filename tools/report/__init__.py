@@ -1,0 +1,1 @@
+"""Reports: dumps of programs and of runs, plots, the run record."""

@@ -1,0 +1,195 @@
+"""Dumps of instantiated programs: text, runnable Python, JSON, and graphs (DOT / SVG / HTML).
+
+``render_program(program, fmt, rank=None)`` is the one entry point; ``rank=None`` means every rank
+(for ``python`` and ``text`` the ranks are concatenated; graphs show each rank as a cluster inside
+its pipeline and stage).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Optional
+
+import torch.fx as fx
+
+from hgraph.errors import HGraphError
+from hgraph.meta import SlotKind, get_meta
+from hgraph.program import Program, RankProgram
+
+FORMATS = ("text", "python", "dot", "svg", "html", "json")
+
+
+def render_program(program: Program, fmt: str = "text", rank: Optional[int] = None) -> str:
+    if fmt not in FORMATS:
+        raise HGraphError(f"unknown dump format {fmt!r}; allowed: {', '.join(FORMATS)}")
+    if rank is not None and not 0 <= rank < len(program.ranks):
+        raise HGraphError(f"rank {rank} is outside the world of {len(program.ranks)} ranks (0..{len(program.ranks) - 1})")
+    ranks = program.ranks if rank is None else [program.rank(rank)]
+    if fmt == "json":
+        return json.dumps(program_json(program, ranks), indent=1)
+    if fmt == "text":
+        return "\n".join(rank_text(program, rp) for rp in ranks)
+    if fmt == "python":
+        return "\n\n".join(rank_python(program, rp) for rp in ranks)
+    graph = program_rgraph(program, ranks)
+    if fmt == "dot":
+        from hgraph.tools.render.graph import render_dot
+        return render_dot(graph)
+    if fmt == "svg":
+        from hgraph.tools.render.svg import render_svg
+        return render_svg(graph)
+    from hgraph.tools.render.html import render_html
+    return render_html(graph)
+
+
+# ---- JSON -----------------------------------------------------------------------------------------
+def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
+    return {
+        "strategy": str(program.strategy),
+        "world_size": program.cluster.world_size,
+        "ranks": [{
+            "rank": rp.rank, "pipeline": rp.pipeline, "scheme": str(rp.scheme), "stage": rp.stage,
+            "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank,
+            "blocks": list(rp.role.blocks),
+            "params": [{"name": s.name, "full_shape": list(s.full_shape), "shard_shape": list(s.shard_shape),
+                        "shard_dim": s.shard_dim if s.tp_sharded else None}
+                       for s in rp.params.values()],
+            "subgraphs": [{"kind": sg.kind.value, "param": sg.param, "ops": list(sg.ops), "peers": list(sg.peers),
+                           "bytes": sg.bytes, **({"comm_point": sg.comm_point} if sg.comm_point else {})}
+                          for sg in rp.subgraphs],
+        } for rp in ranks],
+    }
+
+
+# ---- text -----------------------------------------------------------------------------------------
+def rank_text(program: Program, rp: RankProgram) -> str:
+    lines = [f"== rank {rp.rank}: pipeline {rp.pipeline} ({rp.scheme}), stage {rp.stage}, "
+             f"tp_rank {rp.tp_rank}, cp_rank {rp.cp_rank}  [strategy {program.strategy}]",
+             f"   blocks: {', '.join(rp.role.blocks) or '-'}",
+             "   peers: " + ", ".join(f"{k}={list(v)}" for k, v in rp.bindings.items())]
+    lines.append(f"   parameters ({len(rp.params)}):")
+    for s in rp.params.values():
+        how = f"split on dim {s.shard_dim} {list(s.ranges)}" + (f" +{s.pad} pad" if s.pad else "") \
+            if s.tp_sharded else "whole"
+        lines.append(f"     {s.name:48s} {str(list(s.full_shape)):>16s} -> {str(list(s.shard_shape)):16s} {how}")
+    counts: dict[str, int] = {}
+    for sg in rp.subgraphs:
+        counts[sg.kind.value] = counts.get(sg.kind.value, 0) + 1
+    lines.append("   subgraphs: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+    lines.append(f"   pull bytes {sum(sg.bytes for sg in rp.subgraphs if sg.kind == SlotKind.PULL_PARAMETER)}, "
+                 f"push bytes {sum(sg.bytes for sg in rp.subgraphs if sg.kind == SlotKind.PUSH_GRADIENT)}")
+    lines.append("   program:")
+    for n in rp.graph_module.graph.nodes:
+        m = get_meta(n)
+        tag = f"[{m.slot.value}] " if m.slot is not None else ""
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        args = ", ".join(a.name if isinstance(a, fx.Node) else repr(a) for a in n.args if not _is_comm(a))
+        lines.append(f"     {tag}{n.name} = {n.op}:{target}({args})")
+    return "\n".join(lines) + "\n"
+
+
+def _is_comm(a: Any) -> bool:
+    return isinstance(a, fx.Node) and a.op == "placeholder" and a.target == "comm"
+
+
+# ---- runnable Python ------------------------------------------------------------------------------
+def rank_python(program: Program, rp: RankProgram) -> str:
+    """The rank's graph as a standalone module: imports, a class with shard-shaped parameters, forward.
+
+    Each filled subgraph is preceded by a ``# ---- <kind> ...`` comment. ``Rank<N>().forward(ids,
+    pos, comm)`` runs it (with ``comm=None`` when the rank has no peers).
+    """
+    gm = rp.graph_module
+    code = gm.graph.python_code(root_module="self")
+    imports = []
+    for name, obj in sorted(code.globals.items()):
+        mod, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+        if name in ("inf", "nan", "NoneType", "torch", "device", "fx_pytree", "pytree"):
+            continue
+        if mod and qual and "<" not in qual:
+            top, _, rest = qual.partition(".")
+            imports.append(f"from {mod} import {top} as {name}" if not rest else
+                           f"from {mod} import {top} as _{name}_owner; {name} = _{name}_owner.{rest}")
+    tags = {n.name: get_meta(n) for n in gm.graph.nodes}
+    body, last_tag = [], None
+    for line in code.src.splitlines():
+        m = re.match(r"\s+(\w+) = ", line)
+        meta = tags.get(m.group(1)) if m else None
+        tag = meta.subgraph if meta is not None else None
+        if tag != last_tag and tag is not None:
+            what = meta.param or (meta.comm_point.value if meta.comm_point else "")
+            body.append(f"        # ---- {meta.slot.value}: {what}")
+        elif tag is None and last_tag is not None and m:
+            body.append("        # ---- compute")
+        if m or tag is not None:
+            last_tag = tag
+        body.append("    " + line if line.strip() else line)
+    params = "\n".join(f"        _param(self, {s.name!r}, {list(s.shard_shape)})" for s in rp.params.values())
+    header = (f"# hgraph program of rank {rp.rank}: pipeline {rp.pipeline} ({rp.scheme}), stage {rp.stage}, "
+              f"tp_rank {rp.tp_rank}, cp_rank {rp.cp_rank}; strategy {program.strategy}, world size "
+              f"{program.cluster.world_size}\n# peers: " + ", ".join(f"{k}={list(v)}" for k, v in rp.bindings.items()))
+    return f'''{header}
+import torch
+{chr(10).join(sorted(set(imports)))}
+
+
+def _param(root, name, shape):
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, torch.nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape)))
+
+
+class Rank{rp.rank}(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+{params or "        pass"}
+
+{chr(10).join(body)}
+'''
+
+
+# ---- graphs ---------------------------------------------------------------------------------------
+def _kind(n: fx.Node) -> str:
+    m = get_meta(n)
+    if m.slot is not None:
+        return m.slot.value
+    if n.op == "placeholder":
+        return "input"
+    if n.op == "output":
+        return "output"
+    if n.op == "get_attr":
+        return "param"
+    return "compute"
+
+
+def program_rgraph(program: Program, ranks: list[RankProgram]):
+    """The renderer-neutral graph of ``ranks``: one cluster per pipeline / stage / rank."""
+    from hgraph.tools.render.graph import REdge, RGraph, RNode
+    nodes, edges = [], []
+    for rp in ranks:
+        cluster = (f"pipeline {rp.pipeline}: {rp.scheme}", f"stage {rp.stage}", f"rank {rp.rank}")
+        for n in rp.graph_module.graph.nodes:
+            if _is_comm(n):
+                continue
+            target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+            m = get_meta(n)
+            nodes.append(RNode(f"r{rp.rank}.{n.name}", target if n.op != "placeholder" else n.name, _kind(n),
+                               cluster, f"{n.name}: {n.op} {target}" + (f" ({m.param})" if m.param else "")))
+            for a in n.all_input_nodes:
+                if not _is_comm(a):
+                    edges.append(REdge(f"r{rp.rank}.{a.name}", f"r{rp.rank}.{n.name}"))
+    # cross-rank activation edges: each send to the matching receive of the next stage
+    shown = {rp.rank: rp for rp in ranks}
+    for rp in ranks:
+        nxt = rp.bindings.get("pp_next")
+        if not nxt or nxt[0] not in shown:
+            continue
+        sends = [n for n in rp.graph_module.graph.nodes if (get_meta(n).subgraph or "").startswith("pp_send")]
+        recvs = [n for n in shown[nxt[0]].graph_module.graph.nodes if (get_meta(n).subgraph or "").startswith("pp_recv")]
+        for s, r in zip(sends, recvs):
+            edges.append(REdge(f"r{rp.rank}.{s.name}", f"r{nxt[0]}.{r.name}", "activation", "comm"))
+    return RGraph(f"hgraph: {program.strategy} on {program.cluster.world_size} ranks", nodes, edges)
