@@ -29,7 +29,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from hgraph.errors import TraceError
-from hgraph.frontends.linear_ops import in_out_linear
+from hgraph.linear_ops import in_out_linear
 
 aten = torch.ops.aten
 STACK_KEY = "nn_module_stack"

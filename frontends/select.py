@@ -13,8 +13,7 @@ import torch.nn as nn
 
 from hgraph.errors import HGraphError, TraceError
 from hgraph.frontends.tracer import LeafSpec
-
-FRONTENDS = ("auto", "fx", "export")
+from hgraph.options import FRONTENDS
 
 __all__ = ["FRONTENDS", "trace_model"]
 

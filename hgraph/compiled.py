@@ -13,9 +13,33 @@ import torch
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
+from hgraph.graph import HGraph
 from hgraph.options import CompileOptions
 from hgraph.program import Program
 from hgraph.strategy import Cluster, Strategy
+
+
+def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
+    """Trace ``model`` and turn it into an HGraph (trace -> annotate_pass -> insert_slots_pass).
+
+    Options: ``leaf_modules`` (module classes or qualified names the fx tracer must not enter);
+    ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``.
+    The HGraph's ``frontend`` attribute says which one was used.
+    """
+    from hgraph.frontends.select import trace_model          # the API module wires the rooms, lazily
+    from hgraph.passes.annotate import annotate_pass
+    from hgraph.passes.insert_slots import insert_slots_pass
+
+    unknown = sorted(set(options) - {"leaf_modules", "frontend"})
+    if unknown:
+        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules, frontend")
+    gm, used = trace_model(model, leaf_modules=options.get("leaf_modules", ()),
+                           frontend=options.get("frontend", "auto"))
+    gm = annotate_pass(gm, None)
+    gm = insert_slots_pass(gm, None)
+    hg = HGraph(gm, model)
+    hg.frontend = used
+    return hg
 
 
 class CompiledModule(nn.Module):
@@ -30,7 +54,6 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         self.options = options
-        from hgraph.graph import build_hgraph
         self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend)
         self._programs: dict[tuple[Strategy, Cluster], Program] = {}
         self._shapes: Optional[dict] = None
@@ -91,6 +114,7 @@ class CompiledModule(nn.Module):
 def compile(model: Any = None, **options: Any) -> Any:  # noqa: A001 - mirrors torch.compile
     """Compile an nn.Module instance, or decorate an nn.Module subclass (with or without options)."""
     opts = CompileOptions.from_kwargs(**options)
+    _check_disabled_passes(opts.disabled_passes)
 
     def apply(target: Any) -> Any:
         if isinstance(target, nn.Module):
@@ -104,3 +128,11 @@ def compile(model: Any = None, **options: Any) -> Any:  # noqa: A001 - mirrors t
         raise HGraphError(f"hgraph.compile expects an nn.Module instance or subclass, got {type(target).__name__}")
 
     return apply if model is None else apply(model)
+
+
+def _check_disabled_passes(disabled: tuple[str, ...]) -> None:
+    from hgraph.passes.pipeline import instantiation_passes
+    known = [p.name for p in instantiation_passes()]
+    unknown = sorted(set(disabled) - set(known))
+    if unknown:
+        raise HGraphError(f"cannot disable unknown pass(es) {unknown}; instantiation passes are {known}")

@@ -1,6 +1,6 @@
 """The HGraph: a model's strategy-agnostic fx graph with empty slots, and what is known about it.
 
-``build_hgraph(model)`` traces the model into the canonical form (``hgraph.frontends.fx_frontend``),
+``hgraph.compiled.build_hgraph(model)`` traces the model into the canonical form (the frontends),
 annotates blocks / op kinds / TP roles (``annotate_pass``) and inserts the empty slots
 (``insert_slots_pass``). The resulting graph computes exactly what the model computes.
 """
@@ -14,7 +14,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
 
 PRE, POST = "pre", "post"
@@ -241,26 +240,3 @@ def _fake_shapes(gm: fx.GraphModule, nodes: list[Any]) -> list[Optional[tuple[in
         tm = n.meta.get("tensor_meta") if isinstance(n, fx.Node) else None
         out.append(tuple(tm.shape) if tm is not None and hasattr(tm, "shape") else None)
     return out
-
-
-def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
-    """Trace ``model`` and turn it into an HGraph (trace -> annotate_pass -> insert_slots_pass).
-
-    Options: ``leaf_modules`` (module classes or qualified names the fx tracer must not enter);
-    ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``.
-    The HGraph's ``frontend`` attribute says which one was used.
-    """
-    from hgraph.frontends.select import trace_model
-    from hgraph.passes.annotate import annotate_pass
-    from hgraph.passes.insert_slots import insert_slots_pass
-
-    unknown = sorted(set(options) - {"leaf_modules", "frontend"})
-    if unknown:
-        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules, frontend")
-    gm, used = trace_model(model, leaf_modules=options.get("leaf_modules", ()),
-                           frontend=options.get("frontend", "auto"))
-    gm = annotate_pass(gm, None)
-    gm = insert_slots_pass(gm, None)
-    hg = HGraph(gm, model)
-    hg.frontend = used
-    return hg

@@ -7,20 +7,39 @@ graph. With ``comm=None`` the graph runs in one process: ops whose group has one
 identity, and anything that really needs a peer raises a clear error.
 
 A collective is an *issue* op followed by a *wait* op, so the schedule is the node order.
+
+The ops that need peers call the method of the same name on ``comm``: the IR names what a graph
+needs (``CommRuntime``), the runtime's communication context provides it, and this module imports no
+runtime.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.fx import wrap
 
 from hgraph.errors import HGraphError
+from hgraph.varlen_attention import varlen_attention
 
 
-def _ranks(comm: Any, key: str) -> tuple[int, ...]:
-    return tuple(comm.bindings[key])
+class CommRuntime(Protocol):
+    """What the ops below need of a rank's communication context (``hgraph.runtime.comm.context``)."""
+
+    def pull_issue(self, name: str) -> None: ...
+    def pull_wait(self, name: str) -> None: ...
+    def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor: ...
+    def tp_copy(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
+    def tp_reduce_issue(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
+    def tp_gather_issue(self, x: torch.Tensor, key: str, dim: int,
+                        sizes: Optional[Sequence[int]]) -> torch.Tensor: ...
+    def wait(self, t: torch.Tensor) -> torch.Tensor: ...
+    def pp_recv(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
+    def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
+    def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                     enable_gqa: bool) -> torch.Tensor: ...
 
 
 def _need_runtime(op: str) -> HGraphError:
@@ -29,16 +48,16 @@ def _need_runtime(op: str) -> HGraphError:
 
 
 # ---- Pull Parameter / Push Gradient -------------------------------------------------------------
-def pull_issue(comm: Any, name: str) -> None:
+def pull_issue(comm: Optional[CommRuntime], name: str) -> None:
     """Start bringing this rank the slices of parameter ``name`` it needs (LNK), once per iteration."""
     if comm is not None:
-        comm.param_sync.pull_issue(name)
+        comm.pull_issue(name)
 
 
-def pull_wait(comm: Any, w: torch.Tensor, name: str) -> torch.Tensor:
+def pull_wait(comm: Optional[CommRuntime], w: torch.Tensor, name: str) -> torch.Tensor:
     """Wait until the working parameter ``w`` holds this iteration's values; returns it."""
     if comm is not None:
-        comm.param_sync.pull_wait(name)
+        comm.pull_wait(name)
     return w
 
 
@@ -47,7 +66,7 @@ def to_working_dtype(w: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Ten
     return w if dtype is None or w.dtype == dtype else w.to(dtype)
 
 
-def push_gradient(comm: Any, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
+def push_gradient(comm: Optional[CommRuntime], w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
     """Identity in forward; in backward the gradient of ``w`` is pushed to the optimizer shard owners.
 
     ``eager``: issue the push as soon as the last micro-batch finishes the gradient (first PP stage),
@@ -55,41 +74,37 @@ def push_gradient(comm: Any, w: torch.Tensor, name: str, eager: bool) -> torch.T
     """
     if comm is None:
         return w
-    return comm.param_sync.push_gradient(w, name, eager)
+    return comm.push_gradient(w, name, eager)
 
 
 # ---- Communicate Activation: tensor parallelism --------------------------------------------------
-def tp_copy(comm: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+def tp_copy(comm: Optional[CommRuntime], x: torch.Tensor, key: str) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce of the gradient in backward."""
     if comm is None:
         return x
-    from hgraph.runtime.comm import collectives as comm_ops
-    return comm_ops.tp_copy_issue(comm, x, _ranks(comm, key))
+    return comm.tp_copy(x, key)
 
 
-def tp_reduce_issue(comm: Any, x: torch.Tensor, key: str) -> torch.Tensor:
+def tp_reduce_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str) -> torch.Tensor:
     """Megatron g, issue half: start the all-reduce (sum) of ``x`` over the TP group."""
     if comm is None:
         raise _need_runtime("tp_reduce_issue")
-    from hgraph.runtime.comm import collectives as comm_ops
-    return comm_ops.tp_reduce_issue(comm, x, _ranks(comm, key))
+    return comm.tp_reduce_issue(x, key)
 
 
-def tp_gather_issue(comm: Any, x: torch.Tensor, key: str, dim: int,
+def tp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int,
                     sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Start the all-gather of ``x`` along ``dim`` over the TP group (uneven ``sizes`` allowed)."""
     if comm is None:
         raise _need_runtime("tp_gather_issue")
-    from hgraph.runtime.comm import collectives as comm_ops
-    return comm_ops.tp_gather_issue(comm, x, _ranks(comm, key), dim, list(sizes) if sizes else None)
+    return comm.tp_gather_issue(x, key, dim, sizes)
 
 
-def comm_wait(comm: Any, t: torch.Tensor) -> torch.Tensor:
+def comm_wait(comm: Optional[CommRuntime], t: torch.Tensor) -> torch.Tensor:
     """Wait for the collective issued for ``t``; identity for autograd."""
     if comm is None:
         return t
-    from hgraph.runtime.comm import collectives as comm_ops
-    return comm_ops.comm_wait(comm, t)
+    return comm.wait(t)
 
 
 @wrap
@@ -107,7 +122,7 @@ def _resolve_shape(dims: Sequence[Any], input_ids: torch.Tensor) -> list[int]:
     return [sym[d] if isinstance(d, str) else int(d) for d in dims]
 
 
-def pp_recv(comm: Any, key: str, index: int, dims: Sequence[Any], dtype: torch.dtype,
+def pp_recv(comm: Optional[CommRuntime], key: str, index: int, dims: Sequence[Any], dtype: torch.dtype,
             input_ids: torch.Tensor) -> torch.Tensor:
     """Receive activation ``index`` of this micro-batch from the previous stage.
 
@@ -116,18 +131,14 @@ def pp_recv(comm: Any, key: str, index: int, dims: Sequence[Any], dtype: torch.d
     """
     if comm is None:
         raise _need_runtime("pp_recv")
-    from hgraph.runtime.comm import collectives as comm_ops
-    (src,) = _ranks(comm, key)
-    return comm_ops.pp_recv(comm, src, tuple(_resolve_shape(dims, input_ids)), dtype)
+    return comm.pp_recv(key, _resolve_shape(dims, input_ids), dtype)
 
 
-def pp_send(comm: Any, x: torch.Tensor, key: str, index: int) -> torch.Tensor:
+def pp_send(comm: Optional[CommRuntime], x: torch.Tensor, key: str, index: int) -> torch.Tensor:
     """Send activation ``index`` to the next stage; returns a token whose backward receives dL/dx."""
     if comm is None:
         raise _need_runtime("pp_send")
-    from hgraph.runtime.comm import collectives as comm_ops
-    (dst,) = _ranks(comm, key)
-    return comm_ops.pp_send(comm, x, dst)
+    return comm.pp_send(x, key)
 
 
 # ---- packed attention -----------------------------------------------------------------------------
@@ -138,8 +149,6 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     Documents are found from ``position_ids``: a document starts where its position is 0 (and at the
     start of the row). A row holding one document is plain causal SDPA.
     """
-    from hgraph.runtime.kernels.varlen_attention import varlen_attention
-
     B, T = q.shape[0], q.shape[-2]
     pos = position_ids.expand(B, T)
     rows = []
@@ -156,22 +165,20 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 # ---- Communicate Activation: context parallelism --------------------------------------------------
-def cp_kv_gather_issue(comm: Any, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+def cp_kv_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
     """Start the all-gather of keys / values along the sequence ``dim`` over the CP group.
 
     The piece sizes come from this micro-batch's CP layout (``comm.cp_layout``); the backward
     reduce-scatters the gradient.
     """
-    if comm is None or getattr(comm, "cp_layout", None) is None:
+    if comm is None:
         raise _need_runtime("cp_kv_gather_issue")
-    from hgraph.runtime.comm import collectives as comm_ops
-    return comm_ops.cp_gather_issue(comm, x, _ranks(comm, key), dim, comm.cp_layout.sizes)
+    return comm.cp_kv_gather_issue(x, key, dim)
 
 
-def cp_attention(comm: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
     """Attention of this CP rank's queries against the gathered keys, per document and causal."""
-    if comm is None or getattr(comm, "cp_layout", None) is None:
+    if comm is None:
         raise _need_runtime("cp_attention")
-    from hgraph.runtime.kernels.cp_attention import cp_attention as attend
-    return attend(q, k, v, comm.cp_layout, scale, enable_gqa)
+    return comm.cp_attention(q, k, v, scale, enable_gqa)

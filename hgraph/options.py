@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.select import FRONTENDS
 
+FRONTENDS = ("auto", "fx", "export")
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
@@ -33,12 +33,7 @@ class CompileOptions:
             if dtype not in _DTYPES:
                 raise HGraphError(f"unknown dtype {dtype!r}; allowed: {', '.join(sorted(_DTYPES))}")
             dtype = _DTYPES[dtype]
-        disabled = tuple(kwargs.pop("disable_passes", ()))
-        from hgraph.passes.pipeline import instantiation_passes
-        known = [p.name for p in instantiation_passes()]
-        unknown = sorted(set(disabled) - set(known))
-        if unknown:
-            raise HGraphError(f"cannot disable unknown pass(es) {unknown}; instantiation passes are {known}")
+        disabled = tuple(kwargs.pop("disable_passes", ()))   # names checked by hgraph.compile
         leaves = tuple(kwargs.pop("leaf_modules", ()))
         frontend = kwargs.pop("frontend", "auto")
         if frontend not in FRONTENDS:

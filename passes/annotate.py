@@ -27,7 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from hgraph.errors import TraceError
-from hgraph.frontends.linear_ops import IN_OUT_LINEARS
+from hgraph.linear_ops import IN_OUT_LINEARS
 from hgraph.meta import NodeMeta, OpKind, TPRole, set_meta, update_meta
 
 PRE, POST = "pre", "post"

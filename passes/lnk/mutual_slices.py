@@ -30,31 +30,13 @@ import bisect
 import math
 from typing import Callable, Iterable, Sequence
 
-from hgraph.errors import HGraphError
+# the optimizer layout and ranges belong to the IR's plan types; re-exported for the planning code
+from hgraph.comm_plan import (PlanError, Range, even_segments, merge_ranges, optimizer_segments,  # noqa: F401
+                              require_size)
 from hgraph.strategy import Scheme, Strategy
-
-Range = tuple[int, int]
-
-
-class PlanError(HGraphError, ValueError):
-    """A layout or plan request that cannot be planned (bad ranges, ranks, groups)."""
 
 
 # ---- even layouts ------------------------------------------------------------------------------
-
-def even_segments(size: int, parts: int) -> list[Range]:
-    """Split ``[0, size)`` into ``parts`` contiguous segments; segment ``i`` is
-    ``[floor(i*size/parts), floor((i+1)*size/parts))`` (sizes differ by at most one, may be empty)."""
-    _check_size(size)
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise PlanError(f"number of segments must be a positive integer, got {parts!r}")
-    return [(i * size // parts, (i + 1) * size // parts) for i in range(parts)]
-
-
-def optimizer_segments(size: int, world_size: int) -> list[Range]:
-    """The optimization layout: ``result[r]`` is the range of the shard dimension owned by rank ``r``
-    (``[floor(r*S/N), floor((r+1)*S/N))``); the same for every strategy."""
-    return even_segments(size, world_size)
 
 
 def segment_owner(size: int, world_size: int, index: int) -> int:
@@ -62,7 +44,7 @@ def segment_owner(size: int, world_size: int, index: int) -> int:
 
     ``floor(r*S/N) <= i`` iff ``r*S < (i+1)*N``, so the owner is ``((i+1)*N - 1) // S``.
     """
-    _check_size(size)
+    require_size(size)
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise PlanError(f"world size must be a positive integer, got {world_size!r}")
     if not 0 <= index < size:
@@ -106,17 +88,6 @@ def slices_within(slices: Sequence[Range], lo: int, hi: int) -> list[Range]:
     if not out or out[0][0] != lo or out[-1][1] != hi:
         raise AssertionError(f"[{lo}, {hi}) is not a union of the refinement's slices")
     return out
-
-
-def merge_ranges(ranges: Iterable[Range]) -> list[Range]:
-    """Sorted union of ranges as disjoint, non-touching ranges (empty ranges dropped)."""
-    out: list[list[int]] = []
-    for lo, hi in sorted(r for r in ranges if r[0] < r[1]):
-        if out and lo <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], hi)
-        else:
-            out.append([lo, hi])
-    return [(lo, hi) for lo, hi in out]
 
 
 def normalise_ranges(ranges: Iterable[Range], *, size: int | None = None, what: str = "range") -> list[Range]:
@@ -240,6 +211,3 @@ def _stage(stage_of: StageOf | int, pipeline: int, scheme: Scheme) -> int | None
     return stage
 
 
-def _check_size(size: int) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise PlanError(f"shard dimension size must be a non-negative integer, got {size!r}")

@@ -1,6 +1,7 @@
 """Communication ops called by instantiated per-rank graphs: each collective is an ISSUE and a WAIT.
 
-Every op takes the rank's ``CommContext`` first (no globals). An issue op starts the collective with
+Every op takes the rank's communication context first (``hgraph.runtime.comm.context.CommContext``;
+no globals). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
@@ -23,14 +24,14 @@ Backward communication runs inside the autograd engine, so it is issued and comp
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm.process_groups import GroupCache, group_key
+from hgraph.runtime.comm.process_groups import group_key
 
 
 @dataclass
@@ -42,7 +43,7 @@ class PendingWork:
     finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     done: bool = False
 
-    def wait(self, comm: "CommContext") -> None:
+    def wait(self, comm: Any) -> None:
         if self.done:
             return
         for work in self.works:
@@ -53,67 +54,6 @@ class PendingWork:
         self.keep = ()
 
 
-@dataclass
-class CommContext:
-    """Everything a rank's comm ops need: who it is, its groups, and the work still in flight.
-
-    ``bindings`` maps role keys of the graphs (``"tp"``, ``"pp_prev"``, ...) to ranks and
-    ``param_sync`` is the Pull/Push engine; both are filled by the executor.
-    """
-
-    rank: int
-    world_size: int
-    groups: GroupCache
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    comm_stream: Any = None
-    bindings: dict = field(default_factory=dict)
-    param_sync: Any = None
-    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
-    _pending: dict = field(default_factory=dict, init=False, repr=False)
-    _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
-
-    @classmethod
-    def single(cls, device: Optional[torch.device] = None) -> "CommContext":
-        """A context for one process without a process group (every TP op is the identity)."""
-        return cls(0, 1, GroupCache(0, 1), device=torch.device(device or "cpu"))
-
-    @classmethod
-    def from_default_group(cls, device: Optional[torch.device] = None,
-                           groups: Optional[GroupCache] = None) -> "CommContext":
-        """A context for this process of the initialised default group (comm stream on CUDA)."""
-        device = torch.device(device or "cpu")
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        return cls(dist.get_rank(), dist.get_world_size(), groups or GroupCache(), device=device,
-                   comm_stream=stream)
-
-    def register(self, t: torch.Tensor, pending: PendingWork) -> None:
-        self._pending[id(t)] = (t, pending)
-
-    def take(self, t: torch.Tensor) -> Optional[PendingWork]:
-        entry = self._pending.get(id(t))
-        if entry is None or entry[0] is not t:
-            return None
-        del self._pending[id(t)]
-        return entry[1]
-
-    def detach_work(self, pending: PendingWork) -> None:
-        self._detached.append(pending)
-
-    def num_pending(self) -> int:
-        """Issued ops not waited yet (forward issues plus backward sends)."""
-        return (sum(not p.done for _, p in self._pending.values())
-                + sum(not p.done for p in self._detached))
-
-    def wait_all(self) -> None:
-        """Wait for every op still in flight (end of a step)."""
-        for _, pending in self._pending.values():
-            pending.wait(self)
-        for pending in self._detached:
-            pending.wait(self)
-        self._pending.clear()
-        self._detached.clear()
-
-
 # Single-tensor all-gather / reduce-scatter: the ``*_single`` names where this torch has them (the
 # ``*_into_tensor`` / ``*_tensor`` ones are deprecated there), the older names otherwise.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -121,7 +61,7 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 
 
 # ---- issuing on the comm stream ------------------------------------------------------------------
-def _comm_stream_scope(comm: CommContext, buffers: Sequence[torch.Tensor]) -> Any:
+def _comm_stream_scope(comm: Any, buffers: Sequence[torch.Tensor]) -> Any:
     if comm.comm_stream is None:
         return contextlib.nullcontext()
     comm.comm_stream.wait_stream(torch.cuda.current_stream())
@@ -130,14 +70,14 @@ def _comm_stream_scope(comm: CommContext, buffers: Sequence[torch.Tensor]) -> An
     return torch.cuda.stream(comm.comm_stream)
 
 
-def _issue(comm: CommContext, buffers: Sequence[torch.Tensor], start: Callable[[], Any],
+def _issue(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any],
            finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PendingWork:
     with _comm_stream_scope(comm, buffers):
         work = start()
     return PendingWork([work], tuple(buffers), finish)
 
 
-def _run(comm: CommContext, buffers: Sequence[torch.Tensor], start: Callable[[], Any]) -> None:
+def _run(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any]) -> None:
     """Issue and wait at once (communication inside backward)."""
     _issue(comm, buffers, start).wait(comm)
 
@@ -148,7 +88,7 @@ class _Holder:
     pending: Optional[PendingWork] = None
 
 
-def _tp_group(comm: CommContext, ranks: Sequence[int]) -> tuple[tuple[int, ...], Any]:
+def _tp_group(comm: Any, ranks: Sequence[int]) -> tuple[tuple[int, ...], Any]:
     key = group_key(ranks)
     if comm.rank not in key:
         raise HGraphError(f"comm op over ranks {list(ranks)} called on rank {comm.rank}, which is "
@@ -183,7 +123,7 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None, None, None
 
 
-def tp_copy_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+def tp_copy_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Megatron f: identity forward; backward all-reduces (sums) dL/dx over ``ranks``."""
     key, group = _tp_group(comm, ranks)
     if len(key) == 1:
@@ -191,7 +131,7 @@ def tp_copy_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) -> t
     return _CopyToTP.apply(x, comm, group)
 
 
-def tp_reduce_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
+def tp_reduce_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Megatron g, issue half: start the all-reduce (sum) of ``x``; ``comm_wait`` finishes it."""
     key, group = _tp_group(comm, ranks)
     if len(key) == 1:
@@ -238,7 +178,7 @@ class _GatherTP(torch.autograd.Function):
         return g, None, None, None, None, None, None, None, None
 
 
-def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
+def tp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
                     sizes: Optional[Sequence[int]] = None, *, reduce_grad: bool = False) -> torch.Tensor:
     """Start the all-gather of ``x`` along ``dim`` over ``ranks``; ``comm_wait`` gives the result.
 
@@ -270,7 +210,7 @@ def tp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], di
     return out
 
 
-def cp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], dim: int,
+def cp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
                     sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Context parallelism: start the all-gather of K or V along the sequence ``dim`` over the CP group.
 
@@ -280,7 +220,7 @@ def cp_gather_issue(comm: CommContext, x: torch.Tensor, ranks: Sequence[int], di
     return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
 
 
-def comm_wait(comm: CommContext, t: torch.Tensor) -> torch.Tensor:
+def comm_wait(comm: Any, t: torch.Tensor) -> torch.Tensor:
     """Wait for the op issued for ``t`` and return the finished tensor (``t`` itself if none)."""
     pending = comm.take(t)
     if pending is None:
@@ -290,7 +230,7 @@ def comm_wait(comm: CommContext, t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- pipeline point-to-point ---------------------------------------------------------------------
-def _check_peer(comm: CommContext, peer: int, op: str) -> None:
+def _check_peer(comm: Any, peer: int, op: str) -> None:
     if not 0 <= peer < comm.world_size or peer == comm.rank:
         raise HGraphError(f"{op}: peer rank {peer} is not another rank of this run "
                           f"(rank {comm.rank} of {comm.world_size})")
@@ -329,7 +269,7 @@ class _RecvActivation(torch.autograd.Function):
         return None, None, None, None, None, None, None
 
 
-def pp_send(comm: CommContext, x: torch.Tensor, dst: int, *, tag: int = 0) -> torch.Tensor:
+def pp_send(comm: Any, x: torch.Tensor, dst: int, *, tag: int = 0) -> torch.Tensor:
     """Start sending ``x`` to ``dst``; returns a scalar token connected to ``x``.
 
     ``comm_wait(comm, token)`` waits for the send. Back-propagating the token (``token.backward()``)
@@ -342,7 +282,7 @@ def pp_send(comm: CommContext, x: torch.Tensor, dst: int, *, tag: int = 0) -> to
     return token
 
 
-def pp_recv(comm: CommContext, src: int, shape: Sequence[int], dtype: torch.dtype, *, tag: int = 0,
+def pp_recv(comm: Any, src: int, shape: Sequence[int], dtype: torch.dtype, *, tag: int = 0,
             async_op: bool = False) -> torch.Tensor:
     """Receive a tensor of ``shape``/``dtype`` from ``src``; it requires grad, and its gradient is
     sent back to ``src`` in backward.

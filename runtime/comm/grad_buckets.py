@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hgraph.comm_plan import ReduceScatter
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import reduce_scatter_single
 
@@ -65,7 +66,6 @@ class GradBuckets:
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  row_shapes: Mapping[str, tuple[int, ...]], groups: Any, contribution: Contribution,
                  device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        from hgraph.passes.lnk.plans import ReduceScatter
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
         self.row_shapes = dict(row_shapes)
         row_elements = {name: int(torch.Size(shape).numel()) for name, shape in self.row_shapes.items()}

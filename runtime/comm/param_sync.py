@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.passes.lnk.plans import LocalAdd, LocalCopy, ReduceScatter, Transfer, uncovered_ranges
+from hgraph.comm_plan import LocalAdd, LocalCopy, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.engine.optimizer import shard_bounds
 from hgraph.runtime.comm.param_gather import GatherBucket

@@ -48,13 +48,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
                                                  per_document_plan, per_sequence_plan)
 from hgraph.runtime.comm.param_sync import ParamSync
-from hgraph.runtime.kernels.varlen_attention import cu_seqlens_for
+from hgraph.varlen_attention import cu_seqlens_for
 
 
 ADAPTIVE = "adaptive"

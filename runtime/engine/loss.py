@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.kernels.varlen_attention import CuSeqlens, boundaries
+from hgraph.varlen_attention import CuSeqlens, boundaries
 
 IGNORE_INDEX = -100
 

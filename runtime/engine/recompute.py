@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hgraph.meta import CommPoint, get_meta
+from hgraph.runtime.comm.context import CommContext
 
 BLOCK_PREFIX = "hgraph_block_"
 
@@ -69,23 +70,23 @@ def block_ranges(graph: fx.Graph) -> list[tuple[int, list[fx.Node]]]:
     return out
 
 
-def run_block(comm: Any, block: fx.GraphModule, layer: int, *inputs: Any) -> tuple:
+def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any) -> tuple:
     """Run one outlined block; recomputed in backward when ``layer`` is in ``comm.recompute_layers``."""
-    recompute = getattr(comm, "recompute_layers", None)
-    meter: Optional[ActivationMeter] = getattr(comm, "activation_meter", None)
+    recompute = comm.recompute_layers
+    meter: Optional[ActivationMeter] = comm.activation_meter
     if not recompute or layer not in recompute or not torch.is_grad_enabled():
         before = meter.live_bytes if meter is not None else 0
         out = block(*inputs)
         if meter is not None:
             meter.observe("layer", meter.features, meter.live_bytes - before, in_forward=True)
         return out
-    layout = getattr(comm, "cp_layout", None)
+    layout = comm.cp_layout
     token = meter.hold(inputs) if meter is not None else None
     features = meter.features if meter is not None else None
 
     def replay(*xs: Any) -> tuple:
         _ = token              # the checkpointed inputs are counted while this closure lives
-        saved = getattr(comm, "cp_layout", None)
+        saved = comm.cp_layout
         comm.cp_layout = layout
         try:
             return block(*xs)

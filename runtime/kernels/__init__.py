@@ -1,1 +1,1 @@
-"""Attention kernels of the runtime: varlen (packed) attention, context-parallel attention, CP layouts."""
+"""Attention kernels that need peers: context-parallel attention and the CP layouts of a micro-batch."""

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from hgraph.errors import HGraphError, TraceError
 from hgraph.frontends.zoo import build
-from hgraph.graph import ModelConfig, ParamInfo, build_hgraph, infer_model_config
+from hgraph.compiled import build_hgraph
+from hgraph.graph import ModelConfig, ParamInfo, infer_model_config
 from hgraph.meta import CommPoint, SlotKind, TPRole, get_meta
 
 

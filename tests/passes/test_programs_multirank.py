@@ -20,7 +20,7 @@ import torch
 
 import hgraph
 from hgraph.frontends.zoo import resolve_model_spec
-from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.train.launch import spawn
 
 # (model spec, config overrides, strategy, CP sharding of the packed documents)

@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     from hgraph.runtime.engine.executor import Executor, MicroBatch
     from hgraph.runtime.comm.process_groups import GroupCache
     from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-    from hgraph.runtime.kernels.varlen_attention import available_backend
+    from hgraph.varlen_attention import available_backend
 
     model_args = json.loads(args.model_args)
     dev = torch.device("cuda", 0)

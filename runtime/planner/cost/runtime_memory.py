@@ -40,7 +40,7 @@ def _packed_attention(cu_seqlens: Sequence[int]) -> Any:
     slices of Q, K, V (measured: +4% bytes per token for llama:tiny), which one SDPA call does not."""
     import torch.nn.functional as F
     from torch.overrides import TorchFunctionMode
-    from hgraph.runtime.kernels.varlen_attention import varlen_attention
+    from hgraph.varlen_attention import varlen_attention
 
     class PackedAttention(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm.collectives import (CommContext, comm_wait, pp_recv, pp_send, tp_copy_issue,
-                                     tp_gather_issue, tp_reduce_issue)
+from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, tp_copy_issue, tp_gather_issue,
+                                             tp_reduce_issue)
+from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.train.launch import spawn
 
 RTOL, ATOL = 1e-5, 1e-6

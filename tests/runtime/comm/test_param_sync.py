@@ -14,7 +14,7 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.passes.lnk.plans import min_pull_bytes, min_reduce_push_bytes
-from hgraph.runtime.comm.collectives import CommContext
+from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.engine.executor import shard_dims_of
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.engine.optimizer import ShardedAdam

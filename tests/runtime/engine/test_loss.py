@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.loss import IGNORE_INDEX, num_targets, packed_loss_sum, packed_targets
-from hgraph.runtime.kernels.varlen_attention import cu_seqlens_for, position_ids_for, varlen_attention
+from hgraph.varlen_attention import cu_seqlens_for, position_ids_for, varlen_attention
 
 V, E, HQ, HKV, DH, MAXPOS = 11, 16, 4, 2, 4, 32
 TOL = dict(atol=1e-6, rtol=1e-5)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.kernels.varlen_attention import (available_backend, cu_seqlens_for, position_ids_for,
+from hgraph.varlen_attention import (available_backend, cu_seqlens_for, position_ids_for,
                                              varlen_attention)
 
 TOL = dict(atol=1e-5, rtol=1e-5)

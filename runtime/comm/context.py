@@ -1,0 +1,133 @@
+"""The communication context of one rank: what its graphs' ops need, every field declared.
+
+The per-rank graphs call the op vocabulary of ``hgraph.ops`` with this context as their ``comm``
+argument; each op that needs peers calls the method of the same name here (the ``CommRuntime``
+protocol of ``hgraph.ops``), which resolves the graph's binding key (``"tp"``, ``"pp_prev"``, ...) to
+ranks and runs the collective of ``hgraph.runtime.comm.collectives``. The executor fills the
+per-program and per-micro-batch fields (``bindings``, ``param_sync``, ``cp_layout``, and the memory
+fields) before it runs a graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm import collectives
+from hgraph.runtime.comm.collectives import PendingWork
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.kernels import cp_attention as cp_kernel
+from hgraph.runtime.kernels.cp_attention import CPLayout
+
+
+@dataclass
+class CommContext:
+    """Everything a rank's comm ops need: who it is, its groups, and the work still in flight."""
+
+    rank: int
+    world_size: int
+    groups: GroupCache
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    comm_stream: Any = None                       # the dedicated CUDA stream of collectives (None on CPU)
+    bindings: dict = field(default_factory=dict)  # role key of the graphs -> ranks, per program
+    param_sync: Any = None                        # the Pull / Push engine of the program being run
+    cp_layout: Optional[CPLayout] = None          # CP layout of the micro-batch being run (CP > 1)
+    activation_meter: Any = None                  # saved-tensor accounting (``engine.memory``), if on
+    recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
+    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
+    _pending: dict = field(default_factory=dict, init=False, repr=False)
+    _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
+
+    @classmethod
+    def single(cls, device: Optional[torch.device] = None) -> "CommContext":
+        """A context for one process without a process group (every TP op is the identity)."""
+        return cls(0, 1, GroupCache(0, 1), device=torch.device(device or "cpu"))
+
+    @classmethod
+    def from_default_group(cls, device: Optional[torch.device] = None,
+                           groups: Optional[GroupCache] = None) -> "CommContext":
+        """A context for this process of the initialised default group (comm stream on CUDA)."""
+        device = torch.device(device or "cpu")
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        return cls(dist.get_rank(), dist.get_world_size(), groups or GroupCache(), device=device,
+                   comm_stream=stream)
+
+    # ---- work in flight ---------------------------------------------------------------------------
+    def register(self, t: torch.Tensor, pending: PendingWork) -> None:
+        self._pending[id(t)] = (t, pending)
+
+    def take(self, t: torch.Tensor) -> Optional[PendingWork]:
+        entry = self._pending.get(id(t))
+        if entry is None or entry[0] is not t:
+            return None
+        del self._pending[id(t)]
+        return entry[1]
+
+    def detach_work(self, pending: PendingWork) -> None:
+        self._detached.append(pending)
+
+    def num_pending(self) -> int:
+        """Issued ops not waited yet (forward issues plus backward sends)."""
+        return (sum(not p.done for _, p in self._pending.values())
+                + sum(not p.done for p in self._detached))
+
+    def wait_all(self) -> None:
+        """Wait for every op still in flight (end of a step)."""
+        for _, pending in self._pending.values():
+            pending.wait(self)
+        for pending in self._detached:
+            pending.wait(self)
+        self._pending.clear()
+        self._detached.clear()
+
+    # ---- the ops of hgraph.ops that need peers (its CommRuntime protocol) ---------------------------
+    def ranks(self, key: str) -> tuple[int, ...]:
+        """The ranks a graph's binding key names for the program being run."""
+        return tuple(self.bindings[key])
+
+    def pull_issue(self, name: str) -> None:
+        self.param_sync.pull_issue(name)
+
+    def pull_wait(self, name: str) -> None:
+        self.param_sync.pull_wait(name)
+
+    def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
+        return self.param_sync.push_gradient(w, name, eager)
+
+    def tp_copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return collectives.tp_copy_issue(self, x, self.ranks(key))
+
+    def tp_reduce_issue(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return collectives.tp_reduce_issue(self, x, self.ranks(key))
+
+    def tp_gather_issue(self, x: torch.Tensor, key: str, dim: int,
+                        sizes: Optional[Sequence[int]]) -> torch.Tensor:
+        return collectives.tp_gather_issue(self, x, self.ranks(key), dim, list(sizes) if sizes else None)
+
+    def wait(self, t: torch.Tensor) -> torch.Tensor:
+        return collectives.comm_wait(self, t)
+
+    def pp_recv(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        (src,) = self.ranks(key)
+        return collectives.pp_recv(self, src, tuple(shape), dtype)
+
+    def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        (dst,) = self.ranks(key)
+        return collectives.pp_send(self, x, dst)
+
+    def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+        sizes = self._cp_layout("cp_kv_gather_issue").sizes
+        return collectives.cp_gather_issue(self, x, self.ranks(key), dim, sizes)
+
+    def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                     enable_gqa: bool) -> torch.Tensor:
+        return cp_kernel.cp_attention(q, k, v, self._cp_layout("cp_attention"), scale, enable_gqa)
+
+    def _cp_layout(self, op: str) -> CPLayout:
+        if self.cp_layout is None:
+            raise HGraphError(f"{op} needs this micro-batch's CP layout: run this rank's program under "
+                              "the hgraph executor")
+        return self.cp_layout

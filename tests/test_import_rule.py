@@ -1,0 +1,121 @@
+"""The import rule of the tree (docs/architecture.md), checked with ``ast`` over every module.
+
+* ``passes`` and ``frontends`` import only ``hgraph`` IR modules (and libraries);
+* ``runtime`` imports ``hgraph`` IR modules, ``frontends`` (to build models) and itself, never
+  ``passes`` or ``tools`` (it reaches the compiler through ``CompiledModule.instantiate``);
+* IR modules of ``hgraph/`` import none of the rooms; only the API module ``hgraph.compiled`` may,
+  inside its functions;
+* imports sit at the top of a module, except optional heavy dependencies (``LAZY_LIBRARIES``) and the
+  API module's wiring;
+* no import cycles among the project's modules (top-level imports).
+
+Running this file as a script prints the report (``python tests/test_import_rule.py``).
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import networkx as nx
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"hgraph": "hgraph", "passes": "hgraph.passes", "frontends": "hgraph.frontends",
+         "runtime": "hgraph.runtime", "tools": "hgraph.tools"}
+ROOMS = ("hgraph.passes", "hgraph.frontends", "hgraph.runtime", "hgraph.tools")
+API_MODULES = {"hgraph", "hgraph.compiled"}   # the public API wires the rooms together, lazily
+# optional or heavy dependencies a module may import where it needs them
+LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.nn.attention.varlen",
+                  "tensorboard", "safetensors", "tomllib", "tomli")
+ALLOWED = {
+    "hgraph.passes": ("hgraph.passes",),
+    "hgraph.frontends": ("hgraph.frontends",),
+    "hgraph.runtime": ("hgraph.runtime", "hgraph.frontends"),
+    "hgraph.tools": ROOMS,
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for root, package in ROOTS.items():
+        for path in sorted((REPO / root).rglob("*.py")):
+            rel = path.relative_to(REPO / root).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def room(module: str) -> str:
+    for r in ROOMS:
+        if module == r or module.startswith(r + "."):
+            return r
+    return "hgraph"
+
+
+def imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
+    """(imported module, line, at top level) of every import statement, resolved to module names."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top = {id(n) for n in tree.body}
+    known = modules_cache()
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            out.append((name, node.lineno, id(node) in top))
+    return out
+
+
+_CACHE: dict[str, Path] = {}
+
+
+def modules_cache() -> dict[str, Path]:
+    if not _CACHE:
+        _CACHE.update(modules())
+    return _CACHE
+
+
+def violations() -> list[str]:
+    found = []
+    graph = nx.DiGraph()
+    for module, path in modules_cache().items():
+        rel = path.relative_to(REPO)
+        graph.add_node(module)
+        for name, line, at_top in imports(path, module):
+            where = f"{rel}:{line}"
+            ours = name == "hgraph" or name.startswith("hgraph.")
+            if not at_top:
+                lazy_ok = (module in API_MODULES and ours) or name.startswith(LAZY_LIBRARIES)
+                if not lazy_ok:
+                    found.append(f"{where}: import of {name} inside a function (imports go at the top)")
+            if not ours:
+                continue
+            src, dst = room(module), room(name)
+            if src == "hgraph" and dst != "hgraph" and module not in API_MODULES:
+                found.append(f"{where}: IR module {module} imports {name} ({dst})")
+            elif src != "hgraph" and dst != "hgraph" and dst not in ALLOWED[src]:
+                found.append(f"{where}: {module} ({src}) imports {name} ({dst})")
+            if at_top and name in modules_cache() and name != module:
+                graph.add_edge(module, name)
+    for cycle in nx.simple_cycles(graph):
+        if len(cycle) > 1 and not all(m in API_MODULES for m in cycle):
+            found.append("import cycle: " + " -> ".join(cycle + cycle[:1]))
+    return found
+
+
+def test_imports_follow_the_rule():
+    found = violations()
+    assert not found, "\n".join(found)
+
+
+if __name__ == "__main__":
+    found = violations()
+    print(f"import rule: {len(modules_cache())} modules checked, {len(found)} violations")
+    print("\n".join(found))
+    sys.exit(1 if found else 0)
