@@ -63,7 +63,8 @@ def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> 
 
 
 def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str, ...], ...], shapes: dict,
-                      options: CompileOptions, params: dict[str, ParamShard]) -> tuple[fx.GraphModule, PassContext]:
+                      options: CompileOptions,
+                      params: dict[str, ParamShard]) -> tuple[fx.GraphModule, PassContext]:
     """Run the instantiation passes for one role and generate its module (done on first use)."""
     ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(params))
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)

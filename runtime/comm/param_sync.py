@@ -75,7 +75,7 @@ class ParamSync:
         self.pull_reused = False          # this step's all-gathers were prefetched by the last one
         if self.pushes.in_backward and self._buckets.buckets:
             for name, w in working.items():
-                if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf and name not in self.params.aliased:
+                if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf and name not in aliased:
                     w.register_post_accumulate_grad_hook(lambda p, n=name: self._grad_ready(n, p))
 
     @property

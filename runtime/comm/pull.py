@@ -25,16 +25,16 @@ from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
-#: early and the forward starts while the later ones are still travelling. Measured with
-#: bench_runtime's DP4 step (tiny model, gloo all-gathers, 16 free cores): 25 MB (one all-gather)
-#: 55-57 ms, 1 MB 53-56 ms, 256 KB 42-45 ms, 64 KB 72-76 ms (more collectives than the overlap
-#: repays). Kept where the gathers are real all-gathers (NCCL).
+#: early and the forward starts while the later ones are still travelling. Measured with the DP4
+#: step of ``tools/bench/runtime`` (tiny model, gloo all-gathers, 16 free cores): 25 MB (one
+#: all-gather) 55-57 ms, 1 MB 53-56 ms, 256 KB 42-45 ms, 64 KB 72-76 ms (more collectives than the
+#: overlap repays). Kept where the gathers are real all-gathers (NCCL).
 DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
 
 #: On gloo the gathers run as all-to-alls (``param_gather``), each paying gloo's latency, and the
-#: same DP4 step is fastest with one (bench_runtime ratio to DDP, 2 cores, alternated single steps:
-#: 1.10 with one gather and one reduction, 1.15 with both in 256 KB buckets; with all-reduces the
-#: measure was 16 cores 32-35 ms vs 46-47 ms, 2 cores 88-92 ms vs 103-114 ms).
+#: same DP4 step is fastest with one (``tools/bench/runtime`` ratio to DDP, 2 cores, alternated
+#: single steps: 1.10 with one gather and one reduction, 1.15 with both in 256 KB buckets; with
+#: all-reduces the measure was 16 cores 32-35 ms vs 46-47 ms, 2 cores 88-92 ms vs 103-114 ms).
 GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
