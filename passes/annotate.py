@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from hgraph.errors import TraceError
 from hgraph.linear_ops import IN_OUT_LINEARS
 from hgraph.meta import NodeMeta, OpKind, TPRole, set_meta, update_meta
+from hgraph.passes.context import PassContext
 
 PRE, POST = "pre", "post"
 STACK_KEY = "nn_module_stack"
@@ -407,7 +408,7 @@ def _layout(role: TPRole, dim: int) -> tuple[Any, int]:
 
 
 # ---- the pass -----------------------------------------------------------------------------------
-def annotate_pass(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
+def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
     """Set NodeMeta block / layer / op on every node and param / shard_dim / tp_role on parameter
     get_attr nodes and the ops that read them. Reads nothing from ``ctx``.
 

@@ -11,12 +11,13 @@ returns the send tokens (their backward receives the gradients), the last stage 
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
+from hgraph.passes.context import PassContext
 from hgraph.passes.stage_split import stage_of_blocks
 from hgraph import ops
 
@@ -43,7 +44,7 @@ def crossing_values(gm: fx.GraphModule, stages: dict[fx.Node, int], boundary: in
             and any(stages[u] > boundary for u in n.users)]
 
 
-def extract_stage_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Copy the nodes of ``ctx.role.stage`` into a new graph, with PP recv / send at its boundaries.
 
     With PP=1 this still returns a copy (adding the ``comm`` placeholder) and inserts no PP ops.
@@ -183,8 +184,3 @@ def symbolic_shapes(gm: fx.GraphModule, probes=((2, 5), (3, 7))) -> dict[str, tu
         if dims is not None:
             out[name] = (tuple(dims), dtype)
     return out
-
-
-def shape_of(ctx: Any, node: fx.Node) -> Optional[tuple[Any, ...]]:
-    spec = ctx.shapes.get(node.name)
-    return spec[0] if spec else None

@@ -12,12 +12,11 @@ With TP=1 and CP=1 every slot becomes the identity, so the rank runs exactly the
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
+from hgraph.passes.context import PassContext
 from hgraph import ops
 from hgraph.slots import empty_slot
 
@@ -39,7 +38,7 @@ def _mark(node: fx.Node, slot: fx.Node, name: str) -> fx.Node:
     return node
 
 
-def fill_activation_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace each comm_activation slot by its issue / wait ops for this rank's scheme."""
     scheme = ctx.role.scheme
     comm = _comm_placeholder(gm)

@@ -11,16 +11,15 @@ The plans themselves are data in the Program (``hgraph.passes.lnk.plans``); thes
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch.fx as fx
 
 from hgraph.meta import NodeMeta, SlotKind, get_meta, set_meta
+from hgraph.passes.context import PassContext
 from hgraph import ops
 from hgraph.slots import empty_slot
 
 
-def fill_param_slots_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def fill_param_slots_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace parameter slots with pull / push ops; does nothing for a stage without parameters."""
     g = gm.graph
     comm = next(n for n in g.nodes if n.op == "placeholder" and n.target == "comm")

@@ -27,6 +27,7 @@ from typing import Any, Iterable, Optional
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta
+from hgraph.passes.context import PassContext
 from hgraph.passes.annotate import parameter_names
 from hgraph.slots import empty_slot
 
@@ -128,7 +129,7 @@ def insert_pp_slots(gm: fx.GraphModule) -> None:
             _slot_after(graph, n, _comm(CommPoint.PP_BOUNDARY, n), outside, f"pp_{n.name}")
 
 
-def insert_slots_pass(gm: fx.GraphModule, ctx: Any = None) -> fx.GraphModule:
+def insert_slots_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
     """Insert the empty slots described in the module docstring; reads nothing from ``ctx``.
 
     Does nothing to a graph that already has slots (it is returned unchanged).

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -17,31 +16,17 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.errors import StrategyError
+from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
+from hgraph.passes.context import PassContext
 from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.shard_tp import TPShardPlanner
-from hgraph.passes.stage_split import block_param_costs, split_stages
+from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
 from hgraph import ops
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.strategy import Cluster, Strategy
-
-
-@dataclass
-class RoleContext:
-    """What the instantiation passes read (and write) while compiling one role."""
-
-    hgraph: Any
-    strategy: Strategy
-    role: RankRole
-    stage_blocks: tuple[tuple[str, ...], ...]
-    shapes: dict
-    options: CompileOptions
-    params: dict[str, ParamShard] = field(default_factory=dict)
-    gathers: dict = field(default_factory=dict)
-    recv_specs: list = field(default_factory=list)
-    send_specs: list = field(default_factory=list)
 
 
 def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
@@ -77,10 +62,11 @@ def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> 
     return root
 
 
-def build_role_module(hg: Any, strategy: Strategy, role: RankRole, stage_blocks, shapes,
-                      options: CompileOptions, params: dict[str, ParamShard]) -> tuple[fx.GraphModule, RoleContext]:
+def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str, ...], ...], shapes: dict,
+                      options: CompileOptions,
+                      params: dict[str, ParamShard]) -> tuple[fx.GraphModule, PassContext]:
     """Run the instantiation passes for one role and generate its module (done on first use)."""
-    ctx = RoleContext(hg, strategy, role, stage_blocks, shapes, options, params=dict(params))
+    ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(params))
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
     root = _param_root(ctx.params, options.working_dtype)
     _copy_constants(hg.gm, gm.graph, root)
@@ -150,7 +136,6 @@ def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str,
 
 def stage_params(hg: Any, stage_blocks) -> list[set[str]]:
     """The parameters each stage uses (a tied parameter may be in several stages)."""
-    from hgraph.passes.stage_split import stage_of_blocks
     stage_of = stage_of_blocks(stage_blocks)
     out: list[set[str]] = [set() for _ in stage_blocks]
     for name, p in hg.params.items():
@@ -182,7 +167,7 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         if role not in roles:
             params = {n: planner.shard(n, scheme.tp, c.tp_rank) for n in order if n in held[scheme.pp][c.stage]}
             blocks = stage_blocks[scheme.pp]
-            build = functools.partial(build_role_module, hg, strategy, role, blocks, shapes, options, params)
+            build = functools.partial(build_role_module, hg, role, blocks, shapes, options, params)
             roles[role] = RoleProgram(role, params, tuple(blocks[c.stage]), build)
         ranks.append(RankProgram(c.rank, c.pipeline, roles[role], _bindings(strategy, c.rank)))
 

@@ -10,18 +10,17 @@ It does nothing to a graph without attention.
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch.fx as fx
 
 from hgraph.errors import TraceError
 from hgraph.meta import OpKind, get_meta
+from hgraph.passes.context import PassContext
 from hgraph import ops
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-def packed_attention_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite causal SDPA nodes into ``packed_attention(q, k, v, position_ids, scale, enable_gqa)``."""
     pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "position_ids"), None)
     for node in gm.graph.nodes:

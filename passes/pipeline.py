@@ -1,23 +1,34 @@
 """The pass runner and the ordered pass lists.
 
-A pass is a module-level function ``name_pass(gm, ctx) -> GraphModule``. ``frontend_passes()`` and
-``instantiation_passes()`` are the only places that decide the order. ``run_passes`` logs the
-numbered list, can disable passes by name, checks that each pass returns a GraphModule, lints the
-graph after each, and on an internal failure names the pass and the ones that ran before it.
+A pass is a module-level function ``name_pass(gm, ctx) -> GraphModule``; ``ctx`` is the role's
+``PassContext`` (``passes/context``) for the instantiation passes, ``None`` for the frontend ones.
+``frontend_passes()`` and ``instantiation_passes()`` are the only places that decide the order.
+``run_passes`` logs the numbered list, can disable passes by name, checks that each pass returns a
+GraphModule, lints the graph after each, and on an internal failure names the pass and the ones that
+ran before it.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
 from hgraph.errors import HGraphError
+from hgraph.passes.annotate import annotate_pass
+from hgraph.passes.context import PassContext
+from hgraph.passes.extract_stage import extract_stage_pass
+from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
+from hgraph.passes.fill_param_slots import fill_param_slots_pass
+from hgraph.passes.insert_slots import insert_slots_pass
+from hgraph.passes.packed_attention import packed_attention_pass
+from hgraph.passes.schedule_comm import schedule_comm_pass
+from hgraph.passes.shard_tp import shard_tp_pass
 
 log = logging.getLogger("hgraph.passes")
 
-PassFn = Callable[[fx.GraphModule, Any], fx.GraphModule]
+PassFn = Callable[[fx.GraphModule, Optional[PassContext]], fx.GraphModule]
 
 
 @dataclass(frozen=True)
@@ -32,21 +43,11 @@ class PassError(RuntimeError):
 
 def frontend_passes() -> list[Pass]:
     """Strategy-agnostic passes turning a canonical traced graph into an HGraph with empty slots."""
-    from hgraph.passes.annotate import annotate_pass
-    from hgraph.passes.insert_slots import insert_slots_pass
-
     return [Pass("annotate", annotate_pass), Pass("insert_slots", insert_slots_pass)]
 
 
 def instantiation_passes() -> list[Pass]:
     """Per-rank-role passes turning a copy of the HGraph into one rank's program for a strategy."""
-    from hgraph.passes.extract_stage import extract_stage_pass
-    from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
-    from hgraph.passes.fill_param_slots import fill_param_slots_pass
-    from hgraph.passes.packed_attention import packed_attention_pass
-    from hgraph.passes.schedule_comm import schedule_comm_pass
-    from hgraph.passes.shard_tp import shard_tp_pass
-
     return [
         Pass("extract_stage", extract_stage_pass),
         Pass("shard_tp", shard_tp_pass),
@@ -57,7 +58,7 @@ def instantiation_passes() -> list[Pass]:
     ]
 
 
-def run_passes(gm: fx.GraphModule, ctx: Any, passes: Sequence[Pass], *,
+def run_passes(gm: fx.GraphModule, ctx: Optional[PassContext], passes: Sequence[Pass], *,
                disabled: Iterable[str] = ()) -> fx.GraphModule:
     """Run ``passes`` in order on ``gm``; see the module docstring for the checks."""
     disabled = set(disabled)

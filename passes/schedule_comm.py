@@ -11,11 +11,10 @@ The schedule is the node order (each collective is an issue node and a wait node
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch.fx as fx
 
 from hgraph.meta import get_meta
+from hgraph.passes.context import PassContext
 from hgraph import ops
 
 
@@ -28,7 +27,7 @@ def _first_compute_of_block(g: fx.Graph) -> dict[str, fx.Node]:
     return first
 
 
-def schedule_comm_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def schedule_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Reorder pull issues and set push modes for ``ctx.role.stage``; a stage without parameters is unchanged."""
     g = gm.graph
     stage = ctx.role.stage

@@ -26,6 +26,7 @@ import torch.fx as fx
 
 from hgraph.errors import StrategyError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_meta
+from hgraph.passes.context import PassContext
 from hgraph.program import ParamShard
 from hgraph import ops
 
@@ -154,7 +155,7 @@ def _column_range(name: str, size: int, unit: int, tp: int, t: int, gathered: bo
     return split_range(size, tp, t), 0
 
 
-def shard_tp_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
+def shard_tp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite vocab-parallel embeddings and row-parallel biases for the shards in ``ctx.params``.
 
     Does nothing with TP=1 (every shard is the whole parameter).
@@ -205,7 +206,7 @@ def _move_row_bias(gm: fx.GraphModule, op: fx.Node) -> None:
     update_meta(add, block=get_meta(op).block, layer=get_meta(op).layer)
 
 
-def _record_gathers(gm: fx.GraphModule, ctx: Any) -> None:
+def _record_gathers(gm: fx.GraphModule, ctx: PassContext) -> None:
     """For each TP_GATHER slot: the per-rank sizes along the last dim and the real (unpadded) size."""
     tp = ctx.role.scheme.tp
     for node in gm.graph.nodes:

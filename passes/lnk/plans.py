@@ -16,8 +16,8 @@ The fp32 master copy of a parameter is sharded along its shard dimension over al
   (``Transfer``; the owner adds what it receives into its fp32 gradient) or adds it itself when it
   owns them (``LocalAdd``). This moves the least bytes a summing push can (``min_reduce_push_bytes``)
   up to the padding of segments that differ by one row. Which member receives which piece is
-  chosen by min-cost matching (``lnk_assignment``). When every rank of the world is one replica group
-  contributing the whole parameter the plan is one plain reduce-scatter
+  chosen by min-cost matching (``passes/lnk/assignment``). When every rank of the world is one
+  replica group contributing the whole parameter the plan is one plain reduce-scatter
   (``PushPlan.is_plain_reduce_scatter``) and no LNK traffic.
 
 Plans are deterministic (sorted) and built on mutual slices (``mutual_slices``); by default adjacent
@@ -239,7 +239,7 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
                       gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
-    """Which member keeps each reduce-scatter piece (see ``lnk_assignment``)."""
+    """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``)."""
     chunks = [list(_owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
 
     def link_cost(p: int, m: int) -> int:

@@ -1,7 +1,8 @@
-"""Communication ops called by instantiated per-rank graphs: each collective is an ISSUE and a WAIT.
+"""The collectives behind the per-rank graphs' comm ops: each collective is an ISSUE and a WAIT.
 
-Every op takes the rank's communication context first (``hgraph.runtime.comm.context.CommContext``;
-no globals). An issue op starts the collective with
+The graphs call the op vocabulary of ``hgraph.ops``, which calls the rank's ``CommContext``
+(``runtime/comm/context``), which resolves binding keys to ranks and calls the functions here. Every
+function takes that context first (no globals). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a

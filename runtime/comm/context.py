@@ -35,7 +35,7 @@ class CommContext:
     bindings: dict = field(default_factory=dict)  # role key of the graphs -> ranks, per program
     param_sync: Any = None                        # the Pull / Push engine of the program being run
     cp_layout: Optional[CPLayout] = None          # CP layout of the micro-batch being run (CP > 1)
-    activation_meter: Any = None                  # saved-tensor accounting (``engine.memory``), if on
+    activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     _pending: dict = field(default_factory=dict, init=False, repr=False)

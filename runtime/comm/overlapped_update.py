@@ -1,0 +1,134 @@
+"""The optimizer update overlapped with the backward, for plain data parallelism on one rank.
+
+Where every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
+reduce-scatter over all ranks onto the optimizer segments (``is_plain_data_parallel``), a rank's
+reduced piece IS its optimizer shard's gradient. So each reduction updates its shards when taken
+(``update``, the optimizer's ``step`` on those shards): one reduction behind the newest during
+backward (``catch_up``, from the gradient hooks) and the rest in ``finish``; no push to owners.
+
+With ``prefetch`` the all-gathers of the next step are posted as their parameters are updated and
+completed into the working tensors before ``finish`` returns; the next step of this Program pulls
+nothing while the masters are unchanged (``take_prefetch``: their version counters say so; another
+Program's step or a checkpoint load means a fresh pull). The step's loss rides in the first
+reduction (``set_loss``): no shard is updated unless it is finite. Everything happens at points that
+follow from the order of the reductions, so every rank issues the same collectives in the same order
+on one group.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.param_gather import GatherBucket
+from hgraph.runtime.comm.pull import PullParameter
+from hgraph.runtime.comm.push import PushGradient
+from hgraph.runtime.comm.rank_params import RankParams
+
+
+def is_plain_data_parallel(program: Any) -> bool:
+    """Every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
+    reduce-scatter over all ranks onto the optimizer segments: the reduced piece a rank receives
+    IS its optimizer shard's gradient, so it can update it on arrival."""
+    return all(program.pull_plans[n].is_all_gather and program.push_plans[n].is_plain_reduce_scatter
+               for n in program.pull_plans)
+
+
+class OverlappedUpdate:
+    """The overlapped update of one rank for one plain data-parallel Program (see the module
+    docstring); ``pull`` and ``push`` are the rank's, ``update`` takes ``{name: gradient shard}``."""
+
+    def __init__(self, params: RankParams, pull: PullParameter, push: PushGradient,
+                 update: Callable[[dict], Any]) -> None:
+        self.params, self.pull, self.push, self.update = params, pull, push, update
+        # per step: reduced pieces, the global loss, what was updated/posted
+        self._prefetch = False
+        self._held: dict[str, list] = {}
+        self.global_loss: Optional[float] = None
+        self._updated: set[str] = set()
+        self._posted: list[GatherBucket] = []
+        self._prefetched: Optional[tuple] = None     # masters' stamp when the working tensors were filled
+        self.updates_in_backward = 0      # reductions taken (shards updated) while backward ran
+
+    def _masters_stamp(self) -> tuple:
+        """Identity and version counter of every master: any in-place write (an optimizer step, a
+        checkpoint load) changes it, so a prefetched pull is reused only while it is current."""
+        return tuple((id(m), m._version) for m in self.params.masters.values())
+
+    def take_prefetch(self) -> bool:
+        """Whether the last step's prefetch still holds the current parameters (then the step pulls
+        no all-gather); a prefetch serves one step only."""
+        reuse = self._prefetched is not None and self._prefetched == self._masters_stamp()
+        self._prefetched = None
+        return reuse
+
+    def begin_step(self, prefetch: bool) -> None:
+        """Forget the last step; ``prefetch``: post the next step's all-gathers as parameters update."""
+        self.updates_in_backward = 0
+        self._prefetch = prefetch
+        self._held = {name: [] for name in self.params.order}
+        self.global_loss = None
+        self._updated, self._posted = set(), []
+
+    def set_loss(self, loss_share: float) -> None:
+        """This rank's share of the step's loss sum, before any reduction of the step is issued: it
+        rides in the first reduction (each rank's value in its own slot, as an fp32 pair hi + lo, so
+        the sum is taken in float64 in rank order, the same on every rank)."""
+        rank, world_size = self.params.rank, self.params.world_size
+        hi = torch.tensor(loss_share, dtype=torch.float64).to(torch.float32)
+        lo = (torch.tensor(loss_share, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
+        slots = torch.zeros(2 * world_size, dtype=torch.float32)
+        slots[2 * rank], slots[2 * rank + 1] = hi, lo
+        self.push.buckets.carry(slots)    # copied into the reduction's buffer, on its device
+
+    def catch_up(self) -> None:
+        """After a bucket became ready in backward: take reductions up to one behind the newest (it
+        had that bucket's gradients' time to arrive); blocking and in issue order, so all ranks post
+        the same collectives."""
+        buckets = self.push.buckets
+        while buckets.completed < buckets.issued - 1:
+            self._update_next()
+            self.updates_in_backward += 1
+
+    def _update_next(self) -> None:
+        """Wait for the next reduction (issue order); update its parameters' shards unless the loss is
+        not finite, then post every all-gather whose parameters are all updated. Everything happens at
+        points that follow from the order of the reductions, so every rank issues the same sequence of
+        collectives."""
+        buckets = self.push.buckets
+        names = buckets.complete_next(self._held)
+        if names is None:
+            return
+        if self.global_loss is None:
+            if buckets.carried is None:
+                raise HGraphError("overlapped update: the step's loss was not set before its reductions")
+            self.global_loss = float(buckets.carried.double().view(-1, 2).sum(1).sum())
+        if not math.isfinite(self.global_loss):
+            return
+        self.update({name: self.push.owned_gradient(name, self._held) for name in names})
+        self._updated.update(names)
+        if self._prefetch:
+            for bucket in reversed(self.pull.gathers):  # reverse model order: as backward finishes
+                if bucket not in self._posted and self._updated.issuperset(bucket.names):
+                    self.pull.post_gather(bucket)
+                    self._posted.append(bucket)
+
+    @torch.no_grad()
+    def finish(self, grads: Mapping[str, Optional[torch.Tensor]]) -> float:
+        """End the step: issue the reductions backward did not, update every shard (unless the loss
+        is not finite), then complete the prefetched all-gathers into the working tensors. Returns
+        the step's global loss sum. Collective."""
+        buckets = self.push.buckets
+        self.push.flush(grads)
+        while buckets.completed < buckets.issued:
+            self._update_next()
+        self.push.count_reductions()
+        for bucket in self._posted:
+            bucket.complete()
+        if (self._prefetch and len(self._posted) == len(self.pull.gathers)
+                and math.isfinite(self.global_loss)):
+            self._prefetched = self._masters_stamp()
+        self._held, self._posted = {}, []
+        return self.global_loss

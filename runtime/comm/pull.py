@@ -1,0 +1,181 @@
+"""Pull Parameter on one rank: the pull plans of a Program (``hgraph.comm_plan``) run on torch.distributed.
+
+Every rank walks *all* parameters in model order, owners included for parameters they do not use,
+and posts its part of each plan at once (``post``): the parameters every rank needs whole
+(``is_all_gather``) travel in all-gathers of up to ``bucket_bytes`` each (``param_gather.GatherBucket``,
+model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default), the others as one
+``batch_isend_irecv`` of the plan's transfers each (tag ``2i+1``), the fp32 master rows cast to the
+working dtype; local copies are done on the spot. ``wait(name)`` waits for that parameter's work and
+assembles the received rows into the working tensor (a gathered bucket is written out whole at its
+first wait; idempotent within a step); ``finish`` completes the rest (the sends, and the pulls of a
+pipeline that ran no micro-batch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from hgraph.comm_plan import LocalCopy, Transfer
+from hgraph.errors import HGraphError
+from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
+from hgraph.runtime.comm.param_gather import GatherBucket
+from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
+
+#: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
+#: early and the forward starts while the later ones are still travelling. Measured with the DP4
+#: step of ``tools/bench/runtime`` (tiny model, gloo all-gathers, 16 free cores): 25 MB (one
+#: all-gather) 55-57 ms, 1 MB 53-56 ms, 256 KB 42-45 ms, 64 KB 72-76 ms (more collectives than the
+#: overlap repays). Kept where the gathers are real all-gathers (NCCL).
+DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
+
+#: On gloo the gathers run as all-to-alls (``param_gather``), each paying gloo's latency, and the
+#: same DP4 step is fastest with one (``tools/bench/runtime`` ratio to DDP, 2 cores, alternated
+#: single steps: 1.10 with one gather and one reduction, 1.15 with both in 256 KB buckets; with
+#: all-reduces the measure was 16 cores 32-35 ms vs 46-47 ms, 2 cores 88-92 ms vs 103-114 ms).
+GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
+
+
+@dataclass
+class _Pull:
+    """The pull of one parameter in flight: work handles and the row buffers it will assemble from."""
+
+    works: list = field(default_factory=list)
+    held: list = field(default_factory=list)         # [((lo, hi), rows-first tensor)]
+    gather: Optional[GatherBucket] = None             # the shared all-gather carrying this parameter
+    done: bool = False
+
+
+class PullParameter:
+    """The pulls of one rank for one Program (see the module docstring).
+
+    ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather
+    (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else ``DEFAULT_PULL_BUCKET_BYTES``).
+    """
+
+    def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
+                 all_to_all: bool = False) -> None:
+        self.params = params
+        self.stats = stats
+        program = params.program
+        self.ops = {n: program.pull_plans[n].for_rank(params.rank) for n in params.order}
+        self._pulls: dict[str, _Pull] = {}
+        if bucket_bytes is None:
+            bucket_bytes = GLOO_PULL_BUCKET_BYTES if all_to_all else DEFAULT_PULL_BUCKET_BYTES
+        gathered = [n for n in params.order if program.pull_plans[n].is_all_gather and n not in params.aliased]
+        self.gathers = [GatherBucket([self._gather_entry(n) for n in names], params.rank, params.world_size,
+                                     params.working_dtype, all_to_all=all_to_all)
+                        for names in self._buckets(gathered, bucket_bytes)]
+
+    def _gather_entry(self, name: str) -> tuple:
+        """``GatherBucket`` entry of ``name``: rows, master rows, working rows (None if not held)."""
+        param = self.params.program.pull_plans[name].param
+        w = self.params.working.get(name)
+        return (name, param.size, rows(self.params.masters[name], param.shard_dim),
+                None if w is None else rows(w.data, param.shard_dim))
+
+    def _buckets(self, names: list[str], cap: int) -> list[list[str]]:
+        """``names`` (model order) cut into all-gathers of at most ``cap`` bytes (at least one parameter
+        each); every rank cuts the same buckets (widths and dtypes are the same everywhere)."""
+        world_size = self.params.world_size
+        buckets: list[list[str]] = []
+        size = 0
+        for name in names:
+            plan = self.params.program.pull_plans[name]
+            width = -(-plan.param.size // world_size)
+            nbytes = world_size * plan.param.slice_bytes(0, width, plan.working_dtype_bytes)
+            if not buckets or size + nbytes > cap:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(name)
+            size += nbytes
+        return buckets
+
+    def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        param = self.params.program.pull_plans[name].param
+        base = self.params.segment(param)[0]
+        master = rows(self.params.masters[name], param.shard_dim)
+        return master.narrow(0, lo - base, hi - lo).to(self.params.working_dtype).contiguous()
+
+    @torch.no_grad()
+    def post(self, reuse: bool = False) -> None:
+        """Post every pull of this rank (all parameters, model order); returns before they complete.
+        ``reuse``: the working tensors already hold the all-gathered parameters (prefetched by the
+        last step), so those are not pulled."""
+        p = self.params
+        self._pulls = {}
+        bucket_of = {}
+        for bucket in self.gathers if not reuse else ():
+            self.post_gather(bucket)
+            bucket_of.update((n, bucket) for n in bucket.names)
+        for name in p.order:
+            plan = p.program.pull_plans[name]
+            pull = _Pull()
+            if name in p.aliased or (reuse and plan.is_all_gather):
+                pull.done = True
+            elif plan.is_all_gather:
+                pull.gather = bucket_of[name]
+            else:
+                p2p = []
+                for op in self.ops[name]:
+                    if isinstance(op, LocalCopy):
+                        pull.held.append(((op.lo, op.hi), self._master_rows(name, op.lo, op.hi)))
+                    elif isinstance(op, Transfer) and op.src == p.rank:
+                        buf = self._master_rows(name, op.lo, op.hi)
+                        p2p.append(dist.P2POp(dist.isend, buf, op.dst, tag=2 * p.tags[name] + 1))
+                        pull.held.append(((-1, -1), buf))     # keeps the send buffer alive
+                        self.stats.pull_send_bytes += buf.numel() * buf.element_size()
+                    elif isinstance(op, Transfer):
+                        rest = rows(p.masters[name], plan.param.shard_dim).shape[1:]
+                        buf = torch.empty((op.hi - op.lo, *rest), dtype=p.working_dtype,
+                                          device=p.masters[name].device)
+                        p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=2 * p.tags[name] + 1))
+                        pull.held.append(((op.lo, op.hi), buf))
+                        self.stats.pull_recv_bytes += buf.numel() * buf.element_size()
+                if p2p:
+                    pull.works = dist.batch_isend_irecv(p2p)
+            self._pulls[name] = pull
+
+    def post_gather(self, bucket: GatherBucket) -> None:
+        """Start one all-gather (also the overlapped update's prefetch of the next step's pull)."""
+        bucket.post()
+        if self.params.world_size > 1:
+            self.stats.pull_all_gather_bytes += (self.params.world_size - 1) * bucket.send_bytes
+
+    def wait(self, name: str) -> None:
+        """Wait for parameter ``name``'s pull and write it into the working tensor (once per step)."""
+        pull = self._pulls.get(name)
+        if pull is None:
+            raise HGraphError(f"pull of {name!r} was not posted this step")
+        if not pull.done:            # the graph calls this once per use: the common case returns here
+            with torch.no_grad():
+                self._complete(name, pull)
+
+    def _complete(self, name: str, pull: _Pull) -> None:
+        for work in pull.works:
+            work.wait()
+        pull.done = True
+        if pull.gather is not None:                    # every rank needs the whole parameter
+            pull.gather.complete()
+            pull.gather = None
+            return
+        if name not in self.params.working:
+            return                                     # an owner that only sent
+        rank = self.params.rank
+        plan = self.params.program.pull_plans[name]
+        dest = rows(self.params.working[name].data, plan.param.shard_dim)
+        offset = 0
+        for (lo, hi), tiles in zip(plan.needs[rank], plan.assembly[rank]):
+            for a, b in tiles:
+                src = lookup(pull.held, a, b, name)
+                dest.narrow(0, offset + a - lo, b - a).copy_(src)
+            offset += hi - lo
+        pull.held = []
+        pull.gather = None
+
+    def finish(self) -> None:
+        """Complete every pull still in flight (sends, and parameters no forward waited for)."""
+        for name in self.params.order:
+            self.wait(name)

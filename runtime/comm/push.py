@@ -1,0 +1,187 @@
+"""Push Gradient on one rank: the push plans of a Program (``hgraph.comm_plan``) run on torch.distributed.
+
+The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``, reverse
+model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
+runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
+``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
+sends the plan's transfers to the optimizer owners (one batch in model order, tag ``2i+2``) and does
+the local adds. Owners get the summed fp32 gradient of their optimizer shard (the reduced rows
+themselves when they are the whole shard). A rank whose pipeline ran no micro-batch pushes zeros, so
+every rank takes part and nothing hangs.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
+from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
+
+
+def groups_needed(program: Any) -> list[tuple[int, ...]]:
+    """Every replica group of the push plans (collective group creation needs the same list everywhere)."""
+    return sorted({rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters
+                   if len(rs.group) > 1})
+
+
+class PushGradient:
+    """The push of one rank for one Program (see the module docstring).
+
+    ``groups``: a ``GroupCache`` holding every replica group of the push plans (``groups_needed``);
+    ``in_backward``: issue the reductions from backward's hooks (CPU: NCCL keeps them at the end, as
+    all communicators share one stream order and pipelines of different schemes finish gradients in
+    different orders).
+    """
+
+    def __init__(self, params: RankParams, stats: SyncStats, groups: Any, device: torch.device,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True) -> None:
+        self.params = params
+        self.stats = stats
+        program = params.program
+        self.ops = {n: program.push_plans[n].for_rank(params.rank) for n in params.order}
+        self._sole_add = self._sole_local_adds()
+        self._own_rows = self._unreduced_rows()
+        self.in_backward = in_backward
+        self._armed = False
+        row_shapes = {n: tuple(rows(params.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
+                      for n in params.order}
+        self.buckets = GradBuckets(params.rank, params.order, self.ops, row_shapes, groups, self._contribution,
+                                   device, bucket_bytes)
+
+    def _sole_local_adds(self) -> dict[str, LocalAdd]:
+        """Parameters whose owned segment is one local add and nothing received: the reduced rows
+        themselves are the gradient shard (no zeros + add)."""
+        out = {}
+        for name in self.params.order:
+            seg = self.params.segment(self.params.program.push_plans[name].param)
+            adds = [op for op in self.ops[name] if isinstance(op, LocalAdd)]
+            recvs = [op for op in self.ops[name] if isinstance(op, Transfer) and op.dst == self.params.rank]
+            if len(adds) == 1 and not recvs and (adds[0].lo, adds[0].hi) == seg and seg[1] > seg[0]:
+                out[name] = adds[0]
+        return out
+
+    def _unreduced_rows(self) -> dict[str, list[Range]]:
+        """Per parameter, the rows this rank forwards from its own gradient: its contributions that no
+        reduce-scatter of its carries (all of them when it has no replica)."""
+        out = {}
+        for name in self.params.order:
+            reduced = [(op.lo, op.hi) for op in self.ops[name] if isinstance(op, ReduceScatter)]
+            contributions = self.params.program.push_plans[name].contributions.get(self.params.rank, ())
+            out[name] = [r for lo, hi in contributions for r in uncovered_ranges(lo, hi, reduced)]
+        return out
+
+    def _contribution(self, name: str, grad: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` (full-parameter coordinates) of this rank's fp32 gradient (zeros if none)."""
+        p = self.params
+        dim = p.program.push_plans[name].param.shard_dim
+        offset = 0
+        for a, b in p.shards[name].ranges:
+            if a <= lo and hi <= b:
+                if grad is None:
+                    shape = list(rows(p.working[name], dim).shape)
+                    shape[0] = hi - lo
+                    return torch.zeros(shape, dtype=torch.float32, device=p.masters[name].device)
+                return rows(grad, dim).narrow(0, offset + lo - a, hi - lo).float()
+            offset += b - a
+        raise AssertionError(f"rank {p.rank} pushes rows [{lo}, {hi}) of {name!r} that it does not hold")
+
+    # ---- the step's reductions -----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Forget the last step's reductions; nothing is issued until ``arm`` or ``flush``."""
+        self._armed = False
+        self.buckets.reset()
+
+    def arm(self) -> None:
+        """The step's last backward starts: from now on a finished gradient issues its bucket."""
+        self._armed = self.in_backward
+
+    def ready(self, name: str, grad: Optional[torch.Tensor]) -> bool:
+        """``name``'s gradient is final (its hook): issue what became issuable if armed; returns
+        whether it was."""
+        if self._armed:
+            self.buckets.ready(name, grad)
+        return self._armed
+
+    def flush(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
+        """Issue every reduce-scatter not issued during backward (before any other collective of the
+        step's end, so every rank issues its collectives in the same order)."""
+        self._armed = False
+        self.buckets.flush(grads)
+
+    def count_reductions(self) -> None:
+        """Count the step's reduce-scatter payloads (once, after its reductions were issued)."""
+        self.stats.push_reduce_scatter_bytes += self.buckets.bytes_issued
+
+    def owned_gradient(self, name: str, held: Mapping[str, list]) -> torch.Tensor:
+        """The fp32 gradient of this rank's optimizer shard of ``name`` when it is exactly the reduced
+        rows it holds (a plain reduce-scatter; an empty shard gets an empty gradient), else zeros."""
+        master = self.params.masters[name]
+        add = self._sole_add.get(name)
+        if add is None:
+            return torch.zeros_like(master, dtype=torch.float32)
+        reduced = lookup(held[name], add.lo, add.hi, name)
+        dim = self.params.program.push_plans[name].param.shard_dim
+        return reduced.reshape(master.shape) if master.dim() <= 1 else reduced.movedim(0, dim)
+
+    # ---- the push to the owners ----------------------------------------------------------------
+    @torch.no_grad()
+    def complete(self, grads: Mapping[str, Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Run every push plan; returns this rank's summed fp32 gradient shard for every parameter.
+
+        ``grads[name]``: the working gradient of a parameter this rank holds (``None``: no
+        micro-batch ran, pushed as zeros). Collective: every rank calls it once per step.
+        """
+        p = self.params
+        if p.aliased:                     # one rank: the working gradient is the owner's gradient
+            out = {n: grads[n].float().reshape(p.masters[n].shape) if grads.get(n) is not None
+                   else torch.zeros_like(p.masters[n]) for n in p.order if n in p.aliased}
+            if len(out) == len(p.order):
+                return out
+        else:
+            out = {}
+        held: dict[str, list] = {name: [] for name in p.order}
+        self.flush(grads)                 # 1. reduce-scatters among replicas (mostly issued in backward)
+        self.buckets.wait(held)
+        self.count_reductions()
+        for name, own in self._own_rows.items():      # own rows that no reduce-scatter carries
+            held[name].extend(((lo, hi), self._contribution(name, grads.get(name), lo, hi)) for lo, hi in own)
+        for name in p.order:
+            if name not in out:
+                out[name] = self.owned_gradient(name, held)
+        p2p, recvs = [], []
+        for name in p.order:              # 2. transfers to the owners, one batch in model order
+            dim = p.program.push_plans[name].param.shard_dim
+            tag = 2 * p.tags[name] + 2
+            for op in self.ops[name]:
+                if not isinstance(op, Transfer):
+                    continue
+                if op.src == p.rank:
+                    buf = lookup([(r, t) for r, t in held[name]], op.lo, op.hi, name).contiguous()
+                    p2p.append(dist.P2POp(dist.isend, buf, op.dst, tag=tag))
+                    recvs.append((None, None, None, buf))
+                    self.stats.push_send_bytes += buf.numel() * 4
+                else:
+                    rest = rows(out[name], dim).shape[1:]
+                    buf = torch.empty((op.hi - op.lo, *rest), dtype=torch.float32, device=out[name].device)
+                    p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=tag))
+                    recvs.append((name, op.lo, op.hi, buf))
+                    self.stats.push_recv_bytes += buf.numel() * 4
+        works = dist.batch_isend_irecv(p2p) if p2p else []
+        for name in p.order:              # 3. local adds (overlap with the transfers)
+            for op in self.ops[name]:
+                if isinstance(op, LocalAdd) and name not in self._sole_add:
+                    self._add(out, name, op.lo, op.hi, lookup(held[name], op.lo, op.hi, name))
+        for work in works:
+            work.wait()
+        for name, lo, hi, buf in recvs:
+            if name is not None:
+                self._add(out, name, lo, hi, buf)
+        return out
+
+    def _add(self, out: dict, name: str, lo: int, hi: int, reduced: torch.Tensor) -> None:
+        param = self.params.program.push_plans[name].param
+        base = self.params.segment(param)[0]
+        rows(out[name], param.shard_dim).narrow(0, lo - base, hi - lo).add_(reduced)

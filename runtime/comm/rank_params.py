@@ -1,0 +1,91 @@
+"""The parameters of one rank for one Program, as Pull Parameter and Push Gradient work on them.
+
+``RankParams`` holds what the pull (``runtime/comm/pull``), the push (``runtime/comm/push``) and the
+overlapped update (``runtime/comm/overlapped_update``) share: the Program, this rank's fp32 optimizer
+shards (the masters), the working tensors its graph holds, their ``ParamShard``, and the model order
+of the parameters (``Program.pull_plans`` order, which is ``list(hgraph.params)``), which fixes the
+order of every message and the tag of each parameter. ``SyncStats`` counts the bytes of one step.
+
+Work is layout "rows first": the shard dimension is moved to dimension 0 (``rows``), so a range of
+rows is a ``narrow(0, ...)``; received and reduced rows are held as ``((lo, hi), rows)`` pairs in
+full-parameter coordinates (``lookup``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hgraph.runtime.engine.optimizer import shard_bounds
+
+Range = tuple[int, int]
+
+
+def rows(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` with its shard dimension first (a 0-d tensor becomes one row of one element)."""
+    return t.reshape(1) if t.dim() == 0 else t.movedim(dim, 0)
+
+
+def lookup(held: Sequence[tuple[Range, torch.Tensor]], lo: int, hi: int, name: str) -> torch.Tensor:
+    """Rows ``[lo, hi)`` from the one held buffer that contains them."""
+    for (a, b), t in held:
+        if a <= lo and hi <= b:
+            return t.narrow(0, lo - a, hi - lo)
+    raise AssertionError(f"{name}: rows [{lo}, {hi}) are in no buffer this rank holds")
+
+
+@dataclass
+class SyncStats:
+    """Bytes this rank moved in the last step (point-to-point and collective payloads it received)."""
+
+    pull_recv_bytes: int = 0
+    pull_send_bytes: int = 0
+    pull_all_gather_bytes: int = 0
+    push_recv_bytes: int = 0
+    push_send_bytes: int = 0
+    push_reduce_scatter_bytes: int = 0
+
+    def reset(self) -> None:
+        """Zero every counter (a step begins; the pull and the push count into the same object)."""
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """The parameters of ``rank`` for ``program``.
+
+    ``masters``: this rank's fp32 optimizer shards (name -> tensor, shard dimension as in the
+    optimizer, ``[1]`` for a 0-d parameter); ``working``: the working tensors of the parameters this
+    rank's graph holds (shard shape, working dtype); ``shards``: their ``ParamShard``; ``aliased``:
+    working tensors that share their fp32 master's storage (one rank, fp32: nothing to move).
+    """
+
+    program: Any
+    rank: int
+    masters: Mapping[str, torch.Tensor]
+    working: Mapping[str, torch.Tensor]
+    shards: Mapping[str, Any]
+    working_dtype: torch.dtype
+    aliased: frozenset
+
+    @property
+    def world_size(self) -> int:
+        return self.program.cluster.world_size
+
+    @cached_property
+    def order(self) -> list[str]:
+        """Every parameter in model order."""
+        return list(self.program.pull_plans)
+
+    @cached_property
+    def tags(self) -> dict[str, int]:
+        """Position of each parameter in model order: its point-to-point tags are ``2i+1`` (pull) and
+        ``2i+2`` (push); pipeline activations use tag 0."""
+        return {name: i for i, name in enumerate(self.order)}
+
+    def segment(self, param: Any) -> Range:
+        """This rank's optimizer segment (rows) of ``param``."""
+        return shard_bounds(param.size, self.rank, self.world_size)
