@@ -3,7 +3,7 @@
 Each is built from a config (random initialisation, never downloading weights): a tiny default
 config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
 Dropout is 0 and sliding-window attention off, as hgraph's training contract needs. transformers
-is an optional dependency: ``pip install hgraph[hf]``.
+is an optional dependency: ``pip install -e '.[hf]'`` in the hgraph checkout.
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise HGraphError("Hugging Face models need the transformers package: pip install hgraph[hf]") from None
+        raise HGraphError("Hugging Face models need the transformers package: pip install -e '.[hf]' in the "
+                          "hgraph checkout (or pip install transformers)") from None
     return transformers
 
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from hgraph.errors import HGraphError
 
 METRICS_FILE = "metrics.jsonl"
@@ -172,8 +174,8 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise HGraphError("plots need matplotlib, which is not installed: pip install 'hgraph[plots]' "
-                          "(or pip install matplotlib)") from None
+        raise HGraphError("plots need matplotlib, which is not installed: pip install -e '.[plots]' in the "
+                          "hgraph checkout (or pip install matplotlib)") from None
     return Figure
 
 
@@ -261,7 +263,6 @@ def _plot_est_vs_measured(fig: Any, records: Sequence[dict]) -> None:
 
 
 def _plot_rank_busy(fig: Any, records: Sequence[dict]) -> None:
-    import numpy as np
     rows = [r for r in records if r.get("rank_busy_s")]
     width = max(len(r["rank_busy_s"]) for r in rows)
     grid = np.full((width, len(rows)), np.nan)

@@ -138,7 +138,7 @@ def test_bad_format_is_exit_2(full_run, capsys):
 
 def test_missing_matplotlib_is_a_clear_error(monkeypatch, full_run):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)   # import of it raises ImportError
-    with pytest.raises(HGraphError, match=r"plots need matplotlib.*pip install 'hgraph\[plots\]'"):
+    with pytest.raises(HGraphError, match=r"plots need matplotlib.*pip install -e '\.\[plots\]'"):
         plots.write_plots(plots.read_metrics(full_run / "metrics.jsonl"), full_run / "x")
 
 
