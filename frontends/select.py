@@ -12,6 +12,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.errors import HGraphError, TraceError
+from hgraph.frontends.export_frontend import export_trace
+from hgraph.frontends.fx_frontend import trace
 from hgraph.frontends.tracer import LeafSpec
 from hgraph.options import FRONTENDS
 
@@ -24,8 +26,6 @@ def trace_model(model: nn.Module, *, leaf_modules: Iterable[LeafSpec] = (), fron
 
     ``leaf_modules`` apply to the fx frontend only (torch.export has no leaf modules).
     """
-    from hgraph.frontends.export_frontend import export_trace
-    from hgraph.frontends.fx_frontend import trace
 
     if frontend not in FRONTENDS:
         raise HGraphError(f"unknown frontend {frontend!r}; allowed: {', '.join(FRONTENDS)}")

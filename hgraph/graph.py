@@ -13,6 +13,8 @@ from typing import Any, Mapping, Optional, Union
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.shape_prop import ShapeProp
 
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
 
@@ -227,8 +229,6 @@ def _fed_by(node: Any, source: Optional[fx.Node]) -> bool:
 
 def _fake_shapes(gm: fx.GraphModule, nodes: list[Any]) -> list[Optional[tuple[int, ...]]]:
     """Shapes of ``nodes`` for a fake batch of 2 x 8 tokens (no real compute)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.shape_prop import ShapeProp
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:

@@ -16,6 +16,7 @@ that a packed step passes to the model.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 from typing import Optional, Sequence, Union
 
 import torch
@@ -114,7 +115,6 @@ def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.T
                   scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
     """PyTorch's varlen kernel on packed ``[T, H, D]``, causal. Its keywords changed across releases
     (2.11: ``is_causal`` and no GQA; 2.13: ``window_size`` and ``enable_gqa``), so ask it what it takes."""
-    import inspect
     from torch.nn.attention.varlen import varlen_attn
     params = inspect.signature(varlen_attn).parameters
     kwargs: dict = {"scale": scale}

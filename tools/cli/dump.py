@@ -7,8 +7,12 @@ import sys
 
 import torch
 
+import hgraph
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.report.dump import FORMATS
+from hgraph.tools.report.run_dump import dump_run
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -48,13 +52,9 @@ def run(args: argparse.Namespace) -> int:
     if args.run_dir is not None:
         if args.model is not None or args.strategy is not None:
             raise HGraphError("--run-dir takes the model and strategies from the run: give no MODEL or --strategy")
-        from hgraph.tools.report.run_dump import dump_run
         return dump_run(args)
     if args.model is None or args.strategy is None:
         raise HGraphError("give MODEL and --strategy, or --run-dir RUN_DIR")
-    import hgraph
-    from hgraph.frontends.zoo import resolve_model_spec
-    from hgraph.strategy import Cluster, Strategy
 
     strategy = Strategy.parse(args.strategy)
     cluster = Cluster(args.world_size or strategy.num_ranks, args.gpus_per_node)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
 
 LONG_CHOICES = ("error", "truncate", "drop")
 
@@ -22,7 +23,6 @@ LONG_CHOICES = ("error", "truncate", "drop")
 def workload_cost_model(args, **options):
     """The cost model of ``--profile`` on ``--gpus`` (``options`` go to ``load_cost_model``); a profile
     none of whose schemes fits the cluster is a one-line error."""
-    from hgraph.runtime.planner.cost.cost_model import load_cost_model
 
     cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node, **options)
     if not cost.schemes:

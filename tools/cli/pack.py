@@ -18,6 +18,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches, read_lengths
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.wlb import DocLatency, imbalance_degree, make_packer
 from hgraph.strategy import Scheme
 from hgraph.tools.cli.length_options import add_long_option, limit_lengths
@@ -65,7 +66,6 @@ def _latency(args) -> tuple[DocLatency, str]:
         if len(vals) not in (2, 3):
             raise HGraphError(f"--coeffs {args.coeffs!r}: expected A,B or A,B,C")
         return DocLatency(*vals), f"coefficients {args.coeffs}"
-    from hgraph.runtime.planner.cost.cost_model import load_cost_model
 
     profile = args.profile or DEFAULT_PROFILE
     if args.scheme is not None:

@@ -11,7 +11,11 @@ import json
 import platform
 import sys
 
+import torch
+
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.planner.cost.profiler import profile_cost_model
 from hgraph.strategy import Scheme
 
 
@@ -45,10 +49,6 @@ def _build_model(spec: str, args_json: str | None):
     family, _, name = spec.partition(":")
     if family != "llama" or not name:
         raise HGraphError(f"unknown model {spec!r}: expected llama:NAME (e.g. llama:tiny)")
-    try:
-        from hgraph.frontends.zoo import llama
-    except ImportError as exc:
-        raise HGraphError(f"the model zoo is not available ({exc})") from None
     overrides = {}
     if args_json:
         try:
@@ -62,7 +62,6 @@ def _build_model(spec: str, args_json: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.runtime.planner.cost.profiler import profile_cost_model
 
     schemes = []
     for part in args.schemes.split(","):
@@ -79,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     h = config.hidden_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     params_per_layer = h * q + 2 * h * kv + q * h + 3 * h * config.intermediate_size + 2 * h
-    import torch
 
     cost, raw = profile_cost_model(
         args.name or args.model, lambda n: llama.build(config, num_layers=n), hidden=h, layers=config.num_layers,

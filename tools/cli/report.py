@@ -11,6 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
+from hgraph.tools.report.plots import metrics_path, read_metrics, summarize, write_plots
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("report", help="plots and summary of a training run (from metrics.jsonl)",
@@ -27,7 +29,6 @@ def _fmt_opt(value, spec: str, suffix: str = "") -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.tools.report.plots import metrics_path, read_metrics, summarize, write_plots
 
     path = metrics_path(args.run_dir)
     records = read_metrics(path)

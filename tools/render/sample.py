@@ -20,6 +20,8 @@ from typing import Optional, Sequence
 
 from hgraph.strategy import Strategy
 from hgraph.tools.render.graph import REdge, RGraph, RNode, render_dot
+from hgraph.tools.render.html import render_html
+from hgraph.tools.render.svg import render_svg
 
 _WEIGHTS = (("wqkv", "matmul qkv", False), ("wo", "matmul o", True),
             ("w_up", "matmul up", False), ("w_down", "matmul down", True))
@@ -131,8 +133,6 @@ def synthetic_graph(strategy: "Strategy | str", layers: int = 2, *, backward: bo
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Write the sample drawings and print timings."""
-    from hgraph.tools.render.html import render_html
-    from hgraph.tools.render.svg import render_svg
 
     parser = argparse.ArgumentParser(prog="python -m hgraph.tools.render.sample", description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", default="1xTP1PP2+1xTP1PP1",

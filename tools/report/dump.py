@@ -15,6 +15,9 @@ import torch.fx as fx
 from hgraph.errors import HGraphError
 from hgraph.meta import SlotKind, get_meta
 from hgraph.program import Program, RankProgram
+from hgraph.tools.render.graph import REdge, RGraph, RNode, render_dot
+from hgraph.tools.render.html import render_html
+from hgraph.tools.render.svg import render_svg
 
 FORMATS = ("text", "python", "dot", "svg", "html", "json")
 
@@ -33,12 +36,9 @@ def render_program(program: Program, fmt: str = "text", rank: Optional[int] = No
         return "\n\n".join(rank_python(program, rp) for rp in ranks)
     graph = program_rgraph(program, ranks)
     if fmt == "dot":
-        from hgraph.tools.render.graph import render_dot
         return render_dot(graph)
     if fmt == "svg":
-        from hgraph.tools.render.svg import render_svg
         return render_svg(graph)
-    from hgraph.tools.render.html import render_html
     return render_html(graph)
 
 
@@ -168,7 +168,6 @@ def _kind(n: fx.Node) -> str:
 
 def program_rgraph(program: Program, ranks: list[RankProgram]):
     """The renderer-neutral graph of ``ranks``: one cluster per pipeline / stage / rank."""
-    from hgraph.tools.render.graph import REdge, RGraph, RNode
     nodes, edges = [], []
     for rp in ranks:
         cluster = (f"pipeline {rp.pipeline}: {rp.scheme}", f"stage {rp.stage}", f"rank {rp.rank}")

@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
+import hgraph
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.strategy import Strategy
+from hgraph.tools.report.run_record import read_run_record
 
 EXTENSIONS = {"text": "txt", "python": "py", "dot": "dot", "svg": "svg", "html": "html", "json": "json"}
 
@@ -41,10 +45,6 @@ def strategies_used(metrics_path: Path) -> dict[str, list[int]]:
 
 
 def dump_run(args: argparse.Namespace) -> int:
-    import hgraph
-    from hgraph.frontends.zoo import resolve_model_spec
-    from hgraph.strategy import Strategy
-    from hgraph.tools.report.run_record import read_run_record
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
