@@ -120,7 +120,7 @@ def test_in_out_linear_is_conv1d():
 
 def test_missing_transformers_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
-    with pytest.raises(HGraphError, match=r"pip install hgraph\[hf\]"):
+    with pytest.raises(HGraphError, match=r"pip install -e '\.\[hf\]'"):
         hf.build("llama")
 
 
