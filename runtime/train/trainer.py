@@ -44,6 +44,7 @@ from hgraph.runtime.data.documents import Document, MiniBatch, check_lengths, fi
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.engine.executor import Executor, MicroBatch, StepResult, shard_dims_of
 from hgraph.runtime.checkpoint.run import data_fingerprint, load_resume, restore_state
+from hgraph.runtime.train.progress import PrintedLines, ProgressBar, ProgressFactory, progress_bar
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
 
@@ -87,7 +88,7 @@ class TrainConfig:
     resume_fallback: bool = False             # ... or the previous one when the newest is broken
     resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
     plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
-    progress: bool = False                    # rank 0 draws progress bars (the launcher saw a terminal)
+    progress: Optional[ProgressFactory] = None  # rank 0's progress bars (runtime.train.progress)
     memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
     device_memory: Any = None                 # bytes per rank bounding MaxLen, "auto" (sized from the model) or None
     cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
@@ -266,6 +267,10 @@ class Trainer:
                for pipe in planned.plan]
         return self.executor.step(program, mbs, batch.num_targets, batch.step)
 
+    def progress_bar(self, total: int, label: str, *, plain: bool = False) -> ProgressBar:
+        """A bar of this rank from the config's factory (``runtime.train.progress``)."""
+        return progress_bar(self.config.progress, total, label, rank=self.rank, plain=plain)
+
     def documents(self) -> list[Document]:
         cfg = self.config
         vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
@@ -295,10 +300,9 @@ class Trainer:
                 rewrite_metrics_before(Path(cfg.metrics), start_step)
             metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         from hgraph.runtime.train.heartbeat import Heartbeat
-        from hgraph.tools.cli.progress import Progress
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
-        bar = Progress(cfg.steps, "training", enabled=cfg.progress and self.rank == 0 and cfg.log_steps)
+        bar = self.progress_bar(cfg.steps, "training") if cfg.log_steps else PrintedLines()
         try:
             for batch, delay_state in run_mini_batches(self.docs, cfg, self.world_size, self.resumed):
                 now = batch.step

@@ -37,6 +37,7 @@ checked here, before any process starts (``hgraph.runtime.checkpoint.run``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -211,8 +212,9 @@ def run(args: argparse.Namespace) -> int:
         config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
                                         cfg.builtin_docs or saved_n, cfg.builtin_scale)
     config.log_steps = planned and not cfg.json
-    from hgraph.tools.cli.progress import resolve_mode
-    config.progress = config.log_steps and resolve_mode(cfg.progress)
+    from hgraph.tools.cli.progress import Progress, resolve_mode
+    # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
+    config.progress = functools.partial(Progress, enabled=config.log_steps and resolve_mode(cfg.progress))
     if run_dir is not None:
         from hgraph.tools.report.run_record import write_run_record
         write_run_record(run_dir, config)

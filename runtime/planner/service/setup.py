@@ -27,7 +27,6 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     from hgraph.runtime.planner.service.iteration import IterationPlanner
     from hgraph.runtime.planner.cost.runtime_memory import max_len_table
     from hgraph.runtime.checkpoint.run import resumed_planner
-    from hgraph.tools.cli.progress import Progress
 
     cfg, rank = trainer.config, trainer.rank
     counts = trainer.compiled.hgraph.slot_counts()
@@ -41,7 +40,7 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
                                                           cfg.gpus_per_node), trainer.world_size)
         except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
             pass
-    bar = Progress(phases, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
+    bar = trainer.progress_bar(phases, "planner setup", plain=cfg.log_steps and rank == 0)
     t0 = time.perf_counter()
     try:
         planner = kept if kept is not None else IterationPlanner.create(
