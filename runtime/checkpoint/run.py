@@ -27,6 +27,7 @@ steps N.. up to ``--steps`` (the run's total).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,8 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
+from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
 
 NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
                    "note": "mini-batches are packed without outlier delay: no document is held back"}
@@ -187,7 +190,6 @@ def check_resume(point_step: int, folder: Path, run: dict, position: dict, *, mo
 def rewrite_metrics_before(path: Path, step: int) -> None:
     """Keep only the metrics lines of steps before ``step`` (a resumed run rewrites the rest, so a
     step trained after the last checkpoint by a run that then died is not counted twice)."""
-    import json
     if not path.exists():
         return
     kept = []
@@ -241,8 +243,6 @@ def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any
             or state.get("max_candidates") != config.max_candidates
             or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
         return None
-    from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
-    from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
     (name, entry), = state["cost_profile"].items()
     cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
     return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,

@@ -39,11 +39,22 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+import hgraph
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
+                                           load_resume, planner_state, restore_state, rewrite_metrics_before,
+                                           run_state)
+from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch, check_lengths, first_fit, read_jsonl
 from hgraph.runtime.data.outlier_delay import run_mini_batches
-from hgraph.runtime.engine.executor import Executor, MicroBatch, StepResult, shard_dims_of
-from hgraph.runtime.checkpoint.run import data_fingerprint, load_resume, restore_state
+from hgraph.runtime.engine.executor import Executor, MicroBatch, RankLostError, StepResult, shard_dims_of
+from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
+from hgraph.runtime.planner.service.iteration import all_gather_floats, model_cost_model, pipeline_metrics
+from hgraph.runtime.planner.service.setup import planner_process, start_planner
+from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
+from hgraph.runtime.train.heartbeat import Heartbeat
+from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, ProgressFactory, progress_bar
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
 
@@ -171,14 +182,12 @@ class GraphCache:
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
     """The model, built right after ``torch.manual_seed(seed)`` (the same on every rank)."""
-    from hgraph.frontends.zoo import resolve_model_spec
     spec = config.model if ":" in config.model else f"llama:{config.model}"
     torch.manual_seed(config.seed)
     return resolve_model_spec(spec, config.model_args)
 
 
 def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int) -> Any:
-    from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
     if config.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {config.optimizer!r}: allowed are adam, adamw")
     cls = ShardedAdam if config.optimizer == "adam" else ShardedAdamW
@@ -194,8 +203,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
                  planner_channel: Any = None) -> None:
-        import hgraph
-        from hgraph.runtime.comm.process_groups import GroupCache
         if world_size != config.world_size:
             raise HGraphError(f"the run has {world_size} processes but --world-size is {config.world_size}")
         if config.steps < 1:
@@ -216,7 +223,6 @@ class Trainer:
         self.model.to(self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.dtype)
         if config.strategies is not None:
-            from hgraph.runtime.planner.service.setup import start_planner
             self.planner = start_planner(self, groups, planner_channel)
             self.schedule = list(self.planner.candidates)
         self.cluster = Cluster(world_size, config.gpus_per_node)
@@ -239,7 +245,6 @@ class Trainer:
 
     def _dcp_inter_cost(self) -> Any:
         """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
-        from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER
         cfg = self.config
         if cfg.balance not in BALANCE_MODES:
             raise HGraphError(f"--balance {cfg.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
@@ -250,14 +255,12 @@ class Trainer:
         if not homogeneous:
             raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
                               f"--strategy-schedule {self.world_size}xTP1PP1 (the SP size is chosen per batch)")
-        from hgraph.runtime.planner.service.iteration import model_cost_model
         cost = model_cost_model(cfg.profile, self.model, self.world_size, cfg.gpus_per_node)
         cost.activation_budget_bytes = cfg.memory_budget
         return cost
 
     def dcp_inter_step(self, batch: MiniBatch) -> StepResult:
         """One step of DCP-inter: per-batch SP size, micro-batches balanced over the replicas."""
-        from hgraph.runtime.train.dcp_inter import dcp_inter_step
         cfg = self.config
         rank_tokens = cfg.microbatch_tokens or math.ceil(cfg.tokens_per_iter / self.world_size)
         planned = dcp_inter_step(batch.docs, self.world_size, rank_tokens, self.dcp_cost.microbatch_time)
@@ -286,8 +289,6 @@ class Trainer:
         return docs
 
     def run(self) -> TrainSummary:
-        from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_position, planner_state, rewrite_metrics_before,
-                                                   run_state)
         cfg = self.config
         results: list[StepResult] = []
         start_step = self.resumed.step if self.resumed is not None else 0
@@ -299,7 +300,6 @@ class Trainer:
             if self.resumed is not None:
                 rewrite_metrics_before(Path(cfg.metrics), start_step)
             metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
-        from hgraph.runtime.train.heartbeat import Heartbeat
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
         bar = self.progress_bar(cfg.steps, "training") if cfg.log_steps else PrintedLines()
@@ -345,7 +345,6 @@ class Trainer:
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
             # name the rank that died, as the executor does inside a step
-            from hgraph.runtime.engine.executor import RankLostError
             beat = self.executor.heartbeat
             lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
             if lost:
@@ -388,7 +387,6 @@ class Trainer:
 
     def planned_step(self, batch: MiniBatch) -> StepResult:
         """One step on the planner's plan; its planner figures go to ``self.planned[step]``."""
-        from hgraph.runtime.planner.service.iteration import all_gather_floats, pipeline_metrics
         planned = self.planner.plan(batch)
         hits = self.cache.hits
         t0 = time.perf_counter()
@@ -409,7 +407,6 @@ class Trainer:
 
     def _memory_per_rank(self, r: StepResult) -> dict:
         """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
-        from hgraph.runtime.planner.service.iteration import all_gather_floats
         nan = float("nan")
         peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, self.world_size, self.device)
         pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes,
@@ -471,16 +468,12 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     """
     if config.resume and config.resume_from is None and config.checkpoint_dir is not None:
         # resolved once, before any process starts: every rank loads the same checkpoint
-        from hgraph.runtime.checkpoint.run import find_resume_point
         config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
-    from hgraph.runtime.planner.service.setup import planner_process
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        from hgraph.runtime.train.launch import init_from_env
         rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
         with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
             results = [train_worker(rank, world, config, channel)]
     else:
-        from hgraph.runtime.train.launch import local_backend, spawn
         total = 120.0 + timeout_s * (config.steps + 1)
         with planner_process(config, True) as channel:           # the launcher owns the planner
             results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),

@@ -47,6 +47,18 @@ from pathlib import Path
 from typing import Optional
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint.run import find_resume_point
+from hgraph.runtime.checkpoint.shards import latest
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.data.documents import read_jsonl
+from hgraph.runtime.data.outlier_delay import check_resume_queues
+from hgraph.runtime.planner.service.iteration import parse_candidates
+from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.trainer import TrainConfig, build_model, parse_schedule, run_training
+from hgraph.tools.cli.progress import Progress, resolve_mode
+from hgraph.tools.cli.train_schema import BY_DEST, add_arguments, help_text, resolve
+from hgraph.tools.report.plots import read_metrics, summarize, write_plots
+from hgraph.tools.report.run_record import write_run_record
 
 # The built-in default run: sized so that it finishes in a few minutes with 4 processes on 2 CPU
 # cores (about DEFAULT_TOKENS_PER_ITER tokens per step, a long-tail mix of short and long documents).
@@ -58,7 +70,6 @@ BUILTIN_SEED = 0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from hgraph.tools.cli.train_schema import add_arguments, help_text
     p = subparsers.add_parser("train", help="train with the planner's strategy every iteration (no arguments: "
                               "the built-in default run)", description=__doc__, epilog=help_text(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,8 +79,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace):
     """A ``TrainConfig`` from the parsed options and ``--config`` (bad values: one-line HGraphError)."""
-    from hgraph.tools.cli.train_schema import BY_DEST, resolve
-    from hgraph.runtime.train.trainer import TrainConfig, parse_schedule
     cfg = resolve(args)
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
@@ -84,7 +93,6 @@ def config_from_args(args: argparse.Namespace):
         raise HGraphError(f"{where} = {cfg.max_candidates}: applies to the proposed candidates of "
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
-        from hgraph.runtime.planner.service.iteration import parse_candidates
         parse_candidates(strategies, cfg.world_size)
     return TrainConfig(model=cfg.model, world_size=cfg.world_size,
                        schedule=schedule.split(";") if schedule is not None else (),
@@ -137,9 +145,6 @@ def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter:
     """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
     of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
     average ~62 tokens); ``scale``: the length scale (default the generator's)."""
-    from hgraph.runtime.data.builtin import synthetic_documents
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
-
     cfg = getattr(build_model(TrainConfig(model=model, world_size=1, schedule=(), steps=1, tokens_per_iter=1,
                                           model_args=model_args)), "config", None)
     vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
@@ -162,7 +167,6 @@ def default_run_dir() -> Path:
 
 
 def _print_summary(records: list, run_dir: Path, plots) -> None:
-    from hgraph.tools.report.plots import summarize
     s = summarize(records)
     used = ", ".join(f"{k} x{v}" for k, v in s.strategies.items())
     print(f"summary: {s.steps} steps, {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s; "
@@ -191,10 +195,6 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.runtime.data.documents import read_jsonl
-    from hgraph.runtime.train.launch import SpawnError
-    from hgraph.runtime.train.trainer import run_training
-
     config, cfg = config_from_args(args)
     planned = config.strategies is not None
     point = _resume_point(config, quiet=cfg.json)
@@ -212,11 +212,9 @@ def run(args: argparse.Namespace) -> int:
         config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
                                         cfg.builtin_docs or saved_n, cfg.builtin_scale)
     config.log_steps = planned and not cfg.json
-    from hgraph.tools.cli.progress import Progress, resolve_mode
     # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
     config.progress = functools.partial(Progress, enabled=config.log_steps and resolve_mode(cfg.progress))
     if run_dir is not None:
-        from hgraph.tools.report.run_record import write_run_record
         write_run_record(run_dir, config)
     if config.log_steps:
         source = cfg.data or "built-in long-tail documents"
@@ -228,7 +226,6 @@ def run(args: argparse.Namespace) -> int:
     except SpawnError as exc:
         hint = ""
         if config.checkpoint_dir is not None:
-            from hgraph.runtime.checkpoint.shards import latest
             last = latest(config.checkpoint_dir)
             hint = f"; --resume continues from {last}" if last is not None else ""
         sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
@@ -238,7 +235,6 @@ def run(args: argparse.Namespace) -> int:
     steps = result["steps"]
     plots = None
     if run_dir is not None and config.metrics is not None and cfg.plots:
-        from hgraph.tools.report.plots import read_metrics, write_plots
         records = read_metrics(config.metrics)
         plots = write_plots(records, run_dir)
     if cfg.json:
@@ -271,14 +267,12 @@ def _resume_point(config, quiet: bool):
     ranks then all load it); its warnings go to stderr. None for a fresh run."""
     if not config.resume:
         return None
-    from hgraph.runtime.checkpoint.run import find_resume_point
     point = find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback)
     for w in point.warnings:
         sys.stderr.write(f"hgraph train: warning: {w}\n")
     if point.step >= config.steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{config.steps}: nothing left to train (--steps is the run's total)")
-    from hgraph.runtime.data.outlier_delay import check_resume_queues
     check_resume_queues(point.manifest.get("delay_queues", {}), config.outlier_queues, point.folder)
     config.resume_from = str(point.folder)
     if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks

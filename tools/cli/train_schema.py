@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import textwrap
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -442,7 +443,6 @@ def _toml_value(key: ConfigKey) -> str:
 def help_text(width: int = 100) -> str:
     """The table as text for ``hgraph train --help``: per section, each key with its type, default,
     allowed values, flag and help."""
-    import textwrap
     lines = ["Configuration file (--config RUN.toml): the sections and keys below; each key is also the",
              "flag of the same name, and a flag given on the command line overrides the file.", ""]
     for section in SECTIONS:

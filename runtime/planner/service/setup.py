@@ -4,8 +4,17 @@ process). See ``hgraph.runtime.planner.service.plan_ahead`` for the process and 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from hgraph.runtime.checkpoint.run import resumed_planner
+from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.planner.cost.calibration import calibration_phases
+from hgraph.runtime.planner.cost.runtime_memory import max_len_table
+from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model
+from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
 
 
 @contextlib.contextmanager
@@ -15,7 +24,6 @@ def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
     if not owner or config.strategies is None or config.plan_ahead < 1:
         yield None
         return
-    from hgraph.runtime.planner.service.plan_ahead import PlannerProcess
     with PlannerProcess(config.plan_ahead) as proc:
         yield proc.channel
 
@@ -23,18 +31,11 @@ def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
 def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     """The trainer's ``IterationPlanner`` (collective on every rank); on rank 0 with a ``channel``,
     the planner process gets the run's mini-batches to plan ahead."""
-    from hgraph.runtime.data.outlier_delay import run_mini_batches
-    from hgraph.runtime.planner.service.iteration import IterationPlanner
-    from hgraph.runtime.planner.cost.runtime_memory import max_len_table
-    from hgraph.runtime.checkpoint.run import resumed_planner
-
     cfg, rank = trainer.config, trainer.rank
     counts = trainer.compiled.hgraph.slot_counts()
     kept = resumed_planner(trainer.resumed, cfg, rank, trainer.world_size)
     phases = int(kept is None and cfg.strategies.strip() == "auto")
     if cfg.profile == "measure" and kept is None:
-        from hgraph.runtime.planner.service.iteration import model_cost_model
-        from hgraph.runtime.planner.cost.calibration import calibration_phases
         try:
             phases += calibration_phases(model_cost_model("measure", trainer.model, trainer.world_size,
                                                           cfg.gpus_per_node), trainer.world_size)
@@ -65,12 +66,9 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
                  else "; plans inline"), flush=True)
     if rank == 0 and cfg.profile == "measure" and cfg.metrics:
         # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
-        import json
-        from pathlib import Path
         path = Path(cfg.metrics).parent / "profile.json"
         path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
     if channel is not None and rank == 0:
-        from hgraph.runtime.planner.service.plan_ahead import PlanConsumer
         # a resumed run plans only the steps it has left
         start = trainer.resumed
         planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(
