@@ -1,13 +1,15 @@
 """The training loop: data -> mini-batches -> a strategy per step -> dispatch + pack -> executor step.
 
-Deterministic mode (``schedule``, ``hgraph train --strategy-schedule``): step ``k`` uses strategy
-``schedule[k % len(schedule)]``; the model is built right after ``torch.manual_seed(seed)`` on every
-rank, so every rank starts from the same parameters; mini-batches take whole documents in file order
-up to ``tokens_per_iter``.
+The run's configuration is a ``hgraph.runtime.train.config.TrainConfig``.
 
-Planner-driven mode (``strategies`` set: ``auto`` or ``"S1;S2"``): every iteration the planner
-(``hgraph.runtime.planner.service.iteration``) picks the strategy and the documents' pipelines and
-micro-batches with the cost model of ``profile``; rank 0 plans and broadcasts the plan, and the
+Deterministic mode (``planner.strategy_schedule`` ``"S1;S2;..."``, ``hgraph train
+--strategy-schedule``): step ``k`` uses strategy ``S_(k mod n)``; the model is built right after
+``torch.manual_seed(seed)`` on every rank, so every rank starts from the same parameters;
+mini-batches take whole documents in file order up to ``tokens_per_iter``.
+
+Planner-driven mode (no schedule; candidates ``planner.strategies``: ``auto`` or ``"S1;S2"``): every
+iteration the planner (``hgraph.runtime.planner.service.iteration``) picks the strategy and the
+documents' pipelines and micro-batches with the cost model of ``profile``; rank 0 plans and broadcasts the plan, and the
 executor runs exactly it. The metrics line then also has the estimate, per-pipeline estimated and
 measured latency, per-rank busy time, planner wait, switch time and cache hit.
 
@@ -55,57 +57,9 @@ from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
-from hgraph.runtime.train.progress import PrintedLines, ProgressBar, ProgressFactory, progress_bar
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.strategy import Cluster, Strategy, parse_strategy_list
-
-
-@dataclass
-class TrainConfig:
-    """Everything one run needs (the ``hgraph train`` options). ``docs`` may replace ``data``."""
-
-    model: str
-    world_size: int
-    schedule: Sequence[str]
-    steps: int
-    tokens_per_iter: int
-    data: Optional[str] = None
-    docs: Optional[Sequence[Sequence[int]]] = None
-    model_args: dict = field(default_factory=dict)
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: Optional[float] = None      # None: the optimizer's default (0 Adam, 1e-2 AdamW)
-    grad_clip: Optional[float] = None
-    seed: int = 0
-    dtype: str = "fp32"
-    microbatch_tokens: Optional[int] = None
-    skip_nonfinite: bool = False
-    save_final: Optional[str] = None
-    metrics: Optional[str] = None
-    gpus_per_node: int = 8
-    strategies: Optional[str] = None          # planner-driven: "auto" or "S1;S2" (replaces schedule)
-    profile: str = "analytic"                 # cost model of the planner: analytic | NAME | FILE
-    log_steps: bool = False                   # rank 0 prints ``format_step_line`` after each step
-    log_every: int = 1                        # ... every this many steps (and the last)
-    method: str = "fast"                      # the planner's dispatch method (fast | greedy | cpsat)
-    time_limit: float = 10.0                  # seconds per CP-SAT solve (method cpsat)
-    max_candidates: Optional[int] = None      # most candidates of --strategies auto (None: the proposal's set)
-    backend: str = "auto"                     # auto: NCCL with a GPU per local process, else gloo
-    checkpoint_dir: Optional[str] = None      # checkpoints (hgraph.runtime.checkpoint.run)
-    checkpoint_every: Optional[int] = None    # None: only after the last step
-    keep_checkpoints: Optional[int] = None
-    resume: bool = False                      # continue from the newest checkpoint in checkpoint_dir
-    resume_fallback: bool = False             # ... or the previous one when the newest is broken
-    resume_from: Optional[str] = None         # the step folder a launcher resolved (all ranks use it)
-    plan_ahead: int = 2                       # plans computed ahead in the planner process (0: inline)
-    progress: Optional[ProgressFactory] = None  # rank 0's progress bars (runtime.train.progress)
-    memory_budget: Optional[float] = None     # activation bytes per rank: dynamic recomputation (DCP-intra)
-    device_memory: Any = None                 # bytes per rank bounding MaxLen, "auto" (sized from the model) or None
-    cp_sharding: str = "adaptive"             # CP split of a micro-batch: adaptive | per-document | per-sequence
-    balance: str = "none"                     # "dcp-inter": per-batch SP size + accumulation balancing
-    track_memory: bool = False                # peak activation bytes per rank in the metrics (on with a budget)
-    outlier_queues: int = 0                   # WLB outlier-delay queues of the data stream (0: no delay)
 
 
 @dataclass
@@ -182,20 +136,22 @@ class GraphCache:
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
     """The model, built right after ``torch.manual_seed(seed)`` (the same on every rank)."""
-    spec = config.model if ":" in config.model else f"llama:{config.model}"
-    torch.manual_seed(config.seed)
-    return resolve_model_spec(spec, config.model_args)
+    model = config.model
+    spec = model.model if ":" in model.model else f"llama:{model.model}"
+    torch.manual_seed(model.seed)
+    return resolve_model_spec(spec, model.model_args)
 
 
 def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int) -> Any:
-    if config.optimizer not in ("adam", "adamw"):
-        raise HGraphError(f"--optimizer {config.optimizer!r}: allowed are adam, adamw")
-    cls = ShardedAdam if config.optimizer == "adam" else ShardedAdamW
+    opt = config.optimizer
+    if opt.optimizer not in ("adam", "adamw"):
+        raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
+    cls = ShardedAdam if opt.optimizer == "adam" else ShardedAdamW
     full = dict(compiled._orig_mod.named_parameters())
     named = [(n, full[n]) for n in compiled.hgraph.params]
-    kwargs = {} if config.weight_decay is None else {"weight_decay": config.weight_decay}
-    return cls(named, shard_dims_of(compiled), rank, world_size, lr=config.lr, betas=tuple(config.betas),
-               eps=config.eps, max_grad_norm=config.grad_clip, **kwargs)
+    kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
+    return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+               max_grad_norm=opt.grad_clip, **kwargs)
 
 
 class Trainer:
@@ -203,15 +159,15 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
                  planner_channel: Any = None) -> None:
-        if world_size != config.world_size:
-            raise HGraphError(f"the run has {world_size} processes but --world-size is {config.world_size}")
-        if config.steps < 1:
-            raise HGraphError(f"--steps must be >= 1, got {config.steps}")
+        if world_size != config.cluster.world_size:
+            raise HGraphError(f"the run has {world_size} processes but --world-size is "
+                              f"{config.cluster.world_size}")
+        if config.data.steps < 1:
+            raise HGraphError(f"--steps must be >= 1, got {config.data.steps}")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.planner = None
-        if config.strategies is None:
-            self.schedule = parse_schedule(";".join(config.schedule), world_size) \
-                if not isinstance(config.schedule, str) else parse_schedule(config.schedule, world_size)
+        if not config.planner_driven:
+            self.schedule = parse_schedule(config.planner.strategy_schedule, world_size)
         self.model = build_model(config)
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
@@ -221,11 +177,11 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
         self.model.to(self.device)
-        self.compiled = hgraph.compile(self.model, dtype=config.dtype)
-        if config.strategies is not None:
+        self.compiled = hgraph.compile(self.model, dtype=config.model.dtype)
+        if config.planner_driven:
             self.planner = start_planner(self, groups, planner_channel)
             self.schedule = list(self.planner.candidates)
-        self.cluster = Cluster(world_size, config.gpus_per_node)
+        self.cluster = Cluster(world_size, config.cluster.gpus_per_node)
         self.cache = GraphCache(self.compiled, self.cluster)
         if self.planner is None:
             for s in dict.fromkeys(self.schedule):    # bad strategies fail before any step
@@ -239,30 +195,30 @@ class Trainer:
         self.balance_info: dict[int, dict] = {}  # --balance dcp-inter: per step, its figures
         self.dcp_cost = self._dcp_inter_cost()
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
-                                 device=self.device, skip_nonfinite=config.skip_nonfinite,
-                                 memory_budget=config.memory_budget, cp_sharding=config.cp_sharding,
-                                 track_memory=config.track_memory)
+                                 device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
+                                 memory_budget=config.planner.memory_budget,
+                                 cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory)
 
     def _dcp_inter_cost(self) -> Any:
         """DCP-inter mode (``runtime.dcp_balance``): checks the run and returns the cost model."""
         cfg = self.config
-        if cfg.balance not in BALANCE_MODES:
-            raise HGraphError(f"--balance {cfg.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
-        if cfg.balance != DCP_INTER:
+        if cfg.planner.balance not in BALANCE_MODES:
+            raise HGraphError(f"--balance {cfg.planner.balance!r}: expected one of {', '.join(BALANCE_MODES)}")
+        if cfg.planner.balance != DCP_INTER:
             return None
         homogeneous = (self.planner is None and len(set(self.schedule)) == 1
                        and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in self.schedule[0].pipelines))
         if not homogeneous:
             raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
                               f"--strategy-schedule {self.world_size}xTP1PP1 (the SP size is chosen per batch)")
-        cost = model_cost_model(cfg.profile, self.model, self.world_size, cfg.gpus_per_node)
-        cost.activation_budget_bytes = cfg.memory_budget
+        cost = model_cost_model(cfg.planner.profile, self.model, self.world_size, cfg.cluster.gpus_per_node)
+        cost.activation_budget_bytes = cfg.planner.memory_budget
         return cost
 
     def dcp_inter_step(self, batch: MiniBatch) -> StepResult:
         """One step of DCP-inter: per-batch SP size, micro-batches balanced over the replicas."""
         cfg = self.config
-        rank_tokens = cfg.microbatch_tokens or math.ceil(cfg.tokens_per_iter / self.world_size)
+        rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / self.world_size)
         planned = dcp_inter_step(batch.docs, self.world_size, rank_tokens, self.dcp_cost.microbatch_time)
         self.balance_info[batch.step] = planned.metrics()
         program = self.cache.get(planned.strategy)
@@ -272,7 +228,7 @@ class Trainer:
 
     def progress_bar(self, total: int, label: str, *, plain: bool = False) -> ProgressBar:
         """A bar of this rank from the config's factory (``runtime.train.progress``)."""
-        return progress_bar(self.config.progress, total, label, rank=self.rank, plain=plain)
+        return progress_bar(self.config.progress_bars, total, label, rank=self.rank, plain=plain)
 
     def documents(self) -> list[Document]:
         cfg = self.config
@@ -281,11 +237,12 @@ class Trainer:
             docs = [Document(i, tuple(int(t) for t in d)) for i, d in enumerate(cfg.docs)]
             if not docs or any(len(d) == 0 for d in docs):
                 raise HGraphError("documents must be non-empty lists of token ids")
-        elif cfg.data is not None:
-            docs = read_jsonl(cfg.data, vocab)
+        elif cfg.data.data is not None:
+            docs = read_jsonl(cfg.data.data, vocab)
         else:
             raise HGraphError("no training data: give --data FILE.jsonl")
-        check_lengths(docs, cfg.tokens_per_iter, getattr(getattr(self.model, "config", None), "max_seq_len", None))
+        check_lengths(docs, cfg.data.tokens_per_iter,
+                      getattr(getattr(self.model, "config", None), "max_seq_len", None))
         return docs
 
     def run(self) -> TrainSummary:
@@ -293,22 +250,24 @@ class Trainer:
         results: list[StepResult] = []
         start_step = self.resumed.step if self.resumed is not None else 0
         start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
-        checkpoints = RunCheckpoints(Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else None,
-                                     cfg.checkpoint_every, cfg.steps, cfg.keep_checkpoints)
+        ckpts = cfg.checkpointing
+        checkpoints = RunCheckpoints(Path(ckpts.checkpoint_dir) if ckpts.checkpoint_dir else None,
+                                     ckpts.checkpoint_every, cfg.data.steps, ckpts.keep_checkpoints)
         metrics = None
-        if cfg.metrics and self.rank == 0:
+        if cfg.logging.metrics and self.rank == 0:
             if self.resumed is not None:
-                rewrite_metrics_before(Path(cfg.metrics), start_step)
-            metrics = open(cfg.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
+                rewrite_metrics_before(Path(cfg.logging.metrics), start_step)
+            metrics = open(cfg.logging.metrics, "a" if self.resumed is not None else "w", encoding="utf-8")
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
-        bar = self.progress_bar(cfg.steps, "training") if cfg.log_steps else PrintedLines()
+        bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
             for batch, delay_state in run_mini_batches(self.docs, cfg, self.world_size, self.resumed):
                 now = batch.step
                 result = self.step(batch)
                 results.append(result)
-                memory_line = self._memory_per_rank(result) if cfg.metrics and self.executor.track_memory else {}
+                memory_line = (self._memory_per_rank(result) if cfg.logging.metrics and self.executor.track_memory
+                               else {})
                 if metrics is not None:
                     line = _metrics_line(result, self.cache)
                     line.update(self.planned.get(batch.step, {}))
@@ -327,11 +286,11 @@ class Trainer:
                     metrics.write(json.dumps(line) + "\n")
                     metrics.flush()
                 if cfg.log_steps and self.rank == 0:
-                    if batch.step % cfg.log_every == 0 or batch.step + 1 == cfg.steps:
+                    if batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps:
                         bar.write(format_step_line(result, self.planned.get(batch.step)))
                     bar.update(1, f"step {batch.step}")
                 if checkpoints.due(batch.step + 1):
-                    pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.tokens_per_iter,
+                    pos = data_position(batch.step + 1, batch.next_position, self.docs, cfg.data.tokens_per_iter,
                                         self.fingerprint)
                     saved = checkpoints.save(batch.step + 1, self.optimizer, rank=self.rank,
                                              world_size=self.world_size, data_position=pos,
@@ -359,10 +318,10 @@ class Trainer:
             if self.executor.heartbeat is not None:
                 self.executor.heartbeat.stop()
                 self.executor.heartbeat = None
-        final = self.final_state_dict() if cfg.save_final else None
+        final = self.final_state_dict() if cfg.checkpointing.save_final else None
         if final is not None and self.rank == 0:
-            Path(cfg.save_final).parent.mkdir(parents=True, exist_ok=True)
-            torch.save(final, cfg.save_final)
+            Path(cfg.checkpointing.save_final).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(final, cfg.checkpointing.save_final)
         planned = [self.planned[r.step] for r in results if r.step in self.planned]
         resumed = None if self.resumed is None else {
             "path": str(self.resumed.path), "step": self.resumed.step,
@@ -378,11 +337,12 @@ class Trainer:
             return self.dcp_inter_step(batch)
         strategy = self.schedule[batch.step % len(self.schedule)]
         program = self.cache.get(strategy)
-        plan = dispatch_and_pack(strategy, batch.docs, self.config.microbatch_tokens)
+        plan = dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens)
         mbs = [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
-        again = batch.step + 1 < self.config.steps and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy
+        again = (batch.step + 1 < self.config.data.steps
+                 and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy)
         return self.executor.step(program, mbs, batch.num_targets, batch.step, prefetch=again)
 
     def planned_step(self, batch: MiniBatch) -> StepResult:
@@ -413,7 +373,7 @@ class Trainer:
                                  self.world_size, self.device)
         return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
                 "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
-                "memory_budget": self.config.memory_budget, "recompute_layers": r.recompute_layers}
+                "memory_budget": self.config.planner.memory_budget, "recompute_layers": r.recompute_layers}
 
     def final_state_dict(self) -> dict:
         """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""
@@ -463,20 +423,23 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     ``torchrun`` this process's own result (its ``"rank"`` says which).
 
     Under ``torchrun`` (``RANK`` set) this process is one rank of the run; otherwise
-    ``config.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
+    ``config.cluster.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
     a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
-    if config.resume and config.resume_from is None and config.checkpoint_dir is not None:
+    ckpts, cluster = config.checkpointing, config.cluster
+    if ckpts.resume and config.resume_from is None and ckpts.checkpoint_dir is not None:
         # resolved once, before any process starts: every rank loads the same checkpoint
-        config.resume_from = str(find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder)
+        point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
+        config = config.with_values(resume_from=str(point.folder))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank, world = init_from_env(None if config.backend == "auto" else config.backend, timeout_s=timeout_s)
+        rank, world = init_from_env(None if cluster.backend == "auto" else cluster.backend, timeout_s=timeout_s)
         with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
             results = [train_worker(rank, world, config, channel)]
     else:
-        total = 120.0 + timeout_s * (config.steps + 1)
+        total = 120.0 + timeout_s * (config.data.steps + 1)
         with planner_process(config, True) as channel:           # the launcher owns the planner
-            results = spawn(train_worker, config.world_size, backend=local_backend(config.backend, config.world_size),
+            results = spawn(train_worker, cluster.world_size,
+                            backend=local_backend(cluster.backend, cluster.world_size),
                             args=(config, channel), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:

@@ -94,7 +94,8 @@ def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
     from hgraph.runtime.engine.executor import Executor
     from hgraph.runtime.comm.process_groups import GroupCache
     from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-    cfg = TrainConfig(model=model_name, world_size=world, schedule=[strategy], steps=1, tokens_per_iter=1)
+    cfg = TrainConfig.from_values(model=model_name, world_size=world, strategy_schedule=strategy, steps=1,
+                                  tokens_per_iter=1)
     model = build_model(cfg)
     compiled = hgraph.compile(model)
     opt = make_optimizer(cfg, compiled, rank, world)
@@ -114,8 +115,7 @@ def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
         prog = compiled.instantiate("1xTP1PP1")
         mb = [[MicroBatch.pack(docs)]]
         targets = sum(len(d) - 1 for d in docs)
-        model = build_model(TrainConfig(model=model_name, world_size=1, schedule=["1xTP1PP1"], steps=1,
-                                        tokens_per_iter=1))
+        model = build_model(TrainConfig.from_values(model=model_name, world_size=1))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         t = _paired_times(lambda: ex.step(prog, mb, targets), lambda: _eager_step(model, opt, docs), steps)
     finally:
@@ -162,8 +162,7 @@ def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[
     mbs = [[MicroBatch.pack(s)] for s in share]
     prog = cache.get(Strategy.parse("4xTP1PP1"))
 
-    model = build_model(TrainConfig(model=model_name, world_size=world, schedule=["4xTP1PP1"], steps=1,
-                                    tokens_per_iter=1))
+    model = build_model(TrainConfig.from_values(model=model_name, world_size=world))
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
 
@@ -204,8 +203,7 @@ def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict
     import hgraph
     from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
     from hgraph.runtime.train.trainer import TrainConfig, build_model
-    compiled = hgraph.compile(build_model(TrainConfig(model=model_name, world_size=world, schedule=strategies,
-                                                      steps=1, tokens_per_iter=1)))
+    compiled = hgraph.compile(build_model(TrainConfig.from_values(model=model_name, world_size=world)))
     rows = []
     for text in strategies:
         prog = compiled.instantiate(text, world_size=world)

@@ -14,6 +14,9 @@ CLI prints it and exits with code 2).
 ``add_arguments(parser)`` declares every flag with an absent default, so ``resolve`` can tell the
 flags that were given from those that were not; ``help_text()`` renders the table for ``--help``;
 ``dump_toml`` writes a resolved configuration back as a file that loads to the same values.
+
+``hgraph train`` builds its run's ``hgraph.runtime.train.config.TrainConfig`` from the resolved
+values: the config has a frozen dataclass per section, with these keys and defaults.
 """
 from __future__ import annotations
 

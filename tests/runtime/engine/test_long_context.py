@@ -71,8 +71,8 @@ def _count_attention(rank, world, groups, lengths, method):
 
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
-    cfg = EQ._config("tiny", "1xTP1PP1CP4", world, {}, {"cp_sharding": method})
-    cfg.docs, cfg.tokens_per_iter, cfg.microbatch_tokens = docs, sum(lengths), sum(lengths)
+    cfg = EQ._config("tiny", "1xTP1PP1CP4", world, {}, {"cp_sharding": method}).with_values(
+        docs=docs, tokens_per_iter=sum(lengths), microbatch_tokens=sum(lengths))
     trainer = Trainer(cfg, rank, world, groups)
     batch = next(iter(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], sum(lengths), 1)))
     cpa.cp_attention = counting
