@@ -24,7 +24,7 @@ right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of 
 ``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
 wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.data.outlier_delay``);
 in deterministic mode documents are dispatched and packed by the runtime's built-in rule
-(``hgraph.runtime.train.trainer.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
+(``hgraph.runtime.train.step_modes.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
 decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
 
@@ -55,7 +55,8 @@ from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import build_model, parse_schedule, run_training
+from hgraph.runtime.train.step_modes import parse_schedule
+from hgraph.runtime.train.trainer import build_model, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots

@@ -25,7 +25,8 @@ from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import Trainer, dispatch_and_pack
+from hgraph.runtime.train.step_modes import dispatch_and_pack
+from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
