@@ -17,14 +17,14 @@ strategy-independent optimizer shards, RNG states, data position and planner sta
 (``hgraph.runtime.checkpoint.run``); ``resume`` continues from one, on any world size, at the saved
 data position, up to ``steps`` in all.
 
-``GraphCache`` keeps one Program per strategy (and, in the executor, the rank's working tensors and
-process groups), counting hits, misses and the host time of a switch. ``train_worker`` runs one rank;
+The run's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``, shared with the executor) keeps
+per strategy the Program and this rank's state for it (working tensors, process groups), counting
+hits, misses and the host time of a switch. ``train_worker`` runs one rank;
 ``run_training`` a whole run (local processes, or this process as a ``torchrun`` rank).
 """
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -42,6 +42,7 @@ from hgraph.runtime.data.documents import Document, MiniBatch, check_lengths, re
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
+from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.heartbeat import Heartbeat
@@ -50,12 +51,12 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
-from hgraph.strategy import Cluster, Strategy
+from hgraph.strategy import Cluster
 
 
 @dataclass
 class TrainSummary:
-    """What a rank returns: per-step results, graph cache figures, the final parameters if asked."""
+    """What a rank returns: per-step results, program cache figures, the final parameters if asked."""
 
     steps: list
     cache: dict
@@ -64,35 +65,6 @@ class TrainSummary:
     checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
-
-
-class GraphCache:
-    """One Program per strategy, with hits, misses and the host time of each switch."""
-
-    def __init__(self, compiled: Any, cluster: Cluster) -> None:
-        self.compiled, self.cluster = compiled, cluster
-        self.hits = self.misses = 0
-        self.switch_s: list[float] = []
-        self.compile_s: list[float] = []
-        self._programs: dict[Strategy, Any] = {}
-
-    def get(self, strategy: Strategy) -> Any:
-        t0 = time.perf_counter()
-        prog = self._programs.get(strategy)
-        if prog is None:
-            self.misses += 1
-            prog = self.compiled.instantiate(strategy, self.cluster)
-            self._programs[strategy] = prog
-            self.compile_s.append(time.perf_counter() - t0)
-        else:
-            self.hits += 1
-            self.switch_s.append(time.perf_counter() - t0)
-        return prog
-
-    def info(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "programs": len(self._programs),
-                "max_hit_switch_ms": 1e3 * max(self.switch_s, default=0.0),
-                "compile_s": sum(self.compile_s)}
 
 
 def build_model(config: TrainConfig) -> torch.nn.Module:
@@ -138,7 +110,7 @@ class Trainer:
         self.model.to(self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.model.dtype)
         planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
-        self.cache = GraphCache(self.compiled, Cluster(world_size, config.cluster.gpus_per_node))
+        self.cache = ProgramCache(self.compiled, Cluster(world_size, config.cluster.gpus_per_node))
         if planner is None:
             for s in dict.fromkeys(schedule):    # bad strategies fail before any step
                 self.cache.get(s)
@@ -151,7 +123,8 @@ class Trainer:
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=config.planner.memory_budget,
-                                 cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory)
+                                 cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
+                                 programs=self.cache)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.cache, self.executor, config)

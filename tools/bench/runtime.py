@@ -31,7 +31,7 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
    and the all-gathers run as all-to-alls (faster there, see ``runtime.grad_buckets`` and
    ``runtime.param_gather``), which move the same bytes.
-4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
+4. **Switch**: host time of ``ProgramCache.get`` + ``Executor.state_for`` when the strategy was seen
    before (every step's pull is not included).
 """
 from __future__ import annotations
@@ -153,10 +153,11 @@ def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from hgraph.runtime.engine.executor import MicroBatch
-    from hgraph.runtime.train.trainer import GraphCache, TrainConfig, build_model
+    from hgraph.runtime.engine.program_cache import ProgramCache
+    from hgraph.runtime.train.trainer import TrainConfig, build_model
     from hgraph.strategy import Cluster, Strategy
     compiled, ex = _setup(model_name, "4xTP1PP1", rank, world)
-    cache = GraphCache(compiled, Cluster(world, 8))
+    cache = ProgramCache(compiled, Cluster(world, 8))
     share = [docs[i::world] for i in range(world)]
     targets = sum(len(d) - 1 for d in docs)
     mbs = [[MicroBatch.pack(s)] for s in share]
