@@ -46,7 +46,9 @@ class CompiledModule(nn.Module):
     """A module traced into an HGraph; runs ``forward`` like the original and instantiates programs.
 
     ``.hgraph``: the strategy-agnostic graph with empty slots; ``.frontend``: ``"fx"`` or ``"export"``.
-    ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster).
+    ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster) for
+    interactive use and ``dump``; ``.build_program(strategy, cluster)``: a new Program on every call (a
+    training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``).
     ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
     """
 
@@ -94,10 +96,13 @@ class CompiledModule(nn.Module):
             self.cache_hits += 1
             return prog
         self.cache_misses += 1
-        from hgraph.passes.instantiate import instantiate
-        prog = instantiate(self._hgraph, strategy, cluster, self.options, self.symbolic_shapes())
-        self._programs[key] = prog
+        prog = self._programs[key] = self.build_program(strategy, cluster)
         return prog
+
+    def build_program(self, strategy: Union[Strategy, str], cluster: Cluster) -> Program:
+        """A new Program of ``strategy`` on ``cluster``: the instantiation passes run on every call."""
+        from hgraph.passes.instantiate import instantiate
+        return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes())
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:

@@ -246,3 +246,13 @@ def make_config(name_or_config: Union[str, LlamaConfig], **overrides: Any) -> Ll
             changes = {**changes, "num_kv_heads": None}
         config = dataclasses.replace(config, **changes)
     return config
+
+
+def tp_shard_config(cfg: LlamaConfig, layers: int, tp: int) -> LlamaConfig:
+    """The LlamaConfig of one TP rank's shard with ``layers`` layers: heads, KV heads, MLP width and
+    vocabulary divided by ``tp`` (the head size and the hidden size stay). The runtime builds such
+    shards to measure one rank's time and activation bytes."""
+    return dataclasses.replace(cfg, num_layers=layers, num_heads=cfg.num_heads // tp,
+                               num_kv_heads=max(cfg.num_kv_heads // tp, 1), head_dim=cfg.head_dim,
+                               intermediate_size=-(-cfg.intermediate_size // tp),
+                               vocab_size=-(-cfg.vocab_size // tp))

@@ -27,6 +27,7 @@ steps N.. up to ``--steps`` (the run's total).
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,9 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
+from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
+from hgraph.runtime.train.config import TrainConfig
 
 NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
                    "note": "mini-batches are packed without outlier delay: no document is held back"}
@@ -187,7 +191,6 @@ def check_resume(point_step: int, folder: Path, run: dict, position: dict, *, mo
 def rewrite_metrics_before(path: Path, step: int) -> None:
     """Keep only the metrics lines of steps before ``step`` (a resumed run rewrites the rest, so a
     step trained after the last checkpoint by a run that then died is not counted twice)."""
-    import json
     if not path.exists():
         return
     kept = []
@@ -204,17 +207,18 @@ def rewrite_metrics_before(path: Path, step: int) -> None:
 
 
 # ---- the trainer's resume --------------------------------------------------------------------------
-def load_resume(config: Any, rank: int, world_size: int, fingerprint: str) -> Any:
+def load_resume(config: TrainConfig, rank: int, world_size: int, fingerprint: str) -> Any:
     """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
     world size changed), or None for a fresh run; checks that it fits the run (``check_resume``)."""
-    if not config.resume:
+    ckpts = config.checkpointing
+    if not ckpts.resume:
         return None
-    if config.checkpoint_dir is None:
+    if ckpts.checkpoint_dir is None:
         raise HGraphError("--resume needs --checkpoint-dir DIR")
-    folder = config.resume_from or find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback).folder
+    folder = config.resume_from or find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback).folder
     loaded = ckpt.load(folder, rank, world_size)
-    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model,
-                 model_args=dict(config.model_args), fingerprint=fingerprint, total_steps=config.steps)
+    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model.model,
+                 model_args=dict(config.model.model_args), fingerprint=fingerprint, total_steps=config.data.steps)
     return loaded
 
 
@@ -231,25 +235,24 @@ def restore_state(loaded: Any, optimizer: Any) -> None:
         ckpt.restore_rng(loaded.rng)
 
 
-def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any:
+def resumed_planner(loaded: Any, config: TrainConfig, rank: int, world_size: int) -> Any:
     """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
     measurement, so it plans as the interrupted run would have), when they were made for this world
-    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner)."""
+    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
+    ``config``'s keys are read by name (``config.profile``), as ``planner_state`` does."""
     state = loaded.planner_state if loaded is not None else {}
     if (state.get("mode") != "planner" or state.get("world_size") != world_size
             or state.get("strategies") != config.strategies or state.get("profile") != config.profile
             or state.get("max_candidates") != config.max_candidates
             or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
         return None
-    from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
-    from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
     (name, entry), = state["cost_profile"].items()
     cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
     return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
                             source=state.get("source", "checkpoint"), method=config.method)
 
 
-def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
+def planner_state(config: TrainConfig, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
     """What a resume needs of the strategy choice: the schedule, or the planner's candidates."""
     if planner is None:
         return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
@@ -259,8 +262,8 @@ def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size
             "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
 
 
-def run_state(config: Any, world_size: int) -> dict:
+def run_state(config: TrainConfig, world_size: int) -> dict:
     """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)."""
-    return {"model": config.model, "model_args": dict(config.model_args), "seed": config.seed,
-            "dtype": config.dtype, "optimizer": config.optimizer, "world_size": world_size,
-            "steps": config.steps}
+    model = config.model
+    return {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
+            "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps}

@@ -30,9 +30,11 @@ DDP needs one; this keeps it at two (the loss costs none) and does the rest on t
 are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes ``2(N - 1)`` steps in
 sequence (``grad_buckets``, ``param_gather``).
 
-Per Program the executor keeps a ``RankState`` (working tensors installed in the rank's graph,
-process groups created, the ``ParamSync``): switching back to a strategy seen before costs a dict
-lookup, and no optimizer state moves (its layout does not depend on the strategy).
+Per Program the executor builds a ``RankState`` (working tensors installed in the rank's graph,
+process groups created, the ``ParamSync``) on its first step and keeps it in the run's
+``ProgramCache`` (``hgraph.runtime.engine.program_cache``) with the Program: switching back to a
+strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
+on the strategy).
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_tar
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
                                                  per_document_plan, per_sequence_plan)
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.strategy import Cluster
 from hgraph.varlen_attention import cu_seqlens_for
 
 
@@ -163,13 +167,14 @@ class Executor:
     """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
 
     ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
-    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``.
+    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``programs``: the run's
+    ``ProgramCache``, where the rank's state of each Program is kept (default: one of its own).
     """
 
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
-                 cp_sharding: str = ADAPTIVE) -> None:
+                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -183,15 +188,15 @@ class Executor:
             raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
         self.cp_sharding = cp_sharding
         self.working_dtype = compiled.options.working_dtype or torch.float32
-        self._states: dict[Any, RankState] = {}
+        self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
         self._last_program: Any = None
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
 
-    # ---- per-program state (the graph cache of this rank) -----------------------------------------
+    # ---- per-program state (kept in the program cache) --------------------------------------------
     def state_for(self, program: Any) -> RankState:
         """This rank's state for ``program``, built (collectively: every rank calls it) on first use."""
-        state = self._states.get(id(program))
-        if state is not None and state.program is program:
+        state = self.programs.state(program)
+        if state is not None:
             return state
         if program.cluster.world_size != self.world_size:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
@@ -230,8 +235,13 @@ class Executor:
         if self.track_memory:
             from hgraph.runtime.engine.recompute import attach_stage_memory
             attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
-        self._states[id(program)] = state
+        self.programs.keep_state(program, state)
         return state
+
+    @property
+    def _states(self) -> dict[Any, RankState]:
+        """This rank's states built so far, per strategy (a view of the program cache)."""
+        return self.programs.states()
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
@@ -391,9 +401,6 @@ class Executor:
         value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
-
-    def cache_info(self) -> dict:
-        return {"programs": len(self._states)}
 
 
 def shard_dims_of(compiled: Any) -> dict[str, int]:

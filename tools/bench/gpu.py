@@ -71,8 +71,8 @@ def main(argv=None) -> int:
     store = os.path.join(tempfile.mkdtemp(prefix="hgraph-bench-gpu-"), "s")
     dist.init_process_group("nccl", init_method="file://" + store, rank=0, world_size=1)
     try:
-        cfg = TrainConfig(model="tiny", model_args=model_args, world_size=1, schedule=["1xTP1PP1"], steps=1,
-                          tokens_per_iter=args.tokens, lr=1e-4, dtype=args.dtype)
+        cfg = TrainConfig.from_values(model="tiny", model_args=model_args, world_size=1, strategy_schedule="1xTP1PP1",
+                                      steps=1, tokens_per_iter=args.tokens, lr=1e-4, dtype=args.dtype)
         model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
         docs = _documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
         targets = sum(len(d) - 1 for d in docs)

@@ -38,8 +38,8 @@ def _run(rank: int, world: int, strategy: str, steps: int, tokens: int, budgets:
     batches = list(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], tokens, steps))
     out = []
     for budget in budgets:
-        cfg = TrainConfig(model="tiny", world_size=world, schedule=[strategy], steps=steps, tokens_per_iter=tokens,
-                          docs=docs, memory_budget=budget, track_memory=True)
+        cfg = TrainConfig.from_values(model="tiny", world_size=world, strategy_schedule=strategy, steps=steps,
+                                      tokens_per_iter=tokens, docs=docs, memory_budget=budget, track_memory=True)
         trainer = Trainer(cfg, rank, world, groups)
         res = [trainer.step(b) for b in batches]
         out.append({"budget": budget, "times": [r.time_s for r in res], "losses": [r.loss for r in res],

@@ -31,7 +31,7 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
    and the all-gathers run as all-to-alls (faster there, see ``runtime.grad_buckets`` and
    ``runtime.param_gather``), which move the same bytes.
-4. **Switch**: host time of ``GraphCache.get`` + ``Executor.state_for`` when the strategy was seen
+4. **Switch**: host time of ``ProgramCache.get`` + ``Executor.state_for`` when the strategy was seen
    before (every step's pull is not included).
 """
 from __future__ import annotations
@@ -94,7 +94,8 @@ def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
     from hgraph.runtime.engine.executor import Executor
     from hgraph.runtime.comm.process_groups import GroupCache
     from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-    cfg = TrainConfig(model=model_name, world_size=world, schedule=[strategy], steps=1, tokens_per_iter=1)
+    cfg = TrainConfig.from_values(model=model_name, world_size=world, strategy_schedule=strategy, steps=1,
+                                  tokens_per_iter=1)
     model = build_model(cfg)
     compiled = hgraph.compile(model)
     opt = make_optimizer(cfg, compiled, rank, world)
@@ -114,8 +115,7 @@ def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
         prog = compiled.instantiate("1xTP1PP1")
         mb = [[MicroBatch.pack(docs)]]
         targets = sum(len(d) - 1 for d in docs)
-        model = build_model(TrainConfig(model=model_name, world_size=1, schedule=["1xTP1PP1"], steps=1,
-                                        tokens_per_iter=1))
+        model = build_model(TrainConfig.from_values(model=model_name, world_size=1))
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         t = _paired_times(lambda: ex.step(prog, mb, targets), lambda: _eager_step(model, opt, docs), steps)
     finally:
@@ -153,17 +153,17 @@ def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     from hgraph.runtime.engine.executor import MicroBatch
-    from hgraph.runtime.train.trainer import GraphCache, TrainConfig, build_model
+    from hgraph.runtime.engine.program_cache import ProgramCache
+    from hgraph.runtime.train.trainer import TrainConfig, build_model
     from hgraph.strategy import Cluster, Strategy
     compiled, ex = _setup(model_name, "4xTP1PP1", rank, world)
-    cache = GraphCache(compiled, Cluster(world, 8))
+    cache = ProgramCache(compiled, Cluster(world, 8))
     share = [docs[i::world] for i in range(world)]
     targets = sum(len(d) - 1 for d in docs)
     mbs = [[MicroBatch.pack(s)] for s in share]
     prog = cache.get(Strategy.parse("4xTP1PP1"))
 
-    model = build_model(TrainConfig(model=model_name, world_size=world, schedule=["4xTP1PP1"], steps=1,
-                                    tokens_per_iter=1))
+    model = build_model(TrainConfig.from_values(model=model_name, world_size=world))
     ddp = DDP(model)
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
 
@@ -204,8 +204,7 @@ def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict
     import hgraph
     from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
     from hgraph.runtime.train.trainer import TrainConfig, build_model
-    compiled = hgraph.compile(build_model(TrainConfig(model=model_name, world_size=world, schedule=strategies,
-                                                      steps=1, tokens_per_iter=1)))
+    compiled = hgraph.compile(build_model(TrainConfig.from_values(model=model_name, world_size=world)))
     rows = []
     for text in strategies:
         prog = compiled.instantiate(text, world_size=world)

@@ -46,8 +46,8 @@ def export_checkpoint(path: str, output: str, step=None) -> dict:
         raise HGraphError(f"checkpoint {str(folder)!r} does not record its model (not written by hgraph train)")
 
     def fresh():
-        return build_model(TrainConfig(model=run["model"], world_size=1, schedule=(), steps=1, tokens_per_iter=1,
-                                       model_args=run.get("model_args", {}), seed=run.get("seed", 0)))
+        return build_model(TrainConfig.from_values(model=run["model"], model_args=run.get("model_args", {}),
+                                                   seed=run.get("seed", 0)))
     state = ckpt.export_state_dict(folder, output, model=fresh())
     loaded = torch.load(output, map_location="cpu", weights_only=True)
     fresh().load_state_dict(loaded, strict=True)

@@ -24,7 +24,7 @@ right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of 
 ``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
 wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.data.outlier_delay``);
 in deterministic mode documents are dispatched and packed by the runtime's built-in rule
-(``hgraph.runtime.train.trainer.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
+(``hgraph.runtime.train.step_modes.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
 decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
 
@@ -37,6 +37,7 @@ checked here, before any process starts (``hgraph.runtime.checkpoint.run``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -46,6 +47,20 @@ from pathlib import Path
 from typing import Optional
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
+from hgraph.runtime.checkpoint.shards import latest
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.data.documents import read_jsonl
+from hgraph.runtime.data.outlier_delay import check_resume_queues
+from hgraph.runtime.planner.service.iteration import parse_candidates
+from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.step_modes import parse_schedule
+from hgraph.runtime.train.trainer import build_model, run_training
+from hgraph.tools.cli.progress import Progress, resolve_mode
+from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
+from hgraph.tools.report.plots import read_metrics, summarize, write_plots
+from hgraph.tools.report.run_record import write_run_record
 
 # The built-in default run: sized so that it finishes in a few minutes with 4 processes on 2 CPU
 # cores (about DEFAULT_TOKENS_PER_ITER tokens per step, a long-tail mix of short and long documents).
@@ -57,7 +72,6 @@ BUILTIN_SEED = 0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from hgraph.tools.cli.train_schema import add_arguments, help_text
     p = subparsers.add_parser("train", help="train with the planner's strategy every iteration (no arguments: "
                               "the built-in default run)", description=__doc__, epilog=help_text(),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,17 +79,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(args: argparse.Namespace):
-    """A ``TrainConfig`` from the parsed options and ``--config`` (bad values: one-line HGraphError)."""
-    from hgraph.tools.cli.train_schema import BY_DEST, resolve
-    from hgraph.runtime.train.trainer import TrainConfig, parse_schedule
+def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedConfig]:
+    """The run's ``TrainConfig`` (every key of the schema's resolved values, byte sizes parsed) and the
+    resolved values with their sources, from the parsed options and ``--config`` (bad values:
+    one-line HGraphError)."""
     cfg = resolve(args)
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
                           "or the schedule does")
     if schedule is not None:
-        strategies = None
         parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
     if cfg.max_candidates is not None and (schedule is not None or strategies.strip() != "auto"):
         key, src = BY_DEST["max_candidates"], cfg.sources["max_candidates"]
@@ -83,25 +96,9 @@ def config_from_args(args: argparse.Namespace):
         raise HGraphError(f"{where} = {cfg.max_candidates}: applies to the proposed candidates of "
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
-        from hgraph.runtime.planner.service.iteration import parse_candidates
         parse_candidates(strategies, cfg.world_size)
-    return TrainConfig(model=cfg.model, world_size=cfg.world_size,
-                       schedule=schedule.split(";") if schedule is not None else (),
-                       strategies=strategies, profile=cfg.profile, method=cfg.method,
-                       time_limit=cfg.time_limit, max_candidates=cfg.max_candidates,
-                       steps=cfg.steps, tokens_per_iter=cfg.tokens_per_iter, data=cfg.data,
-                       model_args=dict(cfg.model_args), optimizer=cfg.optimizer, lr=cfg.lr, betas=cfg.betas,
-                       eps=cfg.eps, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip, seed=cfg.seed,
-                       dtype=cfg.dtype, microbatch_tokens=cfg.microbatch_tokens,
-                       skip_nonfinite=cfg.skip_nonfinite, save_final=cfg.save_final, metrics=cfg.metrics,
-                       gpus_per_node=cfg.gpus_per_node, backend=cfg.backend, log_every=cfg.log_every,
-                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_every=cfg.checkpoint_every,
-                       keep_checkpoints=cfg.keep_checkpoints, resume=cfg.resume,
-                       resume_fallback=cfg.resume_fallback, plan_ahead=cfg.plan_ahead,
-                       memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
-                       device_memory=device_memory_option(cfg.device_memory, cfg.data),
-                       cp_sharding=cfg.cp_sharding, balance=cfg.balance, track_memory=cfg.track_memory,
-                       outlier_queues=cfg.outlier_queues), cfg
+    return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                                   device_memory=device_memory_option(cfg.device_memory, cfg.data)), cfg
 
 
 def device_memory_option(text, data):
@@ -136,11 +133,7 @@ def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter:
     """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
     of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
     average ~62 tokens); ``scale``: the length scale (default the generator's)."""
-    from hgraph.runtime.data.builtin import synthetic_documents
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
-
-    cfg = getattr(build_model(TrainConfig(model=model, world_size=1, schedule=(), steps=1, tokens_per_iter=1,
-                                          model_args=model_args)), "config", None)
+    cfg = getattr(build_model(TrainConfig.from_values(model=model, model_args=model_args)), "config", None)
     vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
     if not vocab or not max_len:
         raise HGraphError(f"--model {model}: the built-in data needs a zoo model with vocab_size and "
@@ -161,7 +154,6 @@ def default_run_dir() -> Path:
 
 
 def _print_summary(records: list, run_dir: Path, plots) -> None:
-    from hgraph.tools.report.plots import summarize
     s = summarize(records)
     used = ", ".join(f"{k} x{v}" for k, v in s.strategies.items())
     print(f"summary: {s.steps} steps, {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s; "
@@ -190,44 +182,43 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hgraph.runtime.data.documents import read_jsonl
-    from hgraph.runtime.train.launch import SpawnError
-    from hgraph.runtime.train.trainer import run_training
-
-    config, cfg = config_from_args(args)
-    planned = config.strategies is not None
-    point = _resume_point(config, quiet=cfg.json)
-    run_dir = None
-    if planned or cfg.run_dir is not None:
-        run_dir = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir()
+    config, _ = config_from_args(args)
+    log, data = config.logging, config.data
+    planned = config.planner_driven
+    point = _resume_point(config, quiet=log.json)
+    run_dir, metrics = None, log.metrics
+    if planned or log.run_dir is not None:
+        run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
         run_dir.mkdir(parents=True, exist_ok=True)
-        if config.metrics is None:
-            config.metrics = str(run_dir / "metrics.jsonl")
-    if config.data is not None:
-        read_jsonl(config.data)                          # a malformed line fails before the launch
+        if metrics is None:
+            metrics = str(run_dir / "metrics.jsonl")
+    docs = None
+    if data.data is not None:
+        read_jsonl(data.data)                            # a malformed line fails before the launch
     else:
         # a resumed run regenerates the same built-in documents as the run it continues
         saved_n = point.data_position.get("num_documents") if point is not None else None
-        config.docs = builtin_documents(config.model, config.model_args, config.steps, config.tokens_per_iter,
-                                        cfg.builtin_docs or saved_n, cfg.builtin_scale)
-    config.log_steps = planned and not cfg.json
-    from hgraph.tools.cli.progress import resolve_mode
-    config.progress = config.log_steps and resolve_mode(cfg.progress)
+        docs = builtin_documents(config.model.model, config.model.model_args, data.steps, data.tokens_per_iter,
+                                 data.builtin_docs or saved_n, data.builtin_scale)
+    log_steps = planned and not log.json
+    config = config.with_values(
+        metrics=metrics, docs=docs, resume_from=str(point.folder) if point is not None else None,
+        log_steps=log_steps,
+        # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
+        progress_bars=functools.partial(Progress, enabled=log_steps and resolve_mode(log.progress)))
     if run_dir is not None:
-        from hgraph.tools.report.run_record import write_run_record
         write_run_record(run_dir, config)
-    if config.log_steps:
-        source = cfg.data or "built-in long-tail documents"
-        print(f"hgraph train: {config.model} on {config.world_size} processes, {source}, "
-              f"{config.steps} steps of {config.tokens_per_iter} tokens, strategies {config.strategies}, "
-              f"profile {config.profile}", flush=True)
+    if log_steps:
+        source = data.data or "built-in long-tail documents"
+        print(f"hgraph train: {config.model.model} on {config.cluster.world_size} processes, {source}, "
+              f"{data.steps} steps of {data.tokens_per_iter} tokens, strategies {config.planner.strategies}, "
+              f"profile {config.planner.profile}", flush=True)
     try:
-        result = run_training(config, timeout_s=cfg.timeout)
+        result = run_training(config, timeout_s=config.cluster.timeout)
     except SpawnError as exc:
         hint = ""
-        if config.checkpoint_dir is not None:
-            from hgraph.runtime.checkpoint.shards import latest
-            last = latest(config.checkpoint_dir)
+        if config.checkpointing.checkpoint_dir is not None:
+            last = latest(config.checkpointing.checkpoint_dir)
             hint = f"; --resume continues from {last}" if last is not None else ""
         sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
         return 1
@@ -235,14 +226,13 @@ def run(args: argparse.Namespace) -> int:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
     plots = None
-    if run_dir is not None and config.metrics is not None and cfg.plots:
-        from hgraph.tools.report.plots import read_metrics, write_plots
-        records = read_metrics(config.metrics)
+    if run_dir is not None and metrics is not None and log.plots:
+        records = read_metrics(metrics)
         plots = write_plots(records, run_dir)
-    if cfg.json:
+    if log.json:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
-                          "save_final": config.save_final, "metrics": config.metrics,
+                          "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
         return 0
@@ -255,8 +245,9 @@ def run(args: argparse.Namespace) -> int:
           f"<= {c['max_hit_switch_ms']:.3f} ms")
     saved = result.get("checkpoints", [])
     if saved:
-        print(f"checkpoints: {', '.join(Path(c['path']).name for c in saved)} in {config.checkpoint_dir} "
-              f"({saved[-1]['bytes'] / 1e6:.2f} MB each, save <= {1e3 * max(c['save_s'] for c in saved):.0f} ms)")
+        print(f"checkpoints: {', '.join(Path(c['path']).name for c in saved)} in "
+              f"{config.checkpointing.checkpoint_dir} ({saved[-1]['bytes'] / 1e6:.2f} MB each, "
+              f"save <= {1e3 * max(c['save_s'] for c in saved):.0f} ms)")
     if plots is not None:
         _print_summary(records, run_dir, plots)
     elif run_dir is not None:
@@ -264,25 +255,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume_point(config, quiet: bool):
+def _resume_point(config: TrainConfig, quiet: bool) -> Optional[ResumePoint]:
     """With ``--resume``: the checkpoint to continue from, checked before any process starts (the
     ranks then all load it); its warnings go to stderr. None for a fresh run."""
-    if not config.resume:
+    ckpts, steps, world_size = config.checkpointing, config.data.steps, config.cluster.world_size
+    if not ckpts.resume:
         return None
-    from hgraph.runtime.checkpoint.run import find_resume_point
-    point = find_resume_point(config.checkpoint_dir, fallback=config.resume_fallback)
+    point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
     for w in point.warnings:
         sys.stderr.write(f"hgraph train: warning: {w}\n")
-    if point.step >= config.steps:
+    if point.step >= steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
-                          f"{config.steps}: nothing left to train (--steps is the run's total)")
-    from hgraph.runtime.data.outlier_delay import check_resume_queues
-    check_resume_queues(point.manifest.get("delay_queues", {}), config.outlier_queues, point.folder)
-    config.resume_from = str(point.folder)
+                          f"{steps}: nothing left to train (--steps is the run's total)")
+    check_resume_queues(point.manifest.get("delay_queues", {}), config.planner.outlier_queues, point.folder)
     if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
         pos = point.data_position
-        resharded = (f", resharded from {point.world_size} to {config.world_size} ranks"
-                     if point.world_size != config.world_size else "")
-        print(f"resuming from {point.folder}: {point.step} of {config.steps} steps done, next document "
+        resharded = (f", resharded from {point.world_size} to {world_size} ranks"
+                     if point.world_size != world_size else "")
+        print(f"resuming from {point.folder}: {point.step} of {steps} steps done, next document "
               f"{pos.get('next_document')} (epoch {pos.get('epoch')}){resharded}", flush=True)
     return point

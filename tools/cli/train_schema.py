@@ -14,12 +14,16 @@ CLI prints it and exits with code 2).
 ``add_arguments(parser)`` declares every flag with an absent default, so ``resolve`` can tell the
 flags that were given from those that were not; ``help_text()`` renders the table for ``--help``;
 ``dump_toml`` writes a resolved configuration back as a file that loads to the same values.
+
+``hgraph train`` builds its run's ``hgraph.runtime.train.config.TrainConfig`` from the resolved
+values: the config has a frozen dataclass per section, with these keys and defaults.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import textwrap
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -442,7 +446,6 @@ def _toml_value(key: ConfigKey) -> str:
 def help_text(width: int = 100) -> str:
     """The table as text for ``hgraph train --help``: per section, each key with its type, default,
     allowed values, flag and help."""
-    import textwrap
     lines = ["Configuration file (--config RUN.toml): the sections and keys below; each key is also the",
              "flag of the same name, and a flag given on the command line overrides the file.", ""]
     for section in SECTIONS:

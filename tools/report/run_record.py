@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train.config import TrainConfig
 
 RUN_RECORD = "run.json"
 _KEYS = ("model", "model_args", "world_size", "gpus_per_node", "dtype", "strategies", "profile", "steps",
          "tokens_per_iter", "data", "plan_ahead", "seed")
 
 
-def write_run_record(run_dir: Union[str, Path], config: Any) -> Path:
-    """Write ``run.json`` for ``config`` (a TrainConfig) into ``run_dir``."""
-    record = {k: getattr(config, k, None) for k in _KEYS}
-    if record.get("strategies") is None:
-        record["schedule"] = list(getattr(config, "schedule", ()) or ())
+def write_run_record(run_dir: Union[str, Path], config: TrainConfig) -> Path:
+    """Write ``run.json`` for ``config`` into ``run_dir`` (a schedule run: ``strategies`` null and
+    the ``schedule``'s strategies)."""
+    values = config.values()
+    record = {k: values[k] for k in _KEYS}
+    if not config.planner_driven:
+        record["strategies"] = None
+        record["schedule"] = config.planner.strategy_schedule.split(";")
     path = Path(run_dir) / RUN_RECORD
     path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     return path

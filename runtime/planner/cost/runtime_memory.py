@@ -77,7 +77,7 @@ def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASU
     """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring)."""
     import torch
     from hgraph.frontends.zoo import llama
-    from hgraph.runtime.planner.service.iteration import tp_shard_config
+    from hgraph.frontends.zoo.llama import tp_shard_config
 
     A, other = [], []
     with torch.random.fork_rng(devices=[]):

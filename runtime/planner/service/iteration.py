@@ -17,11 +17,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.engine.executor import MicroBatch
+from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
+from hgraph.runtime.planner.cost.cost_model import analytic_cost_model, load_cost_model
+from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, default_device_memory,
+                                                        with_device_memory)
+from hgraph.runtime.planner import selection
+from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
 
 ANALYTIC = "analytic"
@@ -37,8 +45,6 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
-    from hgraph.runtime.planner.cost.cost_model import analytic_cost_model, load_cost_model
-
     if profile not in (ANALYTIC, MEASURE):
         return load_cost_model(profile, world_size, gpus_per_node)
     cfg = getattr(model, "config", None)
@@ -59,7 +65,6 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
 
 def _bounded(cost: Any, model: Any, device_memory: Any, working_bytes: int) -> tuple[Any, float | None]:
     """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes."""
-    from hgraph.runtime.planner.cost.runtime_memory import default_device_memory, with_device_memory
     if device_memory is None:
         return cost, None
     if device_memory == "auto":
@@ -72,7 +77,6 @@ def _bounded(cost: Any, model: Any, device_memory: Any, working_bytes: int) -> t
 
 
 def _check_fit(lengths: Sequence[int], cost: Any, limit: float | None, schemes: Any = None) -> None:
-    from hgraph.runtime.planner.cost.runtime_memory import check_documents_fit
     check_documents_fit(lengths, cost, limit, schemes)
 
 
@@ -103,28 +107,15 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                         tp_slots: int = 0, progress: Callable[[str], None] | None = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.cost.calibration``; collective). Needs a zoo Llama-style model."""
-    from hgraph.frontends.zoo import llama
-    from hgraph.runtime.planner.cost.calibration import calibrate_cost_model
-
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
         raise HGraphError("--profile measure needs a zoo Llama model (it times 1- and 2-layer copies); "
                           "give --profile analytic or a profile FILE")
-    import torch
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
-        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(tp_shard_config(cfg, n, tp)), rank,
-                                       world_size, groups, tp_slots=tp_slots, progress=progress)
+        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
+                                       rank, world_size, groups, tp_slots=tp_slots, progress=progress)
     return cost
-
-
-def tp_shard_config(cfg: Any, layers: int, tp: int) -> Any:
-    """The LlamaConfig of one TP rank's shard with ``layers`` layers: heads, KV heads, MLP width and
-    vocabulary divided by ``tp`` (the head size and the hidden size stay)."""
-    import dataclasses as dc
-    return dc.replace(cfg, num_layers=layers, num_heads=cfg.num_heads // tp,
-                      num_kv_heads=max(cfg.num_kv_heads // tp, 1), head_dim=cfg.head_dim,
-                      intermediate_size=-(-cfg.intermediate_size // tp), vocab_size=-(-cfg.vocab_size // tp))
 
 
 @dataclass
@@ -150,7 +141,6 @@ class IterationPlanner:
 
     def __init__(self, cost: Any, candidates: Sequence[Strategy], rank: int, *, source: str = "given",
                  method: str = "fast", time_limit_s: float = 10.0) -> None:
-        from hgraph.runtime.planner.cost.calibration import StepCorrection
         self.cost, self.candidates, self.rank = cost, list(candidates), rank
         self.source, self.method, self.time_limit_s = source, method, time_limit_s
         self.ahead = None
@@ -169,8 +159,6 @@ class IterationPlanner:
         scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
         None: the profile's own memory model); ``max_candidates``: at most this many ``auto``
         candidates."""
-        from hgraph.runtime.planner.selection import auto_candidates
-
         if profile == MEASURE:
             cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
         else:
@@ -190,8 +178,8 @@ class IterationPlanner:
         max_len = min(context, max(lengths))
         if progress is not None:
             progress("proposal")
-        candidates, source = _on_rank0(lambda: auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter,
-                                                               max_candidates=max_candidates), rank)
+        candidates, source = _on_rank0(lambda: selection.auto_candidates(
+            lengths, cost, world_size, max_len, tokens_per_iter, max_candidates=max_candidates), rank)
         planner = cls(cost, candidates, rank, source=source)
         planner.device_memory = limit
         return planner
@@ -205,10 +193,6 @@ class IterationPlanner:
         self.ahead = consumer
 
     def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float]:
-        from hgraph.runtime.planner.cost.calibration import scaled_plan
-        from hgraph.runtime.planner.selection import plan_iteration
-        from hgraph.runtime.planner.service.plan_ahead import PlannerLost
-
         plan, source, queue_wait = None, "inline", 0.0
         if self.ahead is not None:
             try:
@@ -220,7 +204,7 @@ class IterationPlanner:
                 self.warnings.append(warning)
                 print(warning, file=sys.stderr, flush=True)
         if plan is None:
-            plan = plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
+            plan = selection.plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
                                   method=self.method, index=batch.step, time_limit_s=self.time_limit_s)
         return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait
 
@@ -261,7 +245,6 @@ def all_gather_floats(value: float, world_size: int, device: Any = None) -> list
     ``device``: where the collective's buffers live (the rank's GPU under NCCL)."""
     if not dist.is_initialized() or world_size == 1:
         return [float(value)]
-    import torch
     mine = torch.tensor([float(value)], dtype=torch.float64, device=device)
     out = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world_size)]
     dist.all_gather(out, mine)

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from hgraph.runtime.planner.selection import plan_iteration
+
 _POLL_S = 0.02
 
 
@@ -50,8 +52,6 @@ class PlannerChannel:
 def _serve(jobs, plans, alive_w) -> None:
     """Planner process body: wait for the setup, then plan every batch in order into ``plans``
     (blocking while it holds ``depth`` unconsumed plans)."""
-    from hgraph.runtime.planner.selection import plan_iteration
-
     msg = jobs.get()
     if msg[0] != "setup":
         return

@@ -4,57 +4,59 @@ process). See ``hgraph.runtime.planner.service.plan_ahead`` for the process and 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from hgraph.runtime.checkpoint.run import resumed_planner
+from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.planner.cost.calibration import calibration_phases
+from hgraph.runtime.planner.cost.runtime_memory import max_len_table
+from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model
+from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
 
 
 @contextlib.contextmanager
 def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
     """The channel of a planner process started here for the run (None: inline planning, i.e.
     deterministic mode, ``plan_ahead`` 0 or not the owner); the process is stopped on exit."""
-    if not owner or config.strategies is None or config.plan_ahead < 1:
+    if not owner or not config.planner_driven or config.planner.plan_ahead < 1:
         yield None
         return
-    from hgraph.runtime.planner.service.plan_ahead import PlannerProcess
-    with PlannerProcess(config.plan_ahead) as proc:
+    with PlannerProcess(config.planner.plan_ahead) as proc:
         yield proc.channel
 
 
 def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
     """The trainer's ``IterationPlanner`` (collective on every rank); on rank 0 with a ``channel``,
     the planner process gets the run's mini-batches to plan ahead."""
-    from hgraph.runtime.data.outlier_delay import run_mini_batches
-    from hgraph.runtime.planner.service.iteration import IterationPlanner
-    from hgraph.runtime.planner.cost.runtime_memory import max_len_table
-    from hgraph.runtime.checkpoint.run import resumed_planner
-    from hgraph.tools.cli.progress import Progress
-
     cfg, rank = trainer.config, trainer.rank
+    plan = cfg.planner
     counts = trainer.compiled.hgraph.slot_counts()
     kept = resumed_planner(trainer.resumed, cfg, rank, trainer.world_size)
-    phases = int(kept is None and cfg.strategies.strip() == "auto")
-    if cfg.profile == "measure" and kept is None:
-        from hgraph.runtime.planner.service.iteration import model_cost_model
-        from hgraph.runtime.planner.cost.calibration import calibration_phases
+    phases = int(kept is None and plan.strategies.strip() == "auto")
+    if plan.profile == "measure" and kept is None:
         try:
             phases += calibration_phases(model_cost_model("measure", trainer.model, trainer.world_size,
-                                                          cfg.gpus_per_node), trainer.world_size)
+                                                          cfg.cluster.gpus_per_node), trainer.world_size)
         except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
             pass
-    bar = Progress(phases, "planner setup", enabled=cfg.progress and rank == 0, plain=cfg.log_steps and rank == 0)
+    bar = trainer.progress_bar(phases, "planner setup", plain=cfg.log_steps and rank == 0)
     t0 = time.perf_counter()
     try:
         planner = kept if kept is not None else IterationPlanner.create(
-            cfg.strategies, cfg.profile, trainer.model, trainer.docs, cfg.tokens_per_iter, rank, trainer.world_size,
-            cfg.gpus_per_node, groups=groups, tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
-            progress=lambda what: bar.update(1, what), device_memory=cfg.device_memory,
-            working_bytes=2 if cfg.dtype == "bf16" else 4, max_candidates=cfg.max_candidates)
+            plan.strategies, plan.profile, trainer.model, trainer.docs, cfg.data.tokens_per_iter, rank,
+            trainer.world_size, cfg.cluster.gpus_per_node, groups=groups,
+            tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
+            progress=lambda what: bar.update(1, what), device_memory=cfg.cluster.device_memory,
+            working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates)
     finally:
         bar.close()
-    planner.method, planner.time_limit_s = cfg.method, cfg.time_limit
+    planner.method, planner.time_limit_s = plan.method, plan.time_limit
     # the planner's micro-batch times include the recomputation the budget forces (set before the
     # planner process gets its copy of the cost model)
-    planner.cost.activation_budget_bytes = cfg.memory_budget
+    planner.cost.activation_budget_bytes = plan.memory_budget
     if rank == 0 and cfg.log_steps:
         c = planner.cost
         print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
@@ -62,16 +64,13 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
               f"set up in {time.perf_counter() - t0:.1f} s"
               + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
                  f"{max_len_table(c)}" if planner.device_memory is not None else "")
-              + (f"; plans {cfg.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
+              + (f"; plans {plan.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"), flush=True)
-    if rank == 0 and cfg.profile == "measure" and cfg.metrics:
+    if rank == 0 and plan.profile == "measure" and cfg.logging.metrics:
         # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
-        import json
-        from pathlib import Path
-        path = Path(cfg.metrics).parent / "profile.json"
+        path = Path(cfg.logging.metrics).parent / "profile.json"
         path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
     if channel is not None and rank == 0:
-        from hgraph.runtime.planner.service.plan_ahead import PlanConsumer
         # a resumed run plans only the steps it has left
         start = trainer.resumed
         planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(

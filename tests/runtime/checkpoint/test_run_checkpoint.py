@@ -64,19 +64,20 @@ def test_saves_every_k_steps_and_after_the_last():
 def test_resumed_trainer_takes_masters_from_the_checkpoint_and_settings_from_its_flags(tmp_path):
     """In-process, one rank: the state after the resume is the checkpoint's, a new --lr applies."""
     from hgraph.runtime.data.builtin import synthetic_documents
-    from hgraph.runtime.train.trainer import TrainConfig, Trainer
+    from hgraph.runtime.train.config import TrainConfig
+    from hgraph.runtime.train.trainer import Trainer
     docs = synthetic_documents(40, 256, 64, seed=1)
 
     def config(**kw):
-        return TrainConfig(model="llama:tiny", world_size=1, schedule=["1xTP1PP1"], steps=3, tokens_per_iter=128,
-                           docs=docs, checkpoint_dir=str(tmp_path), **kw)
+        return TrainConfig.from_values(model="llama:tiny", world_size=1, strategy_schedule="1xTP1PP1", steps=3,
+                                       tokens_per_iter=128, docs=docs, checkpoint_dir=str(tmp_path), **kw)
     first = Trainer(config(), 0, 1)
     first.run()
     assert checkpoint.complete_steps(tmp_path) == [3]
     saved = first.optimizer.state_dict()
     with pytest.raises(HGraphError, match="nothing left to train"):
         Trainer(config(resume=True), 0, 1)
-    again = Trainer(TrainConfig(**{**config(resume=True, lr=0.01).__dict__, "steps": 4}), 0, 1)
+    again = Trainer(config(resume=True, lr=0.01).with_values(steps=4), 0, 1)
     assert again.optimizer.lr == 0.01
     state = again.optimizer.state_dict()
     assert state["steps"] == saved["steps"]

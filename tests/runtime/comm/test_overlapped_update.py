@@ -108,12 +108,13 @@ def _executor_worker(rank, world):
     from hgraph.errors import HGraphError
     from hgraph.runtime.engine.executor import Executor, MicroBatch
     from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+    from hgraph.runtime.train.config import TrainConfig
+    from hgraph.runtime.train.trainer import build_model, make_optimizer
     groups = GroupCache(rank, world)
 
     def setup(**options):
-        cfg = TrainConfig(model="tiny", world_size=world, schedule=["4xTP1PP1"], steps=1, tokens_per_iter=1,
-                          **options)
+        cfg = TrainConfig.from_values(model="tiny", world_size=world, strategy_schedule="4xTP1PP1", steps=1,
+                                      tokens_per_iter=1, **options)
         compiled = hgraph.compile(build_model(cfg))
         opt = make_optimizer(cfg, compiled, rank, world)
         return compiled, opt

@@ -24,7 +24,9 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.train.trainer import TrainConfig, Trainer, dispatch_and_pack
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.step_modes import dispatch_and_pack
+from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
@@ -61,9 +63,9 @@ def _batches(vocab=512):
 
 
 def _config(model, schedule, world, overrides, options):
-    return TrainConfig(model=model, world_size=world, schedule=schedule.split(";"), steps=STEPS,
-                       tokens_per_iter=TOKENS_PER_ITER, docs=_docs(overrides.get("vocab_size", 512)), lr=LR,
-                       model_args=dict(overrides), save_final="unused", **options)
+    return TrainConfig.from_values(model=model, world_size=world, strategy_schedule=schedule, steps=STEPS,
+                                   tokens_per_iter=TOKENS_PER_ITER, docs=_docs(overrides.get("vocab_size", 512)),
+                                   lr=LR, model_args=dict(overrides), save_final="unused", **options)
 
 
 def _worker(rank, world, cases):

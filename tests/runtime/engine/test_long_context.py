@@ -24,7 +24,8 @@ from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.kernels.cp_layout import per_document_plan, per_sequence_plan
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.train.trainer import Trainer, dispatch_and_pack
+from hgraph.runtime.train.step_modes import dispatch_and_pack
+from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
 
@@ -71,8 +72,8 @@ def _count_attention(rank, world, groups, lengths, method):
 
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
-    cfg = EQ._config("tiny", "1xTP1PP1CP4", world, {}, {"cp_sharding": method})
-    cfg.docs, cfg.tokens_per_iter, cfg.microbatch_tokens = docs, sum(lengths), sum(lengths)
+    cfg = EQ._config("tiny", "1xTP1PP1CP4", world, {}, {"cp_sharding": method}).with_values(
+        docs=docs, tokens_per_iter=sum(lengths), microbatch_tokens=sum(lengths))
     trainer = Trainer(cfg, rank, world, groups)
     batch = next(iter(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], sum(lengths), 1)))
     cpa.cp_attention = counting

@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from hgraph.runtime.train.trainer import TrainConfig, run_training
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.trainer import run_training
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1;2xTP1PP1;1xTP1PP2"
@@ -30,8 +31,9 @@ def test_torchrun_run_equals_the_spawned_run(tmp_path):
     assert len(reports) == 1                         # only rank 0 reports
     got = reports[0]["steps"]
 
-    want = run_training(TrainConfig(model="tiny", world_size=2, schedule=SCHEDULE.split(";"), steps=3,
-                                    tokens_per_iter=30, data=str(data), save_final=str(tmp_path / "spawn.pt")))
+    want = run_training(TrainConfig.from_values(model="tiny", world_size=2, strategy_schedule=SCHEDULE, steps=3,
+                                                tokens_per_iter=30, data=str(data),
+                                                save_final=str(tmp_path / "spawn.pt")))
     assert [s["strategy"] for s in got] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2"]
     assert [s["tokens"] for s in got] == [s["tokens"] for s in want["steps"]]
     for a, b in zip(got, want["steps"]):

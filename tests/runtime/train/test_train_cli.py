@@ -16,7 +16,7 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import SpawnError, spawn
-from hgraph.runtime.train.trainer import TrainConfig
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.cli import main
 from tests.runtime.fault_injection import dying_worker
 from tests.runtime.reference_training import reference_steps, write_random_documents
@@ -137,8 +137,8 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, m
 
 
 def test_a_rank_lost_mid_step_is_named_within_the_timeout(data):
-    config = TrainConfig(model="tiny", world_size=4, schedule=["1xTP2PP1+2xTP1PP1", "4xTP1PP1"], steps=4,
-                         tokens_per_iter=30, data=str(data))
+    config = TrainConfig.from_values(model="tiny", world_size=4, strategy_schedule="1xTP2PP1+2xTP1PP1;4xTP1PP1",
+                                     steps=4, tokens_per_iter=30, data=str(data))
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 2") as info:
         spawn(dying_worker, 4, args=(config, 2, 1), timeout_s=60)

@@ -8,7 +8,8 @@ import torch
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
-from hgraph.runtime.train.trainer import TrainConfig, run_training
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.trainer import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 
@@ -27,9 +28,9 @@ def _docs():
 def test_default_style_run_uses_several_strategies_under_the_limit(tmp_path):
     metrics = tmp_path / "m.jsonl"
     docs = _docs()
-    config = TrainConfig(model="llama:tiny", world_size=4, schedule=(), steps=4, tokens_per_iter=TOKENS_PER_ITER,
-                         docs=docs, strategies="auto", profile="analytic", device_memory="auto",
-                         metrics=str(metrics), plan_ahead=2)
+    config = TrainConfig.from_values(model="llama:tiny", world_size=4, steps=4, tokens_per_iter=TOKENS_PER_ITER,
+                                     docs=docs, strategies="auto", profile="analytic", device_memory="auto",
+                                     metrics=str(metrics), plan_ahead=2)
     run_training(config, timeout_s=120)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     batches = list(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], TOKENS_PER_ITER, 4))

@@ -18,7 +18,7 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
 from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import run_mini_batches
-from hgraph.runtime.train.trainer import TrainConfig
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.cli import main
 from tests.runtime.reference_training import reference_steps
 
@@ -76,8 +76,8 @@ def test_checkpoint_holds_the_real_queues(ref):
 
 def test_delayed_run_equals_pytorch_on_the_mini_batches_it_formed(ref):
     docs = read_jsonl(ref["data"])
-    config = TrainConfig(model="llama:tiny", world_size=2, schedule=(), steps=STEPS, tokens_per_iter=TOKENS,
-                         outlier_queues=QUEUES)
+    config = TrainConfig.from_values(model="llama:tiny", world_size=2, steps=STEPS, tokens_per_iter=TOKENS,
+                                     outlier_queues=QUEUES)
     batches = [b for b, _ in run_mini_batches(docs, config, 2)]
     assert [[d.index for d in b.docs] for b in batches] == [r["documents"] for r in ref["metrics"]]
     torch.manual_seed(0)

@@ -11,7 +11,8 @@ from hgraph.runtime.data.documents import Document, mini_batches, read_jsonl
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, microbatches_of_plan, model_cost_model,
                                              parse_candidates)
 from hgraph.runtime.planner.selection import plan_iteration
-from hgraph.runtime.train.trainer import TrainConfig, run_training
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.trainer import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 from hgraph.tools.cli.train import builtin_documents
@@ -38,8 +39,9 @@ def _reference(path, steps):
 
 def test_planned_run_on_4_ranks_equals_pytorch_and_trains_each_document_once(data, tmp_path):
     metrics = tmp_path / "m.jsonl"
-    config = TrainConfig(model="tiny", world_size=4, schedule=(), steps=4, tokens_per_iter=TOKENS_PER_ITER,
-                         data=str(data), strategies=CANDIDATES, metrics=str(metrics))
+    config = TrainConfig.from_values(model="tiny", world_size=4, steps=4, tokens_per_iter=TOKENS_PER_ITER,
+                                     data=str(data), strategies=CANDIDATES, profile="analytic", device_memory=None,
+                                     metrics=str(metrics))
     result = run_training(config, timeout_s=60)
     ref_losses, ref_batches = _reference(data, 4)
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -64,8 +66,9 @@ def test_max_candidates_caps_the_auto_candidates_of_a_run(tmp_path):
     ids = builtin_documents("tiny", {}, 1, 2048)
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in ids))
-    config = TrainConfig(model="tiny", world_size=4, schedule=(), steps=1, tokens_per_iter=2048, data=str(data),
-                         strategies="auto", profile="analytic", max_candidates=1, metrics=str(tmp_path / "m.jsonl"))
+    config = TrainConfig.from_values(model="tiny", world_size=4, steps=1, tokens_per_iter=2048, data=str(data),
+                                     strategies="auto", profile="analytic", device_memory=None, max_candidates=1,
+                                     metrics=str(tmp_path / "m.jsonl"))
     result = run_training(config, timeout_s=60)
     assert len(result["candidates"]) == 1
     assert [json.loads(line)["strategy"] for line in (tmp_path / "m.jsonl").read_text().splitlines()] == \

@@ -19,7 +19,8 @@ import torch
 
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
 from hgraph.runtime.train.launch import SpawnError, spawn
-from hgraph.runtime.train.trainer import TrainConfig, train_worker
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.trainer import train_worker
 from hgraph.tools.cli import main
 from tests.runtime.fault_injection import dying_worker
 
@@ -77,9 +78,10 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
     base = ref["base"]
     ck, run = base / "kill-ck", base / "kill-run"
     run.mkdir()
-    config = TrainConfig(model="llama:tiny", world_size=2, schedule=(), strategies=CANDIDATES, steps=STEPS,
-                         tokens_per_iter=TOKENS, data=str(ref["data"]), checkpoint_dir=str(ck),
-                         checkpoint_every=EVERY, metrics=str(run / "metrics.jsonl"))
+    config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategies=CANDIDATES, profile="analytic",
+                                     device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
+                                     checkpoint_dir=str(ck), checkpoint_every=EVERY,
+                                     metrics=str(run / "metrics.jsonl"))
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 1") as info:
         spawn(dying_worker, 2, args=(config, 1, 3), timeout_s=60)
@@ -131,8 +133,9 @@ def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp
     from hgraph.runtime.checkpoint import shards as checkpoint
     from hgraph.runtime.checkpoint.run import find_resume_point
     ck = tmp_path / "ck"
-    config = TrainConfig(model="llama:tiny", world_size=2, schedule=["2xTP1PP1"], steps=STEPS,
-                         tokens_per_iter=TOKENS, data=str(ref["data"]), checkpoint_dir=str(ck), checkpoint_every=EVERY)
+    config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategy_schedule="2xTP1PP1", steps=STEPS,
+                                     tokens_per_iter=TOKENS, data=str(ref["data"]), checkpoint_dir=str(ck),
+                                     checkpoint_every=EVERY)
     t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 1 was lost") as info:
         spawn(_dying_in_save_worker, 2, args=(config, 1, 4), timeout_s=60)

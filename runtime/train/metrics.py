@@ -1,0 +1,88 @@
+"""What a training step reports: its line in the metrics file and its readable line.
+
+``MetricsWriter`` (rank 0, ``logging.metrics``) writes one JSON line per step: the step's own figures
+(``StepResult``: loss, tokens, times, bytes moved) and the program cache's hits and misses; a
+planner-driven step's planner figures; the documents of the step and the data position after it (a
+resumed run can be checked to train every document exactly once); with outlier delay, the documents
+that came from earlier steps and those still waiting; with memory tracking, every rank's measured
+and predicted peak bytes (``memory_figures``, collective); with DCP-inter, its balance figures. A
+resumed run keeps the lines of the steps before it and rewrites the rest.
+
+``format_step_line``: the line rank 0 prints per step.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from hgraph.runtime.checkpoint.run import rewrite_metrics_before
+from hgraph.runtime.data.documents import MiniBatch
+from hgraph.runtime.engine.executor import StepResult
+from hgraph.runtime.planner.service.iteration import all_gather_floats
+
+
+class MetricsWriter:
+    """The metrics file of a run (nothing without a ``path``); ``resumed_step``: the first step of a
+    resumed run (None: a fresh run, the file is started anew)."""
+
+    def __init__(self, path: Optional[str], resumed_step: Optional[int] = None) -> None:
+        self.file = None
+        if path:
+            if resumed_step is not None:
+                rewrite_metrics_before(Path(path), resumed_step)
+            self.file = open(path, "a" if resumed_step is not None else "w", encoding="utf-8")
+
+    def write(self, result: StepResult, cache: Any, batch: MiniBatch, delay_state: Optional[dict], *,
+              planned: dict, memory: dict, balance: dict) -> None:
+        """The line of one step (module docstring); ``delay_state``: the outlier-delay stream's
+        state after it (None without delay)."""
+        if self.file is None:
+            return
+        line = metrics_line(result, cache)
+        line.update(planned)
+        line["documents"] = [d.index for d in batch.docs]
+        line["next_document"] = batch.next_position
+        if delay_state is not None:
+            line["delayed"] = batch.delayed
+            line["pending_delay"] = batch.pending
+            line["delay_iters"] = list(batch.delay_iters)
+        line.update(memory)
+        line.update(balance)
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+def metrics_line(r: StepResult, cache: Any) -> dict:
+    """The step's own figures and the cache's hits and misses so far."""
+    return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
+            "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
+            "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
+            "pull_prefetched": r.pull_prefetched, "cache_hits": cache.hits,
+            "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
+
+
+def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float]) -> dict:
+    """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
+    nan = float("nan")
+    peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, world_size, device)
+    pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes, world_size, device)
+    return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
+            "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
+            "memory_budget": memory_budget, "recompute_layers": r.recompute_layers}
+
+
+def format_step_line(r: StepResult, planned: Optional[dict] = None) -> str:
+    """The readable per-iteration line: step, strategy, estimated vs measured ms, loss, tokens/s,
+    cache hit (the planner's fields only in planner-driven mode)."""
+    est = f"est {planned['est_latency_ms']:8.2f} ms  " if planned else ""
+    hit = ("  cache hit" if planned["cache_hit"] else "  cache miss") if planned else ""
+    tps = r.tokens / r.time_s if r.time_s > 0 else 0.0
+    return (f"step {r.step:>4}  {r.strategy:<28} {est}measured {1e3 * r.time_s:8.1f} ms  loss {r.loss:.6f}  "
+            f"{tps:8.0f} tok/s{hit}" + ("  (skipped: non-finite loss)" if r.skipped else ""))

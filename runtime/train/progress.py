@@ -1,0 +1,45 @@
+"""How a run reports progress without knowing how it is drawn.
+
+The runtime never draws bars itself (the terminal is the caller's business): the caller passes a
+factory of bars in the run's config (``hgraph train`` passes ``hgraph.tools.cli.progress.Progress``,
+bound to whether it draws on this terminal). Rank 0 makes its bars with it: ``factory(total, label,
+plain=...)`` -> a bar with ``update``, ``write`` (a line above the bar) and ``close``. ``plain`` asks
+a bar that is not drawn to print its notes as plain lines. Other ranks, and a run without a
+factory, get ``PrintedLines``: no bar, only the lines written.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+
+class ProgressBar(Protocol):
+    def update(self, n: int = 1, note: str = "") -> None: ...
+
+    def write(self, line: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProgressFactory(Protocol):
+    def __call__(self, total: int, label: str, *, plain: bool = False) -> ProgressBar: ...
+
+
+class PrintedLines:
+    """No bar: the lines written are printed (flushed), updates are not shown."""
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        pass
+
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(factory: Optional[ProgressFactory], total: int, label: str, *, rank: int,
+                 plain: bool = False) -> ProgressBar:
+    """Rank 0's bar from ``factory``; ``PrintedLines`` on the other ranks or without a factory."""
+    if factory is None or rank != 0:
+        return PrintedLines()
+    return factory(total, label, plain=plain)

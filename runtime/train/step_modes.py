@@ -1,0 +1,191 @@
+"""How a step's strategy and micro-batches are chosen: three step modes behind one interface.
+
+The training loop (``hgraph.runtime.train.trainer``) hands every mini-batch to its mode's
+``step(batch)``, which picks the step's strategy, takes its Program from the run's program cache,
+packs the documents into micro-batches per pipeline and runs the executor's step (collective: every
+rank calls it with the same mini-batch):
+
+* ``FixedSchedule`` (``planner.strategy_schedule``): step ``k`` runs ``S_(k mod n)``; the documents
+  are dispatched and packed by a simple built-in rule (``dispatch_and_pack``): longest first (ties
+  by file order), each goes to the pipeline with the least tokens per rank after adding it (LPT
+  weighted by the pipeline's ranks); inside a pipeline they are packed first-fit-decreasing into
+  micro-batches of at most ``microbatch_tokens`` tokens (default: the larger of the pipeline's
+  longest document and its tokens divided by its PP degree, so a PP pipeline gets about PP
+  micro-batches). A pipeline may get no document; it still takes part in pull and push.
+* ``PlannerDriven`` (no schedule): the planner (``hgraph.runtime.planner.service``) chooses the
+  strategy and the documents' pipelines and micro-batches; rank 0 plans and broadcasts the plan.
+* ``DcpInter`` (``planner.balance`` ``dcp-inter``, ``hgraph.runtime.train.dcp_inter``): a
+  homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
+  accumulation.
+
+A mode keeps, per step, what it adds to the metrics line (``planned``: the planner's figures, which
+the step line also shows; ``balance``: DCP-inter's), says what a checkpoint stores of the strategy
+choice (``checkpoint_state``) and which candidates it chose among (``candidates``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional, Sequence
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint.run import planner_state
+from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
+from hgraph.runtime.engine.executor import MicroBatch, StepResult
+from hgraph.runtime.planner.service.iteration import all_gather_floats, model_cost_model, pipeline_metrics
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
+from hgraph.strategy import Strategy, parse_strategy_list
+
+
+def parse_schedule(text: str, world_size: int) -> list[Strategy]:
+    """``"S1;S2;..."`` -> strategies; each must use exactly ``world_size`` ranks (one-line error)."""
+    return parse_strategy_list(text, world_size, "--strategy-schedule")
+
+
+def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
+                      microbatch_tokens: Optional[int] = None) -> list[list[list[Document]]]:
+    """The built-in rule (module docstring): per pipeline, its micro-batches, each a list of documents."""
+    n = len(strategy.pipelines)
+    load = [0] * n
+    assigned: list[list[Document]] = [[] for _ in range(n)]
+    for d in sorted(docs, key=lambda d: (-len(d), d.index)):
+        best = min(range(n), key=lambda i: ((load[i] + len(d)) / strategy.pipelines[i].num_ranks, i))
+        assigned[best].append(d)
+        load[best] += len(d)
+    out = []
+    for i, mine in enumerate(assigned):
+        if not mine:
+            out.append([])
+            continue
+        longest = max(len(d) for d in mine)
+        cap = microbatch_tokens or max(longest, math.ceil(load[i] / strategy.pipelines[i].pp))
+        if cap < longest:
+            d = max(mine, key=len)
+            raise HGraphError(f"document {d.index} has {len(d)} tokens, more than the micro-batch limit {cap}")
+        bins = first_fit(mine, cap)        # already longest first
+        out.append([sorted(b, key=lambda d: d.index) for b in bins])
+    return out
+
+
+def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch]]:
+    """Per pipeline, its micro-batches (lists of documents) packed into rows."""
+    return [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
+
+
+class StepMode:
+    """The interface the training loop calls (module docstring)."""
+
+    def __init__(self, cache: Any, executor: Any) -> None:
+        self.cache, self.executor = cache, executor
+        self.planned: dict[int, dict] = {}      # per step, the planner's figures (planner-driven)
+        self.balance: dict[int, dict] = {}      # per step, DCP-inter's figures
+
+    def step(self, batch: MiniBatch) -> StepResult:
+        raise NotImplementedError
+
+    def checkpoint_state(self) -> dict:
+        """What a resume needs of the strategy choice (``checkpoint.run.planner_state``)."""
+        raise NotImplementedError
+
+    def candidates(self) -> list[str]:
+        """The strategies the planner chose among (none without a planner)."""
+        return []
+
+    def close(self) -> None:
+        """The run is over (or failed): stop what the mode started."""
+
+
+class FixedSchedule(StepMode):
+    """Step ``k`` runs ``schedule[k mod n]``, packed by ``dispatch_and_pack``."""
+
+    def __init__(self, schedule: Sequence[Strategy], cache: Any, executor: Any, config: TrainConfig) -> None:
+        super().__init__(cache, executor)
+        self.schedule, self.config = list(schedule), config
+
+    def step(self, batch: MiniBatch) -> StepResult:
+        strategy = self.schedule[batch.step % len(self.schedule)]
+        program = self.cache.get(strategy)
+        mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
+        # a plain data-parallel step pulls the next step's parameters only if that step runs the same
+        # strategy (with a planner the next strategy is not known yet: the executor's default)
+        again = (batch.step + 1 < self.config.data.steps
+                 and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy)
+        return self.executor.step(program, mbs, batch.num_targets, batch.step, prefetch=again)
+
+    def checkpoint_state(self) -> dict:
+        return planner_state(self.config, None, self.schedule, self.executor.world_size)
+
+
+class PlannerDriven(StepMode):
+    """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
+
+    def __init__(self, planner: Any, cache: Any, executor: Any, config: TrainConfig) -> None:
+        super().__init__(cache, executor)
+        self.planner, self.config = planner, config
+
+    def step(self, batch: MiniBatch) -> StepResult:
+        ex = self.executor
+        planned = self.planner.plan(batch)
+        hits = self.cache.hits
+        t0 = time.perf_counter()
+        program = self.cache.get(planned.plan.strategy)
+        switch_s = time.perf_counter() - t0
+        result = ex.step(program, planned.microbatches, batch.num_targets, batch.step)
+        busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
+        if ex.rank == 0 and self.cache.hits > hits:   # a compiling step says nothing about later ones
+            self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
+        self.planned[batch.step] = {
+            "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
+            "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
+            "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
+            "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
+            "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
+            "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
+        return result
+
+    def checkpoint_state(self) -> dict:
+        return planner_state(self.config, self.planner, self.planner.candidates, self.executor.world_size)
+
+    def candidates(self) -> list[str]:
+        return [str(s) for s in self.planner.candidates]
+
+    def close(self) -> None:
+        if self.planner.ahead is not None:
+            self.planner.ahead.stop()
+
+
+class DcpInter(FixedSchedule):
+    """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
+    (``dcp_inter.dcp_inter_step``) with the cost model's micro-batch times; figures to ``balance``."""
+
+    def __init__(self, schedule: Sequence[Strategy], cost: Any, cache: Any, executor: Any,
+                 config: TrainConfig) -> None:
+        super().__init__(schedule, cache, executor, config)
+        self.cost = cost
+
+    def step(self, batch: MiniBatch) -> StepResult:
+        world_size, cfg = self.executor.world_size, self.config
+        rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / world_size)
+        planned = dcp_inter_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
+        self.balance[batch.step] = planned.metrics()
+        program = self.cache.get(planned.strategy)
+        return self.executor.step(program, packed(planned.plan), batch.num_targets, batch.step)
+
+
+def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any, world_size: int) -> Any:
+    """``planner.balance``: checked; for ``dcp-inter`` (a homogeneous data-parallel schedule) the cost
+    model whose micro-batch times it balances, else None."""
+    balance = config.planner.balance
+    if balance not in BALANCE_MODES:
+        raise HGraphError(f"--balance {balance!r}: expected one of {', '.join(BALANCE_MODES)}")
+    if balance != DCP_INTER:
+        return None
+    homogeneous = (not config.planner_driven and len(set(schedule)) == 1
+                   and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in schedule[0].pipelines))
+    if not homogeneous:
+        raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+                          f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")
+    cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
+    cost.activation_budget_bytes = config.planner.memory_budget
+    return cost
