@@ -19,21 +19,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.checkpoint import shards as checkpoint
+from hgraph.runtime.engine.optimizer import ShardedAdam
+from hgraph.runtime.train.launch import spawn
 
 
 def _optimizer(spec: str, model_args: dict, rank: int, world_size: int):
-    import torch
-    from hgraph.frontends.zoo import resolve_model_spec
-    from hgraph.runtime.engine.optimizer import ShardedAdam
     torch.manual_seed(0)
     model = resolve_model_spec(spec, model_args)
     return ShardedAdam(model.named_parameters(), {}, rank, world_size)
 
 
 def _save_worker(rank: int, world_size: int, spec: str, model_args: dict, root: str, repeats: int) -> list:
-    import torch.distributed as dist
-    from hgraph.runtime.checkpoint import shards as checkpoint
     opt = _optimizer(spec, model_args, rank, world_size)
     times = []
     for k in range(repeats):
@@ -47,7 +49,6 @@ def _save_worker(rank: int, world_size: int, spec: str, model_args: dict, root: 
 
 def _load_times(root: str, world_size: int, repeats: int, verify: bool) -> float:
     """Median time for all ``world_size`` ranks to load (sequentially here: the total work)."""
-    from hgraph.runtime.checkpoint import shards as checkpoint
     totals = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -59,8 +60,6 @@ def _load_times(root: str, world_size: int, repeats: int, verify: bool) -> float
 
 def run_benchmark(spec: str, model_args: dict, world_size: int, load_sizes: list[int], repeats: int) -> dict:
     """The figures as a dict (see the module docstring)."""
-    from hgraph.runtime.checkpoint import shards as checkpoint
-    from hgraph.runtime.train.launch import spawn
     with tempfile.TemporaryDirectory(prefix="hgraph-ckpt-bench-") as root:
         per_rank = spawn(_save_worker, world_size, args=(spec, model_args, root, repeats), timeout_s=600)
         folder = checkpoint.latest(root)

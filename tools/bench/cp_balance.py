@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, AttentionKernelModel,
-                                                choose_sharding, per_document_plan, per_sequence_plan)
+                                              choose_sharding, per_document_plan, per_sequence_plan)
 
 ADAPTIVE = "adaptive"
 
@@ -95,7 +96,6 @@ def main(argv=None) -> int:
     try:
         if args.context < 1 or args.micro_batches < 1 or min(args.cp) < 1 or args.hidden < 1:
             raise HGraphError("--context, --micro-batches, --cp and --hidden must be positive")
-        from hgraph.runtime.data.lengths import read_lengths
         path = Path(args.lengths) if args.lengths else default_lengths_path()
         lengths = read_lengths(path)
     except (HGraphError, OSError) as exc:

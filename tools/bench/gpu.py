@@ -20,7 +20,15 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+import hgraph
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.engine.executor import Executor, MicroBatch
+from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.varlen_attention import available_backend
 
 DEFAULT_MODEL_ARGS = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_layers": 8,
                       "num_heads": 16, "num_kv_heads": 8, "head_dim": 64, "max_seq_len": 8192}
@@ -28,7 +36,6 @@ DEFAULT_MODEL_ARGS = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_si
 
 def _documents(tokens: int, vocab: int, max_len: int, seed: int = 0) -> list[list[int]]:
     """Whole documents of built-in long-tail lengths (scaled to ``max_len``) summing to about ``tokens``."""
-    from hgraph.runtime.data.builtin import synthetic_documents
     docs = synthetic_documents(4 * tokens // 64 + 64, vocab, max_len, seed, scale=1.0)
     out, total = [], 0
     for d in docs:
@@ -58,12 +65,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu: error: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import torch.distributed as dist
-    import hgraph
-    from hgraph.runtime.engine.executor import Executor, MicroBatch
-    from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-    from hgraph.varlen_attention import available_backend
 
     model_args = json.loads(args.model_args)
     dev = torch.device("cuda", 0)

@@ -20,17 +20,20 @@ import json
 import statistics
 import sys
 
+import torch
+
 from hgraph.errors import HGraphError
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.data.documents import Document, mini_batches
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.train.trainer import TrainConfig, Trainer
+from hgraph.strategy import Strategy
 
 SEED = 7
 
 
 def _run(rank: int, world: int, strategy: str, steps: int, tokens: int, budgets: list) -> list[dict]:
-    import torch
-    from hgraph.runtime.data.builtin import synthetic_documents
-    from hgraph.runtime.data.documents import Document, mini_batches
-    from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.train.trainer import TrainConfig, Trainer
 
     torch.set_num_threads(1)
     groups = GroupCache(rank, world) if world > 1 else None
@@ -51,7 +54,6 @@ def _run(rank: int, world: int, strategy: str, steps: int, tokens: int, budgets:
 def _measure(world: int, strategy: str, steps: int, tokens: int, budgets: list) -> list[list[dict]]:
     if world == 1:
         return [_run(0, 1, strategy, steps, tokens, budgets)]
-    from hgraph.runtime.train.launch import spawn
     return spawn(_run, world, args=(strategy, steps, tokens, budgets), timeout_s=900)
 
 
@@ -82,7 +84,6 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
-        from hgraph.strategy import Strategy
         world = args.world_size or Strategy.parse(args.strategy).num_ranks
         if args.steps < 2 or args.tokens_per_iter < 2 or any(not 0 < f < 1 for f in args.fractions):
             raise HGraphError("--steps >= 2, --tokens-per-iter >= 2 and fractions in (0, 1) please")

@@ -44,7 +44,18 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hgraph
+from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.engine.executor import Executor, MicroBatch
+from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.strategy import Cluster, Strategy
 
 STRATEGIES_4 = ["4xTP1PP1", "1xTP2PP1+2xTP1PP1", "1xTP2PP2", "1xTP1PP2+1xTP2PP1"]
 
@@ -90,10 +101,6 @@ def _paired_times(fn_a, fn_b, steps: int, warmup: int = 3) -> dict:
 
 
 def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
-    import hgraph
-    from hgraph.runtime.engine.executor import Executor
-    from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
     cfg = TrainConfig.from_values(model=model_name, world_size=world, strategy_schedule=strategy, steps=1,
                                   tokens_per_iter=1)
     model = build_model(cfg)
@@ -105,9 +112,6 @@ def _setup(model_name: str, strategy: str, rank: int, world: int, groups=None):
 
 def single_rank(model_name: str, steps: int, docs: list[list[int]]) -> dict:
     """Compiled vs eager step time in this process (a one-rank gloo group for the executor)."""
-    import torch.distributed as dist
-    from hgraph.runtime.engine.executor import MicroBatch
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
     store_dir = tempfile.mkdtemp(prefix="hgraph-bench-")
     dist.init_process_group("gloo", init_method="file://" + os.path.join(store_dir, "s"), rank=0, world_size=1)
     try:
@@ -150,12 +154,6 @@ def _paired_blocks(fn_a, fn_b, blocks: int, block: int, barrier) -> dict:
 
 def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[list[int]],
                 block: int = 5) -> dict:
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    from hgraph.runtime.engine.executor import MicroBatch
-    from hgraph.runtime.engine.program_cache import ProgramCache
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
-    from hgraph.strategy import Cluster, Strategy
     compiled, ex = _setup(model_name, "4xTP1PP1", rank, world)
     cache = ProgramCache(compiled, Cluster(world, 8))
     share = [docs[i::world] for i in range(world)]
@@ -201,9 +199,6 @@ def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[
 
 def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict]:
     """Pull / push bytes of each strategy's plans against the per-rank minimum."""
-    import hgraph
-    from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
     compiled = hgraph.compile(build_model(TrainConfig.from_values(model=model_name, world_size=world)))
     rows = []
     for text in strategies:
@@ -246,7 +241,6 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from hgraph.runtime.train.launch import spawn
     docs = _docs(args.docs, args.doc_len, 512)
     one = _docs(4, 4 * args.doc_len, 512, seed=1)
     # "one doc": one document per rank, so packing plays no part and the ratio is the runtime's

@@ -14,7 +14,11 @@ import argparse
 import json
 from pathlib import Path
 
+import torch
+
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.train.trainer import TrainConfig, build_model
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -30,10 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def export_checkpoint(path: str, output: str, step=None) -> dict:
     """Write and check the state_dict (module docstring); returns what was written."""
-    import torch
 
-    from hgraph.runtime.checkpoint import shards as ckpt
-    from hgraph.runtime.train.trainer import TrainConfig, build_model
     root, folder = ckpt._resolve(path, step)
     folder = folder or ckpt.latest(root)
     if folder is None:
