@@ -6,7 +6,7 @@ sequence parallelism (``A = 34``) and 80 GiB, so on CPU MaxLen never binds and e
 every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
 
 * activations: bytes autograd saves for backward, counted by the runtime's own accounting
-  (``recompute.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
+  (``engine.memory.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
   TP rank's shard of the model (``tp_shard_config``) with 1 and 2 layers, on a micro-batch packed
   from several documents through the runtime's varlen attention (measured against the executor's
   own ``peak_mem_bytes`` on one rank: within 0.1%; a single-document micro-batch keeps ~4% less, so
@@ -59,7 +59,7 @@ def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = Non
     import contextlib
 
     import torch
-    from hgraph.runtime.engine.recompute import ActivationMeter
+    from hgraph.runtime.engine.memory import ActivationMeter
 
     meter = ActivationMeter(excluded=list(model.parameters()))
     ids = torch.randint(0, model.config.vocab_size, (1, length))
