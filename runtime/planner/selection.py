@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.schedule.dispatch import dispatch_fast, dispatch_sequences, improve_with_alg1
+from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
+from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast, improve_with_alg1
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.strategy import Cluster, Scheme, Strategy
 
