@@ -37,7 +37,8 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
-    from hgraph.runtime.planner.cost.cost_model import analytic_cost_model, load_cost_model
+    from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
+    from hgraph.runtime.planner.cost.cost_model import load_cost_model
 
     if profile not in (ANALYTIC, MEASURE):
         return load_cost_model(profile, world_size, gpus_per_node)
