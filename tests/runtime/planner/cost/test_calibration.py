@@ -14,7 +14,7 @@ from hgraph.strategy import Scheme, Strategy
 
 
 def test_a_tp_shard_divides_heads_mlp_and_vocabulary_and_keeps_the_head_size():
-    from hgraph.runtime.planner.service.iteration import tp_shard_config
+    from hgraph.runtime.planner.cost.runtime_memory import tp_shard_config
     cfg = llama.make_config("tiny")
     shard = tp_shard_config(cfg, 2, 2)
     assert (shard.num_layers, shard.num_heads, shard.num_kv_heads, shard.head_dim) == (2, 2, 1, cfg.head_dim)
