@@ -59,6 +59,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.schedule.dcp import idle_fraction
 from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker
+from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "deepspeed", "hotspa", "wlb", "dcp")
@@ -251,8 +252,6 @@ def iteration_lower_bound(lengths, cost, gpus: int) -> float:
 
 # ---- systems ------------------------------------------------------------------------------------
 def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int) -> SystemResult:
-    from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
-
     t0 = time.perf_counter()
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
     propose_ms = (time.perf_counter() - t0) * 1e3
