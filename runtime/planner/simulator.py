@@ -1,7 +1,7 @@
 """Simulated training iterations of a length distribution under the cost model: hgraph vs baselines.
 
 Every system sees the same mini-batches: the dataset's documents in a seeded random order, cut into
-mini-batches of ``tokens_per_iter`` tokens in that order (``lengths_io.minibatches``); documents
+mini-batches of ``tokens_per_iter`` tokens in that order (``data.lengths.minibatches``); documents
 longer than the context ``max_len`` are truncated to it (the papers' practice) or dropped. A system's
 iteration latency is the propagation latency of the cost model (``T(l, P) = a l^2 + b l + c`` per
 micro-batch and pipeline stage; a 1F1B pipeline takes ``sum + (PP - 1) * max`` of its micro-batch
