@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.data.documents import Document, MiniBatch
+from hgraph.runtime.data.documents import Document, MiniBatch, mini_batches
 from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker, _Doc
 
 _STATE_VERSION = 1
@@ -194,7 +194,6 @@ def run_mini_batches(docs: Sequence[Document], config, world_size: int,
     """The mini-batches a run (``TrainConfig``) trains from its start or from the checkpoint
     ``resumed``, each with the delay state after it (None without outlier delay). The trainer and the
     planner process both call this, so they see the same stream."""
-    from hgraph.runtime.data.documents import mini_batches
     queues = int(getattr(config, "outlier_queues", 0) or 0)
     saved = dict(resumed.delay_queues) if resumed is not None else {}
     if resumed is not None:

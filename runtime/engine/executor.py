@@ -233,7 +233,7 @@ class Executor:
         comm.param_sync = sync
         state = RankState(program, rp, gm, working, comm, sync)
         if self.track_memory:
-            from hgraph.runtime.engine.recompute import attach_stage_memory
+            from hgraph.runtime.engine.memory import attach_stage_memory
             attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
         self.programs.keep_state(program, state)
         return state

@@ -13,8 +13,12 @@ from typing import Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.schedule.dispatch import dispatch_fast, dispatch_sequences, improve_with_alg1
+from hgraph.runtime.data.lengths import minibatches
+from hgraph.runtime.planner.interval_cost import DEFAULT_TOKENS_PER_GPU
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
+from hgraph.runtime.planner.proposal import propose
+from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
+from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast, improve_with_alg1
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
@@ -260,8 +264,6 @@ def sample_dataset_minibatches(lengths, max_len: int, tokens_per_iter: int, samp
                                seed: int = 0) -> list[np.ndarray]:
     """``samples`` mini-batches of ``tokens_per_iter`` tokens (lengths truncated to ``max_len``),
     each the first one of a window starting at a seeded random position of ``lengths``."""
-    from hgraph.runtime.data.lengths import minibatches
-
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_len)
     rng = np.random.default_rng(seed)
     picked = []
@@ -313,8 +315,6 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     full-context candidate always among them); the best homogeneous strategy and then the sampled
     winners take what room is left, so a set with room keeps the guarantee above.
     """
-    from hgraph.runtime.planner.proposal import DEFAULT_TOKENS_PER_GPU, propose
-
     tokens = int(tokens_per_iter or DEFAULT_TOKENS_PER_GPU * gpus)
     if not homogeneous_strategies(cost, gpus, max_len) and cost.largest_max_len() < max_len:
         raise HGraphError(

@@ -1,7 +1,7 @@
 """Simulated training iterations of a length distribution under the cost model: hgraph vs baselines.
 
 Every system sees the same mini-batches: the dataset's documents in a seeded random order, cut into
-mini-batches of ``tokens_per_iter`` tokens in that order (``lengths_io.minibatches``); documents
+mini-batches of ``tokens_per_iter`` tokens in that order (``data.lengths.minibatches``); documents
 longer than the context ``max_len`` are truncated to it (the papers' practice) or dropped. A system's
 iteration latency is the propagation latency of the cost model (``T(l, P) = a l^2 + b l + c`` per
 micro-batch and pipeline stage; a 1F1B pipeline takes ``sum + (PP - 1) * max`` of its micro-batch
@@ -59,6 +59,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.planner.schedule.dcp import idle_fraction
 from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker
+from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "deepspeed", "hotspa", "wlb", "dcp")
@@ -251,8 +252,6 @@ def iteration_lower_bound(lengths, cost, gpus: int) -> float:
 
 # ---- systems ------------------------------------------------------------------------------------
 def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int) -> SystemResult:
-    from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
-
     t0 = time.perf_counter()
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
     propose_ms = (time.perf_counter() - t0) * 1e3

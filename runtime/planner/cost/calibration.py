@@ -35,8 +35,12 @@ import time
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
+import torch
+import torch.distributed as dist
+
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
+from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024)
 COMM_LENGTHS = (64, 1024)
@@ -55,7 +59,6 @@ def _fit_line(lengths: Sequence[int], ms: Sequence[float]) -> tuple[float, float
 
 
 def _all_gather(obj: Any) -> list[Any]:
-    import torch.distributed as dist
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * dist.get_world_size()
@@ -81,8 +84,6 @@ def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: An
                     repeats: int) -> Optional[list[float]]:
     """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
     ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
-    import torch
-    import torch.distributed as dist
     members = [list(range(g, g + tp)) for g in range(0, world_size - tp + 1, tp)]
     groups.ensure(members)
     mine = next((m for m in members if rank in m), None)
@@ -106,8 +107,6 @@ def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: An
 def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats: int) -> Optional[list[float]]:
     """ms of one send/recv of ``l x hidden`` between ranks 2i and 2i+1 (all pairs at once); the
     receiver's time (which includes the transfer) is returned on the odd rank."""
-    import torch
-    import torch.distributed as dist
     pairs = world_size // 2 * 2
     if rank >= pairs:
         dist.barrier()
@@ -133,9 +132,6 @@ def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[in
     paired differences and the rest the median 1-layer time minus it; medians, not minima, because
     ranks that share cores are slowed for the whole step (measured: the minimum was ~2.5x too low).
     """
-    import torch
-    from hgraph.runtime.planner.cost.profiler import _fwd_bwd_ms
-
     torch.manual_seed(0)
     models = {tp: (build(1, tp), build(2, tp)) for tp in tps}
     out: dict[int, tuple[list[float], list[float]]] = {tp: ([], []) for tp in tps}
@@ -146,7 +142,7 @@ def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[in
         for k in range(repeats + 1):
             for tp in tps:
                 one, two = models[tp]
-                t1, t2 = _fwd_bwd_ms(one, ids[tp]), _fwd_bwd_ms(two, ids[tp])
+                t1, t2 = fwd_bwd_ms(one, ids[tp]), fwd_bwd_ms(two, ids[tp])
                 if k:                                    # the first round warms up
                     diffs[tp].append(t2 - t1)
                     ones[tp].append(t1)
@@ -174,8 +170,6 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     shard (``tp`` 1: the model's own layers);
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
     Returns the model and the raw measurements."""
-    import torch
-
     dtype = dtype or torch.float32
     hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
     lengths = [int(l) for l in lengths if l <= max(getattr(model_config, "max_seq_len", max(lengths)), 3)]
@@ -197,7 +191,6 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         layer[tp] = fit_coefficients(list(zip(lengths, raw["layer_ms"][tp])))
         rest[tp] = fit_coefficients(list(zip(lengths, raw["rest_ms"][tp])))
     tp_line: dict[int, tuple[float, float]] = {1: (0.0, 0.0)}
-    import torch.distributed as dist
     multi = dist.is_initialized() and world_size > 1
     for tp in tps:
         if tp == 1 or not multi:

@@ -27,6 +27,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.profiles import resolve_profile
+from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
 from hgraph.strategy import Scheme
 
 DEFAULT_CP_EFFICIENCY = 0.9
@@ -193,11 +194,10 @@ class CostModel:
 
     def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
         """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus the forward of the layers it
-        recomputes when ``activation_budget_bytes`` is set (``planner.recompute``)."""
+        recomputes when ``activation_budget_bytes`` is set (``schedule.recompute``)."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
         t = float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
         if self.activation_budget_bytes is not None:
-            from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
             t += recompute_extra_ms(self, arr, scheme, self.activation_budget_bytes)[0]
         return t
 
@@ -315,9 +315,3 @@ def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, floa
             break
         active.remove(negative[0])
     return (float(max(fit.get("a", 0.0), 0.0)), float(max(fit.get("b", 0.0), 0.0)), float(max(fit.get("c", 0.0), 0.0)))
-
-
-def analytic_cost_model(*args, **kwargs) -> CostModel:
-    """Analytic prior (see ``hgraph.runtime.planner.cost.analytic_prior.analytic_cost_model``)."""
-    from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model as build
-    return build(*args, **kwargs)

@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import torch
+
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import (
     CostModel, MemoryModel, ModelShape, fit_coefficients)
@@ -38,9 +40,8 @@ class LayerTimings:
     rest_ms: list[float]
 
 
-def _fwd_bwd_ms(model, ids) -> float:
-    import torch
-
+def fwd_bwd_ms(model, ids) -> float:
+    """ms of one forward + backward of ``model`` on ``ids`` (next-token loss)."""
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     logits = model(ids)
@@ -52,23 +53,19 @@ def _fwd_bwd_ms(model, ids) -> float:
 def _time_pair(one, two, length: int, vocab: int, repeats: int, warmup: int) -> tuple[float, float]:
     """Fastest of ``repeats`` runs of each model, the two interleaved so that a busy machine
     slows both alike; the minimum is the run least disturbed by other processes."""
-    import torch
-
     ids = torch.randint(0, vocab, (1, length))
     for _ in range(warmup):
-        _fwd_bwd_ms(one, ids)
-        _fwd_bwd_ms(two, ids)
+        fwd_bwd_ms(one, ids)
+        fwd_bwd_ms(two, ids)
     t1, t2 = [], []
     for _ in range(repeats):
-        t1.append(_fwd_bwd_ms(one, ids))
-        t2.append(_fwd_bwd_ms(two, ids))
+        t1.append(fwd_bwd_ms(one, ids))
+        t2.append(fwd_bwd_ms(two, ids))
     return min(t1), min(t2)
 
 
 def _saved_bytes(model, length: int, vocab: int) -> int:
     """Bytes of the distinct tensors autograd saves for backward in one forward pass."""
-    import torch
-
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t):
@@ -94,8 +91,6 @@ def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], voca
 
     ``threads`` sets torch's intra-op threads while timing (restored afterwards).
     """
-    import torch
-
     torch.manual_seed(0)
     one, two = build(1), build(2)
     layer, rest = [], []

@@ -6,7 +6,7 @@ sequence parallelism (``A = 34``) and 80 GiB, so on CPU MaxLen never binds and e
 every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
 
 * activations: bytes autograd saves for backward, counted by the runtime's own accounting
-  (``recompute.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
+  (``engine.memory.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
   TP rank's shard of the model (``tp_shard_config``) with 1 and 2 layers, on a micro-batch packed
   from several documents through the runtime's varlen attention (measured against the executor's
   own ``peak_mem_bytes`` on one rank: within 0.1%; a single-document micro-batch keeps ~4% less, so
@@ -23,47 +23,50 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any, Iterable, Optional, Sequence
 
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo.llama import tp_shard_config
+from hgraph.runtime.engine.memory import ActivationMeter
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel
+from hgraph.strategy import Scheme
+from hgraph.varlen_attention import varlen_attention
 
 MEASURE_LENGTH = 128          # tokens of the accounting pass (bytes are linear in it without l^2 terms)
 PACKED_DOC_LEN = 32          # documents of the accounting pass (a packed micro-batch; any size >1 doc counts alike)
 MASTER_AND_ADAM_BYTES = 12    # fp32 master + Adam m + v per parameter, sharded over all ranks
 
 
-def _packed_attention(cu_seqlens: Sequence[int]) -> Any:
+class PackedAttention(TorchFunctionMode):
     """A context in which ``F.scaled_dot_product_attention`` runs as the runtime's per-document
     ``varlen_attention`` over ``cu_seqlens``: a packed micro-batch's attention keeps per-document
     slices of Q, K, V (measured: +4% bytes per token for llama:tiny), which one SDPA call does not."""
-    import torch.nn.functional as F
-    from torch.overrides import TorchFunctionMode
-    from hgraph.varlen_attention import varlen_attention
 
-    class PackedAttention(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is F.scaled_dot_product_attention:     # the mode is off inside its own handler
-                return varlen_attention(*args[:3], cu_seqlens, enable_gqa=kwargs.get("enable_gqa", False))
-            return func(*args, **kwargs)
+    def __init__(self, cu_seqlens: Sequence[int]) -> None:
+        super().__init__()
+        self.cu_seqlens = cu_seqlens
 
-    return PackedAttention()
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:     # the mode is off inside its own handler
+            return varlen_attention(*args[:3], self.cu_seqlens, enable_gqa=kwargs.get("enable_gqa", False))
+        return func(*args, **kwargs)
 
 
 def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = None) -> int:
     """Bytes autograd keeps for backward in one forward of ``model`` on ``length`` random tokens
     (the runtime's ``ActivationMeter``; parameters excluded), packed as documents of ``doc_len``
     tokens through the runtime's varlen attention (None: one document, plain SDPA)."""
-    import contextlib
-
-    import torch
-    from hgraph.runtime.engine.recompute import ActivationMeter
-
     meter = ActivationMeter(excluded=list(model.parameters()))
     ids = torch.randint(0, model.config.vocab_size, (1, length))
-    packed = _packed_attention(list(range(0, length, doc_len)) + [length]) if doc_len else contextlib.nullcontext()
+    packed = PackedAttention(list(range(0, length, doc_len)) + [length]) if doc_len else contextlib.nullcontext()
     with meter.hooks(), packed:
         logits = model(ids)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
@@ -75,10 +78,6 @@ def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = Non
 def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASURE_LENGTH,
                                dtype: Any = None) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
     """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring)."""
-    import torch
-    from hgraph.frontends.zoo import llama
-    from hgraph.frontends.zoo.llama import tp_shard_config
-
     A, other = [], []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -123,12 +122,8 @@ def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[floa
         return cost
     cfg = getattr(model, "config", None)
     tps = sorted({tp for tp, _, _ in cost.profiled})
-    try:
-        from hgraph.frontends.zoo import llama
-        ours = isinstance(cfg, llama.LlamaConfig) and (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
-            (cost.model.hidden, cost.model.layers, cost.model.vocab)
-    except ImportError:      # pragma: no cover - the zoo ships with the package
-        ours = False
+    ours = isinstance(cfg, llama.LlamaConfig) and (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
+        (cost.model.hidden, cost.model.layers, cost.model.vocab)
     if ours:
         memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes)
     else:
@@ -141,7 +136,6 @@ def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, co
     """The built-in run's limit: the smallest device on which the widest TP scheme (``TPmax PP1``)
     still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about two
     thirds of it (llama:tiny), so the longest documents need TP >= 2 while most fit TP1PP1."""
-    from hgraph.strategy import Scheme
     mem = cost.memory
     widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.cp == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)

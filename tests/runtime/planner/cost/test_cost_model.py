@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost.cost_model import analytic_cost_model, fit_coefficients, load_cost_model
+from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
+from hgraph.runtime.planner.cost.cost_model import fit_coefficients, load_cost_model
 from hgraph.runtime.planner.cost.profiles import builtin_profile_names, builtin_profiles
 from hgraph.strategy import Scheme
 

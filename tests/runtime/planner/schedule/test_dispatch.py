@@ -5,7 +5,9 @@ from hypothesis import example, given, settings, strategies as st
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.dispatch import ALG1_SEED_MAX_DOCS, ALG1_TRIALS, alg1_assignment, dispatch_sequences
+from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
+from hgraph.runtime.planner.schedule.dispatch_alg1 import alg1_assignment
+from hgraph.runtime.planner.schedule.dispatch_fast import ALG1_SEED_MAX_DOCS, ALG1_TRIALS
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)

@@ -1,0 +1,279 @@
+"""The runtime's accounting of activation memory and, under a budget, the per-micro-batch choice of
+the blocks to recompute.
+
+``ActivationMeter`` is the CPU measurement of activation memory: saved-tensor hooks count the bytes
+of every tensor autograd saves for backward (each storage once; the working parameters excluded)
+and release them when autograd drops them, so ``live_bytes`` follows the activations held between
+forward and backward and ``peak_bytes`` is their maximum. A recomputed block (``recompute.run_block``)
+adds its checkpointed inputs while it waits for backward, and, during its replay, the tensors the
+replay saves (tracked by a dispatch mode inside the recompute context): that transient is the
+block's stash. Per block the meter records what one layer stashed (``observations``) for the memory
+model (``hgraph.runtime.planner.schedule.recompute``).
+
+``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
+features and, with a budget, picks how many of the stage's blocks recompute (the model's choice,
+agreed over the stage's TP x CP group); per step it refits the model to what was measured.
+``attach_stage_memory`` gives an executor's rank state its ``StageMemory`` and, with a budget,
+outlines the graph's blocks for recomputation (``recompute.outline_blocks``).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
+from hgraph.runtime.planner.schedule.recompute import choose_recompute_layers, fit_activation_model
+
+
+class _Saved:
+    """A tensor saved for backward, counted until autograd drops it."""
+
+    __slots__ = ("tensor", "key", "meter", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: "ActivationMeter") -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+class _Held:
+    """Checkpointed inputs of a recomputed block, counted while its checkpoint frame lives."""
+
+    def __init__(self, keys: list[int], meter: "ActivationMeter") -> None:
+        self.keys, self.meter = keys, meter
+
+    def __del__(self) -> None:
+        for key in self.keys:
+            self.meter._release(key)
+
+
+class _ReplayTracker(TorchDispatchMode):
+    """Inside a block's replay: remembers (weakly) every tensor an op produced."""
+
+    def __init__(self, meter: "ActivationMeter", features: Any) -> None:
+        super().__init__()
+        self.meter, self.features, self.refs = meter, features, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        # what is still alive once the replay's outputs were dropped is what the replay saved
+        seen: dict[int, int] = {}
+        for ref in self.refs:
+            t = ref()
+            if t is not None:
+                key, nbytes = _storage(t)
+                if key and key not in self.meter._live and key not in self.meter.excluded:
+                    seen[key] = nbytes
+        transient = sum(seen.values())
+        self.meter.peak_bytes = max(self.meter.peak_bytes, self.meter.live_bytes + transient)
+        self.meter.observe("layer", self.features, transient, in_forward=False)
+        self.refs = []
+        return result
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class ActivationMeter:
+    """Counts the bytes autograd holds for backward on this rank (module docstring)."""
+
+    def __init__(self, excluded: Any = ()) -> None:
+        self.excluded: set[int] = set()
+        self.exclude(excluded)
+        self._live: dict[int, list[int]] = {}       # storage ptr -> [bytes, references]
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.features: Any = None         # the current micro-batch's features (set by the executor)
+        self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": []}
+        self.forward_block_bytes = 0      # bytes attributed to blocks during the current forward
+
+    def exclude(self, tensors: Any) -> None:
+        """Storages never counted (the working parameters: they live anyway)."""
+        for t in tensors:
+            key, _ = _storage(t)
+            self.excluded.add(key)
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.live_bytes
+
+    def _add(self, t: torch.Tensor) -> Optional[int]:
+        key, nbytes = _storage(t)
+        if not key or key in self.excluded:
+            return None
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [nbytes, 1]
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        else:
+            entry[1] += 1
+        return key
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self._live[key]
+            self.live_bytes -= entry[0]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        key = self._add(t)
+        return t if key is None else _Saved(t, key, self)
+
+    @staticmethod
+    def _unpack(p: Any) -> torch.Tensor:
+        return p.tensor if isinstance(p, _Saved) else p
+
+    def hooks(self) -> Any:
+        """The context that counts what autograd saves (wrap a micro-batch's forward in it)."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def hold(self, inputs: Any) -> _Held:
+        before = self.live_bytes
+        keys = [k for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)
+                for k in [self._add(t)] if k is not None]
+        self.observe("checkpoint", self.features, self.live_bytes - before, in_forward=True)
+        return _Held(keys, self)
+
+    def replay_tracker(self, features: Any) -> _ReplayTracker:
+        return _ReplayTracker(self, features)
+
+    def observe(self, kind: str, features: Any, nbytes: int, in_forward: bool) -> None:
+        """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``) or what the
+        rest of the stage saved (``other``) for a micro-batch of ``features``."""
+        if in_forward:
+            self.forward_block_bytes += int(nbytes)
+        if features is not None:
+            self.observations[kind].append((features, int(nbytes)))
+
+
+# ---- per-stage policy used by the executor --------------------------------------------------------
+def microbatch_features(mb: Any, layout: Any = None) -> tuple[int, int]:
+    """(tokens, attention entries) of a micro-batch on this rank: with a CP layout, the local queries
+    of each document times that document's gathered keys; otherwise ``sum l_d^2``."""
+    if layout is None:
+        return int(sum(mb.doc_lengths)), int(sum(l * l for l in mb.doc_lengths))
+    local = layout.local_tokens
+    per_doc_q: dict[int, int] = {}
+    for i in local:
+        d = layout.doc_of[i]
+        per_doc_q[d] = per_doc_q.get(d, 0) + 1
+    return len(local), int(sum(q * mb.doc_lengths[d] for d, q in per_doc_q.items()))
+
+
+class StageMemory:
+    """Activation accounting and (with a budget) the per-micro-batch recomputation of one rank.
+
+    ``budget``: bytes of activations this rank may hold; None measures only. ``layers``: the layer
+    indices of the stage's blocks (in order). ``group``: the process group of the stage's TP x CP
+    ranks as a 1-tuple (its process group, None for the default group) or None alone; the recomputed
+    layer count is agreed over it (max).
+    """
+
+    def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
+                 group: Any = None, device: Any = None) -> None:
+        self.meter, self.layers, self.budget = meter, list(layers), budget
+        self.group, self.device = group, device
+        self.model = None
+        self._held: dict[int, float] = {}
+        self._start_live = 0
+        self.step_predicted: list[float] = []
+        self.step_recompute: list[int] = []
+        self._unknown = False
+
+    def begin_step(self) -> None:
+        self.meter.reset_peak()
+        self._held.clear()
+        self.step_predicted, self.step_recompute, self._unknown = [], [], False
+
+    def before_forward(self, comm: Any, index: int, mb: Any, layout: Any) -> None:
+        f = microbatch_features(mb, layout)
+        self.meter.features = f
+        self.meter.forward_block_bytes = 0
+        self._start_live = self.meter.live_bytes
+        r, predicted = 0, None
+        if self.budget is not None:
+            held = sum(self._held.values())
+            if self.model is None:
+                r = len(self.layers)          # nothing measured yet: recompute all (the least memory)
+            else:
+                choice = choose_recompute_layers(self.model, f, len(self.layers), self.budget, held)
+                r, predicted = choice.layers, choice.predicted_peak
+            r = self._agree(r)
+            if self.model is not None:
+                predicted = self.model.peak(f, len(self.layers), r, held)
+                self._held[index] = self.model.held(f, len(self.layers), r)
+            comm.recompute_layers = frozenset(self.layers[:r])   # the first blocks: freed last
+        self.step_recompute.append(r)
+        if predicted is None:
+            self._unknown = True
+        else:
+            self.step_predicted.append(predicted)
+
+    def after_forward(self) -> None:
+        other = self.meter.live_bytes - self._start_live - self.meter.forward_block_bytes
+        self.meter.observe("other", self.meter.features, other, in_forward=False)
+        self.meter.features = None
+
+    def after_backward(self, index: int) -> None:
+        self._held.pop(index, None)
+
+    def end_step(self, comm: Any) -> tuple[int, Optional[float], list[int]]:
+        """(measured peak bytes, predicted peak bytes or None, recomputed layers per micro-batch);
+        refits the model to everything measured so far."""
+        comm.recompute_layers = None
+        obs = self.meter.observations
+        for kind in obs:
+            obs[kind] = obs[kind][-256:]           # recent micro-batches are enough for the fit
+        self.model = fit_activation_model(obs["layer"], obs["checkpoint"], obs["other"])
+        predicted = None if self._unknown or not self.step_predicted else max(self.step_predicted)
+        return self.meter.peak_bytes, predicted, list(self.step_recompute)
+
+    def _agree(self, r: int) -> int:
+        if self.group is None:
+            return r
+        t = torch.tensor([r], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group[0])   # None: the default group
+        return int(t[0])
+
+
+def attach_stage_memory(state: Any, program: Any, groups: Any, budget: Optional[float], device: Any) -> None:
+    """Give an executor's ``RankState`` its ``StageMemory``; with a budget, its graph's blocks are
+    outlined for recomputation (the same computation; the original graph is kept for a budget-less
+    executor sharing the program)."""
+    rp = state.rank_program
+    meter = ActivationMeter(state.working.values())
+    layers: list[int] = []
+    group = None
+    if budget is not None:
+        outlined = outline_blocks(state.graph)
+        if outlined is not state.graph:
+            layers = [layer for layer, _ in block_ranges(state.graph.graph)]
+            state.graph = outlined
+        stages: dict[tuple[int, int], list[int]] = {}
+        for r in program.ranks:
+            stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
+        groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
+        stage_ranks = sorted(stages[(rp.pipeline, rp.stage)])
+        if len(stage_ranks) > 1:
+            group = (groups.get(stage_ranks),)
+    state.comm.activation_meter = meter
+    state.comm.recompute_layers = None
+    state.memory = StageMemory(meter, layers, budget, group, device)
