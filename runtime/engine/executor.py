@@ -51,15 +51,15 @@ import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.context import CommContext
-from hgraph.runtime.kernels.cp_attention import CPLayout
-from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
-from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding,
-                                                 per_document_plan, per_sequence_plan)
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
+from hgraph.runtime.engine.memory import attach_stage_memory
 from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.kernels.cp_attention import CPLayout
+from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
+                                              per_sequence_plan)
 from hgraph.strategy import Cluster
 from hgraph.varlen_attention import cu_seqlens_for
-
 
 ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
@@ -131,7 +131,7 @@ class RankState:
     working: dict
     comm: CommContext
     sync: ParamSync
-    memory: Any = None      # a runtime.recompute.StageMemory: activation accounting, recomputation
+    memory: Any = None      # a engine.memory.StageMemory: activation accounting, recomputation
 
 
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
@@ -233,7 +233,6 @@ class Executor:
         comm.param_sync = sync
         state = RankState(program, rp, gm, working, comm, sync)
         if self.track_memory:
-            from hgraph.runtime.engine.memory import attach_stage_memory
             attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
         self.programs.keep_state(program, state)
         return state
