@@ -3,10 +3,11 @@ file, held by a frozen ``TrainConfig`` together with what the caller resolves fo
 
 The sections and their keys are those of ``hgraph.tools.cli.train_schema`` (``[model] [data]
 [cluster] [optimizer] [planner] [checkpointing] [logging]``), with the same defaults, so
-``TrainConfig()`` is the run ``hgraph train`` makes without options (but for the documents, which
-the command line generates). A key is named like its flag without dashes (``--tokens-per-iter`` is
-``data.tokens_per_iter``), and no two sections share a key name, so a config can be built and read
-by key alone, with no knowledge of the schema:
+``TrainConfig()`` holds the options of a bare ``hgraph train`` (which then resolves the run-time
+fields: the built-in documents, the metrics file in its run folder, the step lines and bars). A key
+is named like its flag without dashes (``--tokens-per-iter`` is ``data.tokens_per_iter``), and no
+two sections share a key name, so a config can be built and read by key alone, with no knowledge
+of the schema:
 
 * ``TrainConfig.from_values({"lr": 0.01, "steps": 3, ...})`` puts every key into its section (the
   command line builds its config so from the schema's resolved values; tests and library users
