@@ -23,9 +23,9 @@ raise a one-line ``TraceError`` naming the exception and the model code where ex
 from __future__ import annotations
 
 import contextlib
-import logging
 import inspect
 import io
+import logging
 import os
 import traceback
 from typing import Any, Iterator, Optional
@@ -37,8 +37,8 @@ import torch.nn as nn
 from hgraph.errors import TraceError
 from hgraph.frontends import aten_canonical
 from hgraph.frontends.canonicalize import _check_attention, canonical_param_names
-from hgraph.frontends.layer_replication import NotReplicable, layer_container, truncated_layers
-from hgraph.frontends.layer_replication import replicate_layers as replicate
+from hgraph.frontends.layer_replication import (NotReplicable, layer_container, replicate_layers as replicate,
+                                                truncated_layers)
 
 __all__ = ["LogitsOf", "export_trace", "logits_of"]
 

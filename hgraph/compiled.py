@@ -26,7 +26,7 @@ def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
     ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``.
     The HGraph's ``frontend`` attribute says which one was used.
     """
-    from hgraph.frontends.select import trace_model          # the API module wires the rooms, lazily
+    from hgraph.frontends.select import trace_model  # the API module wires the rooms, lazily
     from hgraph.passes.annotate import annotate_pass
     from hgraph.passes.insert_slots import insert_slots_pass
 

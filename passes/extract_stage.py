@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
 from hgraph.passes.stage_split import stage_of_blocks
-from hgraph import ops
 
 FREE = -1  # a node that only depends on graph inputs and parameters
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
-from hgraph import ops
 from hgraph.slots import empty_slot
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.meta import NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
-from hgraph import ops
 from hgraph.slots import empty_slot
 
 

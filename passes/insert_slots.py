@@ -27,8 +27,8 @@ from typing import Any, Iterable, Optional
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta
-from hgraph.passes.context import PassContext
 from hgraph.passes.annotate import parameter_names
+from hgraph.passes.context import PassContext
 from hgraph.slots import empty_slot
 
 

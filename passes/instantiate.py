@@ -15,6 +15,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from hgraph import ops
 from hgraph.errors import StrategyError
 from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
@@ -24,7 +25,6 @@ from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
-from hgraph import ops
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.strategy import Cluster, Strategy
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.meta import OpKind, get_meta
 from hgraph.passes.context import PassContext
-from hgraph import ops
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.meta import get_meta
 from hgraph.passes.context import PassContext
-from hgraph import ops
 
 
 def _first_compute_of_block(g: fx.Graph) -> dict[str, fx.Node]:

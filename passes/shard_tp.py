@@ -24,11 +24,11 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from hgraph import ops
 from hgraph.errors import StrategyError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_meta
 from hgraph.passes.context import PassContext
 from hgraph.program import ParamShard
-from hgraph import ops
 
 _RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
 

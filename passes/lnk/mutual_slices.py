@@ -35,7 +35,6 @@ from hgraph.comm_plan import (PlanError, Range, even_segments, merge_ranges, opt
                               require_size)
 from hgraph.strategy import Scheme, Strategy
 
-
 # ---- even layouts ------------------------------------------------------------------------------
 
 

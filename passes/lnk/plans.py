@@ -44,8 +44,8 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PlanError, PullPlan, PushPlan, Range,
-                               ReduceScatter, Transfer, Traffic, merge_ranges, optimizer_segments,
-                               require_positive_int, uncovered_ranges)
+                              ReduceScatter, Traffic, Transfer, merge_ranges, optimizer_segments,
+                              require_positive_int, uncovered_ranges)
 from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces
 from hgraph.passes.lnk.mutual_slices import mutual_slices, normalise_ranges, slices_within
 

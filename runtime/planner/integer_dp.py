@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hgraph.runtime.planner.interval_cost import (DEFAULT_GROWTH, DEFAULT_STEP, DEFAULT_TOKENS_PER_GPU,
-                                                 LengthHistogram, SchemeTable, pipeline_latency)
+                                                  LengthHistogram, SchemeTable, pipeline_latency)
 from hgraph.strategy import Scheme
 
 

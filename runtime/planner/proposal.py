@@ -56,8 +56,8 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.interval_cost import (DEFAULT_GROWTH, DEFAULT_STEP, DEFAULT_TOKENS_PER_GPU,
-                                                 LengthHistogram, SchemeTable, balanced_cost,
-                                                 pipeline_capacity, pooled_cost)
+                                                  LengthHistogram, SchemeTable, balanced_cost,
+                                                  pipeline_capacity, pooled_cost)
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 # Rounding tries floor and ceil of at most this many fractional pipeline counts (2^5 combinations).

@@ -56,8 +56,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.schedule.dcp import idle_fraction
 from hgraph.runtime.data.lengths import minibatches
+from hgraph.runtime.planner.schedule.dcp import idle_fraction
 from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy

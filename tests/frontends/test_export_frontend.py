@@ -9,8 +9,8 @@ import torch.nn.functional as F
 import hgraph
 from hgraph.errors import HGraphError, TraceError
 from hgraph.frontends.export_frontend import export_trace
-from hgraph.linear_ops import in_out_linear
 from hgraph.frontends.zoo import hf, llama, resolve_model_spec
+from hgraph.linear_ops import in_out_linear
 
 
 class Block(nn.Module):

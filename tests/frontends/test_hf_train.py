@@ -12,10 +12,11 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests.runtime.reference_training import reference_steps, write_random_documents  # noqa: E402
+
 from hgraph.frontends.zoo import resolve_model_spec  # noqa: E402
 from hgraph.runtime.data.documents import mini_batches, read_jsonl  # noqa: E402
 from hgraph.tools.cli import main  # noqa: E402
-from tests.runtime.reference_training import reference_steps, write_random_documents  # noqa: E402
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1+1xTP1PP2;4xTP1PP1;1xTP2PP2"

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import hgraph
+from hgraph import ops
 from hgraph.frontends.zoo import llama
 from hgraph.frontends.zoo.llama import Llama, make_config
-from hgraph import ops
 
 
 def test_compile_instance_runs_like_the_original():

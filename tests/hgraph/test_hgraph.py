@@ -6,9 +6,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hgraph.compiled import build_hgraph
 from hgraph.errors import HGraphError, TraceError
 from hgraph.frontends.zoo import build
-from hgraph.compiled import build_hgraph
 from hgraph.graph import ModelConfig, ParamInfo, infer_model_config
 from hgraph.meta import CommPoint, SlotKind, TPRole, get_meta
 

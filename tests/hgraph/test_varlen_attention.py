@@ -8,12 +8,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.varlen_attention import (available_backend, cu_seqlens_for, position_ids_for,
-                                             varlen_attention)
+from hgraph.varlen_attention import available_backend, cu_seqlens_for, position_ids_for, varlen_attention
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -4,11 +4,10 @@ import pytest
 import torch
 
 import hgraph
-from hgraph import Cluster, Strategy, StrategyError
+from hgraph import Cluster, Strategy, StrategyError, ops
 from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
 from hgraph.passes.lnk.plans import simulate_pull, simulate_push
-from hgraph import ops
 
 STRATEGIES_8 = ["1xTP4PP1+2xTP2PP1", "1xTP2PP2+1xTP1PP2+2xTP1PP1", "1xTP2PP1+1xTP1PP4+2xTP1PP1"]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import time
 
-
 import hgraph
 from hgraph.frontends.zoo import llama
 

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hgraph.runtime.data.lengths import minibatches, read_lengths
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.schedule.dispatch_cpsat import dispatch_cpsat
-from hgraph.runtime.data.lengths import minibatches, read_lengths
 from hgraph.runtime.planner.schedule.packing import pack_pipeline, pack_pipeline_cpsat
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration, strategy_lower_bound
 from hgraph.strategy import Strategy

@@ -21,8 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.data.lengths import read_lengths
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.simulator import iteration_lower_bound, sample_minibatches, simulate
 
 SCENARIOS = [

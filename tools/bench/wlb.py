@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.data.lengths import minibatches, read_lengths
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.wlb import DocLatency, FixedLengthPacker, WLBPacker, imbalance_degree
 from hgraph.strategy import Scheme
 

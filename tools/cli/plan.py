@@ -15,8 +15,8 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches, read_lengths
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
-from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 from hgraph.strategy import Cluster, Strategy
+from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

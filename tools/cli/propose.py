@@ -15,7 +15,8 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.planner.proposal import propose
-from hgraph.tools.cli.length_options import add_long_option, add_workload_options, limit_lengths, workload_cost_model
+from hgraph.tools.cli.length_options import (add_long_option, add_workload_options, limit_lengths,
+                                             workload_cost_model)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

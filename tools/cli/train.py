@@ -53,8 +53,8 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.planner.service.iteration import parse_candidates
-from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import build_model, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode

@@ -13,11 +13,10 @@ import shutil
 import subprocess
 
 from hgraph.errors import HGraphError
-from hgraph.tools.render.layout import (
-    CLUSTER_PAD, FONT_SIZE, LINE_HEIGHT, SELF_LOOP_REACH, EdgeRoute, Layout, layout_graph, text_width)
-from hgraph.tools.render.graph import (
-    CLUSTER_FILLS, CLUSTER_STROKES, EDGE_COLORS, FONT_FAMILY, KIND_STYLES, RGraph, kinds_present,
-    render_dot)
+from hgraph.tools.render.graph import (CLUSTER_FILLS, CLUSTER_STROKES, EDGE_COLORS, FONT_FAMILY, KIND_STYLES,
+                                       RGraph, kinds_present, render_dot)
+from hgraph.tools.render.layout import (CLUSTER_PAD, FONT_SIZE, LINE_HEIGHT, SELF_LOOP_REACH, EdgeRoute,
+                                        Layout, layout_graph, text_width)
 
 ENGINES = ("auto", "python", "graphviz")
 MARGIN = 12.0

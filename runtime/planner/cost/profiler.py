@@ -24,8 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost.cost_model import (
-    CostModel, MemoryModel, ModelShape, fit_coefficients)
+from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape, fit_coefficients
 from hgraph.strategy import Scheme
 
 UTIL_EFFICIENCY = 0.85  # App. C threshold: UtilLen is where the constant overhead is 15% of the time

@@ -9,7 +9,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.schedule.dispatch_result import (DispatchResult, check_eligible, pack_dispatch,
-                                                            scheme_costs)
+                                                             scheme_costs)
 from hgraph.strategy import Scheme
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast
 from hgraph.runtime.planner.schedule.dispatch_result import (DispatchResult, check_eligible, pack_dispatch,
-                                                            scheme_costs)
+                                                             scheme_costs)
 from hgraph.runtime.planner.schedule.packing import CPSAT_UNITS_PER_MS
 from hgraph.strategy import Scheme
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from hgraph.runtime.planner.schedule.dispatch_alg1 import alg1_assignment
 from hgraph.runtime.planner.schedule.dispatch_result import (DispatchResult, SchemeCosts, check_eligible,
-                                                            pack_dispatch, scheme_costs)
+                                                             pack_dispatch, scheme_costs)
 from hgraph.runtime.planner.schedule.packing import PackResult, pack_pipeline
 from hgraph.strategy import Scheme
 

@@ -24,12 +24,12 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.engine.executor import MicroBatch
-from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
+from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
+from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, default_device_memory,
                                                         with_device_memory)
-from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
 

@@ -3,10 +3,10 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hgraph.passes.lnk.mutual_slices import (PlanError, coarsest_count, even_segments, lcm_granularity, lcm_slices,
-                                         merge_ranges, mutual_slices, optimizer_segments, propagation_contributions,
-                                         propagation_needs, pull_granularity, push_granularity, segment_owner,
-                                         tp_range)
+from hgraph.passes.lnk.mutual_slices import (PlanError, coarsest_count, even_segments, lcm_granularity,
+                                             lcm_slices, merge_ranges, mutual_slices, optimizer_segments,
+                                             propagation_contributions, propagation_needs, pull_granularity,
+                                             push_granularity, segment_owner, tp_range)
 from hgraph.strategy import Scheme, Strategy
 
 FAST = settings(max_examples=60, deadline=None)

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
 from hgraph.runtime.checkpoint import shards as checkpoint
-from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.engine.optimizer import ShardedAdam, shard_bounds
+from hgraph.runtime.train.launch import spawn
 
 WORLD = 4
 # Non-default shard dims: a 2-d weight along its columns; sizes that 3 ranks do not divide evenly.

@@ -7,8 +7,8 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as checkpoint
-from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.checkpoint.run import RunCheckpoints, find_resume_point
+from hgraph.runtime.engine.optimizer import ShardedAdam
 
 
 def _root(tmp_path, steps=(2, 4)):
@@ -95,8 +95,8 @@ def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
     from types import SimpleNamespace
 
     from hgraph.frontends.zoo import llama
-    from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
     from hgraph.runtime.checkpoint.run import planner_state, resumed_planner
+    from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
     from hgraph.strategy import Scheme
 
     cost = model_cost_model("analytic", llama.build("tiny"), 4)

@@ -28,10 +28,10 @@ def _ints(shape, seed):
 
 
 def _param_sync_worker(rank, world):
-    from hgraph.runtime.engine.executor import shard_dims_of
-    from hgraph.runtime.engine.optimizer import ShardedAdam
     from hgraph.runtime.comm.param_sync import ParamSync
     from hgraph.runtime.comm.process_groups import GroupCache
+    from hgraph.runtime.engine.executor import shard_dims_of
+    from hgraph.runtime.engine.optimizer import ShardedAdam
     groups = GroupCache(rank, world)
     torch.manual_seed(0)
     compiled = hgraph.compile(llama.build("tiny"))
@@ -106,8 +106,8 @@ def test_overlapped_update_equals_push_then_step_and_prefetches_the_next_pull(pa
 
 def _executor_worker(rank, world):
     from hgraph.errors import HGraphError
-    from hgraph.runtime.engine.executor import Executor, MicroBatch
     from hgraph.runtime.comm.process_groups import GroupCache
+    from hgraph.runtime.engine.executor import Executor, MicroBatch
     from hgraph.runtime.train.config import TrainConfig
     from hgraph.runtime.train.trainer import build_model, make_optimizer
     groups = GroupCache(rank, world)

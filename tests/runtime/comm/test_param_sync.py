@@ -15,10 +15,10 @@ import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.passes.lnk.plans import min_pull_bytes, min_reduce_push_bytes
 from hgraph.runtime.comm.context import CommContext
-from hgraph.runtime.engine.executor import shard_dims_of
-from hgraph.runtime.train.launch import spawn
-from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.engine.executor import shard_dims_of
+from hgraph.runtime.engine.optimizer import ShardedAdam
+from hgraph.runtime.train.launch import spawn
 
 CASES = [
     ("tiny", "1xTP2PP1+2xTP1PP1", "fp32", None),

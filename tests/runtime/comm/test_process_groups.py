@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.comm.process_groups import GroupCache, group_key
+from hgraph.runtime.train.launch import spawn
 
 GROUPS = [[0, 1], [2, 3], [2, 0], [1, 3], [3], [0, 1, 2, 3], [1, 0]]
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.data.documents import Document, mini_batches
-from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.step_modes import dispatch_and_pack
 from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy

@@ -3,9 +3,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.kernels.cp_layout import (
-    PER_DOCUMENT, PER_SEQUENCE, AttentionKernelModel, Shard, choose_sharding, per_document_plan,
-    per_sequence_plan)
+from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, AttentionKernelModel, Shard,
+                                              choose_sharding, per_document_plan, per_sequence_plan)
 
 
 def _coverage(plan):

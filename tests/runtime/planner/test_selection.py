@@ -7,11 +7,11 @@ from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.plan import estimate_plan
 from hgraph.runtime.planner.proposal import propose_strategies
-from hgraph.runtime.planner.selection import (
-    auto_candidates, best_homogeneous, homogeneous_strategies, plan_iteration, strategy_lower_bound)
+from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
+from hgraph.runtime.planner.selection import (auto_candidates, best_homogeneous, homogeneous_strategies,
+                                              plan_iteration, strategy_lower_bound)
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)

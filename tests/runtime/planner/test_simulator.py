@@ -4,8 +4,8 @@ import pytest
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.simulator import (
-    SYSTEMS, _accumulate, fixed_length_pack, iteration_lower_bound, pipeline_ms, sample_minibatches, simulate)
+from hgraph.runtime.planner.simulator import (SYSTEMS, _accumulate, fixed_length_pack, iteration_lower_bound,
+                                              pipeline_ms, sample_minibatches, simulate)
 from hgraph.strategy import Scheme
 
 

@@ -16,11 +16,11 @@ import json
 
 import pytest
 import torch
+from tests.runtime.reference_training import reference_steps, write_random_documents
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.tools.cli import main
-from tests.runtime.reference_training import reference_steps, write_random_documents
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

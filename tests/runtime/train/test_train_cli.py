@@ -11,15 +11,15 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from tests.runtime.fault_injection import dying_worker
+from tests.runtime.reference_training import reference_steps, write_random_documents
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import SpawnError, spawn
-from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.cli import main
-from tests.runtime.fault_injection import dying_worker
-from tests.runtime.reference_training import reference_steps, write_random_documents
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 

@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from tests.runtime.reference_training import reference_steps
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
@@ -20,7 +21,6 @@ from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.cli import main
-from tests.runtime.reference_training import reference_steps
 
 STEPS, EVERY, TOKENS, QUEUES = 8, 3, 512, 2
 CANDIDATES = "2xTP1PP1;1xTP2PP1"

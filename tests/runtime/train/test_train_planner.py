@@ -4,19 +4,19 @@ import json
 
 import pytest
 import torch
+from tests.runtime.reference_training import reference_steps, write_random_documents
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches, read_jsonl
-from hgraph.runtime.planner.service.iteration import (IterationPlanner, microbatches_of_plan, model_cost_model,
-                                             parse_candidates)
 from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.runtime.planner.service.iteration import (IterationPlanner, microbatches_of_plan,
+                                                      model_cost_model, parse_candidates)
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.trainer import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 from hgraph.tools.cli.train import builtin_documents
-from tests.runtime.reference_training import reference_steps, write_random_documents
 from hgraph.tools.report.plots import PLOT_NAMES
 
 # a long tail: many short documents and a few long ones, so the candidates' plans differ

@@ -16,13 +16,13 @@ import time
 
 import pytest
 import torch
+from tests.runtime.fault_injection import dying_worker
 
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
-from hgraph.runtime.train.launch import SpawnError, spawn
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import SpawnError, spawn
 from hgraph.runtime.train.trainer import train_worker
 from hgraph.tools.cli import main
-from tests.runtime.fault_injection import dying_worker
 
 STEPS, EVERY, TOKENS = 6, 2, 512
 CANDIDATES = "2xTP1PP1;1xTP2PP1"
@@ -284,6 +284,7 @@ def test_sigkilled_rank_stops_the_cli_run_and_resume_trains_each_document_once(r
     import signal
     import subprocess
     import sys
+
     from hgraph.runtime.data.documents import mini_batches, read_jsonl
     base, steps = ref["base"], 24
     ck, run = base / "sigkill-ck", base / "sigkill-run"

@@ -4,9 +4,9 @@ import json
 import numpy as np
 import pytest
 
-from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.data.lengths import minibatches
-from hgraph.runtime.planner.plan import Plan, PipelinePlan, estimate_plan
+from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.planner.plan import PipelinePlan, Plan, estimate_plan
 from hgraph.strategy import Scheme, Strategy
 from hgraph.tools.cli import main
 

@@ -54,8 +54,7 @@ def _shared_lengths():
 
 @pytest.mark.skipif(_shared_lengths() is None, reason="needs ../shared/data/wikipedia_lengths.txt")
 def test_benchmarks_run_in_tiny_configurations(capsys):
-    from hgraph.tools.bench import simulate as bench_simulate
-    from hgraph.tools.bench import wlb as bench_wlb
+    from hgraph.tools.bench import simulate as bench_simulate, wlb as bench_wlb
     assert bench_simulate.main(["--quick", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["scenarios"][0]["speedup"] > 0

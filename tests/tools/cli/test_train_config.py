@@ -3,8 +3,7 @@ import argparse
 import dataclasses
 
 from hgraph.runtime.train.config import SECTIONS, TrainConfig
-from hgraph.tools.cli import train as cmd_train
-from hgraph.tools.cli import train_schema as rc
+from hgraph.tools.cli import train as cmd_train, train_schema as rc
 
 
 def _parse(*flags):

@@ -182,8 +182,9 @@ strategy-schedule = "4xTP1PP1;1xTP2PP2"
 
 def test_memory_tracking_is_off_unless_asked_or_budgeted():
     """The saved-tensor accounting costs step time: a plain run does not pay for it."""
-    from hgraph.runtime.engine.executor import Executor
     import inspect
+
+    from hgraph.runtime.engine.executor import Executor
     assert inspect.signature(Executor).parameters["track_memory"].default is False
     from hgraph.tools.cli.train_schema import BY_DEST
     assert BY_DEST["track_memory"].default is False

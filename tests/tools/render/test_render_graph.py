@@ -7,12 +7,11 @@ import subprocess
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.tools.render.graph import (
-    KIND_STYLES, NODE_KINDS, REdge, RGraph, RNode, cluster_tree, dot_quote, render_dot)
+from hgraph.tools.render.graph import (KIND_STYLES, NODE_KINDS, REdge, RGraph, RNode, cluster_tree, dot_quote,
+                                       render_dot)
 from hgraph.tools.render.sample import synthetic_graph
 
 # ---- a tiny DOT parser: the subset of the DOT grammar that render_dot may emit ---------------------

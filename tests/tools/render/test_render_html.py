@@ -11,7 +11,6 @@ from html.parser import HTMLParser
 import pytest
 
 from hgraph.errors import HGraphError
-
 from hgraph.tools.render.formats import format_for_path, render_as, write_graph
 from hgraph.tools.render.graph import EDGE_COLORS, KIND_STYLES, REdge, RGraph, RNode
 from hgraph.tools.render.html import render_html

@@ -10,16 +10,14 @@ import xml.etree.ElementTree as ET
 from itertools import combinations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import hgraph.tools.render.layout as graph_layout
 from hgraph.errors import HGraphError
 from hgraph.tools.render import svg as render_svg_module
-from hgraph.tools.render.layout import layout_graph
 from hgraph.tools.render.graph import EDGE_COLORS, KIND_STYLES, NODE_KINDS, REdge, RGraph, RNode
-from hgraph.tools.render.sample import main as sample_main
-from hgraph.tools.render.sample import synthetic_graph
+from hgraph.tools.render.layout import layout_graph
+from hgraph.tools.render.sample import main as sample_main, synthetic_graph
 from hgraph.tools.render.svg import render_svg
 
 NS = {"s": "http://www.w3.org/2000/svg"}

@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from hgraph.errors import HGraphError
-from hgraph.tools.report import plots
 from hgraph.tools.cli import main
+from hgraph.tools.report import plots
 
 STRATEGIES = ["4xTP1PP1", "2xTP2PP1", "1xTP2PP1+2xTP1PP1"]
 
@@ -146,6 +146,7 @@ def test_plots_module_imports_matplotlib_lazily():
     """No module-level import of matplotlib (nor of the report command): importing costs nothing."""
     import ast
     import inspect
+
     from hgraph.tools.cli import report as cmd_report
     for module in (plots, cmd_report):
         tree = ast.parse(inspect.getsource(module))

@@ -5,11 +5,11 @@ import math
 import pytest
 
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.train.launch import spawn
-from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
 from hgraph.runtime.planner.cost.calibration import COMM_LENGTHS, StepCorrection, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import fit_coefficients
 from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
+from hgraph.runtime.train.launch import spawn
 from hgraph.strategy import Scheme, Strategy
 
 
@@ -23,8 +23,9 @@ def test_a_tp_shard_divides_heads_mlp_and_vocabulary_and_keeps_the_head_size():
 
 
 def _calibrate(rank, world_size):
-    import hgraph
     import torch
+
+    import hgraph
     from hgraph.runtime.comm.process_groups import GroupCache
     model = llama.build("tiny")
     slots = hgraph.compile(model).hgraph.slot_counts()

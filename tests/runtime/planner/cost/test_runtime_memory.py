@@ -4,11 +4,11 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, saved_activation_bytes,
-                                                   with_device_memory)
+                                                        with_device_memory)
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
 from hgraph.strategy import Scheme
 
 MiB = 2 ** 20
@@ -115,6 +115,7 @@ def test_device_memory_option_and_config_key(tmp_path):
         device_memory_option("-3G", None)
     # the TOML key [cluster] device-memory, and a flag overriding it
     import argparse
+
     from hgraph.tools.cli import train as cmd_train
     (tmp_path / "run.toml").write_text('[cluster]\ndevice-memory = "2G"\n')
     parser = argparse.ArgumentParser()

@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from tests.runtime.reference_training import write_random_documents
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
-from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerLost, PlannerProcess
-from hgraph.runtime.planner.service.iteration import model_cost_model, parse_candidates
 from hgraph.runtime.planner.selection import plan_iteration
-from tests.runtime.reference_training import write_random_documents
+from hgraph.runtime.planner.service.iteration import model_cost_model, parse_candidates
+from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerLost, PlannerProcess
 
 CANDIDATES = "4xTP1PP1;1xTP2PP1+2xTP1PP1;2xTP1PP2"
 
@@ -127,8 +127,8 @@ def test_training_survives_the_planner_process_killed_mid_run(data, tmp_path):
 
 def test_inline_planning_uses_the_runs_method_and_time_limit(cost, monkeypatch):
     from hgraph.runtime.data.documents import Document, MiniBatch
-    from hgraph.runtime.planner.service.iteration import IterationPlanner
     from hgraph.runtime.planner import selection
+    from hgraph.runtime.planner.service.iteration import IterationPlanner
     seen = {}
 
     def spy(*args, **kwargs):
