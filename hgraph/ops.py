@@ -108,11 +108,17 @@ def comm_wait(comm: Optional[CommRuntime], t: torch.Tensor) -> torch.Tensor:
 
 
 @wrap
-def vocab_parallel_embedding(ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """Look up the rows [lo, hi) held by this rank; other ids give zeros (summed by the TP all-reduce)."""
+def vocab_parallel_embedding(ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int,
+                             padding_idx: Optional[int] = None) -> torch.Tensor:
+    """Look up the rows [lo, hi) held by this rank; other ids give zeros (summed by the TP all-reduce).
+
+    ``padding_idx`` (a row of the whole vocabulary, as ``F.embedding`` takes it) gets no gradient on
+    the rank that holds it, as in the unsharded embedding.
+    """
     inside = (ids >= lo) & (ids < hi)
     local = torch.where(inside, ids - lo, torch.zeros_like(ids))
-    out = F.embedding(local, w)
+    local_padding = padding_idx - lo if padding_idx is not None and lo <= padding_idx < hi else None
+    out = F.embedding(local, w, padding_idx=local_padding)
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch.fx as fx
 
 from hgraph import ops
-from hgraph.errors import StrategyError
+from hgraph.errors import HGraphError, StrategyError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_meta
 from hgraph.passes.context import PassContext
 from hgraph.program import ParamShard
@@ -169,7 +169,7 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         for op in uses:
             if role == TPRole.VOCAB and get_meta(op).op == OpKind.EMBEDDING:   # a tied head is a plain column linear
-                _rewrite_vocab_embedding(op, shard.ranges[0])
+                _rewrite_vocab_embedding(op, name, shard.ranges[0], ctx.hgraph.params[name].shape[0])
             elif role == TPRole.ROW:
                 _move_row_bias(gm, op)
     _record_gathers(gm, ctx)
@@ -180,12 +180,31 @@ def _feeds(op: fx.Node, point: CommPoint) -> bool:
     return any(get_meta(u).comm_point == point for u in op.users)
 
 
-def _rewrite_vocab_embedding(op: fx.Node, rng: tuple[int, int]) -> None:
+# F.embedding's arguments after (input, weight), in order, with their defaults
+_EMBEDDING_OPTIONS = (("padding_idx", None), ("max_norm", None), ("norm_type", 2.0),
+                      ("scale_grad_by_freq", False), ("sparse", False))
+
+
+def _rewrite_vocab_embedding(op: fx.Node, param: str, rng: tuple[int, int], vocab_size: int) -> None:
+    """F.embedding -> vocab_parallel_embedding over this rank's rows; every argument of the lookup
+    is carried over (padding_idx) or refused with a clear error, never dropped."""
     if op.target is ops.vocab_parallel_embedding:
         return
     ids, w = op.args[0], op.args[1]
+    options = {name: default for name, default in _EMBEDDING_OPTIONS}
+    options.update(zip((name for name, _ in _EMBEDDING_OPTIONS), op.args[2:]))
+    options.update(op.kwargs)
+    refused = [name for name, default in _EMBEDDING_OPTIONS[1:] if name != "norm_type"
+               and options[name] != default]
+    if refused:
+        raise HGraphError(f"embedding of {param}: {', '.join(f'{n}={options[n]!r}' for n in refused)} cannot "
+                          "be kept when the vocabulary is split over TP ranks (each rank sees only its "
+                          "rows); use a strategy with TP1 for this model, or an embedding without them")
+    padding = options["padding_idx"]
+    if padding is not None and padding < 0:
+        padding += vocab_size                  # F.embedding counts a negative index from the end
     op.target = ops.vocab_parallel_embedding
-    op.args = (ids, w, rng[0], rng[1])
+    op.args = (ids, w, rng[0], rng[1], padding)
     op.kwargs = {}
 
 

@@ -45,6 +45,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     max_seq_len: int = 4096
     init_std: float = 0.02
+    pad_token_id: Optional[int] = None    # the embedding's padding_idx (Hugging Face's pad_token_id)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -65,6 +66,10 @@ class LlamaConfig:
                               f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise HGraphError(f"LlamaConfig: head_dim {self.head_dim} must be even for rotary embeddings")
+        pad = self.pad_token_id
+        if pad is not None and (not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
+            raise HGraphError(f"LlamaConfig: pad_token_id must be a token id in [0, {self.vocab_size}), "
+                              f"got {pad!r}")
 
     def num_parameters(self) -> int:
         """Number of parameter elements, from the shapes alone (a tied head counts once)."""
@@ -190,7 +195,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
@@ -199,12 +204,16 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def reset_parameters(self) -> None:
-        """Llama initialisation: N(0, init_std) for linear and embedding weights, ones for norms."""
+        """Llama initialisation: N(0, init_std) for linear and embedding weights, ones for norms, a
+        zero padding row (as ``nn.Embedding`` and Hugging Face initialise it; it never trains)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        if self.config.pad_token_id is not None:
+            with torch.no_grad():
+                self.embed_tokens.weight[self.config.pad_token_id].zero_()
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if position_ids is None:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph import Cluster, Strategy, StrategyError, ops
+from hgraph import Cluster, HGraphError, Strategy, StrategyError, ops
 from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
 from hgraph.passes.lnk.plans import simulate_pull, simulate_push
@@ -249,3 +249,16 @@ def test_python_dump_of_a_single_rank_runs(model, compiled):
     pos = torch.arange(9)[None]
     with torch.no_grad():
         assert torch.equal(mod(ids, pos, None), model(ids, pos))
+
+
+def test_a_vocabulary_parallel_embedding_keeps_padding_and_refuses_what_it_cannot_keep():
+    """Every argument of the embedding survives TP sharding (padding_idx) or is refused in one line."""
+    model = llama.build("tiny", pad_token_id=5)
+    nodes = list(hgraph.compile(model).instantiate("1xTP2PP1").rank(0).graph_module.graph.nodes)
+    (lookup,) = [n for n in nodes if n.target is ops.vocab_parallel_embedding]
+    assert lookup.args[2:] == (0, model.config.vocab_size // 2, 5)
+    model.embed_tokens.max_norm = 1.0
+    with pytest.raises(HGraphError, match=r"embedding of embed_tokens.weight: max_norm=1\.0 cannot be kept "
+                                          r"when the vocabulary is split"):
+        hgraph.compile(model).instantiate("1xTP2PP1").rank(0).graph_module   # its passes run when built
+    hgraph.compile(model).instantiate("2xTP1PP1").rank(0).graph_module       # unsharded: nothing to refuse

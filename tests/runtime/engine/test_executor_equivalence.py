@@ -33,6 +33,7 @@ LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 TOKENS_PER_ITER = 30
 STEPS = 4
 LR = 1e-3
+PAD = 0             # a token the documents below contain (checked)
 
 # (model, schedule, model overrides, optimizer options)
 CASES_4 = [
@@ -45,6 +46,9 @@ CASES_4 = [
     # the first; then another strategy, after which the pull cannot be reused (3- and 2-document
     # steps leave ranks idle)
     ("tiny-tied", "4xTP1PP1;4xTP1PP1;1xTP2PP2", {}, {"optimizer": "adamw", "weight_decay": 0.1}),
+    # an embedding with a padding row (pad_token_id, as Hugging Face configs set it), vocabulary-parallel:
+    # the padding row must not train on the TP rank that holds it
+    ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {}),
 ]
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
@@ -145,6 +149,13 @@ def test_plain_data_parallel_steps_update_while_reducing_and_reuse_the_prefetche
 def test_eight_ranks_three_schemes_match_single_process_adam(results8):
     _check(results8[0][0], *CASES_8[0])
     assert results8[0][0]["cache"]["hits"] >= 1       # the schedule came back to its first strategy
+
+
+def test_the_padding_case_trains_on_its_padding_token(results4):
+    """The padding row is looked up (the token is in the data) and, as in PyTorch, never trains."""
+    assert any(PAD in d for d in _docs())
+    case = next(i for i, c in enumerate(CASES_4) if "pad_token_id" in c[2])
+    assert not results4[0][case]["final"]["embed_tokens.weight"][PAD].any()
 
 
 def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
