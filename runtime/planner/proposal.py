@@ -145,8 +145,8 @@ def _intervals(arg_j: np.ndarray, arg_k: np.ndarray, L: int) -> list[tuple[int, 
 
 
 # ---- rounding a relaxed solution to integer strategies ----------------------------------------
-def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: int,
-                keep: np.ndarray) -> Optional[np.ndarray]:
+def fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: int,
+               keep: np.ndarray) -> Optional[np.ndarray]:
     """Adjust pipeline counts to use exactly ``gpus`` GPUs; None when that cannot be done.
 
     Over budget: drop a pipeline of the scheme whose per-pipeline work grows least (never below
@@ -191,7 +191,7 @@ def _fit_budget(counts: np.ndarray, need: np.ndarray, table: SchemeTable, gpus: 
     return np.asarray(c, dtype=np.int64)
 
 
-def _order_pipelines(counts: np.ndarray, table: SchemeTable, cluster: Cluster) -> Optional[Strategy]:
+def order_pipelines(counts: np.ndarray, table: SchemeTable, cluster: Cluster) -> Optional[Strategy]:
     """Pipelines by descending MaxLen (ties: larger TP first); None if a TP group would cross a node."""
     keys = sorted((k for k in range(len(counts)) if counts[k] > 0),
                   key=lambda k: (-int(table.max_len[k]), -table.schemes[k].tp, -table.schemes[k].pp, k))
@@ -246,7 +246,7 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
         seen.add(fit_key)
         keep = np.zeros(K, dtype=np.int64)
         keep[kept] = 1
-        filled = _fit_budget(counts, need, table, gpus, keep)
+        filled = fit_budget(counts, need, table, gpus, keep)
         if filled is None:
             continue
         key = tuple(filled.tolist())
@@ -373,7 +373,7 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
     cands = []
     keys: dict[str, np.ndarray] = {}
     for key, e in picks.items():
-        strat = _order_pipelines(np.asarray(key), table, cluster)
+        strat = order_pipelines(np.asarray(key), table, cluster)
         if strat is None:
             continue
         keys[str(strat)] = np.asarray(key, dtype=np.int64)
@@ -417,10 +417,10 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
                 continue
             keep = np.zeros_like(c)
             keep[k] = c[k]
-            fitted = _fit_budget(c, need + (c > 0) * 1e-9, table, gpus, keep)
+            fitted = fit_budget(c, need + (c > 0) * 1e-9, table, gpus, keep)
             if fitted is None or not (table.max_len[fitted > 0] >= hist.upper[B - 1]).any():
                 continue
-            strat = _order_pipelines(fitted, table, cluster)
+            strat = order_pipelines(fitted, table, cluster)
             if strat is None or str(strat) in seen:
                 continue
             seen.add(str(strat))

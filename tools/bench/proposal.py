@@ -24,7 +24,7 @@ from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.integer_dp import integer_dp
 from hgraph.runtime.planner.interval_cost import (DEFAULT_TOKENS_PER_GPU, LengthHistogram, SchemeTable,
                                                   balanced_cost)
-from hgraph.runtime.planner.proposal import _fit_budget, _order_pipelines, propose
+from hgraph.runtime.planner.proposal import fit_budget, order_pipelines, propose
 from hgraph.runtime.planner.selection import auto_candidates, homogeneous_strategies, plan_iteration
 from hgraph.runtime.planner.simulator import sample_minibatches
 from hgraph.strategy import Cluster
@@ -87,10 +87,10 @@ def quality(lengths, model: str, gpus: int, max_len: int, samples: int, max_cp: 
     idle = gpus - int((counts * table.gpus).sum())
     # The DP may leave GPUs unused ("up to n GPUs"); fill them the way the proposal's rounding does.
     need = np.where(counts > 0, table.work.sum(axis=1), 0.0)
-    filled = _fit_budget(counts, need, table, gpus, counts)
+    filled = fit_budget(counts, need, table, gpus, counts)
     if filled is not None:
         counts = filled
-    dp_strategy = _order_pipelines(counts, table, Cluster(gpus, cost.gpus_per_node))
+    dp_strategy = order_pipelines(counts, table, Cluster(gpus, cost.gpus_per_node))
     mine = prop.candidates[-1]
     # Realistic yardstick: dispatch + pack sampled mini-batches on each strategy alone.
     batches = sample_minibatches(lengths, tokens, samples, max_len, seed=7)
