@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 from typing import Callable, Optional, Sequence
+
+import torch
 
 from hgraph.errors import HGraphError
 
@@ -34,8 +37,18 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def version_text() -> str:
+    """``hgraph X.Y.Z (torch V)``: what a bug report needs first."""
+    try:
+        version = importlib.metadata.version("hgraph")
+    except importlib.metadata.PackageNotFoundError:     # run from a checkout that was not installed
+        version = "unknown (not installed)"
+    return f"hgraph {version} (torch {torch.__version__})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hgraph", description="hgraph: heterogeneous-parallel training compiler and runtime")
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, module_name in SUBCOMMANDS.items():
         try:
