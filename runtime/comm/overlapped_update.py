@@ -64,6 +64,10 @@ class OverlappedUpdate:
         self._prefetched = None
         return reuse
 
+    def forget_prefetch(self) -> None:
+        """The working tensors a prefetch filled are being freed: the next step pulls again."""
+        self._prefetched = None
+
     def begin_step(self, prefetch: bool) -> None:
         """Forget the last step; ``prefetch``: post the next step's all-gathers as parameters update."""
         self.updates_in_backward = 0

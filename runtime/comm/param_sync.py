@@ -89,6 +89,25 @@ class ParamSync:
         return None if self.overlapped is None else self.overlapped.global_loss
 
     @torch.no_grad()
+    def release_working(self) -> None:
+        """Free the storage of the working parameters and gradients (another Program runs next);
+        ``acquire_working`` gives it back. Views taken of them (the gathers' destinations) stay valid:
+        only the storage is resized, as FSDP frees unsharded parameters."""
+        if self.overlapped is not None:
+            self.overlapped.forget_prefetch()
+        for name, w in self.params.working.items():
+            w.grad = None
+            if name not in self.params.aliased:
+                w.untyped_storage().resize_(0)
+
+    def acquire_working(self) -> None:
+        """Re-allocate freed working parameters (zeros: padding rows stay zero; pulls fill the rest)."""
+        for name, w in self.params.working.items():
+            if name not in self.params.aliased and w.untyped_storage().nbytes() == 0 and w.numel():
+                w.untyped_storage().resize_(w.numel() * w.element_size())
+                with torch.no_grad():
+                    w.zero_()
+
     def begin_step(self, overlap_update: bool = False, prefetch: bool = False) -> None:
         """Post every pull of this rank (all parameters, model order); returns before they complete.
 

@@ -34,7 +34,9 @@ Per Program the executor builds a ``RankState`` (working tensors installed in th
 process groups created, the ``ParamSync``) on its first step and keeps it in the run's
 ``ProgramCache`` (``hgraph.runtime.engine.program_cache``) with the Program: switching back to a
 strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy).
+on the strategy). Only one Program's working parameters and gradients hold memory at a time: a
+switch frees the storage of the last Program's (``ParamSync.release_working``) and re-allocates the
+next one's, so a rank's peak does not grow with the number of strategies a run has used.
 """
 from __future__ import annotations
 
@@ -190,6 +192,7 @@ class Executor:
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
         self._last_program: Any = None
+        self._active: Optional[RankState] = None    # the state whose working tensors hold memory
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
 
     # ---- per-program state (kept in the program cache) --------------------------------------------
@@ -263,6 +266,14 @@ class Executor:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
 
+    def _activate(self, state: RankState) -> None:
+        """Make ``state`` the one whose working tensors hold memory (module docstring)."""
+        if self._active is not state:
+            if self._active is not None:
+                self._active.sync.release_working()
+            state.sync.acquire_working()
+            self._active = state
+
     def _overlaps_update(self, state: RankState) -> bool:
         """Whether this step updates the shards as their reductions arrive: a plain data-parallel
         Program without global-norm clipping (which needs every gradient before any update)."""
@@ -277,6 +288,7 @@ class Executor:
         if num_targets < 1:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
         state = self.state_for(program)
+        self._activate(state)
         rp, sync = state.rank_program, state.sync
         for w in state.working.values():
             w.grad = None

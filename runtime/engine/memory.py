@@ -94,7 +94,8 @@ class ActivationMeter:
 
     def __init__(self, excluded: Any = ()) -> None:
         self.excluded: set[int] = set()
-        self.exclude(excluded)
+        self._excluded_tensors = list(excluded)
+        self.exclude(self._excluded_tensors)
         self._live: dict[int, list[int]] = {}       # storage ptr -> [bytes, references]
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -107,6 +108,11 @@ class ActivationMeter:
         for t in tensors:
             key, _ = _storage(t)
             self.excluded.add(key)
+
+    def refresh_excluded(self) -> None:
+        """Exclude the working parameters where they are now (a strategy switch re-allocates them)."""
+        self.excluded = set()
+        self.exclude(self._excluded_tensors)
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
@@ -199,6 +205,7 @@ class StageMemory:
         self._unknown = False
 
     def begin_step(self) -> None:
+        self.meter.refresh_excluded()
         self.meter.reset_peak()
         self._held.clear()
         self.step_predicted, self.step_recompute, self._unknown = [], [], False

@@ -10,6 +10,10 @@ implementation (L2 weight decay, or decoupled decay for AdamW), so every element
 arithmetic as the unsharded optimizer. Optional clipping by the global gradient norm sums the squared
 shard norms of all ranks (one all-reduce) and scales like ``torch.nn.utils.clip_grad_norm_``.
 ``step`` with clipping and ``full_state_dict`` are collective: every rank calls them.
+
+The parameters given may live on the meta device (a model built without allocating it,
+``hgraph.runtime.weights``): the shards are then allocated (zeros, on ``device``) and filled by
+``load_shards`` from a weight source, which hands over this rank's segment of every parameter.
 """
 from __future__ import annotations
 
@@ -70,7 +74,8 @@ class ShardedAdam:
                  rank: int = 0, world_size: int = 1, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
-                 max_grad_norm: Optional[float] = None, group: Any = None) -> None:
+                 max_grad_norm: Optional[float] = None, group: Any = None,
+                 device: Optional[torch.device] = None) -> None:
         if not 0 <= rank < world_size:
             raise HGraphError(f"ShardedAdam: rank {rank} is outside world size {world_size}")
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
@@ -92,7 +97,10 @@ class ShardedAdam:
         for name, p in items:
             layout = self._layout(name, tuple(p.shape), shard_dims.pop(name, 0))
             self.layouts[name] = layout
-            master = layout.slice_of(p.detach()).to(torch.float32, copy=True)
+            if p.is_meta:       # filled by load_shards
+                master = torch.zeros(layout.shard_shape, dtype=torch.float32, device=device)
+            else:
+                master = layout.slice_of(p.detach()).to(device=device or p.device, dtype=torch.float32, copy=True)
             self.params[name] = master
             self.exp_avg[name] = torch.zeros_like(master)
             self.exp_avg_sq[name] = torch.zeros_like(master)
@@ -227,6 +235,24 @@ class ShardedAdam:
                 raise HGraphError(f"ShardedAdam.load_full_state_dict: {name!r} has shape "
                                   f"{list(full[name].shape)}, expected {list(layout.full_shape)}")
             self.params[name].copy_(layout.slice_of(full[name]))
+
+    @torch.no_grad()
+    def load_shards(self, shards: Iterable[tuple[str, torch.Tensor]], source: str = "the weights") -> None:
+        """Set every master shard from ``(name, this rank's segment)`` pairs (a weight source's
+        ``shards(self.layouts)``); a name missing, unknown or of the wrong shape is an error naming ``source``."""
+        seen = set()
+        for name, shard in shards:
+            layout = self.layouts.get(name)
+            if layout is None:
+                raise HGraphError(f"{source}: {name!r} is not a parameter of the model")
+            if tuple(shard.shape) != layout.shard_shape:
+                raise HGraphError(f"{source}: {name!r} segment has shape {list(shard.shape)}, rank {self.rank} "
+                                  f"owns {list(layout.shard_shape)} of {list(layout.full_shape)}")
+            self.params[name].copy_(shard)
+            seen.add(name)
+        missing = [n for n in self.layouts if n not in seen]
+        if missing:
+            raise HGraphError(f"{source}: no value for {len(missing)} parameter(s) of the model, first {missing[:3]}")
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shards of parameters and moments, steps and hyper-parameters (copies)."""

@@ -1,8 +1,10 @@
 """The training loop: data -> mini-batches -> each step's strategy and micro-batches -> executor step.
 
 The run's configuration is a ``hgraph.runtime.train.config.TrainConfig``. ``Trainer`` sets up this
-rank: the model, built right after ``torch.manual_seed(seed)`` on every rank (so every rank starts
-from the same parameters); the documents (mini-batches take whole documents in file order up to
+rank: the model, built on the meta device (nothing allocated; ``hgraph.runtime.weights``), its
+buffers computed, and the fp32 optimizer shards filled one parameter at a time from the run's weight
+source (by default the model's own initialisation after ``torch.manual_seed(seed)``, bitwise equal
+on every rank and to an eager build), so no rank ever holds the whole model; the documents (mini-batches take whole documents in file order up to
 ``tokens_per_iter``; with outlier delay, ``hgraph.runtime.data.outlier_delay``); the compiled model,
 the sharded optimizer, the cache of per-strategy Programs and the executor; and the step mode
 (``hgraph.runtime.train.step_modes``): a fixed schedule, the planner's choice every step, or DCP-inter.
@@ -51,6 +53,8 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
+from hgraph.runtime.weights.deferred_init import InitRecord, record_init
+from hgraph.runtime.weights.sources import SeededInit, WeightSource, install_buffers
 from hgraph.strategy import Cluster
 
 
@@ -67,15 +71,26 @@ class TrainSummary:
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
 
 
-def build_model(config: TrainConfig) -> torch.nn.Module:
-    """The model, built right after ``torch.manual_seed(seed)`` (the same on every rank)."""
+def _model_spec(config: TrainConfig) -> str:
     model = config.model
-    spec = model.model if ":" in model.model else f"llama:{model.model}"
-    torch.manual_seed(model.seed)
-    return resolve_model_spec(spec, model.model_args)
+    return model.model if ":" in model.model else f"llama:{model.model}"
 
 
-def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int) -> Any:
+def build_model(config: TrainConfig) -> torch.nn.Module:
+    """The whole model, built eagerly right after ``torch.manual_seed(seed)`` (tools and references;
+    a training rank uses ``record_model``)."""
+    torch.manual_seed(config.model.seed)
+    return resolve_model_spec(_model_spec(config), config.model.model_args)
+
+
+def record_model(config: TrainConfig) -> InitRecord:
+    """The model on the meta device with its recorded initialisation (``SeededInit`` replays it)."""
+    return record_init(lambda: resolve_model_spec(_model_spec(config), config.model.model_args),
+                       config.model.seed)
+
+
+def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
+                   device: Optional[torch.device] = None) -> Any:
     opt = config.optimizer
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
@@ -84,7 +99,7 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, **kwargs)
+               max_grad_norm=opt.grad_clip, device=device, **kwargs)
 
 
 class Trainer:
@@ -99,7 +114,9 @@ class Trainer:
             raise HGraphError(f"--steps must be >= 1, got {config.data.steps}")
         self.config, self.rank, self.world_size = config, rank, world_size
         schedule = [] if config.planner_driven else parse_schedule(config.planner.strategy_schedule, world_size)
-        self.model = build_model(config)
+        record = record_model(config)
+        self.model = record.model          # on the meta device: parameters are never allocated whole
+        self.weights: WeightSource = SeededInit(record)
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
@@ -107,7 +124,7 @@ class Trainer:
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
-        self.model.to(self.device)
+        install_buffers(self.model, self.weights, self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.model.dtype)
         planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
         self.cache = ProgramCache(self.compiled, Cluster(world_size, config.cluster.gpus_per_node))
@@ -116,9 +133,11 @@ class Trainer:
                 self.cache.get(s)
             self.cache.hits = 0
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
-        self.optimizer = make_optimizer(config, self.compiled, rank, world_size)
+        self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device)
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
+        else:
+            self.optimizer.load_shards(self.weights.shards(self.optimizer.layouts), self.weights.description)
         dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
@@ -238,12 +257,21 @@ class Trainer:
                   flush=True)
 
     def final_state_dict(self) -> dict:
-        """The fp32 parameters gathered (collective), keyed like the original module's state_dict."""
+        """The parameters gathered to full tensors (collective; every rank gets them), cast to the
+        module's dtype, with its buffers, keyed like the original module's ``state_dict`` (tied
+        aliases included)."""
         params = self.optimizer.full_state_dict()
-        with torch.no_grad():
-            for name, p in self.compiled._orig_mod.named_parameters():
-                p.copy_(params[name].to(p.dtype))
-        return {k: v.detach().cpu().clone() for k, v in self.compiled._orig_mod.state_dict().items()}
+        model = self.compiled._orig_mod
+        canonical: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            canonical.setdefault(id(p), name)
+        out = {}
+        for key, value in model.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.nn.Parameter):
+                out[key] = params[canonical[id(value)]].to(value.dtype).cpu()
+            else:
+                out[key] = value.detach().cpu().clone()
+        return out
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
