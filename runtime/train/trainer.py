@@ -53,8 +53,8 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
-from hgraph.runtime.weights.deferred_init import InitRecord, record_init
-from hgraph.runtime.weights.sources import SeededInit, WeightSource, install_buffers
+from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
+from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
 from hgraph.strategy import Cluster
 
 
@@ -114,9 +114,7 @@ class Trainer:
             raise HGraphError(f"--steps must be >= 1, got {config.data.steps}")
         self.config, self.rank, self.world_size = config, rank, world_size
         schedule = [] if config.planner_driven else parse_schedule(config.planner.strategy_schedule, world_size)
-        record = record_model(config)
-        self.model = record.model          # on the meta device: parameters are never allocated whole
-        self.weights: WeightSource = SeededInit(record)
+        self.model, self.weights = self._model_and_weights()
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
@@ -138,6 +136,8 @@ class Trainer:
             restore_state(self.resumed, self.optimizer)
         else:
             self.optimizer.load_shards(self.weights.shards(self.optimizer.layouts), self.weights.description)
+        to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
+        self.weights = None
         dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
@@ -151,6 +151,19 @@ class Trainer:
             self.mode = DcpInter(schedule, dcp_cost, self.cache, self.executor, config)
         else:
             self.mode = FixedSchedule(schedule, self.cache, self.executor, config)
+
+    def _model_and_weights(self) -> tuple[torch.nn.Module, WeightSource]:
+        """The model on the meta device and the source of its initial values: the recorded seeded
+        init; a model whose construction reads tensor values is built whole instead (said once)."""
+        try:
+            record = record_model(self.config)
+            return record.model, SeededInit(record)
+        except NotRecordable as exc:
+            if self.rank == 0:
+                print(f"hgraph: {exc}; every rank builds the whole model once to initialise its shards",
+                      flush=True)
+            model = build_model(self.config)
+            return model, EagerInit(model, self.config.model.seed)
 
     @property
     def balance_info(self) -> dict[int, dict]:

@@ -1,8 +1,13 @@
-"""Build a model on the meta device and materialise its initial values one tensor at a time.
+"""Build a model without allocating it and materialise its initial values one tensor at a time.
 
-``record_init(factory, seed)`` builds the model under ``torch.device("meta")`` while a dispatch mode
-records every aten op the constructor runs (parameter creation, ``nn.init`` calls, a Hugging Face
-``post_init``, buffers such as rotary tables). Nothing is allocated: a 70B model records in seconds.
+``record_init(factory, seed)`` builds the model under torch's ``FakeTensorMode`` (tensors with
+shapes, dtypes and devices but no data) while a dispatch mode records every aten op the constructor
+runs (parameter creation, ``nn.init`` calls, a Hugging Face ``post_init``, buffers such as rotary
+tables, tensors made from Python data, which are kept as constants). Nothing is allocated: a 70B
+model records in seconds. Fake tensors, not ``torch.device("meta")``: initialisers that see a meta
+tensor skip their work on purpose (Hugging Face's ``init_weights``, ``nn.init.trunc_normal_``), which
+would silently change the initial values. The returned model's parameters and buffers are on the
+meta device.
 
 ``InitRecord.replay()`` re-runs the recorded ops on CPU, in their recorded order, from
 ``torch.manual_seed(seed)``, and yields every parameter and buffer (``name, tensor``) as soon as
@@ -18,9 +23,11 @@ while memory holds about one parameter at a time:
   the eager build; when its result is dead it runs on a scratch tensor of the same shape and strides.
 
 Storages are allocated when first written by a live op and freed after their last live use; view
-ops cost nothing (a recorded view is the storage, an offset, sizes and strides). A model whose
-constructor builds tensors from Python data (``torch.tensor([...])``: nothing to record on meta)
-cannot be built this way: ``replay`` names the parameter or buffer.
+ops cost nothing (a recorded view is the storage, an offset, sizes and strides).
+
+An initialiser whose work depends on values (``trunc_normal_``'s rejection sampling: a loop until no
+sample falls outside the bounds) cannot be recorded without data: ``record_init`` raises
+``NotRecordable`` saying which op needed a value, and the caller builds the model eagerly instead.
 """
 from __future__ import annotations
 
@@ -29,12 +36,17 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 
 from hgraph.errors import HGraphError
 
 _META = torch.device("meta")
+
+
+class NotRecordable(HGraphError):
+    """The model's construction needs tensor values (module docstring)."""
 
 # ops that draw from the generator: always replayed, in their recorded order
 _RANDOM = {"normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
@@ -90,12 +102,13 @@ class _Recorder(TorchDispatchMode):
         storage = t.untyped_storage()
         key = storage._cdata
         if key not in self.storages:
-            # a tensor no recorded op produced: a real tensor is a constant; a meta one has lost its data
+            # a tensor no recorded op produced: a real one (``torch.tensor(data)``) is a constant
             numel = storage.nbytes() // t.element_size() if t.element_size() else 0
             constant = None
-            if t.device.type != "meta":
-                constant = torch.empty(0, dtype=t.dtype).set_(storage.cpu() if t.device.type != "cpu"
-                                                              else storage).clone()
+            if not isinstance(t, FakeTensor) and t.device.type != "meta":
+                with _disable_current_modes():      # a real copy, not a fake one
+                    constant = t.detach().cpu().clone()
+                numel = constant.numel()
             self.storages[key] = _Storage(numel, t.dtype, constant)
             self._keep.append(t)
         return TensorRef(key, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -105,13 +118,7 @@ class _Recorder(TorchDispatchMode):
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         before = {t.untyped_storage()._cdata for t in inputs}
         in_refs = {id(t): self.ref(t) for t in inputs}
-        if any(a.name == "device" for a in func._schema.arguments):
-            kwargs["device"] = _META         # a factory (or a copy to a device): nothing is allocated
-        run_args, run_kwargs = args, kwargs
-        if any(t.device.type == "meta" for t in inputs):   # real constants meet meta tensors on meta
-            run_args, run_kwargs = tree_map(
-                lambda a: a.to(_META) if isinstance(a, torch.Tensor) and a.device.type != "meta" else a, (args, kwargs))
-        out = func(*run_args, **run_kwargs)
+        out = func(*args, **kwargs)       # on fake tensors: shapes only
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         new = []
         for t in outs:
@@ -155,6 +162,7 @@ class InitRecord:
         self.model, self.seed = model, seed
         self._ops, self._storages = recorder.ops, recorder.storages
         # final values wanted: every parameter (tied ones once) and buffer, by storage
+        self.peak_bytes = 0     # the most bytes the last replay held at once (its own tensors)
         self.targets: dict[str, TensorRef] = {}
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             self.targets[name] = recorder.ref(t)
@@ -173,6 +181,7 @@ class InitRecord:
         for key in by_storage:
             done_at.setdefault(last_use.get(key, -1), []).append(key)
         real: dict[int, torch.Tensor] = {}
+        self.peak_bytes = 0
         gen_state = torch.get_rng_state()
         torch.manual_seed(self.seed)
         try:
@@ -180,6 +189,7 @@ class InitRecord:
             for i, op in enumerate(self._ops):
                 if i in live_ops:
                     self._run(op, real)
+                    self.peak_bytes = max(self.peak_bytes, sum(t.untyped_storage().nbytes() for t in real.values()))
                 elif op.random:
                     self._run_on_scratch(op)
                 yield from self._emit(done_at.get(i, []), by_storage, real)
@@ -206,10 +216,8 @@ class InitRecord:
         unknown = {k for k in live if self._storages[k].constant is None}
         if unknown:
             names = [n for n, ref in self.targets.items() if ref.storage in unknown] or ["a parameter or buffer"]
-            raise HGraphError(f"{', '.join(names[:3])} of {type(self.model).__name__} depends on a tensor built "
-                              "from Python data (e.g. torch.tensor([...]) in __init__), which the meta device does "
-                              "not keep: this model cannot be built without allocating it whole; compute it with "
-                              "torch ops (torch.arange, ...) instead")
+            raise NotRecordable(f"{', '.join(names[:3])} of {type(self.model).__name__} depends on a tensor whose "
+                                "making the recording did not see (created outside the model's construction?)")
         return needed, last_use
 
     def _tensor(self, ref: TensorRef, real: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -219,8 +227,8 @@ class InitRecord:
             base = store.constant.clone() if store.constant is not None else torch.empty(store.numel, dtype=store.dtype)
             real[ref.storage] = base
         if base.dtype != ref.dtype:
-            raise HGraphError(f"a tensor of the model's construction reinterprets a {base.dtype} storage as "
-                              f"{ref.dtype}; such a model cannot be built on the meta device")
+            raise NotRecordable(f"a tensor of the model's construction reinterprets a {base.dtype} storage as "
+                                f"{ref.dtype}, which the replay does not do")
         return base.as_strided(ref.size, ref.stride, ref.offset)
 
     def _run(self, op: _Op, real: dict[int, torch.Tensor]) -> None:
@@ -257,13 +265,36 @@ def _on_cpu(value: Any, real: dict[int, torch.Tensor], record: InitRecord) -> An
 
 
 def record_init(factory: Callable[[], nn.Module], seed: int) -> InitRecord:
-    """Build ``factory()`` on the meta device, recording its construction (module docstring)."""
-    torch.manual_seed(seed)
+    """Build ``factory()`` without allocating it, recording its construction (module docstring).
+    The global generator is left as found (the recording seeds it with ``seed`` as the eager build does)."""
     state = torch.get_rng_state()
+    torch.manual_seed(seed)
     recorder = _Recorder()
-    # not under ``torch.device("meta")``: Hugging Face skips its weight init there; the recorder moves
-    # every factory op to meta itself
-    with recorder:
-        model = factory()
-    torch.set_rng_state(state)
-    return InitRecord(model, recorder, seed)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True), recorder:
+            model = factory()
+    except DataDependentOutputException as exc:
+        raise NotRecordable(f"the construction of the model reads tensor values ({exc.func}, e.g. "
+                            "nn.init.trunc_normal_'s rejection sampling), which cannot be recorded without "
+                            "allocating them") from None
+    finally:
+        torch.set_rng_state(state)
+    record = InitRecord(model, recorder, seed)
+    to_meta(model)
+    return record
+
+
+def to_meta(model: nn.Module, buffers: bool = True) -> None:
+    """Swap the parameters (and buffers) for meta tensors, freeing them (tied parameters stay one object)."""
+    swapped: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers) if buffers else (module._parameters,):
+            for key, t in table.items():
+                if t is None:
+                    continue
+                new = swapped.get(id(t))
+                if new is None:
+                    data = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=_META)
+                    new = nn.Parameter(data, t.requires_grad) if isinstance(t, nn.Parameter) else data
+                    swapped[id(t)] = new
+                table[key] = new

@@ -8,7 +8,8 @@ whole model at once: it reads (or computes) one tensor, yields this rank's part,
 
 ``SeededInit``: the model's own initialisation, replayed from its meta-device construction
 (``hgraph.runtime.weights.deferred_init``), bitwise equal to building it after
-``torch.manual_seed(seed)``; the default of every run.
+``torch.manual_seed(seed)``; the default of every run. ``EagerInit``: the same values from a model
+built whole, for the rare model whose construction cannot be recorded (it reads tensor values).
 """
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ class SeededInit:
     def buffers(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in self.record.replay(set(names)):
             yield name, full.clone()
+
+
+class EagerInit:
+    """The parameters and buffers of a model built eagerly (whole, on CPU)."""
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self.description = f"the initialisation of {type(model).__name__} built whole (seed {seed})"
+
+    def shards(self, layouts: Mapping[str, ShardLayout]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, layout in layouts.items():
+            yield name, layout.slice_of(self.tensors[name].detach()).clone()
+
+    def buffers(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            yield name, self.tensors[name].detach().clone()
 
 
 def install_buffers(model: nn.Module, source: WeightSource, device: torch.device) -> None:

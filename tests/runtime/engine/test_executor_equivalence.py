@@ -79,7 +79,9 @@ def _worker(rank, world, cases):
         trainer = Trainer(_config(model, schedule, world, overrides, options), rank, world, groups)
         steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
         final = trainer.final_state_dict()
-        out.append({"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+        states = trainer.cache.states().values()
+        holding = [any(w.untyped_storage().nbytes() for w in st.working.values()) for st in states]
+        out.append({"states": len(holding), "holding": sum(holding),"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.cache.info()})
@@ -149,6 +151,17 @@ def test_plain_data_parallel_steps_update_while_reducing_and_reuse_the_prefetche
 def test_eight_ranks_three_schemes_match_single_process_adam(results8):
     _check(results8[0][0], *CASES_8[0])
     assert results8[0][0]["cache"]["hits"] >= 1       # the schedule came back to its first strategy
+
+
+def test_only_the_last_strategys_working_parameters_hold_memory(results4, results8):
+    """Per strategy the cache keeps the rank's graph and plans, but a switch frees the working
+    parameters and gradients of the last one: after a schedule of several strategies exactly one
+    state holds working storage on every rank (the equivalence above ran across those switches)."""
+    for results, cases in ((results4, CASES_4), (results8, CASES_8)):
+        for r in results:
+            for case, (_, schedule, _, _) in zip(r, cases):
+                assert case["states"] == len(set(schedule.split(";")))
+                assert case["holding"] == 1
 
 
 def test_the_padding_case_trains_on_its_padding_token(results4):
