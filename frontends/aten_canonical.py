@@ -6,7 +6,8 @@ turns one aten pattern into the op the fx frontend would have produced, computin
 
 * ``translate_aten_ops``: layout / elementwise / slicing aten ops -> the torch method or function of
   the same name (``aten.slice`` -> ``x[..., a:b]``, ``aten.sym_size`` -> ``x.size(d)``); no-op nodes
-  (metadata asserts, ``alias``, eval-mode ``dropout``, full slices) disappear;
+  (metadata asserts, ``alias``, ``dropout`` with p = 0 or not training, full slices) disappear;
+  a train-mode ``dropout`` becomes ``ops.keyed_dropout`` (strategy-invariant masks);
 * ``rewrite_linears``: ``aten.linear`` -> ``F.linear``; ``addmm(b, x, w.t())`` and
   ``matmul(x, w.t()) (+ b)`` -> ``F.linear(x, w[, b])``; GPT-2's Conv1D
   ``view(x, [-1, in]) -> addmm(b, ., w) -> view(., [..., out])`` -> ``in_out_linear(x, w, b)``;
@@ -28,6 +29,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.linear_ops import in_out_linear
 
@@ -107,11 +109,15 @@ def translate_aten_ops(graph: fx.Graph) -> None:
             _drop(graph, node, args[0])
         elif pk is aten.detach:
             _replace(graph, node, "call_method", "detach", args[:1])
-        elif pk is aten.dropout:
-            if args[2] if len(args) > 2 else kwargs.get("train", False):
-                raise TraceError(f"dropout {where(node)} is active in the exported graph; the export frontend "
-                                 "exports in eval mode, so this should not happen: export the model again")
-            _drop(graph, node, args[0])
+        elif pk is aten.dropout:        # exported in train mode: a dropout with p > 0 stays, keyed
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            if (args[2] if len(args) > 2 else kwargs.get("train", False)) and p:
+                if not isinstance(p, (int, float)):
+                    raise TraceError(f"dropout {where(node)} has a probability computed at run time ({p}); "
+                                     "hgraph needs a constant dropout probability")
+                _replace(graph, node, "call_function", ops.keyed_dropout, (args[0], float(p)))
+            else:
+                _drop(graph, node, args[0])
         elif pk is aten.sym_size:
             _replace(graph, node, "call_method", "size", args)
         elif pk is aten.slice:
@@ -286,9 +292,9 @@ def rewrite_attention(graph: fx.Graph, mask_values: Callable[[list[fx.Node]], di
     for n in sdpas:
         bound = _bind_sdpa(n)
         mask = bound.get("attn_mask")
-        if bound.get("dropout_p") not in (None, 0, 0.0):
-            raise TraceError(f"attention {where(n)} uses dropout_p={bound['dropout_p']}; hgraph needs "
-                             "attention without dropout (set the attention dropout of the config to 0)")
+        if not isinstance(bound.get("dropout_p") or 0.0, (int, float)):
+            raise TraceError(f"attention {where(n)} has a dropout probability computed at run time; hgraph "
+                             "needs a constant dropout_p")
         if mask is not None:
             if not free(mask):
                 raise TraceError(f"attention {where(n)} uses a mask computed from activations or parameters; "
@@ -331,6 +337,8 @@ def _to_causal_sdpa(graph: fx.Graph, n: fx.Node) -> None:
     kwargs: dict = {"is_causal": True}
     if bound.get("scale") is not None:
         kwargs["scale"] = bound["scale"]
+    if bound.get("dropout_p"):        # a train-mode model: the packed-attention pass keys its masks
+        kwargs["dropout_p"] = float(bound["dropout_p"])
     if gqa:
         kwargs["enable_gqa"] = True
     index = _SDPA[packet(n)]

@@ -11,6 +11,9 @@ The canonical form (the contract of ``hgraph.frontends.fx_frontend.trace``):
   2-D parameter ``w`` become ``F.linear(x, w[, b])``;
 * attention stays a ``call_function`` to ``F.scaled_dot_product_attention``, which must be causal
   with no mask (packing makes it block-diagonal per document; any other attention is rejected);
+* a dropout that trains (``F.dropout`` / ``nn.Dropout`` with ``training`` true and ``p > 0``) is
+  ``ops.keyed_dropout(x, p)``, whose masks do not depend on the strategy; one that does not train is
+  gone; other dropout kinds that train are refused;
 * the output is a single tensor (a one-element tuple, or a dict / tuple holding ``logits``, is
   unwrapped).
 
@@ -27,6 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hgraph import ops
 from hgraph.errors import TraceError
 
 STACK_KEY = "nn_module_stack"
@@ -52,6 +56,7 @@ def canonicalize_graph(graph: fx.Graph, model: nn.Module, traced_inputs: list[st
     """Rewrite ``graph`` (traced from ``model``) into the canonical form, in place."""
     _canonical_placeholders(graph, traced_inputs)
     _functionalize_leaves(graph, model)
+    _keyed_dropouts(graph)
     _rewrite_matmuls(graph, model)
     _split_parameter_uses(graph, model)
     _single_output(graph, model)
@@ -118,6 +123,8 @@ def _functionalize_leaves(graph: fx.Graph, model: nn.Module) -> None:
                                                "norm_type": mod.norm_type,
                                                "scale_grad_by_freq": mod.scale_grad_by_freq,
                                                "sparse": mod.sparse})
+        elif isinstance(mod, nn.Dropout):
+            call = (F.dropout, (), {"p": mod.p, "training": mod.training})
         elif isinstance(mod, nn.LayerNorm):
             call = (F.layer_norm, (), {"normalized_shape": tuple(mod.normalized_shape),
                                        "weight": "weight", "bias": "bias", "eps": mod.eps})
@@ -141,6 +148,45 @@ def _functionalize_leaves(graph: fx.Graph, model: nn.Module) -> None:
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
+
+
+_DROPOUTS = {F.dropout: ("input", "p", "training", "inplace"), torch.dropout: ("input", "p", "train")}
+_OTHER_DROPOUTS = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout)
+
+
+def _keyed_dropouts(graph: fx.Graph) -> None:
+    """Training dropout -> ``ops.keyed_dropout``; a dropout that does not train disappears."""
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in _OTHER_DROPOUTS:
+            if node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True):
+                raise TraceError(f"{node.target.__name__} {_where(node)} trains; hgraph applies plain "
+                                 "elementwise dropout only (F.dropout / nn.Dropout)")
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            continue
+        names = _DROPOUTS.get(node.target)
+        if names is None:
+            continue
+        bound = {"p": 0.5, "training": True, "train": True} | dict(zip(names, node.args)) | dict(node.kwargs)
+        p, training = bound["p"], bound["training"] and bound["train"]
+        if isinstance(p, fx.Node) or isinstance(training, fx.Node):
+            raise TraceError(f"dropout {_where(node)} has a probability or training flag computed at run time; "
+                             "hgraph needs constants")
+        if training and p:
+            with graph.inserting_before(node):
+                new = graph.call_function(ops.keyed_dropout, (bound["input"], float(p)))
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
+        else:
+            node.replace_all_uses_with(bound["input"])
+        graph.erase_node(node)
+
+
+def _where(n: fx.Node) -> str:
+    stack = [path for path, _ in (n.meta.get(STACK_KEY) or {}).values()]
+    return f"in module '{stack[-1]}'" if stack else "at the top level"
 
 
 def _param_node(node: Any, model: nn.Module) -> Optional[fx.Node]:

@@ -6,7 +6,7 @@
    which the passes cannot recognise); sliding-window attention is refused.
 2. A thin wrapper calls ``model(input_ids, position_ids=position_ids, use_cache=False)`` and returns
    the logits tensor; it is exported with ``torch.export.export(..., strict=False)``, batch and
-   sequence length dynamic, in eval mode (dropout is the identity in the graph).
+   sequence length dynamic, in train mode (what training runs; dropout becomes ``ops.keyed_dropout``).
 3. The exported graph is rebuilt with the original model's names: each parameter use becomes its own
    ``get_attr`` of the parameter's canonical FQN (a tied head reads ``embed_tokens.weight``), buffers
    and constants are ``get_attr`` too, ``nn_module_stack`` paths lose the wrapper's prefix, and
@@ -111,9 +111,10 @@ def prepare_hf_attention(model: nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def _train_mode(model: nn.Module) -> Iterator[None]:
+    """Export what training runs: train-mode branches, dropout (kept as strategy-invariant dropout)."""
     modes = {m: m.training for m in model.modules()}
-    model.eval()
+    model.train()
     try:
         yield
     finally:
@@ -143,14 +144,14 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 def export_program(model: nn.Module) -> torch.export.ExportedProgram:
-    """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in eval mode."""
+    """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in train mode."""
     wrapper = LogitsOf(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.randint(0, _vocab_size(model), (2, EXAMPLE_LEN)).to(device)
     pos = torch.arange(EXAMPLE_LEN, device=device).expand(2, EXAMPLE_LEN)
     dyn = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     try:
-        with _eval_mode(model), _quiet_torch_logs():
+        with _train_mode(model), _quiet_torch_logs():
             return torch.export.export(wrapper, (ids, pos), dynamic_shapes=(dyn, dyn), strict=False)
     except TraceError:
         raise

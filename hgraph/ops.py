@@ -39,7 +39,10 @@ class CommRuntime(Protocol):
     def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
     def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
-                     enable_gqa: bool) -> torch.Tensor: ...
+                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0) -> torch.Tensor: ...
+    def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor: ...
+    def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
+                          scale: Optional[float], enable_gqa: bool, heads: int) -> torch.Tensor: ...
 
 
 def _need_runtime(op: str) -> HGraphError:
@@ -183,8 +186,31 @@ def cp_kv_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, d
 
 
 def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Attention of this CP rank's queries against the gathered keys, per document and causal."""
+                 scale: Optional[float] = None, enable_gqa: bool = False, dropout_p: float = 0.0, site: int = 0,
+                 heads: int = 0) -> torch.Tensor:
+    """Attention of this CP rank's queries against the gathered keys, per document and causal (with
+    dropout on the probabilities when ``dropout_p``: see ``packed_attention_dropout``)."""
     if comm is None:
         raise _need_runtime("cp_attention")
-    return comm.cp_attention(q, k, v, scale, enable_gqa)
+    return comm.cp_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads)
+
+
+# ---- dropout -----------------------------------------------------------------------------------------
+def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None, site: int = 0) -> torch.Tensor:
+    """Dropout of a token-major activation ``[1, T, ...]`` whose masks depend on what each element is
+    (document, position, feature, site, step), never on the strategy (``runtime/kernels/dropout``).
+    The frontends turn a model's train-mode dropout into this op; the dropout pass gives it ``comm``
+    and its ``site``. Without a runtime (``comm=None``) it is the identity, as in eval mode."""
+    if comm is None or p == 0.0:
+        return x
+    return comm.dropout(x, p, site)
+
+
+def packed_attention_dropout(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             p: float, site: int, scale: Optional[float] = None, enable_gqa: bool = False,
+                             heads: int = 0) -> torch.Tensor:
+    """``packed_attention`` with SDPA's ``dropout_p`` on the probabilities, masks keyed per (document,
+    head, query position, key position); ``heads``: the model's query heads (a TP rank holds a slice)."""
+    if comm is None:
+        raise _need_runtime("packed_attention_dropout")
+    return comm.attention_dropout(q, k, v, p, site, scale, enable_gqa, heads)

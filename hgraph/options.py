@@ -19,12 +19,14 @@ class CompileOptions:
     disabled_passes: names of instantiation passes to skip (for debugging).
     leaf_modules: module classes the tracer must not trace into.
     frontend: "auto" (torch.fx, then torch.export when fx fails), "fx" or "export".
+    dropout: apply the model's train-mode dropout (strategy-invariant masks); False makes it the identity.
     """
 
     working_dtype: Optional[torch.dtype] = torch.float32
     disabled_passes: tuple[str, ...] = ()
     leaf_modules: tuple[type, ...] = ()
     frontend: str = "auto"
+    dropout: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "CompileOptions":
@@ -36,9 +38,12 @@ class CompileOptions:
         disabled = tuple(kwargs.pop("disable_passes", ()))   # names checked by hgraph.compile
         leaves = tuple(kwargs.pop("leaf_modules", ()))
         frontend = kwargs.pop("frontend", "auto")
+        dropout = kwargs.pop("dropout", True)
+        if not isinstance(dropout, bool):
+            raise HGraphError(f"hgraph.compile option dropout must be True or False, got {dropout!r}")
         if frontend not in FRONTENDS:
             raise HGraphError(f"unknown frontend {frontend!r}; allowed: {', '.join(FRONTENDS)}")
         if kwargs:
             raise HGraphError(f"unknown hgraph.compile option(s) {sorted(kwargs)}; allowed: dtype, "
-                              "disable_passes, leaf_modules, frontend")
-        return cls(dtype, disabled, leaves, frontend)
+                              "disable_passes, leaf_modules, frontend, dropout")
+        return cls(dtype, disabled, leaves, frontend, dropout)

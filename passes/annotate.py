@@ -41,7 +41,7 @@ ATTENTION_TARGETS = (F.scaled_dot_product_attention,)
 # Ops a sharded activation may flow through unchanged (elementwise, dtype, layout).
 _ELEMENTWISE = {
     "add", "sub", "mul", "truediv", "div", "neg", "pow", "exp", "sigmoid", "silu", "gelu", "relu", "tanh",
-    "softplus", "mish", "leaky_relu", "elu", "square", "sqrt", "rsqrt", "abs", "clamp", "dropout",
+    "softplus", "mish", "leaky_relu", "elu", "square", "sqrt", "rsqrt", "abs", "clamp",
     "to", "float", "half", "bfloat16", "type", "type_as", "contiguous", "clone", "detach",
     "iadd", "imul", "isub", "add_", "mul_", "floordiv", "where",
 }

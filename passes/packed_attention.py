@@ -6,6 +6,10 @@ before it. This pass replaces each attention op by ``ops.packed_attention``, whi
 documents from ``position_ids`` (a document starts at position 0), so a packed step computes exactly
 what running each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
 this rank's queries against the CP group's gathered keys, per document (layout from the runtime).
+Attention with SDPA's ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
+``cp_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
+position (``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own
+heads; with the compile option ``dropout=False`` the probabilities are not dropped.
 It does nothing to a graph without attention.
 """
 from __future__ import annotations
@@ -16,6 +20,7 @@ from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.meta import OpKind, get_meta
 from hgraph.passes.context import PassContext
+from hgraph.passes.dropout import dropout_site
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
@@ -24,19 +29,25 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     """Rewrite causal SDPA nodes into ``packed_attention(q, k, v, position_ids, scale, enable_gqa)``."""
     pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "position_ids"), None)
     for node in gm.graph.nodes:
-        if get_meta(node).op != OpKind.ATTENTION or node.target in (ops.packed_attention, ops.cp_attention):
+        if get_meta(node).op != OpKind.ATTENTION or node.target in (ops.packed_attention, ops.cp_attention,
+                                                                     ops.packed_attention_dropout):
             continue
         bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
-        if bound.get("attn_mask") is not None or not bound.get("is_causal", False) or bound.get("dropout_p", 0.0):
-            raise TraceError(f"attention {node.name} is not plain causal SDPA (mask, non-causal or dropout): "
-                             "packed documents need is_causal=True without a mask or dropout")
+        if bound.get("attn_mask") is not None or not bound.get("is_causal", False):
+            raise TraceError(f"attention {node.name} is not plain causal SDPA (mask or non-causal): "
+                             "packed documents need is_causal=True without a mask")
         if pos is None:
             raise TraceError("packing needs a model that takes position_ids")
         q, k, v, scale, gqa = (bound["query"], bound["key"], bound["value"], bound.get("scale"),
                                bool(bound.get("enable_gqa", False)))
+        p = float(bound.get("dropout_p") or 0.0) if ctx.options.dropout else 0.0
+        comm = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm"), None)
+        heads = ctx.shapes[q.name][0][1] if p else 0     # the HGraph's (whole model's) query heads
         if ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
-            comm = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm")
-            node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa)
+            node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads)
+        elif p:
+            node.target, node.args = ops.packed_attention_dropout, (comm, q, k, v, p, dropout_site(node), scale,
+                                                                    gqa, heads)
         else:
             node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa)
         node.kwargs = {}

@@ -19,8 +19,9 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives
 from hgraph.runtime.comm.collectives import PendingWork
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.kernels import cp_attention as cp_kernel
+from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
+from hgraph.runtime.kernels.dropout import TokenKeys
 
 
 @dataclass
@@ -37,6 +38,7 @@ class CommContext:
     cp_layout: Optional[CPLayout] = None          # CP layout of the micro-batch being run (CP > 1)
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
+    token_keys: Optional[TokenKeys] = None        # what the micro-batch's tokens are (dropout masks)
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
@@ -123,8 +125,38 @@ class CommContext:
         return collectives.cp_gather_issue(self, x, self.ranks(key), dim, sizes)
 
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
-                     enable_gqa: bool) -> torch.Tensor:
-        return cp_kernel.cp_attention(q, k, v, self._cp_layout("cp_attention"), scale, enable_gqa)
+                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0) -> torch.Tensor:
+        layout = self._cp_layout("cp_attention")
+        if not dropout_p:
+            return cp_kernel.cp_attention(q, k, v, layout, scale, enable_gqa)
+        keys = self._token_keys("cp_attention")
+        return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.cp_groups(layout, keys, q.device),
+                                                     dropout_p, site, keys, scale, enable_gqa,
+                                                     self._head_offset(q.shape[1], heads))
+
+    def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor:
+        return dropout_kernel.dropout(x, p, site, self._token_keys("dropout"))
+
+    def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
+                          scale: Optional[float], enable_gqa: bool, heads: int) -> torch.Tensor:
+        keys = self._token_keys("attention dropout")
+        return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.packed_groups(keys, q.device), p, site,
+                                                     keys, scale, enable_gqa, self._head_offset(q.shape[1], heads))
+
+    def _head_offset(self, local: int, heads: int) -> int:
+        """The global index of this rank's first query head (a TP rank holds an equal slice)."""
+        if not heads or local == heads:
+            return 0
+        tp = self.ranks("tp") if "tp" in self.bindings else (self.rank,)
+        if local * len(tp) != heads:
+            raise HGraphError(f"attention dropout: {local} local heads of {heads} over TP{len(tp)}")
+        return tp.index(self.rank) * local
+
+    def _token_keys(self, op: str) -> TokenKeys:
+        if self.token_keys is None:
+            raise HGraphError(f"{op} needs this micro-batch's token keys: run this rank's program under the "
+                              "hgraph executor")
+        return self.token_keys
 
     def _cp_layout(self, op: str) -> CPLayout:
         if self.cp_layout is None:

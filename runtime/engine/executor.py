@@ -60,6 +60,7 @@ from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
                                               per_sequence_plan)
+from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.strategy import Cluster
 from hgraph.varlen_attention import cu_seqlens_for
 
@@ -155,6 +156,12 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
+def token_documents(mb: "MicroBatch") -> torch.Tensor:
+    """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
+    ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
+    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
+
+
 def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
     """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
     warmup = min(num_stages - stage - 1, num_microbatches)
@@ -176,7 +183,7 @@ class Executor:
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
-                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None) -> None:
+                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -192,6 +199,8 @@ class Executor:
         self.working_dtype = compiled.options.working_dtype or torch.float32
         self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
         self._last_program: Any = None
+        self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
+        self._step_index = 0
         self._active: Optional[RankState] = None    # the state whose working tensors hold memory
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
 
@@ -289,6 +298,7 @@ class Executor:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
         state = self.state_for(program)
         self._activate(state)
+        self._step_index = step
         rp, sync = state.rank_program, state.sync
         for w in state.working.values():
             w.grad = None
@@ -365,12 +375,15 @@ class Executor:
             mb = mbs[i]
             if kind == "F":
                 ids, pos, targets = mb.input_ids, mb.position_ids, None
+                docs = token_documents(mb)
                 if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
                     comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
                     local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
                     cu = cu_seqlens_for(mb.doc_lengths)
-                    ids, pos = ids[:, local], pos[:, local]
+                    ids, pos, docs = ids[:, local], pos[:, local], docs[local]
                     targets = packed_targets(mb.input_ids, cu)[:, local]
+                comm.token_keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
+                                            mb.doc_indices or tuple(range(len(mb.doc_lengths))))
                 if memory is not None:
                     memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():

@@ -71,18 +71,18 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
         if meter is not None:
             meter.observe("layer", meter.features, meter.live_bytes - before, in_forward=True)
         return out
-    layout = comm.cp_layout
+    layout, keys = comm.cp_layout, comm.token_keys
     token = meter.hold(inputs) if meter is not None else None
     features = meter.features if meter is not None else None
 
     def replay(*xs: Any) -> tuple:
         _ = token              # the checkpointed inputs are counted while this closure lives
-        saved = comm.cp_layout
-        comm.cp_layout = layout
+        saved = comm.cp_layout, comm.token_keys     # the micro-batch of this block, not the latest one
+        comm.cp_layout, comm.token_keys = layout, keys
         try:
             return block(*xs)
         finally:
-            comm.cp_layout = saved
+            comm.cp_layout, comm.token_keys = saved
 
     def contexts() -> tuple[Any, Any]:
         recompute_ctx = meter.replay_tracker(features) if meter is not None else contextlib.nullcontext()

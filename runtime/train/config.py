@@ -38,6 +38,7 @@ class ModelConfig:
     model_args: Mapping[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
     seed: int = 0
+    dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 import hgraph
+from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
@@ -69,6 +70,7 @@ class TrainSummary:
     checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
+    dropout: str = "none"                             # ``dropout_status`` of the run
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -87,6 +89,21 @@ def record_model(config: TrainConfig) -> InitRecord:
     """The model on the meta device with its recorded initialisation (``SeededInit`` replays it)."""
     return record_init(lambda: resolve_model_spec(_model_spec(config), config.model.model_args),
                        config.model.seed)
+
+
+def dropout_status(gm: Any, mode: str) -> str:
+    """What happens to the model's dropout: ``"applied (N sites, p ...)"``, ``"off (N sites ...)"`` or
+    ``"none"`` (the traced graph has no training dropout)."""
+    probs = []
+    for n in gm.graph.nodes:
+        if n.target is ops.keyed_dropout:
+            probs.append(float(n.args[1]))
+        elif n.target is torch.nn.functional.scaled_dot_product_attention and n.kwargs.get("dropout_p"):
+            probs.append(float(n.kwargs["dropout_p"]))
+    if not probs:
+        return "none"
+    what = f"{len(probs)} sites, p {min(probs):g}" + (f"-{max(probs):g}" if max(probs) != min(probs) else "")
+    return f"applied ({what})" if mode == "apply" else f"off ({what} disabled by --dropout off)"
 
 
 def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
@@ -123,7 +140,10 @@ class Trainer:
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
         install_buffers(self.model, self.weights, self.device)
-        self.compiled = hgraph.compile(self.model, dtype=config.model.dtype)
+        self.compiled = hgraph.compile(self.model, dtype=config.model.dtype, dropout=config.model.dropout == "apply")
+        self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
+        if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
+            print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
         planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
         self.cache = ProgramCache(self.compiled, Cluster(world_size, config.cluster.gpus_per_node))
         if planner is None:
@@ -143,7 +163,7 @@ class Trainer:
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 programs=self.cache)
+                                 programs=self.cache, seed=config.model.seed)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.cache, self.executor, config)
@@ -238,7 +258,7 @@ class Trainer:
             "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
             "next_document": start_position}
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
-                            resumed, self.mode.candidates())
+                            resumed, self.mode.candidates(), self.dropout)
 
     def _report(self, result: StepResult, batch: MiniBatch, delay_state: Optional[dict], metrics: MetricsWriter,
                 bar: ProgressBar) -> None:
@@ -300,7 +320,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
             "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
-            "candidates": summary.candidates}
+            "candidates": summary.candidates, "dropout": summary.dropout}
 
 
 def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:

@@ -240,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         for s in steps:
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
                   f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else ""))
+    print(f"dropout: {result.get('dropout', 'none')}")
     c = result["cache"]
     print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
           f"<= {c['max_hit_switch_ms']:.3f} ms")

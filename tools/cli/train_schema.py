@@ -74,8 +74,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("model", "model-args", "table", {}, "model config overrides or class kwargs (a TOML table; "
        "on the command line a JSON object)", metavar="JSON"),
     _k("model", "dtype", "str", "fp32", "working precision (masters stay fp32)", choices=("fp32", "bf16")),
-    _k("model", "seed", "int", 0, "seed of the model initialisation, the built-in data and the planner",
-       minimum=0),
+    _k("model", "seed", "int", 0, "seed of the model initialisation, the built-in data, the planner and "
+       "the dropout masks", minimum=0),
+    _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
+       "position and site, the same under every strategy) or off", choices=("apply", "off")),
     _k("data", "data", "path", None, "training data, JSONL with input_ids (default: the built-in "
        "long-tail dataset)", optional=True, metavar="FILE.jsonl"),
     _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "

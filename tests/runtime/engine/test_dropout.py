@@ -1,0 +1,90 @@
+"""Dropout whose masks do not depend on the strategy (issue: dropout that trains the same anywhere).
+
+A GPT-2 with every dropout at 0.1 (embedding, attention probabilities through SDPA's dropout_p,
+residual, MLP) trains 3 steps on one rank and on 4 ranks under a schedule switching TP, PP and CP
+pipelines: the losses and final parameters agree within the fp32 equivalence tolerances of
+``test_executor_equivalence``; the same run with ``--dropout off`` differs (dropout was applied);
+and the kernel drops a fraction p of the elements, each a function of what it is.
+"""
+import pytest
+import torch
+
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.documents import Document, mini_batches
+from hgraph.runtime.kernels.dropout import TokenKeys, attention_keep, dropout
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import spawn
+from hgraph.runtime.train.trainer import Trainer
+
+pytest.importorskip("transformers")
+
+LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
+TOKENS_PER_ITER, STEPS = 30, 3
+GPT2 = {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}
+SCHEDULE = "1xTP2PP1+2xTP1PP1;1xTP1PP2+1xTP2PP1;1xTP1PP1CP2+2xTP1PP1"
+
+
+def _docs():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _run(rank, world, schedule, dropout="apply"):
+    config = TrainConfig.from_values(model="hf:gpt2", model_args=GPT2, world_size=world, strategy_schedule=schedule,
+                                     steps=STEPS, tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), dropout=dropout,
+                                     save_final="unused")
+    trainer = Trainer(config, rank, world, GroupCache(rank, world))
+    batches = list(mini_batches([Document(i, tuple(d)) for i, d in enumerate(_docs())], TOKENS_PER_ITER, STEPS))
+    losses = [trainer.step(b).loss for b in batches]
+    final = trainer.final_state_dict()           # collective: every rank gathers
+    return {"losses": losses, "final": final if rank == 0 else None, "dropout": trainer.dropout}
+
+
+def _worker(rank, world):
+    return _run(rank, world, SCHEDULE)
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return spawn(_worker, 4, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return _run(0, 1, "1xTP1PP1")
+
+
+def test_switching_strategies_train_as_one_rank_with_dropout(four_ranks, one_rank):
+    assert one_rank["dropout"] == "applied (7 sites, p 0.1)"
+    got = four_ranks[0]
+    for k, (a, b) in enumerate(zip(got["losses"], one_rank["losses"])):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {k}: {a} vs {b}"
+    for name, want in one_rank["final"].items():
+        torch.testing.assert_close(got["final"][name], want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_dropout_off_trains_differently(one_rank):
+    off = _run(0, 1, "1xTP1PP1", dropout="off")
+    assert off["dropout"].startswith("off (7 sites")
+    assert all(abs(a - b) > 1e-4 for a, b in zip(off["losses"], one_rank["losses"]))
+
+
+def test_the_kernel_drops_p_of_the_elements_as_a_function_of_what_they_are():
+    keys = TokenKeys(seed=1, step=2, documents=torch.arange(512) // 64, positions=torch.arange(512) % 64)
+    x = torch.ones(1, 512, 96)
+    y = dropout(x, 0.1, site=5, keys=keys)
+    dropped = float((y == 0).float().mean())
+    assert abs(dropped - 0.1) < 4 * (0.1 * 0.9 / y.numel()) ** 0.5      # within 4 sigma
+    assert torch.allclose(y[y != 0], torch.full_like(y[y != 0], 1 / 0.9))
+    # the same tokens in another order (another packing) get the same masks; another step does not
+    perm = torch.randperm(512, generator=torch.Generator().manual_seed(0))
+    shuffled = TokenKeys(1, 2, keys.documents[perm], keys.positions[perm])
+    assert torch.equal(dropout(x, 0.1, 5, shuffled), y[:, perm])
+    assert not torch.equal(dropout(x, 0.1, 5, TokenKeys(1, 3, keys.documents, keys.positions)), y)
+    assert not torch.equal(dropout(x, 0.1, 6, keys), y)
+    # attention: [heads, q, k] masks of a TP rank's heads are the whole model's heads' slice
+    rows = torch.arange(64)
+    whole = attention_keep(0.1, 7, keys, rows, keys.documents[:64], keys.positions[:64], heads=4, head_offset=0)
+    half = attention_keep(0.1, 7, keys, rows, keys.documents[:64], keys.positions[:64], heads=2, head_offset=2)
+    assert torch.equal(whole[2:], half)
+    assert abs(1 - float(whole.float().mean()) - 0.1) < 0.01
