@@ -2,7 +2,8 @@
 
 ``trace(model)`` = ``tracer.trace_graph`` (torch.fx, leaf policy in ``hgraph.frontends.tracer``)
 then ``canonicalize.canonicalize_graph`` (the canonical form is documented there). The returned
-GraphModule shares the model's parameters (it holds references, not copies).
+GraphModule shares the model's parameters (it holds references, not copies). The model is traced in
+train mode, as it trains (the caller's mode is restored).
 
 Models fx cannot trace (data-dependent control flow, ...) raise ``hgraph.TraceError`` with one line
 naming the module and the line of code where tracing stopped.
@@ -29,8 +30,14 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[LeafSpec] = ()) -> fx.Grap
     if not isinstance(model, nn.Module):
         raise TraceError(f"hgraph traces nn.Module instances, got {type(model).__name__}")
     traced_inputs, _ = concrete_args_for(model)
-    graph, _ = trace_graph(model, leaf_modules)
-    canonicalize_graph(graph, model, traced_inputs)
+    modes = {m: m.training for m in model.modules()}
+    model.train()            # trace what training runs (train-mode branches, dropout)
+    try:
+        graph, _ = trace_graph(model, leaf_modules)
+        canonicalize_graph(graph, model, traced_inputs)
+    finally:
+        for m, training in modes.items():
+            m.training = training
     gm = fx.GraphModule(model, graph, class_name=f"{type(model).__name__}HGraph")
     if hasattr(model, "config"):
         gm.config = model.config

@@ -2,7 +2,8 @@
 
 Each is built from a config (random initialisation, never downloading weights): a tiny default
 config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
-Dropout is 0 and sliding-window attention off, as hgraph's training contract needs. transformers
+Dropout defaults to 0 (give e.g. ``{"attention_dropout": 0.1}`` to train with it: hgraph applies it with
+strategy-invariant masks) and sliding-window attention is off, as packed documents need. transformers
 is an optional dependency: ``pip install -e '.[hf]'`` in the hgraph checkout.
 """
 from __future__ import annotations

@@ -235,3 +235,42 @@ class Bidirectional(nn.Module):
 def test_non_causal_attention_is_rejected():
     with pytest.raises(TraceError, match="is_causal=False; hgraph trains causal language models"):
         trace(Bidirectional())
+
+
+class _WithDropouts(nn.Module):
+    """A tiny LM with the dropouts people write: nn.Dropout, F.dropout(training=self.training), one
+    that never trains, and p = 0."""
+
+    def __init__(self, kind=None):
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.drop = nn.Dropout(0.1)
+        self.zero = nn.Dropout(0.0)
+        self.head = nn.Linear(8, 32)
+        self.kind = kind
+
+    def forward(self, input_ids, position_ids=None):
+        h = self.zero(self.drop(self.emb(input_ids)))
+        h = F.dropout(h, 0.2, training=self.training)
+        h = F.dropout(h, 0.3, training=False)
+        if self.kind is not None:
+            h = self.kind(h, 0.1, training=self.training)
+        return self.head(h)
+
+
+def test_training_dropouts_become_keyed_dropout_in_train_mode_even_after_eval():
+    from hgraph import ops
+    model = _WithDropouts().eval()           # traced as it trains, whatever mode it is left in
+    gm = trace(model)
+    kept = [n.args[1] for n in gm.graph.nodes if n.target is ops.keyed_dropout]
+    assert kept == [0.1, 0.2]
+    assert not any(n.target in (F.dropout, torch.dropout) for n in gm.graph.nodes)
+    assert not model.training                # the caller's mode is restored
+    ids = _ids(1, 5, 32)
+    torch.testing.assert_close(gm(ids, _positions(1, 5)), model(ids))   # identity without a runtime
+
+
+@pytest.mark.parametrize("kind", [F.dropout1d, F.alpha_dropout])
+def test_other_dropout_kinds_that_train_are_refused(kind):
+    with pytest.raises(TraceError, match=f"{kind.__name__} .*trains"):
+        trace(_WithDropouts(kind))
