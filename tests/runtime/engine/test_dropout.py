@@ -29,19 +29,22 @@ def _docs():
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in LENGTHS]
 
 
-def _run(rank, world, schedule, dropout="apply"):
+def _run(rank, world, schedule, dropout="apply", **options):
     config = TrainConfig.from_values(model="hf:gpt2", model_args=GPT2, world_size=world, strategy_schedule=schedule,
                                      steps=STEPS, tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), dropout=dropout,
-                                     save_final="unused")
+                                     save_final="unused", **options)
     trainer = Trainer(config, rank, world, GroupCache(rank, world))
     batches = list(mini_batches([Document(i, tuple(d)) for i, d in enumerate(_docs())], TOKENS_PER_ITER, STEPS))
-    losses = [trainer.step(b).loss for b in batches]
+    steps = [trainer.step(b) for b in batches]
     final = trainer.final_state_dict()           # collective: every rank gathers
-    return {"losses": losses, "final": final if rank == 0 else None, "dropout": trainer.dropout}
+    return {"losses": [s.loss for s in steps], "final": final if rank == 0 else None, "dropout": trainer.dropout,
+            "recomputed": [s.recompute_layers for s in steps]}
 
 
 def _worker(rank, world):
-    return _run(rank, world, SCHEDULE)
+    # second run: pipelines of 2 stages (1F1B runs a later micro-batch's forward before an earlier
+    # one's backward) with every block recomputed in backward
+    return _run(rank, world, SCHEDULE), _run(rank, world, "2xTP1PP2", memory_budget=1)
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +59,21 @@ def one_rank():
 
 def test_switching_strategies_train_as_one_rank_with_dropout(four_ranks, one_rank):
     assert one_rank["dropout"] == "applied (7 sites, p 0.1)"
-    got = four_ranks[0]
-    for k, (a, b) in enumerate(zip(got["losses"], one_rank["losses"])):
-        assert abs(a - b) <= 1e-6 * abs(b), f"step {k}: {a} vs {b}"
+    for got in four_ranks[0]:
+        for k, (a, b) in enumerate(zip(got["losses"], one_rank["losses"])):
+            assert abs(a - b) <= 1e-6 * abs(b), f"step {k}: {a} vs {b}"
+        for name, want in one_rank["final"].items():
+            torch.testing.assert_close(got["final"][name], want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert all(layers for step in four_ranks[0][1]["recomputed"] for layers in step)
+
+
+def test_recomputed_blocks_draw_the_same_masks(one_rank):
+    """A memory budget of one byte makes every block recompute in backward: the same training."""
+    again = _run(0, 1, "1xTP1PP1", memory_budget=1)
+    assert all(layers for step in again["recomputed"] for layers in step)
+    assert again["losses"] == one_rank["losses"]
     for name, want in one_rank["final"].items():
-        torch.testing.assert_close(got["final"][name], want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(again["final"][name], want), name
 
 
 def test_dropout_off_trains_differently(one_rank):
