@@ -49,7 +49,8 @@ class CompiledModule(nn.Module):
     ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster) for
     interactive use and ``dump``; ``.build_program(strategy, cluster)``: a new Program on every call (a
     training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``).
-    ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
+    ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs;
+    ``.sharding_report(strategy)``: what TP shards and why the rest is whole.
     """
 
     def __init__(self, model: nn.Module, options: CompileOptions):
@@ -103,6 +104,12 @@ class CompiledModule(nn.Module):
         """A new Program of ``strategy`` on ``cluster``: the instantiation passes run on every call."""
         from hgraph.passes.instantiate import instantiate
         return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes())
+
+    def sharding_report(self, strategy: Union[Strategy, str]):
+        """Per TP degree of ``strategy``: each block parameter's placement, why replicated ones are
+        whole, and the fraction of bytes sharded (``hgraph.passes.sharding_report.ShardingReport``)."""
+        from hgraph.passes.sharding_report import sharding_report
+        return sharding_report(self._hgraph, self.symbolic_shapes(), Strategy.of(strategy))
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:

@@ -66,6 +66,7 @@ class NodeMeta:
     slot: for slot nodes, the slot kind; ``comm_point`` says where a comm_activation slot sits.
     subgraph: after instantiation, an id grouping the nodes of one filled subgraph.
     comm: after instantiation, the communication a node performs (a runtime CommSpec), or None.
+    tp_reason: for a linear TP replicates although it is in a block, the node that blocked sharding.
     """
 
     block: Optional[str] = None
@@ -78,6 +79,7 @@ class NodeMeta:
     comm_point: Optional[CommPoint] = None
     subgraph: Optional[str] = None
     comm: Any = None
+    tp_reason: Optional[str] = None
 
 
 def get_meta(node: fx.Node) -> NodeMeta:

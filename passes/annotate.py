@@ -258,12 +258,14 @@ def is_metadata(n: fx.Node, meta_nodes: set[fx.Node]) -> bool:
 
 
 def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
-                    blocks: list[str], params: set[str]) -> dict[fx.Node, TPRole]:
-    """TP role of every op that reads a parameter (see the module docstring)."""
+                    blocks: list[str], params: set[str],
+                    reasons: Optional[dict[fx.Node, str]] = None) -> dict[fx.Node, TPRole]:
+    """TP role of every op that reads a parameter (see the module docstring). ``reasons``, if given,
+    gets for each linear replicated although it could pair up, the first node that blocked it."""
     nodes = list(gm.graph.nodes)
     roles: dict[fx.Node, TPRole] = {}
     groups = _Groups()
-    bad: set[fx.Node] = set()          # linears whose group must be replicated
+    bad: dict[fx.Node, str] = {}       # linears whose group must be replicated -> why
     state: dict[fx.Node, str] = {}     # sharded activations: FLAT / HEADS
     sources: dict[fx.Node, set[fx.Node]] = {}  # column linears a sharded value comes from
     meta_nodes: set[fx.Node] = set()
@@ -290,7 +292,8 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                 for c in sources[x]:
                     groups.union(n, c)
                 if state[x] != FLAT or len(ins) != 1:
-                    bad.update(sources[x] | {n})
+                    _block(bad, sources[x] | {n}, f"{n.name} reads a sharded value it cannot split "
+                           f"{'(a value viewed as heads)' if state[x] != FLAT else '(several sharded inputs)'}")
                 roles[n] = TPRole.ROW
             else:
                 roles[n] = TPRole.COLUMN
@@ -306,7 +309,13 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
         if new == HEADS:
             others = [a for a in others if a in data or a.op == "get_attr"]
         if new is None or others or any(block_of.get(a) != b for a in ins):
-            bad.update(src)
+            if new is None:
+                why = f"{n.name} ({op_name(n)}) cannot run on a TP-sharded input"
+            elif others:
+                why = f"{n.name} mixes a sharded value with the whole tensor {others[0].name}"
+            else:
+                why = f"{n.name} uses a sharded value of another block"
+            _block(bad, src, why)
             continue
         state[n], sources[n] = new, src
 
@@ -314,11 +323,24 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     for n in state:
         for u in n.users:
             if u.op == "output" or (u not in meta_nodes and block_of.get(u) != block_of.get(n)):
-                bad.update(sources[n])
+                _block(bad, sources[n], f"the sharded value {n.name} leaves its block without a row-parallel "
+                                        f"linear (used by {u.name})")
 
     _post_and_embedding_roles(gm, nodes, block_of, params, roles)
     _replicate_bad_groups(nodes, params, roles, groups, bad)
+    if reasons is not None:
+        by_root: dict[fx.Node, str] = {}
+        for n, why in bad.items():
+            by_root.setdefault(groups.find(n), why)
+        for n, r in roles.items():
+            if r == TPRole.REPLICATED and n in groups.parent and groups.find(n) in by_root:
+                reasons[n] = by_root[groups.find(n)]
     return roles
+
+
+def _block(bad: dict, nodes: Iterable[fx.Node], why: str) -> None:
+    for x in nodes:
+        bad.setdefault(x, why)
 
 
 def _linear_weight(n: fx.Node, params: set[str]) -> Optional[str]:
@@ -374,7 +396,7 @@ def param_role(role: TPRole, arg_role: str) -> TPRole:
     return role
 
 
-def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: set) -> None:
+def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: dict) -> None:
     """Replicate every group with a bad member; then every group touching a parameter whose uses
     disagree on the split (until nothing changes)."""
     while True:
@@ -397,7 +419,8 @@ def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: set) -> No
             return
         for n in newly:
             if n in groups.parent:
-                bad.add(n)
+                name = next(name for _, name, _ in op_params(n, params) if name in conflicted)
+                bad.setdefault(n, f"parameter {name} is used by ops that need different splits")
             else:
                 roles[n] = TPRole.REPLICATED
 
@@ -422,7 +445,8 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
                          "type, e.g. model.layers); hgraph needs them to place pipeline stages")
     layer_of = {b: i for i, b in enumerate(blocks)}
     block_of = assign_blocks(gm, blocks, params)
-    roles = assign_tp_roles(gm, block_of, blocks, params)
+    reasons: dict[fx.Node, str] = {}
+    roles = assign_tp_roles(gm, block_of, blocks, params, reasons)
 
     for n in gm.graph.nodes:
         b = block_of.get(n)
@@ -430,7 +454,8 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
     for n, role in roles.items():
         uses = op_params(n, params)
         main = next((u for u in uses if u[0] == "weight"), uses[0])
-        update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0], n))
+        update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0], n),
+                    tp_reason=reasons.get(n))
         for arg_role, name, attr in uses:
             value = gm.get_parameter(name)
             dim = param_shard_dim(role, arg_role, n) if value.dim() else None

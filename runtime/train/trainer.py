@@ -56,7 +56,7 @@ from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDri
                                              parse_schedule)
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
-from hgraph.strategy import Cluster
+from hgraph.strategy import Cluster, Strategy
 
 
 @dataclass
@@ -171,6 +171,9 @@ class Trainer:
             self.mode = DcpInter(schedule, dcp_cost, self.cache, self.executor, config)
         else:
             self.mode = FixedSchedule(schedule, self.cache, self.executor, config)
+        if rank == 0:
+            for line in self.sharding_warnings(schedule or [Strategy.parse(c) for c in self.mode.candidates()]):
+                print(f"hgraph: warning: {line}", flush=True)
 
     def _model_and_weights(self) -> tuple[torch.nn.Module, WeightSource]:
         """The model on the meta device and the source of its initial values: the recorded seeded
@@ -184,6 +187,15 @@ class Trainer:
                       flush=True)
             model = build_model(self.config)
             return model, EagerInit(model, self.config.model.seed)
+
+    def sharding_warnings(self, strategies: list) -> list[str]:
+        """One line per TP degree of ``strategies`` that leaves much of the blocks' parameters replicated
+        (``CompiledModule.sharding_report``)."""
+        lines: dict[str, None] = {}
+        for strategy in dict.fromkeys(strategies):
+            for line in self.compiled.sharding_report(strategy).warnings():
+                lines[line] = None
+        return list(lines)
 
     @property
     def balance_info(self) -> dict[int, dict]:

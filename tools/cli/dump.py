@@ -29,7 +29,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: what the strategy uses)")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
-    p.add_argument("--format", choices=FORMATS, default="text")
+    p.add_argument("--format", choices=FORMATS + ("report",), default="text",
+                   help="report: which parameters TP shards under the strategy and why the others are whole")
     p.add_argument("--dtype", default="fp32", help="working precision of the propagation phase (fp32|bf16)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
     return p
@@ -61,8 +62,11 @@ def run(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = resolve_model_spec(args.model, _model_args(args.model_args))
     compiled = hgraph.compile(model, dtype=args.dtype)
-    text = compiled.dump(strategy, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-                         rank=args.rank, format=args.format)
+    if args.format == "report":
+        text = compiled.sharding_report(strategy).text()
+    else:
+        text = compiled.dump(strategy, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
+                             rank=args.rank, format=args.format)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)
