@@ -67,6 +67,8 @@ class NodeMeta:
     subgraph: after instantiation, an id grouping the nodes of one filled subgraph.
     comm: after instantiation, the communication a node performs (a runtime CommSpec), or None.
     tp_reason: for a linear TP replicates although it is in a block, the node that blocked sharding.
+    tp_rewrite: for a view/reshape of a TP-sharded value that writes out a size TP divides: (position of
+        that size in the target shape, the column-parallel weight whose shard gives the local size).
     """
 
     block: Optional[str] = None
@@ -80,6 +82,7 @@ class NodeMeta:
     subgraph: Optional[str] = None
     comm: Any = None
     tp_reason: Optional[str] = None
+    tp_rewrite: Optional[tuple[int, str]] = None
 
 
 def get_meta(node: fx.Node) -> NodeMeta:

@@ -209,39 +209,73 @@ class _Groups:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> Optional[str]:
-    """State after a view/reshape of a sharded value, or None when TP would change its meaning.
+def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> tuple[Optional[str], Optional[int]]:
+    """State after a view/reshape of a sharded value (None when TP would change its meaning), and the
+    position in the target shape of a size that TP must rewrite for the shard (``shard_tp``).
 
-    The sharded dim may only be split with the free ``-1`` in front (heads) and constant factors
-    behind it (``view(b, t, -1, head_dim)``), or kept whole as the last dim (``reshape(b, t, -1)``,
-    ``view(-1, x.size(-1))``); a constant head count or width is wrong on a TP shard. A symbolic
-    last dim read from a sharded tensor (``local_meta``) is its local width; one read from a whole
-    tensor (``d // heads``) is a constant head dim.
+    The sharded dim may be split with the free ``-1`` in front (heads) and constant factors behind it
+    (``view(b, t, -1, head_dim)``), or kept whole as the last dim (``reshape(b, t, -1)``,
+    ``view(-1, x.size(-1))``). Sizes written out are rewritten: ``view(b, t, heads, head_dim)`` with one
+    constant head count in front of a constant head dim gives HEADS and a rewrite of the head count;
+    ``view(b, t, hidden)`` of a HEADS value, the hidden size a constant or read from a whole tensor, gives
+    FLAT and a rewrite of that width. A symbolic last dim read from a sharded tensor (``local_meta``)
+    is its local width already.
     """
     shape = tuple(node.args[1:])
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    if -1 not in [d for d in shape if isinstance(d, int)]:
-        return None
+    if not shape:
+        return None, None
     last, front = shape[-1], shape[:-1]
+    if -1 not in [d for d in shape if isinstance(d, int)]:
+        heads = [i for i, d in enumerate(front) if isinstance(d, int) and d != 1]
+        if state == FLAT and isinstance(last, int) and len(heads) == 1:
+            return HEADS, heads[0]
+        whole_width = isinstance(last, int) or (isinstance(last, fx.Node) and last not in local_meta)
+        if state == HEADS and len(shape) == 3 and whole_width:
+            return FLAT, len(shape) - 1
+        if state == FLAT and isinstance(last, fx.Node) and last in local_meta and not heads:
+            return state, None
+        return None, None
     constant_front = any(isinstance(d, int) and d not in (-1, 1) for d in front)
     if isinstance(last, int) and last == -1:
-        return None if constant_front else FLAT
+        return (None if constant_front else FLAT), None
     if isinstance(last, fx.Node) and last in local_meta:
-        return state  # view(-1, x.size(-1)): the sharded dim stays as it is
-    return HEADS  # -1 in front of a constant trailing dim: the free dim holds the heads
+        return state, None  # view(-1, x.size(-1)): the sharded dim stays as it is
+    return HEADS, None  # -1 in front of a constant trailing dim: the free dim holds the heads
 
 
-def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node]) -> Optional[str]:
-    """State of a non-linear op's output given its sharded inputs' states; None = not allowed."""
+# reductions that keep a HEADS value sharded when they reduce its last (head) dim
+_LAST_DIM_REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "norm", "softmax", "log_softmax", "rms_norm"}
+
+
+def _reduces_last_dim(n: fx.Node) -> bool:
+    dim = n.kwargs.get("dim", n.args[1] if len(n.args) > 1 else None)
+    if op_name(n) == "rms_norm":
+        shape = n.args[1] if len(n.args) > 1 else n.kwargs.get("normalized_shape")
+        return isinstance(shape, (tuple, list)) and len(shape) == 1
+    dims = dim if isinstance(dim, (tuple, list)) else (dim,)
+    return all(isinstance(d, int) and d == -1 for d in dims)
+
+
+def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node],
+          rewrites: dict[fx.Node, int]) -> Optional[str]:
+    """State of a non-linear op's output given its sharded inputs' states; None = not allowed.
+    A reshape whose written-out size TP must change records its position in ``rewrites``."""
     if n.op == "call_function" and n.target in ATTENTION_TARGETS:
         return HEADS if len(states) >= 3 and set(states) == {HEADS} else None
     if len(set(states)) != 1:
         return None
     if name in _RESHAPE:
-        return _reshape_state(n, states[0], local_meta)
+        state, position = _reshape_state(n, states[0], local_meta)
+        if state is not None and position is not None:
+            rewrites[n] = position
+        return state
     if name in _ELEMENTWISE or name in _LAYOUT:
         return states[0]
+    if states[0] == HEADS and (name == "repeat_interleave"          # GQA: key/value heads repeated
+                               or (name in _LAST_DIM_REDUCTIONS and _reduces_last_dim(n))):
+        return HEADS
     if name in _SLICING:  # slicing the sharded last dim itself would split it unevenly
         return HEADS if states[0] == HEADS else None
     return None
@@ -259,9 +293,12 @@ def is_metadata(n: fx.Node, meta_nodes: set[fx.Node]) -> bool:
 
 def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                     blocks: list[str], params: set[str],
-                    reasons: Optional[dict[fx.Node, str]] = None) -> dict[fx.Node, TPRole]:
+                    reasons: Optional[dict[fx.Node, str]] = None,
+                    rewrite_sources: Optional[dict[fx.Node, tuple[int, str]]] = None) -> dict[fx.Node, TPRole]:
     """TP role of every op that reads a parameter (see the module docstring). ``reasons``, if given,
-    gets for each linear replicated although it could pair up, the first node that blocked it."""
+    gets for each linear replicated although it could pair up, the first node that blocked it;
+    ``rewrite_sources`` for each reshape of a sharded value whose written-out size TP rewrites, the
+    position of that size and the column-parallel weight whose shard decides it."""
     nodes = list(gm.graph.nodes)
     roles: dict[fx.Node, TPRole] = {}
     groups = _Groups()
@@ -271,6 +308,7 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     meta_nodes: set[fx.Node] = set()
     local_meta: set[fx.Node] = set()   # shapes read from sharded values (local sizes under TP)
     data: set[fx.Node] = set()         # activations whose *data* derives from parameters
+    rewrites: dict[fx.Node, int] = {}  # reshapes whose written-out size TP rewrites -> its position
     block_set = set(blocks)
 
     for n in nodes:
@@ -302,12 +340,13 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
         if not ins:
             continue
         src = set().union(*(sources[a] for a in ins))
-        new = _flow(n, [state[a] for a in ins], op_name(n), local_meta)
+        new = _flow(n, [state[a] for a in ins], op_name(n), local_meta, rewrites)
         # another tensor mixed with a sharded one has the wrong shape under TP, except a
         # position-only one broadcast over the head dim (rotary tables)
         others = [a for a in n.all_input_nodes if a not in state and a not in meta_nodes]
         if new == HEADS:
-            others = [a for a in others if a in data or a.op == "get_attr"]
+            # a 1-D parameter broadcasts over the last (head) dim, the same for every head: it stays whole
+            others = [a for a in others if a in data or (a.op == "get_attr" and not _is_vector_param(a, params, gm))]
         if new is None or others or any(block_of.get(a) != b for a in ins):
             if new is None:
                 why = f"{n.name} ({op_name(n)}) cannot run on a TP-sharded input"
@@ -328,6 +367,11 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
 
     _post_and_embedding_roles(gm, nodes, block_of, params, roles)
     _replicate_bad_groups(nodes, params, roles, groups, bad)
+    if rewrite_sources is not None:
+        for n, position in rewrites.items():
+            cols = [c for c in sources.get(n, ()) if roles.get(c) == TPRole.COLUMN]
+            if cols and n in state:
+                rewrite_sources[n] = (position, _linear_weight(cols[0], params))
     if reasons is not None:
         by_root: dict[fx.Node, str] = {}
         for n, why in bad.items():
@@ -336,6 +380,11 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             if r == TPRole.REPLICATED and n in groups.parent and groups.find(n) in by_root:
                 reasons[n] = by_root[groups.find(n)]
     return roles
+
+
+def _is_vector_param(a: fx.Node, params: set[str], gm: fx.GraphModule) -> bool:
+    name = param_of(a, params)
+    return name is not None and gm.get_parameter(name).dim() == 1
 
 
 def _block(bad: dict, nodes: Iterable[fx.Node], why: str) -> None:
@@ -446,11 +495,12 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
     layer_of = {b: i for i, b in enumerate(blocks)}
     block_of = assign_blocks(gm, blocks, params)
     reasons: dict[fx.Node, str] = {}
-    roles = assign_tp_roles(gm, block_of, blocks, params, reasons)
+    rewrites: dict[fx.Node, tuple[int, str]] = {}
+    roles = assign_tp_roles(gm, block_of, blocks, params, reasons, rewrites)
 
     for n in gm.graph.nodes:
         b = block_of.get(n)
-        set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n)))
+        set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n), tp_rewrite=rewrites.get(n)))
     for n, role in roles.items():
         uses = op_params(n, params)
         main = next((u for u in uses if u[0] == "weight"), uses[0])

@@ -163,6 +163,7 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.gathers = {}
     if ctx.role.scheme.tp == 1:
         return gm
+    _rewrite_sizes(gm, ctx)
     for name, uses in param_uses(gm).items():
         shard, role = ctx.params[name], ctx.hgraph.params[name].tp_role
         if not shard.tp_sharded:
@@ -174,6 +175,35 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 _move_row_bias(gm, op)
     _record_gathers(gm, ctx)
     return gm
+
+
+def _rewrite_sizes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Sizes written out in views of sharded values (a head count, a hidden width; ``annotate``
+    records which) scaled to this rank's shard: ``size * local / full`` of the column-parallel weight
+    the value comes from. A size read from a whole tensor at run time gets the same arithmetic as nodes."""
+    for node in list(gm.graph.nodes):
+        rewrite = get_meta(node).tp_rewrite
+        if rewrite is None:
+            continue
+        position, source = rewrite
+        shard = ctx.params.get(source)
+        if shard is None or not shard.tp_sharded:
+            continue
+        full = shard.full_shape[shard.shard_dim]
+        local = sum(hi - lo for lo, hi in shard.ranges)
+        packed = len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
+        shape = list(node.args[1] if packed else node.args[1:])
+        size = shape[position]
+        if isinstance(size, int):
+            if (size * local) % full:
+                raise StrategyError(f"TP={ctx.role.scheme.tp}: {node.name} views {source}'s output with a size of "
+                                    f"{size}, which its shard ({local} of {full}) does not divide")
+            shape[position] = size * local // full
+        else:
+            with gm.graph.inserting_before(node):
+                scaled = gm.graph.call_function(operator.mul, (size, local))
+                shape[position] = gm.graph.call_function(operator.floordiv, (scaled, full))
+        node.args = (node.args[0], tuple(shape)) if packed else (node.args[0], *shape)
 
 
 def _feeds(op: fx.Node, point: CommPoint) -> bool:
