@@ -39,6 +39,7 @@ class ParamInfo:
     layer: Optional[int]
     use_blocks: tuple[Optional[str], ...] = ()
     use_roles: tuple[Optional[TPRole], ...] = ()
+    tp_partial: bool = False       # whole on every TP rank, but each rank's gradient is a partial sum
 
     @property
     def numel(self) -> int:
@@ -145,7 +146,8 @@ def _param_table(gm: fx.GraphModule) -> dict[str, ParamInfo]:
         use_roles = tuple(get_meta(u).tp_role for u in uses)
         first = get_meta(uses[0]) if uses else m
         out[m.param] = ParamInfo(m.param, value.shape, value.dtype, m.shard_dim, _param_role(m.tp_role, use_roles),
-                                 first.block, first.layer, use_blocks, use_roles)
+                                 first.block, first.layer, use_blocks, use_roles,
+                                 any(get_meta(u).tp_partial for u in uses))
     return out
 
 

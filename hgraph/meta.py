@@ -68,7 +68,12 @@ class NodeMeta:
     comm: after instantiation, the communication a node performs (a runtime CommSpec), or None.
     tp_reason: for a linear TP replicates although it is in a block, the node that blocked sharding.
     tp_rewrite: for a view/reshape of a TP-sharded value that writes out a size TP divides: (position of
-        that size in the target shape, the column-parallel weight whose shard gives the local size).
+        that size in the target shape, the column-parallel weight whose shard gives the local size);
+        position -1: the node cuts a fused projection into parts (split, chunk, slice).
+    tp_parts: for a column-parallel linear whose output is cut into parts (fused q/k/v, gate/up), the
+        parts' output row ranges: each TP rank holds its slice of every part.
+    tp_partial: an op reading a whole parameter on TP-sharded heads (a per-head norm's weight): each
+        TP rank's gradient of that parameter covers its heads only, so the push sums them.
     """
 
     block: Optional[str] = None
@@ -83,6 +88,8 @@ class NodeMeta:
     comm: Any = None
     tp_reason: Optional[str] = None
     tp_rewrite: Optional[tuple[int, str]] = None
+    tp_parts: Optional[tuple[tuple[int, int], ...]] = None
+    tp_partial: bool = False
 
 
 def get_meta(node: fx.Node) -> NodeMeta:

@@ -190,6 +190,9 @@ def assign_blocks(gm: fx.GraphModule, blocks: list[str], params: set[str]) -> di
 
 # ---- tensor-parallel roles ----------------------------------------------------------------------
 FLAT, HEADS = "flat", "heads"  # sharded along the last dim / along a head dim after a -1 reshape
+FUSED = "fused"                 # a fused projection's output cut into parts (split / chunk): a tuple
+#: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (split, chunk, slice)
+FUSED_PART = -1
 
 
 class _Groups:
@@ -259,7 +262,7 @@ def _reduces_last_dim(n: fx.Node) -> bool:
 
 
 def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node],
-          rewrites: dict[fx.Node, int]) -> Optional[str]:
+          rewrites: dict[fx.Node, int], fused_cuts: dict[fx.Node, list[tuple[int, int]]]) -> Optional[str]:
     """State of a non-linear op's output given its sharded inputs' states; None = not allowed.
     A reshape whose written-out size TP must change records its position in ``rewrites``."""
     if n.op == "call_function" and n.target in ATTENTION_TARGETS:
@@ -273,6 +276,10 @@ def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node],
         return state
     if name in _ELEMENTWISE or name in _LAYOUT:
         return states[0]
+    if states[0] == FUSED and name == "getitem":
+        return FLAT
+    if states[0] == FLAT and n in fused_cuts:      # a part of a fused projection (recorded by the caller)
+        return FUSED if name in ("split", "chunk") else FLAT
     if states[0] == HEADS and (name == "repeat_interleave"          # GQA: key/value heads repeated
                                or (name in _LAST_DIM_REDUCTIONS and _reduces_last_dim(n))):
         return HEADS
@@ -294,11 +301,17 @@ def is_metadata(n: fx.Node, meta_nodes: set[fx.Node]) -> bool:
 def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                     blocks: list[str], params: set[str],
                     reasons: Optional[dict[fx.Node, str]] = None,
-                    rewrite_sources: Optional[dict[fx.Node, tuple[int, str]]] = None) -> dict[fx.Node, TPRole]:
+                    rewrite_sources: Optional[dict[fx.Node, tuple[int, str]]] = None,
+                    fused_parts: Optional[dict[fx.Node, tuple]] = None,
+                    partial: Optional[dict[fx.Node, bool]] = None) -> dict[fx.Node, TPRole]:
     """TP role of every op that reads a parameter (see the module docstring). ``reasons``, if given,
     gets for each linear replicated although it could pair up, the first node that blocked it;
     ``rewrite_sources`` for each reshape of a sharded value whose written-out size TP rewrites, the
-    position of that size and the column-parallel weight whose shard decides it."""
+    position of that size and the column-parallel weight whose shard decides it; ``fused_parts`` for
+    each column linear whose output is cut into parts (fused q/k/v, gate/up), the parts' row ranges;
+    ``partial`` the ops that read a whole parameter on TP-sharded heads (its gradient is a partial sum)."""
+    fused_parts = {} if fused_parts is None else fused_parts
+    partial = {} if partial is None else partial
     nodes = list(gm.graph.nodes)
     roles: dict[fx.Node, TPRole] = {}
     groups = _Groups()
@@ -309,6 +322,8 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     local_meta: set[fx.Node] = set()   # shapes read from sharded values (local sizes under TP)
     data: set[fx.Node] = set()         # activations whose *data* derives from parameters
     rewrites: dict[fx.Node, int] = {}  # reshapes whose written-out size TP rewrites -> its position
+    fused_cuts: dict[fx.Node, list[tuple[int, int]]] = {}   # split / chunk / slice of a linear -> its parts
+    partial_ops: dict[fx.Node, set] = {}   # ops reading a whole parameter on sharded heads -> their sources
     block_set = set(blocks)
 
     for n in nodes:
@@ -340,13 +355,22 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
         if not ins:
             continue
         src = set().union(*(sources[a] for a in ins))
-        new = _flow(n, [state[a] for a in ins], op_name(n), local_meta, rewrites)
+        if len(ins) == 1 and n.args and n.args[0] in state and op_kind(n.args[0]) == OpKind.LINEAR:
+            parts = _fused_parts(n, _out_rows(n.args[0], params, gm))
+            if parts is not None:
+                fused_cuts[n] = parts
+                rewrites[n] = FUSED_PART
+        new = _flow(n, [state[a] for a in ins], op_name(n), local_meta, rewrites, fused_cuts)
         # another tensor mixed with a sharded one has the wrong shape under TP, except a
         # position-only one broadcast over the head dim (rotary tables)
         others = [a for a in n.all_input_nodes if a not in state and a not in meta_nodes]
         if new == HEADS:
-            # a 1-D parameter broadcasts over the last (head) dim, the same for every head: it stays whole
-            others = [a for a in others if a in data or (a.op == "get_attr" and not _is_vector_param(a, params, gm))]
+            # a 1-D parameter broadcasts over the last (head) dim, the same for every head: it stays whole,
+            # and each TP rank's gradient of it covers its own heads only (summed by the push)
+            vectors = [a for a in others if a.op == "get_attr" and _is_vector_param(a, params, gm)]
+            others = [a for a in others if a in data or (a.op == "get_attr" and a not in vectors)]
+            if vectors:
+                partial_ops[n] = src
         if new is None or others or any(block_of.get(a) != b for a in ins):
             if new is None:
                 why = f"{n.name} ({op_name(n)}) cannot run on a TP-sharded input"
@@ -358,6 +382,20 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             continue
         state[n], sources[n] = new, src
 
+    # a fused projection is sharded part by part: its cuts must tile its output and be its only users
+    for lin in {c.args[0] for c in fused_cuts}:
+        if lin not in state:
+            continue
+        cuts = [u for u in lin.users if u in fused_cuts]
+        parts = sorted({p for c in cuts for p in fused_cuts[c]})
+        rows = _out_rows(lin, params, gm)
+        tiles = all(a[1] == b[0] for a, b in zip(parts, parts[1:])) and parts and parts[0][0] == 0 \
+            and parts[-1][1] == rows
+        if len(cuts) != len(lin.users) or not tiles:
+            _block(bad, sources[lin], f"the parts {lin.name} is cut into do not tile its output")
+        else:
+            fused_parts[lin] = tuple(parts)
+
     # a sharded value must reach a ROW before leaving its block (or the graph)
     for n in state:
         for u in n.users:
@@ -367,6 +405,9 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
 
     _post_and_embedding_roles(gm, nodes, block_of, params, roles)
     _replicate_bad_groups(nodes, params, roles, groups, bad)
+    for n, src in partial_ops.items():
+        if any(roles.get(c) == TPRole.COLUMN for c in src):
+            partial[n] = True
     if rewrite_sources is not None:
         for n, position in rewrites.items():
             cols = [c for c in sources.get(n, ()) if roles.get(c) == TPRole.COLUMN]
@@ -380,6 +421,51 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             if r == TPRole.REPLICATED and n in groups.parent and groups.find(n) in by_root:
                 reasons[n] = by_root[groups.find(n)]
     return roles
+
+
+def _out_rows(linear: fx.Node, params: set[str], gm: fx.GraphModule) -> int:
+    """Output features of a linear (its weight's rows; an ``[in, out]`` weight's columns)."""
+    weight = gm.get_parameter(_linear_weight(linear, params))
+    return int(weight.shape[param_shard_dim(TPRole.COLUMN, "weight", linear)])
+
+
+def _last_dim(dim: Any) -> bool:
+    """Whether ``dim`` names the last dim of a 3-D ``[batch, tokens, features]`` activation."""
+    return isinstance(dim, int) and dim in (-1, 2)
+
+
+def _fused_parts(n: fx.Node, rows: int) -> Optional[list[tuple[int, int]]]:
+    """The row ranges a split / chunk / last-dim slice of a linear's output takes, else None."""
+    name = op_name(n)
+    if name == "split":
+        size = n.args[1] if len(n.args) > 1 else n.kwargs.get("split_size_or_sections", n.kwargs.get("split_size"))
+        if not _last_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)):
+            return None
+        if isinstance(size, int) and size > 0:
+            return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+        if isinstance(size, (list, tuple)) and all(isinstance(x, int) for x in size):
+            bounds = [0]
+            for x in size:
+                bounds.append(bounds[-1] + x)
+            return list(zip(bounds, bounds[1:]))
+        return None
+    if name == "chunk":
+        chunks = n.args[1] if len(n.args) > 1 else n.kwargs.get("chunks")
+        if not isinstance(chunks, int) or not _last_dim(n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)):
+            return None
+        size = -(-rows // chunks)
+        return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+    if name == "getitem" and isinstance(n.args[1], tuple) and n.args[1]:
+        *front, last = n.args[1]
+        if not isinstance(last, slice) or last.step not in (None, 1) or len(n.args[1]) != 3:
+            return None
+        if not all(f == slice(None) or f is Ellipsis for f in front):
+            return None
+        lo, hi = last.start or 0, rows if last.stop is None else last.stop
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= rows):
+            return None
+        return [(lo, hi)]
+    return None
 
 
 def _is_vector_param(a: fx.Node, params: set[str], gm: fx.GraphModule) -> bool:
@@ -496,16 +582,19 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
     block_of = assign_blocks(gm, blocks, params)
     reasons: dict[fx.Node, str] = {}
     rewrites: dict[fx.Node, tuple[int, str]] = {}
-    roles = assign_tp_roles(gm, block_of, blocks, params, reasons, rewrites)
+    fused: dict[fx.Node, tuple] = {}
+    partial: dict[fx.Node, bool] = {}
+    roles = assign_tp_roles(gm, block_of, blocks, params, reasons, rewrites, fused, partial)
 
     for n in gm.graph.nodes:
         b = block_of.get(n)
-        set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n), tp_rewrite=rewrites.get(n)))
+        set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n), tp_rewrite=rewrites.get(n),
+                             tp_partial=partial.get(n, False)))
     for n, role in roles.items():
         uses = op_params(n, params)
         main = next((u for u in uses if u[0] == "weight"), uses[0])
         update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0], n),
-                    tp_reason=reasons.get(n))
+                    tp_reason=reasons.get(n), tp_parts=fused.get(n) if role == TPRole.COLUMN else None)
         for arg_role, name, attr in uses:
             value = gm.get_parameter(name)
             dim = param_shard_dim(role, arg_role, n) if value.dim() else None

@@ -112,7 +112,8 @@ def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str,
     """Ranges each rank contributes to the gradient of ``name`` so every pipeline counts each element once.
 
     A parameter replicated across a TP group gets identical gradients on its TP ranks (its inputs are
-    replicated), so the range is split among them; TP-sharded slices and CP ranks (different tokens)
+    replicated), so the range is split among them; TP-sharded slices, CP ranks (different tokens) and a
+    whole parameter read on TP-sharded heads (``tp_partial``: each rank's gradient covers its heads)
     contribute what they hold.
     """
     contrib: dict[int, list[tuple[int, int]]] = {}
@@ -120,7 +121,7 @@ def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str,
         shard = rp.params.get(name)
         if shard is None:
             continue
-        if shard.tp_sharded or rp.scheme.tp == 1:
+        if shard.tp_sharded or rp.scheme.tp == 1 or info.tp_partial:
             contrib[rp.rank] = list(shard.ranges)
         else:
             (lo, hi), = shard.ranges

@@ -30,6 +30,8 @@ from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_me
 from hgraph.passes.context import PassContext
 from hgraph.program import ParamShard
 
+#: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (``annotate.FUSED_PART``)
+FUSED_PART = -1
 _RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
 
 
@@ -86,6 +88,7 @@ class _ParamPlan:
     unit: int
     gathered: bool
     blocks: frozenset
+    parts: tuple = ()           # a fused projection: ((lo, hi, unit), ...) of its output rows
 
 
 class TPShardPlanner:
@@ -109,9 +112,11 @@ class TPShardPlanner:
                 unit = max(_head_unit(shapes, op, True) for op in uses)   # a bias splits like its weight
             else:
                 unit = 1
+            parts = next((get_meta(op).tp_parts for op in uses if get_meta(op).tp_parts), None)
             self.plans[name] = _ParamPlan(name, shape, info.shard_dim if shape else 0, role, unit,
                                           any(_feeds(op, CommPoint.TP_GATHER) for op in uses),
-                                          frozenset(get_meta(op).block for op in uses))
+                                          frozenset(get_meta(op).block for op in uses),
+                                          _part_units(uses, parts, shapes) if role == TPRole.COLUMN and parts else ())
 
     def shard(self, name: str, tp: int, t: int) -> ParamShard:
         p = self.plans[name]
@@ -119,6 +124,15 @@ class TPShardPlanner:
         if tp == 1 or p.role in (None, TPRole.REPLICATED) or not shape:
             return ParamShard(name, shape, dim, ((0, shape[dim]),) if shape else ((0, 1),))
         size = shape[dim]
+        if p.parts:          # each TP rank holds its slice of every part of a fused projection
+            ranges = []
+            for lo, hi, unit in p.parts:
+                if ((hi - lo) // unit) % tp:
+                    raise StrategyError(f"TP={tp} does not divide the {(hi - lo) // unit} "
+                                        f"{'heads' if unit > 1 else 'rows'} of rows {lo}:{hi} of the fused {name}")
+                a, b = split_range(hi - lo, tp, t, unit)
+                ranges.append((lo + a, lo + b))
+            return ParamShard(name, shape, dim, tuple(ranges), 0, tp_sharded=True)
         if p.role == TPRole.COLUMN:
             rng, pad = _column_range(name, size, p.unit, tp, t, p.gathered, self.gqa)
         elif p.role == TPRole.ROW:
@@ -131,6 +145,33 @@ class TPShardPlanner:
         else:
             raise AssertionError(f"unknown TP role {p.role} of {name}")
         return ParamShard(name, shape, dim, (rng,), pad, tp_sharded=True)
+
+
+def _part_units(uses: list[fx.Node], parts: tuple, shapes: dict) -> tuple:
+    """``(lo, hi, unit)`` per part of a fused projection: the head dim when the part is viewed as heads."""
+    units: dict[tuple[int, int], int] = {}
+    for op in uses:
+        for cut in op.users:
+            cut_parts = _cut_parts(cut, parts)
+            for part, node in cut_parts:
+                units[part] = max(units.get(part, 1), _head_unit(shapes, node, True))
+    return tuple((lo, hi, units.get((lo, hi), 1)) for lo, hi in parts)
+
+
+def _cut_parts(cut: fx.Node, parts: tuple) -> list[tuple[tuple[int, int], fx.Node]]:
+    """(part, the node holding it) for a node cutting a fused output: split/chunk items or a slice."""
+    if op_name_of(cut) in ("split", "chunk"):
+        return [(parts[u.args[1]], u) for u in cut.users if isinstance(u.args[1], int) and u.args[1] < len(parts)]
+    index = cut.args[1] if len(cut.args) > 1 else None
+    if isinstance(index, tuple) and index and isinstance(index[-1], slice):
+        last = index[-1]
+        lo = last.start or 0
+        return [(p, cut) for p in parts if p[0] == lo]
+    return []
+
+
+def op_name_of(n: fx.Node) -> str:
+    return str(n.target) if n.op == "call_method" else getattr(n.target, "__name__", str(n.target))
 
 
 def _column_range(name: str, size: int, unit: int, tp: int, t: int, gathered: bool,
@@ -189,6 +230,9 @@ def _rewrite_sizes(gm: fx.GraphModule, ctx: PassContext) -> None:
         shard = ctx.params.get(source)
         if shard is None or not shard.tp_sharded:
             continue
+        if position == FUSED_PART:
+            _rewrite_cut(node, shard)
+            continue
         full = shard.full_shape[shard.shard_dim]
         local = sum(hi - lo for lo, hi in shard.ranges)
         packed = len(node.args) == 2 and isinstance(node.args[1], (tuple, list))
@@ -204,6 +248,41 @@ def _rewrite_sizes(gm: fx.GraphModule, ctx: PassContext) -> None:
                 scaled = gm.graph.call_function(operator.mul, (size, local))
                 shape[position] = gm.graph.call_function(operator.floordiv, (scaled, full))
         node.args = (node.args[0], tuple(shape)) if packed else (node.args[0], *shape)
+
+
+def _rewrite_cut(node: fx.Node, shard: ParamShard) -> None:
+    """A split / chunk / slice of a fused projection, on this rank's concatenated slices of its parts."""
+    parts = _parts_of_cut(node, shard)
+    local = [sum(max(0, min(hi, b) - max(lo, a)) for a, b in shard.ranges) for lo, hi in parts]
+    name = op_name_of(node)
+    if name in ("split", "chunk"):
+        dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else -1)
+        node.op, node.target = "call_method", "split"
+        node.args, node.kwargs = (node.args[0], list(local)), {"dim": dim}
+        return
+    lo, hi = parts[0]
+    start = sum(max(0, min(b, lo) - a) for a, b in shard.ranges if a < lo)
+    *front, _ = node.args[1]
+    node.args = (node.args[0], (*front, slice(start, start + local[0])))
+
+
+def _parts_of_cut(node: fx.Node, shard: ParamShard) -> list[tuple[int, int]]:
+    """The row ranges of the fused output a cut node takes (split / chunk: all parts in order)."""
+    rows = shard.full_shape[shard.shard_dim]
+    name = op_name_of(node)
+    if name == "split":
+        size = node.args[1]
+        if isinstance(size, int):
+            return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+        bounds = [0]
+        for x in size:
+            bounds.append(bounds[-1] + x)
+        return list(zip(bounds, bounds[1:]))
+    if name == "chunk":
+        size = -(-rows // node.args[1])
+        return [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+    last = node.args[1][-1]
+    return [(last.start or 0, rows if last.stop is None else last.stop)]
 
 
 def _feeds(op: fx.Node, point: CommPoint) -> bool:

@@ -1,4 +1,5 @@
-"""Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:gpt2``.
+"""Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
+``hf:qwen3``, ``hf:gpt2``.
 
 Each is built from a config (random initialisation, never downloading weights): a tiny default
 config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
@@ -22,6 +23,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_LIKE)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_LLAMA_LIKE, tie_word_embeddings=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=None)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA_LIKE, pad_token_id=0)),     # fused qkv and gate_up
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=16)),     # per-head q/k RMSNorm
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
                                                "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                                                "attn_pdrop": 0.0}),

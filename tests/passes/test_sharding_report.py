@@ -71,12 +71,15 @@ def test_a_replicated_projection_names_the_node_that_blocked_it():
     assert warning.startswith("TP2 leaves") and "layers.0.qkv" in warning
 
 
-def test_hf_gpt2_fused_projection_is_reported_whole():
+def test_hf_gpt2_fused_projection_is_sharded_part_by_part():
+    """GPT-2's c_attn output is split into q, k, v: each TP rank holds its slice of each part."""
     pytest.importorskip("transformers")
-    report = _compiled("hf:gpt2").sharding_report("2xTP2PP1")
+    compiled = _compiled("hf:gpt2")
+    report = compiled.sharding_report("2xTP2PP1")
     c_attn = next(p for p in report.summaries[0].placements if p.name.endswith("h.0.attn.c_attn.weight"))
-    assert not c_attn.sharded and "split" in c_attn.reason
-    assert report.warnings()
+    assert c_attn.sharded and c_attn.dim == 1 and report.warnings() == []
+    shard = compiled.instantiate("2xTP2PP1").rank(1).params["transformer.h.0.attn.c_attn.weight"]
+    assert shard.ranges == ((32, 64), (96, 128), (160, 192))       # second half of each 64-wide part
 
 
 def test_dump_format_report(capsys):
