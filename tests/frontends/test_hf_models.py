@@ -89,10 +89,10 @@ def test_slot_counts(pair):
     assert counts["cp_kv"] == 2 * 2                           # key and value of each attention
     assert counts["pp_boundary"] == 3                         # pre -> 0 -> 1 -> post
     assert counts["tp_gather"] == 1                           # the lm head
-    if name == "gpt2":    # fused c_attn (split into q/k/v) stays whole; the MLP is column/row
-        assert counts["tp_enter"] == 2 + 1 and counts["tp_exit"] == 2 + 2
-    else:                 # q/k/v and gate/up enter; o_proj, down_proj and the embedding exit
-        assert counts["tp_enter"] == 2 * 2 + 1 and counts["tp_exit"] == 2 * 2 + 1
+    # attention (GPT-2's fused c_attn too, sharded part by part) and MLP enter; o_proj/c_proj,
+    # down_proj and the embedding exit (GPT-2 also its position embedding)
+    exits = 2 * 2 + (2 if name == "gpt2" else 1)
+    assert counts["tp_enter"] == 2 * 2 + 1 and counts["tp_exit"] == exits
 
 
 def test_tp_roles(pair):
@@ -104,7 +104,8 @@ def test_tp_roles(pair):
                  "transformer.h.0.mlp.c_fc.bias": (TPRole.COLUMN, 0),
                  "transformer.h.1.mlp.c_proj.weight": (TPRole.ROW, 0),     # in is dim 0
                  "transformer.h.1.mlp.c_proj.bias": (TPRole.REPLICATED, 0),
-                 "transformer.h.0.attn.c_attn.weight": (TPRole.REPLICATED, 0),
+                 "transformer.h.0.attn.c_attn.weight": (TPRole.COLUMN, 1),  # fused q/k/v, part by part
+                 "transformer.h.0.attn.c_proj.weight": (TPRole.ROW, 0),
                  "transformer.ln_f.weight": (TPRole.REPLICATED, 0)}
     else:
         roles = {"model.embed_tokens.weight": (TPRole.VOCAB, 0),
