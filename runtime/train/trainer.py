@@ -4,10 +4,12 @@ The run's configuration is a ``hgraph.runtime.train.config.TrainConfig``. ``Trai
 rank: the model, built on the meta device (nothing allocated; ``hgraph.runtime.weights``), its
 buffers computed, and the fp32 optimizer shards filled one parameter at a time from the run's weight
 source (by default the model's own initialisation after ``torch.manual_seed(seed)``, bitwise equal
-on every rank and to an eager build), so no rank ever holds the whole model; the documents (mini-batches take whole documents in file order up to
-``tokens_per_iter``; with outlier delay, ``hgraph.runtime.data.outlier_delay``); the compiled model,
-the sharded optimizer, the cache of per-strategy Programs and the executor; and the step mode
-(``hgraph.runtime.train.step_modes``): a fixed schedule, the planner's choice every step, or DCP-inter.
+on every rank and to an eager build; the safetensors of an ``hf:DIR`` model; ``init_from``'s files;
+``hgraph.runtime.weights.choice``), so no rank ever holds the whole model; the documents
+(mini-batches take whole documents in file order up to ``tokens_per_iter``; with outlier delay,
+``hgraph.runtime.data.outlier_delay``); the compiled model, the sharded optimizer, the cache of
+per-strategy Programs and the executor; and the step mode (``hgraph.runtime.train.step_modes``): a
+fixed schedule, the planner's choice every step, or DCP-inter.
 
 ``Trainer.run`` is the loop, as torchtitan's: per mini-batch, the mode's step, then the step is
 handed to the components that report it: the metrics line (``hgraph.runtime.train.metrics``), rank
@@ -53,8 +55,9 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
+from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, record_init
-from hgraph.runtime.weights.sources import SeededInit, WeightSource, install_buffers
+from hgraph.runtime.weights.sources import WeightSource, install_buffers
 from hgraph.strategy import Cluster
 
 
@@ -116,7 +119,8 @@ class Trainer:
         schedule = [] if config.planner_driven else parse_schedule(config.planner.strategy_schedule, world_size)
         record = record_model(config)
         self.model = record.model          # on the meta device: parameters are never allocated whole
-        self.weights: WeightSource = SeededInit(record)
+        # the seeded init, hf:DIR's safetensors or --init-from; names and shapes checked here, before any read
+        self.weights: WeightSource = weight_source(record, _model_spec(config), config.model.init_from)
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
@@ -251,7 +255,8 @@ class Trainer:
         pos = data_position(done, batch.next_position, self.docs, cfg.data.tokens_per_iter, self.fingerprint)
         saved = checkpoints.save(done, self.optimizer, rank=self.rank, world_size=self.world_size,
                                  data_position=pos, delay_queues=delay_state,
-                                 planner_state=self.mode.checkpoint_state(), run=run_state(cfg, self.world_size))
+                                 planner_state=self.mode.checkpoint_state(),
+                                 run=run_state(cfg, self.world_size, self.model))
         if cfg.log_steps and self.rank == 0:
             print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
                   flush=True)
