@@ -92,6 +92,12 @@ def record_model(config: TrainConfig) -> InitRecord:
                        config.model.seed)
 
 
+def check_weights(config: TrainConfig) -> str:
+    """The run's weight source opened once and checked against the model on the meta device (file
+    headers only), so bad weights fail before any process starts; returns its description."""
+    return weight_source(record_model(config), _model_spec(config), config.model.init_from).description
+
+
 def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
                    device: Optional[torch.device] = None) -> Any:
     opt = config.optimizer

@@ -20,7 +20,10 @@ Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
 GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
-right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of ``--data`` (JSONL with
+right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
+local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
+an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
+any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of ``--data`` (JSONL with
 ``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
 wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.data.outlier_delay``);
 in deterministic mode documents are dispatched and packed by the runtime's built-in rule
@@ -47,6 +50,7 @@ from pathlib import Path
 from typing import Optional
 
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
 from hgraph.runtime.data.builtin import synthetic_documents
@@ -56,7 +60,7 @@ from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.step_modes import parse_schedule
-from hgraph.runtime.train.trainer import build_model, run_training
+from hgraph.runtime.train.trainer import build_model, check_weights, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots
@@ -186,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
     log, data = config.logging, config.data
     planned = config.planner_driven
     point = _resume_point(config, quiet=log.json)
+    if config.model.init_from is not None or _is_hf_dir(config.model.model):
+        check_weights(config)             # bad weights: one line, before any process starts
     run_dir, metrics = None, log.metrics
     if planned or log.run_dir is not None:
         run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
@@ -253,6 +259,11 @@ def run(args: argparse.Namespace) -> int:
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _is_hf_dir(model: str) -> bool:
+    """``hf:DIR`` (or a name that is neither a zoo name nor a directory: its one-line error)."""
+    return model.startswith("hf:") and model[3:] not in ZOO_CONFIGS["hf"]
 
 
 def _resume_point(config: TrainConfig, quiet: bool) -> Optional[ResumePoint]:
