@@ -60,7 +60,7 @@ from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.step_modes import parse_schedule
-from hgraph.runtime.train.trainer import build_model, check_weights, run_training
+from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots
@@ -137,7 +137,8 @@ def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter:
     """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
     of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
     average ~62 tokens); ``scale``: the length scale (default the generator's)."""
-    cfg = getattr(build_model(TrainConfig.from_values(model=model, model_args=model_args)), "config", None)
+    # the model on the meta device: only its config is read (a pretrained hf:DIR is never allocated here)
+    cfg = getattr(record_model(TrainConfig.from_values(model=model, model_args=model_args)).model, "config", None)
     vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
     if not vocab or not max_len:
         raise HGraphError(f"--model {model}: the built-in data needs a zoo model with vocab_size and "

@@ -78,7 +78,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
        minimum=0),
     _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
        "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
-       "state_dict file; names matched by FQN (default: none)", optional=True, metavar="PATH"),
+       "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
+       "checkpoint)", optional=True, metavar="PATH"),
     _k("data", "data", "path", None, "training data, JSONL with input_ids (default: the built-in "
        "long-tail dataset)", optional=True, metavar="FILE.jsonl"),
     _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "
