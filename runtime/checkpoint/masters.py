@@ -10,7 +10,9 @@ without the optimizer state around them and without ever holding the whole model
 
 Shard files are opened lazily (memory-mapped ``torch.load``, checked against the manifest's size and
 SHA-256 by ``shards._read_shard``), so a reader touches only the files, and of those only the rows,
-it needs; the moments (``exp_avg``, ``exp_avg_sq``) are never read.
+it needs; the moments (``exp_avg``, ``exp_avg_sq``) are never read. A rank keeps its files mapped
+until ``close`` (the pages it touched are about its own 1/N); export, which reads everything, gives
+``unmap_after`` so the pages read do not pile up in its memory.
 """
 from __future__ import annotations
 
@@ -25,9 +27,15 @@ from hgraph.runtime.engine.optimizer import shard_bounds
 
 
 class CheckpointMasters:
-    """The master parameters of one checkpoint folder (a root: its newest complete checkpoint)."""
+    """The master parameters of one checkpoint folder (a root: its newest complete checkpoint).
 
-    def __init__(self, path: Any, step: Optional[int] = None, *, verify: bool = True) -> None:
+    ``unmap_after``: bytes of rows read through the open memory maps after which every file is
+    closed (and mapped again when next needed), bounding the pages a reader keeps resident; None:
+    files stay open until ``close``.
+    """
+
+    def __init__(self, path: Any, step: Optional[int] = None, *, verify: bool = True,
+                 unmap_after: Optional[int] = None) -> None:
         root, folder = ckpt._resolve(path, step)
         folder = folder or ckpt.latest(root)
         if folder is None:
@@ -40,8 +48,9 @@ class CheckpointMasters:
             raise HGraphError(f"checkpoint manifest {str(folder / ckpt.MANIFEST)!r} lists {len(self.entries)} "
                               f"shard files for world size {self.saved_world_size}")
         self.run: dict = dict(self.manifest.get("run", {}))
-        self._verify = verify
+        self._verify, self._unmap_after, self._mapped_bytes = verify, unmap_after, 0
         self._files: dict[int, dict] = {}
+        self._verified: set[int] = set()
         first = self._shard(0)
         #: every parameter's full shape (the optimizer's names: tied aliases once)
         self.shapes: dict[str, tuple[int, ...]] = {n: tuple(s) for n, s in first["full_shapes"].items()}
@@ -50,13 +59,17 @@ class CheckpointMasters:
         self.description = f"checkpoint {str(folder)!r}" + (f" (of model {model})" if model else "")
 
     def _shard(self, rank: int) -> dict:
+        """Saved rank ``rank``'s shard file (memory-mapped; size and SHA-256 checked the first time)."""
         if rank not in self._files:
-            self._files[rank] = ckpt._read_shard(self.folder, self.entries[rank], self._verify)
+            verify = self._verify and rank not in self._verified
+            self._files[rank] = ckpt._read_shard(self.folder, self.entries[rank], verify)
+            self._verified.add(rank)
         return self._files[rank]
 
     def close(self) -> None:
         """Drop the opened shard files (their memory maps); ``read`` opens them again if asked."""
         self._files.clear()
+        self._mapped_bytes = 0
 
     def where(self, name: str) -> str:
         """The file a message about ``name`` names (the shard file of saved rank 0)."""
@@ -68,33 +81,32 @@ class CheckpointMasters:
         full_shape = self.shapes[name]
         shape = full_shape or (1,)
         saved_dim = self.dims[name]
-        size = shape[saved_dim]
         if dim is None or dim != saved_dim:
-            # the whole tensor from every saved piece (one parameter), then narrowed when asked
-            pieces = [self._piece(name, r, saved_dim, *shard_bounds(size, r, self.saved_world_size))
-                      for r in range(self.saved_world_size)]
-            full = torch.cat(pieces, dim=saved_dim).reshape(full_shape)
+            # the whole tensor, gathered from every saved piece (one parameter), then narrowed when asked
+            full = self._rows(name, saved_dim, 0, shape[saved_dim], shape)
             if dim is None:
-                return full
-            return full.reshape(shape).narrow(dim, lo, (shape[dim] if hi is None else hi) - lo).clone()
-        hi = size if hi is None else hi
-        pieces = []
-        for r in range(self.saved_world_size):
-            rlo, rhi = shard_bounds(size, r, self.saved_world_size)
-            a, b = max(lo, rlo), min(hi, rhi)
-            if a < b:
-                pieces.append(self._piece(name, r, saved_dim, a, b))
-        if not pieces:       # an empty segment (a rank of a larger world owns nothing of a small dim)
-            empty = list(shape)
-            empty[dim] = 0
-            return torch.empty(empty, dtype=torch.float32)
-        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+                return full.reshape(full_shape)
+            return full.narrow(dim, lo, (shape[dim] if hi is None else hi) - lo).clone()
+        return self._rows(name, dim, lo, shape[dim] if hi is None else hi, shape)
 
-    def _piece(self, name: str, rank: int, dim: int, lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` (global indices) of ``name`` from saved rank ``rank``'s shard, copied."""
-        rlo, _ = shard_bounds((self.shapes[name] or (1,))[dim], rank, self.saved_world_size)
-        params = self._shard(rank)["optimizer"]["params"]
-        if name not in params:
-            raise HGraphError(f"checkpoint shard file {str(self.folder / self.entries[rank]['name'])!r} has no "
-                              f"parameter {name!r} although the checkpoint's first shard does")
-        return params[name].narrow(dim, lo - rlo, hi - lo).clone()
+    def _rows(self, name: str, dim: int, lo: int, hi: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """Rows ``[lo, hi)`` along the saved shard dimension ``dim``, copied piece by piece from the
+        saved ranks that hold them into one new tensor."""
+        out_shape = list(shape)
+        out_shape[dim] = hi - lo
+        out = torch.empty(out_shape, dtype=torch.float32)
+        for r in range(self.saved_world_size):
+            rlo, rhi = shard_bounds(shape[dim], r, self.saved_world_size)
+            a, b = max(lo, rlo), min(hi, rhi)
+            if a >= b:
+                continue
+            params = self._shard(r)["optimizer"]["params"]
+            if name not in params:
+                raise HGraphError(f"checkpoint shard file {str(self.folder / self.entries[r]['name'])!r} has no "
+                                  f"parameter {name!r} although the checkpoint's first shard does")
+            piece = params[name].narrow(dim, a - rlo, b - a)
+            out.narrow(dim, a - lo, b - a).copy_(piece)
+            self._mapped_bytes += piece.numel() * piece.element_size()
+        if self._unmap_after is not None and self._mapped_bytes >= self._unmap_after:
+            self.close()
+        return out

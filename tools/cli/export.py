@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -35,8 +34,15 @@ from hgraph.runtime.train.trainer import TrainConfig, build_model, record_model
 from hgraph.runtime.weights.deferred_init import record_init
 from hgraph.runtime.weights.file_weights import match
 from hgraph.runtime.weights.hf_form import hf_form
-from hgraph.runtime.weights.safetensors_writer import parse_size, plan_shards, write_shards
+from hgraph.runtime.weights.safetensors_writer import nbytes, parse_size, plan_shards, write_shards
 from hgraph.runtime.weights.sources import SeededInit
+
+
+# bytes of checkpoint rows read through memory maps before export unmaps the shard files again (the
+# pages read stay resident until then). Measured with 64 MiB on Llama models of 615 MB and 967 MB
+# (the same 131 MB embedding): peak RSS 0.44 and 0.46 GB above the interpreter's 0.28 GB, whatever
+# --max-shard-size; 1.8x faster than unmapping after every parameter, which saves 0.1 GB
+UNMAP_AFTER = 64 * 2 ** 20
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -77,7 +83,7 @@ def _recorded_run(folder: Path) -> dict:
 def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB") -> dict:
     """Write the Hugging Face folder (module docstring), streaming; returns what was written."""
     max_bytes = parse_size(max_shard_size)
-    masters = CheckpointMasters(_checkpoint_folder(path, step))
+    masters = CheckpointMasters(_checkpoint_folder(path, step), unmap_after=UNMAP_AFTER)
     run = _recorded_run(masters.folder)
     if "hf_config" in run:      # an hf: run: its config as recorded, the folder it came from not needed
         record = record_init(lambda: hf.from_config_dict(run["hf_config"]), run.get("seed", 0))
@@ -89,18 +95,19 @@ def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB") ->
     buffers = dict(SeededInit(record).buffers(form.buffers)) if form.buffers else {}
     source = {key: ("param", name) for name, key in form.params.items()}
     source.update({key: ("buffer", name) for name, key in form.buffers.items()})
-    sizes = [(key, 4 * math.prod(masters.shapes[param_keys[name]])) for name, key in form.params.items()]
-    sizes += [(key, buffers[name].numel() * buffers[name].element_size()) for name, key in form.buffers.items()]
+    specs = {key: (masters.shapes[param_keys[name]], torch.float32) for name, key in form.params.items()}
+    specs.update({key: (tuple(buffers[name].shape), buffers[name].dtype) for name, key in form.buffers.items()})
 
     def read(key: str) -> torch.Tensor:
         kind, name = source[key]
         return masters.read(param_keys[name]) if kind == "param" else buffers[name]
 
     out = Path(output)
-    files = write_shards(out, plan_shards(sizes, max_bytes), read)
+    plan = plan_shards([(key, nbytes(*spec)) for key, spec in specs.items()], max_bytes)
+    files = write_shards(out, plan, specs, read)
     form.config.save_pretrained(str(out))
     return {"output": str(out), "checkpoint": str(masters.folder), "model": run["model"], "format": "hf",
-            "architecture": form.config.architectures[0], "tensors": len(sizes),
+            "architecture": form.config.architectures[0], "tensors": len(specs),
             "files": [f.name for f in files] + ["config.json"],
             "bytes": sum(f.stat().st_size for f in files)}
 
