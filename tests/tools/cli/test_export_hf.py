@@ -5,8 +5,9 @@ the export with nothing missing or unexpected, and gives the zoo model's logits 
 written to match Hugging Face's Llama; measured bitwise equal on CPU, checked here to 1e-6), tied
 and untied, with a non-default rope theta and RMSNorm eps. Each output shard stays within
 ``--max-shard-size`` (a tensor larger than that alone in its shard); a second export into the same
-folder as one file removes the first one's shards and index. The hf:-model export is covered by the
-round trip test (``tests/runtime/weights/test_pretrained_round_trip.py``).
+folder as one file removes the first one's shards and index. An ``hf:`` model is rebuilt from the
+config its run recorded (here ``hf:gpt2``; ``hf:DIR`` in the round trip test,
+``tests/runtime/weights/test_pretrained_round_trip.py``).
 """
 import json
 
@@ -59,6 +60,18 @@ def test_the_zoo_llama_exports_as_llama_for_causal_lm_with_its_logits(tmp_path, 
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"], again
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(p, q) for p, q in zip(reloaded.parameters(), model.parameters()))
+
+
+def test_an_hf_model_exports_from_the_config_its_run_recorded(tmp_path, capsys):
+    """``hf:gpt2`` (tied ``transformer.wte`` / ``lm_head``): rebuilt from the checkpoint's recorded
+    config, written under its own names, the tied weight once."""
+    from transformers import AutoModelForCausalLM
+    values = assemble_checkpoint(tmp_path / "ck" / "step-00000001", "hf:gpt2", 2)
+    written = _export(tmp_path / "ck", tmp_path / "hf", capsys)
+    assert written["architecture"] == "GPT2LMHeadModel" and written["tensors"] == len(values)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info
+    assert all(torch.equal(model.get_parameter(n), v) for n, v in values.items())
 
 
 def test_bad_export_input_is_one_line(tmp_path, capsys):
