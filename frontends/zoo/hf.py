@@ -75,9 +75,9 @@ def directory_config(name: str, overrides: Optional[Mapping[str, Any]] = None) -
     ``overrides`` applied; one-line HGraphError when there is no such directory or config."""
     directory = Path(name)
     if not directory.is_dir():
-        raise HGraphError(f"hf:{name} is neither a zoo model ({', '.join('hf:' + n for n in FAMILIES)}) nor a "
-                          "local directory; hgraph never downloads models: give the path of a local Hugging Face "
-                          "model directory (config.json + *.safetensors)")
+        raise HGraphError(f"unknown Hugging Face model {name!r}; allowed: {', '.join('hf:' + n for n in FAMILIES)}, "
+                          f"or hf:DIR, a local model directory (config.json + *.safetensors); {name!r} is not a "
+                          "local directory and hgraph never downloads models")
     if not (directory / "config.json").is_file():
         raise HGraphError(f"hf:{name}: {str(directory / 'config.json')!r} does not exist; a Hugging Face model "
                           "directory holds config.json and its *.safetensors")

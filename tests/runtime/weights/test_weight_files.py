@@ -119,7 +119,7 @@ def test_a_folder_without_config_json_and_a_hub_name_are_one_line(tmp_path, caps
     assert _train(tmp_path, "--model", f"hf:{tmp_path / 'm'}") == 2
     _one_line_error(capsys, str(tmp_path / "m" / "config.json"), "does not exist")
     assert _train(tmp_path, "--model", "hf:meta-llama/Llama-2-7b-hf") == 2
-    _one_line_error(capsys, "hf:meta-llama/Llama-2-7b-hf", "never downloads")
+    _one_line_error(capsys, "'meta-llama/Llama-2-7b-hf' is not a local directory", "never downloads")
 
 
 def test_names_and_shapes_that_do_not_fit_are_listed_in_one_line(tmp_path, capsys):
