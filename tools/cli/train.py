@@ -26,9 +26,9 @@ an hgraph checkpoint or a torch state_dict, for any model), checked here against
 any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of
 ``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens
 (``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
-last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched and packed by the runtime's built-in rule
-(``hgraph.runtime.train.step_modes.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
-decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
+last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
+and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
+Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
 (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
 
 Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
