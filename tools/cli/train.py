@@ -28,8 +28,9 @@ any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole 
 (``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
 last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
 and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
-Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
-(keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
+Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the
+gathered fp32 state_dict (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON
+line per step.
 
 Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
 RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
