@@ -68,7 +68,10 @@ def write_shards(directory: Path, plan: list[list[str]], specs: Mapping[str, tup
                  read: Callable[[str], torch.Tensor]) -> list[Path]:
     """Write the shards of ``plan`` (module docstring); ``specs``: each key's shape and dtype. Returns
     the files written (index last)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise HGraphError(f"cannot make the output folder {str(directory)!r}: {exc.strerror or exc}") from None
     names = shard_names(len(plan))
     weight_map, total, written = {}, 0, []
     for name, keys in zip(names, plan):

@@ -83,3 +83,7 @@ def test_bad_export_input_is_one_line(tmp_path, capsys):
     assert main(["export", str(tmp_path / "none"), "--format", "hf", "-o", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no complete checkpoint" in err, err
+    (tmp_path / "a-file").write_text("")
+    assert main(["export", str(tmp_path / "ck"), "--format", "hf", "-o", str(tmp_path / "a-file")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot make the output folder" in err, err
