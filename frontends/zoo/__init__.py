@@ -4,7 +4,8 @@ A model spec names the model to compile or train:
 
 * ``"llama:tiny"``: a zoo family and one of its named configs (``ZOO``); ``model_args`` override
   config fields (``{"num_layers": 32}``); ``"hf:llama"`` (``qwen2``, ``mistral``, ``gpt2``): a
-  Hugging Face model from a tiny config that ``model_args`` override;
+  Hugging Face model from a tiny config that ``model_args`` override; ``"hf:DIR"``: the architecture
+  of a local Hugging Face model directory (``DIR/config.json``; everything after ``hf:`` is the path);
 * ``"path/to/file.py:ClassName"``: a class defined in a Python file;
 * ``"package.module:ClassName"``: a class in an importable module.
 
@@ -45,7 +46,7 @@ def resolve_model_spec(spec: str, model_args: Optional[Mapping[str, Any]] = None
     if not isinstance(spec, str) or ":" not in spec:
         raise HGraphError(f"model spec {spec!r} must be FAMILY:CONFIG (one of {', '.join(zoo_names())}), "
                           f"FILE.py:CLASS or MODULE:CLASS")
-    where, name = spec.rsplit(":", 1)
+    where, name = ("hf", spec[3:]) if spec.startswith("hf:") else spec.rsplit(":", 1)
     if where in ZOO:
         return ZOO[where](name, **args)
     if where.endswith(".py"):

@@ -1,16 +1,26 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
-``hf:qwen3``, ``hf:gpt2``.
+``hf:qwen3``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
 
-Each is built from a config (random initialisation, never downloading weights): a tiny default
-config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
+Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
+default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
 Dropout defaults to 0 (give e.g. ``{"attention_dropout": 0.1}`` to train with it: hgraph applies it with
-strategy-invariant masks) and sliding-window attention is off, as packed documents need. transformers
-is an optional dependency: ``pip install -e '.[hf]'`` in the hgraph checkout.
+strategy-invariant masks) and sliding-window attention is off, as packed documents need.
+
+``hf:DIR`` takes the architecture from ``DIR/config.json`` (``AutoConfig``, local files only, the
+``model_args`` overriding its fields) and builds it with ``AutoModelForCausalLM.from_config`` in fp32
+with SDPA attention; the weights in DIR's safetensors are the run's to read
+(``hgraph.runtime.weights``), never this module's. A name that is neither a zoo name nor a local
+directory is an error: nothing is ever downloaded. ``from_config_dict`` rebuilds a model from the
+config a checkpoint recorded (``hgraph export``).
+
+transformers is an optional dependency: ``pip install -e '.[hf]'`` in the hgraph checkout.
 """
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Mapping, Optional
 
+import torch
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
@@ -41,11 +51,16 @@ def _transformers() -> Any:
     return transformers
 
 
+def local_dir(name: str) -> Optional[Path]:
+    """The local model directory ``hf:NAME`` names, or None for a zoo name."""
+    return None if name in FAMILIES else Path(name)
+
+
 def build(name: str, **overrides: Any) -> nn.Module:
-    """A randomly initialised ``hf:NAME`` model; ``overrides`` are config fields."""
+    """A randomly initialised ``hf:NAME`` model (a zoo name or a local directory, module docstring);
+    ``overrides`` are config fields."""
     if name not in FAMILIES:
-        raise HGraphError(f"unknown Hugging Face model {name!r}; allowed: "
-                          f"{', '.join('hf:' + n for n in FAMILIES)}")
+        return _from_config(directory_config(name, overrides), f"hf:{name}")
     tf = _transformers()
     config_cls, model_cls, defaults = FAMILIES[name]
     fields = dict(defaults, **overrides)
@@ -56,3 +71,51 @@ def build(name: str, **overrides: Any) -> nn.Module:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise HGraphError(f"hf:{name}: config {fields} is not valid for {config_cls}: {reason}") from None
     return getattr(tf, model_cls)(config)
+
+
+def directory_config(name: str, overrides: Optional[Mapping[str, Any]] = None) -> Any:
+    """The ``PretrainedConfig`` of the local model directory ``name`` (its ``config.json``), with
+    ``overrides`` applied; one-line HGraphError when there is no such directory or config."""
+    directory = Path(name)
+    if not directory.is_dir():
+        raise HGraphError(f"unknown Hugging Face model {name!r}; allowed: {', '.join('hf:' + n for n in FAMILIES)}, "
+                          f"or hf:DIR, a local model directory (config.json + *.safetensors); {name!r} is not a "
+                          "local directory and hgraph never downloads models")
+    if not (directory / "config.json").is_file():
+        raise HGraphError(f"hf:{name}: {str(directory / 'config.json')!r} does not exist; a Hugging Face model "
+                          "directory holds config.json and its *.safetensors")
+    tf = _transformers()
+    try:
+        return tf.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False,
+                                             **dict(overrides or {}))
+    except Exception as exc:  # transformers raises ValueError, OSError, JSON errors, ...
+        raise HGraphError(f"hf:{name}: {str(directory / 'config.json')!r} cannot be read as a transformers "
+                          f"config: {_first_line(exc)}") from None
+
+
+def from_config_dict(values: Mapping[str, Any]) -> nn.Module:
+    """A model of the config recorded as ``json.loads(config.to_json_string())`` (a checkpoint's run)."""
+    tf = _transformers()
+    values = dict(values)
+    model_type = values.pop("model_type", None)
+    try:
+        config = tf.AutoConfig.for_model(model_type, **values)
+    except Exception as exc:
+        raise HGraphError(f"a recorded Hugging Face config of model type {model_type!r} cannot be rebuilt: "
+                          f"{_first_line(exc)}") from None
+    return _from_config(config, f"the recorded {model_type} config")
+
+
+def _from_config(config: Any, what: str) -> nn.Module:
+    """``AutoModelForCausalLM.from_config`` in fp32 with SDPA attention; one line when it cannot."""
+    tf = _transformers()
+    try:
+        return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32,
+                                                   trust_remote_code=False)
+    except Exception as exc:  # an architecture transformers has no causal LM for, or bad fields
+        raise HGraphError(f"{what}: transformers cannot build a causal language model of model type "
+                          f"{getattr(config, 'model_type', '?')!r}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -262,8 +262,16 @@ def planner_state(config: TrainConfig, planner: Any, schedule: Sequence[Any], wo
             "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
 
 
-def run_state(config: TrainConfig, world_size: int) -> dict:
-    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)."""
+def run_state(config: TrainConfig, world_size: int, module: Any = None) -> dict:
+    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it).
+
+    A Hugging Face ``module`` (one with ``config.to_json_string``) also records its config as JSON
+    (``hf_config``), so the export of an ``hf:DIR`` run does not need DIR any more."""
     model = config.model
-    return {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
-            "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps}
+    state = {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
+             "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps,
+             "init_from": model.init_from}
+    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+    if callable(to_json):
+        state["hf_config"] = json.loads(to_json(use_diff=False))
+    return state

@@ -32,13 +32,14 @@ from hgraph.runtime.train.progress import ProgressFactory
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``[model]``: what is trained, in which working precision, from which seed."""
+    """``[model]``: what is trained, in which working precision, from which seed or weights."""
 
     model: str = "llama:tiny"                  # zoo spec (llama:tiny, hf:gpt2, tiny = llama:tiny) or FILE.py:CLASS
     model_args: Mapping[str, Any] = field(default_factory=dict)
     dtype: str = "fp32"
     seed: int = 0
     dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
+    init_from: Optional[str] = None            # initial weights: safetensors, hgraph checkpoint or state_dict
 
 
 @dataclass(frozen=True)

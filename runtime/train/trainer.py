@@ -4,10 +4,12 @@ The run's configuration is a ``hgraph.runtime.train.config.TrainConfig``. ``Trai
 rank: the model, built on the meta device (nothing allocated; ``hgraph.runtime.weights``), its
 buffers computed, and the fp32 optimizer shards filled one parameter at a time from the run's weight
 source (by default the model's own initialisation after ``torch.manual_seed(seed)``, bitwise equal
-on every rank and to an eager build), so no rank ever holds the whole model; the documents (mini-batches take whole documents in file order up to
-``tokens_per_iter``; with outlier delay, ``hgraph.runtime.data.outlier_delay``); the compiled model,
-the sharded optimizer, the cache of per-strategy Programs and the executor; and the step mode
-(``hgraph.runtime.train.step_modes``): a fixed schedule, the planner's choice every step, or DCP-inter.
+on every rank and to an eager build; the safetensors of an ``hf:DIR`` model; ``init_from``'s files;
+``hgraph.runtime.weights.choice``), so no rank ever holds the whole model; the documents
+(mini-batches take whole documents in file order up to ``tokens_per_iter``; with outlier delay,
+``hgraph.runtime.data.outlier_delay``); the compiled model, the sharded optimizer, the cache of
+per-strategy Programs and the executor; and the step mode (``hgraph.runtime.train.step_modes``): a
+fixed schedule, the planner's choice every step, or DCP-inter.
 
 ``Trainer.run`` is the loop, as torchtitan's: per mini-batch, the mode's step, then the step is
 handed to the components that report it: the metrics line (``hgraph.runtime.train.metrics``), rank
@@ -54,6 +56,7 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
+from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
 from hgraph.strategy import Cluster, Strategy
@@ -106,6 +109,28 @@ def dropout_status(gm: Any, mode: str) -> str:
     return f"applied ({what})" if mode == "apply" else f"off ({what} disabled by --dropout off)"
 
 
+def model_and_weights(config: TrainConfig, say: bool = False) -> tuple[torch.nn.Module, WeightSource]:
+    """The model on the meta device and the source of its initial values: the recorded seeded init,
+    ``hf:DIR``'s safetensors or ``--init-from``'s files (names and shapes checked here, before any
+    read; ``hgraph.runtime.weights.choice``). A model whose construction reads tensor values is built
+    whole instead (``say``: said once)."""
+    try:
+        record = record_model(config)
+        model, default = record.model, SeededInit(record)
+    except NotRecordable as exc:
+        if say:
+            print(f"hgraph: {exc}; every rank builds the whole model once to initialise its shards", flush=True)
+        model = build_model(config)
+        default = EagerInit(model, config.model.seed)
+    return model, weight_source(model, default, _model_spec(config), config.model.init_from)
+
+
+def check_weights(config: TrainConfig) -> str:
+    """The run's weight source opened once and checked against the model (file headers only), so bad
+    weights fail before any process starts; returns its description."""
+    return model_and_weights(config)[1].description
+
+
 def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
                    device: Optional[torch.device] = None) -> Any:
     opt = config.optimizer
@@ -131,7 +156,8 @@ class Trainer:
             raise HGraphError(f"--steps must be >= 1, got {config.data.steps}")
         self.config, self.rank, self.world_size = config, rank, world_size
         schedule = [] if config.planner_driven else parse_schedule(config.planner.strategy_schedule, world_size)
-        self.model, self.weights = self._model_and_weights()
+        self.model, self.weights = model_and_weights(config, say=rank == 0)
+        self.weights_from = self.weights.description      # the source is dropped once the shards are filled
         self.docs = self.documents()
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
@@ -174,19 +200,6 @@ class Trainer:
         if rank == 0:
             for line in self.sharding_warnings(schedule or [Strategy.parse(c) for c in self.mode.candidates()]):
                 print(f"hgraph: warning: {line}", flush=True)
-
-    def _model_and_weights(self) -> tuple[torch.nn.Module, WeightSource]:
-        """The model on the meta device and the source of its initial values: the recorded seeded
-        init; a model whose construction reads tensor values is built whole instead (said once)."""
-        try:
-            record = record_model(self.config)
-            return record.model, SeededInit(record)
-        except NotRecordable as exc:
-            if self.rank == 0:
-                print(f"hgraph: {exc}; every rank builds the whole model once to initialise its shards",
-                      flush=True)
-            model = build_model(self.config)
-            return model, EagerInit(model, self.config.model.seed)
 
     def sharding_warnings(self, strategies: list) -> list[str]:
         """One line per TP degree of ``strategies`` that leaves much of the blocks' parameters replicated
@@ -296,7 +309,8 @@ class Trainer:
         pos = data_position(done, batch.next_position, self.docs, cfg.data.tokens_per_iter, self.fingerprint)
         saved = checkpoints.save(done, self.optimizer, rank=self.rank, world_size=self.world_size,
                                  data_position=pos, delay_queues=delay_state,
-                                 planner_state=self.mode.checkpoint_state(), run=run_state(cfg, self.world_size))
+                                 planner_state=self.mode.checkpoint_state(),
+                                 run=run_state(cfg, self.world_size, self.model))
         if cfg.log_steps and self.rank == 0:
             print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
                   flush=True)

@@ -20,13 +20,17 @@ Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
 GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
-right after ``torch.manual_seed(--seed)``; mini-batches take whole documents of ``--data`` (JSONL with
-``input_ids``) in file order up to ``--tokens-per-iter`` tokens (``--outlier-queues K``: long documents
-wait in WLB-LLM's K queues and are all trained by the run's last step, ``hgraph.runtime.data.outlier_delay``);
-in deterministic mode documents are dispatched and packed by the runtime's built-in rule
-(``hgraph.runtime.train.step_modes.dispatch_and_pack``). Optimizer defaults are PyTorch's (Adam, no weight
-decay, no clipping). ``--save-final`` writes the gathered fp32 state_dict
-(keyed like the original module) with ``torch.save``; ``--metrics`` one JSON line per step.
+right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
+local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
+an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
+any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of
+``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens
+(``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
+last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
+and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
+Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the
+gathered fp32 state_dict (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON
+line per step.
 
 Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
 RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
@@ -47,6 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 from hgraph.errors import HGraphError
+from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
 from hgraph.runtime.data.builtin import synthetic_documents
@@ -56,7 +61,7 @@ from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.step_modes import parse_schedule
-from hgraph.runtime.train.trainer import build_model, run_training
+from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots
@@ -133,7 +138,8 @@ def builtin_documents(model: str, model_args: dict, steps: int, tokens_per_iter:
     """The built-in long-tail documents for ``model`` (its vocabulary and context length): ``num_docs``
     of them, by default enough for ``steps`` mini-batches without wrapping around (the scaled lengths
     average ~62 tokens); ``scale``: the length scale (default the generator's)."""
-    cfg = getattr(build_model(TrainConfig.from_values(model=model, model_args=model_args)), "config", None)
+    # the model on the meta device: only its config is read (a pretrained hf:DIR is never allocated here)
+    cfg = getattr(record_model(TrainConfig.from_values(model=model, model_args=model_args)).model, "config", None)
     vocab, max_len = getattr(cfg, "vocab_size", None), getattr(cfg, "max_seq_len", None)
     if not vocab or not max_len:
         raise HGraphError(f"--model {model}: the built-in data needs a zoo model with vocab_size and "
@@ -186,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     log, data = config.logging, config.data
     planned = config.planner_driven
     point = _resume_point(config, quiet=log.json)
+    if config.model.init_from is not None or _is_hf_dir(config.model.model):
+        check_weights(config)             # bad weights: one line, before any process starts
     run_dir, metrics = None, log.metrics
     if planned or log.run_dir is not None:
         run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
@@ -254,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _is_hf_dir(model: str) -> bool:
+    """``hf:DIR`` (or a name that is neither a zoo name nor a directory: its one-line error)."""
+    return model.startswith("hf:") and model[3:] not in ZOO_CONFIGS["hf"]
 
 
 def _resume_point(config: TrainConfig, quiet: bool) -> Optional[ResumePoint]:

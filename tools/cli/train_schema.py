@@ -69,8 +69,8 @@ def _k(section: str, name: str, kind: str, default: Any, help: str, **kw: Any) -
 
 # The table: section order first, then the order shown in --help.
 SCHEMA: tuple[ConfigKey, ...] = (
-    _k("model", "model", "str", "llama:tiny", "zoo config (llama:tiny, hf:gpt2, ...) or FILE.py:CLASS",
-       metavar="SPEC"),
+    _k("model", "model", "str", "llama:tiny", "zoo config (llama:tiny, hf:gpt2, ...), hf:DIR (a local Hugging "
+       "Face model folder: its config.json and safetensors weights) or FILE.py:CLASS", metavar="SPEC"),
     _k("model", "model-args", "table", {}, "model config overrides or class kwargs (a TOML table; "
        "on the command line a JSON object)", metavar="JSON"),
     _k("model", "dtype", "str", "fp32", "working precision (masters stay fp32)", choices=("fp32", "bf16")),
@@ -78,6 +78,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "the dropout masks", minimum=0),
     _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
        "position and site, the same under every strategy) or off", choices=("apply", "off")),
+    _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
+       "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
+       "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
+       "checkpoint)", optional=True, metavar="PATH"),
     _k("data", "data", "path", None, "training data, JSONL with input_ids (default: the built-in "
        "long-tail dataset)", optional=True, metavar="FILE.jsonl"),
     _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "

@@ -1,0 +1,185 @@
+"""Weight files without processes: each rank's segments read by slices, and bad input in one line.
+
+A rank reads its optimizer segment of every parameter (any shard dimension, empty segments, 0-d
+parameters) from a safetensors file (``get_slice``: the whole tensor is never read), a torch
+state_dict and an hgraph checkpoint saved by another number of ranks, and gets exactly the rows of
+the full tensor. Bad input to ``hgraph train`` (a missing ``config.json``, a hub name, names or
+shapes that do not fit, a truncated safetensors file, a checkpoint of another model) is one line on
+stderr naming the file, exit code 2, found before any process starts.
+"""
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from safetensors.torch import save_file  # noqa: E402
+from tests.runtime.weights.tiny_models import assemble_checkpoint, save_tiny_hf  # noqa: E402
+
+from hgraph.errors import HGraphError  # noqa: E402
+from hgraph.frontends.zoo import llama  # noqa: E402
+from hgraph.runtime.checkpoint.masters import CheckpointMasters  # noqa: E402
+from hgraph.runtime.engine.optimizer import ShardedAdam  # noqa: E402
+from hgraph.runtime.weights.deferred_init import record_init  # noqa: E402
+from hgraph.runtime.weights.file_weights import FileWeights  # noqa: E402
+from hgraph.runtime.weights.safetensors_files import SafetensorsFiles  # noqa: E402
+from hgraph.runtime.weights.sources import SeededInit  # noqa: E402
+from hgraph.runtime.weights.state_dict_file import StateDictFile  # noqa: E402
+from hgraph.tools.cli import main  # noqa: E402
+
+# a shard dimension of 1 for some parameters (as row-parallel weights may have), a 0-d parameter
+SHARD_DIMS = {"layers.0.self_attn.o_proj.weight": 1, "layers.1.mlp.down_proj.weight": 1}
+
+
+class _WithScalar(torch.nn.Module):
+    """The zoo Llama plus a 0-d parameter (a shape-[1] optimizer segment)."""
+
+    def __init__(self):
+        super().__init__()
+        self.llama = llama.build("tiny", num_layers=2)
+        self.scale = torch.nn.Parameter(torch.tensor(0.5).add(torch.zeros(())))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The same values as a safetensors file, a state_dict and a checkpoint of 3 ranks."""
+    root = tmp_path_factory.mktemp("weights")
+    torch.manual_seed(1)
+    model = _WithScalar()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    save_file(values, str(root / "w.safetensors"))
+    torch.save(model.state_dict(), root / "w.pt")
+    folder = root / "ckpt" / "step-00000002"
+    from hgraph.runtime.checkpoint import shards as ckpt
+    opts = [ShardedAdam(model.named_parameters(), {f"llama.{k}": d for k, d in SHARD_DIMS.items()}, r, 3)
+            for r in range(3)]
+    entries = [ckpt.write_shard(folder, r, 3, 2, o, ckpt.capture_rng()) for r, o in enumerate(opts)]
+    ckpt.write_manifest(folder, 2, 3, entries)
+    return root, values
+
+
+def _no_whole_reads(table):
+    """Make reading a whole (non-0-d) tensor from a safetensors table fail: only slices are allowed."""
+    real = table._handle
+
+    class Handle:
+        def __init__(self, h):
+            self.h = h
+
+        def get_slice(self, name):
+            return self.h.get_slice(name)
+
+        def get_tensor(self, name):
+            assert table.entries[name].shape == (), f"{name} was read whole"
+            return self.h.get_tensor(name)
+
+    table._handle = lambda file: Handle(real(file))
+    return table
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "state_dict", "checkpoint"])
+@pytest.mark.parametrize("world", [4, 7])
+def test_every_rank_gets_exactly_its_rows(files, kind, world):
+    root, values = files
+    record = record_init(_WithScalar, 0)
+    dims = {f"llama.{k}": d for k, d in SHARD_DIMS.items()}
+    for rank in range(world):
+        table = {"safetensors": lambda: _no_whole_reads(SafetensorsFiles.open(root / "w.safetensors")),
+                 "state_dict": lambda: StateDictFile(root / "w.pt"),
+                 "checkpoint": lambda: CheckpointMasters(root / "ckpt")}[kind]()
+        layouts = ShardedAdam(record.model.named_parameters(), dims, rank, world).layouts
+        got = dict(FileWeights(table, record.model, SeededInit(record)).shards(layouts))
+        assert set(got) == set(values)
+        for name, layout in layouts.items():
+            assert torch.equal(got[name], layout.slice_of(values[name])), (kind, rank, name)
+
+
+def _train(tmp_path, *args):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3, 4, 5]}\n')
+    return main(["train", "--data", str(data), "--world-size", "2", "--strategy-schedule", "2xTP1PP1",
+                 "--steps", "1", *args])
+
+
+def _one_line_error(capsys, *must_contain):
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hgraph train: error: "), err
+    for text in must_contain:
+        assert text in err, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    return save_tiny_hf(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+def test_a_folder_without_config_json_and_a_hub_name_are_one_line(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "m" / "model.safetensors"))
+    assert _train(tmp_path, "--model", f"hf:{tmp_path / 'm'}") == 2
+    _one_line_error(capsys, str(tmp_path / "m" / "config.json"), "does not exist")
+    assert _train(tmp_path, "--model", "hf:meta-llama/Llama-2-7b-hf") == 2
+    _one_line_error(capsys, "'meta-llama/Llama-2-7b-hf' is not a local directory", "never downloads")
+
+
+def test_names_and_shapes_that_do_not_fit_are_listed_in_one_line(tmp_path, capsys):
+    values = {n: p.detach() for n, p in llama.build("tiny").named_parameters()}
+    values["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)          # mis-shaped
+    del values["norm.weight"]                                           # missing
+    values["layers.9.extra"] = torch.zeros(1)                           # unexpected
+    save_file(values, str(tmp_path / "bad.safetensors"))
+    assert _train(tmp_path, "--model", "llama:tiny", "--init-from", str(tmp_path / "bad.safetensors")) == 2
+    _one_line_error(capsys, str(tmp_path / "bad.safetensors"), "1 missing (norm.weight)",
+                    "1 unexpected (layers.9.extra", "1 mis-shaped (layers.0.mlp.up_proj.weight [3, 3]",
+                    "the model's [176, 64]", "nothing was loaded")
+
+
+def test_a_truncated_shard_of_an_hf_folder_is_named(hf_dir, tmp_path, capsys):
+    import shutil
+    folder = shutil.copytree(hf_dir, tmp_path / "cut")
+    shard = sorted(folder.glob("model-*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert _train(tmp_path, "--model", f"hf:{folder}") == 2
+    _one_line_error(capsys, str(shard), "is truncated")
+    loose = tmp_path / "cut.safetensors"               # --init-from a single truncated file too
+    loose.write_bytes(b"\x10\x00")
+    assert _train(tmp_path, "--init-from", str(loose)) == 2
+    _one_line_error(capsys, str(loose), "is truncated")
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+    assemble_checkpoint(tmp_path / "other" / "step-00000001", "llama:tiny-tied", 2)
+    assert _train(tmp_path, "--model", "llama:tiny", "--init-from", str(tmp_path / "other")) == 2
+    _one_line_error(capsys, str(tmp_path / "other" / "step-00000001"), "of model llama:tiny-tied",
+                    "does not fit Llama", "10 missing (layers.3.",
+                    "6 mis-shaped (layers.0.self_attn.k_proj.weight [16, 64] in rank-00000-of-00002.pt")
+
+
+def test_other_unreadable_init_sources_are_one_line(hf_dir, tmp_path, capsys):
+    assert _train(tmp_path, "--init-from", str(tmp_path / "nothing-here")) == 2
+    _one_line_error(capsys, "does not exist")
+    (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04 not a zip")
+    assert _train(tmp_path, "--init-from", str(tmp_path / "junk.pt")) == 2
+    _one_line_error(capsys, str(tmp_path / "junk.pt"), "torch.load(weights_only=True, mmap=True)")
+    (tmp_path / "bins").mkdir()
+    (tmp_path / "bins" / "config.json").write_text((hf_dir / "config.json").read_text())
+    (tmp_path / "bins" / "pytorch_model.bin").write_bytes(b"")
+    assert _train(tmp_path, "--model", f"hf:{tmp_path / 'bins'}") == 2
+    _one_line_error(capsys, "pytorch_model", "no safetensors")
+
+
+def test_an_hf_folder_without_weight_files_trains_from_the_seeded_init(hf_dir, tmp_path):
+    """Only ``config.json``: the architecture, initialised from the seed (nothing to read)."""
+    from hgraph.runtime.train.config import TrainConfig
+    from hgraph.runtime.train.trainer import check_weights
+    (tmp_path / "arch").mkdir()
+    (tmp_path / "arch" / "config.json").write_text((hf_dir / "config.json").read_text())
+    assert "seeded initialisation" in check_weights(TrainConfig.from_values(model=f"hf:{tmp_path / 'arch'}"))
+    assert "safetensors index" in check_weights(TrainConfig.from_values(model=f"hf:{hf_dir}"))
+
+
+def test_a_model_without_a_hugging_face_form_is_refused():
+    from hgraph.runtime.weights.hf_form import hf_form
+    with pytest.raises(HGraphError, match="no Hugging Face form.*--format torch"):
+        hf_form(torch.nn.Linear(2, 2))
