@@ -15,8 +15,8 @@ import torch.nn as nn
 from hgraph.errors import HGraphError
 from hgraph.graph import HGraph
 from hgraph.options import CompileOptions
-from hgraph.program import Program
-from hgraph.strategy import Cluster, Strategy
+from hgraph.program import ParamShard, Program
+from hgraph.strategy import Cluster, Scheme, Strategy
 
 
 def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
@@ -48,7 +48,8 @@ class CompiledModule(nn.Module):
     ``.hgraph``: the strategy-agnostic graph with empty slots; ``.frontend``: ``"fx"`` or ``"export"``.
     ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster) for
     interactive use and ``dump``; ``.build_program(strategy, cluster)``: a new Program on every call (a
-    training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``).
+    training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``);
+    ``.param_shards(scheme)``: only the parameter shards a scheme's ranks hold (memory sizing).
     ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
     """
 
@@ -59,6 +60,7 @@ class CompiledModule(nn.Module):
         self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend)
         self._programs: dict[tuple[Strategy, Cluster], Program] = {}
         self._shapes: Optional[dict] = None
+        self._layouts: Any = None           # passes.instantiate.ParamLayouts, made on first param_shards
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -103,6 +105,19 @@ class CompiledModule(nn.Module):
         """A new Program of ``strategy`` on ``cluster``: the instantiation passes run on every call."""
         from hgraph.passes.instantiate import instantiate
         return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes())
+
+    def param_shards(self, scheme: Union[Scheme, str]) -> dict[tuple[int, int], dict[str, ParamShard]]:
+        """The parameter shards of every rank of one ``scheme`` pipeline, keyed ``(stage, tp_rank)``
+        (a CP rank holds its TP rank's): what a Program gives those ranks (``RankProgram.params``),
+        without graphs or LNK plans, so sizing a strategy's working tensors costs milliseconds at any
+        model and world size. A TP degree the model does not allow is a ``StrategyError``."""
+        from hgraph.passes.instantiate import ParamLayouts, validate_scheme_for_model
+        scheme = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
+        validate_scheme_for_model(scheme, self._hgraph)
+        if self._layouts is None:
+            self._layouts = ParamLayouts(self._hgraph, self.symbolic_shapes())
+        return {(stage, t): self._layouts.params(scheme, stage, t)
+                for stage in range(scheme.pp) for t in range(scheme.tp)}
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:
