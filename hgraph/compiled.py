@@ -49,7 +49,8 @@ class CompiledModule(nn.Module):
     ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster) for
     interactive use and ``dump``; ``.build_program(strategy, cluster)``: a new Program on every call (a
     training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``);
-    ``.param_shards(scheme)``: only the parameter shards a scheme's ranks hold (memory sizing).
+    ``.param_shards(scheme)`` / ``.stage_blocks(pp)``: only the parameter shards a scheme's ranks
+    hold and the layers of each stage (memory sizing).
     ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs.
     """
 
@@ -111,13 +112,21 @@ class CompiledModule(nn.Module):
         (a CP rank holds its TP rank's): what a Program gives those ranks (``RankProgram.params``),
         without graphs or LNK plans, so sizing a strategy's working tensors costs milliseconds at any
         model and world size. A TP degree the model does not allow is a ``StrategyError``."""
-        from hgraph.passes.instantiate import ParamLayouts, validate_scheme_for_model
+        from hgraph.passes.instantiate import validate_scheme_for_model
         scheme = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
         validate_scheme_for_model(scheme, self._hgraph)
+        layouts = self._param_layouts()
+        return {(stage, t): layouts.params(scheme, stage, t) for stage in range(scheme.pp) for t in range(scheme.tp)}
+
+    def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
+        """The repeated blocks (layers) of each stage of a ``pp``-stage pipeline, as Programs split it."""
+        return self._param_layouts().stage_blocks(pp)
+
+    def _param_layouts(self) -> Any:
+        from hgraph.passes.instantiate import ParamLayouts
         if self._layouts is None:
             self._layouts = ParamLayouts(self._hgraph, self.symbolic_shapes())
-        return {(stage, t): self._layouts.params(scheme, stage, t)
-                for stage in range(scheme.pp) for t in range(scheme.tp)}
+        return self._layouts
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:
