@@ -8,6 +8,7 @@ plans are made and in what order a rank runs their ops.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -248,8 +249,13 @@ class PullPlan(_TransferFigures):
 
     def for_rank(self, rank: int) -> tuple[PullOp, ...]:
         """Ops involving ``rank``: its transfers (sends and receives) in global order, then its copies."""
-        return (tuple(t for t in self.transfers if rank in (t.src, t.dst))
-                + tuple(c for c in self.local_copies if c.rank == rank))
+        return self._ops_by_rank.get(rank, ())
+
+    @functools.cached_property
+    def _ops_by_rank(self) -> dict[int, tuple[PullOp, ...]]:
+        # one pass over the ops for every rank (instantiating 64 ranks asked each rank in turn: O(N^2))
+        return _index_by_rank(((t, (t.src, t.dst)) for t in self.transfers),
+                              ((c, (c.rank,)) for c in self.local_copies))
 
     @property
     def local_bytes(self) -> int:
@@ -299,10 +305,13 @@ class PushPlan(_TransferFigures):
 
     def for_rank(self, rank: int) -> tuple[PushOp, ...]:
         """Ops involving ``rank``: its reduce-scatters, transfers (global order), then its local adds."""
-        return (tuple(rs for rs in self.reduce_scatters if rank in rs.group)
-                + tuple(t for t in self.transfers if rank in (t.src, t.dst))
-                + tuple(a for a in self.local_adds if a.rank == rank))
+        return self._ops_by_rank.get(rank, ())
 
+    @functools.cached_property
+    def _ops_by_rank(self) -> dict[int, tuple[PushOp, ...]]:
+        return _index_by_rank(((rs, rs.group) for rs in self.reduce_scatters),
+                              ((t, (t.src, t.dst)) for t in self.transfers),
+                              ((a, (a.rank,)) for a in self.local_adds))
 
     def reduce_scatter_recv_bytes(self) -> dict[int, int]:
         """Bytes each member receives in its reduce-scatters: a ring over chunks padded to the largest
@@ -336,6 +345,17 @@ class PushPlan(_TransferFigures):
                 "local_adds": len(self.local_adds), "bytes": self.total_bytes,
                 "intra_node_bytes": self.intra_node_bytes, "inter_node_bytes": self.inter_node_bytes,
                 "max_send_bytes": max(send.values(), default=0)}
+
+
+def _index_by_rank(*kinds: Iterable[tuple[object, Sequence[int]]]) -> dict[int, tuple]:
+    """``rank -> ops involving it``, kind after kind, each kind in its given order (an op listed once
+    per rank even when it names the rank twice)."""
+    out: dict[int, list] = defaultdict(list)
+    for ops in kinds:
+        for op, ranks in ops:
+            for r in dict.fromkeys(ranks):
+                out[r].append(op)
+    return {r: tuple(v) for r, v in out.items()}
 
 
 def require_size(size: int) -> None:

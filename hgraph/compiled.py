@@ -15,8 +15,8 @@ import torch.nn as nn
 from hgraph.errors import HGraphError
 from hgraph.graph import HGraph
 from hgraph.options import CompileOptions
-from hgraph.program import Program
-from hgraph.strategy import Cluster, Strategy
+from hgraph.program import ParamShard, Program
+from hgraph.strategy import Cluster, Scheme, Strategy
 
 
 def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
@@ -48,7 +48,9 @@ class CompiledModule(nn.Module):
     ``.hgraph``: the strategy-agnostic graph with empty slots; ``.frontend``: ``"fx"`` or ``"export"``.
     ``.instantiate(strategy, cluster)``: the per-rank Program, cached per (strategy, cluster) for
     interactive use and ``dump``; ``.build_program(strategy, cluster)``: a new Program on every call (a
-    training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``).
+    training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``);
+    ``.param_shards(scheme)`` / ``.stage_blocks(pp)``: only the parameter shards a scheme's ranks
+    hold and the layers of each stage (memory sizing).
     ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs;
     ``.sharding_report(strategy)``: what TP shards and why the rest is whole.
     """
@@ -60,6 +62,7 @@ class CompiledModule(nn.Module):
         self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend)
         self._programs: dict[tuple[Strategy, Cluster], Program] = {}
         self._shapes: Optional[dict] = None
+        self._layouts: Any = None           # passes.instantiate.ParamLayouts, made on first param_shards
         self.cache_hits = 0
         self.cache_misses = 0
 
@@ -110,6 +113,27 @@ class CompiledModule(nn.Module):
         whole, and the fraction of bytes sharded (``hgraph.passes.sharding_report.ShardingReport``)."""
         from hgraph.passes.sharding_report import sharding_report
         return sharding_report(self._hgraph, self.symbolic_shapes(), Strategy.of(strategy))
+
+    def param_shards(self, scheme: Union[Scheme, str]) -> dict[tuple[int, int], dict[str, ParamShard]]:
+        """The parameter shards of every rank of one ``scheme`` pipeline, keyed ``(stage, tp_rank)``
+        (a CP rank holds its TP rank's): what a Program gives those ranks (``RankProgram.params``),
+        without graphs or LNK plans, so sizing a strategy's working tensors costs milliseconds at any
+        model and world size. A TP degree the model does not allow is a ``StrategyError``."""
+        from hgraph.passes.instantiate import validate_scheme_for_model
+        scheme = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
+        validate_scheme_for_model(scheme, self._hgraph)
+        layouts = self._param_layouts()
+        return {(stage, t): layouts.params(scheme, stage, t) for stage in range(scheme.pp) for t in range(scheme.tp)}
+
+    def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
+        """The repeated blocks (layers) of each stage of a ``pp``-stage pipeline, as Programs split it."""
+        return self._param_layouts().stage_blocks(pp)
+
+    def _param_layouts(self) -> Any:
+        from hgraph.passes.instantiate import ParamLayouts
+        if self._layouts is None:
+            self._layouts = ParamLayouts(self._hgraph, self.symbolic_shapes())
+        return self._layouts
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None) -> str:

@@ -26,25 +26,30 @@ from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
-from hgraph.strategy import Cluster, Strategy
+from hgraph.strategy import Cluster, Scheme, Strategy
 
 
 def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
     """Strategy checks that need the model: heads and hidden sizes TP must divide."""
     strategy.validate(cluster)
+    for p in sorted(set(strategy.pipelines)):
+        validate_scheme_for_model(p, hg)
+
+
+def validate_scheme_for_model(p: Scheme, hg: Any) -> None:
+    """The checks of one scheme that need the model (``validate_for_model``)."""
     cfg = hg.model_config
     heads = getattr(cfg, "num_heads", None)
     kv = getattr(cfg, "num_kv_heads", None) or heads
     hidden = getattr(cfg, "hidden_size", None)
-    for p in sorted(set(strategy.pipelines)):
-        if heads and heads % p.tp:
-            raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the model's {heads} attention heads; "
-                                f"allowed TP degrees divide {heads}")
-        if kv and kv % p.tp and p.tp % kv:
-            raise StrategyError(f"scheme {p}: TP={p.tp} and the model's {kv} key/value heads do not divide "
-                                "one another; allowed TP degrees divide or are multiples of it")
-        if hidden and hidden % p.tp:
-            raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the hidden size {hidden}")
+    if heads and heads % p.tp:
+        raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the model's {heads} attention heads; "
+                            f"allowed TP degrees divide {heads}")
+    if kv and kv % p.tp and p.tp % kv:
+        raise StrategyError(f"scheme {p}: TP={p.tp} and the model's {kv} key/value heads do not divide "
+                            "one another; allowed TP degrees divide or are multiples of it")
+    if hidden and hidden % p.tp:
+        raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the hidden size {hidden}")
 
 
 def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> nn.Module:
@@ -145,6 +150,37 @@ def stage_params(hg: Any, stage_blocks) -> list[set[str]]:
     return out
 
 
+class ParamLayouts:
+    """The parameter shards a rank holds in the propagation phase, by scheme, stage and TP rank: the
+    stage split (balanced parameter elements) and the TP shard rules, without graphs or LNK plans.
+
+    ``instantiate`` takes every rank's shards from here, and so does whoever needs only the layout
+    (``CompiledModule.param_shards``: the memory a strategy's working tensors take, for any model
+    size and world size, in milliseconds); CP does not shard parameters.
+    """
+
+    def __init__(self, hg: Any, shapes: dict) -> None:
+        self.hg = hg
+        numel = {n: int(torch.Size(p.shape).numel()) for n, p in hg.params.items()}
+        self._costs = block_param_costs(hg.gm, numel)
+        self._planner = TPShardPlanner(hg, shapes)
+        self._stage_blocks: dict[int, tuple[tuple[str, ...], ...]] = {}
+        self._held: dict[int, list[set[str]]] = {}
+
+    def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
+        """The repeated blocks of each of ``pp`` stages."""
+        if pp not in self._stage_blocks:
+            self._stage_blocks[pp] = split_stages(self.hg.blocks, self._costs, pp)
+            self._held[pp] = stage_params(self.hg, self._stage_blocks[pp])
+        return self._stage_blocks[pp]
+
+    def params(self, scheme: Scheme, stage: int, tp_rank: int) -> dict[str, ParamShard]:
+        """The shards of the rank at ``stage`` and ``tp_rank`` of a ``scheme`` pipeline, in model order."""
+        self.stage_blocks(scheme.pp)
+        held = self._held[scheme.pp][stage]
+        return {n: self._planner.shard(n, scheme.tp, tp_rank) for n in self.hg.params if n in held}
+
+
 def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions,
                 shapes: dict) -> Program:
     """Plan ``hg`` for ``strategy`` on ``cluster``: every rank's role, shards, peers and LNK plans.
@@ -153,11 +189,8 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
     """
     t0 = time.perf_counter()
     validate_for_model(strategy, cluster, hg)
-    numel = {n: int(torch.Size(p.shape).numel()) for n, p in hg.params.items()}
-    costs = block_param_costs(hg.gm, numel)
-    stage_blocks = {pp: split_stages(hg.blocks, costs, pp) for pp in sorted({p.pp for p in strategy.pipelines})}
-    held = {pp: stage_params(hg, blocks) for pp, blocks in stage_blocks.items()}
-    planner = TPShardPlanner(hg, shapes)
+    layouts = ParamLayouts(hg, shapes)
+    stage_blocks = {pp: layouts.stage_blocks(pp) for pp in sorted({p.pp for p in strategy.pipelines})}
     order = list(hg.params)   # model order: every rank walks the plans in this order
 
     roles: dict[RankRole, RoleProgram] = {}
@@ -166,7 +199,7 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         scheme = strategy.pipelines[c.pipeline]
         role = RankRole(scheme, c.stage, c.tp_rank, c.cp_rank)
         if role not in roles:
-            params = {n: planner.shard(n, scheme.tp, c.tp_rank) for n in order if n in held[scheme.pp][c.stage]}
+            params = layouts.params(scheme, c.stage, c.tp_rank)
             blocks = stage_blocks[scheme.pp]
             build = functools.partial(build_role_module, hg, role, blocks, shapes, options, params)
             roles[role] = RoleProgram(role, params, tuple(blocks[c.stage]), build)

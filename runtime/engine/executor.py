@@ -56,6 +56,7 @@ from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
 from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
 from hgraph.runtime.engine.memory import attach_stage_memory
+from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
@@ -108,6 +109,7 @@ class StepResult:
     grad_norm: Optional[float] = None
     bytes: dict = field(default_factory=dict)
     peak_mem_bytes: Optional[int] = None          # activations measured (CPU) / allocator peak (CUDA)
+    process_peak_bytes: Optional[int] = None      # this process's peak since the last step (peak_memory)
     predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
@@ -203,6 +205,7 @@ class Executor:
         self._step_index = 0
         self._active: Optional[RankState] = None    # the state whose working tensors hold memory
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
+        self.peak_memory = PeakMemory(self.device)   # every step's measured peak (StepResult.process_peak_bytes)
 
     # ---- per-program state (kept in the program cache) --------------------------------------------
     def state_for(self, program: Any) -> RankState:
@@ -360,6 +363,7 @@ class Executor:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
+        result.process_peak_bytes = self.peak_memory.read()
         return result
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,

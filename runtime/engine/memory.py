@@ -85,8 +85,12 @@ class _ReplayTracker(TorchDispatchMode):
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(key, bytes) of ``t``'s storage. The key is the storage itself (its StorageImpl), not its data
+    pointer: the same on every device, for fake tensors too (the memory model counts a model's
+    activations under ``FakeTensorMode``, with nothing allocated), and unchanged when a working
+    parameter's storage is freed and re-allocated across a strategy switch."""
     s = t.untyped_storage()
-    return s.data_ptr(), s.nbytes()
+    return s._cdata, s.nbytes()
 
 
 class ActivationMeter:
@@ -119,7 +123,7 @@ class ActivationMeter:
 
     def _add(self, t: torch.Tensor) -> Optional[int]:
         key, nbytes = _storage(t)
-        if not key or key in self.excluded:
+        if not nbytes or key in self.excluded:
             return None
         entry = self._live.get(key)
         if entry is None:

@@ -4,9 +4,10 @@
 (``StepResult``: loss, tokens, times, bytes moved) and the program cache's hits and misses; a
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
-that came from earlier steps and those still waiting; with memory tracking, every rank's measured
-and predicted peak bytes (``memory_figures``, collective); with DCP-inter, its balance figures. A
-resumed run keeps the lines of the steps before it and rewrites the rest.
+that came from earlier steps and those still waiting; every rank's measured peak of the step
+(``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
+predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
+balance figures. A resumed run keeps the lines of the steps before it and rewrites the rest.
 
 ``format_step_line``: the line rank 0 prints per step.
 """
@@ -17,10 +18,12 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+import torch.distributed as dist
+
 from hgraph.runtime.checkpoint.run import rewrite_metrics_before
 from hgraph.runtime.data.documents import MiniBatch
 from hgraph.runtime.engine.executor import StepResult
-from hgraph.runtime.planner.service.iteration import all_gather_floats
 
 
 class MetricsWriter:
@@ -68,14 +71,31 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
             "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
-def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float]) -> dict:
-    """Measured and predicted peak bytes of every rank (collective), for the metrics line."""
+def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
+                   source: str, tracked: bool = False) -> dict:
+    """Every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak
+    RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``) and, when activations are
+    ``tracked``, their measured and predicted peaks. Collective: one all-gather of a few numbers."""
     nan = float("nan")
-    peak = all_gather_floats(nan if r.peak_mem_bytes is None else r.peak_mem_bytes, world_size, device)
-    pred = all_gather_floats(nan if r.predicted_mem_bytes is None else r.predicted_mem_bytes, world_size, device)
-    return {"peak_mem_bytes": [None if math.isnan(v) else int(v) for v in peak],
-            "predicted_mem_bytes": [None if math.isnan(v) else round(v) for v in pred],
-            "memory_budget": memory_budget, "recompute_layers": r.recompute_layers}
+    mine = [r.process_peak_bytes, r.peak_mem_bytes, r.predicted_mem_bytes] if tracked else [r.process_peak_bytes]
+    rows = all_gather_rows([nan if v is None else float(v) for v in mine], world_size, device)
+    out = {"rank_peak_bytes": [None if math.isnan(row[0]) else int(row[0]) for row in rows],
+           "rank_peak_source": source}
+    if tracked:
+        out.update({"peak_mem_bytes": [None if math.isnan(row[1]) else int(row[1]) for row in rows],
+                    "predicted_mem_bytes": [None if math.isnan(row[2]) else round(row[2]) for row in rows],
+                    "memory_budget": memory_budget, "recompute_layers": r.recompute_layers})
+    return out
+
+
+def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:
+    """``values`` of every rank, in rank order, in one all-gather (the row alone without a process group)."""
+    if not dist.is_initialized() or world_size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
 
 
 def format_step_line(r: StepResult, planned: Optional[dict] = None) -> str:

@@ -290,8 +290,9 @@ class Trainer:
         """The step's metrics line (every rank takes part in its memory figures) and rank 0's step
         line (every ``log_every`` steps and the last) and progress."""
         cfg = self.config
-        memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget)
-                  if cfg.logging.metrics and self.executor.track_memory else {})
+        memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget,
+                                 self.executor.peak_memory.source, tracked=self.executor.track_memory)
+                  if cfg.logging.metrics else {})
         planned = self.mode.planned.get(batch.step)
         metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
                       balance=self.mode.balance.get(batch.step, {}))

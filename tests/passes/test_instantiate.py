@@ -136,6 +136,16 @@ def test_every_rank_holds_only_its_stage(compiled):
         assert layer_params == {b.split(".")[1] for b in rp.role.blocks}
 
 
+def test_param_shards_are_the_programs_without_building_it(compiled, tied):
+    for comp, text in ((compiled, STRATEGIES_8[1]), (tied, "1xTP2PP2+2xTP2PP1")):
+        prog = comp.build_program(text, Cluster(8))
+        for rp in prog.ranks:
+            assert comp.param_shards(rp.scheme)[(rp.stage, rp.tp_rank)] == rp.params
+        assert not any(rp.role.built for rp in prog.ranks)
+    with pytest.raises(StrategyError, match="TP=3"):
+        compiled.param_shards("TP3PP1")
+
+
 def test_tied_embedding_one_push_two_pulls_and_split_across_stages(tied):
     hg = tied.hgraph
     name = "embed_tokens.weight"

@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, str] = {
     "train": "hgraph.tools.cli.train",
     "report": "hgraph.tools.cli.report",
     "export": "hgraph.tools.cli.export",
+    "memory": "hgraph.tools.cli.memory",
 }
 
 

@@ -36,7 +36,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _model_args(text):
+def model_args_option(text):
+    """``--model-args JSON`` -> dict (``{}`` when not given); not a JSON object: one-line error."""
     if text is None:
         return {}
     try:
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     strategy = Strategy.parse(args.strategy)
     cluster = Cluster(args.world_size or strategy.num_ranks, args.gpus_per_node)
     with torch.device("meta"):
-        model = resolve_model_spec(args.model, _model_args(args.model_args))
+        model = resolve_model_spec(args.model, model_args_option(args.model_args))
     compiled = hgraph.compile(model, dtype=args.dtype)
     if args.format == "report":
         text = compiled.sharding_report(strategy).text()

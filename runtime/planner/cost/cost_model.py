@@ -8,7 +8,8 @@ costs ``(PP - 1 + V) * max micro-batch time``.
 
 Memory (App. B.1): activations ``layers * l * H / (TP * CP) * A[TP]`` bytes (the first stage holds PP
 micro-batches of layers/PP layers each); model states ``layers*H^2/N * B * alpha +
-layers/PP * H^2/TP * B * (1 - alpha)`` plus the embedding ``H*V/N*16*alpha + H*V/TP*16*(1-alpha)``;
+layers/PP * H^2/TP * B * (1 - alpha)`` plus the embedding ``H*V/N*16*alpha + H*V/TP*16*(1-alpha)``,
+or, where this runtime counted them (``MemoryModel.scheme_states``), the bytes its ranks hold;
 ``MaxLen(P)`` is the ``l`` where the total plus the framework gap reaches memory minus the margin.
 
 Context-parallel schemes (``CP > 1``) are not in the A800 profiles. Unless a profile lists them
@@ -59,12 +60,24 @@ class MemoryModel:
     # head, loss; split over TP x CP), and bytes per embedding parameter (B.1 uses 16).
     other_coeff: tuple[tuple[int, float], ...] = ()
     embedding_bytes_per_param: float = EMBEDDING_BYTES_PER_PARAM
+    # Model states counted from the runtime's own layouts (``engine.model_states.scheme_states``):
+    # ``((tp, pp, world size), (resident, step transient))`` bytes of the fullest rank of such a
+    # pipeline (any CP), used instead of B.1's terms for the schemes listed: optimizer segments
+    # (1/N) plus one working layout with its gradients; the optimizer step's transient must fit too.
+    scheme_states: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
 
     def activation_A(self, tp: int) -> float | None:
         return dict(self.activation_coeff).get(tp)
 
+    def counted_states(self, scheme: Scheme, world_size: int) -> tuple[int, int] | None:
+        """``(resident, step transient)`` of ``scheme_states`` for this scheme and world size, if listed."""
+        return dict(self.scheme_states).get((scheme.tp, scheme.pp, world_size))
+
     def state_bytes(self, model: ModelShape, scheme: Scheme, world_size: int) -> float:
-        """Model states and embedding bytes on one rank of ``scheme``."""
+        """Model states and embedding bytes on one rank of ``scheme`` (counted ones when listed)."""
+        counted = self.counted_states(scheme, world_size)
+        if counted is not None:
+            return float(counted[0])
         h2 = model.hidden ** 2
         states = (model.layers * h2 / world_size) * self.state_coeff * self.alpha \
             + (model.layers / scheme.pp) * (h2 / scheme.tp) * self.state_coeff * (1 - self.alpha)
@@ -87,6 +100,9 @@ class MemoryModel:
             return 0
         free = self.gpu_memory_bytes - self.safety_margin_bytes - self.framework_gap_bytes \
             - self.state_bytes(model, scheme, world_size)
+        counted = self.counted_states(scheme, world_size)
+        if counted is not None and free < counted[1]:      # the optimizer step itself does not fit
+            return 0
         return max(int(free // per_token), 0)
 
     def to_dict(self) -> dict[str, Any]:
@@ -101,6 +117,9 @@ class MemoryModel:
                if self.other_coeff else {}),
             **({"embedding_bytes_per_param": self.embedding_bytes_per_param}
                if self.embedding_bytes_per_param != EMBEDDING_BYTES_PER_PARAM else {}),
+            **({"model_state_bytes": [{"tp": tp, "pp": pp, "world_size": n, "resident": res, "step_transient": tr}
+                                      for (tp, pp, n), (res, tr) in self.scheme_states]}
+               if self.scheme_states else {}),
         }
 
 
@@ -247,6 +266,17 @@ class CostModel:
         return {self.name: body}
 
 
+def _counted_states(entries: Any, where: str) -> tuple[tuple[tuple[int, int, int], tuple[int, int]], ...]:
+    """``memory.model_state_bytes`` of a profile: ``[{tp, pp, world_size, resident, step_transient}]``."""
+    keys = ("tp", "pp", "world_size", "resident", "step_transient")
+    out = []
+    for e in entries:
+        if not isinstance(e, dict) or any(k not in e for k in keys):
+            raise HGraphError(f"{where}: memory.model_state_bytes entries need the keys {', '.join(keys)}")
+        out.append(((int(e["tp"]), int(e["pp"]), int(e["world_size"])), (int(e["resident"]), int(e["step_transient"]))))
+    return tuple(sorted(out))
+
+
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,
                           cp_efficiency: float | None = None, max_cp: int | None = None) -> CostModel:
     """Build a CostModel from one (validated) profile entry."""
@@ -270,6 +300,7 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
             other_coeff=tuple(sorted(
                 (_tp_key(k, where), float(v)) for k, v in mem.get("other_activation_bytes_per_token", {}).items())),
             embedding_bytes_per_param=float(mem.get("embedding_bytes_per_param", EMBEDDING_BYTES_PER_PARAM)),
+            scheme_states=_counted_states(mem.get("model_state_bytes", []), where),
         )
     except (TypeError, ValueError, AttributeError) as exc:
         raise HGraphError(f"{where}: malformed value ({exc})") from None

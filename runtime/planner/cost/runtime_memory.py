@@ -7,7 +7,8 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
 
 * activations: bytes autograd saves for backward, counted by the runtime's own accounting
   (``engine.memory.ActivationMeter``: saved-tensor hooks, each storage once, parameters excluded) on one
-  TP rank's shard of the model (``tp_shard_config``) with 1 and 2 layers, on a micro-batch packed
+  TP rank's shard of the model (``tp_shard_config``) with 1 and 2 layers, built and run on fake tensors
+  (nothing allocated, any model size), on a micro-batch packed
   from several documents through the runtime's varlen attention (measured against the executor's
   own ``peak_mem_bytes`` on one rank: within 0.1%; a single-document micro-batch keeps ~4% less, so
   the model is an upper bound for it): the difference is one layer (``A = bytes_per_token * TP / hidden``), the rest is the embedding, head and loss
@@ -16,25 +17,34 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
   and norms are replicated). Under 1F1B the first stage holds PP micro-batches of ``layers / PP``
   layers, i.e. the whole model's layers for one micro-batch (B.1): PP alone does not lengthen MaxLen
   by much, TP does.
-* model states: fp32 masters and Adam's two moments (12 bytes a parameter) sharded evenly over all N
-  ranks (``alpha``), working parameters and their gradients (2 x 4 bytes in fp32, 2 x 2 in bf16) in the
-  scheme's layout (``layers / PP`` layers, ``1 / TP`` of each); embedding and head alike.
+* model states: what the runtime's ranks hold, counted from its layouts (``counted_states``,
+  ``engine.model_states``): fp32 masters and Adam's two moments (12 bytes a parameter) of the rank's
+  optimizer segments (1/N of every parameter), and one working layout's parameters and gradients
+  (2 x 4 bytes in fp32, 2 x 2 in bf16) on the scheme's fullest rank: its stage's layers and the
+  embedding or head that stage holds, ``1 / TP`` of what TP splits, norms whole, padded vocabulary
+  rows included. The optimizer step's transient (gradient segments, Adam's denominator, 8 bytes a
+  parameter / N) must fit beside them, while the activations are freed. The App. B.1 constants
+  (``state_coeff``, ``alpha``: 12 bytes / N and the working bytes of ``layers / PP`` layers of
+  ``1 / TP``) remain for a world size not counted.
 * no framework gap or safety margin: the limit given is what activations and states may use.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.frontends.zoo.llama import tp_shard_config
 from hgraph.runtime.engine.memory import ActivationMeter
+from hgraph.runtime.engine.model_states import scheme_states
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel
 from hgraph.strategy import Scheme
 from hgraph.varlen_attention import varlen_attention
@@ -77,16 +87,21 @@ def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = Non
 
 def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASURE_LENGTH,
                                dtype: Any = None) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
-    """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring)."""
+    """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring).
+
+    The 1- and 2-layer models run on fake tensors (``FakeTensorMode`` on the CPU device: the same
+    kernels are chosen, so the same tensors are saved, with the same shapes and dtypes as a real run,
+    measured equal to the byte): nothing is allocated, so a 70B-shaped layer costs what a tiny one does
+    (a real 168M-shaped pass took 23 s and its weights; the fake one 0.6 s)."""
     A, other = [], []
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), FakeTensorMode():
         torch.manual_seed(0)
         for tp in sorted(set(tps)):
             counts = []
             for n in (1, 2):
                 m = llama.build(tp_shard_config(cfg, n, tp))
                 if dtype is not None:
-                    m = m.to(dtype)
+                    _cast_parameters(m, dtype)
                 # packed (the common micro-batch, and the larger count): the model is an upper bound
                 counts.append(saved_activation_bytes(m, length, PACKED_DOC_LEN))
             layer = max(counts[1] - counts[0], 1) / length
@@ -95,9 +110,26 @@ def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASU
     return tuple(A), tuple(other)
 
 
+def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for fake parameters (``Module.to`` swaps tensors, which fake ones refuse);
+    a tied parameter stays one."""
+    cast: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                if id(p) not in cast:
+                    cast[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                module._parameters[name] = cast[id(p)]
+
+
 def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, working_bytes: int = 4,
-                         dtype: Any = None) -> MemoryModel:
-    """This runtime's memory model of a zoo Llama ``cfg`` on devices of ``device_memory`` bytes."""
+                         dtype: Any = None, states: Optional[Mapping] = None) -> MemoryModel:
+    """This runtime's memory model of a zoo Llama ``cfg`` on devices of ``device_memory`` bytes;
+    ``states``: the model states this runtime's ranks hold (``counted_states``), which replace the
+    formula for the schemes they list. Activations are counted in the working dtype (``dtype``;
+    default: that of ``working_bytes``)."""
+    if dtype is None:
+        dtype = torch.bfloat16 if working_bytes == 2 else None
     A, other = measured_activation_coeffs(cfg, tps, dtype=dtype)
     h, f = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_kv_heads * cfg.head_dim
@@ -107,25 +139,49 @@ def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, 
     return MemoryModel(activation_coeff=A, state_coeff=layer_params / h ** 2 * per_param,
                        alpha=MASTER_AND_ADAM_BYTES / per_param, framework_gap_bytes=0, safety_margin_bytes=0,
                        gpu_memory_bytes=int(device_memory), other_coeff=other,
-                       embedding_bytes_per_param=embedding_mats * per_param)
+                       embedding_bytes_per_param=embedding_mats * per_param,
+                       scheme_states=tuple(sorted(dict(states or {}).items())))
+
+
+def is_runtime_model(cost: CostModel, model: Any) -> bool:
+    """Whether ``model`` is a zoo Llama of ``cost``'s shape: this runtime's memory model applies."""
+    cfg = getattr(model, "config", None)
+    return isinstance(cfg, llama.LlamaConfig) and (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
+        (cost.model.hidden, cost.model.layers, cost.model.vocab)
+
+
+def counted_states(cost: CostModel, model: Any, *, working_bytes: int = 4,
+                   compiled: Any = None) -> dict[tuple[int, int, int], tuple[int, int]]:
+    """``MemoryModel.scheme_states`` of every <TP, PP> of ``cost`` on its world size: the bytes the
+    fullest rank of such a pipeline holds in this runtime (``engine.model_states.scheme_states``:
+    optimizer segments, one working layout and its gradients; the step's transient). Counted from
+    the layouts of ``compiled`` (default: ``model`` traced here), nothing allocated; a <TP, PP> the
+    model refuses is left to the formula."""
+    compiled = compiled if compiled is not None else hgraph.compile(model)
+    n = cost.world_size
+    schemes = [Scheme(tp, pp) for tp, pp in sorted({(tp, pp) for tp, pp, _ in cost.profiled}) if tp * pp <= n]
+    dtype = torch.bfloat16 if working_bytes == 2 else torch.float32
+    states = scheme_states(compiled, schemes, n, dtype, skip_refused=True)
+    return {(tp, pp, n): v for (tp, pp), v in states.items()}
 
 
 def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[float], *,
-                       working_bytes: int = 4) -> CostModel:
+                       working_bytes: int = 4, states: Optional[Mapping] = None) -> CostModel:
     """``cost`` with MaxLen bounded by ``device_memory`` bytes per rank (None: ``cost`` unchanged).
 
     For a zoo Llama whose shape is the cost model's, the memory model becomes this runtime's
-    (``runtime_memory_model``); otherwise (a profile of another model, a non-zoo model) the
-    profile's own App. B.1 constants are kept with the limit as the device memory and no margins.
+    (``runtime_memory_model``, with the model states its ranks hold: ``states``, counted here when
+    not given); otherwise (a profile of another model, a non-zoo model) the profile's own App. B.1
+    constants are kept with the limit as the device memory and no margins.
     """
     if device_memory is None:
         return cost
     cfg = getattr(model, "config", None)
     tps = sorted({tp for tp, _, _ in cost.profiled})
-    ours = isinstance(cfg, llama.LlamaConfig) and (cfg.hidden_size, cfg.num_layers, cfg.vocab_size) == \
-        (cost.model.hidden, cost.model.layers, cost.model.vocab)
-    if ours:
-        memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes)
+    if is_runtime_model(cost, model):
+        if states is None:
+            states = counted_states(cost, model, working_bytes=working_bytes)
+        memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes, states=states)
     else:
         memory = dataclasses.replace(cost.memory, gpu_memory_bytes=int(device_memory), framework_gap_bytes=0,
                                      safety_margin_bytes=0)

@@ -28,8 +28,8 @@ from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, default_device_memory,
-                                                        with_device_memory)
+from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states, default_device_memory,
+                                                        is_runtime_model, with_device_memory)
 from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
 
@@ -64,17 +64,25 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
                                tps=tps, pps=pps)
 
 
-def _bounded(cost: Any, model: Any, device_memory: Any, working_bytes: int) -> tuple[Any, float | None]:
-    """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes."""
+def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,
+                       compiled: Any = None) -> tuple[Any, float | None]:
+    """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes; the model
+    states the runtime's ranks hold are counted once, from ``compiled`` when given."""
     if device_memory is None:
         return cost, None
+    states = counted_states(cost, model, working_bytes=working_bytes, compiled=compiled) \
+        if is_runtime_model(cost, model) else None
     if device_memory == "auto":
-        sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes)
+        sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes, states=states)
         context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or 0)
         if not context:
             raise HGraphError("--device-memory auto needs a model with max_seq_len; give BYTES")
         device_memory = default_device_memory(sized, cost.model, cost.world_size, context)
-    return with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes), float(device_memory)
+    return (with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes, states=states),
+            float(device_memory))
+
+
+_bounded = bounded_cost_model      # the name the tests know
 
 
 def _check_fit(lengths: Sequence[int], cost: Any, limit: float | None, schemes: Any = None) -> None:
@@ -153,18 +161,20 @@ class IterationPlanner:
                tokens_per_iter: int, rank: int, world_size: int, gpus_per_node: int = 8, *,
                groups: Any = None, tp_slots: int = 0,
                progress: Callable[[str], None] | None = None, device_memory: Any = None,
-               working_bytes: int = 4, max_candidates: int | None = None) -> "IterationPlanner":
+               working_bytes: int = 4, max_candidates: int | None = None,
+               compiled: Any = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
         scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
         None: the profile's own memory model); ``max_candidates``: at most this many ``auto``
-        candidates."""
+        candidates; ``compiled``: ``model`` compiled (its layouts size the model states; default:
+        traced again)."""
         if profile == MEASURE:
             cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
-        cost, limit = _on_rank0(lambda: _bounded(cost, model, device_memory, working_bytes), rank)
+        cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled), rank)
         lengths = [len(d) for d in documents]
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)

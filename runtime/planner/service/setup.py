@@ -50,7 +50,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
             trainer.world_size, cfg.cluster.gpus_per_node, groups=groups,
             tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
             progress=lambda what: bar.update(1, what), device_memory=cfg.cluster.device_memory,
-            working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates)
+            working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates,
+            compiled=trainer.compiled)
     finally:
         bar.close()
     planner.method, planner.time_limit_s = plan.method, plan.time_limit

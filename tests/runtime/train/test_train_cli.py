@@ -51,6 +51,10 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
     assert [m["strategy"] for m in lines] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2"]
     for m in lines:
         assert {"step", "strategy", "loss", "tokens", "time_s"} <= set(m) and m["time_s"] > 0
+        # every step: each rank's measured peak (peak RSS on CPU), without --track-memory
+        assert m["rank_peak_source"] == "rss" and len(m["rank_peak_bytes"]) == 2
+        assert all(isinstance(b, int) and b > 2 ** 20 for b in m["rank_peak_bytes"])
+        assert "peak_mem_bytes" not in m
     # the plain data-parallel step updated its shards as the reduction arrived (the next step runs
     # another strategy, so nothing was prefetched for it)
     assert [(m["overlapped_update"], m["pull_prefetched"]) for m in lines] == [(False, False), (True, False),

@@ -1,0 +1,142 @@
+"""Per-rank memory of a strategy before anything runs: what ``hgraph memory`` prints.
+
+For every rank of a strategy on a cluster: the model states it holds (``engine.model_states``: fp32
+master and Adam moment segments, ~1/N; the working parameters and gradients of its shard of the
+strategy's layout; the optimizer step's transient), the activations of its stage under 1F1B from
+this runtime's memory model (``runtime_memory.measured_activation_coeffs``: the bytes per token a
+layer and the rest of the model save, counted on fake tensors), and its peak against a device memory.
+
+Activations: ``tokens`` is the length of one packed micro-batch (what MaxLen bounds). Under 1F1B
+stage ``s`` of a ``PP``-stage pipeline holds ``PP - s`` micro-batches in flight (enough micro-batches
+assumed: the worst case), each of its layers saving ``A[TP] * hidden / (TP * CP)`` bytes a token; the
+last stage also holds the head's and the loss's (``other_coeff``, mostly the logits; the embedding
+saves only token ids). CP ranks see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a
+scheme instead (all layers of the model for one micro-batch plus the head, on the first stage), which
+is at least every stage's figure here. They are measured for zoo Llama models; for other models the
+activations are not known (``None``) and the totals are the model states alone.
+
+The peak is the resident states plus the larger of the activations and the step transient: the
+optimizer steps after the backward has freed the activations. Communication buffers (all-gather
+and reduce-scatter buckets, received pipeline activations) and the process itself (the framework,
+one parameter at a time materialised at start) come on top.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.engine.model_states import RankStates, rank_states
+from hgraph.runtime.planner.cost.runtime_memory import is_runtime_model, measured_activation_coeffs
+from hgraph.strategy import Cluster, Scheme, Strategy
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """One rank's figures (bytes)."""
+
+    rank: int
+    pipeline: int
+    scheme: Scheme
+    stage: int
+    tp_rank: int
+    cp_rank: int
+    states: RankStates
+    activations: Optional[int]
+
+    @property
+    def peak(self) -> int:
+        return self.states.resident + max(self.activations or 0, self.states.step_transient)
+
+    def figures(self) -> tuple:
+        """What makes two ranks' rows the same (all but the rank and where it sits)."""
+        return (self.scheme, self.stage, self.states, self.activations)
+
+    def to_dict(self, device_memory: Optional[float]) -> dict[str, Any]:
+        return {"rank": self.rank, "pipeline": self.pipeline, "scheme": str(self.scheme), "stage": self.stage,
+                "tp_rank": self.tp_rank, "cp_rank": self.cp_rank, **self.states.to_dict(),
+                "activations": self.activations, "peak": self.peak,
+                "fits": None if device_memory is None else self.peak <= device_memory}
+
+
+@dataclass
+class MemoryEstimate:
+    """Every rank's memory under one strategy (module docstring)."""
+
+    strategy: Strategy
+    cluster: Cluster
+    dtype: torch.dtype
+    tokens: int
+    parameters: int
+    ranks: list[RankMemory]
+    device_memory: Optional[float] = None
+    activations_from: Optional[str] = None     # None: not known for this model
+    max_len: dict[str, int] = field(default_factory=dict)   # scheme -> MaxLen under device_memory
+
+    def exceeding(self) -> list[int]:
+        """Ranks whose peak is over the device memory (none without one)."""
+        if self.device_memory is None:
+            return []
+        return [r.rank for r in self.ranks if r.peak > self.device_memory]
+
+    def groups(self) -> list[tuple[list[int], RankMemory]]:
+        """Ranks with the same figures together, in order of their first rank."""
+        out: dict[tuple, tuple[list[int], RankMemory]] = {}
+        for r in self.ranks:
+            out.setdefault(r.figures(), ([], r))[0].append(r.rank)
+        return list(out.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"strategy": str(self.strategy), "world_size": self.cluster.world_size,
+                "gpus_per_node": self.cluster.gpus_per_node, "dtype": str(self.dtype).replace("torch.", ""),
+                "tokens": self.tokens, "parameters": self.parameters, "device_memory": self.device_memory,
+                "activations_from": self.activations_from,
+                "ranks": [r.to_dict(self.device_memory) for r in self.ranks],
+                "exceeding_ranks": self.exceeding(), "max_len": dict(self.max_len)}
+
+
+def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, scheme: Scheme, stage: int,
+                           tokens: int) -> int:
+    """Bytes a rank of ``stage`` of a ``scheme`` pipeline saves for backward at the 1F1B peak with
+    micro-batches of ``tokens`` tokens (module docstring); ``A``, ``other``: the memory model's
+    coefficients for the scheme's TP degree, ``layers``: the stage's."""
+    per_layer = A * hidden / (scheme.tp * scheme.cp)
+    in_flight = scheme.pp - stage
+    last = other / scheme.cp if stage == scheme.pp - 1 else 0.0
+    return int(round((in_flight * layers * per_layer + last) * tokens))
+
+
+def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens: int, *,
+                    device_memory: Optional[float] = None, cost: Any = None) -> MemoryEstimate:
+    """Every rank's memory under ``strategy`` for micro-batches of ``tokens`` tokens (module
+    docstring); ``cost``: a cost model bounded by ``device_memory`` whose MaxLen of the strategy's
+    schemes is reported. Nothing is allocated. Bad strategies are a ``StrategyError``."""
+    dtype = compiled.options.working_dtype or torch.float32
+    states = rank_states(compiled, strategy, cluster, dtype)
+    cfg = compiled.config
+    coeffs: dict[int, tuple[float, float]] = {}
+    source = None
+    if isinstance(cfg, llama.LlamaConfig):
+        tps = sorted({p.tp for p in strategy.pipelines})
+        if cost is not None and is_runtime_model(cost, compiled) and \
+                all(cost.memory.activation_A(tp) is not None for tp in tps):     # counted already
+            A, other = cost.memory.activation_coeff, cost.memory.other_coeff
+        else:
+            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype)
+        coeffs = {tp: (a, dict(other).get(tp, 0.0)) for tp, a in A}
+        source = "runtime memory model (zoo Llama, counted on fake tensors)"
+    ranks = []
+    for c in strategy.coords():
+        scheme = strategy.pipelines[c.pipeline]
+        act = None
+        if coeffs:
+            layers = len(compiled.stage_blocks(scheme.pp)[c.stage])
+            act = stage_activation_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
+        ranks.append(RankMemory(c.rank, c.pipeline, scheme, c.stage, c.tp_rank, c.cp_rank, states[c.rank], act))
+    parameters = sum(int(torch.Size(p.shape).numel()) for p in compiled.hgraph.params.values())
+    max_len = {}
+    if cost is not None:
+        max_len = {str(p): cost.max_len(p) if cost.has(p) else 0 for p in dict.fromkeys(strategy.pipelines)}
+    return MemoryEstimate(strategy, cluster, dtype, tokens, parameters, ranks, device_memory, source, max_len)
