@@ -6,7 +6,9 @@
    which the passes cannot recognise); sliding-window attention is refused.
 2. A thin wrapper calls ``model(input_ids, position_ids=position_ids, use_cache=False)`` and returns
    the logits tensor; it is exported with ``torch.export.export(..., strict=False)``, batch and
-   sequence length dynamic, in train mode (what training runs; dropout becomes ``ops.keyed_dropout``).
+   sequence length dynamic, in train mode (what training runs; dropout becomes ``ops.keyed_dropout``)
+   and with the parameters in the working precision (``dtype``): code that casts back to an input's
+   dtype (Hugging Face RMSNorm's ``.to(input_dtype)``) records the dtype the run computes in, not fp32.
 3. The exported graph is rebuilt with the original model's names: each parameter use becomes its own
    ``get_attr`` of the parameter's canonical FQN (a tied head reads ``embed_tokens.weight``), buffers
    and constants are ``get_attr`` too, ``nn_module_stack`` paths lose the wrapper's prefix, and
@@ -143,15 +145,38 @@ def _quiet_torch_logs() -> Iterator[None]:
         logging.disable(previous)
 
 
-def export_program(model: nn.Module) -> torch.export.ExportedProgram:
-    """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in train mode."""
+@contextlib.contextmanager
+def _parameters_in(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """The model's floating parameters replaced, while exporting, by uninitialised ones in ``dtype``
+    (same objects for tied ones; export reads shapes and dtypes only, untouched pages cost no memory)."""
+    swapped: dict[int, nn.Parameter] = {}
+    originals: list[tuple[nn.Module, str, nn.Parameter]] = []
+    if dtype is not None:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point() or p.dtype == dtype:
+                    continue
+                if id(p) not in swapped:
+                    swapped[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
+                originals.append((module, name, p))
+                module._parameters[name] = swapped[id(p)]
+    try:
+        yield
+    finally:
+        for module, name, p in originals:
+            module._parameters[name] = p
+
+
+def export_program(model: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.export.ExportedProgram:
+    """``torch.export`` of ``LogitsOf(model)`` with dynamic batch and sequence length, in train mode,
+    the parameters in ``dtype`` (the working precision; None: as they are)."""
     wrapper = LogitsOf(model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     ids = torch.randint(0, _vocab_size(model), (2, EXAMPLE_LEN)).to(device)
     pos = torch.arange(EXAMPLE_LEN, device=device).expand(2, EXAMPLE_LEN)
     dyn = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     try:
-        with _train_mode(model), _quiet_torch_logs():
+        with _train_mode(model), _parameters_in(model, dtype), _quiet_torch_logs():
             return torch.export.export(wrapper, (ids, pos), dynamic_shapes=(dyn, dyn), strict=False)
     except TraceError:
         raise
@@ -330,9 +355,11 @@ def _mask_evaluator(graph: fx.Graph, root: dict, vocab: int):
     return evaluate
 
 
-def export_trace(model: nn.Module, *, replicate_layers: bool = True) -> fx.GraphModule:
+def export_trace(model: nn.Module, *, replicate_layers: bool = True,
+                 dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """The canonical GraphModule of ``model`` through torch.export (placeholders ``input_ids``,
-    ``position_ids``; the model's parameter FQNs; see the module docstring).
+    ``position_ids``; the model's parameter FQNs; see the module docstring), traced with its
+    parameters in ``dtype``, the working precision the graph will run in (None: as they are).
 
     ``replicate_layers``: a model with more than two layers in a config-sized ModuleList is exported
     with two and the second layer's graph is replicated (``hgraph.frontends.layer_replication``);
@@ -346,12 +373,12 @@ def export_trace(model: nn.Module, *, replicate_layers: bool = True) -> fx.Graph
         path, modules = layers
         try:
             with truncated_layers(model, path, keep=2):
-                graph, root = _canonical_graph(model)
+                graph, root = _canonical_graph(model, dtype)
             replicate(graph, root, model, path, len(modules), canonical_param_names(model))
         except NotReplicable:
-            graph, root = _canonical_graph(model)
+            graph, root = _canonical_graph(model, dtype)
     else:
-        graph, root = _canonical_graph(model)
+        graph, root = _canonical_graph(model, dtype)
     graph.eliminate_dead_code()
     graph.lint()
     gm = fx.GraphModule(root, graph, class_name=f"{type(model).__name__}HGraph")
@@ -360,9 +387,9 @@ def export_trace(model: nn.Module, *, replicate_layers: bool = True) -> fx.Graph
     return gm
 
 
-def _canonical_graph(model: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+def _canonical_graph(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple[fx.Graph, dict[str, Any]]:
     """Export ``model`` and rewrite the graph into the canonical form: (graph, get_attr root)."""
-    ep = export_program(model)
+    ep = export_program(model, dtype)
     graph, root = _GraphBuilder(ep, model).build()
     params = {name for name, obj in root.items() if isinstance(obj, nn.Parameter)}
     aten_canonical.translate_aten_ops(graph)

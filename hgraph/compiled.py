@@ -23,18 +23,20 @@ def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
     """Trace ``model`` and turn it into an HGraph (trace -> annotate_pass -> insert_slots_pass).
 
     Options: ``leaf_modules`` (module classes or qualified names the fx tracer must not enter);
-    ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``.
+    ``frontend``: ``"auto"`` (torch.fx, then torch.export when fx fails), ``"fx"`` or ``"export"``;
+    ``dtype``: the working precision the graph runs in (torch.export traces in it).
     The HGraph's ``frontend`` attribute says which one was used.
     """
     from hgraph.frontends.select import trace_model  # the API module wires the rooms, lazily
     from hgraph.passes.annotate import annotate_pass
     from hgraph.passes.insert_slots import insert_slots_pass
 
-    unknown = sorted(set(options) - {"leaf_modules", "frontend"})
+    unknown = sorted(set(options) - {"leaf_modules", "frontend", "working_dtype"})
     if unknown:
-        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules, frontend")
+        raise HGraphError(f"unknown build_hgraph option(s) {unknown}; allowed: leaf_modules, frontend, "
+                          "working_dtype")
     gm, used = trace_model(model, leaf_modules=options.get("leaf_modules", ()),
-                           frontend=options.get("frontend", "auto"))
+                           frontend=options.get("frontend", "auto"), dtype=options.get("working_dtype"))
     gm = annotate_pass(gm, None)
     gm = insert_slots_pass(gm, None)
     hg = HGraph(gm, model)
@@ -59,7 +61,8 @@ class CompiledModule(nn.Module):
         super().__init__()
         self._orig_mod = model
         self.options = options
-        self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend)
+        self._hgraph = build_hgraph(model, leaf_modules=options.leaf_modules, frontend=options.frontend,
+                                   working_dtype=options.working_dtype)
         self._programs: dict[tuple[Strategy, Cluster], Program] = {}
         self._shapes: Optional[dict] = None
         self._layouts: Any = None           # passes.instantiate.ParamLayouts, made on first param_shards

@@ -4,6 +4,8 @@ For Llama, Qwen2 (tied embeddings), Mistral and GPT-2 (Conv1D): the HGraph equal
 logits, the single-rank program computes packed documents exactly as each document alone, and the
 slots / TP roles are the expected ones.
 """
+import copy
+
 import pytest
 import torch
 
@@ -77,6 +79,22 @@ def test_single_rank_program_computes_each_document_alone(pair):
         alone = torch.cat([hf_logits(model, ids[:, :5], pos[:, :5]), hf_logits(model, ids[:, 5:], pos[:, 5:])], dim=1)
         torch.testing.assert_close(gm(ids, pos), alone, rtol=0, atol=1e-6)
 
+
+
+def test_bf16_program_computes_what_the_model_computes_in_bf16(pair):
+    # torch.export records dtypes: traced in fp32, HF's casts back to the input's dtype (RMSNorm's
+    # .to(input_dtype), GPT-2's position embeddings) would run the bf16 program in fp32 and fail
+    name, model, _ = pair
+    gm = _load(hgraph.compile(model, dtype="bf16").instantiate("1xTP1PP1").rank(0), model)
+    reference = copy.deepcopy(model)
+    for p in reference.parameters():          # the parameters in bf16, as the program's working copies
+        p.data = p.data.to(torch.bfloat16)
+    ids = torch.randint(0, 64, (1, 11))
+    whole = torch.arange(11)[None]
+    with torch.no_grad():
+        got = gm(ids, whole)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, hf_logits(reference, ids, whole), rtol=0, atol=2e-2)
 
 def test_slot_counts(pair):
     name, model, compiled = pair

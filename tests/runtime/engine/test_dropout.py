@@ -101,3 +101,16 @@ def test_the_kernel_drops_p_of_the_elements_as_a_function_of_what_they_are():
     half = attention_keep(0.1, 7, keys, rows, keys.documents[:64], keys.positions[:64], heads=2, head_offset=2)
     assert torch.equal(whole[2:], half)
     assert abs(1 - float(whole.float().mean()) - 0.1) < 0.01
+
+
+def test_bf16_draws_the_fp32_masks_and_trains_with_them():
+    keys = TokenKeys(seed=1, step=0, documents=torch.arange(256) // 32, positions=torch.arange(256) % 32)
+    x = torch.randn(1, 256, 64)
+    y32, y16 = dropout(x, 0.1, 3, keys), dropout(x.bfloat16(), 0.1, 3, keys)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16 == 0, y32 == 0)                      # the same elements dropped
+    assert torch.equal(y16, (x.bfloat16() * (y32 != 0).bfloat16()) * (1 / 0.9))
+    on, off = _run(0, 1, "1xTP1PP1", dtype="bf16"), _run(0, 1, "1xTP1PP1", dtype="bf16", dropout="off")
+    assert on["dropout"].startswith("applied (7 sites")
+    assert all(torch.isfinite(torch.tensor(v)) for v in on["losses"])
+    assert all(abs(a - b) > 1e-3 for a, b in zip(on["losses"], off["losses"]))
