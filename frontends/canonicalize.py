@@ -11,6 +11,8 @@ The canonical form (the contract of ``hgraph.frontends.fx_frontend.trace``):
   2-D parameter ``w`` become ``F.linear(x, w[, b])``;
 * attention stays a ``call_function`` to ``F.scaled_dot_product_attention``, which must be causal
   with no mask (packing makes it block-diagonal per document; any other attention is rejected);
+  attention written by hand (softmax of ``q @ k^T`` with a causal mask) becomes that call
+  (``hgraph.frontends.eager_attention``), or is refused when it cannot be packed;
 * a dropout that trains (``F.dropout`` / ``nn.Dropout`` with ``training`` true and ``p > 0``) is
   ``ops.keyed_dropout(x, p)``, whose masks do not depend on the strategy; one that does not train is
   gone; other dropout kinds that train are refused;
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import TraceError
+from hgraph.frontends.eager_attention import depends_on, mask_evaluator, rewrite_eager_attention
 
 STACK_KEY = "nn_module_stack"
 
@@ -58,6 +61,7 @@ def canonicalize_graph(graph: fx.Graph, model: nn.Module, traced_inputs: list[st
     _functionalize_leaves(graph, model)
     _keyed_dropouts(graph)
     _rewrite_matmuls(graph, model)
+    _eager_attention(graph, model)
     _split_parameter_uses(graph, model)
     _single_output(graph, model)
     _check_attention(graph)
@@ -182,6 +186,19 @@ def _keyed_dropouts(graph: fx.Graph) -> None:
         else:
             node.replace_all_uses_with(bound["input"])
         graph.erase_node(node)
+
+
+def _eager_attention(graph: fx.Graph, model: nn.Module) -> None:
+    """Hand-written softmax attention -> causal SDPA (``hgraph.frontends.eager_attention``)."""
+    memo: dict = {}
+
+    def is_param(n: fx.Node) -> bool:
+        return n.op == "get_attr" and isinstance(resolve_attr(model, n.target), nn.Parameter)
+
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    evaluate = mask_evaluator(graph, lambda target: resolve_attr(model, target),
+                              emb.num_embeddings if emb is not None else 2)
+    rewrite_eager_attention(graph, evaluate, lambda n: not depends_on(n, is_param, memo))
 
 
 def _where(n: fx.Node) -> str:

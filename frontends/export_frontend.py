@@ -2,8 +2,9 @@
 
 ``export_trace(model)``:
 
-1. Hugging Face models get ``attn_implementation="sdpa"`` (eager attention computes softmax by hand,
-   which the passes cannot recognise); sliding-window attention is refused.
+1. Hugging Face models get ``attn_implementation="sdpa"`` (one op instead of the eager path's
+   softmax written out, which ``hgraph.frontends.eager_attention`` recognises in other models);
+   sliding-window attention is refused.
 2. A thin wrapper calls ``model(input_ids, position_ids=position_ids, use_cache=False)`` and returns
    the logits tensor; it is exported with ``torch.export.export(..., strict=False)``, batch and
    sequence length dynamic, in train mode (what training runs; dropout becomes ``ops.keyed_dropout``)
@@ -14,7 +15,8 @@
    and constants are ``get_attr`` too, ``nn_module_stack`` paths lose the wrapper's prefix, and
    higher-order ops around no-grad / autocast regions (the rotary tables) are inlined.
 4. ``hgraph.frontends.aten_canonical`` turns the aten ops into the canonical ops (linear, Conv1D,
-   embedding, layer norm, causal SDPA, torch-level layout ops).
+   embedding, layer norm, causal SDPA, torch-level layout ops); attention written by hand becomes
+   causal SDPA (``hgraph.frontends.eager_attention``).
 5. A deep model is exported with two layers and the second layer's graph replicated (checked to be
    a copy of the first; ``hgraph.frontends.layer_replication``), which makes export time nearly
    independent of depth.
@@ -30,7 +32,7 @@ import io
 import logging
 import os
 import traceback
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -39,6 +41,7 @@ import torch.nn as nn
 from hgraph.errors import TraceError
 from hgraph.frontends import aten_canonical
 from hgraph.frontends.canonicalize import _check_attention, canonical_param_names
+from hgraph.frontends.eager_attention import depends_on, mask_evaluator, rewrite_eager_attention
 from hgraph.frontends.layer_replication import (NotReplicable, layer_container, replicate_layers as replicate,
                                                 truncated_layers)
 
@@ -146,25 +149,35 @@ def _quiet_torch_logs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _parameters_in(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """The model's floating parameters replaced, while exporting, by uninitialised ones in ``dtype``
-    (same objects for tied ones; export reads shapes and dtypes only, untouched pages cost no memory)."""
-    swapped: dict[int, nn.Parameter] = {}
-    originals: list[tuple[nn.Module, str, nn.Parameter]] = []
-    if dtype is not None:
-        for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if p is None or not p.is_floating_point() or p.dtype == dtype:
-                    continue
-                if id(p) not in swapped:
-                    swapped[id(p)] = nn.Parameter(torch.empty_like(p, dtype=dtype), requires_grad=p.requires_grad)
-                originals.append((module, name, p))
-                module._parameters[name] = swapped[id(p)]
+def _traced_tensors(model: nn.Module, dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """While exporting: the floating parameters replaced by uninitialised ones in ``dtype`` (the same
+    object for tied ones; export reads shapes and dtypes only, untouched pages cost no memory), and for
+    a model whose parameters are on the meta device, its buffers too (export wants one device; the
+    buffers' values are read later, from the model, to check attention masks)."""
+    meta = any(p.device.type == "meta" for p in model.parameters())
+    swapped: dict[int, torch.Tensor] = {}
+    originals: list[tuple[dict, str, torch.Tensor]] = []
+
+    def swap(table: dict, name: str, new: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        t = table[name]
+        if id(t) not in swapped:
+            swapped[id(t)] = new(t)
+        originals.append((table, name, t))
+        table[name] = swapped[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and dtype is not None and p.is_floating_point() and p.dtype != dtype:
+                swap(module._parameters, name,
+                     lambda t: nn.Parameter(torch.empty_like(t, dtype=dtype), requires_grad=t.requires_grad))
+        for name, b in list(module._buffers.items()):
+            if meta and b is not None and b.device.type != "meta":
+                swap(module._buffers, name, lambda t: torch.empty_like(t, device="meta"))
     try:
         yield
     finally:
-        for module, name, p in originals:
-            module._parameters[name] = p
+        for table, name, t in reversed(originals):
+            table[name] = t
 
 
 def export_program(model: nn.Module, dtype: Optional[torch.dtype] = None) -> torch.export.ExportedProgram:
@@ -176,7 +189,7 @@ def export_program(model: nn.Module, dtype: Optional[torch.dtype] = None) -> tor
     pos = torch.arange(EXAMPLE_LEN, device=device).expand(2, EXAMPLE_LEN)
     dyn = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
     try:
-        with _train_mode(model), _parameters_in(model, dtype), _quiet_torch_logs():
+        with _train_mode(model), _traced_tensors(model, dtype), _quiet_torch_logs():
             return torch.export.export(wrapper, (ids, pos), dynamic_shapes=(dyn, dyn), strict=False)
     except TraceError:
         raise
@@ -313,48 +326,6 @@ class _GraphBuilder:
         self.env[hop] = outputs
 
 
-def _depends_on_params(node: fx.Node, params: set[str], memo: dict) -> bool:
-    work, order = [node], []
-    while work:
-        n = work.pop()
-        if n in memo:
-            continue
-        memo[n] = None
-        order.append(n)
-        work.extend(n.all_input_nodes)
-    for n in reversed(order):
-        if memo[n] is None:
-            memo[n] = (n.op == "get_attr" and n.target in params) or any(memo[a] for a in n.all_input_nodes
-                                                                           if memo[a] is not None)
-    return bool(memo[node])
-
-
-def _mask_evaluator(graph: fx.Graph, root: dict, vocab: int):
-    """Evaluates mask nodes on a CPU example (one row, positions 0..T-1) by running only the nodes
-    they depend on, so it works for a model on the meta device too."""
-    def evaluate(masks: list[fx.Node]) -> dict[fx.Node, torch.Tensor]:
-        needed, work = set(), list(masks)
-        while work:
-            n = work.pop()
-            if n not in needed:
-                needed.add(n)
-                work.extend(n.all_input_nodes)
-        sub, env = fx.Graph(), {}
-        for n in graph.nodes:
-            if n in needed or (n.op == "placeholder"):
-                env[n] = sub.node_copy(n, env.__getitem__)
-        sub.output(tuple(env[m] for m in masks))
-        used = {str(n.target) for n in sub.nodes if n.op == "get_attr"}
-        if any(root[name].device.type == "meta" for name in used):
-            raise TraceError("the attention mask depends on buffers of a model on the meta device; "
-                             "build the model on a real device to check its mask")
-        ids = torch.randint(0, vocab, (1, EXAMPLE_LEN))
-        with torch.no_grad():
-            values = fx.GraphModule({k: root[k] for k in used}, sub)(ids, torch.arange(EXAMPLE_LEN)[None])
-        return dict(zip(masks, values))
-    return evaluate
-
-
 def export_trace(model: nn.Module, *, replicate_layers: bool = True,
                  dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """The canonical GraphModule of ``model`` through torch.export (placeholders ``input_ids``,
@@ -396,8 +367,13 @@ def _canonical_graph(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple[fx
     aten_canonical.rewrite_linears(graph, params.__contains__, lambda name: root[name].shape)
     aten_canonical.inputs_device(graph)
     memo: dict = {}
-    aten_canonical.rewrite_attention(graph, _mask_evaluator(graph, root, _vocab_size(model)),
-                                     lambda n: not _depends_on_params(n, params, memo))
+
+    def free(n: fx.Node) -> bool:        # depends only on the inputs, buffers and constants
+        return not depends_on(n, lambda a: a.op == "get_attr" and a.target in params, memo)
+
+    evaluate = mask_evaluator(graph, root.__getitem__, _vocab_size(model), EXAMPLE_LEN)
+    rewrite_eager_attention(graph, evaluate, free)
+    aten_canonical.rewrite_attention(graph, evaluate, free)
     graph.eliminate_dead_code()
     _check_attention(graph)
     return graph, root
