@@ -95,6 +95,10 @@ class ParamSync:
         only the storage is resized, as FSDP frees unsharded parameters."""
         if self.overlapped is not None:
             self.overlapped.forget_prefetch()
+        # the last step's transfer buffers and the gradients its reductions read (they would keep
+        # memory of this Program alive while another one runs)
+        self.pulls.forget_step()
+        self._buckets.reset()
         for name, w in self.params.working.items():
             w.grad = None
             if name not in self.params.aliased:

@@ -99,6 +99,12 @@ class PullParameter:
         master = rows(self.params.masters[name], param.shard_dim)
         return master.narrow(0, lo - base, hi - lo).to(self.params.working_dtype).contiguous()
 
+    def forget_step(self) -> None:
+        """Drop the last step's pulls (their send and receive buffers)."""
+        self._pulls = {}
+        for bucket in self.gathers:
+            bucket.work = bucket.out = None
+
     @torch.no_grad()
     def post(self, reuse: bool = False) -> None:
         """Post every pull of this rank (all parameters, model order); returns before they complete.

@@ -80,8 +80,12 @@ def _worker(rank, world, cases):
         steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
         final = trainer.final_state_dict()
         states = trainer.cache.states().values()
-        holding = [any(w.untyped_storage().nbytes() for w in st.working.values()) for st in states]
-        out.append({"states": len(holding), "holding": sum(holding),"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+        # a state holds memory through its working tensors, or through its last step's gradients
+        # (kept by the reductions) and transfer buffers
+        holding = [any(w.untyped_storage().nbytes() for w in st.working.values())
+                   or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
+                   for st in states]
+        out.append({"states": len(holding), "holding": sum(holding), "losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.cache.info()})
@@ -155,8 +159,8 @@ def test_eight_ranks_three_schemes_match_single_process_adam(results8):
 
 def test_only_the_last_strategys_working_parameters_hold_memory(results4, results8):
     """Per strategy the cache keeps the rank's graph and plans, but a switch frees the working
-    parameters and gradients of the last one: after a schedule of several strategies exactly one
-    state holds working storage on every rank (the equivalence above ran across those switches)."""
+    parameters and gradients of the last one (and the buffers and gradient references of its last
+    step): after a schedule of several strategies exactly one state holds memory on every rank (the equivalence above ran across those switches)."""
     for results, cases in ((results4, CASES_4), (results8, CASES_8)):
         for r in results:
             for case, (_, schedule, _, _) in zip(r, cases):
