@@ -13,7 +13,8 @@ turns one aten pattern into the op the fx frontend would have produced, computin
   ``view(x, [-1, in]) -> addmm(b, ., w) -> view(., [..., out])`` -> ``in_out_linear(x, w, b)``;
   ``aten.embedding(w, ids)`` -> ``F.embedding(ids, w)``; ``aten.layer_norm`` -> ``F.layer_norm``;
 * ``rewrite_attention``: SDPA (``aten.scaled_dot_product_attention`` or a ``_scaled_dot_product_*``
-  variant) -> ``F.scaled_dot_product_attention(q, k, v, is_causal=True, ...)`` after checking that
+  variant) -> ``F.scaled_dot_product_attention(q, k, v, is_causal=True, ...)`` (``ops.causal_attention``
+  with its ``window`` for a sliding-window mask, ``hgraph.frontends.attention_form``) after checking that
   its explicit mask depends only on the inputs and is the causal mask on an example batch; key / value
   heads repeated for grouped-query attention (``repeat_kv``) are passed unrepeated with
   ``enable_gqa=True`` (the same values, and TP can split the key / value heads).
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import TraceError
+from hgraph.frontends.attention_form import NOT_CAUSAL, causal_attention_node, causal_window
 from hgraph.linear_ops import in_out_linear
 
 aten = torch.ops.aten
@@ -304,19 +306,23 @@ def rewrite_attention(graph: fx.Graph, mask_values: Callable[[list[fx.Node]], di
             raise TraceError(f"attention {where(n)} is not causal (no mask, is_causal=False); hgraph trains "
                              "causal language models")
     values = mask_values(sorted(set(masks.values()), key=lambda m: m.name)) if masks else {}
+    windows: dict[fx.Node, Optional[int]] = {}
     for n, mask in masks.items():
         m = values[mask]
-        t = m.shape[-1]
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        ok = (m.dtype == torch.bool and m.shape[-2] == t and bool((m == causal).all())) or \
-             (m.is_floating_point() and m.shape[-2] == t and bool(((m == 0) == causal).all())
-              and bool((m[..., ~causal] == float("-inf")).all() or (m[..., ~causal] < -1e30).all()))
-        if not ok:
-            raise TraceError(f"attention {where(n)} uses a mask that is not the causal mask for positions 0..T-1 "
-                             "(sliding window, bidirectional or padding mask?); hgraph supports causal attention "
-                             "only (packed documents become block-diagonal causal)")
+        if m.dtype == torch.bool:
+            allowed = m
+        else:          # additive: 0 seen, -inf (or the dtype's minimum) hidden
+            allowed = m == 0
+            if m.is_floating_point() and not (bool((m[~allowed] == float("-inf")).all())
+                                              or bool((m[~allowed] < -1e30).all())):
+                allowed = torch.zeros_like(allowed)
+        windows[n] = causal_window(allowed)
+        if windows[n] == NOT_CAUSAL:
+            raise TraceError(f"attention {where(n)} uses a mask that is neither causal nor a causal sliding window "
+                             "for positions 0..T-1 (bidirectional or padding mask?); hgraph supports causal "
+                             "attention only (packed documents become block-diagonal causal)")
     for n in sdpas:
-        _to_causal_sdpa(graph, n)
+        _to_causal_sdpa(graph, n, windows.get(n))
     graph.eliminate_dead_code()
 
 
@@ -327,14 +333,14 @@ def _bind_sdpa(n: fx.Node) -> dict:
     return bound
 
 
-def _to_causal_sdpa(graph: fx.Graph, n: fx.Node) -> None:
+def _to_causal_sdpa(graph: fx.Graph, n: fx.Node, window: Optional[int]) -> None:
     bound = _bind_sdpa(n)
     q, k, v = bound["query"], bound["key"], bound["value"]
     gqa = bool(bound.get("enable_gqa", False))
     k0, v0 = _unrepeated_kv(k), _unrepeated_kv(v)
     if k0 is not None and v0 is not None:
         k, v, gqa = k0, v0, True
-    kwargs: dict = {"is_causal": True}
+    kwargs: dict = {}
     if bound.get("scale") is not None:
         kwargs["scale"] = bound["scale"]
     if bound.get("dropout_p"):        # a train-mode model: the packed-attention pass keys its masks
@@ -343,7 +349,7 @@ def _to_causal_sdpa(graph: fx.Graph, n: fx.Node) -> None:
         kwargs["enable_gqa"] = True
     index = _SDPA[packet(n)]
     with graph.inserting_before(n):
-        new = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
+        new = causal_attention_node(graph, q, k, v, kwargs, None, window)
     new.meta.update(n.meta)
     if index is None:
         n.replace_all_uses_with(new)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import TraceError
+from hgraph.frontends.attention_form import mask_example_length
 from hgraph.frontends.eager_attention import depends_on, mask_evaluator, rewrite_eager_attention
 
 STACK_KEY = "nn_module_stack"
@@ -197,7 +198,7 @@ def _eager_attention(graph: fx.Graph, model: nn.Module) -> None:
 
     emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     evaluate = mask_evaluator(graph, lambda target: resolve_attr(model, target),
-                              emb.num_embeddings if emb is not None else 2)
+                              emb.num_embeddings if emb is not None else 2, mask_example_length(model, 8))
     rewrite_eager_attention(graph, evaluate, lambda n: not depends_on(n, is_param, memo))
 
 

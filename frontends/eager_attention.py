@@ -11,10 +11,12 @@ dimension, the chain back to ``matmul(q, k.transpose(-2, -1))`` through dtype ca
 chain forward through casts and an optional dropout of the probabilities to ``matmul(probs, v)``,
 and replaces the whole by ``F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=s
 [, dropout_p=p])`` (with ``enable_gqa`` when k and v are repeated per query group, as
-``repeat_kv`` does). The mask must depend only on the positions (``free``) and equal the causal
-mask on an example (``evaluate_masks``). What cannot be packed is refused in one line naming the
-module: a softmax over ``q @ k^T`` that is not this pattern (no mask, another mask, logit
-softcapping, a bias on the scores).
+``repeat_kv`` does). The mask must depend only on the positions (``free``) and equal, on an example
+(``evaluate_masks``), the causal mask or a causal sliding window. Logit softcapping
+(``tanh(s / c) * c`` of the scaled scores, Gemma-2) or a window makes it ``ops.causal_attention``
+with ``softcap`` / ``window`` instead, which SDPA cannot express. What cannot be packed is refused in
+one line naming the module: a softmax over ``q @ k^T`` that is not this pattern (no mask, another
+mask, a bias on the scores, a scale after the softcap).
 
 Both frontends call it on their canonical graphs (torch-level ops; aten ops the export frontend
 leaves, such as ``aten.softmax`` and ``aten.matmul``, are matched by name too).
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.frontends.aten_canonical import STACK_KEY
+from hgraph.frontends.attention_form import NOT_CAUSAL, causal_attention_node, causal_window
 
 _CASTS = {"to", "float", "half", "bfloat16", "type_as", "_to_copy", "contiguous", "clone"}
 _ALIASES = {"truediv": "div", "_softmax": "softmax", "bmm": "matmul", "__matmul__": "matmul",
@@ -138,6 +141,8 @@ def _scores(x: Any, free: Callable[[fx.Node], bool]) -> Optional[_Scores]:
                     cap = 1.0 / cap if cap else None
                 if cap is None or not math.isclose(cap, c, rel_tol=1e-6):
                     return None
+                if scale != 1.0 or softcap is not None:
+                    other = other or "a scale applied to the scores after the logit softcapping"
                 softcap, x = c, arg.args[0]
                 continue
             scale = scale * c if name == "mul" else scale / c
@@ -186,14 +191,6 @@ def _unrepeated(node: Any) -> Optional[fx.Node]:
     return None
 
 
-def _is_causal(allowed: torch.Tensor) -> bool:
-    t = allowed.shape[-1]
-    if allowed.dim() < 2 or allowed.shape[-2] != t:
-        return False
-    causal = torch.ones(t, t, dtype=torch.bool).tril()
-    return bool((allowed == causal).all())
-
-
 def rewrite_eager_attention(graph: fx.Graph, evaluate_masks: Callable[[list[fx.Node]], dict[fx.Node, torch.Tensor]],
                             free: Callable[[fx.Node], bool]) -> None:
     """Hand-written causal attention -> causal SDPA; unpackable attention refused (module docstring)."""
@@ -207,9 +204,6 @@ def rewrite_eager_attention(graph: fx.Graph, evaluate_masks: Callable[[list[fx.N
         if dim not in (-1, 3):
             raise TraceError(f"{what} normalises over dimension {dim}; hgraph packs attention whose softmax "
                              "runs over the keys (the last dimension)")
-        if scores.softcap is not None:
-            raise TraceError(f"{what} caps its logits (softcap {scores.softcap:g}); hgraph's packed attention "
-                             "has no logit softcapping")
         if scores.other:
             raise TraceError(f"{what} uses {scores.other}; hgraph packs causal attention whose mask depends "
                              "only on the positions")
@@ -232,19 +226,20 @@ def rewrite_eager_attention(graph: fx.Graph, evaluate_masks: Callable[[list[fx.N
             allowed = m == 0
             if not bool((m[~allowed] <= _VERY_NEGATIVE).all()):
                 allowed = torch.zeros_like(allowed)      # some hidden score is not hidden: never causal
-        if not _is_causal(allowed):
-            raise TraceError(f"attention {where(sm)} uses a mask that is not the causal mask for positions "
-                             "0..T-1 (sliding window, bidirectional or padding mask?); hgraph packs causal "
+        window = causal_window(allowed)
+        if window == NOT_CAUSAL:
+            raise TraceError(f"attention {where(sm)} uses a mask that is neither causal nor a causal sliding "
+                             "window for positions 0..T-1 (bidirectional or padding mask?); hgraph packs causal "
                              "attention only")
         q, k, v = scores.q, scores.k, out.args[1]
-        kwargs: dict = {"is_causal": True, "scale": scores.scale}
+        kwargs: dict = {"scale": scores.scale}
         k0, v0 = _unrepeated(k), _unrepeated(v)
         if k0 is not None and v0 is not None:
             k, v, kwargs["enable_gqa"] = k0, v0, True
         if p:
             kwargs["dropout_p"] = p
         with graph.inserting_before(out):
-            new = graph.call_function(F.scaled_dot_product_attention, (q, k, v), kwargs)
+            new = causal_attention_node(graph, q, k, v, kwargs, scores.softcap, window)
         new.meta.update(out.meta)
         out.replace_all_uses_with(new)
     graph.eliminate_dead_code()

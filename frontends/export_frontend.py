@@ -2,9 +2,10 @@
 
 ``export_trace(model)``:
 
-1. Hugging Face models get ``attn_implementation="sdpa"`` (one op instead of the eager path's
-   softmax written out, which ``hgraph.frontends.eager_attention`` recognises in other models);
-   sliding-window attention is refused.
+1. Hugging Face models get ``attn_implementation="sdpa"`` where they have it (one op instead of the
+   eager path's softmax written out, which ``hgraph.frontends.eager_attention`` recognises, as it
+   does in models without SDPA such as Gemma-2); a sliding window is read from the evaluated mask
+   (``hgraph.frontends.attention_form``).
 2. A thin wrapper calls ``model(input_ids, position_ids=position_ids, use_cache=False)`` and returns
    the logits tensor; it is exported with ``torch.export.export(..., strict=False)``, batch and
    sequence length dynamic, in train mode (what training runs; dropout becomes ``ops.keyed_dropout``)
@@ -41,6 +42,7 @@ import torch.nn as nn
 from hgraph.errors import TraceError
 from hgraph.frontends import aten_canonical
 from hgraph.frontends.canonicalize import _check_attention, canonical_param_names
+from hgraph.frontends.attention_form import mask_example_length
 from hgraph.frontends.eager_attention import depends_on, mask_evaluator, rewrite_eager_attention
 from hgraph.frontends.layer_replication import (NotReplicable, layer_container, replicate_layers as replicate,
                                                 truncated_layers)
@@ -99,16 +101,14 @@ def _accepts_var_kwargs(model: nn.Module) -> bool:
 
 
 def prepare_hf_attention(model: nn.Module) -> None:
-    """Hugging Face models: SDPA attention (set on the model), no sliding window (refused)."""
+    """Hugging Face models: SDPA attention (set on the model) where the model has it, else its eager
+    attention (``eager_attention`` rewrites it); sliding windows are read from the masks."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "_attn_implementation"):
         return
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and \
-            "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"]):
-        raise TraceError(f"{type(model).__name__} uses sliding-window attention (sliding_window={window}); "
-                         "hgraph supports causal attention over whole documents: set sliding_window=None")
     if config._attn_implementation != "sdpa":
+        if not getattr(model, "_supports_sdpa", True):
+            return      # eager attention (e.g. Gemma-2's softcapped logits): rewritten by eager_attention
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("sdpa")
         else:
@@ -371,7 +371,7 @@ def _canonical_graph(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple[fx
     def free(n: fx.Node) -> bool:        # depends only on the inputs, buffers and constants
         return not depends_on(n, lambda a: a.op == "get_attr" and a.target in params, memo)
 
-    evaluate = mask_evaluator(graph, root.__getitem__, _vocab_size(model), EXAMPLE_LEN)
+    evaluate = mask_evaluator(graph, root.__getitem__, _vocab_size(model), mask_example_length(model, EXAMPLE_LEN))
     rewrite_eager_attention(graph, evaluate, free)
     aten_canonical.rewrite_attention(graph, evaluate, free)
     graph.eliminate_dead_code()

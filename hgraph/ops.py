@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.fx import wrap
 
 from hgraph.errors import HGraphError
-from hgraph.varlen_attention import varlen_attention
+from hgraph.varlen_attention import allowed_keys, masked_attention, varlen_attention
 
 
 class CommRuntime(Protocol):
@@ -39,10 +39,12 @@ class CommRuntime(Protocol):
     def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
     def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
-                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0) -> torch.Tensor: ...
+                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
+                     softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor: ...
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
-                          scale: Optional[float], enable_gqa: bool, heads: int) -> torch.Tensor: ...
+                          scale: Optional[float], enable_gqa: bool, heads: int,
+                          softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
 
 
 def _need_runtime(op: str) -> HGraphError:
@@ -150,26 +152,51 @@ def pp_send(comm: Optional[CommRuntime], x: torch.Tensor, key: str, index: int) 
     return comm.pp_send(x, key)
 
 
-# ---- packed attention -----------------------------------------------------------------------------
+# ---- attention ------------------------------------------------------------------------------------
+def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout_p: float = 0.0,
+                     scale: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of one sequence per row with what SDPA cannot say: logit ``softcap`` and a
+    sliding ``window`` (``hgraph.varlen_attention``). The frontends write attention that needs either
+    as this op (otherwise as ``F.scaled_dot_product_attention(..., is_causal=True)``); the packed
+    attention pass makes it per document like SDPA. ``dropout_p`` drops probabilities as SDPA does."""
+    t = query.shape[-2]
+    pos = torch.arange(t, device=query.device)
+    if not dropout_p:
+        return masked_attention(query, key, value, allowed_keys(pos, pos, window), scale, enable_gqa, softcap)
+    if key.shape[-3] != query.shape[-3]:
+        group = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
+    scores = (query @ key.transpose(-1, -2)) * (scale if scale is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~allowed_keys(pos, pos, window), float("-inf")).float(), dim=-1)
+    return F.dropout(probs.to(query.dtype), dropout_p) @ value
+
+
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
-                     scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Causal attention inside each document of a packed row, none across documents.
+                     scale: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
+    """Causal attention inside each document of a packed row, none across documents (with the logit
+    ``softcap`` and sliding ``window`` of ``causal_attention`` when given).
 
     Documents are found from ``position_ids``: a document starts where its position is 0 (and at the
     start of the row). A row holding one document is plain causal SDPA.
     """
     B, T = q.shape[0], q.shape[-2]
     pos = position_ids.expand(B, T)
+    plain = softcap is None and window is None
     rows = []
     for b in range(B):
         starts = (pos[b] == 0).nonzero().flatten().tolist()
         cu = sorted({0, *starts}) + [T]
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        if len(cu) == 2:
+        if len(cu) == 2 and plain:
             rows.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                        enable_gqa=enable_gqa))
         else:
-            rows.append(varlen_attention(qb, kb, vb, cu, scale=scale, enable_gqa=enable_gqa))
+            rows.append(varlen_attention(qb, kb, vb, cu, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+                                         window=window))
     return rows[0] if B == 1 else torch.cat(rows, dim=0)
 
 
@@ -187,12 +214,13 @@ def cp_kv_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, d
 
 def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  scale: Optional[float] = None, enable_gqa: bool = False, dropout_p: float = 0.0, site: int = 0,
-                 heads: int = 0) -> torch.Tensor:
+                 heads: int = 0, softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
     """Attention of this CP rank's queries against the gathered keys, per document and causal (with
-    dropout on the probabilities when ``dropout_p``: see ``packed_attention_dropout``)."""
+    dropout on the probabilities when ``dropout_p``: see ``packed_attention_dropout``; ``softcap`` and
+    ``window`` as in ``causal_attention``)."""
     if comm is None:
         raise _need_runtime("cp_attention")
-    return comm.cp_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads)
+    return comm.cp_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads, softcap, window)
 
 
 # ---- dropout -----------------------------------------------------------------------------------------
@@ -208,9 +236,10 @@ def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None,
 
 def packed_attention_dropout(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              p: float, site: int, scale: Optional[float] = None, enable_gqa: bool = False,
-                             heads: int = 0) -> torch.Tensor:
+                             heads: int = 0, softcap: Optional[float] = None,
+                             window: Optional[int] = None) -> torch.Tensor:
     """``packed_attention`` with SDPA's ``dropout_p`` on the probabilities, masks keyed per (document,
     head, query position, key position); ``heads``: the model's query heads (a TP rank holds a slice)."""
     if comm is None:
         raise _need_runtime("packed_attention_dropout")
-    return comm.attention_dropout(q, k, v, p, site, scale, enable_gqa, heads)
+    return comm.attention_dropout(q, k, v, p, site, scale, enable_gqa, heads, softcap, window)

@@ -12,6 +12,11 @@ l0+l1, ..., T]``), and gives exactly what running each document alone through
 
 All are differentiable. ``position_ids_for(cu_seqlens)`` gives the per-document positions 0..l-1
 that a packed step passes to the model.
+
+Two variants of the scores, as models write them: ``softcap`` (Gemma-2's logit capping,
+``tanh(s / c) * c`` of the scaled scores) and ``window`` (sliding-window attention: a query sees the
+``window`` keys up to and including its own position, Hugging Face's ``sliding_window``). flash-attn
+has both; elsewhere ``masked_attention`` computes them per document with the math of eager attention.
 """
 from __future__ import annotations
 
@@ -80,19 +85,49 @@ def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, enable_gqa:
                           "enable_gqa=True and a head count that divides evenly")
 
 
+def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """``[q, k]`` bool: key positions a query sees, causal and within ``window`` keys when given."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
+    return allowed
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                     scale: Optional[float] = None, enable_gqa: bool = False,
+                     softcap: Optional[float] = None) -> torch.Tensor:
+    """``softmax(cap(q @ k^T * scale), masked by allowed) @ v`` on ``[B, H, Tq, D]`` (eager attention's
+    math; without ``softcap``, SDPA with the boolean mask). Every query must see at least one key."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+    if k.shape[-3] != q.shape[-3]:
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens, *,
                      scale: Optional[float] = None, enable_gqa: bool = False,
-                     backend: Optional[str] = None) -> torch.Tensor:
+                     backend: Optional[str] = None, softcap: Optional[float] = None,
+                     window: Optional[int] = None) -> torch.Tensor:
     """Causal attention inside each document of the packed row; output ``[1, H, T, D]``.
 
-    ``backend`` forces one of ``BACKENDS`` (default: ``available_backend(q)``).
+    ``backend`` forces one of ``BACKENDS`` (default: ``available_backend(q)``; PyTorch's varlen
+    kernel is used for plain causal attention only).
     """
     _check_layout(q, k, v, enable_gqa)
     total = q.shape[2]
     cu = boundaries(cu_seqlens, total)
     backend = backend or available_backend(q)
+    if backend == "torch_varlen" and (softcap is not None or window is not None):
+        backend = "sdpa_loop"
     if backend == "sdpa_loop":
-        return _sdpa_loop(q, k, v, cu, scale, enable_gqa)
+        if softcap is None and window is None:
+            return _sdpa_loop(q, k, v, cu, scale, enable_gqa)
+        return _masked_loop(q, k, v, cu, scale, enable_gqa, softcap, window)
     if backend not in BACKENDS:
         raise HGraphError(f"varlen_attention: unknown backend {backend!r}; use one of {BACKENDS}")
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
@@ -105,7 +140,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func  # GQA is native: H % H_kv == 0
         out = flash_attn_varlen_func(q_, k_, v_, cu_t, cu_t, max_len, max_len, dropout_p=0.0,
-                                     softmax_scale=scale, causal=True)
+                                     softmax_scale=scale, causal=True, softcap=softcap or 0.0,
+                                     window_size=(-1, -1) if window is None else (window - 1, 0))
     else:
         out = _torch_varlen(q_, k_, v_, cu_t, max_len, scale, enable_gqa)
     return out.transpose(0, 1).unsqueeze(0)
@@ -137,5 +173,18 @@ def _sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
                                            scale=scale, enable_gqa=enable_gqa)
             for a, b in zip(cu, cu[1:]) if b > a]
     if not outs:  # an empty row
+        return q.new_empty(q.shape[:3] + (v.shape[3],))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _masked_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], scale: Optional[float],
+                 enable_gqa: bool, softcap: Optional[float], window: Optional[int]) -> torch.Tensor:
+    outs = []
+    for a, b in zip(cu, cu[1:]):
+        if b > a:
+            pos = torch.arange(b - a, device=q.device)
+            outs.append(masked_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], allowed_keys(pos, pos, window),
+                                         scale, enable_gqa, softcap))
+    if not outs:
         return q.new_empty(q.shape[:3] + (v.shape[3],))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

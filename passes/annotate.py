@@ -26,6 +26,7 @@ from typing import Any, Iterable, Optional
 import torch.fx as fx
 import torch.nn.functional as F
 
+from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.linear_ops import IN_OUT_LINEARS
 from hgraph.meta import NodeMeta, OpKind, TPRole, set_meta, update_meta
@@ -36,7 +37,7 @@ STACK_KEY = "nn_module_stack"
 
 LINEAR_TARGETS = (F.linear,) + IN_OUT_LINEARS
 EMBEDDING_TARGETS = (F.embedding,)
-ATTENTION_TARGETS = (F.scaled_dot_product_attention,)
+ATTENTION_TARGETS = (F.scaled_dot_product_attention, ops.causal_attention)
 
 # Ops a sharded activation may flow through unchanged (elementwise, dtype, layout).
 _ELEMENTWISE = {

@@ -6,7 +6,8 @@ before it. This pass replaces each attention op by ``ops.packed_attention``, whi
 documents from ``position_ids`` (a document starts at position 0), so a packed step computes exactly
 what running each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
 this rank's queries against the CP group's gathered keys, per document (layout from the runtime).
-Attention with SDPA's ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
+``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
+its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
 ``cp_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
 position (``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own
 heads; with the compile option ``dropout=False`` the probabilities are not dropped.
@@ -23,16 +24,21 @@ from hgraph.passes.context import PassContext
 from hgraph.passes.dropout import dropout_site
 
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_CAUSAL_ARGS = ("query", "key", "value", "dropout_p", "scale", "enable_gqa", "softcap", "window")
 
 
 def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Rewrite causal SDPA nodes into ``packed_attention(q, k, v, position_ids, scale, enable_gqa)``."""
+    """Rewrite causal attention nodes into ``packed_attention(q, k, v, position_ids, scale, enable_gqa,
+    softcap, window)`` (or the CP / dropout variants)."""
     pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "position_ids"), None)
     for node in gm.graph.nodes:
         if get_meta(node).op != OpKind.ATTENTION or node.target in (ops.packed_attention, ops.cp_attention,
                                                                      ops.packed_attention_dropout):
             continue
-        bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
+        if node.target is ops.causal_attention:     # softcap / sliding window: causal by definition
+            bound = dict(zip(_CAUSAL_ARGS, node.args)) | dict(node.kwargs) | {"is_causal": True}
+        else:
+            bound = dict(zip(_SDPA_ARGS, node.args)) | dict(node.kwargs)
         if bound.get("attn_mask") is not None or not bound.get("is_causal", False):
             raise TraceError(f"attention {node.name} is not plain causal SDPA (mask or non-causal): "
                              "packed documents need is_causal=True without a mask")
@@ -43,12 +49,14 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         p = float(bound.get("dropout_p") or 0.0) if ctx.options.dropout else 0.0
         comm = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm"), None)
         heads = ctx.shapes[q.name][0][1] if p else 0     # the HGraph's (whole model's) query heads
+        variant = (bound.get("softcap"), bound.get("window"))
         if ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
-            node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads)
+            node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads,
+                                                        *variant)
         elif p:
             node.target, node.args = ops.packed_attention_dropout, (comm, q, k, v, p, dropout_site(node), scale,
-                                                                    gqa, heads)
+                                                                    gqa, heads, *variant)
         else:
-            node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa)
+            node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa, *variant)
         node.kwargs = {}
     return gm

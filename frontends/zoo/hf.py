@@ -1,10 +1,11 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
-``hf:qwen3``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
+``hf:qwen3``, ``hf:gemma2``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
 
 Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
 default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
 Dropout defaults to 0 (give e.g. ``{"attention_dropout": 0.1}`` to train with it: hgraph applies it with
-strategy-invariant masks) and sliding-window attention is off, as packed documents need.
+strategy-invariant masks). Sliding windows are kept per document (Mistral's is off by default, as in
+its recent releases; ``{"sliding_window": 4096}`` turns it on; the tiny Gemma-2 has a 64-token one).
 
 ``hf:DIR`` takes the architecture from ``DIR/config.json`` (``AutoConfig``, local files only, the
 ``model_args`` overriding its fields) and builds it with ``AutoModelForCausalLM.from_config`` in fp32
@@ -35,6 +36,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA_LIKE, pad_token_id=0)),     # fused qkv and gate_up
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=16)),     # per-head q/k RMSNorm
+    # eager attention with logit softcapping, sliding-window layers between global ones, a padding row
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_LLAMA_LIKE, head_dim=16, pad_token_id=0,
+                                                         sliding_window=64)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
                                                "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                                                "attn_pdrop": 0.0}),
@@ -64,7 +68,8 @@ def build(name: str, **overrides: Any) -> nn.Module:
     tf = _transformers()
     config_cls, model_cls, defaults = FAMILIES[name]
     fields = dict(defaults, **overrides)
-    fields.setdefault("attn_implementation", "sdpa")
+    fields.setdefault("attn_implementation", "sdpa" if getattr(getattr(tf, model_cls), "_supports_sdpa", True)
+                      else "eager")
     try:
         config = getattr(tf, config_cls)(**fields)
     except Exception as exc:  # transformers validates fields with its own error types
@@ -107,11 +112,18 @@ def from_config_dict(values: Mapping[str, Any]) -> nn.Module:
 
 
 def _from_config(config: Any, what: str) -> nn.Module:
-    """``AutoModelForCausalLM.from_config`` in fp32 with SDPA attention; one line when it cannot."""
+    """``AutoModelForCausalLM.from_config`` in fp32 with SDPA attention (eager where the architecture
+    has no SDPA path); one line when it cannot."""
     tf = _transformers()
     try:
-        return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32,
-                                                   trust_remote_code=False)
+        try:
+            return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32,
+                                                       trust_remote_code=False)
+        except ValueError as exc:
+            if "scaled_dot_product_attention" not in str(exc):
+                raise
+            return tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32,
+                                                       trust_remote_code=False)
     except Exception as exc:  # an architecture transformers has no causal LM for, or bad fields
         raise HGraphError(f"{what}: transformers cannot build a causal language model of model type "
                           f"{getattr(config, 'model_type', '?')!r}: {_first_line(exc)}") from None

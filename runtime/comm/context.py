@@ -125,23 +125,26 @@ class CommContext:
         return collectives.cp_gather_issue(self, x, self.ranks(key), dim, sizes)
 
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
-                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0) -> torch.Tensor:
+                     enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
+                     softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
         layout = self._cp_layout("cp_attention")
         if not dropout_p:
-            return cp_kernel.cp_attention(q, k, v, layout, scale, enable_gqa)
+            return cp_kernel.cp_attention(q, k, v, layout, scale, enable_gqa, softcap, window)
         keys = self._token_keys("cp_attention")
-        return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.cp_groups(layout, keys, q.device),
-                                                     dropout_p, site, keys, scale, enable_gqa,
-                                                     self._head_offset(q.shape[1], heads))
+        groups = dropout_kernel.cp_groups(layout, keys, q.device, window)
+        return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, enable_gqa,
+                                                     self._head_offset(q.shape[1], heads), softcap)
 
     def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor:
         return dropout_kernel.dropout(x, p, site, self._token_keys("dropout"))
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
-                          scale: Optional[float], enable_gqa: bool, heads: int) -> torch.Tensor:
+                          scale: Optional[float], enable_gqa: bool, heads: int, softcap: Optional[float] = None,
+                          window: Optional[int] = None) -> torch.Tensor:
         keys = self._token_keys("attention dropout")
-        return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.packed_groups(keys, q.device), p, site,
-                                                     keys, scale, enable_gqa, self._head_offset(q.shape[1], heads))
+        groups = dropout_kernel.packed_groups(keys, q.device, window)
+        return dropout_kernel.attention_with_dropout(q, k, v, groups, p, site, keys, scale, enable_gqa,
+                                                     self._head_offset(q.shape[1], heads), softcap)
 
     def _head_offset(self, local: int, heads: int) -> int:
         """The global index of this rank's first query head (a TP rank holds an equal slice)."""

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
+
+from hgraph.varlen_attention import allowed_keys, masked_attention
 
 
 @dataclass
@@ -25,7 +26,7 @@ class CPLayout:
     rank_tokens: tuple[tuple[int, ...], ...]
     doc_of: tuple[int, ...]
     pos_of: tuple[int, ...]
-    _groups: Optional[list] = field(default=None, repr=False)
+    _groups: Optional[dict] = field(default=None, repr=False)     # window -> groups
 
     @classmethod
     def from_plan(cls, plan, doc_lengths: Sequence[int], cp_rank: int) -> "CPLayout":
@@ -50,9 +51,13 @@ class CPLayout:
         """Tokens per CP rank: the all-gather's piece sizes."""
         return [len(t) for t in self.rank_tokens]
 
-    def groups(self, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per document held here: (local query rows, gathered key rows, causal mask [q, k])."""
+    def groups(self, device: torch.device, window: Optional[int] = None
+               ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per document held here: (local query rows, gathered key rows, causal mask [q, k], within
+        ``window`` keys of the query when given)."""
         if self._groups is None:
+            self._groups = {}
+        if window not in self._groups:
             gathered = [i for t in self.rank_tokens for i in t]
             keys: dict[int, list[int]] = {}
             for row, i in enumerate(gathered):
@@ -66,17 +71,18 @@ class CPLayout:
                 q_pos = torch.tensor([self.pos_of[self.local_tokens[r]] for r in q_rows])
                 k_pos = torch.tensor([self.pos_of[gathered[r]] for r in k_rows])
                 out.append((torch.tensor(q_rows, device=device), torch.tensor(k_rows, device=device),
-                            (k_pos[None, :] <= q_pos[:, None]).to(device)))
-            self._groups = out
-        return self._groups
+                            allowed_keys(q_pos, k_pos, window).to(device)))
+            self._groups[window] = out
+        return self._groups[window]
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: CPLayout,
-                 scale: Optional[float] = None, enable_gqa: bool = False) -> torch.Tensor:
-    """Local queries ``q`` [1, H, T_local, D] against gathered ``k``/``v`` [1, Hkv, T_cp, D]."""
+                 scale: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
+                 window: Optional[int] = None) -> torch.Tensor:
+    """Local queries ``q`` [1, H, T_local, D] against gathered ``k``/``v`` [1, Hkv, T_cp, D] (logit
+    ``softcap`` and sliding ``window`` as in ``hgraph.varlen_attention``)."""
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
-    for q_rows, k_rows, mask in layout.groups(q.device):
-        o = F.scaled_dot_product_attention(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows],
-                                           attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    for q_rows, k_rows, mask in layout.groups(q.device, window):
+        o = masked_attention(q[:, :, q_rows], k[:, :, k_rows], v[:, :, k_rows], mask, scale, enable_gqa, softcap)
         out = out.index_copy(2, q_rows, o)
     return out

@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from hgraph.varlen_attention import allowed_keys
+
 _MASK = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D
 
@@ -96,11 +98,12 @@ def attention_keep(p: float, site: int, keys: TokenKeys, q_rows: torch.Tensor, k
 
 def attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list, p: float, site: int,
                            keys: TokenKeys, scale: Optional[float], enable_gqa: bool,
-                           head_offset: int) -> torch.Tensor:
+                           head_offset: int, softcap: Optional[float] = None) -> torch.Tensor:
     """Causal attention per document with dropout on the probabilities (the math of SDPA's
     ``dropout_p``: softmax, drop, rescale, then the values), keyed per (document, head, query
     position, key position). ``groups``: per document, (query rows, key rows, causal mask [q, k],
-    key document indices, key positions). q ``[1, H, Tq, D]``; k, v ``[1, Hkv, Tk, D]``."""
+    key document indices, key positions). q ``[1, H, Tq, D]``; k, v ``[1, Hkv, Tk, D]``; the scaled
+    scores are capped to ``tanh(s / softcap) * softcap`` when ``softcap`` is given."""
     heads, hkv = q.shape[1], k.shape[1]
     if enable_gqa and hkv != heads:
         k, v = k.repeat_interleave(heads // hkv, dim=1), v.repeat_interleave(heads // hkv, dim=1)
@@ -108,6 +111,8 @@ def attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     out = q.new_zeros(q.shape[:-1] + (v.shape[-1],))
     for q_rows, k_rows, causal, k_docs, k_pos in groups:
         scores = (q[0][:, q_rows] @ k[0][:, k_rows].transpose(-1, -2)) * s
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~causal, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         keep = attention_keep(p, site, keys, q_rows, k_docs, k_pos, heads, head_offset)
@@ -116,22 +121,24 @@ def attention_with_dropout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gr
     return out
 
 
-def cp_groups(layout, keys: TokenKeys, device: torch.device) -> list:
+def cp_groups(layout, keys: TokenKeys, device: torch.device, window: Optional[int] = None) -> list:
     """``attention_with_dropout``'s groups for a CP rank: its queries against the gathered keys
-    (``CPLayout.groups``), with the keys' corpus documents and positions."""
+    (``CPLayout.groups``, within a sliding ``window`` when given), with the keys' corpus documents and
+    positions."""
     gathered = [i for t in layout.rank_tokens for i in t]
     k_doc = torch.tensor([keys.doc_ids[layout.doc_of[i]] for i in gathered], dtype=torch.int64, device=device)
     k_pos = torch.tensor([layout.pos_of[i] for i in gathered], dtype=torch.int64, device=device)
-    return [(q_rows, k_rows, mask, k_doc[k_rows], k_pos[k_rows]) for q_rows, k_rows, mask in layout.groups(device)]
+    return [(q_rows, k_rows, mask, k_doc[k_rows], k_pos[k_rows]) for q_rows, k_rows, mask in layout.groups(device, window)]
 
 
-def packed_groups(keys: TokenKeys, device: torch.device) -> list:
-    """``attention_with_dropout``'s groups for a packed row holding whole documents (no CP)."""
+def packed_groups(keys: TokenKeys, device: torch.device, window: Optional[int] = None) -> list:
+    """``attention_with_dropout``'s groups for a packed row holding whole documents (no CP), within a
+    sliding ``window`` when given."""
     docs, pos = keys.documents, keys.positions
     starts = [0] + [i for i in range(1, len(pos)) if int(pos[i]) == 0] + [len(pos)]
     out = []
     for a, b in zip(starts, starts[1:]):
         rows = torch.arange(a, b, device=device)
         p = pos[a:b].to(device)
-        out.append((rows, rows, p[None, :] <= p[:, None], docs[a:b].to(device), p))
+        out.append((rows, rows, allowed_keys(p, p, window), docs[a:b].to(device), p))
     return out

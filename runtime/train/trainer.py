@@ -101,7 +101,8 @@ def dropout_status(gm: Any, mode: str) -> str:
     for n in gm.graph.nodes:
         if n.target is ops.keyed_dropout:
             probs.append(float(n.args[1]))
-        elif n.target is torch.nn.functional.scaled_dot_product_attention and n.kwargs.get("dropout_p"):
+        elif n.target in (torch.nn.functional.scaled_dot_product_attention, ops.causal_attention) \
+                and n.kwargs.get("dropout_p"):
             probs.append(float(n.kwargs["dropout_p"]))
     if not probs:
         return "none"

@@ -2,8 +2,9 @@
 
 Without the rewrite, a packed row would let each document attend to the ones before it (the
 softmax runs over the whole row). Each model here computes ``softmax(q @ k^T * scale + mask) @ v``
-in another common way; the compiled graph must hold SDPA nodes only, and its single-rank program
-must compute packed documents exactly as each document alone.
+in another common way, some with a sliding window or logit softcapping; the compiled graph must
+hold causal attention nodes only (SDPA, or hgraph's causal attention op with the window / softcap),
+and its single-rank program must compute packed documents exactly as each document alone.
 """
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hgraph
+from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.meta import OpKind, get_meta
 
@@ -20,9 +22,9 @@ D, H, KV, V, T = 32, 4, 2, 64, 16
 class Block(nn.Module):
     """A residual attention block whose attention is written out; ``style`` picks how."""
 
-    def __init__(self, style, window, softcap, p):
+    def __init__(self, style, window, softcap, p, late_scale=1.0):
         super().__init__()
-        self.style, self.window, self.softcap, self.p = style, window, softcap, p
+        self.style, self.window, self.softcap, self.p, self.late_scale = style, window, softcap, p, late_scale
         self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, KV * D // H), nn.Linear(D, KV * D // H)
         self.o = nn.Linear(D, D)
         self.register_buffer("tril", torch.tril(torch.ones(T, T, dtype=torch.bool)))
@@ -37,14 +39,14 @@ class Block(nn.Module):
         v = v[:, :, None].expand(b, KV, H // KV, t, D // H).reshape(b, H, t, D // H)
         s = torch.matmul(q, k.transpose(2, 3)) / (D // H) ** 0.5
         if self.softcap:
-            s = torch.tanh(s / self.softcap) * self.softcap
-        keep = self.tril[:t, :t]
+            s = torch.tanh(s / self.softcap) * self.softcap * self.late_scale
+        keep = self.tril[:t, :t] if self.style != "bidirectional" else torch.ones(t, t, dtype=torch.bool)
         if self.window:
             keep = keep & ~torch.tril(torch.ones(t, t, dtype=torch.bool), diagonal=-self.window)
         if self.style == "additive":          # Hugging Face eager: scores + a 0 / -inf mask, softmax in fp32
             s = s + torch.zeros(t, t).masked_fill(~keep, torch.finfo(torch.float32).min)
             probs = F.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype)
-        elif self.style == "masked_fill":
+        elif self.style in ("masked_fill", "bidirectional"):
             probs = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
         else:
             probs = torch.softmax(s, dim=-1)
@@ -54,10 +56,10 @@ class Block(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, style, window=None, softcap=None, p=0.0):
+    def __init__(self, style, window=None, softcap=None, p=0.0, late_scale=1.0):
         super().__init__()
         self.emb, self.pos = nn.Embedding(V, D), nn.Embedding(T, D)
-        self.blocks = nn.ModuleList(Block(style, window, softcap, p) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(style, window, softcap, p, late_scale) for _ in range(2))
         self.head = nn.Linear(D, V)
 
     def forward(self, input_ids, position_ids):
@@ -71,14 +73,20 @@ def _attention_nodes(compiled):
     return [n for n in compiled.hgraph.gm.graph.nodes if get_meta(n).op == OpKind.ATTENTION]
 
 
-@pytest.mark.parametrize("style", ["masked_fill", "additive"])
-def test_hand_written_causal_attention_is_packed(style):
+@pytest.mark.parametrize("style, window, softcap", [("masked_fill", None, None), ("additive", None, None),
+                                                     ("masked_fill", 4, None), ("additive", 4, 20.0)])
+def test_hand_written_causal_attention_is_packed(style, window, softcap):
+    # a window of 4 keys is shorter than the documents below (5 and 6 tokens): it changes the result
     torch.manual_seed(0)
-    model = Attention(style).eval()
+    model = Attention(style, window, softcap).eval()
     compiled = hgraph.compile(model)
     att, _ = _attention_nodes(compiled)
-    assert att.target is F.scaled_dot_product_attention
-    assert att.kwargs["is_causal"] and att.kwargs["enable_gqa"] and att.kwargs["scale"] == pytest.approx((D // H) ** -0.5)
+    if window is None and softcap is None:
+        assert att.target is F.scaled_dot_product_attention and att.kwargs["is_causal"]
+    else:       # SDPA cannot say either: hgraph's causal attention op carries them
+        assert att.target is ops.causal_attention
+        assert att.kwargs["window"] == window and att.kwargs["softcap"] == softcap
+    assert att.kwargs["enable_gqa"] and att.kwargs["scale"] == pytest.approx((D // H) ** -0.5)
     assert not [n for n in compiled.hgraph.gm.graph.nodes if "softmax" in str(n.target)]
     ids = torch.randint(0, V, (1, 11))
     with torch.no_grad():
@@ -102,8 +110,8 @@ def test_dropout_on_the_probabilities_becomes_the_attention_dropout():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"style": "none"}, "has no mask"),
-    ({"style": "masked_fill", "window": 4}, "not the causal mask"),
-    ({"style": "masked_fill", "softcap": 30.0}, "softcap 30"),
+    ({"style": "bidirectional"}, "neither causal nor a causal sliding window"),
+    ({"style": "masked_fill", "softcap": 30.0, "late_scale": 2.0}, "a scale applied to the scores after the logit"),
 ])
 def test_attention_that_cannot_be_packed_is_refused_in_one_line(kwargs, message):
     with pytest.raises(TraceError, match=message) as info:

@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hgraph
+from hgraph import ops
 from hgraph.errors import HGraphError, TraceError
 from hgraph.frontends.export_frontend import export_trace
 from hgraph.frontends.zoo import hf, llama, resolve_model_spec
@@ -132,11 +133,12 @@ def test_unknown_hf_family_and_bad_config():
         resolve_model_spec("hf:llama", {"hidden_size": 30, "num_attention_heads": 4, "head_dim": "x"})
 
 
-def test_sliding_window_attention_is_refused():
+def test_sliding_window_attention_keeps_its_window():
+    # Mistral's SDPA path passes a banded mask: read from the mask evaluated past the window
     pytest.importorskip("transformers")
     model = resolve_model_spec("hf:mistral", {"sliding_window": 4, "num_hidden_layers": 1})
-    with pytest.raises(TraceError, match="sliding-window attention"):
-        export_trace(model)
+    (att,) = [n for n in export_trace(model).graph.nodes if n.target is ops.causal_attention]
+    assert att.kwargs["window"] == 4 and att.kwargs["softcap"] is None and att.kwargs["enable_gqa"]
 
 
 def test_hgraph_dump_of_an_hf_model(capsys):

@@ -1,8 +1,9 @@
 """Hugging Face models (tiny configs, random weights) through the torch.export frontend.
 
-For Llama, Qwen2 (tied embeddings), Mistral and GPT-2 (Conv1D): the HGraph equals the HF model's
-logits, the single-rank program computes packed documents exactly as each document alone, and the
-slots / TP roles are the expected ones.
+For Llama, Qwen2 (tied embeddings), Mistral (a sliding window shorter than the documents), Gemma-2
+(eager attention with logit softcapping, sliding and global layers, tied) and GPT-2 (Conv1D): the
+HGraph equals the HF model's logits, the single-rank program computes packed documents exactly as
+each document alone, and the slots / TP roles are the expected ones.
 """
 import copy
 
@@ -20,7 +21,8 @@ SMALL = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_atte
 MODELS = {
     "llama": dict(SMALL),
     "qwen2": dict(SMALL),
-    "mistral": dict(SMALL),
+    "mistral": dict(SMALL, sliding_window=4),
+    "gemma2": dict(SMALL, head_dim=8, sliding_window=4),
     "gpt2": {"vocab_size": 64, "n_embd": 32, "n_head": 4},
 }
 
@@ -135,7 +137,7 @@ def test_tp_roles(pair):
                  "model.norm.weight": (TPRole.REPLICATED, 0)}
         if name == "qwen2":
             roles["model.layers.0.self_attn.q_proj.bias"] = (TPRole.COLUMN, 0)
-        else:
+        if not model.config.tie_word_embeddings:
             roles["lm_head.weight"] = (TPRole.COLUMN, 0)
     for n, (role, dim) in roles.items():
         assert (params[n].tp_role, params[n].shard_dim) == (role, dim), n

@@ -27,8 +27,12 @@ MODELS = [
     ("hf:gpt2", {"vocab_size": 64, "n_embd": 32, "n_head": 4}),
     ("hf:qwen2", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                   "num_key_value_heads": 2}),   # tied embeddings
+    # a sliding window shorter than most documents (SDPA with a banded mask)
     ("hf:mistral", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                    "num_key_value_heads": 2}),
+                    "num_key_value_heads": 2, "sliding_window": 4}),
+    # eager attention: logit softcapping, a sliding-window layer and a global one; final logit softcap, tied
+    ("hf:gemma2", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                   "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4}),
     # fused projections: qkv_proj cut by slices, gate_up_proj by chunk; a padding row
     ("hf:phi3", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                  "num_key_value_heads": 2}),

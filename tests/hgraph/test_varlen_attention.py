@@ -33,14 +33,19 @@ def _per_document(q, k, v, lengths, scale, gqa):
     return torch.cat(outs, dim=2)
 
 
-def _masked_softmax(q, k, v, lengths, scale):
-    """Attention written out: scores, block-diagonal causal mask, softmax, weighted sum."""
+def _masked_softmax(q, k, v, lengths, scale, softcap=None, window=None):
+    """Attention written out: scores (capped: tanh(s / c) * c), block-diagonal causal mask (within
+    ``window`` keys), softmax, weighted sum."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     pos = torch.arange(len(doc))
     allowed = (doc[:, None] == doc[None, :]) & (pos[None, :] <= pos[:, None])
+    if window is not None:
+        allowed &= pos[:, None] - pos[None, :] < window
     scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
 
 
@@ -62,6 +67,20 @@ def test_matches_documents_run_alone_and_the_masked_softmax(lengths, heads, scal
     alone = _per_document(q, k, v, lengths, scale, gqa)
     masked = _masked_softmax(q, k, v, lengths, scale)
     torch.testing.assert_close(out, alone, **TOL)
+    torch.testing.assert_close(out, masked, **TOL)
+    for got, ref in zip(_grads(out, (q, k, v), seed), _grads(masked, (q, k, v), seed)):
+        torch.testing.assert_close(got, ref, **TOL)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), heads=st.sampled_from([(2, 2), (4, 2)]),
+       softcap=st.sampled_from([None, 2.0]), window=st.sampled_from([None, 1, 3]), seed=st.integers(0, 1000))
+def test_softcap_and_sliding_window_match_the_masked_softmax(lengths, heads, softcap, window, seed):
+    hq, hkv = heads
+    q, k, v = _qkv(lengths, hq, hkv, 8, seed)
+    out = varlen_attention(q, k, v, cu_seqlens_for(lengths), scale=0.5, enable_gqa=hq != hkv, softcap=softcap,
+                           window=window)
+    masked = _masked_softmax(q, k, v, lengths, 0.5, softcap, window)
     torch.testing.assert_close(out, masked, **TOL)
     for got, ref in zip(_grads(out, (q, k, v), seed), _grads(masked, (q, k, v), seed)):
         torch.testing.assert_close(got, ref, **TOL)

@@ -64,11 +64,11 @@ def _count_attention(rank, world, groups, lengths, method):
     counts = {"pairs": 0, "queries": 0}
     original = cpa.cp_attention
 
-    def counting(q, k, v, layout, scale=None, enable_gqa=False):
+    def counting(q, k, v, layout, *args):
         for q_rows, _k_rows, mask in layout.groups(q.device):
             counts["pairs"] += int(mask.sum())           # causal (query, key) pairs computed
             counts["queries"] += len(q_rows)
-        return original(q, k, v, layout, scale, enable_gqa)
+        return original(q, k, v, layout, *args)
 
     g = torch.Generator().manual_seed(5)
     docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
