@@ -5,7 +5,8 @@ LayerNorm biases and eps, Hugging Face models exported by torch.export), each co
 the HGraph is found by name in every rank graph of strategies with TP, PP and CP, and its constant
 arguments (eps, padding_idx, normalized_shape, dims, scale, bias=None ...) are compared. The only
 differences allowed are the documented rewrites: sizes TP scales (``NodeMeta.tp_rewrite``), fused
-projection cuts, attention turned into packed / CP attention (q, k, v, scale and GQA kept), a
+projection cuts, attention turned into packed / CP attention (q, k, v, scale, GQA, softcap and
+window kept), a
 vocabulary-parallel embedding (``padding_idx`` kept), a row-parallel bias moved after the all-reduce,
 and the dropout pass's ``comm`` and ``site``.
 """
@@ -23,7 +24,7 @@ from hgraph.meta import get_meta
 
 STRATEGIES = ["1xTP2PP2", "1xTP1PP1CP2+1xTP2PP1"]
 MODELS = [("llama:tiny", {"pad_token_id": 0}), ("hf:gpt2", {"resid_pdrop": 0.1, "attn_pdrop": 0.1}),
-          ("hf:phi3", {}), ("hf:qwen3", {})]
+          ("hf:phi3", {}), ("hf:qwen3", {}), ("hf:gemma2", {"sliding_window": 4, "attention_dropout": 0.1})]
 
 
 def _constants(value):
@@ -41,16 +42,18 @@ def _allowed(before: fx.Node, after: fx.Node) -> bool:
     m = get_meta(before)
     if m.tp_rewrite is not None:                       # TP-scaled sizes and fused-projection cuts
         return True
-    if before.target is F.scaled_dot_product_attention:
+    if before.target in (F.scaled_dot_product_attention, ops.causal_attention):
         keep = {k: before.kwargs[k] for k in ("scale", "enable_gqa") if k in before.kwargs}
+        variant = (before.kwargs.get("softcap"), before.kwargs.get("window"))   # hgraph's causal attention
         if after.target is ops.packed_attention:
-            return after.args[4] == keep.get("scale") and after.args[5] == keep.get("enable_gqa", False)
+            return (after.args[4] == keep.get("scale") and after.args[5] == keep.get("enable_gqa", False)
+                    and tuple(after.args[6:8]) == variant)
         if after.target is ops.packed_attention_dropout:
             return (after.args[4] == before.kwargs["dropout_p"] and after.args[6] == keep.get("scale")
-                    and after.args[7] == keep.get("enable_gqa", False))
+                    and after.args[7] == keep.get("enable_gqa", False) and tuple(after.args[9:11]) == variant)
         if after.target is ops.cp_attention:
             return (after.args[4] == keep.get("scale") and after.args[5] == keep.get("enable_gqa", False)
-                    and after.args[6] == before.kwargs.get("dropout_p", 0.0))
+                    and after.args[6] == before.kwargs.get("dropout_p", 0.0) and tuple(after.args[9:11]) == variant)
     if before.target is F.embedding and after.target is ops.vocab_parallel_embedding:
         return after.args[4] == before.kwargs.get("padding_idx")
     if after.target is ops.keyed_dropout:              # the dropout pass adds comm and site
