@@ -69,7 +69,9 @@ class NodeMeta:
     tp_reason: for a linear TP replicates although it is in a block, the node that blocked sharding.
     tp_rewrite: for a view/reshape of a TP-sharded value that writes out a size TP divides: (position of
         that size in the target shape, the column-parallel weight whose shard gives the local size);
-        position -1: the node cuts a fused projection into parts (split, chunk, slice).
+        position -1: the node cuts a fused projection into parts (split, chunk, slice); position -2: a
+        sum or mean over the whole (TP-sharded) feature dim, kept for the broadcast (a full-width norm):
+        each rank reduces its slice and the partial results are all-reduced.
     tp_parts: for a column-parallel linear whose output is cut into parts (fused q/k/v, gate/up), the
         parts' output row ranges: each TP rank holds its slice of every part.
     tp_partial: an op reading a whole parameter on TP-sharded heads (a per-head norm's weight): each

@@ -194,6 +194,8 @@ FLAT, HEADS = "flat", "heads"  # sharded along the last dim / along a head dim a
 FUSED = "fused"                 # a fused projection's output cut into parts (split / chunk): a tuple
 #: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (split, chunk, slice)
 FUSED_PART = -1
+#: ``NodeMeta.tp_rewrite`` position of a sum / mean over the whole sharded feature dim (partial sums all-reduced)
+PARTIAL_SUM = -2
 
 
 class _Groups:
@@ -220,7 +222,8 @@ def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> tuple
     The sharded dim may be split with the free ``-1`` in front (heads) and constant factors behind it
     (``view(b, t, -1, head_dim)``), or kept whole as the last dim (``reshape(b, t, -1)``,
     ``view(-1, x.size(-1))``). Sizes written out are rewritten: ``view(b, t, heads, head_dim)`` with one
-    constant head count in front of a constant head dim gives HEADS and a rewrite of the head count;
+    constant head count in front of a head dim that is a constant or computed from a whole tensor
+    (``C // n_head``) gives HEADS and a rewrite of the head count;
     ``view(b, t, hidden)`` of a HEADS value, the hidden size a constant or read from a whole tensor, gives
     FLAT and a rewrite of that width. A symbolic last dim read from a sharded tensor (``local_meta``)
     is its local width already.
@@ -233,7 +236,9 @@ def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> tuple
     last, front = shape[-1], shape[:-1]
     if -1 not in [d for d in shape if isinstance(d, int)]:
         heads = [i for i, d in enumerate(front) if isinstance(d, int) and d != 1]
-        if state == FLAT and isinstance(last, int) and len(heads) == 1:
+        # the head dim a constant or computed from a whole tensor (nanoGPT's ``C // n_head``)
+        whole_last = isinstance(last, int) or (isinstance(last, fx.Node) and last not in local_meta)
+        if state == FLAT and whole_last and len(heads) == 1:
             return HEADS, heads[0]
         whole_width = isinstance(last, int) or (isinstance(last, fx.Node) and last not in local_meta)
         if state == HEADS and len(shape) == 3 and whole_width:
@@ -260,6 +265,15 @@ def _reduces_last_dim(n: fx.Node) -> bool:
         return isinstance(shape, (tuple, list)) and len(shape) == 1
     dims = dim if isinstance(dim, (tuple, list)) else (dim,)
     return all(isinstance(d, int) and d == -1 for d in dims)
+
+
+def _partial_reduction(n: fx.Node) -> bool:
+    """A sum / mean over the last dim with ``keepdim=True`` (a full-width norm's statistic): on a FLAT
+    value each TP rank reduces its slice, and the all-reduced result broadcasts over the shard."""
+    if op_name(n) not in ("mean", "sum") or not _reduces_last_dim(n):
+        return False
+    keepdim = n.kwargs.get("keepdim", n.args[2] if len(n.args) > 2 else False)
+    return keepdim is True and not n.kwargs.get("dtype")
 
 
 def _flow(n: fx.Node, states: list[str], name: str, local_meta: set[fx.Node],
@@ -325,6 +339,9 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     rewrites: dict[fx.Node, int] = {}  # reshapes whose written-out size TP rewrites -> its position
     fused_cuts: dict[fx.Node, list[tuple[int, int]]] = {}   # split / chunk / slice of a linear -> its parts
     partial_ops: dict[fx.Node, set] = {}   # ops reading a whole parameter on sharded heads -> their sources
+    reductions: dict[fx.Node, set] = {}    # full-width sums / means of FLAT values -> their sources
+    reduced: set[fx.Node] = set()          # those (all-reduced, whole) and elementwise ops of them alone
+    scaled: dict[fx.Node, set] = {}        # ops multiplying a FLAT value by a full-width 1-D parameter
     block_set = set(blocks)
 
     for n in nodes:
@@ -354,8 +371,16 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                 state[n], sources[n] = FLAT, {n}
             continue
         if not ins:
+            if op_name(n) in _ELEMENTWISE and any(a in reduced for a in n.all_input_nodes) and \
+                    not any(a in data and a not in reduced for a in n.all_input_nodes):
+                reduced.add(n)          # rsqrt(variance + eps): still one number per token, whole
             continue
         src = set().union(*(sources[a] for a in ins))
+        if len(ins) == 1 and state[ins[0]] == FLAT and n.args and n.args[0] is ins[0] and _partial_reduction(n) \
+                and all(block_of.get(a) == b for a in ins):
+            reductions[n] = src
+            reduced.add(n)
+            continue
         if len(ins) == 1 and n.args and n.args[0] in state and op_kind(n.args[0]) == OpKind.LINEAR:
             parts = _fused_parts(n, _out_rows(n.args[0], params, gm))
             if parts is not None:
@@ -372,6 +397,14 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             others = [a for a in others if a in data or (a.op == "get_attr" and a not in vectors)]
             if vectors:
                 partial_ops[n] = src
+        elif new == FLAT and op_name(n) in _ELEMENTWISE:
+            # a norm's statistic broadcasts over the shard; a 1-D parameter of the full width (a
+            # full-width norm's weight) is split like the column's output
+            vectors = [a for a in others if a.op == "get_attr" and _is_vector_param(a, params, gm)
+                       and _width(a, params, gm) == _flat_width(ins[0], sources, params, gm)]
+            others = [a for a in others if a not in reduced and a not in vectors]
+            if vectors and not others:
+                scaled[n] = src
         if new is None or others or any(block_of.get(a) != b for a in ins):
             if new is None:
                 why = f"{n.name} ({op_name(n)}) cannot run on a TP-sharded input"
@@ -409,6 +442,14 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
     for n, src in partial_ops.items():
         if any(roles.get(c) == TPRole.COLUMN for c in src):
             partial[n] = True
+    for n, src in scaled.items():
+        if any(roles.get(c) == TPRole.COLUMN for c in src):
+            roles[n] = TPRole.COLUMN          # its 1-D parameter: split like a column bias
+    if rewrite_sources is not None:
+        for n, src in reductions.items():
+            cols = [c for c in src if roles.get(c) == TPRole.COLUMN]
+            if cols:
+                rewrite_sources[n] = (PARTIAL_SUM, _linear_weight(cols[0], params))
     if rewrite_sources is not None:
         for n, position in rewrites.items():
             cols = [c for c in sources.get(n, ()) if roles.get(c) == TPRole.COLUMN]
@@ -467,6 +508,19 @@ def _fused_parts(n: fx.Node, rows: int) -> Optional[list[tuple[int, int]]]:
             return None
         return [(lo, hi)]
     return None
+
+
+def _width(a: fx.Node, params: set[str], gm: fx.GraphModule) -> int:
+    return int(gm.get_parameter(param_of(a, params)).shape[-1])
+
+
+def _flat_width(x: fx.Node, sources: dict, params: set[str], gm: fx.GraphModule) -> Optional[int]:
+    """Full feature width of a FLAT value straight from one column linear (else None: unknown)."""
+    cols = sources.get(x, set())
+    if len(cols) != 1:
+        return None
+    (col,) = cols
+    return _out_rows(col, params, gm)
 
 
 def _is_vector_param(a: fx.Node, params: set[str], gm: fx.GraphModule) -> bool:
@@ -593,6 +647,8 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
                              tp_partial=partial.get(n, False)))
     for n, role in roles.items():
         uses = op_params(n, params)
+        if op_kind(n) == OpKind.OTHER and role == TPRole.COLUMN:     # weight * flat value: split like a bias
+            uses = [("bias", name, attr) for _, name, attr in uses]
         main = next((u for u in uses if u[0] == "weight"), uses[0])
         update_meta(n, tp_role=role, param=main[1], shard_dim=param_shard_dim(role, main[0], n),
                     tp_reason=reasons.get(n), tp_parts=fused.get(n) if role == TPRole.COLUMN else None)

@@ -9,7 +9,8 @@ exactly what the traced one does:
   one ``pull_parameter`` slot per use site, placed right before the op that uses it;
 * ``tp_enter`` on the input of each column-parallel group (one slot per distinct input: q/k/v share
   one, gate/up share one, the lm head has its own); ``tp_exit`` after each row-parallel linear and
-  each vocab-parallel embedding; ``tp_gather`` after a column-parallel linear in ``post`` (the lm
+  each vocab-parallel embedding, and ``tp_exit`` + ``tp_enter`` after a full-width sum / mean of a
+  sharded value (its partial results all-reduced, and their gradients); ``tp_gather`` after a column-parallel linear in ``post`` (the lm
   head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
   produced in a block (or ``pre``) and consumed in another block (the hidden state between blocks).
 
@@ -27,7 +28,7 @@ from typing import Any, Iterable, Optional
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta
-from hgraph.passes.annotate import parameter_names
+from hgraph.passes.annotate import PARTIAL_SUM, parameter_names
 from hgraph.passes.context import PassContext
 from hgraph.slots import empty_slot
 
@@ -87,7 +88,9 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
     column_inputs: dict[tuple[fx.Node, Optional[str]], list[fx.Node]] = {}
     for n in list(graph.nodes):
         m = get_meta(n)
-        if m.tp_role is None or is_slot(n) or n.op == "get_attr":
+        if m.tp_role is None and m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
+            pass
+        elif m.tp_role is None or is_slot(n) or n.op == "get_attr":
             continue
         if m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
             column_inputs.setdefault((n.args[0], m.block), []).append(n)
@@ -96,6 +99,11 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
         elif (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
                 (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB):
             _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
+        if m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
+            # a full-width sum / mean of a sharded value: all-reduce the partial results (forward), and
+            # their gradients, which the sharded ops after it give per slice (backward)
+            exit_slot = _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
+            _slot_after(graph, exit_slot, _comm(CommPoint.TP_ENTER, n), list(exit_slot.users), f"tp_enter_{n.name}")
     for (x, _), linears in column_inputs.items():
         # the slot belongs to the group it feeds (x may come from the previous block)
         _slot_after(graph, x, _comm(CommPoint.TP_ENTER, linears[0]), linears, f"tp_enter_{x.name}")

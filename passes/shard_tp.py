@@ -13,6 +13,10 @@ Megatron conventions, decided from the graph (``NodeMeta.tp_role`` set by ``anno
   of TP; the embedding looks up only its rows (zeros elsewhere, summed by the all-reduce) and the
   gathered logits are cut back to the real vocabulary.
 * REPLICATED parameters are whole on every TP rank.
+* A sum / mean over the whole feature dim of a column-parallel output (a full-width norm, e.g. a QK
+  norm over all heads) reduces the rank's slice; the all-reduce after it (its slots) sums the
+  partial results, a mean weighted by the slice's share of the width. A 1-D parameter of that width
+  multiplying the value (the norm's weight) is split like a column bias.
 
 With TP=1 every parameter is whole and the graph is unchanged.
 """
@@ -32,6 +36,8 @@ from hgraph.program import ParamShard
 
 #: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (``annotate.FUSED_PART``)
 FUSED_PART = -1
+#: ``NodeMeta.tp_rewrite`` position of a full-width sum / mean of a sharded value (``annotate.PARTIAL_SUM``)
+PARTIAL_SUM = -2
 _RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
 
 
@@ -228,6 +234,9 @@ def _rewrite_sizes(gm: fx.GraphModule, ctx: PassContext) -> None:
             continue
         position, source = rewrite
         shard = ctx.params.get(source)
+        if position == PARTIAL_SUM:
+            _rewrite_partial_reduction(gm, node, source, shard, ctx.role.scheme.tp)
+            continue
         if shard is None or not shard.tp_sharded:
             continue
         if position == FUSED_PART:
@@ -248,6 +257,22 @@ def _rewrite_sizes(gm: fx.GraphModule, ctx: PassContext) -> None:
                 scaled = gm.graph.call_function(operator.mul, (size, local))
                 shape[position] = gm.graph.call_function(operator.floordiv, (scaled, full))
         node.args = (node.args[0], tuple(shape)) if packed else (node.args[0], *shape)
+
+
+def _rewrite_partial_reduction(gm: fx.GraphModule, node: fx.Node, source: str, shard: Optional[ParamShard],
+                               tp: int) -> None:
+    """A sum / mean over the whole feature dim of a sharded value: the slots after it all-reduce the
+    ranks' partial results (``insert_slots``), so a mean is weighted by this rank's share of the width."""
+    full = shard.full_shape[shard.shard_dim] if shard is not None else 0
+    local = sum(hi - lo for lo, hi in shard.ranges) if shard is not None and shard.tp_sharded else full
+    if shard is None or local * tp != full:
+        raise StrategyError(f"TP={tp}: {node.name} reduces the whole width of {source}'s output, which needs "
+                            f"its {full} features split over the TP ranks without repeats; allowed TP degrees "
+                            "give each rank its own slice (e.g. no more TP ranks than key/value heads)")
+    if op_name_of(node) == "mean":
+        with gm.graph.inserting_after(node):
+            share = gm.graph.call_function(operator.mul, (node, local / full))
+        node.replace_all_uses_with(share, delete_user_cb=lambda u: u is not share)
 
 
 def _rewrite_cut(node: fx.Node, shard: ParamShard) -> None:

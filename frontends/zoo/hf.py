@@ -1,5 +1,5 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
-``hf:qwen3``, ``hf:gemma2``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
+``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
 
 Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
 default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
@@ -36,6 +36,8 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_LIKE, sliding_window=None)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_LLAMA_LIKE, pad_token_id=0)),     # fused qkv and gate_up
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=16)),     # per-head q/k RMSNorm
+    # RMSNorm of q and k over all heads (the full width of a TP-sharded projection), norms after the blocks
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_LLAMA_LIKE, eos_token_id=None)),
     # eager attention with logit softcapping, sliding-window layers between global ones, a padding row
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_LLAMA_LIKE, head_dim=16, pad_token_id=0,
                                                          sliding_window=64)),

@@ -30,6 +30,9 @@ MODELS = [
     # a sliding window shorter than most documents (SDPA with a banded mask)
     ("hf:mistral", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                     "num_key_value_heads": 2, "sliding_window": 4}),
+    # q/k RMSNorm over all heads: partial sums of the TP-sharded width all-reduced
+    ("hf:olmo2", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                  "num_key_value_heads": 2}),
     # eager attention: logit softcapping, a sliding-window layer and a global one; final logit softcap, tied
     ("hf:gemma2", {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
                    "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 4}),

@@ -149,15 +149,24 @@ def test_gpt_style_model_with_biases_and_layernorm():
 
 
 def test_unsafe_column_groups_are_replicated_not_sharded():
-    # fused qkv split on the sharded dim, and a fixed head count in the view: attention is
+    # fused qkv split by a size read at run time (x.shape): the parts are unknown, attention is
     # replicated, the MLP pair (a separate group) stays column / row.
-    for kw in ({"fused": True}, {"fixed_heads": True}):
-        roles = {name: r[1] for name, r in op_roles(annotated(GPT(**kw))).items()}
-        attn = ["h.0.c_attn.weight"] if kw.get("fused") else ["h.0.q.weight", "h.0.k.weight", "h.0.v.weight"]
-        for name in attn + ["h.0.c_proj.weight"]:
-            assert roles[name] == TPRole.REPLICATED, (kw, name)
-        assert roles["h.0.c_fc.weight"] == TPRole.COLUMN
-        assert roles["h.0.mlp_proj.weight"] == TPRole.ROW
+    roles = {name: r[1] for name, r in op_roles(annotated(GPT(fused=True))).items()}
+    for name in ("h.0.c_attn.weight", "h.0.c_proj.weight"):
+        assert roles[name] == TPRole.REPLICATED, name
+    assert roles["h.0.c_fc.weight"] == TPRole.COLUMN
+    assert roles["h.0.mlp_proj.weight"] == TPRole.ROW
+
+
+def test_a_head_count_written_out_is_rewritten_for_the_shard():
+    # view(b, t, heads, d // heads) with d read from the whole input: the head count is TP's to scale
+    gm = annotated(GPT(fixed_heads=True))
+    roles = {name: r[1] for name, r in op_roles(gm).items()}
+    for name in ("h.0.q.weight", "h.0.k.weight", "h.0.v.weight"):
+        assert roles[name] == TPRole.COLUMN, name
+    assert roles["h.0.c_proj.weight"] == TPRole.ROW
+    views = [n for n in gm.graph.nodes if n.target == "view" and get_meta(n).block == "h.0"]
+    assert [get_meta(v).tp_rewrite for v in views] == [(2, f"h.0.{p}.weight") for p in "qkv"]
 
 
 class LeakyBlock(nn.Module):
@@ -274,7 +283,7 @@ def test_outermost_repeated_container_wins_over_larger_nested_one():
 
 
 class ScaledMLP(nn.Module):
-    """A learned per-channel scale on the column output: whole [4d] vs a [4d/TP] shard."""
+    """A learned per-channel scale on the column output: split like it, [4d/TP] per rank."""
 
     def __init__(self, d):
         super().__init__()
@@ -301,9 +310,14 @@ class HeadsLast(nn.Module):
         return x + self.o(a.transpose(1, 2).reshape(b, t, -1))
 
 
-def test_sharded_values_mixed_with_whole_parameters_or_fixed_head_counts_are_replicated():
-    roles = {name: r[1] for name, r in op_roles(annotated(Stack(ScaledMLP))).items()}
-    assert roles["layers.0.fc.weight"] == roles["layers.0.proj.weight"] == TPRole.REPLICATED
+def test_a_per_channel_scale_of_a_column_output_is_split_like_it():
+    roles = {name: r[1:] for name, r in op_roles(annotated(Stack(ScaledMLP))).items()}
+    assert roles["layers.0.fc.weight"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+    assert roles["layers.0.proj.weight"] == (TPRole.ROW, 1, TPRole.ROW)
+    assert roles["layers.0.gamma"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+
+
+def test_fixed_head_counts_with_a_free_head_dim_are_replicated():
     roles = {name: r[1] for name, r in op_roles(annotated(Stack(HeadsLast))).items()}
     assert {roles[f"layers.1.{m}.weight"] for m in "qkvo"} == {TPRole.REPLICATED}
 
@@ -325,3 +339,70 @@ class FlatMLP(nn.Module):
 def test_flattening_with_the_local_width_keeps_the_pair():
     roles = {name: r[1] for name, r in op_roles(annotated(Stack(FlatMLP))).items()}
     assert roles["layers.0.fc.weight"] == TPRole.COLUMN and roles["layers.0.proj.weight"] == TPRole.ROW
+
+
+class FullWidthNormBlock(nn.Module):
+    """Attention whose queries and keys are RMS-normalised over all heads (OLMo-2's QK norm): the
+    norm reduces the whole width of a projection TP shards."""
+
+    def __init__(self, d=16, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.rand(d) + 0.5)
+
+    @staticmethod
+    def _rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k = self._rms(self.q(x), self.q_norm), self._rms(self.k(x), self.k_norm)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, self.v(x)))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FullWidthNormModel(nn.Module):
+    def __init__(self, d=16, vocab=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(FullWidthNormBlock(d) for _ in range(2))
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, position_ids=None):
+        x = self.emb(input_ids)
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(x)
+
+
+def test_a_norm_over_the_full_sharded_width_all_reduces_its_partial_sums():
+    import hgraph
+    from hgraph import ops
+    from hgraph.passes.annotate import PARTIAL_SUM
+
+    torch.manual_seed(0)
+    model = FullWidthNormModel()
+    gm = annotated(model)
+    roles = {name: r[1:] for name, r in op_roles(gm).items()}  # (op role, param shard_dim, param role)
+    for lin in ("q", "k", "v"):
+        assert roles[f"blocks.0.{lin}.weight"] == (TPRole.COLUMN, 0, TPRole.COLUMN)
+    assert roles["blocks.0.o.weight"] == (TPRole.ROW, 1, TPRole.ROW)
+    assert roles["blocks.0.q_norm"][1:] == (0, TPRole.COLUMN)      # split like the projection
+    means = [n for n in gm.graph.nodes if n.target == "mean"]
+    assert len(means) == 4 and all(get_meta(n).tp_rewrite == (PARTIAL_SUM, f"blocks.{i // 2}.{'qk'[i % 2]}.weight")
+                                   for i, n in enumerate(means))
+    # under TP2: each rank's mean is weighted by its half of the width, then all-reduced (forward) with
+    # its gradient all-reduced too (tp_copy); under TP1 nothing changes
+    compiled = hgraph.compile(model)
+    g = compiled.instantiate("1xTP2PP1").rank(0).graph_module.graph
+    mean = next(n for n in g.nodes if n.target == "mean")
+    (share,) = mean.users
+    assert share.args == (mean, 0.5)
+    (reduce_issue,) = share.users
+    assert reduce_issue.target is ops.tp_reduce_issue
+    (wait,) = reduce_issue.users
+    assert [u.target for u in wait.users] == [ops.tp_copy]
+    g1 = compiled.instantiate("1xTP1PP1").rank(0).graph_module.graph
+    assert not any(n.target in (ops.tp_reduce_issue, ops.tp_copy) for n in g1.nodes)
