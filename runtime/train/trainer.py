@@ -45,6 +45,7 @@ from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, dat
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch, check_lengths, read_jsonl
 from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
 from hgraph.runtime.engine.program_cache import ProgramCache
@@ -166,6 +167,8 @@ class Trainer:
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
                        if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+        if self.device.type == "cpu":
+            host_heap.return_large_blocks()     # the process's peak follows what is live (engine/host_heap)
         install_buffers(self.model, self.weights, self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.model.dtype, dropout=config.model.dropout == "apply")
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)

@@ -20,7 +20,6 @@ single-strategy peak (target <= 1.10).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import time
@@ -32,6 +31,7 @@ import torch
 import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.model_states import rank_states
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.planner.cost.memory_estimate import estimate_memory
@@ -82,7 +82,7 @@ def runs_worker(rank: int, world_size: int, configs: Sequence[TrainConfig]) -> l
     out = []
     for config in configs:
         gc.collect()
-        _return_freed_memory()
+        host_heap.trim()       # a run's peak does not start from what an earlier one left cached
         PeakMemory(torch.device("cpu")).read()          # the next reading covers this run only
         t0 = time.perf_counter()
         summary = Trainer(config, rank, world_size).run()
@@ -90,15 +90,6 @@ def runs_worker(rank: int, world_size: int, configs: Sequence[TrainConfig]) -> l
                     "seconds": time.perf_counter() - t0})
         del summary
     return out
-
-
-def _return_freed_memory() -> None:
-    """Hand the heap the last run freed back to the system (glibc's ``malloc_trim``), so a run's
-    peak RSS does not start from what an earlier run in the same process left cached."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):      # not glibc: nothing to trim
-        pass
 
 
 def bounds_and_predictions(model: str, model_args: dict, run: Run, tokens: int) -> tuple[list[int], list[int], int]:
