@@ -5,7 +5,8 @@ glibc's malloc serves a block below its mmap threshold from the heap, and raises
 activations, gradients and working weights of a few MiB each; once the threshold has risen they
 come from the heap, whose freed pages a later step need not reuse in place, and the process's
 resident peak drifts above what is live (measured on the 168M Llama of issue 14, 2xTP2PP1 on 4 CPU
-ranks: 2.30-2.49 GiB by default, 2.06-2.23 GiB with a fixed 1 MiB threshold, no slower).
+ranks: 2.30-2.49 GiB by default, 2.05-2.26 GiB with a fixed 1 MiB threshold, 2.04-2.24 GiB with
+64 KiB, which also maps a small model's activations; the run times were within the machine's noise).
 ``return_large_blocks`` fixes the threshold; elsewhere than glibc it does nothing.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import ctypes.util
 from typing import Optional
 
 M_MMAP_THRESHOLD = -3          # mallopt parameter (glibc malloc.h)
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 64 << 10
 
 
 def _libc() -> Optional[ctypes.CDLL]:

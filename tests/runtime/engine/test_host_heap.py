@@ -1,4 +1,4 @@
-"""A CPU rank's freed blocks of 1 MiB or more go back to the system (``engine/host_heap``).
+"""A CPU rank's freed large blocks go back to the system (``engine/host_heap``).
 
 In a fresh process: a 16 MiB tensor freed (after which glibc serves every block below 16 MiB from
 the heap), then 64 tensors of 2 MiB, every other one freed. From the heap, the freed holes stay
