@@ -60,8 +60,10 @@ from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
+from hgraph.strategy import Cluster
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots
@@ -88,13 +90,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     """The run's ``TrainConfig`` (every key of the schema's resolved values, byte sizes parsed) and the
     resolved values with their sources, from the parsed options and ``--config`` (bad values:
     one-line HGraphError)."""
-    cfg = resolve(args)
+    cfg = launched(resolve(args), read_launcher_env())
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
                           "or the schedule does")
-    if schedule is not None:
-        parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
+    if schedule is not None:                          # fails here, before any process starts
+        for strategy in parse_schedule(schedule, cfg.world_size):
+            strategy.validate(Cluster(cfg.world_size, cfg.gpus_per_node))     # TP groups inside a node
     if cfg.max_candidates is not None and (schedule is not None or strategies.strip() != "auto"):
         key, src = BY_DEST["max_candidates"], cfg.sources["max_candidates"]
         where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
@@ -104,6 +107,24 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
         parse_candidates(strategies, cfg.world_size)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                                    device_memory=device_memory_option(cfg.device_memory, cfg.data)), cfg
+
+
+def launched(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfig:
+    """``cfg`` with the launcher's world size and ranks per node (a value given otherwise: one line
+    naming both, ``launcher_env.launcher_cluster``)."""
+    values, sources = dict(cfg.values), dict(cfg.sources)
+    if env is not None:
+        def given(dest: str) -> Optional[int]:
+            return values[dest] if sources[dest] != "default" else None
+
+        def where(dest: str) -> str:
+            key, src = BY_DEST[dest], sources[dest]
+            return key.flag if src == "command line" else f"[{key.section}] {key.name} ({src})"
+        values["world_size"], values["gpus_per_node"] = launcher_cluster(
+            env, given("world_size"), given("gpus_per_node"),
+            where={d: where(d) for d in ("world_size", "gpus_per_node")})
+        sources["world_size"] = sources["gpus_per_node"] = env.launcher
+    return ResolvedConfig(values, sources)
 
 
 def device_memory_option(text, data):
