@@ -44,7 +44,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -209,17 +208,35 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The run of ``args``; under a launcher every rank's error names its global rank and host (one
+    line; bad input exit 2, a failed run exit 1, so that the launcher may restart it)."""
+    env = read_launcher_env()
+    if env is None:
+        return _run(args, None)
+    try:
+        return _run(args, env)
+    except HGraphError as exc:
+        raise HGraphError(f"{env.where()}: {exc}") from None
+    except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
+        return 1
+
+
+def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     config, _ = config_from_args(args)
     log, data = config.logging, config.data
     planned = config.planner_driven
-    point = _resume_point(config, quiet=log.json)
+    speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
+    point = _resume_point(config, quiet=log.json, speaker=speaker)
     if config.model.init_from is not None or _is_hf_dir(config.model.model):
         check_weights(config)             # bad weights: one line, before any process starts
     run_dir, metrics = None, log.metrics
     if planned or log.run_dir is not None:
         run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if metrics is None:
+        if speaker:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        if metrics is None:       # every rank knows that there are metrics (their figures are collective)
             metrics = str(run_dir / "metrics.jsonl")
     docs = None
     if data.data is not None:
@@ -235,9 +252,9 @@ def run(args: argparse.Namespace) -> int:
         log_steps=log_steps,
         # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
         progress_bars=functools.partial(Progress, enabled=log_steps and resolve_mode(log.progress)))
-    if run_dir is not None:
+    if run_dir is not None and speaker:
         write_run_record(run_dir, config)
-    if log_steps:
+    if log_steps and speaker:
         source = data.data or "built-in long-tail documents"
         print(f"hgraph train: {config.model.model} on {config.cluster.world_size} processes, {source}, "
               f"{data.steps} steps of {data.tokens_per_iter} tokens, strategies {config.planner.strategies}, "
@@ -290,20 +307,21 @@ def _is_hf_dir(model: str) -> bool:
     return model.startswith("hf:") and model[3:] not in ZOO_CONFIGS["hf"]
 
 
-def _resume_point(config: TrainConfig, quiet: bool) -> Optional[ResumePoint]:
+def _resume_point(config: TrainConfig, quiet: bool, speaker: bool = True) -> Optional[ResumePoint]:
     """With ``--resume``: the checkpoint to continue from, checked before any process starts (the
-    ranks then all load it); its warnings go to stderr. None for a fresh run."""
+    ranks then all load it); its warnings go to stderr (``speaker``: this rank says them). None for a
+    fresh run."""
     ckpts, steps, world_size = config.checkpointing, config.data.steps, config.cluster.world_size
     if not ckpts.resume:
         return None
     point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
-    for w in point.warnings:
+    for w in point.warnings if speaker else ():
         sys.stderr.write(f"hgraph train: warning: {w}\n")
     if point.step >= steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{steps}: nothing left to train (--steps is the run's total)")
     check_resume_queues(point.manifest.get("delay_queues", {}), config.planner.outlier_queues, point.folder)
-    if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
+    if speaker and not quiet:
         pos = point.data_position
         resharded = (f", resharded from {point.world_size} to {world_size} ranks"
                      if point.world_size != world_size else "")

@@ -1,5 +1,8 @@
 """The launcher's environment (torchrun, SLURM) read into one ``LauncherEnv``, and ``hgraph train``'s
 cluster options taken from it: pure parsing, no process is started."""
+import re
+import socket
+
 import pytest
 
 from hgraph.errors import HGraphError
@@ -182,6 +185,20 @@ def test_a_mismatching_world_size_is_one_line_before_any_process(launched, tmp_p
         assert main(["train", "--model", "tiny", "--run-dir", str(tmp_path / "run"), *argv]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1, err
-        assert __import__("re").search(rf"hgraph train: error: (rank 0 on \S+: )?{option} is 4 but torchrun "
-                                       r"started 2 ranks in all \(WORLD_SIZE=2\)", err), err
+        assert re.search(rf"^hgraph train: error: rank 0 on {re.escape(socket.gethostname())}: {option} is 4 "
+                         r"but torchrun started 2 ranks in all \(WORLD_SIZE=2\); leave .* out to use the "
+                         r"launcher's$", err), err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_launched_rank_says_its_rank_and_host_in_one_line(launched, monkeypatch, capsys):
+    launched({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
+
+    def lost_peer(args, env):
+        raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234\nmore detail")
+    monkeypatch.setattr("hgraph.tools.cli.train._run", lost_peer)
+    assert main(["train"]) == 1          # not bad input: exit 1, so that the launcher may restart the run
+    err = capsys.readouterr().err
+    assert err == (f"hgraph train: error: rank 3 on {socket.gethostname()}: RuntimeError: [gloo] Connection "
+                   "closed by peer [127.0.0.1]:1234\n")
