@@ -60,6 +60,7 @@ from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
+from hgraph.runtime.train.restart import restart_config, restart_run_dir
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.strategy import Cluster
@@ -228,12 +229,18 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     log, data = config.logging, config.data
     planned = config.planner_driven
     speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
+    config, restart_note = restart_config(config, env)
+    if restart_note is not None and speaker:       # stdout stays one JSON object with --json
+        print(f"hgraph train: {restart_note}", file=sys.stderr if log.json else sys.stdout, flush=True)
     point = _resume_point(config, quiet=log.json, speaker=speaker)
     if config.model.init_from is not None or _is_hf_dir(config.model.model):
         check_weights(config)             # bad weights: one line, before any process starts
     run_dir, metrics = None, log.metrics
     if planned or log.run_dir is not None:
-        run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
+        if log.run_dir is not None:
+            run_dir = Path(log.run_dir)
+        else:       # a restart continues in its checkpoint's run folder
+            run_dir = restart_run_dir(point, env) or default_run_dir()
         if speaker:
             run_dir.mkdir(parents=True, exist_ok=True)
         if metrics is None:       # every rank knows that there are metrics (their figures are collective)
@@ -248,7 +255,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
                                  data.builtin_docs or saved_n, data.builtin_scale)
     log_steps = planned and not log.json
     config = config.with_values(
-        metrics=metrics, docs=docs, resume_from=str(point.folder) if point is not None else None,
+        metrics=metrics, docs=docs, run_dir=str(run_dir) if run_dir is not None else None,
+        resume_from=str(point.folder) if point is not None else None,
         log_steps=log_steps,
         # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
         progress_bars=functools.partial(Progress, enabled=log_steps and resolve_mode(log.progress)))
