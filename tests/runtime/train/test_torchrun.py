@@ -6,9 +6,11 @@ processes may differ).
 
 Each launch serves several checks, as launches cost seconds: a two-rank run with a fixed schedule
 whose rank 1 is SIGKILLed mid-step under ``--max-restarts 1`` resumes by itself and equals the
-uninterrupted spawned run.
+uninterrupted spawned run; two torchrun invocations (``--nnodes 2 --node-rank 0/1`` on loopback)
+form one planner-driven four-rank run equal to the spawned one on two "nodes" of two ranks.
 """
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,4 +83,40 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_equals_the_spawn
     ref, ref_records, ref_final = _reference(tmp_path, world_size=2, strategy_schedule=SCHEDULE, steps=4,
                                              tokens_per_iter=30, data=str(data))
     assert [s["strategy"] for s in ref["steps"]] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2", "1xTP2PP1"]
+    _same_run(records, torch.load(final), ref_records, ref_final)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(data, tmp_path):
+    port, final = _free_port(), tmp_path / "final.pt"
+    args = ["-m", "hgraph.tools.cli", "train", "--model", "tiny", "--data", str(data), "--steps", "3",
+            "--tokens-per-iter", "40", "--profile", "analytic", "--plan-ahead", "0", "--no-plots",
+            "--save-final", str(final), "--json"]
+    nodes = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"          # the default run folder is relative: see who writes one
+        cwd.mkdir()
+        cmd = [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert len(_json_lines(outs[0][0])) == 1 and _json_lines(outs[1][0]) == []   # global rank 0 reports
+    assert not (tmp_path / "node1" / "runs").exists()         # node 1's local rank 0 writes no run folder
+    run_dirs = list((tmp_path / "node0" / "runs").iterdir())
+    assert len(run_dirs) == 1
+    record = json.loads((run_dirs[0] / "run.json").read_text())
+    assert (record["world_size"], record["gpus_per_node"]) == (4, 2)      # from the launcher
+    records = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+
+    ref, ref_records, ref_final = _reference(tmp_path, world_size=4, gpus_per_node=2, steps=3,
+                                             tokens_per_iter=40, data=str(data), profile="analytic",
+                                             plan_ahead=0)
+    assert not any("TP4" in c for c in ref["candidates"])     # a TP group stays inside a node of 2
     _same_run(records, torch.load(final), ref_records, ref_final)
