@@ -103,7 +103,8 @@ def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(da
         cwd.mkdir()
         cmd = [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
-        nodes.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
     outs = [p.communicate(timeout=300) for p in nodes]
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-3000:]
