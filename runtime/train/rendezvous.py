@@ -21,7 +21,7 @@ from hgraph.runtime.train.launcher_env import LauncherEnv
 
 def attempt_prefix(env: LauncherEnv) -> str:
     """The namespace of this attempt's keys."""
-    return f"hgraph/attempt-{env.restart_count}/"
+    return f"hgraph/attempt-{env.restart_count}"        # PrefixStore adds the "/" before each key
 
 
 def attempt_store(env: LauncherEnv, timeout_s: float) -> Any:

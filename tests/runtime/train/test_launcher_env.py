@@ -35,7 +35,7 @@ def test_torchrun_variables():
     assert env.is_restart and env.where() == "rank 5 on h1"
     assert env.source("world_size") == "WORLD_SIZE=8"
     assert env.source("local_world_size") == "LOCAL_WORLD_SIZE=4"
-    assert attempt_prefix(env) == "hgraph/attempt-2/"
+    assert attempt_prefix(env) == "hgraph/attempt-2"
 
 
 def test_torchrun_without_the_local_variables_is_one_node():
@@ -202,3 +202,22 @@ def test_a_failed_launched_rank_says_its_rank_and_host_in_one_line(launched, mon
     err = capsys.readouterr().err
     assert err == (f"hgraph train: error: rank 3 on {socket.gethostname()}: RuntimeError: [gloo] Connection "
                    "closed by peer [127.0.0.1]:1234\n")
+
+
+def test_each_attempt_meets_in_a_namespace_of_its_own():
+    """torchrun's agent keeps one store across restarts: a restarted attempt must not see the keys
+    (gloo addresses, heartbeats) of the attempt before it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from hgraph.runtime.train.rendezvous import attempt_store
+    agent = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10), multi_tenant=True)
+    env = {"WORLD_SIZE": "1", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(agent.port),
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    first = attempt_store(read_launcher_env({**env, "TORCHELASTIC_RESTART_COUNT": "0"}), 10)
+    first.set("default_pg/rank_1", "the first attempt's address")
+    again = attempt_store(read_launcher_env({**env, "TORCHELASTIC_RESTART_COUNT": "1"}), 10)
+    assert not again.check(["default_pg/rank_1"])
+    before = dist.PrefixStore("hgraph/attempt-0", agent)
+    assert before.get("default_pg/rank_1") == b"the first attempt's address"
