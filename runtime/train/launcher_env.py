@@ -8,11 +8,14 @@ puts them into one frozen ``LauncherEnv`` (None when no launcher started this pr
 train`` then spawns its own local processes):
 
 * torchrun's variables win when both are set (``torchrun`` inside an ``sbatch`` script);
-* SLURM counts as the launcher only for a step of more than one task (``SLURM_NTASKS`` > 1), so a
-  one-task job (``srun --pty bash``, an ``sbatch`` shell) still spawns local processes;
-* the tasks per node come from ``SLURM_NTASKS_PER_NODE``, else ``SLURM_STEP_TASKS_PER_NODE`` or
-  ``SLURM_TASKS_PER_NODE``, in SLURM's compressed form (``4(x2)``, ``8,8``); every node must run the
-  same number, since a TP group must not cross a node (``hgraph.strategy.Cluster``);
+* SLURM counts as the launcher only for more than one task (``SLURM_NTASKS`` > 1), so a one-task
+  job (``srun --pty bash``, an ``sbatch`` of one task) still spawns local processes; in a job of
+  several tasks, start the ranks with ``srun`` (or one ``torchrun`` per node), not from the batch
+  script's own shell, which is task 0 of them;
+* the tasks per node come from ``SLURM_STEP_TASKS_PER_NODE`` (the step's), else
+  ``SLURM_NTASKS_PER_NODE`` or ``SLURM_TASKS_PER_NODE``, in SLURM's compressed form (``4(x2)``,
+  ``8,8``); every node must run the same number, since a TP group must not cross a node
+  (``hgraph.strategy.Cluster``);
 * the rendezvous host is ``MASTER_ADDR``, else the first host of ``SLURM_JOB_NODELIST``
   (``node[01-04,07]`` gives ``node01``); the port ``MASTER_PORT``, else one derived from the job id
   (two jobs sharing a node do not collide);
@@ -174,7 +177,9 @@ def _slurm(env: Mapping[str, str], host: str) -> LauncherEnv:
         node, addr, port, _int(env, "SLURM_RESTART_COUNT", 0, default=0), False, host, names))
 
 
-_PER_NODE_VARS = ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
+# the step's own count first: an sbatch header's --ntasks-per-node stays in the environment of an srun
+# step that asked for another
+_PER_NODE_VARS = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _COUNT = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 

@@ -78,11 +78,13 @@ def test_slurm_variables():
 
 
 def test_slurm_explicit_master_and_requeue_and_step_counts():
-    env = read_launcher_env({**{k: v for k, v in SLURM.items() if k != "SLURM_NTASKS_PER_NODE"},
-                             "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "MASTER_ADDR": "10.0.0.1",
+    # the step's own count wins over the job's (an srun asking for fewer tasks than the sbatch header)
+    env = read_launcher_env({**SLURM, "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+                             "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "MASTER_ADDR": "10.0.0.1",
                              "MASTER_PORT": "29500", "SLURM_RESTART_COUNT": "1"})
     assert (env.master_addr, env.master_port, env.local_world_size, env.restart_count) == \
-        ("10.0.0.1", 29500, 4, 1)
+        ("10.0.0.1", 29500, 2, 1)
+    assert env.source("local_world_size") == "SLURM_STEP_TASKS_PER_NODE=2"
     # no per-node count at all: one node
     bare = {k: v for k, v in SLURM.items() if k not in ("SLURM_NTASKS_PER_NODE",)}
     bare.update(SLURM_PROCID="6", SLURM_LOCALID="6")
