@@ -6,7 +6,8 @@ restart (``LauncherEnv.is_restart``), so with ``--checkpoint-dir`` it resumes by
 ``--resume`` needed: from the newest complete checkpoint (a save cut by the failure has no manifest
 and is skipped; a damaged newest one falls back to the previous, with a warning), at the saved data
 position, so every document is trained exactly once and the losses are those of an uninterrupted
-run. Without a complete checkpoint yet it starts again from step 0, the same run from the start.
+run. Without a complete checkpoint yet it starts again from step 0, the same run from the start;
+when the checkpoints already hold every step (it failed after the last one), it ends at once.
 
 A restarted run with the default run folder continues in the folder the checkpoint's run used
 (``run_state`` records it), so its ``metrics.jsonl`` keeps the steps before the checkpoint and
@@ -17,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from hgraph.runtime.checkpoint.shards import latest
+from hgraph.runtime.checkpoint.shards import complete_steps, latest
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launcher_env import LauncherEnv
 
@@ -37,6 +38,21 @@ def restart_config(config: TrainConfig, env: Optional[LauncherEnv]) -> tuple[Tra
         return config, (f"{what}: no complete checkpoint in {ckpts.checkpoint_dir} yet, the run starts "
                         "again from step 0")
     return config.with_values(resume=True, resume_fallback=True), f"{what}: resuming by itself"
+
+
+def finished_before_restart(config: TrainConfig, env: Optional[LauncherEnv]) -> Optional[str]:
+    """The line to end a restarted attempt with when the run's checkpoints already hold all its steps
+    (it failed after its last checkpoint, e.g. writing plots): there is nothing left to train, and
+    starting over or failing would only spend the launcher's restarts. None otherwise."""
+    ckpts = config.checkpointing
+    if env is None or not env.is_restart or ckpts.checkpoint_dir is None:
+        return None
+    steps = complete_steps(ckpts.checkpoint_dir)
+    if not steps or steps[-1] < config.data.steps:
+        return None
+    return (f"restart {env.restart_count}: the checkpoint of step {steps[-1]} in {ckpts.checkpoint_dir} "
+            f"already holds all {config.data.steps} steps; nothing left to train (hgraph export makes "
+            "the final weights)")
 
 
 def restart_run_dir(point: Any, env: Optional[LauncherEnv]) -> Optional[Path]:

@@ -60,7 +60,7 @@ from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
-from hgraph.runtime.train.restart import restart_config, restart_run_dir
+from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.strategy import Cluster
@@ -229,6 +229,11 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     log, data = config.logging, config.data
     planned = config.planner_driven
     speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
+    finished = finished_before_restart(config, env)
+    if finished is not None:
+        if speaker:
+            print(f"hgraph train: {finished}", file=sys.stderr if log.json else sys.stdout, flush=True)
+        return 0
     config, restart_note = restart_config(config, env)
     if restart_note is not None and speaker:       # stdout stays one JSON object with --json
         print(f"hgraph train: {restart_note}", file=sys.stderr if log.json else sys.stdout, flush=True)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 from hgraph.runtime.checkpoint.shards import FORMAT_VERSION, MANIFEST, step_dir
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launcher_env import read_launcher_env
-from hgraph.runtime.train.restart import restart_config, restart_run_dir
+from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 
 ENV = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"}
 
@@ -53,3 +53,13 @@ def test_a_restart_continues_in_its_checkpoints_run_folder(tmp_path):
     assert restart_run_dir(point, _env(0)) is None and restart_run_dir(point, None) is None
     assert restart_run_dir(None, _env(1)) is None
     assert restart_run_dir(SimpleNamespace(run={}), _env(1)) is None       # a checkpoint from before
+
+
+def test_a_restart_after_the_last_checkpoint_of_the_run_has_nothing_to_train(tmp_path):
+    config = TrainConfig.from_values(checkpoint_dir=str(tmp_path), steps=4)
+    _checkpoint(tmp_path, 2)
+    assert finished_before_restart(config, _env(1)) is None
+    _checkpoint(tmp_path, 4)
+    assert finished_before_restart(config, _env(0)) is None          # a new run overwrites, as before
+    assert "already holds all 4 steps; nothing left to train" in finished_before_restart(config, _env(1))
+    assert finished_before_restart(config.with_values(steps=6), _env(1)) is None
