@@ -10,6 +10,7 @@ uninterrupted spawned run; two torchrun invocations (``--nnodes 2 --node-rank 0/
 form one planner-driven four-rank run equal to the spawned one on two "nodes" of two ranks.
 """
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -66,13 +67,17 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_equals_the_spawn
            "--monitor-interval", "0.1", KILLER, "1", "3", "train", "--model", "tiny", "--data", str(data),
            "--strategy-schedule", SCHEDULE, "--steps", "4", "--tokens-per-iter", "30",
            "--checkpoint-dir", str(ckpts), "--checkpoint-every", "2", "--run-dir", str(run_dir), "--no-plots",
-           "--save-final", str(final), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = _json_lines(proc.stdout)
-    assert len(reports) == 1, proc.stdout       # only rank 0 reports, and only the attempt that finished
+           "--save-final", str(final), "--json", "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the reference runs while torchrun starts, waits and restarts
+    ref, ref_records, ref_final = _reference(tmp_path, world_size=2, strategy_schedule=SCHEDULE, steps=4,
+                                             tokens_per_iter=30, data=str(data))
+    (stdout, stderr), = _finish([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    reports = _json_lines(stdout)
+    assert len(reports) == 1, stdout            # only rank 0 reports, and only the attempt that finished
     assert reports[0]["resumed_from"]["step"] == 2 and reports[0]["resumed_from"]["next_document"] == 7
-    assert "restart 1 (TORCHELASTIC_RESTART_COUNT=1): resuming by itself" in proc.stderr
+    assert "restart 1 (TORCHELASTIC_RESTART_COUNT=1): resuming by itself" in stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # steps 0-1 from the first attempt, 2-3 from the restart (step 2, trained after the checkpoint by
     # the first attempt, is rewritten); every document exactly once per epoch, in file order
@@ -80,23 +85,41 @@ def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_equals_the_spawn
     assert [r["step"] for r in records] == [0, 1, 2, 3] and len(trained) > len(LENGTHS)
     assert trained == [i % len(LENGTHS) for i in range(len(trained))]
 
-    ref, ref_records, ref_final = _reference(tmp_path, world_size=2, strategy_schedule=SCHEDULE, steps=4,
-                                             tokens_per_iter=30, data=str(data))
     assert [s["strategy"] for s in ref["steps"]] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2", "1xTP2PP1"]
     _same_run(records, torch.load(final), ref_records, ref_final)
 
 
 def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range, so that no socket of the concurrent reference run (gloo
+    binds ephemeral ports) takes it before torchrun's agent binds it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _finish(procs, timeout=300):
+    """Every process's (stdout, stderr); on a timeout all are killed and their stderr shown."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [p.communicate()[1][-1500:] for p in procs]
+        raise AssertionError(f"torchrun did not finish within {timeout} s: " + " | ".join(tails)) from None
 
 
 def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(data, tmp_path):
     port, final = _free_port(), tmp_path / "final.pt"
     args = ["-m", "hgraph.tools.cli", "train", "--model", "tiny", "--data", str(data), "--steps", "3",
             "--tokens-per-iter", "40", "--profile", "analytic", "--plan-ahead", "0", "--no-plots",
-            "--save-final", str(final), "--json"]
+            "--save-final", str(final), "--json", "--timeout", "120"]
     nodes = []
     for node in (0, 1):
         cwd = tmp_path / f"node{node}"          # the default run folder is relative: see who writes one
@@ -105,7 +128,10 @@ def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(da
                "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
         nodes.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
-    outs = [p.communicate(timeout=300) for p in nodes]
+    ref, ref_records, ref_final = _reference(tmp_path, world_size=4, gpus_per_node=2, steps=3,
+                                             tokens_per_iter=40, data=str(data), profile="analytic",
+                                             plan_ahead=0)
+    outs = _finish(nodes)
     for p, (out, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-3000:]
     assert len(_json_lines(outs[0][0])) == 1 and _json_lines(outs[1][0]) == []   # global rank 0 reports
@@ -115,9 +141,5 @@ def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(da
     record = json.loads((run_dirs[0] / "run.json").read_text())
     assert (record["world_size"], record["gpus_per_node"]) == (4, 2)      # from the launcher
     records = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
-
-    ref, ref_records, ref_final = _reference(tmp_path, world_size=4, gpus_per_node=2, steps=3,
-                                             tokens_per_iter=40, data=str(data), profile="analytic",
-                                             plan_ahead=0)
     assert not any("TP4" in c for c in ref["candidates"])     # a TP group stays inside a node of 2
     _same_run(records, torch.load(final), ref_records, ref_final)
