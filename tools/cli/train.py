@@ -19,7 +19,11 @@ once and plans inline. Estimates are scaled by the median measured/estimated rat
 Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
-GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
+GPUs, gloo on CPU otherwise) or, under ``torchrun`` or as a SLURM task, runs as this process's rank:
+the world size and ranks per node are the launcher's (``hgraph.runtime.train.launcher_env``; a given
+other value is one line naming both), global rank 0 alone prints and writes the run folder, every
+rank's error names its rank and host, and an attempt the launcher restarted resumes from the newest
+checkpoint by itself (``hgraph.runtime.train.restart``). The model is built
 right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
 local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
 an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
