@@ -19,9 +19,10 @@ train`` then spawns its own local processes):
 * the rendezvous host is ``MASTER_ADDR``, else the first host of ``SLURM_JOB_NODELIST``
   (``node[01-04,07]`` gives ``node01``); the port ``MASTER_PORT``, else one derived from the job id
   (two jobs sharing a node do not collide);
-* ``restart_count``: ``TORCHELASTIC_RESTART_COUNT`` (torchrun ``--max-restarts``) or
-  ``SLURM_RESTART_COUNT`` (a requeued job): > 0 means this process belongs to a restarted attempt
-  (``hgraph.runtime.train.restart``).
+* ``restart_count``: ``TORCHELASTIC_RESTART_COUNT`` (torchrun ``--max-restarts``) or, for srun's
+  tasks, ``SLURM_RESTART_COUNT`` (a requeued job); ``requeue_count``: ``SLURM_RESTART_COUNT`` under
+  torchrun (a requeued job whose torchrun starts at attempt 0). Either > 0 means this process
+  belongs to a restarted attempt (``hgraph.runtime.train.restart``).
 
 A malformed variable is one ``HGraphError`` line naming it, its value and what is allowed.
 ``launcher_cluster`` gives the run's world size and ranks per node: what the launcher says, and an
@@ -62,11 +63,19 @@ class LauncherEnv:
     agent_store: bool = False      # torchrun's agent hosts the key-value store (no rank does)
     host: str = ""
     names: tuple[tuple[str, str], ...] = ()
+    requeue_count: int = 0         # torchrun inside a requeued SLURM job: SLURM_RESTART_COUNT
 
     @property
     def is_restart(self) -> bool:
-        """This process belongs to an attempt after the first (the launcher restarted the job)."""
-        return self.restart_count > 0
+        """This process belongs to an attempt after the first (the launcher restarted the job, or
+        SLURM requeued it)."""
+        return self.restart_count > 0 or self.requeue_count > 0
+
+    def restart_text(self) -> str:
+        """``restart 1 (TORCHELASTIC_RESTART_COUNT=1)``: which restart this attempt is, for messages."""
+        if self.restart_count > 0 or self.requeue_count == 0:
+            return f"restart {self.restart_count} ({self.source('restart_count')})"
+        return f"requeue {self.requeue_count} (SLURM_RESTART_COUNT={self.requeue_count})"
 
     def source(self, field: str) -> str:
         """``WORLD_SIZE=2``: where ``field``'s value came from."""
@@ -140,7 +149,8 @@ def _torchrun(env: Mapping[str, str], host: str) -> LauncherEnv:
         "torchrun", world, rank, local_rank, local_world,
         _int(env, "GROUP_RANK", 0, default=rank // local_world), env["MASTER_ADDR"],
         _int(env, "MASTER_PORT", 0), _int(env, "TORCHELASTIC_RESTART_COUNT", 0, default=0),
-        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", host, names))
+        env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", host, names,
+        _int(env, "SLURM_RESTART_COUNT", 0, default=0)))
 
 
 def _slurm(env: Mapping[str, str], host: str) -> LauncherEnv:

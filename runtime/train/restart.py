@@ -29,7 +29,7 @@ def restart_config(config: TrainConfig, env: Optional[LauncherEnv]) -> tuple[Tra
     ckpts = config.checkpointing
     if env is None or not env.is_restart:
         return config, None
-    what = f"restart {env.restart_count} ({env.source('restart_count')})"
+    what = env.restart_text()
     if ckpts.checkpoint_dir is None:
         return config, f"{what}: no --checkpoint-dir, the run starts again from step 0"
     if ckpts.resume:
@@ -50,7 +50,7 @@ def finished_before_restart(config: TrainConfig, env: Optional[LauncherEnv]) -> 
     steps = complete_steps(ckpts.checkpoint_dir)
     if not steps or steps[-1] < config.data.steps:
         return None
-    return (f"restart {env.restart_count}: the checkpoint of step {steps[-1]} in {ckpts.checkpoint_dir} "
+    return (f"{env.restart_text()}: the checkpoint of step {steps[-1]} in {ckpts.checkpoint_dir} "
             f"already holds all {config.data.steps} steps; nothing left to train (hgraph export makes "
             "the final weights)")
 

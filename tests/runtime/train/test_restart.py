@@ -47,6 +47,14 @@ def test_a_restart_resumes_from_a_complete_checkpoint_by_itself(tmp_path):
     assert restart_config(asked, _env(1)) == (asked, None)
 
 
+def test_a_requeued_slurm_job_under_torchrun_resumes_too(tmp_path):
+    _checkpoint(tmp_path, 2)
+    env = read_launcher_env({**ENV, "TORCHELASTIC_RESTART_COUNT": "0", "SLURM_RESTART_COUNT": "1"})
+    assert env.is_restart and env.restart_count == 0            # the store's attempt is torchrun's
+    resumed, note = restart_config(TrainConfig.from_values(checkpoint_dir=str(tmp_path)), env)
+    assert resumed.resume and note == "requeue 1 (SLURM_RESTART_COUNT=1): resuming by itself"
+
+
 def test_a_restart_continues_in_its_checkpoints_run_folder(tmp_path):
     point = SimpleNamespace(run={"run_dir": str(tmp_path / "runs" / "x")})
     assert restart_run_dir(point, _env(1)) == tmp_path / "runs" / "x"
