@@ -92,7 +92,7 @@ def read_launcher_env(environ: Optional[Mapping[str, str]] = None, host: Optiona
     launcher started it; ``host``: this machine's name (default ``socket.gethostname()``)."""
     env = os.environ if environ is None else environ
     host = host or env.get("SLURMD_NODENAME") or socket.gethostname()
-    if "RANK" in env or "WORLD_SIZE" in env:
+    if "RANK" in env and "WORLD_SIZE" in env:     # one of them alone is no launcher's (as before)
         return _torchrun(env, host)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS", 1) > 1:
         return _slurm(env, host)
@@ -134,9 +134,9 @@ def _check(env: LauncherEnv) -> LauncherEnv:
 def _torchrun(env: Mapping[str, str], host: str) -> LauncherEnv:
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in env]
     if missing:
-        raise HGraphError(f"environment variables {', '.join(missing)} are not set (a launcher set "
-                          f"{'RANK' if 'RANK' in env else 'WORLD_SIZE'}); start the program with torchrun, "
-                          "or unset RANK and WORLD_SIZE to spawn local processes")
+        raise HGraphError(f"environment variables {', '.join(missing)} are not set, but RANK and WORLD_SIZE "
+                          "are; start the program with torchrun, or unset RANK and WORLD_SIZE to spawn "
+                          "local processes")
     world = _int(env, "WORLD_SIZE", 1)
     rank = _int(env, "RANK", 0)
     local_world = _int(env, "LOCAL_WORLD_SIZE", 1, default=world)

@@ -27,6 +27,7 @@ def test_no_launcher_is_none():
     assert read_launcher_env({}) is None
     assert read_launcher_env({"SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None   # one task: spawn locally
     assert read_launcher_env({"PATH": "/bin"}) is None
+    assert read_launcher_env({"WORLD_SIZE": "1"}) is None        # one of torchrun's alone: spawn, as before
 
 
 def test_torchrun_variables():
