@@ -263,14 +263,15 @@ def planner_state(config: TrainConfig, planner: Any, schedule: Sequence[Any], wo
 
 
 def run_state(config: TrainConfig, world_size: int, module: Any = None) -> dict:
-    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it).
+    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)
+    and the run folder it wrote (a launcher's restart continues in it, ``hgraph.runtime.train.restart``).
 
     A Hugging Face ``module`` (one with ``config.to_json_string``) also records its config as JSON
     (``hf_config``), so the export of an ``hf:DIR`` run does not need DIR any more."""
     model = config.model
     state = {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
              "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps,
-             "init_from": model.init_from}
+             "init_from": model.init_from, "run_dir": config.logging.run_dir}
     to_json = getattr(getattr(module, "config", None), "to_json_string", None)
     if callable(to_json):
         state["hf_config"] = json.loads(to_json(use_diff=False))

@@ -61,7 +61,7 @@ class ClusterConfig:
     gpus_per_node: int = 8
     backend: str = "auto"                      # auto: NCCL with a GPU per local process, else gloo
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
-    timeout: float = 60.0
+    timeout: Optional[float] = None            # None: 60 s for local processes, 600 s under a launcher
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Start the processes of a distributed run and initialise ``torch.distributed`` in each.
 
-Two entry points share one initialisation path (``_init_process_group``):
+Two entry points:
 
 * ``spawn(fn, world_size, ...)``: N local processes, started from a clean interpreter (never a
   plain fork of the caller, so a caller holding CUDA or threads is safe), rendezvous through a file store in a fresh temporary folder (no port races), one process group per
@@ -10,8 +10,9 @@ Two entry points share one initialisation path (``_init_process_group``):
   ranks get a short grace period and are then terminated, so a failure never hangs the caller. A rank
   that dies without reporting (killed, segfault) is named as lost. After a success the ranks exit by
   themselves (``EXIT_GRACE_S``), so their finalizers release what they hold.
-* ``init_from_env()``: for processes started by ``torchrun`` (``RANK``, ``WORLD_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``).
+* ``init_from_env()``: for processes started by a launcher, ``torchrun`` or a SLURM step
+  (``hgraph.runtime.train.launcher_env``), meeting in this attempt's namespace of the launcher's store
+  (``hgraph.runtime.train.rendezvous``).
 
 Start method: ``"forkserver"`` by default where the platform has it: one server process imports
 torch once and forks each child from its clean state, so a launch after the first costs well under
@@ -44,6 +45,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
+from hgraph.runtime.train.rendezvous import attempt_store
 
 #: How long the surviving ranks may take to finish on their own after one rank failed.
 FAILURE_GRACE_S = 3.0
@@ -92,24 +95,29 @@ def _init_process_group(backend: str, init_method: str, rank: int, world_size: i
                             timeout=timedelta(seconds=timeout_s))
 
 
-def init_from_env(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
-    """Initialise the default process group of a ``torchrun`` process; returns (rank, world_size).
+def init_from_env(backend: Optional[str] = None, timeout_s: float = LAUNCHER_TIMEOUT_S,
+                  env: Optional[LauncherEnv] = None) -> tuple[int, int]:
+    """Initialise the default process group of a launched process (``torchrun``, a SLURM task:
+    ``hgraph.runtime.train.launcher_env``); returns (rank, world_size).
 
     ``backend`` defaults to ``nccl`` when every local process (``LOCAL_WORLD_SIZE``) can have a GPU
-    of its own, else ``gloo``. Does nothing but return the numbers when the group is already initialised.
+    of its own, else ``gloo``. The ranks meet in this attempt's namespace of the launcher's store
+    (``hgraph.runtime.train.rendezvous``). Does nothing but return the numbers when the group is
+    already initialised.
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise HGraphError(f"init_from_env: environment variables {', '.join(missing)} are not set; "
-                          "start the program with torchrun or use hgraph.runtime.train.launch.spawn")
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend = local_backend(backend or "auto", local_world)
-    _init_process_group(backend, "env://", rank, world_size, timeout_s, local_rank)
-    return rank, world_size
+    env = env if env is not None else read_launcher_env()
+    if env is None:
+        raise HGraphError("init_from_env: environment variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
+                          "are not set (nor a SLURM step's); start the program with torchrun or use "
+                          "hgraph.runtime.train.launch.spawn")
+    backend = local_backend(backend or "auto", env.local_world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(backend, store=attempt_store(env, timeout_s), rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    return env.rank, env.world_size
 
 
 # ---- finding fn again in the child -------------------------------------------------------------

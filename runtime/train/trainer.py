@@ -28,7 +28,6 @@ hits, misses and the host time of a switch. ``train_worker`` runs one rank;
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -53,6 +52,7 @@ from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
+from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
@@ -354,21 +354,26 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
             "candidates": summary.candidates, "dropout": summary.dropout}
 
 
-def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
-    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError); under
-    ``torchrun`` this process's own result (its ``"rank"`` says which).
+def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:
+    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError); under a
+    launcher this process's own result (its ``"rank"`` says which).
 
-    Under ``torchrun`` (``RANK`` set) this process is one rank of the run; otherwise
-    ``config.cluster.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
-    a lost rank is reported within it; a spawned run also names a rank whose process died.
+    Under a launcher (``torchrun``, a SLURM step: ``hgraph.runtime.train.launcher_env``) this process is
+    one rank of the run; otherwise ``config.cluster.world_size`` local processes are spawned.
+    ``timeout_s`` (default ``config.cluster.timeout``, else 60 s local, 600 s launched) bounds each
+    collective, so a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
     ckpts, cluster = config.checkpointing, config.cluster
+    env = read_launcher_env()
+    if timeout_s is None:
+        timeout_s = cluster.timeout if cluster.timeout is not None else default_timeout(env)
     if ckpts.resume and config.resume_from is None and ckpts.checkpoint_dir is not None:
         # resolved once, before any process starts: every rank loads the same checkpoint
         point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
         config = config.with_values(resume_from=str(point.folder))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank, world = init_from_env(None if cluster.backend == "auto" else cluster.backend, timeout_s=timeout_s)
+    if env is not None:
+        backend = None if cluster.backend == "auto" else cluster.backend
+        rank, world = init_from_env(backend, timeout_s=timeout_s, env=env)
         with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
             results = [train_worker(rank, world, config, channel)]
     else:

@@ -19,7 +19,11 @@ once and plans inline. Estimates are scaled by the median measured/estimated rat
 Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
-GPUs, gloo on CPU otherwise) or, under ``torchrun``, runs as this process's rank. The model is built
+GPUs, gloo on CPU otherwise) or, under ``torchrun`` or as a SLURM task, runs as this process's rank:
+the world size and ranks per node are the launcher's (``hgraph.runtime.train.launcher_env``; a given
+other value is one line naming both), global rank 0 alone prints and writes the run folder, every
+rank's error names its rank and host, and an attempt the launcher restarted resumes from the newest
+checkpoint by itself (``hgraph.runtime.train.restart``). The model is built
 right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
 local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
 an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
@@ -44,7 +48,6 @@ import argparse
 import functools
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -60,8 +63,11 @@ from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
+from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
+from hgraph.strategy import Cluster
 from hgraph.tools.cli.progress import Progress, resolve_mode
 from hgraph.tools.cli.train_schema import BY_DEST, ResolvedConfig, add_arguments, help_text, resolve
 from hgraph.tools.report.plots import read_metrics, summarize, write_plots
@@ -88,13 +94,14 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     """The run's ``TrainConfig`` (every key of the schema's resolved values, byte sizes parsed) and the
     resolved values with their sources, from the parsed options and ``--config`` (bad values:
     one-line HGraphError)."""
-    cfg = resolve(args)
+    cfg = launched(resolve(args), read_launcher_env())
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
                           "or the schedule does")
-    if schedule is not None:
-        parse_schedule(schedule, cfg.world_size)      # fails here, before any process starts
+    if schedule is not None:                          # fails here, before any process starts
+        for strategy in parse_schedule(schedule, cfg.world_size):
+            strategy.validate(Cluster(cfg.world_size, cfg.gpus_per_node))     # TP groups inside a node
     if cfg.max_candidates is not None and (schedule is not None or strategies.strip() != "auto"):
         key, src = BY_DEST["max_candidates"], cfg.sources["max_candidates"]
         where = key.flag if src == "command line" else f"{src}: [{key.section}] {key.name}"
@@ -104,6 +111,24 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
         parse_candidates(strategies, cfg.world_size)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                                    device_memory=device_memory_option(cfg.device_memory, cfg.data)), cfg
+
+
+def launched(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfig:
+    """``cfg`` with the launcher's world size and ranks per node (a value given otherwise: one line
+    naming both, ``launcher_env.launcher_cluster``)."""
+    values, sources = dict(cfg.values), dict(cfg.sources)
+    if env is not None:
+        def given(dest: str) -> Optional[int]:
+            return values[dest] if sources[dest] != "default" else None
+
+        def where(dest: str) -> str:
+            key, src = BY_DEST[dest], sources[dest]
+            return key.flag if src == "command line" else f"[{key.section}] {key.name} ({src})"
+        values["world_size"], values["gpus_per_node"] = launcher_cluster(
+            env, given("world_size"), given("gpus_per_node"),
+            where={d: where(d) for d in ("world_size", "gpus_per_node")})
+        sources["world_size"] = sources["gpus_per_node"] = env.launcher
+    return ResolvedConfig(values, sources)
 
 
 def device_memory_option(text, data):
@@ -188,17 +213,46 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The run of ``args``; under a launcher every rank's error names its global rank and host (one
+    line; bad input exit 2, a failed run exit 1, so that the launcher may restart it)."""
+    env = read_launcher_env()
+    if env is None:
+        return _run(args, None)
+    try:
+        return _run(args, env)
+    except HGraphError as exc:
+        raise HGraphError(f"{env.where()}: {exc}") from None
+    except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
+        return 1
+
+
+def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     config, _ = config_from_args(args)
     log, data = config.logging, config.data
     planned = config.planner_driven
-    point = _resume_point(config, quiet=log.json)
+    speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
+    finished = finished_before_restart(config, env)
+    if finished is not None:
+        if speaker:
+            print(f"hgraph train: {finished}", file=sys.stderr if log.json else sys.stdout, flush=True)
+        return 0
+    config, restart_note = restart_config(config, env)
+    if restart_note is not None and speaker:       # stdout stays one JSON object with --json
+        print(f"hgraph train: {restart_note}", file=sys.stderr if log.json else sys.stdout, flush=True)
+    point = _resume_point(config, quiet=log.json, speaker=speaker)
     if config.model.init_from is not None or _is_hf_dir(config.model.model):
         check_weights(config)             # bad weights: one line, before any process starts
     run_dir, metrics = None, log.metrics
     if planned or log.run_dir is not None:
-        run_dir = Path(log.run_dir) if log.run_dir is not None else default_run_dir()
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if metrics is None:
+        if log.run_dir is not None:
+            run_dir = Path(log.run_dir)
+        else:       # a restart continues in its checkpoint's run folder
+            run_dir = restart_run_dir(point, env) or default_run_dir()
+        if speaker:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        if metrics is None:       # every rank knows that there are metrics (their figures are collective)
             metrics = str(run_dir / "metrics.jsonl")
     docs = None
     if data.data is not None:
@@ -210,13 +264,14 @@ def run(args: argparse.Namespace) -> int:
                                  data.builtin_docs or saved_n, data.builtin_scale)
     log_steps = planned and not log.json
     config = config.with_values(
-        metrics=metrics, docs=docs, resume_from=str(point.folder) if point is not None else None,
+        metrics=metrics, docs=docs, run_dir=str(run_dir) if run_dir is not None else None,
+        resume_from=str(point.folder) if point is not None else None,
         log_steps=log_steps,
         # rank 0's bars: drawn on a terminal with the step lines, else plain lines (runtime.train.progress)
         progress_bars=functools.partial(Progress, enabled=log_steps and resolve_mode(log.progress)))
-    if run_dir is not None:
+    if run_dir is not None and speaker:
         write_run_record(run_dir, config)
-    if log_steps:
+    if log_steps and speaker:
         source = data.data or "built-in long-tail documents"
         print(f"hgraph train: {config.model.model} on {config.cluster.world_size} processes, {source}, "
               f"{data.steps} steps of {data.tokens_per_iter} tokens, strategies {config.planner.strategies}, "
@@ -269,20 +324,21 @@ def _is_hf_dir(model: str) -> bool:
     return model.startswith("hf:") and model[3:] not in ZOO_CONFIGS["hf"]
 
 
-def _resume_point(config: TrainConfig, quiet: bool) -> Optional[ResumePoint]:
+def _resume_point(config: TrainConfig, quiet: bool, speaker: bool = True) -> Optional[ResumePoint]:
     """With ``--resume``: the checkpoint to continue from, checked before any process starts (the
-    ranks then all load it); its warnings go to stderr. None for a fresh run."""
+    ranks then all load it); its warnings go to stderr (``speaker``: this rank says them). None for a
+    fresh run."""
     ckpts, steps, world_size = config.checkpointing, config.data.steps, config.cluster.world_size
     if not ckpts.resume:
         return None
     point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
-    for w in point.warnings:
+    for w in point.warnings if speaker else ():
         sys.stderr.write(f"hgraph train: warning: {w}\n")
     if point.step >= steps:
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{steps}: nothing left to train (--steps is the run's total)")
     check_resume_queues(point.manifest.get("delay_queues", {}), config.planner.outlier_queues, point.folder)
-    if not quiet and os.environ.get("RANK", "0") == "0":      # under torchrun: rank 0 speaks
+    if speaker and not quiet:
         pos = point.data_position
         resharded = (f", resharded from {point.world_size} to {world_size} ranks"
                      if point.world_size != world_size else "")

@@ -92,9 +92,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        minimum=1, metavar="T"),
     _k("data", "steps", "int", 60, "total steps of the run (a resumed run continues up to it)",
        minimum=1, metavar="K"),
-    _k("cluster", "world-size", "int", 4, "number of ranks (local processes, or torchrun's)", minimum=1,
-       metavar="N"),
-    _k("cluster", "gpus-per-node", "int", 8, "ranks per node (a TP group never crosses a node)", minimum=1,
+    _k("cluster", "world-size", "int", 4, "number of ranks (default: 4 local processes; under torchrun or "
+       "SLURM the launcher's, and another value is an error)", minimum=1, metavar="N"),
+    _k("cluster", "gpus-per-node", "int", 8, "ranks per node; a TP group never crosses a node (default: 8; "
+       "under torchrun or SLURM the launcher's ranks per node, and another value is an error)", minimum=1,
        metavar="G"),
     _k("cluster", "backend", "str", "auto", "collective backend (auto: nccl when every local process "
        "can have a GPU of its own, else gloo; the same rule under torchrun)",
@@ -103,8 +104,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "longest micro-batch (MaxLen, from this runtime's measured activation and model-state bytes); "
        "none: no limit; auto: with the built-in data, sized from the model (the widest TP scheme just "
        "holds the model's context), with --data none", metavar="BYTES|auto|none"),
-    _k("cluster", "timeout", "float", 60.0, "seconds a collective may wait (a lost rank is reported "
-       "within it)", minimum=1e-3, metavar="S"),
+    _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
+       "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
+       "different times)", optional=True, minimum=1e-3, metavar="S"),
     _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),
     _k("optimizer", "lr", "float", 1e-3, "learning rate", minimum=0.0),
     _k("optimizer", "betas", "pair", (0.9, 0.999), "Adam betas B1,B2 (TOML: [0.9, 0.999])",

@@ -1,11 +1,22 @@
-"""``hgraph train`` under ``torchrun``: each process is one rank (init from the environment, gloo on
-CPU), rank 0 reports, and the run equals the same run on the built-in spawner (same strategies, same
-documents; losses within 1e-6 x loss, final parameters within 1e-6 — both launches run the same
-programs, only the thread settings of the processes may differ)."""
+"""``hgraph train`` under ``torchrun``: each process is one rank, the world size and ranks per node come
+from the launcher (no ``--world-size``), global rank 0 alone reports and writes, and the run equals
+the same run on the built-in spawner (same strategies, same documents; losses within 1e-6 x loss,
+final parameters within 1e-6: both launches run the same programs, only the thread settings of the
+processes may differ).
+
+Each launch serves several checks, as launches cost seconds: a two-rank run with a fixed schedule
+whose rank 1 is SIGKILLed mid-step under ``--max-restarts 1`` resumes by itself and equals the
+uninterrupted spawned run; two torchrun invocations (``--nnodes 2 --node-rank 0/1`` on loopback)
+form one planner-driven four-rank run equal to the spawned one on two "nodes" of two ranks.
+"""
 import json
+import random
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from hgraph.runtime.train.config import TrainConfig
@@ -13,32 +24,122 @@ from hgraph.runtime.train.trainer import run_training
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1;2xTP1PP1;1xTP1PP2"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+KILLER = str(Path(__file__).with_name("kill_a_rank.py"))
 
 
-def test_torchrun_run_equals_the_spawned_run(tmp_path):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
     g = torch.Generator().manual_seed(11)
     docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in LENGTHS]
-    data = tmp_path / "docs.jsonl"
-    data.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
-    final = tmp_path / "final.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "hgraph.tools.cli", "train", "--model", "tiny", "--data", str(data), "--world-size", "2",
-           "--strategy-schedule", SCHEDULE, "--steps", "3", "--tokens-per-iter", "30",
-           "--save-final", str(final), "--json"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 1                         # only rank 0 reports
-    got = reports[0]["steps"]
+    path = tmp_path_factory.mktemp("data") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
+    return path
 
-    want = run_training(TrainConfig.from_values(model="tiny", world_size=2, strategy_schedule=SCHEDULE, steps=3,
-                                                tokens_per_iter=30, data=str(data),
-                                                save_final=str(tmp_path / "spawn.pt")))
-    assert [s["strategy"] for s in got] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2"]
-    assert [s["tokens"] for s in got] == [s["tokens"] for s in want["steps"]]
-    for a, b in zip(got, want["steps"]):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"]
-    state, ref = torch.load(final), torch.load(tmp_path / "spawn.pt")
-    assert list(state) == list(ref)
-    for k in ref:
-        torch.testing.assert_close(state[k], ref[k], atol=1e-6, rtol=1e-6)
+
+def _reference(tmp_path, **values):
+    """The spawned run of ``values``: its result, per-step metrics lines and final parameters."""
+    metrics, final = tmp_path / "ref_metrics.jsonl", tmp_path / "ref_final.pt"
+    result = run_training(TrainConfig.from_values(model="tiny", metrics=str(metrics), save_final=str(final),
+                                                  **values))
+    return result, [json.loads(line) for line in metrics.read_text().splitlines()], torch.load(final)
+
+
+def _same_run(records, final, ref_records, ref_final):
+    assert [r["step"] for r in records] == [r["step"] for r in ref_records]
+    assert [r["strategy"] for r in records] == [r["strategy"] for r in ref_records]
+    assert [r["documents"] for r in records] == [r["documents"] for r in ref_records]
+    for a, b in zip(records, ref_records):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * b["loss"], (a["step"], a["loss"], b["loss"])
+    assert list(final) == list(ref_final)
+    for k in ref_final:
+        torch.testing.assert_close(final[k], ref_final[k], atol=1e-6, rtol=1e-6)
+
+
+def _json_lines(stdout):
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+def test_a_killed_rank_restarts_from_the_checkpoint_and_the_run_equals_the_spawned_one(data, tmp_path):
+    run_dir, ckpts, final = tmp_path / "run", tmp_path / "ckpt", tmp_path / "final.pt"
+    # no --world-size: torchrun's 2 ranks; rank 1 dies in step 3, after the checkpoint of step 2
+    cmd = [*TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--monitor-interval", "0.1", KILLER, "1", "3", "train", "--model", "tiny", "--data", str(data),
+           "--strategy-schedule", SCHEDULE, "--steps", "4", "--tokens-per-iter", "30",
+           "--checkpoint-dir", str(ckpts), "--checkpoint-every", "2", "--run-dir", str(run_dir), "--no-plots",
+           "--save-final", str(final), "--json", "--timeout", "120"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the reference runs while torchrun starts, waits and restarts
+    ref, ref_records, ref_final = _reference(tmp_path, world_size=2, strategy_schedule=SCHEDULE, steps=4,
+                                             tokens_per_iter=30, data=str(data))
+    (stdout, stderr), = _finish([proc])
+    assert proc.returncode == 0, stderr[-3000:]
+    reports = _json_lines(stdout)
+    assert len(reports) == 1, stdout            # only rank 0 reports, and only the attempt that finished
+    assert reports[0]["resumed_from"]["step"] == 2 and reports[0]["resumed_from"]["next_document"] == 7
+    assert "restart 1 (TORCHELASTIC_RESTART_COUNT=1): resuming by itself" in stderr
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # steps 0-1 from the first attempt, 2-3 from the restart (step 2, trained after the checkpoint by
+    # the first attempt, is rewritten); every document exactly once per epoch, in file order
+    trained = [d for r in records for d in r["documents"]]
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and len(trained) > len(LENGTHS)
+    assert trained == [i % len(LENGTHS) for i in range(len(trained))]
+
+    assert [s["strategy"] for s in ref["steps"]] == ["1xTP2PP1", "2xTP1PP1", "1xTP1PP2", "1xTP2PP1"]
+    _same_run(records, torch.load(final), ref_records, ref_final)
+
+
+def _free_port():
+    """A free port below the ephemeral range, so that no socket of the concurrent reference run (gloo
+    binds ephemeral ports) takes it before torchrun's agent binds it."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _finish(procs, timeout=300):
+    """Every process's (stdout, stderr); on a timeout all are killed and their stderr shown."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [p.communicate()[1][-1500:] for p in procs]
+        raise AssertionError(f"torchrun did not finish within {timeout} s: " + " | ".join(tails)) from None
+
+
+def test_two_torchrun_nodes_on_loopback_form_one_run_equal_to_the_spawned_one(data, tmp_path):
+    port, final = _free_port(), tmp_path / "final.pt"
+    args = ["-m", "hgraph.tools.cli", "train", "--model", "tiny", "--data", str(data), "--steps", "3",
+            "--tokens-per-iter", "40", "--profile", "analytic", "--plan-ahead", "0", "--no-plots",
+            "--save-final", str(final), "--json", "--timeout", "120"]
+    nodes = []
+    for node in (0, 1):
+        cwd = tmp_path / f"node{node}"          # the default run folder is relative: see who writes one
+        cwd.mkdir()
+        cmd = [*TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(port), *args]
+        nodes.append(subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    ref, ref_records, ref_final = _reference(tmp_path, world_size=4, gpus_per_node=2, steps=3,
+                                             tokens_per_iter=40, data=str(data), profile="analytic",
+                                             plan_ahead=0)
+    outs = _finish(nodes)
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, err[-3000:]
+    assert len(_json_lines(outs[0][0])) == 1 and _json_lines(outs[1][0]) == []   # global rank 0 reports
+    assert not (tmp_path / "node1" / "runs").exists()         # node 1's local rank 0 writes no run folder
+    run_dirs = list((tmp_path / "node0" / "runs").iterdir())
+    assert len(run_dirs) == 1
+    record = json.loads((run_dirs[0] / "run.json").read_text())
+    assert (record["world_size"], record["gpus_per_node"]) == (4, 2)      # from the launcher
+    records = [json.loads(line) for line in (run_dirs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert not any("TP4" in c for c in ref["candidates"])     # a TP group stays inside a node of 2
+    _same_run(records, torch.load(final), ref_records, ref_final)
