@@ -39,6 +39,7 @@ class CommContext:
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
     token_keys: Optional[TokenKeys] = None        # what the micro-batch's tokens are (dropout masks)
+    evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
@@ -127,7 +128,7 @@ class CommContext:
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0) -> torch.Tensor:
         layout = self._cp_layout("cp_attention")
-        if not dropout_p:
+        if not dropout_p or self.evaluating:
             return cp_kernel.cp_attention(q, k, v, layout, scale, enable_gqa)
         keys = self._token_keys("cp_attention")
         return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.cp_groups(layout, keys, q.device),
@@ -135,11 +136,14 @@ class CommContext:
                                                      self._head_offset(q.shape[1], heads))
 
     def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor:
+        if self.evaluating:
+            return x
         return dropout_kernel.dropout(x, p, site, self._token_keys("dropout"))
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int) -> torch.Tensor:
         keys = self._token_keys("attention dropout")
+        p = 0.0 if self.evaluating else p         # the same attention, no probability dropped
         return dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.packed_groups(keys, q.device), p, site,
                                                      keys, scale, enable_gqa, self._head_offset(q.shape[1], heads))
 

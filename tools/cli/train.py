@@ -55,11 +55,13 @@ from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
 from hgraph.runtime.data.builtin import synthetic_documents
-from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import check_resume_queues
+from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.data_setup import ready_data
 from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.lr_schedule import builtin_default
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.tools.cli.progress import Progress, resolve_mode
@@ -202,12 +204,21 @@ def run(args: argparse.Namespace) -> int:
             metrics = str(run_dir / "metrics.jsonl")
     docs = None
     if data.data is not None:
-        read_jsonl(data.data)                            # a malformed line fails before the launch
+        # raw text tokenized into the run folder, stores verified, vocabulary and --long checked: one
+        # line before the launch (without a run folder, run_training does it in a temporary one)
+        if run_dir is not None:
+            config = ready_data(config, record_model(config).model, run_dir / "data",
+                                say=None if log.json else (lambda line: print(line, flush=True)))
     else:
         # a resumed run regenerates the same built-in documents as the run it continues
         saved_n = point.data_position.get("num_documents") if point is not None else None
         docs = builtin_documents(config.model.model, config.model.model_args, data.steps, data.tokens_per_iter,
                                  data.builtin_docs or saved_n, data.builtin_scale)
+        if config.optimizer.lr_schedule == "auto":      # the built-in default run's recipe
+            opt = config.optimizer
+            config = config.with_values(**builtin_default(opt.lr, data.steps, opt.warmup_steps, opt.min_lr))
+        if data.eval_data is not None and run_dir is not None:
+            config = ready_data(config, record_model(config).model, run_dir / "data")
     log_steps = planned and not log.json
     config = config.with_values(
         metrics=metrics, docs=docs, resume_from=str(point.folder) if point is not None else None,
@@ -239,16 +250,27 @@ def run(args: argparse.Namespace) -> int:
         plots = write_plots(records, run_dir)
     if log.json:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
+                          "step_extra": result.get("step_extra", []),
+                          "long_documents": result.get("long_documents", {}),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
         return 0
+    extra = {e["step"]: e for e in result.get("step_extra", [])}
     if not planned:
         for s in steps:
+            ev = extra.get(s["step"], {}).get("eval_loss")
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
-                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else ""))
+                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else "")
+                  + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
+    if result.get("long_documents", {}).get("mode", "error") != "error":
+        print(LongReport(**result["long_documents"]).summary())
+    evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]
+    if evals:
+        print(f"validation: eval_loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
+              f"(step {evals[-1][0]}) in {len(evals)} evaluations")
     c = result["cache"]
     print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
           f"<= {c['max_hit_switch_ms']:.3f} ms")
