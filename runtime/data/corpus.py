@@ -99,15 +99,16 @@ def open_source(path: str, vocab_size: Optional[int] = None, *, verify: bool = F
             for i in range(store.num_documents):
                 toks = store.tokens(i)
                 if int(toks.max()) >= vocab_size:
-                    raise HGraphError(f"token store {store.prefix}: document {i} holds token id {int(toks.max())}, "
-                                      f"beyond the model's vocabulary [0, {vocab_size}) (ids up to "
-                                      f"{store.max_token_id}; {int(lengths.size)} documents)")
+                    raise HGraphError(f"token store {store.prefix}: document {i} holds token id "
+                                      f"{int(toks.max())}, beyond the model's vocabulary [0, {vocab_size}) "
+                                      f"(ids up to {store.max_token_id}; {int(lengths.size)} documents)")
         return StoreDocuments(store)
     if Path(p).is_file() and p.endswith((".jsonl", ".json")):
         return read_jsonl(p, vocab_size)
     if Path(p).exists():
-        raise HGraphError(f"--data {p!r}: neither a token store prefix (PREFIX.idx + PREFIX.bin) nor a JSONL file "
-                          "of input_ids; raw text is converted with --tokenizer or hgraph prepare-data")
+        raise HGraphError(f"--data {p!r}: neither a token store prefix (PREFIX.idx + PREFIX.bin) nor a "
+                          "JSONL file of input_ids; raw text is converted with --tokenizer or hgraph "
+                          "prepare-data")
     raise HGraphError(f"--data {p!r}: no such token store ({p}.idx) or file")
 
 
@@ -132,14 +133,15 @@ def corpus_of(parts: Sequence[Sequence[Document]], weights: Sequence[float], nam
     if len(parts) == 1:
         return Corpus(parts[0], [(0, len(parts[0]), float(weights[0]))], list(names))
     docs = ConcatDocuments(parts)
-    return Corpus(docs, [(int(docs.starts[k]), len(p), float(w)) for k, (p, w) in enumerate(zip(parts, weights))],
-                  list(names))
+    extents = [(int(docs.starts[k]), len(p), float(w)) for k, (p, w) in enumerate(zip(parts, weights))]
+    return Corpus(docs, extents, list(names))
 
 
 class DataOrder:
     """Position -> document (module docstring)."""
 
-    def __init__(self, corpus: Union[Corpus, Sequence[Document]], *, shuffle: bool = False, seed: int = 0) -> None:
+    def __init__(self, corpus: Union[Corpus, Sequence[Document]], *, shuffle: bool = False,
+                 seed: int = 0) -> None:
         if not isinstance(corpus, Corpus):
             corpus = Corpus(corpus, [(0, len(corpus), 1.0)], ["data"])
         if not len(corpus.docs):
@@ -245,16 +247,19 @@ class DataOrder:
             raise HGraphError(f"--resume: {folder!r} shuffled with seed {saved.get('seed')}, this run's "
                               f"--seed is {self.seed}")
         mix = saved.get("mixture")
-        if (mix is not None) != self.mixed or (mix is not None and not np.allclose(mix["weights"], self.weights)):
+        same = (mix is None) if not self.mixed else (mix is not None
+                                                     and np.allclose(mix["weights"], self.weights))
+        if not same:
             raise HGraphError(f"--resume: {folder!r} was trained on another mixture "
                               f"({mix['weights'] if mix else 'one source'}); give the same --data weights")
         if mix is not None and "counts" in mix and "next_document" in saved:
             if self._counts_at(int(saved["next_document"])) != list(mix["counts"]):
-                raise HGraphError(f"--resume: {folder!r}'s mixture counts do not replay; give the same --data")
+                raise HGraphError(f"--resume: {folder!r}'s mixture counts do not replay; give the same "
+                                  "--data")
 
 
-def open_corpus(spec: str, vocab_size: Optional[int] = None, *, verify: bool = False) -> tuple[list[SourceSpec],
-                                                                                          list[Sequence[Document]]]:
+def open_corpus(spec: str, vocab_size: Optional[int] = None, *,
+                verify: bool = False) -> tuple[list[SourceSpec], list[Sequence[Document]]]:
     """The sources of ``--data`` and their documents (``Corpus`` after ``--long``: ``corpus_of``)."""
     sources = parse_data_spec(spec)
     return sources, [open_source(s.path, vocab_size, verify=verify) for s in sources]

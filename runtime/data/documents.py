@@ -111,10 +111,11 @@ def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optio
         i = int(over[0])
         n = int(lengths[i])
         if max_len is not None and n > max_len:
-            raise HGraphError(f"document {i} has {n} tokens, longer than the {max_len} the model supports (its "
-                              "max_seq_len); --long truncate|split|drop handles such documents")
+            raise HGraphError(f"document {i} has {n} tokens, longer than the {max_len} the model supports "
+                              "(its max_seq_len); --long truncate|split|drop handles such documents")
         raise HGraphError(f"document {i} has {n} tokens, more than --tokens-per-iter {tokens_per_iter}: a "
-                          "mini-batch holds whole documents (--long truncate|split|drop handles such documents)")
+                          "mini-batch holds whole documents (--long truncate|split|drop handles such "
+                          "documents)")
 
 
 def first_fit(docs: Sequence[Document], cap: int) -> list[list[Document]]:

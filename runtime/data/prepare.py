@@ -21,7 +21,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.corpus import SourceSpec, format_data_spec, parse_data_spec
@@ -90,8 +90,8 @@ class _Encoder:
         texts = [t for _, t, _ in batch if t is not None]
         if texts and self.tokenizer is None:
             where = next(w for w, t, _ in batch if t is not None)
-            raise HGraphError(f"{where}: a text record needs --tokenizer (a tokenizer.json or a local Hugging Face "
-                              "tokenizer folder); records of 'input_ids' need none")
+            raise HGraphError(f"{where}: a text record needs --tokenizer (a tokenizer.json or a local "
+                              "Hugging Face tokenizer folder); records of 'input_ids' need none")
         return texts
 
     @staticmethod
@@ -177,8 +177,8 @@ def prepare(inputs: Sequence[str], prefix: str, *, tokenizer: Optional[str] = No
         raise
     finally:
         encoder.close()
-    return PrepareResult(store.prefix, store.num_documents, store.num_tokens, skipped, time.perf_counter() - t0,
-                         store.vocab_size, store.dtype.name)
+    return PrepareResult(store.prefix, store.num_documents, store.num_tokens, skipped,
+                         time.perf_counter() - t0, store.vocab_size, store.dtype.name)
 
 
 # ---- raw sources of a run ---------------------------------------------------------------------------
@@ -221,8 +221,8 @@ def resolve_raw_sources(spec: str, tokenizer: Optional[str], text_key: str, cach
             out.append(src)
             continue
         if tokenizer is None:
-            raise HGraphError(f"{what} {src.path}: raw text; give --tokenizer (a tokenizer.json or a local Hugging "
-                              "Face tokenizer folder), or convert it first with hgraph prepare-data")
+            raise HGraphError(f"{what} {src.path}: raw text; give --tokenizer (a tokenizer.json or a local "
+                              "Hugging Face tokenizer folder), or convert it first with hgraph prepare-data")
         p = Path(src.path)
         prefix = cache_dir / f"{p.stem or 'data'}-{_cache_key(p, tokenizer, text_key)}"
         if not is_store(prefix):

@@ -37,8 +37,8 @@ def input_kind(path: Path) -> str:
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() \
                 or (path / "state.json").exists():
             return "dataset"
-        raise HGraphError(f"{path}: a folder that is not a saved Hugging Face dataset (no dataset_info.json or "
-                          "dataset_dict.json); give files, or a folder written by save_to_disk")
+        raise HGraphError(f"{path}: a folder that is not a saved Hugging Face dataset (no dataset_info.json "
+                          "or dataset_dict.json); give files, or a folder written by save_to_disk")
     if not path.is_file():
         raise HGraphError(f"{path}: no such file or folder")
     name = path.name.lower()
@@ -69,8 +69,8 @@ def _record_from(obj: Any, where: str, text_key: str) -> Record:
         if text_key in obj:
             raise HGraphError(f"{where}: {text_key!r} is {type(text).__name__}, expected a string")
         keys = ", ".join(sorted(map(str, obj))[:6]) or "none"
-        raise HGraphError(f"{where}: the record has no {text_key!r} text and no 'input_ids' (its keys: {keys}); "
-                          "--text-key names the text field")
+        raise HGraphError(f"{where}: the record has no {text_key!r} text and no 'input_ids' (its keys: "
+                          f"{keys}); --text-key names the text field")
     raise HGraphError(f"{where}: expected a JSON object with {text_key!r} or 'input_ids'")
 
 
@@ -92,11 +92,12 @@ def _jsonl(path: Path, text_key: str, progress: Any) -> Iterator[Record]:
             yield _record_from(obj, where, text_key)
 
 
-def _column_records(rows: Any, columns: list[str], name: str, text_key: str, first_row: int) -> Iterator[Record]:
+def _column_records(rows: Any, columns: list[str], name: str, text_key: str,
+                    first_row: int) -> Iterator[Record]:
     col = text_key if text_key in columns else "input_ids" if "input_ids" in columns else None
     if col is None:
-        raise HGraphError(f"{name}: no {text_key!r} column and no 'input_ids' (columns: {', '.join(columns)}); "
-                          "--text-key names the text column")
+        raise HGraphError(f"{name}: no {text_key!r} column and no 'input_ids' (columns: "
+                          f"{', '.join(columns)}); --text-key names the text column")
     for i, value in enumerate(rows[col]):
         where = f"{name}:row {first_row + i}"
         if col == text_key:
@@ -133,8 +134,8 @@ def _dataset(path: Path, text_key: str, progress: Any) -> Iterator[Record]:
         raise HGraphError(f"{path}: not a dataset saved with save_to_disk ({exc})") from None
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise HGraphError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)}); give the "
-                              "split's folder")
+            raise HGraphError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)}); "
+                              "give the split's folder")
         ds = ds["train"]
     columns = list(ds.column_names)
     for start in range(0, len(ds), BATCH_ROWS):
@@ -211,7 +212,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
             raise HGraphError("--tokenizer: reading tokenizer.json needs the 'tokenizers' package "
                               "(pip install 'hgraph[data]')") from None
         except Exception as exc:   # noqa: BLE001 - tokenizers raises plain Exceptions
-            raise HGraphError(f"--tokenizer {path}: not a tokenizers JSON file ({str(exc).splitlines()[0]})") from None
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise HGraphError(f"--tokenizer {path}: not a tokenizers JSON file ({first})") from None
         eos = next((tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None), None)
         return TextTokenizer(str(p), tok, "tokenizers", tok.get_vocab_size(with_added_tokens=True), eos)
     if p.is_dir():
@@ -220,7 +222,8 @@ def load_tokenizer(path: str) -> TextTokenizer:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         except ImportError:
-            raise HGraphError("--tokenizer: a tokenizer folder needs 'transformers' (pip install 'hgraph[hf]')") from None
+            raise HGraphError("--tokenizer: a tokenizer folder needs 'transformers' (pip install "
+                              "'hgraph[hf]')") from None
         except Exception as exc:   # noqa: BLE001
             raise HGraphError(f"--tokenizer {path}: not a Hugging Face tokenizer folder "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

@@ -64,14 +64,16 @@ class StoredTokens(Sequence):
         return hash((self.store.prefix, self.row, self.start, self.length))
 
     def __repr__(self) -> str:
-        return f"StoredTokens({self.store.prefix!r}, row={self.row}, start={self.start}, length={self.length})"
+        return (f"StoredTokens({self.store.prefix!r}, row={self.row}, start={self.start}, "
+                f"length={self.length})")
 
 
 class StoreDocuments(Sequence):
     """The documents of a token store, or a view of them (rows, start offsets, lengths)."""
 
-    def __init__(self, store: TokenStore, rows: Optional[np.ndarray] = None, starts: Optional[np.ndarray] = None,
-                 lengths: Optional[np.ndarray] = None, note: str = "") -> None:
+    def __init__(self, store: TokenStore, rows: Optional[np.ndarray] = None,
+                 starts: Optional[np.ndarray] = None, lengths: Optional[np.ndarray] = None,
+                 note: str = "") -> None:
         self.store = store
         self.rows, self.starts = rows, starts
         self.lengths = store.lengths if lengths is None else lengths
@@ -151,7 +153,8 @@ class LongReport:
     def summary(self) -> str:
         if not self.long_documents:
             return f"long documents: none over {self.limit} tokens"
-        what = {"truncate": f"truncated ({self.tokens_cut} tokens cut)", "drop": f"dropped ({self.tokens_cut} tokens)",
+        what = {"truncate": f"truncated ({self.tokens_cut} tokens cut)",
+                "drop": f"dropped ({self.tokens_cut} tokens)",
                 "split": f"split into {self.chunks} documents"}[self.mode]
         return f"long documents: {self.long_documents} over {self.limit} tokens {what}"
 

@@ -228,7 +228,8 @@ class TokenStore:
                 h.update(chunk)
         if h.hexdigest() != self.header["bin_sha256"]:
             raise HGraphError(f"token store {self.prefix}: the checksum of {bin_path.name} does not match "
-                              f"{idx_path.name} (the files are from different writes or damaged); prepare it again")
+                              f"{idx_path.name} (the files are from different writes or damaged); prepare "
+                              "it again")
 
 
 def open_store(prefix: Union[str, Path], *, verify: bool = False) -> TokenStore:
@@ -249,12 +250,13 @@ def open_store(prefix: Union[str, Path], *, verify: bool = False) -> TokenStore:
     except (OSError, ValueError) as exc:
         raise HGraphError(f"{where}: {idx_path.name} cannot be read ({exc})") from None
     if header.get("version") != VERSION:
-        raise HGraphError(f"{where}: index version {header.get('version')} (this hgraph reads version {VERSION})")
+        raise HGraphError(f"{where}: index version {header.get('version')} (this hgraph reads version "
+                          f"{VERSION})")
     start = 12 + size + (-(12 + size) % 8)
     n = int(header["num_documents"])
     if idx_path.stat().st_size != start + 12 * n:
-        raise HGraphError(f"{where}: {idx_path.name} has {idx_path.stat().st_size} bytes, its header promises "
-                          f"{start + 12 * n} ({n} documents): the file is truncated or damaged")
+        raise HGraphError(f"{where}: {idx_path.name} has {idx_path.stat().st_size} bytes, its header "
+                          f"promises {start + 12 * n} ({n} documents): the file is truncated or damaged")
     if not bin_path.is_file():
         raise HGraphError(f"{where}: {bin_path} does not exist")
     expected = int(header["num_tokens"]) * np.dtype(header["dtype"]).itemsize

@@ -46,7 +46,7 @@ class ModelConfig:
 class DataConfig:
     """``[data]``: the documents and how many of them a step and the run take."""
 
-    data: Optional[str] = None                 # store prefix, JSONL, raw text or "W:SRC,W:SRC" (None: ``docs``)
+    data: Optional[str] = None                 # store prefix, JSONL, raw text, "W:SRC,W:SRC" (None: docs)
     tokenizer: Optional[str] = None            # tokenizer.json or HF tokenizer folder (raw text data)
     text_key: str = "text"                     # the text field of raw JSONL / parquet / dataset records
     builtin_docs: Optional[int] = None         # the command line's built-in documents: how many, and

@@ -43,7 +43,8 @@ class LRSchedule:
         if self.warmup_steps < 0 or (self.decay_steps is not None and self.decay_steps < 1):
             raise HGraphError("--warmup-steps must be >= 0 and --decay-steps >= 1")
         if self.min_lr > self.lr and self.kind != "constant":
-            raise HGraphError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the schedule decays to it")
+            raise HGraphError(f"--min-lr {self.min_lr:g} is above --lr {self.lr:g}: the schedule decays "
+                              "to it")
 
     @property
     def decay(self) -> int:
@@ -81,11 +82,13 @@ def schedule_of(config) -> LRSchedule:
     to ``builtin_default`` for its built-in run), unset warmup and minimum are 0."""
     opt = config.optimizer
     kind = "constant" if opt.lr_schedule == "auto" else opt.lr_schedule
-    return LRSchedule(kind, opt.lr, config.data.steps, opt.warmup_steps or 0, opt.min_lr or 0.0, opt.decay_steps)
+    return LRSchedule(kind, opt.lr, config.data.steps, opt.warmup_steps or 0, opt.min_lr or 0.0,
+                      opt.decay_steps)
 
 
 def builtin_default(lr: float, steps: int, warmup_steps: Optional[int], min_lr: Optional[float]) -> dict:
     """The built-in default run's recipe: cosine to ``lr / 10`` after a warmup of 10% of the steps
     (what is given explicitly is kept)."""
-    return {"lr_schedule": "cosine", "warmup_steps": math.ceil(0.1 * steps) if warmup_steps is None else warmup_steps,
+    return {"lr_schedule": "cosine",
+            "warmup_steps": math.ceil(0.1 * steps) if warmup_steps is None else warmup_steps,
             "min_lr": lr / 10 if min_lr is None else min_lr}

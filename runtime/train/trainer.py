@@ -247,13 +247,15 @@ class Trainer:
         elif cfg.data.data is not None:
             sources, parts = open_corpus(cfg.data_sources or cfg.data.data, vocab)
         else:
-            raise HGraphError("no training data: give --data (a token store, JSONL or raw text with --tokenizer)")
+            raise HGraphError("no training data: give --data (a token store, JSONL or raw text with "
+                              "--tokenizer)")
         limited, reports = [], []
         for part in parts:
             docs, report = limit_long(part, cfg.data.tokens_per_iter, max_len, cfg.data.long)
             limited.append(docs)
             reports.append(report)
-        return corpus_of(limited, [s.weight for s in sources], [s.path for s in sources]), merge_reports(reports)
+        corpus = corpus_of(limited, [s.weight for s in sources], [s.path for s in sources])
+        return corpus, merge_reports(reports)
 
     def eval_documents(self) -> Optional[list[Document]]:
         """``--eval-data``'s first documents, in file order, up to ``--eval-tokens`` (at least one)."""
@@ -269,8 +271,8 @@ class Trainer:
         count = max(1, int(np.searchsorted(np.cumsum(lengths), budget, side="right")))
         chosen = [docs[i] for i in range(min(count, len(docs)))]
         if sum(len(d) - 1 for d in chosen) < 1:
-            raise HGraphError(f"--eval-data {cfg.data.eval_data}: its documents up to --eval-tokens {budget} have "
-                              "no next-token target")
+            raise HGraphError(f"--eval-data {cfg.data.eval_data}: its documents up to --eval-tokens "
+                              f"{budget} have no next-token target")
         return chosen
 
     def evaluate(self, strategy: str) -> float:
@@ -299,7 +301,8 @@ class Trainer:
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
             every = cfg.data.eval_every if self.eval_docs is not None else None
-            for batch, delay_state in run_mini_batches(self.docs, cfg, self.world_size, self.resumed, self.order):
+            stream = run_mini_batches(self.docs, cfg, self.world_size, self.resumed, self.order)
+            for batch, delay_state in stream:
                 now = batch.step
                 lr = self.optimizer.lr = self.schedule.lr_at(batch.step)
                 result = self.step(batch)
@@ -414,13 +417,14 @@ def run_training(config: TrainConfig, *, timeout_s: float = 60.0) -> dict:
     ``config.cluster.world_size`` local gloo processes are spawned. ``timeout_s`` bounds each collective, so
     a lost rank is reported within it; a spawned run also names a rank whose process died.
     """
-    ckpts, cluster = config.checkpointing, config.cluster
+    ckpts = config.checkpointing
     if ckpts.resume and config.resume_from is None and ckpts.checkpoint_dir is not None:
         # resolved once, before any process starts: every rank loads the same checkpoint
         point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
         config = config.with_values(resume_from=str(point.folder))
     with contextlib.ExitStack() as stack:
-        if config.data_sources is None and (config.data.data is not None or config.data.eval_data is not None):
+        data = config.data
+        if config.data_sources is None and (data.data is not None or data.eval_data is not None):
             # raw text is tokenized once, here (the command line does it into its run folder)
             cache = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hgraph-data-")))
             config = ready_data(config, record_model(config).model, cache)

@@ -29,6 +29,7 @@ import numpy as np
 from hgraph.runtime.data.builtin import length_sample
 from hgraph.runtime.data.corpus import DataOrder
 from hgraph.runtime.data.documents import doc_lengths, read_jsonl
+from hgraph.runtime.data.prepare import prepare
 from hgraph.runtime.data.stored import StoreDocuments
 from hgraph.runtime.data.token_store import TokenStoreWriter, open_store
 from hgraph.runtime.train.config import TrainConfig
@@ -75,8 +76,6 @@ def data_bytes(fn) -> int:
 
 def prepare_throughput(tokens: int, workers: int, folder: Path) -> dict:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    from hgraph.runtime.data.prepare import prepare
     rng = np.random.default_rng(1)
     text = folder / "corpus.jsonl"
     with open(text, "w", encoding="utf-8") as f:
@@ -89,7 +88,8 @@ def prepare_throughput(tokens: int, workers: int, folder: Path) -> dict:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
     tok.save(str(folder / "tokenizer.json"))
-    r = prepare([str(text)], str(folder / "prepared"), tokenizer=str(folder / "tokenizer.json"), workers=workers)
+    r = prepare([str(text)], str(folder / "prepared"), tokenizer=str(folder / "tokenizer.json"),
+                workers=workers)
     return {"documents": r.documents, "tokens": r.tokens, "seconds": r.seconds,
             "docs_per_s": r.documents / r.seconds, "tokens_per_s": r.tokens_per_s, "workers": workers,
             "input_mb": text.stat().st_size / 1e6}
@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         peaks = {name: peaks_of_run(str(folder / name), args.steps, args.world_size, folder) for name in docs}
         out["documents"] = docs
         out["rank_peak_bytes"] = peaks
-        out["max_peak_difference_mb"] = max(abs(a - b) for a, b in zip(peaks["large"], peaks["small"])) / 2 ** 20
+        diff = max(abs(a - b) for a, b in zip(peaks["large"], peaks["small"]))
+        out["max_peak_difference_mb"] = diff / 2 ** 20
 
         def open_large():
             seq = StoreDocuments(open_store(folder / "large"))
@@ -142,8 +143,8 @@ def main(argv=None) -> int:
         print(f"{name}: {docs[name]} documents; per-rank peak "
               + ", ".join(f"{b / 2 ** 20:.1f}" for b in peaks[name]) + " MiB")
     print(f"largest per-rank peak difference: {out['max_peak_difference_mb']:.1f} MiB (target <= 150 MB)")
-    print(f"data held by a rank: {out['store_bytes_per_document']:.1f} B per document (token store, shuffled order);"
-          f" JSONL path: {out['jsonl_bytes_per_token']:.1f} B per token")
+    print(f"data held by a rank: {out['store_bytes_per_document']:.1f} B per document (token store, "
+          f"shuffled order); JSONL path: {out['jsonl_bytes_per_token']:.1f} B per token")
     pr = out["prepare"]
     print(f"prepare-data: {pr['tokens']} tokens, {pr['documents']} documents in {pr['seconds']:.2f} s: "
           f"{pr['tokens_per_s']:.0f} tokens/s, {pr['docs_per_s']:.0f} docs/s ({pr['workers']} worker(s))")

@@ -22,9 +22,11 @@ from hgraph.tools.cli.progress import Progress, resolve_mode
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("prepare-data", help="tokenize raw corpora into a memory-mapped token store",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="JSONL, parquet, text files or a datasets folder")
+    p.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="JSONL, parquet, text files or a datasets folder")
     p.add_argument("-o", "--output", required=True, metavar="PREFIX", help="writes PREFIX.bin and PREFIX.idx")
-    p.add_argument("--tokenizer", metavar="TOK", help="tokenizer.json or a local Hugging Face tokenizer folder")
+    p.add_argument("--tokenizer", metavar="TOK",
+                   help="tokenizer.json or a local Hugging Face tokenizer folder")
     p.add_argument("--text-key", default="text", metavar="KEY", help="text field of JSONL/parquet/dataset "
                    "records (default: text)")
     p.add_argument("--text-per-line", action="store_true", help="plain text: one document per non-blank line "
@@ -57,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     if args.json:
         print(json.dumps({"prefix": r.prefix, "documents": r.documents, "tokens": r.tokens,
-                          "skipped_empty": r.skipped_empty, "seconds": r.seconds, "tokens_per_s": r.tokens_per_s,
-                          "vocab_size": r.vocab_size, "dtype": r.dtype}))
+                          "skipped_empty": r.skipped_empty, "seconds": r.seconds,
+                          "tokens_per_s": r.tokens_per_s, "vocab_size": r.vocab_size, "dtype": r.dtype}))
         return 0
     print(f"wrote {r.prefix}.bin and {r.prefix}.idx: {r.documents} documents, {r.tokens} tokens ({r.dtype}, "
-          f"vocabulary {r.vocab_size}) in {r.seconds:.2f} s, {r.documents / max(r.seconds, 1e-9):.0f} docs/s, "
-          f"{r.tokens_per_s:.0f} tokens/s" + (f"; {r.skipped_empty} empty records skipped" if r.skipped_empty else ""))
+          f"vocabulary {r.vocab_size}) in {r.seconds:.2f} s, {r.documents / max(r.seconds, 1e-9):.0f} "
+          f"docs/s, {r.tokens_per_s:.0f} tokens/s"
+          + (f"; {r.skipped_empty} empty records skipped" if r.skipped_empty else ""))
     return 0

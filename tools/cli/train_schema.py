@@ -83,17 +83,18 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
        "checkpoint)", optional=True, metavar="PATH"),
     _k("data", "data", "path", None, "training data: a token store PREFIX (hgraph prepare-data), JSONL with "
-       "input_ids, raw text (JSONL text, parquet, a datasets folder, text files) with --tokenizer, or a mixture "
-       "'W1:SRC1,W2:SRC2' (default: the built-in long-tail dataset)", optional=True,
+       "input_ids, raw text (JSONL text, parquet, a datasets folder, text files) with --tokenizer, or a "
+       "mixture 'W1:SRC1,W2:SRC2' (default: the built-in long-tail dataset)", optional=True,
        metavar="PREFIX|FILE|MIX"),
     _k("data", "tokenizer", "path", None, "tokenizer of raw --data / --eval-data: tokenizer.json or a local "
        "Hugging Face tokenizer folder (the text is tokenized as hgraph prepare-data does, into the run "
        "folder, before the processes start)", optional=True, metavar="TOK"),
-    _k("data", "text-key", "str", "text", "text field of raw JSONL / parquet / dataset records", metavar="KEY"),
+    _k("data", "text-key", "str", "text", "text field of raw JSONL / parquet / dataset records",
+       metavar="KEY"),
     _k("data", "shuffle", "bool", False, "a new seeded permutation of the documents every epoch (--seed); "
        "default: file order"),
-    _k("data", "long", "str", "error", "documents longer than the model's context or --tokens-per-iter: error, "
-       "truncate, split (consecutive chunks, each its own document) or drop; counted in the summary",
+    _k("data", "long", "str", "error", "documents longer than the model's context or --tokens-per-iter: "
+       "error, truncate, split (consecutive chunks, each its own document) or drop; counted in the summary",
        choices=("error", "truncate", "split", "drop")),
     _k("data", "eval-data", "path", None, "validation documents (a source like --data; the first "
        "--eval-tokens of it)", optional=True, metavar="SRC"),

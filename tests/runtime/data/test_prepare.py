@@ -42,7 +42,8 @@ def test_each_source_kind_gives_the_tokenizer_s_ids(tmp_path, tok, capsys):
     expected = [_encode(tok, t) for t in TEXTS]
     jsonl = tmp_path / "c.jsonl"
     jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(TEXTS)) + "\n")
-    assert main(["prepare-data", str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "j"), "--json"]) == 0
+    assert main(["prepare-data", str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "j"),
+                 "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["documents"] == 5 and out["tokens"] == sum(map(len, expected)) and out["tokens_per_s"] > 0
     assert _docs(tmp_path / "j") == expected
@@ -85,8 +86,9 @@ def test_bad_records_are_one_line_with_file_and_line(tmp_path, tok, capsys):
     bad.write_text('{"text": "the cat"\n')
     with pytest.raises(HGraphError, match="bad.jsonl:1: malformed JSON"):
         prepare([str(bad)], str(tmp_path / "b"), tokenizer=str(tok))
+    bad.write_text('{"text": "x"}\n')
     with pytest.raises(HGraphError, match="bad.jsonl:1: a text record needs --tokenizer"):
-        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "b")) if bad.write_text('{"text": "x"}\n') else None
+        prepare([str(bad)], str(tmp_path / "b"))
     with pytest.raises(HGraphError, match="--tokenizer .*nope.json: no such file or folder"):
         prepare([str(bad)], str(tmp_path / "b"), tokenizer=str(tmp_path / "nope.json"))
     ids = tmp_path / "ids.jsonl"

@@ -1,4 +1,5 @@
-"""The token store: format (header, dtype, offsets, lengths), lazy documents, checksum and vocabulary checks."""
+"""The token store: format (header, dtype, offsets, lengths), lazy documents, checksum and vocabulary
+checks, long documents."""
 import json
 import struct
 
@@ -36,7 +37,8 @@ def test_format_header_dtype_and_lazy_documents(tmp_path):
     assert [list(d.input_ids) for d in seq] == docs
     mb = MicroBatch.pack([seq[2].input_ids, seq[0].input_ids], [2, 0])
     assert mb.tokens == 8 and "input_ids" not in mb.__dict__          # nothing read before it is used
-    assert mb.input_ids.tolist() == [[7, 8, 9, 10, 11, 1, 2, 3]] and mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert mb.input_ids.tolist() == [[7, 8, 9, 10, 11, 1, 2, 3]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
     # ids of an unknown vocabulary are written narrow: the largest id + 1
     assert _write(tmp_path / "n", [[0, 5], [255]], None).dtype == np.uint8
 
@@ -56,7 +58,8 @@ def test_checksum_mismatch_truncation_and_vocabulary_are_one_line(tmp_path):
         _write(tmp_path / "v", [[1], [300]], 300)
     assert not (tmp_path / "v.bin").exists()
     _write(tmp_path / "m", [[1, 2], [3, 250], [4]], 256)
-    with pytest.raises(HGraphError, match=r"document 1 holds token id 250, beyond the model's vocabulary \[0, 200\)"):
+    with pytest.raises(HGraphError, match=r"document 1 holds token id 250, beyond the model's vocabulary "
+                                           r"\[0, 200\)"):
         open_source(str(tmp_path / "m"), vocab_size=200)
 
 
@@ -69,7 +72,8 @@ def test_long_documents_truncate_split_drop(tmp_path):
     assert [list(d.input_ids) for d in cut] == [[0, 1, 2, 3], [1, 2], [0, 1, 2, 3]]
     assert (report.long_documents, report.tokens_cut) == (2, 7)
     split, report = limit_long(docs, 4, 100, "split")
-    assert [list(d.input_ids) for d in split] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1, 2], [0, 1, 2, 3], [4]]
+    assert [list(d.input_ids) for d in split] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [1, 2], [0, 1, 2, 3],
+                                                  [4]]
     assert [d.index for d in split] == list(range(6)) and report.chunks == 5
     kept, report = limit_long(docs, 4, None, "drop")
     assert [list(d.input_ids) for d in kept] == [[1, 2]] and report.tokens_cut == 15

@@ -40,7 +40,8 @@ def _sentences(n, seed):
 def run(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     base = tmp_path_factory.mktemp("corpus")
-    texts = {name: _sentences(n, seed) for name, n, seed in (("web", 300, 0), ("books", 120, 1), ("val", 20, 2))}
+    sizes = (("web", 300, 0), ("books", 120, 1), ("val", 20, 2))
+    texts = {name: _sentences(n, seed) for name, n, seed in sizes}
     texts["books"][3] = " ".join(texts["books"][3] for _ in range(30))          # longer than the context
     for name, docs in texts.items():
         (base / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
@@ -50,12 +51,13 @@ def run(tmp_path_factory):
     tok.save(str(base / "tokenizer.json"))
     assert main(["prepare-data", str(base / "web.jsonl"), "--tokenizer", str(base / "tokenizer.json"),
                  "-o", str(base / "web"), "--progress", "off"]) == 0
-    argv = ["train", "--data", f"0.7:{base / 'web'},0.3:{base / 'books.jsonl'}", "--tokenizer",
-            str(base / "tokenizer.json"), "--shuffle", "--long", "split", "--model-args", '{"max_seq_len": 256}',
-            "--world-size", "4", "--strategy-schedule", "1xTP2PP2", "--steps", str(STEPS), "--tokens-per-iter",
-            "1024", "--lr", str(LR), "--lr-schedule", "cosine", "--warmup-steps", str(WARMUP), "--min-lr",
-            str(MIN_LR), "--eval-data", str(base / "val.jsonl"), "--eval-every", str(EVERY), "--eval-tokens", "600",
-            "--save-final", str(base / "final.pt"), "--run-dir", str(base / "run"), "--no-plots", "--json"]
+    argv = ["train", "--data", f"0.7:{base / 'web'},0.3:{base / 'books.jsonl'}",
+            "--tokenizer", str(base / "tokenizer.json"), "--shuffle", "--long", "split",
+            "--model-args", '{"max_seq_len": 256}', "--world-size", "4", "--strategy-schedule", "1xTP2PP2",
+            "--steps", str(STEPS), "--tokens-per-iter", "1024", "--lr", str(LR), "--lr-schedule", "cosine",
+            "--warmup-steps", str(WARMUP), "--min-lr", str(MIN_LR), "--eval-data", str(base / "val.jsonl"),
+            "--eval-every", str(EVERY), "--eval-tokens", "600", "--save-final", str(base / "final.pt"),
+            "--run-dir", str(base / "run"), "--no-plots", "--json"]
     assert main(argv) == 0
     metrics = [json.loads(line) for line in (base / "run" / "metrics.jsonl").read_text().splitlines()]
     return {"base": base, "metrics": metrics, "texts": texts, "tok": tok}
@@ -67,7 +69,8 @@ def test_the_run_trains_its_mixture_with_the_schedule_and_the_loss_falls(run):
     for r in m:
         s = r["step"]
         t = (s - WARMUP) / (STEPS - WARMUP)
-        want = LR * (s + 1) / WARMUP if s < WARMUP else MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * t))
+        cosine = MIN_LR + (LR - MIN_LR) * 0.5 * (1 + math.cos(math.pi * t))
+        want = LR * (s + 1) / WARMUP if s < WARMUP else cosine
         assert r["lr"] == pytest.approx(want, rel=1e-12, abs=0)
     web = open_store(run["base"] / "web")
     assert web.num_documents == 300
