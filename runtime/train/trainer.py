@@ -354,7 +354,8 @@ class Trainer:
         metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
                       balance=self.mode.balance.get(batch.step, {}), extra=extra)
         if cfg.log_steps and self.rank == 0:
-            if batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps:
+            due = batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps
+            if due or "eval_loss" in extra:
                 bar.write(format_step_line(result, planned, extra))
             bar.update(1, f"step {batch.step}")
 

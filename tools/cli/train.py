@@ -24,11 +24,16 @@ right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``
 local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
 an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
 any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of
-``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens
+``--data`` (a token store of ``hgraph prepare-data``, JSONL with ``input_ids``, raw text with
+``--tokenizer`` tokenized here into the run folder, or a mixture ``"0.7:A,0.3:B"``;
+``hgraph.runtime.data.corpus``) in file order or, with ``--shuffle``, a seeded permutation per epoch,
+up to ``--tokens-per-iter`` tokens
 (``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
 last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
 and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
-Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the
+Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping), at a constant learning
+rate unless ``--lr-schedule`` says otherwise (the built-in default run: 10% warmup, cosine to lr/10;
+``hgraph.runtime.train.lr_schedule``); ``--eval-data SRC --eval-every K`` adds ``eval_loss``. ``--save-final`` writes the
 gathered fp32 state_dict (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON
 line per step.
 
