@@ -223,6 +223,7 @@ def resolve_raw_sources(spec: str, tokenizer: Optional[str], text_key: str, cach
         if tokenizer is None:
             raise HGraphError(f"{what} {src.path}: raw text; give --tokenizer (a tokenizer.json or a local "
                               "Hugging Face tokenizer folder), or convert it first with hgraph prepare-data")
+        load_tokenizer(tokenizer)            # an unknown or broken tokenizer: its one line, first
         p = Path(src.path)
         prefix = cache_dir / f"{p.stem or 'data'}-{_cache_key(p, tokenizer, text_key)}"
         if not is_store(prefix):

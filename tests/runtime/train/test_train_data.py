@@ -8,6 +8,7 @@ rank's data memory does not grow with the corpus (a 60M-token store against a 1M
 import json
 import math
 import random
+import re
 import tracemalloc
 
 import numpy as np
@@ -132,3 +133,36 @@ def test_a_rank_s_data_memory_does_not_grow_with_the_corpus(tmp_path):
         del lengths
     assert peaks["large"] - peaks["small"] < 150 * 2 ** 20
     assert peaks["large"] < 40 * (6 * 10 ** 7 // 900)             # tens of bytes per document, not per token
+
+
+@pytest.mark.parametrize("case", ["weights", "raw-without-tokenizer", "tokenizer", "checksum", "vocabulary",
+                                  "empty-eval", "long"])
+def test_bad_data_is_one_line_before_any_process_starts(tmp_path, capsys, case):
+    w = TokenStoreWriter(tmp_path / "s", 600)
+    for d in ([1, 2, 3], [4, 5, 599], list(range(2, 40))):
+        w.add(d)
+    w.finish()
+    (tmp_path / "raw.jsonl").write_text('{"text": "hello world"}\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    store = str(tmp_path / "s")
+    extra, match = {
+        "weights": (["--data", f"0:{store},0:{store}"], "mixture weights sum to zero"),
+        "raw-without-tokenizer": (["--data", str(tmp_path / "raw.jsonl")], "raw text; give --tokenizer"),
+        "tokenizer": (["--data", str(tmp_path / "raw.jsonl"), "--tokenizer", str(tmp_path / "no-tok")],
+                      "no-tok: no such file or folder"),
+        "checksum": (["--data", store], "checksum of s.bin does not match s.idx"),
+        "vocabulary": (["--data", store, "--model-args", '{"max_seq_len": 64}'],
+                       r"document 1 holds token id 599, beyond the model's vocabulary \[0, 512\)"),
+        "empty-eval": (["--data", store, "--eval-data", str(tmp_path / "empty.jsonl"), "--eval-every", "1",
+                        "--model-args", '{"vocab_size": 600}'], "holds no documents"),
+        "long": (["--data", store, "--model-args", '{"vocab_size": 600, "max_seq_len": 16}'],
+                 "document 2 has 38 tokens, longer than the 16 the model supports"),
+    }[case]
+    if case == "checksum":
+        data = bytearray((tmp_path / "s.bin").read_bytes())
+        data[0] ^= 1
+        (tmp_path / "s.bin").write_bytes(bytes(data))
+    code = main(["train", *extra, "--world-size", "2", "--strategy-schedule", "2xTP1PP1", "--steps", "1",
+                 "--tokens-per-iter", "256", "--run-dir", str(tmp_path / "run"), "--no-plots"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and re.search(match, err[0]), err
