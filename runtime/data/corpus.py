@@ -95,13 +95,10 @@ def open_source(path: str, vocab_size: Optional[int] = None, *, verify: bool = F
     if is_store(p) or p.endswith(".idx"):
         store = open_store(p[:-4] if p.endswith(".idx") else p, verify=verify)
         if vocab_size is not None and store.max_token_id >= vocab_size:
-            lengths = store.lengths
-            for i in range(store.num_documents):
-                toks = store.tokens(i)
-                if int(toks.max()) >= vocab_size:
-                    raise HGraphError(f"token store {store.prefix}: document {i} holds token id "
-                                      f"{int(toks.max())}, beyond the model's vocabulary [0, {vocab_size}) "
-                                      f"(ids up to {store.max_token_id}; {int(lengths.size)} documents)")
+            pos, token = store.first_token_at_least(vocab_size)
+            i = int(np.searchsorted(store.offsets, pos, side="right")) - 1
+            raise HGraphError(f"token store {store.prefix}: document {i} holds token id {token}, beyond the "
+                              f"model's vocabulary [0, {vocab_size}) (ids up to {store.max_token_id})")
         return StoreDocuments(store)
     if Path(p).is_file() and p.endswith((".jsonl", ".json")):
         return read_jsonl(p, vocab_size)

@@ -212,6 +212,15 @@ class TokenStore:
         n = int(self.lengths[i]) - start if length is None else length
         return self._bin[off:off + n]
 
+    def first_token_at_least(self, value: int) -> tuple[int, int]:
+        """(position in ``.bin``, id) of the first token ``>= value`` (``(-1, -1)``: none), chunk by chunk."""
+        step = 1 << 24
+        for start in range(0, self.num_tokens, step):
+            hits = np.flatnonzero(self._bin[start:start + step] >= value)
+            if hits.size:
+                return start + int(hits[0]), int(self._bin[start + int(hits[0])])
+        return -1, -1
+
     def __getstate__(self) -> dict:
         # a store travels to another process as its name: the maps are opened again there
         return {"prefix": self.prefix, "header": self.header, "data_start": self.data_start}

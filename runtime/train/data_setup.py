@@ -8,6 +8,7 @@ model's vocabulary, a document ``--long error`` refuses, mixture weights that do
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -42,10 +43,10 @@ def ready_data(config: TrainConfig, model, cache_dir: Path,
             resolved = resolve_raw_sources(spec, data.tokenizer, data.text_key, cache_dir, say, what)
         changes[key] = resolved          # set: the data is checked once
         _, parts = open_corpus(resolved, vocab, verify=True)
-        budget = data.tokens_per_iter if key == "data_sources" else (data.eval_tokens or data.tokens_per_iter)
+        # a training document must fit the model and a step; a validation one the model
+        budget = data.tokens_per_iter if key == "data_sources" else sys.maxsize
         for part in parts:
             if not len(part):
                 raise HGraphError(f"{what} {spec}: no document")
-            if key == "data_sources":
-                limit_long(part, budget, max_len, data.long)
+            limit_long(part, budget, max_len, data.long)
     return config.with_values(**changes) if changes else config

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -265,7 +266,8 @@ class Trainer:
         vocab, max_len = model_limits(self.model)
         budget = cfg.data.eval_tokens or cfg.data.tokens_per_iter
         _, parts = open_corpus(cfg.eval_sources or cfg.data.eval_data, vocab)
-        docs, _ = limit_long(parts[0] if len(parts) == 1 else ConcatDocuments(parts), budget, max_len,
+        # validation documents only need to fit the model (they are not a step's budget)
+        docs, _ = limit_long(parts[0] if len(parts) == 1 else ConcatDocuments(parts), sys.maxsize, max_len,
                              cfg.data.long)
         lengths = doc_lengths(docs)
         count = max(1, int(np.searchsorted(np.cumsum(lengths), budget, side="right")))
