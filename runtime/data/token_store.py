@@ -276,3 +276,15 @@ def open_store(prefix: Union[str, Path], *, verify: bool = False) -> TokenStore:
     if verify:
         store.verify()
     return store
+
+
+def write_documents(prefix: Union[str, Path], docs: Any, vocab_size: int) -> TokenStore:
+    """A token store of ``docs`` (token id sequences, in order)."""
+    w = TokenStoreWriter(prefix, vocab_size)
+    try:
+        for i, d in enumerate(docs):
+            w.add(d, f"document {i}")
+    except BaseException:
+        w.abort()
+        raise
+    return w.finish()

@@ -245,7 +245,7 @@ class Trainer:
             if not docs or any(len(d) == 0 for d in docs):
                 raise HGraphError("documents must be non-empty lists of token ids")
             sources, parts = [SourceSpec("documents")], [docs]
-        elif cfg.data.data is not None:
+        elif cfg.data_sources is not None or cfg.data.data is not None:
             sources, parts = open_corpus(cfg.data_sources or cfg.data.data, vocab)
         else:
             raise HGraphError("no training data: give --data (a token store, JSONL or raw text with "

@@ -62,6 +62,7 @@ from hgraph.runtime.checkpoint.shards import latest
 from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.stored import LongReport
+from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
@@ -219,6 +220,12 @@ def run(args: argparse.Namespace) -> int:
         saved_n = point.data_position.get("num_documents") if point is not None else None
         docs = builtin_documents(config.model.model, config.model.model_args, data.steps, data.tokens_per_iter,
                                  data.builtin_docs or saved_n, data.builtin_scale)
+        if run_dir is not None:
+            # kept as a token store in the run folder: every rank maps it instead of holding the tokens
+            prefix = run_dir / "data" / f"builtin-{len(docs)}"
+            vocab = record_model(config).model.config.vocab_size
+            config = config.with_values(data_sources=str(write_documents(prefix, docs, vocab).prefix))
+            docs = None
         if config.optimizer.lr_schedule == "auto":      # the built-in default run's recipe
             opt = config.optimizer
             config = config.with_values(**builtin_default(opt.lr, data.steps, opt.warmup_steps, opt.min_lr))
