@@ -33,9 +33,9 @@ last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documen
 and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
 Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping), at a constant learning
 rate unless ``--lr-schedule`` says otherwise (the built-in default run: 10% warmup, cosine to lr/10;
-``hgraph.runtime.train.lr_schedule``); ``--eval-data SRC --eval-every K`` adds ``eval_loss``. ``--save-final`` writes the
-gathered fp32 state_dict (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON
-line per step.
+``hgraph.runtime.train.lr_schedule``); ``--eval-data SRC --eval-every K`` adds ``eval_loss``.
+``--save-final`` writes the gathered fp32 state_dict (keyed like the original module) with
+``torch.save``; ``--metrics`` one JSON line per step.
 
 Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
 RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR

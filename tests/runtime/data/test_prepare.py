@@ -110,3 +110,18 @@ def test_raw_data_of_a_run_is_tokenized_exactly_as_prepare_data(tmp_path, tok):
     assert resolve_raw_sources(str(raw), str(tok), "text", tmp_path / "cache") == on_the_fly
     with pytest.raises(HGraphError, match="raw text; give --tokenizer"):
         resolve_raw_sources(str(raw), None, "text", tmp_path / "cache")
+
+
+def test_a_hugging_face_tokenizer_folder_gives_the_same_ids(tmp_path, tok):
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import Tokenizer
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tok)),
+                                              eos_token="</s>", unk_token="[UNK]")
+    hf.save_pretrained(str(tmp_path / "hf-tok"))
+    (tmp_path / "c.txt").write_text("\n".join(TEXTS))
+    prepare([str(tmp_path / "c.txt")], str(tmp_path / "a"), tokenizer=str(tmp_path / "hf-tok"),
+            text_per_line=True, append_eos=True)
+    eos = _encode(tok, "</s>")
+    assert _docs(tmp_path / "a") == [_encode(tok, t) + eos for t in TEXTS]
+    with pytest.raises(HGraphError, match="not a Hugging Face tokenizer folder"):
+        prepare([str(tmp_path / "c.txt")], str(tmp_path / "b"), tokenizer=str(tmp_path))
