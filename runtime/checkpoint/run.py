@@ -26,34 +26,29 @@ steps N.. up to ``--steps`` (the run's total).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import numpy as np
-
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
+from hgraph.runtime.data.stored import fingerprint_of
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
 from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.lr_schedule import schedule_of
 
 NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
                    "note": "mini-batches are packed without outlier delay: no document is held back"}
 
 
 def data_fingerprint(docs: Sequence[Document]) -> str:
-    """SHA-256 of the documents' tokens in order (a resume must read the same data)."""
-    h = hashlib.sha256()
-    for d in docs:
-        arr = np.asarray(d.input_ids, dtype=np.int64)
-        h.update(np.int64(arr.size).tobytes())
-        h.update(arr.tobytes())
-    return h.hexdigest()
+    """SHA-256 of the documents' tokens in order, or a token store's own checksum (a resume must read
+    the same data; ``hgraph.runtime.data.stored.fingerprint_of``)."""
+    return fingerprint_of(docs)
 
 
 @dataclass(frozen=True)
@@ -162,12 +157,17 @@ class RunCheckpoints:
 
 
 def data_position(steps_done: int, next_document: int, docs: Sequence[Document], tokens_per_iter: int,
-                  fingerprint: str) -> dict:
-    """Where the next step starts: ``next_document`` documents consumed so far (all epochs)."""
+                  fingerprint: str, order: Any = None) -> dict:
+    """Where the next step starts: ``next_document`` documents consumed so far (all epochs), and the
+    order's state there (``corpus.DataOrder.state``: file or shuffled order, seed, epoch, mixture
+    counts)."""
     n = len(docs)
-    return {"next_step": steps_done, "next_document": next_document, "epoch": next_document // n,
-            "index_in_epoch": next_document % n, "num_documents": n, "tokens_per_iter": tokens_per_iter,
-            "documents_sha256": fingerprint}
+    out = {"next_step": steps_done, "next_document": next_document, "epoch": next_document // n,
+           "index_in_epoch": next_document % n, "num_documents": n, "tokens_per_iter": tokens_per_iter,
+           "documents_sha256": fingerprint}
+    if order is not None:
+        out.update(order.state(next_document))
+    return out
 
 
 def check_resume(point_step: int, folder: Path, run: dict, position: dict, *, model: str, model_args: dict,
@@ -271,7 +271,8 @@ def run_state(config: TrainConfig, world_size: int, module: Any = None) -> dict:
     model = config.model
     state = {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
              "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps,
-             "init_from": model.init_from, "run_dir": config.logging.run_dir}
+             "init_from": model.init_from, "run_dir": config.logging.run_dir,
+             "lr_schedule": schedule_of(config).state()}
     to_json = getattr(getattr(module, "config", None), "to_json_string", None)
     if callable(to_json):
         state["hf_config"] = json.loads(to_json(use_diff=False))

@@ -39,6 +39,7 @@ class CommContext:
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
     token_keys: Optional[TokenKeys] = None        # what the micro-batch's tokens are (dropout masks)
+    evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
@@ -128,7 +129,7 @@ class CommContext:
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
         layout = self._cp_layout("cp_attention")
-        if not dropout_p:
+        if not dropout_p or self.evaluating:
             return cp_kernel.cp_attention(q, k, v, layout, scale, enable_gqa, softcap, window)
         keys = self._token_keys("cp_attention")
         groups = dropout_kernel.cp_groups(layout, keys, q.device, window)
@@ -136,12 +137,15 @@ class CommContext:
                                                      self._head_offset(q.shape[1], heads), softcap)
 
     def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor:
+        if self.evaluating:
+            return x
         return dropout_kernel.dropout(x, p, site, self._token_keys("dropout"))
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int, softcap: Optional[float] = None,
                           window: Optional[int] = None) -> torch.Tensor:
         keys = self._token_keys("attention dropout")
+        p = 0.0 if self.evaluating else p         # the same attention, no probability dropped
         groups = dropout_kernel.packed_groups(keys, q.device, window)
         return dropout_kernel.attention_with_dropout(q, k, v, groups, p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)

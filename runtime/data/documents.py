@@ -1,27 +1,35 @@
-"""Training data: documents from a JSONL file and the mini-batches of a deterministic run.
+"""Training data: documents, a JSONL file of ``input_ids``, and the mini-batches of a run.
 
-One JSON object per line with ``input_ids`` (a list of non-negative ints); blank lines are skipped.
-A mini-batch takes whole documents in file order until the next one would pass ``tokens_per_iter``
-(DESIGN.md, data order). When the data runs out before the last step, the next mini-batch starts
-again at the first document (a new epoch), so any number of steps can be trained. With outlier delay
-(``--outlier-queues``) the stream is ``hgraph.runtime.data.outlier_delay``'s, which uses these types.
+A ``Document`` is an index and its tokens: a tuple for documents held in memory (``read_jsonl``, one
+JSON object per line with ``input_ids``; blank lines skipped), or ``StoredTokens`` for a document of a
+token store (``hgraph.runtime.data.stored``), whose length is known without reading it and whose
+tokens are read from the memory map only when a micro-batch is packed.
+
+A mini-batch takes whole documents in the run's order (``hgraph.runtime.data.corpus.DataOrder``: file
+order or a seeded permutation per epoch) until the next one would pass ``tokens_per_iter`` (DESIGN.md,
+data order). When the data runs out before the last step, the next mini-batch starts a new epoch, so
+any number of steps can be trained. With outlier delay (``--outlier-queues``) the stream is
+``hgraph.runtime.data.outlier_delay``'s, which uses these types.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import numpy as np
 
 from hgraph.errors import HGraphError
 
 
 @dataclass(frozen=True)
 class Document:
-    """One training document: its 0-based position in the file and its tokens."""
+    """One training document: its 0-based position in the data and its tokens (a tuple, or a lazy
+    ``StoredTokens`` sequence that knows its length and reads the tokens when asked)."""
 
     index: int
-    input_ids: tuple[int, ...]
+    input_ids: Sequence[int]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -84,17 +92,30 @@ def read_jsonl(path: Union[str, Path], vocab_size: Optional[int] = None) -> list
     return docs
 
 
+def doc_lengths(docs: Sequence[Document]) -> np.ndarray:
+    """The documents' lengths as an int64 array (a stored sequence's ``lengths``: no token is read)."""
+    lengths = getattr(docs, "lengths", None)
+    if lengths is not None:
+        return np.asarray(lengths, dtype=np.int64)
+    return np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+
+
 def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optional[int]) -> None:
     """Every document must fit a mini-batch and the model: one line naming the first that does not."""
     if tokens_per_iter < 1:
         raise HGraphError(f"--tokens-per-iter must be >= 1, got {tokens_per_iter}")
-    for d in docs:
-        if max_len is not None and len(d) > max_len:
-            raise HGraphError(f"document {d.index} has {len(d)} tokens, longer than the {max_len} the model "
-                              "supports (its max_seq_len)")
-        if len(d) > tokens_per_iter:
-            raise HGraphError(f"document {d.index} has {len(d)} tokens, more than --tokens-per-iter "
-                              f"{tokens_per_iter}: a mini-batch holds whole documents")
+    lengths = doc_lengths(docs)
+    limit = min(tokens_per_iter, max_len) if max_len is not None else tokens_per_iter
+    over = np.flatnonzero(lengths > limit)
+    if over.size:
+        i = int(over[0])
+        n = int(lengths[i])
+        if max_len is not None and n > max_len:
+            raise HGraphError(f"document {i} has {n} tokens, longer than the {max_len} the model supports "
+                              "(its max_seq_len); --long truncate|split|drop handles such documents")
+        raise HGraphError(f"document {i} has {n} tokens, more than --tokens-per-iter {tokens_per_iter}: a "
+                          "mini-batch holds whole documents (--long truncate|split|drop handles such "
+                          "documents)")
 
 
 def first_fit(docs: Sequence[Document], cap: int) -> list[list[Document]]:
@@ -114,32 +135,34 @@ def first_fit(docs: Sequence[Document], cap: int) -> list[list[Document]]:
 
 
 def mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int, *, start_step: int = 0,
-                 start_position: int = 0) -> Iterator[MiniBatch]:
-    """The mini-batches of steps ``start_step .. steps-1``: whole documents in file order (wrapping
-    around at the end), the first one starting at document ``start_position`` (documents consumed so
-    far, all epochs counted: a checkpoint's data position).
+                 start_position: int = 0, order: Any = None) -> Iterator[MiniBatch]:
+    """The mini-batches of steps ``start_step .. steps-1``: whole documents in the run's order
+    (``order.at(position)``, a ``hgraph.runtime.data.corpus.DataOrder``; default file order, wrapping
+    around at the end), the first one at position ``start_position`` (documents consumed so far, all
+    epochs counted: a checkpoint's data position).
 
     Raises HGraphError for a mini-batch without any target (only one-token documents): its loss
     (a sum over no targets divided by zero) is undefined.
     """
     if not docs:
         raise HGraphError("no documents to train on")
+    at = order.at if order is not None else (lambda p: docs[p % len(docs)])
     pos = start_position
     for step in range(start_step, steps):
         taken: list[Document] = []
+        seen: set[int] = set()
         total = 0
         while True:
-            d = docs[pos % len(docs)]
-            if taken and total + len(d) > tokens_per_iter:
-                break
+            d = at(pos)
+            if taken and (total + len(d) > tokens_per_iter or d.index in seen):
+                break       # full, or the same document again (tiny data): never twice in one mini-batch
             if len(d) > tokens_per_iter:
                 raise HGraphError(f"document {d.index} has {len(d)} tokens, more than --tokens-per-iter "
                                   f"{tokens_per_iter}: a mini-batch holds whole documents")
             taken.append(d)
+            seen.add(d.index)
             total += len(d)
             pos += 1
-            if len(taken) >= len(docs):   # never repeat a document inside one mini-batch
-                break
         batch = MiniBatch(step, tuple(taken), pos)
         if batch.num_targets == 0:
             raise HGraphError(f"step {step}: the mini-batch (documents {[d.index for d in taken]}) is empty of "

@@ -33,13 +33,23 @@ the same mini-batches as the trainer.
 """
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.data.documents import Document, MiniBatch, mini_batches
+from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths, mini_batches
 from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker, _Doc
 
 _STATE_VERSION = 1
+
+
+class _FileOrder:
+    """File order over ``docs`` (``corpus.DataOrder`` without shuffle or mixture)."""
+
+    def __init__(self, docs: Sequence[Document]) -> None:
+        self.docs, self.epoch_size = docs, len(docs)
+
+    def at(self, position: int) -> Document:
+        return self.docs[position % self.epoch_size]
 
 
 def _next_fit_steps(lengths: Sequence[int], budget: int) -> int:
@@ -57,13 +67,15 @@ class DelayedMiniBatches:
     is what a checkpoint stores, ``DelayedMiniBatches(..., state=that)`` continues from it."""
 
     def __init__(self, docs: Sequence[Document], tokens_per_iter: int, steps: int, num_queues: int,
-                 release: int, *, state: Optional[dict] = None) -> None:
+                 release: int, *, state: Optional[dict] = None, order: Any = None) -> None:
         if not docs:
             raise HGraphError("no documents to train on")
+        # position -> document (``corpus.DataOrder``); default file order
+        self.order = order if order is not None else _FileOrder(docs)
         if num_queues < 1:
             raise HGraphError(f"--outlier-queues must be >= 1 for a delayed stream, got {num_queues}")
         self.docs, self.budget, self.steps = docs, int(tokens_per_iter), int(steps)
-        longest = max(len(d) for d in docs)
+        longest = int(doc_lengths(docs).max())
         # WLBPacker holds the queues and releases them (Alg. 1); latency only matters to its packing,
         # which this stream does not use.
         self.wlb = WLBPacker(DocLatency(1.0, 0.0), max(1, int(release)), longest, num_queues=num_queues,
@@ -92,8 +104,7 @@ class DelayedMiniBatches:
                               f"(thresholds {state.get('thresholds')}) differ from this run's "
                               f"{len(self.wlb.thresholds)} (thresholds {self.wlb.thresholds}); give the same "
                               "--outlier-queues")
-        n = len(self.docs)
-        mk = lambda p: _Doc(int(p[0]), len(self.docs[int(p[0]) % n]), int(p[1]))   # noqa: E731
+        mk = lambda p: _Doc(int(p[0]), len(self.order.at(int(p[0]))), int(p[1]))   # noqa: E731
         for q, saved in zip(self.wlb.queues, state["queues"]):
             q.extend(mk(p) for p in saved)
         self.held = [mk(p) for p in state["held"]]
@@ -129,16 +140,18 @@ class DelayedMiniBatches:
             d = self.held.pop(0)
             taken.append(d)
             room -= d.length
-        n = len(self.docs)
+        n = self.order.epoch_size
+        seen = {self.order.at(t.index).index for t in taken}
         while True:
-            doc = self.docs[self.position % n]
-            if any(t.index % n == doc.index for t in taken):
+            doc = self.order.at(self.position)
+            if doc.index in seen:
                 break                    # never the same document twice in one mini-batch (tiny data)
             d = _Doc(self.position, len(doc), self.step)
             if self.draining or d.length < self.wlb.thresholds[0]:
                 if taken and d.length > room:
                     break
                 taken.append(d)
+                seen.add(doc.index)
                 room -= d.length
             else:
                 if self.held:
@@ -148,6 +161,7 @@ class DelayedMiniBatches:
                 for r in released:
                     if r.length <= room:
                         taken.append(r)
+                        seen.add(self.order.at(r.index).index)
                         room -= r.length
                     else:
                         self.held.append(r)
@@ -155,11 +169,16 @@ class DelayedMiniBatches:
             if self.position % n == 0:   # the data's end: this epoch's outliers are trained first
                 self._flush_queues()
                 if self.held:
+                    if not taken:        # nothing in this step yet: the flushed outliers are its documents
+                        while self.held and (not taken or self.held[0].length <= room):
+                            d = self.held.pop(0)
+                            taken.append(d)
+                            room -= d.length
                     break                # ... before the next epoch is read
         if last:
             taken.extend(self.held)
             self.held = []
-        batch = MiniBatch(self.step, tuple(self.docs[d.index % n] for d in taken), self.position,
+        batch = MiniBatch(self.step, tuple(self.order.at(d.index) for d in taken), self.position,
                           delayed=sum(d.arrival < self.step for d in taken), pending=self.pending(),
                           delay_iters=tuple(self.step - d.arrival for d in taken))
         if batch.num_targets == 0:
@@ -170,9 +189,10 @@ class DelayedMiniBatches:
 
 
 def delayed_mini_batches(docs: Sequence[Document], tokens_per_iter: int, steps: int, num_queues: int,
-                         release: int, *, state: Optional[dict] = None) -> Iterator[tuple[MiniBatch, dict]]:
+                         release: int, *, state: Optional[dict] = None,
+                         order: Any = None) -> Iterator[tuple[MiniBatch, dict]]:
     """Each mini-batch of the steps left, with the stream's state after it (a checkpoint's queues)."""
-    stream = DelayedMiniBatches(docs, tokens_per_iter, steps, num_queues, release, state=state)
+    stream = DelayedMiniBatches(docs, tokens_per_iter, steps, num_queues, release, state=state, order=order)
     while stream.step < steps:
         batch = stream.next_batch()
         yield batch, stream.state()
@@ -190,10 +210,11 @@ def check_resume_queues(saved: dict, outlier_queues: int, folder) -> None:
 
 
 def run_mini_batches(docs: Sequence[Document], config, world_size: int,
-                     resumed=None) -> Iterator[tuple[MiniBatch, Optional[dict]]]:
+                     resumed=None, order: Any = None) -> Iterator[tuple[MiniBatch, Optional[dict]]]:
     """The mini-batches a run (``TrainConfig``) trains from its start or from the checkpoint
-    ``resumed``, each with the delay state after it (None without outlier delay). The trainer and the
-    planner process both call this, so they see the same stream."""
+    ``resumed``, each with the delay state after it (None without outlier delay), in ``order``
+    (``corpus.DataOrder``; default file order). The trainer and the planner process both call this,
+    so they see the same stream."""
     queues = int(getattr(config, "outlier_queues", 0) or 0)
     saved = dict(resumed.delay_queues) if resumed is not None else {}
     if resumed is not None:
@@ -202,7 +223,7 @@ def run_mini_batches(docs: Sequence[Document], config, world_size: int,
         start_step = resumed.step if resumed is not None else 0
         start = resumed.data_position["next_document"] if resumed is not None else 0
         for batch in mini_batches(docs, config.tokens_per_iter, config.steps, start_step=start_step,
-                                  start_position=start):
+                                  start_position=start, order=order):
             yield batch, None
         return
     state = None
@@ -211,14 +232,16 @@ def run_mini_batches(docs: Sequence[Document], config, world_size: int,
         if not state.get("outlier_delay") or len(state.get("thresholds", [])) != queues:
             # a checkpoint of a run without delay (or with other queues, all empty: checked above):
             # nothing waits, the stream starts at its position
-            state = DelayedMiniBatches(docs, config.tokens_per_iter, config.steps, queues, world_size).state()
+            state = DelayedMiniBatches(docs, config.tokens_per_iter, config.steps, queues, world_size,
+                                       order=order).state()
             state.update(next_step=resumed.step, next_document=resumed.data_position["next_document"])
     yield from delayed_mini_batches(docs, config.tokens_per_iter, config.steps, queues,
-                                    release_size(docs, config.tokens_per_iter, world_size), state=state)
+                                    release_size(docs, config.tokens_per_iter, world_size), state=state,
+                                    order=order)
 
 
 def release_size(docs: Sequence[Document], tokens_per_iter: int, world_size: int) -> int:
     """Outliers a full queue releases at once: WLB releases one per micro-batch, each able to hold the
     longest document; a step here holds ``tokens_per_iter // longest`` such, shared by the ranks."""
-    longest = max(len(d) for d in docs)
+    longest = int(doc_lengths(docs).max())
     return max(1, min(int(world_size), int(tokens_per_iter) // longest))

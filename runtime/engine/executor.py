@@ -44,8 +44,10 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -69,27 +71,36 @@ ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class MicroBatch:
-    """One packed row: documents concatenated (``input_ids [1, T]``) with per-document positions."""
+    """One packed row: documents concatenated (``input_ids [1, T]``) with per-document positions.
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
+    The row is built when first read: only the ranks of the pipeline that runs it read its documents'
+    tokens (a stored document's tokens stay in the memory map until then)."""
+
     doc_lengths: tuple[int, ...]
     doc_indices: tuple[int, ...] = ()
+    sources: tuple = field(default=(), repr=False)    # each document's token ids (any int sequence)
 
     @classmethod
     def pack(cls, docs: Sequence[Sequence[int]], indices: Sequence[int] = ()) -> "MicroBatch":
         """Pack token lists into one row; positions restart at 0 for every document."""
         if not docs or any(len(d) == 0 for d in docs):
             raise HGraphError("a micro-batch needs at least one document and no empty document")
-        ids = torch.tensor([t for d in docs for t in d], dtype=torch.long)[None]
-        pos = torch.cat([torch.arange(len(d)) for d in docs])[None]
-        return cls(ids, pos, tuple(len(d) for d in docs), tuple(indices))
+        return cls(tuple(len(d) for d in docs), tuple(indices), tuple(docs))
+
+    @cached_property
+    def input_ids(self) -> torch.Tensor:
+        row = np.concatenate([np.asarray(d, dtype=np.int64) for d in self.sources])
+        return torch.from_numpy(row)[None]
+
+    @cached_property
+    def position_ids(self) -> torch.Tensor:
+        return torch.cat([torch.arange(n) for n in self.doc_lengths])[None]
 
     @property
     def tokens(self) -> int:
-        return int(self.input_ids.shape[1])
+        return int(sum(self.doc_lengths))
 
 
 @dataclass
@@ -378,26 +389,13 @@ class Executor:
         for n, (kind, i) in enumerate(order):
             mb = mbs[i]
             if kind == "F":
-                ids, pos, targets = mb.input_ids, mb.position_ids, None
-                docs = token_documents(mb)
-                if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-                    comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
-                    local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
-                    cu = cu_seqlens_for(mb.doc_lengths)
-                    ids, pos, docs = ids[:, local], pos[:, local], docs[local]
-                    targets = packed_targets(mb.input_ids, cu)[:, local]
-                comm.token_keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
-                                            mb.doc_indices or tuple(range(len(mb.doc_lengths))))
+                ids, pos, targets = self._inputs(state, mb)
                 if memory is not None:
                     memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
                     out = gm(ids.to(self.device), pos.to(self.device), comm)
                     if last:
-                        if targets is None:
-                            s = packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
-                        else:
-                            s = F.cross_entropy(out[0].float(), targets[0].to(self.device),
-                                                ignore_index=IGNORE_INDEX, reduction="sum")
+                        s = self._loss_sum(out, ids, targets, mb)
                         loss_sum += float(s.detach())
                         pending[i] = s / num_targets
                     else:
@@ -416,6 +414,59 @@ class Executor:
                 if memory is not None:
                     memory.after_backward(i)
         return loss_sum
+
+    def _inputs(self, state: RankState, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``; sets the
+        micro-batch's CP layout and dropout keys on the rank's communication context."""
+        rp, comm = state.rank_program, state.comm
+        ids, pos, targets = mb.input_ids, mb.position_ids, None
+        docs = token_documents(mb)
+        if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
+            comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
+            local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
+            cu = cu_seqlens_for(mb.doc_lengths)
+            ids, pos, docs = ids[:, local], pos[:, local], docs[local]
+            targets = packed_targets(mb.input_ids, cu)[:, local]
+        comm.token_keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
+                                    mb.doc_indices or tuple(range(len(mb.doc_lengths))))
+        return ids, pos, targets
+
+    def _loss_sum(self, out: torch.Tensor, ids: torch.Tensor, targets: Any, mb: MicroBatch) -> torch.Tensor:
+        """The summed next-token cross-entropy of the last stage's logits ``out``."""
+        if targets is None:
+            return packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
+        return F.cross_entropy(out[0].float(), targets[0].to(self.device), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+    @torch.no_grad()
+    def evaluate(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int) -> float:
+        """The loss of ``microbatches`` (per pipeline, as ``step`` takes them) under ``program`` with the
+        current parameters, forward only: the same loss as a step's (summed next-token cross-entropy
+        over ``num_targets``), dropout off, nothing updated. Collective: every rank calls it."""
+        if num_targets < 1:
+            raise HGraphError("evaluation: the documents have no targets; the loss is undefined")
+        state = self.state_for(program)
+        self._activate(state)
+        rp, sync, comm = state.rank_program, state.sync, state.comm
+        last = rp.stage == rp.scheme.pp - 1
+        sync.begin_step()
+        comm.evaluating = True
+        loss_sum = 0.0
+        try:
+            for mb in microbatches[rp.pipeline]:
+                ids, pos, targets = self._inputs(state, mb)
+                out = state.graph(ids.to(self.device), pos.to(self.device), comm)
+                if last:
+                    loss_sum += float(self._loss_sum(out, ids, targets, mb))
+                del out
+            comm.wait_all()
+        finally:
+            comm.evaluating = False
+        sync.end_step()
+        value, work = self._issue_global_loss(rp, loss_sum)
+        if work is not None:
+            work.wait()
+        return float(value[0]) / num_targets
 
     @staticmethod
     def _loss_share(rp: Any, loss_sum: float) -> float:

@@ -53,6 +53,10 @@ class ProgramCache:
             self.switch_s.append(time.perf_counter() - t0)
         return entry.program
 
+    def peek(self, strategy: Strategy) -> Program:
+        """The Program of ``strategy`` already built (no hit counted: an evaluation after its step)."""
+        return self._entries[strategy].program
+
     def state(self, program: Program) -> Optional[Any]:
         """This rank's state for ``program`` (None before its first step)."""
         entry = self._entries.get(program.strategy)

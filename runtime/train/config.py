@@ -46,11 +46,18 @@ class ModelConfig:
 class DataConfig:
     """``[data]``: the documents and how many of them a step and the run take."""
 
-    data: Optional[str] = None                 # JSONL with input_ids (None: ``TrainConfig.docs``)
+    data: Optional[str] = None                 # store prefix, JSONL, raw text, "W:SRC,W:SRC" (None: docs)
+    tokenizer: Optional[str] = None            # tokenizer.json or HF tokenizer folder (raw text data)
+    text_key: str = "text"                     # the text field of raw JSONL / parquet / dataset records
     builtin_docs: Optional[int] = None         # the command line's built-in documents: how many, and
     builtin_scale: float = 1 / 16              # ... their length scale
     tokens_per_iter: int = 8192
     steps: int = 60                            # the run's total (a resumed run continues up to it)
+    shuffle: bool = False                      # a seeded permutation per epoch (else file order)
+    long: str = "error"                        # documents over the context: error | truncate | split | drop
+    eval_data: Optional[str] = None            # validation documents (a source like ``data``)
+    eval_every: Optional[int] = None           # validation loss after every K-th step
+    eval_tokens: Optional[int] = None          # tokens of validation documents (None: tokens_per_iter)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,11 @@ class OptimizerConfig:
 
     optimizer: str = "adam"                    # adam | adamw
     lr: float = 1e-3
+    lr_schedule: str = "auto"                  # auto (constant; the CLI's built-in run: cosine) | constant |
+    #                                            cosine | linear | wsd (runtime.train.lr_schedule)
+    warmup_steps: Optional[int] = None         # None: 0
+    min_lr: Optional[float] = None             # the decay's end (None: 0)
+    decay_steps: Optional[int] = None          # None: to the run's end (wsd: its last 10% of steps)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: Optional[float] = None       # None: the optimizer's default (0 Adam, 1e-2 AdamW)
@@ -139,6 +151,8 @@ class TrainConfig:
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     docs: Optional[Sequence[Sequence[int]]] = None     # the documents' token ids (instead of data.data)
+    data_sources: Optional[str] = None                 # ``data`` with raw sources replaced by their stores
+    eval_sources: Optional[str] = None                 # ``eval_data`` likewise
     resume_from: Optional[str] = None                  # the checkpoint folder a resume loads (every rank)
     log_steps: bool = False                            # rank 0 prints the step, planner and checkpoint lines
     progress_bars: Optional[ProgressFactory] = None    # rank 0's progress bars (runtime.train.progress)

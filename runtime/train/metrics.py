@@ -1,7 +1,8 @@
 """What a training step reports: its line in the metrics file and its readable line.
 
 ``MetricsWriter`` (rank 0, ``logging.metrics``) writes one JSON line per step: the step's own figures
-(``StepResult``: loss, tokens, times, bytes moved) and the program cache's hits and misses; a
+(``StepResult``: loss, tokens, times, bytes moved), its learning rate (``lr``) and, after every
+``--eval-every`` steps, the validation loss (``eval_loss``) and the program cache's hits and misses; a
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
 that came from earlier steps and those still waiting; every rank's measured peak of the step
@@ -38,12 +39,13 @@ class MetricsWriter:
             self.file = open(path, "a" if resumed_step is not None else "w", encoding="utf-8")
 
     def write(self, result: StepResult, cache: Any, batch: MiniBatch, delay_state: Optional[dict], *,
-              planned: dict, memory: dict, balance: dict) -> None:
+              planned: dict, memory: dict, balance: dict, extra: Optional[dict] = None) -> None:
         """The line of one step (module docstring); ``delay_state``: the outlier-delay stream's
         state after it (None without delay)."""
         if self.file is None:
             return
         line = metrics_line(result, cache)
+        line.update(extra or {})
         line.update(planned)
         line["documents"] = [d.index for d in batch.docs]
         line["next_document"] = batch.next_position
@@ -98,11 +100,12 @@ def all_gather_rows(values: list[float], world_size: int, device: Any = None) ->
     return [t.tolist() for t in out]
 
 
-def format_step_line(r: StepResult, planned: Optional[dict] = None) -> str:
+def format_step_line(r: StepResult, planned: Optional[dict] = None, extra: Optional[dict] = None) -> str:
     """The readable per-iteration line: step, strategy, estimated vs measured ms, loss, tokens/s,
-    cache hit (the planner's fields only in planner-driven mode)."""
+    cache hit (the planner's fields only in planner-driven mode), the validation loss when measured."""
     est = f"est {planned['est_latency_ms']:8.2f} ms  " if planned else ""
     hit = ("  cache hit" if planned["cache_hit"] else "  cache miss") if planned else ""
     tps = r.tokens / r.time_s if r.time_s > 0 else 0.0
     return (f"step {r.step:>4}  {r.strategy:<28} {est}measured {1e3 * r.time_s:8.1f} ms  loss {r.loss:.6f}  "
-            f"{tps:8.0f} tok/s{hit}" + ("  (skipped: non-finite loss)" if r.skipped else ""))
+            f"{tps:8.0f} tok/s{hit}" + ("  (skipped: non-finite loss)" if r.skipped else "")
+            + (f"  eval_loss {extra['eval_loss']:.6f}" if extra and "eval_loss" in extra else ""))

@@ -28,10 +28,14 @@ hits, misses and the host time of a switch. ``train_worker`` runs one rank;
 """
 from __future__ import annotations
 
+import contextlib
+import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -42,21 +46,25 @@ from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
                                            load_resume, restore_state, run_state)
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.data.documents import Document, MiniBatch, check_lengths, read_jsonl
+from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
+from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, merge_reports
 from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
 from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.data_setup import model_limits, ready_data
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
+from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
-                                             parse_schedule)
+                                             dispatch_and_pack, packed, parse_schedule)
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
@@ -75,6 +83,8 @@ class TrainSummary:
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
     dropout: str = "none"                             # ``dropout_status`` of the run
+    long_documents: dict = field(default_factory=dict)   # what --long did (``LongReport``)
+    step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -160,9 +170,15 @@ class Trainer:
         schedule = [] if config.planner_driven else parse_schedule(config.planner.strategy_schedule, world_size)
         self.model, self.weights = model_and_weights(config, say=rank == 0)
         self.weights_from = self.weights.description      # the source is dropped once the shards are filled
-        self.docs = self.documents()
+        self.corpus, self.long_report = self.open_data()
+        self.docs = self.corpus.docs
+        self.order = DataOrder(self.corpus, shuffle=config.data.shuffle, seed=config.model.seed)
+        self.eval_docs = self.eval_documents()
+        self.schedule = schedule_of(config)
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
+        if self.resumed is not None:
+            self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
         # one GPU per process under NCCL: masters, working tensors and buffers live on it
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -194,6 +210,7 @@ class Trainer:
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
                                  programs=self.cache, seed=config.model.seed)
+        self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.cache, self.executor, config)
@@ -223,20 +240,53 @@ class Trainer:
         """A bar of this rank from the config's factory (``runtime.train.progress``)."""
         return progress_bar(self.config.progress_bars, total, label, rank=self.rank, plain=plain)
 
-    def documents(self) -> list[Document]:
+    def open_data(self) -> tuple[Corpus, LongReport]:
+        """The run's documents (every source of ``--data``, lazily for token stores) after ``--long``."""
         cfg = self.config
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        vocab, max_len = model_limits(self.model)
         if cfg.docs is not None:
             docs = [Document(i, tuple(int(t) for t in d)) for i, d in enumerate(cfg.docs)]
             if not docs or any(len(d) == 0 for d in docs):
                 raise HGraphError("documents must be non-empty lists of token ids")
-        elif cfg.data.data is not None:
-            docs = read_jsonl(cfg.data.data, vocab)
+            sources, parts = [SourceSpec("documents")], [docs]
+        elif cfg.data_sources is not None or cfg.data.data is not None:
+            sources, parts = open_corpus(cfg.data_sources or cfg.data.data, vocab)
         else:
-            raise HGraphError("no training data: give --data FILE.jsonl")
-        check_lengths(docs, cfg.data.tokens_per_iter,
-                      getattr(getattr(self.model, "config", None), "max_seq_len", None))
-        return docs
+            raise HGraphError("no training data: give --data (a token store, JSONL or raw text with "
+                              "--tokenizer)")
+        limited, reports = [], []
+        for part in parts:
+            docs, report = limit_long(part, cfg.data.tokens_per_iter, max_len, cfg.data.long)
+            limited.append(docs)
+            reports.append(report)
+        corpus = corpus_of(limited, [s.weight for s in sources], [s.path for s in sources])
+        return corpus, merge_reports(reports)
+
+    def eval_documents(self) -> Optional[list[Document]]:
+        """``--eval-data``'s first documents, in file order, up to ``--eval-tokens`` (at least one)."""
+        cfg = self.config
+        if cfg.data.eval_data is None:
+            return None
+        vocab, max_len = model_limits(self.model)
+        budget = cfg.data.eval_tokens or cfg.data.tokens_per_iter
+        _, parts = open_corpus(cfg.eval_sources or cfg.data.eval_data, vocab)
+        # validation documents only need to fit the model (they are not a step's budget)
+        docs, _ = limit_long(parts[0] if len(parts) == 1 else ConcatDocuments(parts), sys.maxsize, max_len,
+                             cfg.data.long)
+        lengths = doc_lengths(docs)
+        count = max(1, int(np.searchsorted(np.cumsum(lengths), budget, side="right")))
+        chosen = [docs[i] for i in range(min(count, len(docs)))]
+        if sum(len(d) - 1 for d in chosen) < 1:
+            raise HGraphError(f"--eval-data {cfg.data.eval_data}: its documents up to --eval-tokens "
+                              f"{budget} have no next-token target")
+        return chosen
+
+    def evaluate(self, strategy: str) -> float:
+        """The validation loss of ``eval_docs`` with the current parameters, under ``strategy`` (the
+        step's: its Program, dispatched by the built-in rule; collective)."""
+        s = Strategy.parse(strategy)
+        mbs = packed(dispatch_and_pack(s, self.eval_docs, self.config.planner.microbatch_tokens))
+        return self.executor.evaluate(self.cache.peek(s), mbs, sum(len(d) - 1 for d in self.eval_docs))
 
     def step(self, batch: MiniBatch) -> StepResult:
         """One step of ``batch`` in the run's mode (collective)."""
@@ -256,10 +306,17 @@ class Trainer:
         now = start_step
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
-            for batch, delay_state in run_mini_batches(self.docs, cfg, self.world_size, self.resumed):
+            every = cfg.data.eval_every if self.eval_docs is not None else None
+            stream = run_mini_batches(self.docs, cfg, self.world_size, self.resumed, self.order)
+            for batch, delay_state in stream:
                 now = batch.step
+                lr = self.optimizer.lr = self.schedule.lr_at(batch.step)
                 result = self.step(batch)
                 results.append(result)
+                extra = {"lr": lr}
+                if every and (batch.step + 1) % every == 0:
+                    extra["eval_loss"] = self.evaluate(result.strategy)
+                self.step_extra[batch.step] = extra
                 self._report(result, batch, delay_state, metrics, bar)
                 self._checkpoint(checkpoints, batch, delay_state)
         except RuntimeError as exc:
@@ -287,7 +344,8 @@ class Trainer:
             "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
             "next_document": start_position}
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
-                            resumed, self.mode.candidates(), self.dropout)
+                            resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
+                            [{"step": k, **v} for k, v in sorted(self.step_extra.items())])
 
     def _report(self, result: StepResult, batch: MiniBatch, delay_state: Optional[dict], metrics: MetricsWriter,
                 bar: ProgressBar) -> None:
@@ -298,11 +356,13 @@ class Trainer:
                                  self.executor.peak_memory.source, tracked=self.executor.track_memory)
                   if cfg.logging.metrics else {})
         planned = self.mode.planned.get(batch.step)
+        extra = self.step_extra.get(batch.step, {})
         metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
-                      balance=self.mode.balance.get(batch.step, {}))
+                      balance=self.mode.balance.get(batch.step, {}), extra=extra)
         if cfg.log_steps and self.rank == 0:
-            if batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps:
-                bar.write(format_step_line(result, planned))
+            due = batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps
+            if due or "eval_loss" in extra:
+                bar.write(format_step_line(result, planned, extra))
             bar.update(1, f"step {batch.step}")
 
     def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict]) -> None:
@@ -311,7 +371,8 @@ class Trainer:
         if not checkpoints.due(done):
             return
         cfg = self.config
-        pos = data_position(done, batch.next_position, self.docs, cfg.data.tokens_per_iter, self.fingerprint)
+        pos = data_position(done, batch.next_position, self.docs, cfg.data.tokens_per_iter, self.fingerprint,
+                            self.order)
         saved = checkpoints.save(done, self.optimizer, rank=self.rank, world_size=self.world_size,
                                  data_position=pos, delay_queues=delay_state,
                                  planner_state=self.mode.checkpoint_state(),
@@ -351,7 +412,8 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
             "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
-            "candidates": summary.candidates, "dropout": summary.dropout}
+            "candidates": summary.candidates, "dropout": summary.dropout,
+            "long_documents": summary.long_documents, "step_extra": summary.step_extra}
 
 
 def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:
@@ -362,6 +424,8 @@ def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> d
     one rank of the run; otherwise ``config.cluster.world_size`` local processes are spawned.
     ``timeout_s`` (default ``config.cluster.timeout``, else 60 s local, 600 s launched) bounds each
     collective, so a lost rank is reported within it; a spawned run also names a rank whose process died.
+    Raw text sources are tokenized once, before any process starts (the command line does it into its
+    run folder; here into a temporary one).
     """
     ckpts, cluster = config.checkpointing, config.cluster
     env = read_launcher_env()
@@ -371,6 +435,16 @@ def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> d
         # resolved once, before any process starts: every rank loads the same checkpoint
         point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
         config = config.with_values(resume_from=str(point.folder))
+    with contextlib.ExitStack() as stack:
+        data = config.data
+        if config.data_sources is None and (data.data is not None or data.eval_data is not None):
+            cache = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hgraph-data-")))
+            config = ready_data(config, record_model(config).model, cache)
+        return _launch(config, env, timeout_s)
+
+
+def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
+    cluster = config.cluster
     if env is not None:
         backend = None if cluster.backend == "auto" else cluster.backend
         rank, world = init_from_env(backend, timeout_s=timeout_s, env=env)

@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "propose": "hgraph.tools.cli.propose",
     "simulate": "hgraph.tools.cli.simulate",
     "profile": "hgraph.tools.cli.profile",
+    "prepare-data": "hgraph.tools.cli.prepare_data",
     "train": "hgraph.tools.cli.train",
     "report": "hgraph.tools.cli.report",
     "export": "hgraph.tools.cli.export",

@@ -28,13 +28,18 @@ right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``
 local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
 an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
 any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of
-``--data`` (JSONL with ``input_ids``) in file order up to ``--tokens-per-iter`` tokens
+``--data`` (a token store of ``hgraph prepare-data``, JSONL with ``input_ids``, raw text with
+``--tokenizer`` tokenized here into the run folder, or a mixture ``"0.7:A,0.3:B"``;
+``hgraph.runtime.data.corpus``) in file order or, with ``--shuffle``, a seeded permutation per epoch,
+up to ``--tokens-per-iter`` tokens
 (``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
 last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
 and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
-Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping). ``--save-final`` writes the
-gathered fp32 state_dict (keyed like the original module) with ``torch.save``; ``--metrics`` one JSON
-line per step.
+Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping), at a constant learning
+rate unless ``--lr-schedule`` says otherwise (the built-in default run: 10% warmup, cosine to lr/10;
+``hgraph.runtime.train.lr_schedule``); ``--eval-data SRC --eval-every K`` adds ``eval_loss``.
+``--save-final`` writes the gathered fp32 state_dict (keyed like the original module) with
+``torch.save``; ``--metrics`` one JSON line per step.
 
 Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
 RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
@@ -58,13 +63,16 @@ from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
 from hgraph.runtime.data.builtin import synthetic_documents
-from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import check_resume_queues
+from hgraph.runtime.data.stored import LongReport
+from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.data_setup import ready_data
 from hgraph.runtime.train.launch import SpawnError
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
+from hgraph.runtime.train.lr_schedule import builtin_default
 from hgraph.runtime.train.step_modes import parse_schedule
 from hgraph.runtime.train.trainer import check_weights, record_model, run_training
 from hgraph.strategy import Cluster
@@ -255,13 +263,31 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
         if metrics is None:       # every rank knows that there are metrics (their figures are collective)
             metrics = str(run_dir / "metrics.jsonl")
     docs = None
+    # data files are written into the run folder by a local run; under a launcher every rank runs this
+    # command, so each prepares its own in a temporary folder (run_training) instead of racing here
+    data_dir = run_dir / "data" if run_dir is not None and env is None else None
     if data.data is not None:
-        read_jsonl(data.data)                            # a malformed line fails before the launch
+        # raw text tokenized into the run folder, stores verified, vocabulary and --long checked: one
+        # line before the launch (without a run folder, run_training does it in a temporary one)
+        if data_dir is not None:
+            config = ready_data(config, record_model(config).model, data_dir,
+                                say=None if log.json else (lambda line: print(line, flush=True)))
     else:
         # a resumed run regenerates the same built-in documents as the run it continues
         saved_n = point.data_position.get("num_documents") if point is not None else None
         docs = builtin_documents(config.model.model, config.model.model_args, data.steps, data.tokens_per_iter,
                                  data.builtin_docs or saved_n, data.builtin_scale)
+        if data_dir is not None:
+            # kept as a token store in the run folder: every rank maps it instead of holding the tokens
+            prefix = data_dir / f"builtin-{len(docs)}"
+            vocab = record_model(config).model.config.vocab_size
+            config = config.with_values(data_sources=str(write_documents(prefix, docs, vocab).prefix))
+            docs = None
+        if config.optimizer.lr_schedule == "auto":      # the built-in default run's recipe
+            opt = config.optimizer
+            config = config.with_values(**builtin_default(opt.lr, data.steps, opt.warmup_steps, opt.min_lr))
+        if data.eval_data is not None and data_dir is not None:
+            config = ready_data(config, record_model(config).model, data_dir)
     log_steps = planned and not log.json
     config = config.with_values(
         metrics=metrics, docs=docs, run_dir=str(run_dir) if run_dir is not None else None,
@@ -294,16 +320,27 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
         plots = write_plots(records, run_dir)
     if log.json:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
+                          "step_extra": result.get("step_extra", []),
+                          "long_documents": result.get("long_documents", {}),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
         return 0
+    extra = {e["step"]: e for e in result.get("step_extra", [])}
     if not planned:
         for s in steps:
+            ev = extra.get(s["step"], {}).get("eval_loss")
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
-                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else ""))
+                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else "")
+                  + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
+    if result.get("long_documents", {}).get("mode", "error") != "error":
+        print(LongReport(**result["long_documents"]).summary())
+    evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]
+    if evals:
+        print(f"validation: eval_loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
+              f"(step {evals[-1][0]}) in {len(evals)} evaluations")
     c = result["cache"]
     print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
           f"<= {c['max_hit_switch_ms']:.3f} ms")

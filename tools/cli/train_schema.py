@@ -82,8 +82,26 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
        "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
        "checkpoint)", optional=True, metavar="PATH"),
-    _k("data", "data", "path", None, "training data, JSONL with input_ids (default: the built-in "
-       "long-tail dataset)", optional=True, metavar="FILE.jsonl"),
+    _k("data", "data", "path", None, "training data: a token store PREFIX (hgraph prepare-data), JSONL with "
+       "input_ids, raw text (JSONL text, parquet, a datasets folder, text files) with --tokenizer, or a "
+       "mixture 'W1:SRC1,W2:SRC2' (default: the built-in long-tail dataset)", optional=True,
+       metavar="PREFIX|FILE|MIX"),
+    _k("data", "tokenizer", "path", None, "tokenizer of raw --data / --eval-data: tokenizer.json or a local "
+       "Hugging Face tokenizer folder (the text is tokenized as hgraph prepare-data does, into the run "
+       "folder, before the processes start)", optional=True, metavar="TOK"),
+    _k("data", "text-key", "str", "text", "text field of raw JSONL / parquet / dataset records",
+       metavar="KEY"),
+    _k("data", "shuffle", "bool", False, "a new seeded permutation of the documents every epoch (--seed); "
+       "default: file order"),
+    _k("data", "long", "str", "error", "documents longer than the model's context or --tokens-per-iter: "
+       "error, truncate, split (consecutive chunks, each its own document) or drop; counted in the summary",
+       choices=("error", "truncate", "split", "drop")),
+    _k("data", "eval-data", "path", None, "validation documents (a source like --data; the first "
+       "--eval-tokens of it)", optional=True, metavar="SRC"),
+    _k("data", "eval-every", "int", None, "validation loss (eval_loss in the metrics) after every K-th step",
+       optional=True, minimum=1, metavar="K"),
+    _k("data", "eval-tokens", "int", None, "tokens of validation documents, whole documents in file order "
+       "(default: --tokens-per-iter)", optional=True, minimum=1, metavar="T"),
     _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "
        "--steps without repeating one)", optional=True, minimum=1, metavar="N"),
     _k("data", "builtin-scale", "float", 1 / 16, "length scale of the built-in dataset (real Wikipedia "
@@ -108,7 +126,7 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
     _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),
-    _k("optimizer", "lr", "float", 1e-3, "learning rate", minimum=0.0),
+    _k("optimizer", "lr", "float", 1e-3, "learning rate (the schedule's peak)", minimum=0.0),
     _k("optimizer", "betas", "pair", (0.9, 0.999), "Adam betas B1,B2 (TOML: [0.9, 0.999])",
        metavar="B1,B2"),
     _k("optimizer", "eps", "float", 1e-8, "Adam epsilon", minimum=0.0),
@@ -117,6 +135,15 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("optimizer", "grad-clip", "float", None, "clip by global gradient norm (none: no clipping)",
        optional=True, minimum=1e-12, metavar="NORM|none"),
     _k("optimizer", "skip-nonfinite", "bool", False, "skip the update of a step whose loss is NaN/inf"),
+    _k("optimizer", "lr-schedule", "str", "auto", "constant, cosine, linear or wsd (warmup, stable, linear "
+       "decay over the last --decay-steps); auto: cosine with 10% warmup to lr/10 for the built-in default "
+       "run, constant with --data", choices=("auto", "constant", "cosine", "linear", "wsd")),
+    _k("optimizer", "warmup-steps", "int", None, "linear warmup steps (default 0; auto: 10% of --steps)",
+       optional=True, minimum=0, metavar="W"),
+    _k("optimizer", "min-lr", "float", None, "learning rate at the end of the decay (default 0; auto: lr/10)",
+       optional=True, minimum=0.0),
+    _k("optimizer", "decay-steps", "int", None, "steps of the decay (default: to the end of the run after "
+       "the warmup; wsd: the last 10% of the steps)", optional=True, minimum=1, metavar="D"),
     _k("planner", "strategy-schedule", "str", None, "fixed strategies, step k uses S_(k mod n) "
        "(deterministic mode; default: the planner chooses every step)", optional=True,
        metavar="S1;S2;..."),
@@ -375,6 +402,10 @@ def _check_combination(values: Mapping[str, Any], sources: Mapping[str, str]) ->
         raise HGraphError(f"{where('resume')} needs checkpoint-dir (--checkpoint-dir DIR)")
     if values["resume_fallback"] and not values["resume"]:
         raise HGraphError(f"{where('resume_fallback')} needs resume (--resume)")
+    if values["eval_every"] is not None and values["eval_data"] is None:
+        raise HGraphError(f"{where('eval_every')} needs eval-data (--eval-data SRC)")
+    if values["eval_data"] is not None and values["eval_every"] is None:
+        raise HGraphError(f"{where('eval_data')} needs eval-every (--eval-every K)")
     if values["keep_checkpoints"] is not None and values["checkpoint_dir"] is None:
         raise HGraphError(f"{where('keep_checkpoints')} needs checkpoint-dir (--checkpoint-dir DIR)")
 

@@ -19,7 +19,7 @@ Figures (``write_plots``), each as ``NAME.png`` and ``NAME.svg``:
   +-10% band (needs estimates);
 * ``rank_busy``: busy time per rank and step as a heat map, with the balance (max / mean busy time)
   per step (needs ``rank_busy_s``);
-* ``loss``: the loss curve;
+* ``loss``: the loss curve (and ``eval_loss``, the validation loss, where measured);
 * ``overheads``: planner wait and switch time per step (needs either field).
 
 A figure whose fields are missing from every line is skipped and named in the result. matplotlib
@@ -288,7 +288,13 @@ def _plot_rank_busy(fig: Any, records: Sequence[dict]) -> None:
 def _plot_loss(fig: Any, records: Sequence[dict]) -> None:
     ax = fig.add_subplot(1, 1, 1)
     pts = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss")) and not r.get("skipped")]
-    ax.plot([s for s, _ in pts], [v for _, v in pts], "-", lw=1.2, marker="o" if len(pts) <= 60 else None, ms=3)
+    ax.plot([s for s, _ in pts], [v for _, v in pts], "-", lw=1.2, marker="o" if len(pts) <= 60 else None,
+            ms=3, label="training loss")
+    evals = [(r["step"], r["eval_loss"]) for r in records if _finite(r.get("eval_loss"))]
+    if evals:        # --eval-every: the validation loss on the same axis
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "s-", lw=1.2, ms=4, color="tab:green",
+                label="validation loss (eval_loss)")
+        ax.legend(loc="upper right")
     bad = [r["step"] for r in records if not _finite(r.get("loss")) or r.get("skipped")]
     for s in bad:
         ax.axvline(s, color="tab:red", lw=0.8, alpha=0.6)

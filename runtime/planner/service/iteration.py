@@ -22,14 +22,15 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.data.documents import Document, MiniBatch
+from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.engine.executor import MicroBatch
 from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states, default_device_memory,
-                                                        is_runtime_model, with_device_memory)
+from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
+                                                        default_device_memory, is_runtime_model,
+                                                        with_device_memory)
 from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
 
@@ -175,7 +176,7 @@ class IterationPlanner:
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
         cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled), rank)
-        lengths = [len(d) for d in documents]
+        lengths = doc_lengths(documents).tolist()
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)
             _on_rank0(lambda: _check_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]), rank)

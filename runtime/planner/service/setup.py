@@ -75,5 +75,5 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         # a resumed run plans only the steps it has left
         start = trainer.resumed
         planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(
-            trainer.docs, cfg, trainer.world_size, start)])
+            trainer.docs, cfg, trainer.world_size, start, trainer.order.copy())])
     return planner

@@ -113,13 +113,16 @@ def test_bad_planner_options_are_one_line_and_exit_code_2(data, tmp_path, capsys
 
 def test_default_run_shortened_writes_metrics_and_plots(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["train", "--steps", "2", "--tokens-per-iter", "2048", "--run-dir", str(run_dir),
+    assert main(["train", "--steps", "3", "--tokens-per-iter", "2048", "--run-dir", str(run_dir),
                  "--max-candidates", "2"]) == 0
     out = capsys.readouterr().out
-    assert "summary: 2 steps" in out and "loss " in out and str(run_dir) in out
+    assert "summary: 3 steps" in out and "loss " in out and str(run_dir) in out
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1]
+    assert [m["step"] for m in lines] == [0, 1, 2]
     assert all(m["tokens"] <= 2048 and m["pipelines"] and "est_latency_ms" in m for m in lines)
+    # the built-in recipe: warmup (10% of the steps: one) then cosine to lr/10; the documents a token store
+    assert [m["lr"] for m in lines] == pytest.approx([1e-3, 1e-3, 1e-4 + 9e-4 * 0.5], rel=1e-12)
+    assert len(list((run_dir / "data").glob("builtin-*.idx"))) == 1
     written = {p.name for p in run_dir.iterdir()}
     for name in PLOT_NAMES:
         assert {f"{name}.png", f"{name}.svg"} <= written
