@@ -15,8 +15,8 @@ weight holds the rows ``[vocab_start, vocab_start + rows)`` of a vocabulary spli
 sum of exponentials and target log-probability, and three all-reduces (max, sum, sum) over the group
 give the full values; each token's log-normaliser is kept for backward, so backward communicates
 nothing. The gradient of the hidden states is then this rank's partial sum over its vocabulary rows;
-the graph's Megatron f before the head (``tp_copy``) all-reduces it in backward, exactly as for the logits of a
-column-parallel head. Without ``parallel`` each chunk's logits are all-gathered instead (the
+the graph's Megatron f before the head (``tp_copy``) all-reduces it in backward, exactly as for the
+logits of a column-parallel head. Without ``parallel`` each chunk's logits are all-gathered instead (the
 communication of the plain gathered head, still one chunk of memory) for torch's ``log_softmax``.
 
 Precision: the logits are made in the weight's dtype and upcast to fp32 as the plain loss does; the

@@ -75,6 +75,7 @@ class OptimizerConfig:
     weight_decay: Optional[float] = None       # None: the optimizer's default (0 Adam, 1e-2 AdamW)
     grad_clip: Optional[float] = None
     skip_nonfinite: bool = False
+    optimizer_impl: str = "fused"              # fused | exact (engine/optimizer)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, device=device, **kwargs)
+               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, **kwargs)
 
 
 class Trainer:

@@ -115,6 +115,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("optimizer", "grad-clip", "float", None, "clip by global gradient norm (none: no clipping)",
        optional=True, minimum=1e-12, metavar="NORM|none"),
     _k("optimizer", "skip-nonfinite", "bool", False, "skip the update of a step whose loss is NaN/inf"),
+    _k("optimizer", "optimizer-impl", "str", "fused", "the update: fused (torch's fused Adam kernel on "
+       "each rank's flat buffers) or exact (torch.optim.Adam's single-tensor arithmetic, bitwise, also "
+       "after a resume on another number of ranks; fused rounds up to an ulp apart)",
+       choices=("fused", "exact")),
     _k("planner", "strategy-schedule", "str", None, "fixed strategies, step k uses S_(k mod n) "
        "(deterministic mode; default: the planner chooses every step)", optional=True,
        metavar="S1;S2;..."),
