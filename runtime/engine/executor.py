@@ -114,6 +114,8 @@ class StepResult:
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
+    tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
+    mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
 
 
 class RankLostError(RuntimeError):

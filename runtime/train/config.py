@@ -62,6 +62,7 @@ class ClusterConfig:
     backend: str = "auto"                      # auto: NCCL with a GPU per local process, else gloo
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     timeout: float = 60.0
+    peak_tflops: Optional[float] = None        # a device's dense bf16 peak for MFU (None: known GPUs' table)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,8 @@ class LoggingConfig:
     log_every: int = 1                         # a step line every this many steps (and the last)
     json: bool = False
     track_memory: bool = False                 # peak activation bytes per rank (on with a memory budget)
+    tensorboard: Optional[str] = None          # a folder: every step's scalars as TensorBoard events
+    wandb: Optional[str] = None                # a wandb project: the same scalars, offline (when installed)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "cluster": ClusterConfig,

@@ -54,8 +54,10 @@ from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
+from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              parse_schedule)
+from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
@@ -168,6 +170,8 @@ class Trainer:
         install_buffers(self.model, self.weights, self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.model.dtype, dropout=config.model.dropout == "apply")
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
+        self.model_flops = ModelFlops.of(self.compiled)        # every step's TFLOP/s and MFU
+        self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
         planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
@@ -248,6 +252,8 @@ class Trainer:
                                      ckpts.checkpoint_every, cfg.data.steps, ckpts.keep_checkpoints)
         metrics = MetricsWriter(cfg.logging.metrics if self.rank == 0 else None,
                                 start_step if self.resumed is not None else None)
+        loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
+                   if self.rank == 0 else StepLoggers())
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
@@ -256,7 +262,7 @@ class Trainer:
                 now = batch.step
                 result = self.step(batch)
                 results.append(result)
-                self._report(result, batch, delay_state, metrics, bar)
+                self._report(result, batch, delay_state, metrics, bar, loggers)
                 self._checkpoint(checkpoints, batch, delay_state)
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
@@ -270,6 +276,7 @@ class Trainer:
             bar.close()
             self.mode.close()
             metrics.close()
+            loggers.close()
             if self.executor.heartbeat is not None:
                 self.executor.heartbeat.stop()
                 self.executor.heartbeat = None
@@ -285,20 +292,30 @@ class Trainer:
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout)
 
+    def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
+        """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""
+        flops = self.model_flops.step_flops([len(d) for d in batch.docs])
+        return step_throughput(flops, result.tokens, result.time_s, self.world_size, self.peak_tflops)
+
     def _report(self, result: StepResult, batch: MiniBatch, delay_state: Optional[dict], metrics: MetricsWriter,
-                bar: ProgressBar) -> None:
-        """The step's metrics line (every rank takes part in its memory figures) and rank 0's step
-        line (every ``log_every`` steps and the last) and progress."""
+                bar: ProgressBar, loggers: Optional[StepLoggers] = None) -> None:
+        """The step's metrics line and logged scalars (every rank takes part in their memory figures)
+        and rank 0's step line (every ``log_every`` steps and the last) and progress."""
         cfg = self.config
+        logged = bool(cfg.logging.tensorboard or cfg.logging.wandb)    # the same on every rank
         memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget,
                                  self.executor.peak_memory.source, tracked=self.executor.track_memory)
-                  if cfg.logging.metrics else {})
+                  if cfg.logging.metrics or logged else {})
+        throughput = self.throughput(result, batch)
+        result.tflops_per_device, result.mfu = throughput["tflops_per_device"], throughput["mfu"]
         planned = self.mode.planned.get(batch.step)
         metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
-                      balance=self.mode.balance.get(batch.step, {}))
+                      balance=self.mode.balance.get(batch.step, {}), throughput=throughput)
+        if loggers:
+            loggers.log(batch.step, step_scalars(result.loss, result.time_s, throughput, memory))
         if cfg.log_steps and self.rank == 0:
             if batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps:
-                bar.write(format_step_line(result, planned))
+                bar.write(format_step_line(result, planned, throughput["mfu"]))
             bar.update(1, f"step {batch.step}")
 
     def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict]) -> None:

@@ -246,8 +246,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if not planned:
         for s in steps:
+            mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
+            skipped = "  (skipped: non-finite loss)" if s["skipped"] else ""
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
-                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else ""))
+                  f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}")
     print(f"dropout: {result.get('dropout', 'none')}")
     c = result["cache"]
     print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "

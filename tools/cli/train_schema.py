@@ -105,6 +105,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "holds the model's context), with --data none", metavar="BYTES|auto|none"),
     _k("cluster", "timeout", "float", 60.0, "seconds a collective may wait (a lost rank is reported "
        "within it)", minimum=1e-3, metavar="S"),
+    _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
+       "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
+       minimum=1e-6, metavar="TFLOPS"),
     _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),
     _k("optimizer", "lr", "float", 1e-3, "learning rate", minimum=0.0),
     _k("optimizer", "betas", "pair", (0.9, 0.999), "Adam betas B1,B2 (TOML: [0.9, 0.999])",
@@ -171,6 +174,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("logging", "track-memory", "bool", False, "measure each rank's peak activation bytes into the "
        "metrics (saved-tensor accounting; about 8% of a tiny-model step on CPU; always on with "
        "memory-budget)"),
+    _k("logging", "tensorboard", "path", None, "write every step's loss, tokens/s, TFLOP/s per device, "
+       "MFU and peak memory per rank as TensorBoard scalars into DIR (pip install 'hgraph[tensorboard]')",
+       optional=True, metavar="DIR"),
+    _k("logging", "wandb", "str", None, "log the same scalars to this wandb project, offline (wandb sync "
+       "uploads them); skipped with a note when wandb is not installed", optional=True,
+       metavar="PROJECT"),
 )
 
 KEYS: dict[tuple[str, str], ConfigKey] = {(k.section, k.name): k for k in SCHEMA}
