@@ -40,6 +40,7 @@ class ModelConfig:
     seed: int = 0
     dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
     init_from: Optional[str] = None            # initial weights: safetensors, hgraph checkpoint or state_dict
+    vocab_parallel_loss: str = "auto"          # a TP-split vocabulary's loss: on | off | auto (on below fp32)
 
 
 @dataclass(frozen=True)

@@ -189,11 +189,13 @@ class Trainer:
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
         dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
+        vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 programs=self.cache, seed=config.model.seed)
+                                 programs=self.cache, seed=config.model.seed,
+                                 vocab_parallel_loss=vocab_parallel)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.cache, self.executor, config)

@@ -78,6 +78,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "the dropout masks", minimum=0),
     _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
        "position and site, the same under every strategy) or off", choices=("apply", "off")),
+    _k("model", "vocab-parallel-loss", "str", "auto", "the loss of a vocabulary split over TP ranks: on "
+       "(Megatron's vocabulary-parallel cross-entropy: no logits gathered), off (each chunk's logits "
+       "gathered for torch's log_softmax: the single-device arithmetic), auto (on with a working dtype "
+       "below fp32)", choices=("auto", "on", "off")),
     _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
        "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
        "state_dict file; names matched by FQN (default: none; a resumed run continues from its "

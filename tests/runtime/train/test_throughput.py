@@ -55,8 +55,10 @@ def test_a_run_writes_throughput_and_memory_as_tensorboard_scalars(tmp_path):
     docs = synthetic_documents(40, 256, 64, seed=1)
     config = TrainConfig.from_values(model="llama:tiny", world_size=1, strategy_schedule="1xTP1PP1", steps=3,
                                      tokens_per_iter=128, docs=docs, tensorboard=str(tmp_path / "tb"),
-                                     metrics=str(tmp_path / "m.jsonl"), peak_tflops=0.5, plots=False)
+                                     metrics=str(tmp_path / "m.jsonl"), peak_tflops=0.5, plots=False,
+                                     vocab_parallel_loss="on")
     trainer = Trainer(config, 0, 1)
+    assert trainer.executor.vocab_parallel_loss     # the flag reaches the executor (fp32 alone: off)
     summary = trainer.run()
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     acc = EventAccumulator(str(tmp_path / "tb"))
