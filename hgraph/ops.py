@@ -14,6 +14,7 @@ runtime.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -42,6 +43,8 @@ class CommRuntime(Protocol):
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor: ...
+    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
+                    sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any: ...
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int,
                           softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
@@ -243,3 +246,39 @@ def packed_attention_dropout(comm: Optional[CommRuntime], q: torch.Tensor, k: to
     if comm is None:
         raise _need_runtime("packed_attention_dropout")
     return comm.attention_dropout(q, k, v, p, site, scale, enable_gqa, heads, softcap, window)
+
+
+# ---- the output head -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HeadInputs:
+    """What a last stage returns instead of logits when the runtime computes the loss from the output
+    head's inputs (chunk by chunk, never the whole ``[tokens, vocab]`` logits): the head's input
+    ``hidden`` ``[..., H]``, this rank's ``weight`` rows ``[rows, H]`` (and ``bias``), which hold the
+    vocabulary rows ``[vocab_start, vocab_start + vocab_local)`` of ``vocab`` (the rest is TP padding),
+    and the TP ranks holding the vocabulary's pieces in order (``()`` when this rank holds it whole)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    vocab_start: int
+    vocab_local: int
+    vocab: int
+    piece_ranks: tuple[int, ...] = ()
+
+
+def cut_vocab(logits: torch.Tensor, vocab: Optional[int]) -> torch.Tensor:
+    """The logits of the real vocabulary (TP padding rows cut off)."""
+    return logits if vocab is None or logits.shape[-1] == vocab else logits.narrow(-1, 0, vocab)
+
+
+def output_head(comm: Optional[CommRuntime], h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                key: str = "tp", sizes: Optional[Sequence[int]] = None, vocab: Optional[int] = None) -> Any:
+    """The model's output head ``F.linear(h, w, b)``: the logits, gathered over the TP group ``key``
+    when the vocabulary is split (``sizes``: each rank's rows, padding included) and cut to the real
+    ``vocab``. The runtime may instead take the head's inputs (``HeadInputs``, ``comm.output_head``)
+    and compute the loss without ever holding the whole logits."""
+    if comm is None:
+        if sizes is not None and len(sizes) > 1:
+            raise _need_runtime("output_head")
+        return cut_vocab(F.linear(h, w, b), vocab)
+    return comm.output_head(h, w, b, key, sizes, vocab)

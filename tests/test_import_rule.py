@@ -26,7 +26,7 @@ ROOMS = ("hgraph.passes", "hgraph.frontends", "hgraph.runtime", "hgraph.tools")
 API_MODULES = {"hgraph", "hgraph.compiled"}   # the public API wires the rooms together, lazily
 # optional or heavy dependencies a module may import where it needs them
 LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.nn.attention.varlen",
-                  "tensorboard", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")
+                  "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")
 ALLOWED = {
     "hgraph.passes": ("hgraph.passes",),
     "hgraph.frontends": ("hgraph.frontends",),

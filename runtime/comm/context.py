@@ -14,7 +14,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives
 from hgraph.runtime.comm.collectives import PendingWork
@@ -40,6 +42,8 @@ class CommContext:
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
     token_keys: Optional[TokenKeys] = None        # what the micro-batch's tokens are (dropout masks)
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
+    head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
+    vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     _pending: dict = field(default_factory=dict, init=False, repr=False)
     _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
@@ -149,6 +153,28 @@ class CommContext:
         groups = dropout_kernel.packed_groups(keys, q.device, window)
         return dropout_kernel.attention_with_dropout(q, k, v, groups, p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
+
+    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
+                    sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any:
+        """The logits of the output head, or with ``head_inputs`` its inputs (``ops.HeadInputs``):
+        this rank's vocabulary rows start after the pieces of the TP ranks before it."""
+        split = sizes is not None and len(sizes) > 1
+        if self.head_inputs:
+            rows = int(w.shape[0])
+            if not split:
+                return ops.HeadInputs(h, w, b, 0, rows if vocab is None else min(rows, int(vocab)),
+                                      rows if vocab is None else int(vocab))
+            ranks = self.ranks(key)
+            if len(set(sizes)) != 1:
+                raise HGraphError(f"output head: the vocabulary's TP pieces {list(sizes)} must be equal "
+                                  "(shard_tp pads it to a multiple of TP)")
+            start = rows * ranks.index(self.rank)
+            whole = int(vocab) if vocab is not None else rows * len(ranks)
+            return ops.HeadInputs(h, w, b, start, max(0, min(rows, whole - start)), whole, tuple(ranks))
+        logits = F.linear(h, w, b)
+        if split:
+            logits = self.wait(self.tp_gather_issue(logits, key, -1, sizes))
+        return ops.cut_vocab(logits, vocab)
 
     def _head_offset(self, local: int, heads: int) -> int:
         """The global index of this rank's first query head (a TP rank holds an equal slice)."""

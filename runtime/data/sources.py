@@ -210,7 +210,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
             tok = Tokenizer.from_file(str(p))
         except ImportError:
             raise HGraphError("--tokenizer: reading tokenizer.json needs the 'tokenizers' package "
-                              "(pip install 'hgraph[data]')") from None
+                              "(pip install -e '.[data]' in the hgraph checkout, or pip install tokenizers)") from None
         except Exception as exc:   # noqa: BLE001 - tokenizers raises plain Exceptions
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             raise HGraphError(f"--tokenizer {path}: not a tokenizers JSON file ({first})") from None
@@ -223,7 +223,7 @@ def load_tokenizer(path: str) -> TextTokenizer:
             tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
         except ImportError:
             raise HGraphError("--tokenizer: a tokenizer folder needs 'transformers' (pip install "
-                              "'hgraph[hf]')") from None
+                              "-e '.[hf]' in the hgraph checkout)") from None
         except Exception as exc:   # noqa: BLE001
             raise HGraphError(f"--tokenizer {path}: not a Hugging Face tokenizer folder "
                               f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None

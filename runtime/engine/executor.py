@@ -8,8 +8,9 @@
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
    may have different numbers of micro-batches of different packed lengths; the received
    activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
-   The last stage backpropagates ``packed_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
-   number of targets), so the gradient never depends on the strategy or the packing. In a CP
+   The last stage backpropagates ``stage_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
+   number of targets), so the gradient never depends on the strategy or the packing; it is made
+   from the output head's inputs chunk by chunk, never from the whole logits (``engine/loss``). In a CP
    pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
    whole documents.
@@ -51,12 +52,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
-from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_loss_sum, packed_targets
+from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import attach_stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import ProgramCache
@@ -125,6 +125,8 @@ class StepResult:
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
+    tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
+    mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
 
 
 class RankLostError(RuntimeError):
@@ -196,7 +198,8 @@ class Executor:
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
-                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0) -> None:
+                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0,
+                 vocab_parallel_loss: Optional[bool] = None) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -210,6 +213,12 @@ class Executor:
             raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
         self.cp_sharding = cp_sharding
         self.working_dtype = compiled.options.working_dtype or torch.float32
+        # a TP-split vocabulary's loss: Megatron's vocabulary-parallel one (no logits gathered), or each
+        # chunk's logits gathered for torch's log_softmax, the single-device arithmetic to the bit. By
+        # default fp32 (the equivalence signature) gathers: vocabulary-parallel rounds the softmax's
+        # normaliser differently by an ulp, which Adam scales up on gradients that cancel to ~eps
+        self.vocab_parallel_loss = (self.working_dtype != torch.float32 if vocab_parallel_loss is None
+                                    else vocab_parallel_loss)
         self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
         self._last_program: Any = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
@@ -252,6 +261,8 @@ class Executor:
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
         comm.bindings = dict(rp.bindings)
+        comm.head_inputs = True       # a last stage's loss is made from its head's inputs (engine/loss)
+        comm.vocab_parallel_loss = self.vocab_parallel_loss
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
         update = self.optimizer.step if getattr(self.optimizer, "updates_in_parts", False) else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
@@ -395,7 +406,7 @@ class Executor:
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
                     out = gm(ids.to(self.device), pos.to(self.device), comm)
                     if last:
-                        s = self._loss_sum(out, ids, targets, mb)
+                        s = self._loss_sum(out, ids, targets, mb, comm)
                         loss_sum += float(s.detach())
                         pending[i] = s / num_targets
                     else:
@@ -431,12 +442,12 @@ class Executor:
                                     mb.doc_indices or tuple(range(len(mb.doc_lengths))))
         return ids, pos, targets
 
-    def _loss_sum(self, out: torch.Tensor, ids: torch.Tensor, targets: Any, mb: MicroBatch) -> torch.Tensor:
-        """The summed next-token cross-entropy of the last stage's logits ``out``."""
+    def _loss_sum(self, out: Any, ids: torch.Tensor, targets: Any, mb: MicroBatch, comm: Any) -> torch.Tensor:
+        """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
+        output head's inputs: ``engine.loss.stage_loss_sum``)."""
         if targets is None:
-            return packed_loss_sum(out, ids.to(self.device), cu_seqlens_for(mb.doc_lengths))
-        return F.cross_entropy(out[0].float(), targets[0].to(self.device), ignore_index=IGNORE_INDEX,
-                               reduction="sum")
+            targets = packed_targets(ids, cu_seqlens_for(mb.doc_lengths))
+        return stage_loss_sum(out, targets.to(self.device), comm)
 
     @torch.no_grad()
     def evaluate(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int) -> float:
@@ -457,7 +468,7 @@ class Executor:
                 ids, pos, targets = self._inputs(state, mb)
                 out = state.graph(ids.to(self.device), pos.to(self.device), comm)
                 if last:
-                    loss_sum += float(self._loss_sum(out, ids, targets, mb))
+                    loss_sum += float(self._loss_sum(out, ids, targets, mb, comm))
                 del out
             comm.wait_all()
         finally:

@@ -40,6 +40,7 @@ class ModelConfig:
     seed: int = 0
     dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
     init_from: Optional[str] = None            # initial weights: safetensors, hgraph checkpoint or state_dict
+    vocab_parallel_loss: str = "auto"          # a TP-split vocabulary's loss: on | off | auto (on below fp32)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ClusterConfig:
     backend: str = "auto"                      # auto: NCCL with a GPU per local process, else gloo
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     timeout: Optional[float] = None            # None: 60 s for local processes, 600 s under a launcher
+    peak_tflops: Optional[float] = None        # a device's dense bf16 peak for MFU (None: known GPUs' table)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class OptimizerConfig:
     weight_decay: Optional[float] = None       # None: the optimizer's default (0 Adam, 1e-2 AdamW)
     grad_clip: Optional[float] = None
     skip_nonfinite: bool = False
+    optimizer_impl: str = "fused"              # fused | exact (engine/optimizer)
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class LoggingConfig:
     log_every: int = 1                         # a step line every this many steps (and the last)
     json: bool = False
     track_memory: bool = False                 # peak activation bytes per rank (on with a memory budget)
+    tensorboard: Optional[str] = None          # a folder: every step's scalars as TensorBoard events
+    wandb: Optional[str] = None                # a wandb project: the same scalars, offline (when installed)
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "cluster": ClusterConfig,

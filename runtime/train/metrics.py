@@ -5,7 +5,9 @@
 ``--eval-every`` steps, the validation loss (``eval_loss``) and the program cache's hits and misses; a
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
-that came from earlier steps and those still waiting; every rank's measured peak of the step
+that came from earlier steps and those still waiting; its throughput (``runtime.train.throughput``:
+``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); every rank's measured
+peak of the step
 (``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
 predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
 balance figures. A resumed run keeps the lines of the steps before it and rewrites the rest.
@@ -39,12 +41,14 @@ class MetricsWriter:
             self.file = open(path, "a" if resumed_step is not None else "w", encoding="utf-8")
 
     def write(self, result: StepResult, cache: Any, batch: MiniBatch, delay_state: Optional[dict], *,
-              planned: dict, memory: dict, balance: dict, extra: Optional[dict] = None) -> None:
+              planned: dict, memory: dict, balance: dict, extra: Optional[dict] = None,
+              throughput: Optional[dict] = None) -> None:
         """The line of one step (module docstring); ``delay_state``: the outlier-delay stream's
         state after it (None without delay)."""
         if self.file is None:
             return
         line = metrics_line(result, cache)
+        line.update(throughput or {})
         line.update(extra or {})
         line.update(planned)
         line["documents"] = [d.index for d in batch.docs]
@@ -100,12 +104,15 @@ def all_gather_rows(values: list[float], world_size: int, device: Any = None) ->
     return [t.tolist() for t in out]
 
 
-def format_step_line(r: StepResult, planned: Optional[dict] = None, extra: Optional[dict] = None) -> str:
-    """The readable per-iteration line: step, strategy, estimated vs measured ms, loss, tokens/s,
-    cache hit (the planner's fields only in planner-driven mode), the validation loss when measured."""
+def format_step_line(r: StepResult, planned: Optional[dict] = None, extra: Optional[dict] = None,
+                     mfu: Optional[float] = None) -> str:
+    """The readable per-iteration line: step, strategy, estimated vs measured ms, loss, tokens/s, MFU
+    (on a device with a known peak), cache hit (the planner's fields only in planner-driven mode), the
+    validation loss when measured."""
     est = f"est {planned['est_latency_ms']:8.2f} ms  " if planned else ""
     hit = ("  cache hit" if planned["cache_hit"] else "  cache miss") if planned else ""
     tps = r.tokens / r.time_s if r.time_s > 0 else 0.0
+    util = f"  MFU {100 * mfu:5.1f}%" if mfu is not None else ""
     return (f"step {r.step:>4}  {r.strategy:<28} {est}measured {1e3 * r.time_s:8.1f} ms  loss {r.loss:.6f}  "
-            f"{tps:8.0f} tok/s{hit}" + ("  (skipped: non-finite loss)" if r.skipped else "")
+            f"{tps:8.0f} tok/s{util}{hit}" + ("  (skipped: non-finite loss)" if r.skipped else "")
             + (f"  eval_loss {extra['eval_loss']:.6f}" if extra and "eval_loss" in extra else ""))

@@ -63,8 +63,10 @@ from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
+from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              dispatch_and_pack, packed, parse_schedule)
+from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
@@ -153,7 +155,7 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, device=device, **kwargs)
+               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, **kwargs)
 
 
 class Trainer:
@@ -188,6 +190,8 @@ class Trainer:
         install_buffers(self.model, self.weights, self.device)
         self.compiled = hgraph.compile(self.model, dtype=config.model.dtype, dropout=config.model.dropout == "apply")
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
+        self.model_flops = ModelFlops.of(self.compiled)        # every step's TFLOP/s and MFU
+        self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
         planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
@@ -205,11 +209,13 @@ class Trainer:
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
         dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
+        vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 programs=self.cache, seed=config.model.seed)
+                                 programs=self.cache, seed=config.model.seed,
+                                 vocab_parallel_loss=vocab_parallel)
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
@@ -302,6 +308,8 @@ class Trainer:
                                      ckpts.checkpoint_every, cfg.data.steps, ckpts.keep_checkpoints)
         metrics = MetricsWriter(cfg.logging.metrics if self.rank == 0 else None,
                                 start_step if self.resumed is not None else None)
+        loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
+                   if self.rank == 0 else StepLoggers())
         self.executor.heartbeat = Heartbeat.for_default_group()
         now = start_step
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
@@ -317,7 +325,7 @@ class Trainer:
                 if every and (batch.step + 1) % every == 0:
                     extra["eval_loss"] = self.evaluate(result.strategy)
                 self.step_extra[batch.step] = extra
-                self._report(result, batch, delay_state, metrics, bar)
+                self._report(result, batch, delay_state, metrics, bar, loggers)
                 self._checkpoint(checkpoints, batch, delay_state)
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
@@ -331,6 +339,7 @@ class Trainer:
             bar.close()
             self.mode.close()
             metrics.close()
+            loggers.close()
             if self.executor.heartbeat is not None:
                 self.executor.heartbeat.stop()
                 self.executor.heartbeat = None
@@ -347,22 +356,32 @@ class Trainer:
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())])
 
+    def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
+        """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""
+        flops = self.model_flops.step_flops([len(d) for d in batch.docs])
+        return step_throughput(flops, result.tokens, result.time_s, self.world_size, self.peak_tflops)
+
     def _report(self, result: StepResult, batch: MiniBatch, delay_state: Optional[dict], metrics: MetricsWriter,
-                bar: ProgressBar) -> None:
-        """The step's metrics line (every rank takes part in its memory figures) and rank 0's step
-        line (every ``log_every`` steps and the last) and progress."""
+                bar: ProgressBar, loggers: Optional[StepLoggers] = None) -> None:
+        """The step's metrics line and logged scalars (every rank takes part in their memory figures)
+        and rank 0's step line (every ``log_every`` steps and the last) and progress."""
         cfg = self.config
+        logged = bool(cfg.logging.tensorboard or cfg.logging.wandb)    # the same on every rank
         memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget,
                                  self.executor.peak_memory.source, tracked=self.executor.track_memory)
-                  if cfg.logging.metrics else {})
+                  if cfg.logging.metrics or logged else {})
+        throughput = self.throughput(result, batch)
+        result.tflops_per_device, result.mfu = throughput["tflops_per_device"], throughput["mfu"]
         planned = self.mode.planned.get(batch.step)
         extra = self.step_extra.get(batch.step, {})
         metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
-                      balance=self.mode.balance.get(batch.step, {}), extra=extra)
+                      balance=self.mode.balance.get(batch.step, {}), extra=extra, throughput=throughput)
+        if loggers:
+            loggers.log(batch.step, step_scalars(result.loss, result.time_s, throughput, memory, extra))
         if cfg.log_steps and self.rank == 0:
             due = batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps
             if due or "eval_loss" in extra:
-                bar.write(format_step_line(result, planned, extra))
+                bar.write(format_step_line(result, planned, extra, throughput["mfu"]))
             bar.update(1, f"step {batch.step}")
 
     def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict]) -> None:

@@ -331,9 +331,10 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     if not planned:
         for s in steps:
             ev = extra.get(s["step"], {}).get("eval_loss")
+            mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
+            skipped = "  (skipped: non-finite loss)" if s["skipped"] else ""
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
-                  f"{1e3 * s['time_s']:.1f} ms" + ("  (skipped: non-finite loss)" if s["skipped"] else "")
-                  + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
+                  f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}" + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())

@@ -78,6 +78,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "the dropout masks", minimum=0),
     _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
        "position and site, the same under every strategy) or off", choices=("apply", "off")),
+    _k("model", "vocab-parallel-loss", "str", "auto", "the loss of a vocabulary split over TP ranks: on "
+       "(Megatron's vocabulary-parallel cross-entropy: no logits gathered), off (each chunk's logits "
+       "gathered for torch's log_softmax: the single-device arithmetic), auto (on with a working dtype "
+       "below fp32)", choices=("auto", "on", "off")),
     _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
        "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
        "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
@@ -125,6 +129,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
+    _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
+       "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
+       minimum=1e-6, metavar="TFLOPS"),
     _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),
     _k("optimizer", "lr", "float", 1e-3, "learning rate (the schedule's peak)", minimum=0.0),
     _k("optimizer", "betas", "pair", (0.9, 0.999), "Adam betas B1,B2 (TOML: [0.9, 0.999])",
@@ -144,6 +151,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        optional=True, minimum=0.0),
     _k("optimizer", "decay-steps", "int", None, "steps of the decay (default: to the end of the run after "
        "the warmup; wsd: the last 10% of the steps)", optional=True, minimum=1, metavar="D"),
+    _k("optimizer", "optimizer-impl", "str", "fused", "the update: fused (torch's fused Adam kernel on "
+       "each rank's flat buffers) or exact (torch.optim.Adam's single-tensor arithmetic, bitwise, also "
+       "after a resume on another number of ranks; fused rounds up to an ulp apart)",
+       choices=("fused", "exact")),
     _k("planner", "strategy-schedule", "str", None, "fixed strategies, step k uses S_(k mod n) "
        "(deterministic mode; default: the planner chooses every step)", optional=True,
        metavar="S1;S2;..."),
@@ -196,6 +207,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("logging", "track-memory", "bool", False, "measure each rank's peak activation bytes into the "
        "metrics (saved-tensor accounting; about 8% of a tiny-model step on CPU; always on with "
        "memory-budget)"),
+    _k("logging", "tensorboard", "path", None, "write every step's loss, tokens/s, TFLOP/s per device, "
+       "MFU and peak memory per rank as TensorBoard scalars into DIR (pip install -e '.[tensorboard]' in the hgraph checkout)",
+       optional=True, metavar="DIR"),
+    _k("logging", "wandb", "str", None, "log the same scalars to this wandb project, offline (wandb sync "
+       "uploads them); skipped with a note when wandb is not installed", optional=True,
+       metavar="PROJECT"),
 )
 
 KEYS: dict[tuple[str, str], ConfigKey] = {(k.section, k.name): k for k in SCHEMA}

@@ -19,8 +19,9 @@ def _params(shapes: list[tuple[int, ...]]) -> dict[str, torch.Tensor]:
 
 
 def _trained(params, dims, rank, world_size, steps=2) -> ShardedAdam:
-    """Rank ``rank`` of a ``world_size`` run after ``steps`` Adam steps (no collectives needed)."""
-    opt = ShardedAdam(params.items(), dims, rank, world_size, lr=0.05)
+    """Rank ``rank`` of a ``world_size`` run after ``steps`` Adam steps (no collectives needed); the
+    exact update, whose bits do not depend on the sharding (the fused one's do: engine/optimizer)."""
+    opt = ShardedAdam(params.items(), dims, rank, world_size, lr=0.05, impl="exact")
     for k in range(steps):
         gen = torch.Generator().manual_seed(50 + k)
         full = {n: torch.randn(p.shape or (1,), generator=gen) for n, p in params.items()}
@@ -54,7 +55,7 @@ def test_reshard_any_world_sizes_bitwise(tmp_path_factory, shapes, saved_n, new_
     for r in range(new_n):
         ck = checkpoint.load(root, r, new_n)
         assert ck.resharded == (saved_n != new_n) and ck.step == 3
-        opt = ShardedAdam(params.items(), dims, r, new_n, lr=0.05)
+        opt = ShardedAdam(params.items(), dims, r, new_n, lr=0.05, impl="exact")
         opt.load_state_dict(ck.optimizer)                  # shapes checked against shard_bounds
         loaded.append(opt.state_dict())
     for name, p in params.items():

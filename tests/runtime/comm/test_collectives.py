@@ -10,10 +10,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, tp_copy_issue, tp_gather_issue,
                                              tp_reduce_issue)
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.engine.loss import IGNORE_INDEX, stage_loss_sum
 from hgraph.runtime.train.launch import spawn
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -118,11 +120,43 @@ def _issue_does_not_block(comm, rank):
     return {"issue_s": issued_s, "wait_s": waited_s, "sum": None if out is None else out.tolist()}
 
 
+def _vocab_parallel_loss(comm, rank, parallel):
+    """The output head's loss over a vocabulary of 13 split 4 ways (padded to 16: the last rank holds
+    1 real row and 3 of padding), in chunks of 3 tokens, against the whole head's cross-entropy;
+    vocabulary-parallel or gathering each chunk's logits."""
+    g = torch.Generator().manual_seed(4)
+    vocab, tokens, sizes = 13, 7, (4, 4, 4, 4)
+    x, w = torch.randn(tokens, D, generator=g), torch.randn(vocab, D, generator=g)
+    b = torch.randn(vocab, generator=g)
+    targets = torch.randint(0, vocab, (1, tokens), generator=g)
+    targets[0, 3] = IGNORE_INDEX
+    targets[0, 0] = vocab - 1           # held by the last rank, beside its padding
+    rows = slice(4 * rank, min(4 * rank + 4, vocab))
+    pad = 4 - (rows.stop - rows.start)
+    w_i = torch.cat([w[rows], torch.zeros(pad, D)]).requires_grad_()
+    b_i = torch.cat([b[rows], torch.zeros(pad)]).requires_grad_()
+    x_i = x.clone().requires_grad_()
+    comm.bindings, comm.head_inputs, comm.vocab_parallel_loss = {"tp": (0, 1, 2, 3)}, True, parallel
+    head = ops.output_head(comm, tp_copy_issue(comm, x_i, [0, 1, 2, 3])[None], w_i, b_i, "tp", sizes, vocab)
+    loss = stage_loss_sum(head, targets, comm, chunk=3)
+    loss.backward()
+    comm.head_inputs = False
+    logits = ops.output_head(comm, x[None], w_i.detach(), b_i.detach(), "tp", sizes, vocab)
+    xf, wf, bf = (t.clone().requires_grad_() for t in (x, w, b))
+    ref = F.cross_entropy(F.linear(xf, wf, bf), targets[0], ignore_index=IGNORE_INDEX, reduction="sum")
+    ref.backward()
+    return {"start": head.vocab_start == 4 * rank, "real": head.vocab_local == rows.stop - rows.start,
+            "logits": _close(logits[0], F.linear(x, w, b)), "loss": _close(loss, ref),
+            "dx": _close(x_i.grad, xf.grad), "dw": _close(w_i.grad[:4 - pad], wf.grad[rows]),
+            "db": _close(b_i.grad[:4 - pad], bf.grad[rows]), "pad_grad": not w_i.grad[4 - pad:].any()}
+
+
 def _worker(rank, world_size):
     comm = CommContext.from_default_group()
     comm.groups.ensure([[0, 1], [2, 3]])
     return {"tp": _tp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
-            "async": _issue_does_not_block(comm, rank)}
+            "async": _issue_does_not_block(comm, rank),
+            "head": [_vocab_parallel_loss(comm, rank, parallel) for parallel in (True, False)]}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +184,13 @@ def test_uneven_gather_and_its_backward(results):
 def test_two_stage_1f1b_pipeline_matches_unsplit_model(results):
     for out in results:
         assert out["pp"] == {"grads": True, "pending": 0}
+
+
+def test_vocab_parallel_chunked_loss_matches_the_whole_head(results):
+    for out in results:
+        for mode in out["head"]:
+            assert mode == {"start": True, "real": True, "logits": True, "loss": True, "dx": True,
+                            "dw": True, "db": True, "pad_grad": True}
 
 
 def test_single_rank_ops_are_identity():

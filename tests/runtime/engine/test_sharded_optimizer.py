@@ -1,9 +1,11 @@
 """ShardedAdam / ShardedAdamW on 4 gloo processes against torch.optim on the full tensors.
 
 Shapes cover a shard dim not divisible by 4 (10 and 7 over 4), a dim smaller than 4 (3 over 4:
-rank 0 owns an empty shard) and a 1-D parameter. Without clipping every element gets the same fp32
-operations as torch, so results are bitwise equal; with clipping the global norm sums in another
-order, so parameters agree to 1e-6 relative (observed ~1e-7).
+rank 0 owns an empty shard) and a 1-D parameter. The ``exact`` implementation without clipping gives
+every element the same fp32 operations as torch, so results are bitwise equal; with clipping the
+global norm sums in another order, so parameters agree to 1e-6 relative (observed ~1e-7). The default
+``fused`` one (torch's fused kernel on the flat shard buffers) rounds up to an ulp apart: within
+1e-6 relative (and 1e-7 absolute where a value is near zero).
 """
 import pytest
 import torch
@@ -16,9 +18,11 @@ SHAPES = {"w": (10, 6), "v": (5, 7), "b": (6,), "tiny": (3, 2)}
 DIMS = {"w": 0, "v": 1, "b": 0, "tiny": 0}
 K = 3
 CASES = {
-    "adam_l2": dict(cls="adam", lr=1e-2, weight_decay=0.1),
-    "adamw": dict(cls="adamw", lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95)),
-    "adam_clip": dict(cls="adam", lr=1e-2, max_grad_norm=1.0),
+    "adam_l2": dict(cls="adam", lr=1e-2, weight_decay=0.1, impl="exact"),
+    "adamw": dict(cls="adamw", lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95), impl="exact"),
+    "adam_clip": dict(cls="adam", lr=1e-2, max_grad_norm=1.0, impl="exact"),
+    "adam_l2_fused": dict(cls="adam", lr=1e-2, weight_decay=0.1),
+    "adamw_fused": dict(cls="adamw", lr=1e-2, weight_decay=0.05, betas=(0.8, 0.95)),
 }
 
 
@@ -40,7 +44,7 @@ def _make(case, params, rank, world_size):
 
 def _reference(case):
     params = {n: p.clone().requires_grad_() for n, p in _params().items()}
-    kw = {k: v for k, v in case.items() if k not in ("cls", "max_grad_norm")}
+    kw = {k: v for k, v in case.items() if k not in ("cls", "max_grad_norm", "impl")}
     cls = torch.optim.AdamW if case["cls"] == "adamw" else torch.optim.Adam
     opt = cls(params.values(), foreach=False, **kw)
     norms = []
@@ -104,6 +108,14 @@ def test_k_steps_equal_torch_bitwise(results, reference, label):
         assert all(torch.equal(full[n], ref[n]) for n in SHAPES), _max_rel(full, ref)
 
 
+@pytest.mark.parametrize("label", ["adam_l2_fused", "adamw_fused"])
+def test_fused_steps_are_within_an_ulp_of_torch(results, reference, label):
+    ref, _ = reference[label]
+    for out in results:
+        for n in SHAPES:
+            torch.testing.assert_close(out[label]["full"][n], ref[n], rtol=1e-6, atol=1e-7)
+
+
 def test_clipped_steps_match_torch_clip_grad_norm(results, reference):
     ref, ref_norms = reference["adam_clip"]
     assert ref_norms[0] > 1.0  # clipping really scaled the gradients
@@ -137,7 +149,7 @@ def test_shard_bounds_cover_the_dimension_exactly():
 
 
 def test_single_process_matches_torch_and_checks_input():
-    opt = ShardedAdam(_params(), DIMS, lr=1e-2, weight_decay=0.1)
+    opt = ShardedAdam(_params(), DIMS, lr=1e-2, weight_decay=0.1, impl="exact")
     for k in range(K):
         opt.step(_grads(k))
     ref, _ = _reference(CASES["adam_l2"])
@@ -148,5 +160,19 @@ def test_single_process_matches_torch_and_checks_input():
         opt.step({"nope": torch.zeros(1)})
     with pytest.raises(HGraphError, match="shard dim 2 of parameter 'b'"):
         ShardedAdam(_params(), {"b": 2})
+    with pytest.raises(HGraphError, match="implementation 'apex'; allowed: fused, exact"):
+        ShardedAdam(_params(), DIMS, impl="apex")
     with pytest.raises(HGraphError, match="cannot load into rank 0 of 1"):
         opt.load_state_dict(dict(opt.state_dict(), world_size=4))
+
+
+def test_fused_takes_strided_gradient_shards():
+    """A shard cut along dim 1 of a gradient is strided; the fused kernel must see it as laid out."""
+    fused, exact = (ShardedAdam(_params(), DIMS, lr=1e-2, impl=impl) for impl in ("fused", "exact"))
+    for k in range(K):
+        grads = {n: g.t().contiguous().t() for n, g in _grads(k).items()}   # same values, other strides
+        assert not grads["w"].is_contiguous()
+        fused.step(grads)
+        exact.step(grads)
+    for n in SHAPES:
+        torch.testing.assert_close(fused.params[n], exact.params[n], rtol=1e-6, atol=1e-7)
