@@ -72,7 +72,12 @@ def test_tp2_shards_at_least_95_percent_of_the_block_matrices(spec, args):
     assert tp2.fraction_sharded(matrices_only=True) >= 0.95
 
 
-@pytest.mark.parametrize("spec,args", MODELS, ids=[m[0] for m in MODELS])
+# Qwen2 trains the same way in tests/runtime/weights/test_pretrained_round_trip.py (from its weights);
+# Mistral's window takes the kernels Gemma-2's does (tests/frontends/test_hf_models.py packs it)
+TRAINED = [m for m in MODELS if m[0] not in ("hf:qwen2", "hf:mistral")]
+
+
+@pytest.mark.parametrize("spec,args", TRAINED, ids=[m[0] for m in TRAINED])
 def test_training_with_switching_strategies_equals_pytorch(data, tmp_path, capsys, spec, args):
     final = tmp_path / "final.pt"
     rc = main(["train", "--model", spec, "--model-args", json.dumps(args), "--data", str(data),
