@@ -74,7 +74,9 @@ def test_measured_estimates_are_not_gpu_class_figures(measured):
     lengths = [300, 120, 60, 60, 40, 30, 20, 10]
     plan = plan_iteration(lengths, [Strategy.parse("2xTP1PP1")], cost)
     prior_plan = plan_iteration(lengths, [Strategy.parse("2xTP1PP1")], prior)
-    assert plan.est_latency_ms > 20 * prior_plan.est_latency_ms   # CPU ms, not A800 microseconds
+    # CPU milliseconds, not A800 microseconds: 18-22x the A800 prior on a 2-core machine (idle or not);
+    # an order of magnitude tells them apart on a faster CPU too
+    assert plan.est_latency_ms > 10 * prior_plan.est_latency_ms
 
 
 def test_step_correction_is_the_median_ratio_of_recent_steps_and_scales_every_estimate():
