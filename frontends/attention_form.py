@@ -47,5 +47,8 @@ def causal_attention_node(graph: fx.Graph, q: fx.Node, k: fx.Node, v: fx.Node, k
 def mask_example_length(model: Any, least: int) -> int:
     """The example length masks are evaluated at: longer than the model's sliding window (a config's
     ``sliding_window``), which would otherwise look causal."""
-    window = getattr(getattr(model, "config", None), "sliding_window", None)
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:
+        return least                     # a window the config switches off (Qwen2, Qwen3)
     return max(least, int(window) + 1) if isinstance(window, int) and window > 0 else least

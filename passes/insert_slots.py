@@ -10,8 +10,8 @@ exactly what the traced one does:
 * ``tp_enter`` on the input of each column-parallel group (one slot per distinct input: q/k/v share
   one, gate/up share one, the lm head has its own); ``tp_exit`` after each row-parallel linear and
   each vocab-parallel embedding, and ``tp_exit`` + ``tp_enter`` after a full-width sum / mean of a
-  sharded value (its partial results all-reduced, and their gradients); ``tp_gather`` after a column-parallel linear in ``post`` (the lm
-  head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
+  sharded value (its partial results all-reduced, and their gradients); ``tp_gather`` after a
+  column-parallel linear in ``post`` (the lm head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
   produced in a block (or ``pre``) and consumed in another block (the hidden state between blocks).
 
 A slot gets the block / layer of the node it follows (a pp_boundary: of the block it leaves), except

@@ -267,8 +267,9 @@ def _rewrite_partial_reduction(gm: fx.GraphModule, node: fx.Node, source: str, s
     local = sum(hi - lo for lo, hi in shard.ranges) if shard is not None and shard.tp_sharded else full
     if shard is None or local * tp != full:
         raise StrategyError(f"TP={tp}: {node.name} reduces the whole width of {source}'s output, which needs "
-                            f"its {full} features split over the TP ranks without repeats; allowed TP degrees "
-                            "give each rank its own slice (e.g. no more TP ranks than key/value heads)")
+                            f"its {full} features split evenly over the TP ranks, each rank its own slice; "
+                            "allowed TP degrees divide it without repeating heads (no more TP ranks than "
+                            "key/value heads)")
     if op_name_of(node) == "mean":
         with gm.graph.inserting_after(node):
             share = gm.graph.call_function(operator.mul, (node, local / full))
