@@ -63,7 +63,8 @@ def _is_reshape(n: fx.Node) -> bool:
 
 
 def _head_unit(shapes: dict, node: fx.Node, forward: bool) -> int:
-    """Head dim if ``node``'s value is viewed as (…, heads, head_dim) next to it, else 1."""
+    """Head dim if ``node``'s value is viewed as (…, heads, head_dim) next to it (through reshapes and
+    slots, and forward through ops that keep its shape, such as a norm over the whole width), else 1."""
     seen, work = set(), [node]
     while work:
         n = work.pop()
@@ -74,7 +75,8 @@ def _head_unit(shapes: dict, node: fx.Node, forward: bool) -> int:
         if n is not node and dims is not None and len(dims) == 4 and isinstance(dims[-1], int):
             return dims[-1]
         nxt = list(n.users) if forward else list(n.all_input_nodes)
-        work.extend(m for m in nxt if _is_reshape(m) or get_meta(m).slot is not None)
+        work.extend(m for m in nxt if _is_reshape(m) or get_meta(m).slot is not None
+                    or (forward and dims is not None and shapes.get(m.name, (None,))[0] == dims))
     return 1
 
 
@@ -107,6 +109,9 @@ class TPShardPlanner:
     def __init__(self, hg: Any, shapes: dict):
         gm = hg.gm
         self.gqa = _uses_gqa_attention(gm)
+        # weights whose output a full-width sum / mean reduces: their TP slices must not repeat
+        self.reduced_whole = {get_meta(n).tp_rewrite[1] for n in gm.graph.nodes
+                              if get_meta(n).tp_rewrite is not None and get_meta(n).tp_rewrite[0] == PARTIAL_SUM}
         self.plans: dict[str, _ParamPlan] = {}
         for name, uses in param_uses(gm).items():
             info = hg.params[name]
@@ -141,6 +146,11 @@ class TPShardPlanner:
             return ParamShard(name, shape, dim, tuple(ranges), 0, tp_sharded=True)
         if p.role == TPRole.COLUMN:
             rng, pad = _column_range(name, size, p.unit, tp, t, p.gathered, self.gqa)
+            if name in self.reduced_whole and (rng[1] - rng[0]) * tp != size:
+                raise StrategyError(f"TP={tp}: the whole width of {name}'s output is reduced (a norm over all "
+                                    f"its heads), which needs its {size} rows split evenly over the TP ranks, "
+                                    "each rank its own slice; allowed TP degrees give no two ranks the same "
+                                    f"heads (at most {size // p.unit} here)")
         elif p.role == TPRole.ROW:
             if p.unit > 1 and (size // p.unit) % tp:
                 raise StrategyError(f"TP={tp} does not divide the {size // p.unit} attention heads feeding "

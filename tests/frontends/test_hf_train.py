@@ -94,3 +94,14 @@ def test_training_with_switching_strategies_equals_pytorch(data, tmp_path, capsy
     assert params <= set(state)
     for k in params:
         torch.testing.assert_close(state[k], ref_state[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def test_a_full_width_norm_over_repeated_key_value_heads_is_refused_in_one_line():
+    # TP4 over 2 key/value heads gives two ranks the same head: OLMo-2's k norm over the whole width
+    # would sum it twice
+    from hgraph.errors import StrategyError
+    with torch.device("meta"):
+        model = resolve_model_spec("hf:olmo2", dict(TRAINED[[m[0] for m in TRAINED].index("hf:olmo2")][1]))
+    with pytest.raises(StrategyError, match="split evenly over the TP ranks, each rank its own slice") as info:
+        hgraph.compile(model).instantiate("1xTP4PP1")
+    assert "\n" not in str(info.value)
