@@ -163,18 +163,8 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     sliding ``window`` (``hgraph.varlen_attention``). The frontends write attention that needs either
     as this op (otherwise as ``F.scaled_dot_product_attention(..., is_causal=True)``); the packed
     attention pass makes it per document like SDPA. ``dropout_p`` drops probabilities as SDPA does."""
-    t = query.shape[-2]
-    pos = torch.arange(t, device=query.device)
-    if not dropout_p:
-        return masked_attention(query, key, value, allowed_keys(pos, pos, window), scale, enable_gqa, softcap)
-    if key.shape[-3] != query.shape[-3]:
-        group = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(group, dim=-3), value.repeat_interleave(group, dim=-3)
-    scores = (query @ key.transpose(-1, -2)) * (scale if scale is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~allowed_keys(pos, pos, window), float("-inf")).float(), dim=-1)
-    return F.dropout(probs.to(query.dtype), dropout_p) @ value
+    pos = torch.arange(query.shape[-2], device=query.device)
+    return masked_attention(query, key, value, allowed_keys(pos, pos, window), scale, enable_gqa, softcap, dropout_p)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,

@@ -95,18 +95,20 @@ def allowed_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: Optional[int]
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                      scale: Optional[float] = None, enable_gqa: bool = False,
-                     softcap: Optional[float] = None) -> torch.Tensor:
+                     softcap: Optional[float] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """``softmax(cap(q @ k^T * scale), masked by allowed) @ v`` on ``[B, H, Tq, D]`` (eager attention's
-    math; without ``softcap``, SDPA with the boolean mask). Every query must see at least one key."""
+    math; without ``softcap``, SDPA with the boolean mask), the probabilities dropped with
+    ``dropout_p`` as SDPA does. Every query must see at least one key."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=enable_gqa)
     if k.shape[-3] != q.shape[-3]:
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
     scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+    return F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), dropout_p) @ v
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens, *,

@@ -236,12 +236,11 @@ def _reshape_state(node: fx.Node, state: str, local_meta: set[fx.Node]) -> tuple
     last, front = shape[-1], shape[:-1]
     if -1 not in [d for d in shape if isinstance(d, int)]:
         heads = [i for i, d in enumerate(front) if isinstance(d, int) and d != 1]
-        # the head dim a constant or computed from a whole tensor (nanoGPT's ``C // n_head``)
+        # the last size a constant or computed from a whole tensor (nanoGPT's ``C // n_head``)
         whole_last = isinstance(last, int) or (isinstance(last, fx.Node) and last not in local_meta)
         if state == FLAT and whole_last and len(heads) == 1:
             return HEADS, heads[0]
-        whole_width = isinstance(last, int) or (isinstance(last, fx.Node) and last not in local_meta)
-        if state == HEADS and len(shape) == 3 and whole_width:
+        if state == HEADS and len(shape) == 3 and whole_last:
             return FLAT, len(shape) - 1
         if state == FLAT and isinstance(last, fx.Node) and last in local_meta and not heads:
             return state, None

@@ -88,9 +88,8 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
     column_inputs: dict[tuple[fx.Node, Optional[str]], list[fx.Node]] = {}
     for n in list(graph.nodes):
         m = get_meta(n)
-        if m.tp_role is None and m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
-            pass
-        elif m.tp_role is None or is_slot(n) or n.op == "get_attr":
+        partial_sum = m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM
+        if not partial_sum and (m.tp_role is None or is_slot(n) or n.op == "get_attr"):
             continue
         if m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
             column_inputs.setdefault((n.args[0], m.block), []).append(n)
@@ -99,7 +98,7 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
         elif (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
                 (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB):
             _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
-        if m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
+        if partial_sum:
             # a full-width sum / mean of a sharded value: all-reduce the partial results (forward), and
             # their gradients, which the sharded ops after it give per slice (backward)
             exit_slot = _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")

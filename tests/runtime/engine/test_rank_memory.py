@@ -20,10 +20,10 @@ from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.model_states import rank_states
 from hgraph.runtime.planner.cost.memory_estimate import estimate_memory
-from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Cluster, Strategy
+from hgraph.tools.bench.memory import Run, documents, run_config
 
 MODEL_ARGS = {"vocab_size": 16000, "hidden_size": 512, "intermediate_size": 1408, "num_layers": 6, "num_heads": 8}
 SMALL_ARGS = dict(MODEL_ARGS, vocab_size=256, hidden_size=64, intermediate_size=176)   # the framework
@@ -36,12 +36,8 @@ SLACK = 96 * MiB
 
 
 def _config(model_args, world):
-    g = torch.Generator().manual_seed(0)
-    docs = [torch.randint(0, model_args["vocab_size"], (n,), generator=g).tolist()
-            for _ in range(4) for n in (96, 64, 32, 64)]
-    return TrainConfig.from_values(model="llama:tiny", model_args=dict(model_args), dtype="fp32", world_size=world,
-                                   steps=4, tokens_per_iter=TOKENS, docs=docs, strategy_schedule=SCHEDULE,
-                                   device_memory=None)
+    docs = documents(TOKENS, 4, model_args["vocab_size"])    # 96, 64, 32 and 64 tokens a step
+    return run_config(Run(SCHEDULE, world, SCHEDULE), "llama:tiny", model_args, 4, TOKENS, docs)
 
 
 def _worker(rank, world):
