@@ -50,6 +50,17 @@ class CommRuntime(Protocol):
                           softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
 
 
+#: attribute set on an op that reads tensor values on the host to steer Python control flow (packed
+#: attention finds its documents from the positions): ``torch.compile`` must not trace it
+READS_HOST_VALUES = "hgraph_reads_host_values"
+
+
+def reads_host_values(fn):
+    """Mark ``fn`` as an op the compiled regions of a rank's graph leave eager (``READS_HOST_VALUES``)."""
+    setattr(fn, READS_HOST_VALUES, True)
+    return fn
+
+
 def _need_runtime(op: str) -> HGraphError:
     return HGraphError(f"{op} needs peers: run this rank's program under the hgraph runtime "
                        "(a communication context), not as a plain module")
@@ -167,6 +178,7 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return masked_attention(query, key, value, allowed_keys(pos, pos, window), scale, enable_gqa, softcap, dropout_p)
 
 
+@reads_host_values
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
                      scale: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
                      window: Optional[int] = None) -> torch.Tensor:

@@ -56,6 +56,8 @@ import torch.nn as nn
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
+                                                    compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import attach_stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
@@ -125,6 +127,7 @@ class StepResult:
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
+    compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
     tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
     mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
 
@@ -199,7 +202,8 @@ class Executor:
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0,
-                 vocab_parallel_loss: Optional[bool] = None) -> None:
+                 vocab_parallel_loss: Optional[bool] = None, compile_mode: str = "off",
+                 compile_backend: str = "inductor") -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -219,6 +223,13 @@ class Executor:
         # normaliser differently by an ulp, which Adam scales up on gradients that cancel to ~eps
         self.vocab_parallel_loss = (self.working_dtype != torch.float32 if vocab_parallel_loss is None
                                     else vocab_parallel_loss)
+        # torch.compile of the rank graphs' compute between their communication ops (compiled_regions)
+        self.compile = compile_wanted(compile_mode, self.device)
+        self.compile_strict = compile_mode == "on"
+        self.compile_backend = compile_backend
+        if self.compile:
+            check_backend(compile_backend)
+        self.region_compiles = RegionCompiles()
         self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
         self._last_program: Any = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
@@ -271,6 +282,9 @@ class Executor:
         state = RankState(program, rp, gm, working, comm, sync)
         if self.track_memory:
             attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
+        if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
+            state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
+                                             self.region_compiles)
         self.programs.keep_state(program, state)
         return state
 
@@ -386,6 +400,8 @@ class Executor:
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
         result.process_peak_bytes = self.peak_memory.read()
+        if self.compile:
+            result.compiles = self.region_compiles.total
         return result
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,

@@ -41,6 +41,8 @@ class ModelConfig:
     dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
     init_from: Optional[str] = None            # initial weights: safetensors, hgraph checkpoint or state_dict
     vocab_parallel_loss: str = "auto"          # a TP-split vocabulary's loss: on | off | auto (on below fp32)
+    compile: str = "auto"                      # torch.compile of the rank graphs: on | off | auto (on with CUDA)
+    compile_backend: str = "inductor"          # its torch.compile backend (aot_eager: no code generated)
 
 
 @dataclass(frozen=True)

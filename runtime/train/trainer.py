@@ -215,7 +215,8 @@ class Trainer:
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
                                  programs=self.cache, seed=config.model.seed,
-                                 vocab_parallel_loss=vocab_parallel)
+                                 vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
+                                 compile_backend=config.model.compile_backend)
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:

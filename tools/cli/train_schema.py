@@ -82,6 +82,11 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "(Megatron's vocabulary-parallel cross-entropy: no logits gathered), off (each chunk's logits "
        "gathered for torch's log_softmax: the single-device arithmetic), auto (on with a working dtype "
        "below fp32)", choices=("auto", "on", "off")),
+    _k("model", "compile", "str", "auto", "torch.compile of each rank's graph: the compute between its "
+       "communication ops, fused by inductor, the token dimension dynamic (on, off, auto: on with CUDA)",
+       choices=("auto", "on", "off")),
+    _k("model", "compile-backend", "str", "inductor", "the torch.compile backend of --compile (inductor; "
+       "aot_eager traces and differentiates without generating code)", metavar="NAME"),
     _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
        "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
        "state_dict file; names matched by FQN (default: none; a resumed run continues from its "

@@ -1,0 +1,90 @@
+"""``torch.compile`` of rank graphs (``engine.compiled_regions``): where the graph is cut, and a compiled
+run equals single-device PyTorch while each region compiles once for any packed length.
+
+The multi-rank case (heterogeneous strategies with TP2 and PP2, switching, under compile) is a case of
+``test_executor_equivalence``; this module runs one process: inductor's CPU code generation.
+"""
+import torch
+from tests.runtime.reference_training import reference_steps
+
+import hgraph
+from hgraph import ops
+from hgraph.frontends.zoo import llama
+from hgraph.meta import SlotKind, get_meta
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.documents import Document, mini_batches
+from hgraph.runtime.engine.compiled_regions import REGION_PREFIX, CompiledRegion, compile_regions
+from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.engine.optimizer import ShardedAdam
+from hgraph.strategy import Cluster, Strategy
+
+LR = 1e-3
+STEPS = 20
+COMPARED = 4
+
+
+def _talks_to_runtime(n):
+    return any(a.op == "placeholder" and a.name == "comm" for a in n.all_input_nodes) or \
+        n.target is ops.packed_attention
+
+
+def test_regions_hold_compute_only_and_the_runtime_ops_keep_their_order():
+    model = llama.build("tiny", num_layers=2)
+    program = hgraph.compile(model).build_program(Strategy.parse("1xTP2PP2"), Cluster(4))
+    for r in range(4):
+        gm = program.rank(r).graph_module
+        before = [n.name for n in gm.graph.nodes if _talks_to_runtime(n) and
+                  get_meta(n).slot not in (SlotKind.PULL_PARAMETER, SlotKind.PUSH_GRADIENT)]
+        out, compiles = compile_regions(gm, backend="eager")
+        regions = {name: m for name, m in out.named_children() if name.startswith(REGION_PREFIX)}
+        assert regions and all(isinstance(m, CompiledRegion) for m in regions.values())
+        for m in regions.values():
+            assert not any(_talks_to_runtime(n) for n in m.body.graph.nodes), r
+        # the collectives, attention and sends in the graph's order (the schedule); the pull chains
+        # move to the front of the run they feed and do not cut it: one region per gap at most
+        after = [n.name for n in out.graph.nodes if n.name in set(before)]
+        assert after == before, r
+        assert len(regions) <= len(before) + 1, (r, len(regions), len(before))
+        assert compiles.total == 0       # nothing compiles before it runs
+        # the parameters are the rank graph's own objects (the executor installs and frees them)
+        assert {id(p) for p in out.parameters()} == {id(p) for p in gm.parameters()}
+
+
+def _docs():
+    g = torch.Generator().manual_seed(5)
+    lengths = torch.randint(2, 40, (60,), generator=g).tolist()
+    return [Document(i, tuple(torch.randint(0, 512, (n,), generator=g).tolist())) for i, n in enumerate(lengths)]
+
+
+def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_packed_length():
+    """Twenty steps of different packed lengths compile each region once; the first four equal
+    ``torch.optim.Adam`` on the model within the equivalence tolerances (``test_executor_equivalence``:
+    over more steps Adam's division by sqrt(v) grows an ulp of a near-zero gradient past them, with or
+    without compile)."""
+    batches = list(mini_batches(_docs(), 64, STEPS))
+    assert len({sum(len(d.input_ids) for d in b.docs) for b in batches}) > 10     # packed lengths vary
+    torch.manual_seed(0)
+    model = llama.build("tiny", num_layers=2)      # three regions: around the two attentions
+    compiled = hgraph.compile(model)
+    params = dict(model.named_parameters())
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params], shard_dims_of(compiled),
+                      0, 1, lr=LR)
+    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode="on")
+    program = ex.programs.get(Strategy.parse("1xTP1PP1"))
+    losses = []
+    for k, b in enumerate(batches):
+        mb = MicroBatch.pack([d.input_ids for d in b.docs], [d.index for d in b.docs])
+        losses.append(ex.step(program, [[mb]], b.num_targets, k).loss)
+        if k == 0:
+            after_first = dict(ex.region_compiles.counts)
+        if k == COMPARED - 1:
+            trained = {n: p.detach().clone() for n, p in opt.params.items()}
+    counts = ex.region_compiles.counts
+    assert len(counts) == 3 and not ex.region_compiles.eager
+    assert counts == after_first and set(counts.values()) == {1}, counts
+    want = [loss for _, loss in reference_steps(model, batches[:COMPARED], LR)]
+    for k, (got, ref) in enumerate(zip(losses, want)):
+        assert abs(got - ref) <= 1e-6 * abs(ref), f"step {k}: loss {got} vs {ref}"
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(trained[name].view(p.shape), p.detach(), atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"{name}: {m}")
