@@ -80,7 +80,9 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
         saved = comm.cp_layout, comm.token_keys     # the micro-batch of this block, not the latest one
         comm.cp_layout, comm.token_keys = layout, keys
         try:
-            return block(*xs)
+            # compiled regions (--compile) run eagerly here: dynamo does not trace under checkpoint
+            with torch.compiler.set_stance("force_eager"):
+                return block(*xs)
         finally:
             comm.cp_layout, comm.token_keys = saved
 

@@ -4,19 +4,22 @@ run equals single-device PyTorch while each region compiles once for any packed 
 The multi-rank case (heterogeneous strategies with TP2 and PP2, switching, under compile) is a case of
 ``test_executor_equivalence``; this module runs one process: inductor's CPU code generation.
 """
+import pytest
 import torch
-from tests.runtime.reference_training import reference_steps
 
 import hgraph
 from hgraph import ops
+from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
-from hgraph.runtime.engine.compiled_regions import REGION_PREFIX, CompiledRegion, compile_regions
+from hgraph.runtime.engine.compiled_regions import (REGION_PREFIX, CompiledRegion, check_backend,
+                                                    compile_regions, compile_wanted)
 from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.strategy import Cluster, Strategy
+from tests.runtime.reference_training import reference_steps
 
 LR = 1e-3
 STEPS = 20
@@ -88,3 +91,38 @@ def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_pac
     for name, p in model.named_parameters():
         torch.testing.assert_close(trained[name].view(p.shape), p.detach(), atol=1e-5, rtol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def _run(compile_mode, batches, **kw):
+    torch.manual_seed(0)
+    model = llama.build("tiny", num_layers=2)
+    compiled = hgraph.compile(model)
+    params = dict(model.named_parameters())
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params], shard_dims_of(compiled),
+                      0, 1, lr=LR)
+    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend="aot_eager", **kw)
+    program = ex.programs.get(Strategy.parse("1xTP1PP1"))
+    results = [ex.step(program, [[MicroBatch.pack([d.input_ids for d in b.docs])]], b.num_targets, k)
+               for k, b in enumerate(batches)]
+    return results, ex
+
+
+def test_blocks_recomputed_under_a_memory_budget_run_eagerly_and_the_rest_compiled():
+    """Recomputation (DCP-intra) runs a block under ``torch.utils.checkpoint``, where dynamo does not
+    trace: such a block's regions run eagerly, in its forward and its replay; AOTAutograd without code
+    generation gives the eager run's losses to the bit."""
+    batches = list(mini_batches(_docs(), 64, 2))
+    eager, _ = _run("off", batches, memory_budget=1.0)
+    compiled, ex = _run("on", batches, memory_budget=1.0)
+    assert all(r.recompute_layers for r in compiled)
+    assert [r.loss for r in compiled] == [r.loss for r in eager]
+    assert ex.region_compiles.total > 0 and not ex.region_compiles.eager
+    assert compiled[-1].compiles == ex.region_compiles.total
+
+
+def test_a_compile_mode_or_backend_torch_does_not_know_is_one_line():
+    with pytest.raises(HGraphError, match="--compile 'yes': expected one of auto, on, off"):
+        compile_wanted("yes", torch.device("cpu"))
+    assert not compile_wanted("auto", torch.device("cpu")) and compile_wanted("on", torch.device("cpu"))
+    with pytest.raises(HGraphError, match="--compile-backend 'fast': not a torch.compile backend"):
+        check_backend("fast")
