@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method="file://" + store,
                             rank=0, world_size=1)
     try:
-        cfg = TrainConfig.from_values(model="tiny", model_args=model_args, world_size=1, strategy_schedule="1xTP1PP1",
-                                      steps=1, tokens_per_iter=args.tokens, lr=1e-4, dtype=dtype,
+        cfg = TrainConfig.from_values(model="tiny", model_args=model_args, world_size=1,
+                                      strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=args.tokens, lr=1e-4, dtype=dtype,
                                       compile=args.compile)
         model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
         docs = _documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
@@ -151,7 +151,8 @@ def main(argv=None) -> int:
         amp = torch.bfloat16 if dtype == "bf16" else torch.float32
         row = torch.tensor([[t for d in docs for t in d]], device=dev)
         positions = torch.cat([torch.arange(len(d)) for d in docs])[None].to(dev)
-        labels = torch.cat([torch.tensor(d[1:] + [-100]) for d in docs]).to(dev)    # no target across documents
+        # no target across documents
+        labels = torch.cat([torch.tensor(d[1:] + [-100]) for d in docs]).to(dev)
         cu = cu_seqlens_for([len(d) for d in docs], dev)
         plain = torch.compile(ref, dynamic=True)
 
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
             ref_opt.zero_grad(set_to_none=True)
             with _varlen_sdpa(cu), torch.autocast(dev.type, dtype=amp, enabled=dtype == "bf16"):
                 logits = plain(row, positions)
-            (F.cross_entropy(logits[0].float(), labels, ignore_index=-100, reduction="sum") / targets).backward()
+            loss = F.cross_entropy(logits[0].float(), labels, ignore_index=-100, reduction="sum") / targets
+            loss.backward()
             ref_opt.step()
 
         def hgraph_step():
@@ -179,7 +181,8 @@ def main(argv=None) -> int:
         tokens = sum(len(d) for d in docs)
         q = torch.randn(1, 4, 8, 16, device=dev, dtype=amp)
         out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "dtype": dtype,
-               "compile": args.compile, "docs": len(docs), "tokens": tokens, "longest": max(len(d) for d in docs),
+               "compile": args.compile, "docs": len(docs), "tokens": tokens,
+               "longest": max(len(d) for d in docs),
                "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
                "varlen_backend": available_backend(q), "warmup_s": warmup_s,
                "hgraph_ms": 1e3 * statistics.median(th), "plain_ms": 1e3 * statistics.median(tp),
@@ -198,7 +201,8 @@ def main(argv=None) -> int:
     mfu = (lambda m: f", MFU {100 * m:.1f}%" if m is not None else "")
     print(f"{out['device']}, {out['dtype']}, {out['params_m']:.1f} M parameters, {out['docs']} documents, "
           f"{out['tokens']} tokens (longest {out['longest']}), varlen backend {out['varlen_backend']}, "
-          f"--compile {out['compile']} ({out['region_compiles']} region compiles, warm-up {out['warmup_s']:.1f} s)")
+          f"--compile {out['compile']} ({out['region_compiles']} region compiles, "
+          f"warm-up {out['warmup_s']:.1f} s)")
     for side, name in (("hgraph", "hgraph step"), ("plain", "plain PyTorch + torch.compile")):
         print(f"{name}: {out[f'{side}_ms']:.1f} ms, {out[f'{side}_tokens_per_s']:.0f} tokens/s, "
               f"{out[f'{side}_tflops']:.1f} TFLOP/s{mfu(out[f'{side}_mfu'])}")

@@ -42,8 +42,8 @@ def _model(spec: str, vocab: int) -> torch.nn.Module:
 def _executor(model: torch.nn.Module, mode: str) -> tuple[Executor, object]:
     compiled = hgraph.compile(model)
     params = dict(model.named_parameters())
-    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params], shard_dims_of(compiled),
-                      0, 1, lr=1e-4)
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
+                      shard_dims_of(compiled), 0, 1, lr=1e-4)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=mode)
     return ex, ex.programs.get(Strategy.parse("1xTP1PP1"))
 
@@ -113,9 +113,9 @@ def main(argv=None) -> int:
     print(f"{'model':>8} {'params':>10} {'eager ms':>9} {'compiled ms':>12} {'speedup':>8} "
           f"{'1st compiled s':>15} {'regions':>8} {'compiles':>9} {'max |dloss|':>12}")
     for r in rows:
-        print(f"{r['model']:>8} {r['params']:>10,} {1e3 * r['eager_step_s']:>9.1f} {1e3 * r['compiled_step_s']:>12.1f} "
-              f"{r['speedup']:>7.2f}x {r['first_compiled_step_s']:>15.1f} {r['regions']:>8} {r['compiles']:>9} "
-              f"{r['max_loss_diff']:>12.2e}")
+        print(f"{r['model']:>8} {r['params']:>10,} {1e3 * r['eager_step_s']:>9.1f} "
+              f"{1e3 * r['compiled_step_s']:>12.1f} {r['speedup']:>7.2f}x {r['first_compiled_step_s']:>15.1f} "
+              f"{r['regions']:>8} {r['compiles']:>9} {r['max_loss_diff']:>12.2e}")
     return 0
 
 

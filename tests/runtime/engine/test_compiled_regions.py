@@ -56,7 +56,8 @@ def test_regions_hold_compute_only_and_the_runtime_ops_keep_their_order():
 def _docs():
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(2, 40, (60,), generator=g).tolist()
-    return [Document(i, tuple(torch.randint(0, 512, (n,), generator=g).tolist())) for i, n in enumerate(lengths)]
+    return [Document(i, tuple(torch.randint(0, 512, (n,), generator=g).tolist()))
+            for i, n in enumerate(lengths)]
 
 
 def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_packed_length():
@@ -70,8 +71,8 @@ def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_pac
     model = llama.build("tiny", num_layers=2)      # three regions: around the two attentions
     compiled = hgraph.compile(model)
     params = dict(model.named_parameters())
-    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params], shard_dims_of(compiled),
-                      0, 1, lr=LR)
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
+                      shard_dims_of(compiled), 0, 1, lr=LR)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode="on")
     program = ex.programs.get(Strategy.parse("1xTP1PP1"))
     losses = []
@@ -98,9 +99,10 @@ def _run(compile_mode, batches, **kw):
     model = llama.build("tiny", num_layers=2)
     compiled = hgraph.compile(model)
     params = dict(model.named_parameters())
-    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params], shard_dims_of(compiled),
-                      0, 1, lr=LR)
-    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend="aot_eager", **kw)
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
+                      shard_dims_of(compiled), 0, 1, lr=LR)
+    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend="aot_eager",
+                  **kw)
     program = ex.programs.get(Strategy.parse("1xTP1PP1"))
     results = [ex.step(program, [[MicroBatch.pack([d.input_ids for d in b.docs])]], b.num_targets, k)
                for k, b in enumerate(batches)]
