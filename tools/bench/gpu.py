@@ -135,7 +135,8 @@ def main(argv=None) -> int:
                             rank=0, world_size=1)
     try:
         cfg = TrainConfig.from_values(model="tiny", model_args=model_args, world_size=1,
-                                      strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=args.tokens, lr=1e-4, dtype=dtype,
+                                      strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=args.tokens,
+                                      lr=1e-4, dtype=dtype,
                                       compile=args.compile)
         model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
         docs = _documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))

@@ -114,7 +114,8 @@ def main(argv=None) -> int:
           f"{'1st compiled s':>15} {'regions':>8} {'compiles':>9} {'max |dloss|':>12}")
     for r in rows:
         print(f"{r['model']:>8} {r['params']:>10,} {1e3 * r['eager_step_s']:>9.1f} "
-              f"{1e3 * r['compiled_step_s']:>12.1f} {r['speedup']:>7.2f}x {r['first_compiled_step_s']:>15.1f} "
+              f"{1e3 * r['compiled_step_s']:>12.1f} {r['speedup']:>7.2f}x "
+              f"{r['first_compiled_step_s']:>15.1f} "
               f"{r['regions']:>8} {r['compiles']:>9} {r['max_loss_diff']:>12.2e}")
     return 0
 

@@ -101,8 +101,8 @@ def _run(compile_mode, batches, **kw):
     params = dict(model.named_parameters())
     opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
                       shard_dims_of(compiled), 0, 1, lr=LR)
-    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend="aot_eager",
-                  **kw)
+    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode,
+                  compile_backend="aot_eager", **kw)
     program = ex.programs.get(Strategy.parse("1xTP1PP1"))
     results = [ex.step(program, [[MicroBatch.pack([d.input_ids for d in b.docs])]], b.num_targets, k)
                for k, b in enumerate(batches)]
