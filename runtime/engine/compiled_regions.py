@@ -63,6 +63,7 @@ class RegionCompiles:
 
     counts: dict[str, int] = field(default_factory=dict)
     eager: list[str] = field(default_factory=list)
+    shared: dict[tuple, "CompiledRegion"] = field(default_factory=dict, repr=False)   # by ``_structure``
 
     @property
     def total(self) -> int:
@@ -161,6 +162,18 @@ def _runs(graph: fx.Graph, comm: Optional[fx.Node]) -> list[tuple[str, list[fx.N
     return steps
 
 
+def _structure(body: fx.Graph) -> tuple:
+    """What a region computes, whatever its nodes are named: ops, targets and constants in order, the
+    values by position. Parameters are inputs, so two runs alike (the layers') are the same function."""
+    index = {n: i for i, n in enumerate(body.nodes)}
+
+    def norm(a: Any) -> str:
+        return repr(fx.node.map_arg(a, lambda n: f"%{index[n]}"))
+
+    return tuple((n.op, None if n.op == "placeholder" else repr(n.target), norm(n.args), norm(n.kwargs))
+                 for n in body.nodes)
+
+
 def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool = False,
                     compiles: Optional[RegionCompiles] = None) -> tuple[fx.GraphModule, RegionCompiles]:
     """A new GraphModule computing what ``gm`` computes, its compute runs behind ``torch.compile``.
@@ -190,8 +203,14 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
             body_env[m] = body.node_copy(m, lambda x: body_env[x])
         outputs = [m for m in nodes if any(u not in inside for u in m.users)]
         body.output(tuple(body_env[m] for m in outputs))
-        name = f"{REGION_PREFIX}{len(compiles.counts)}"
-        owner[name] = CompiledRegion(name, fx.GraphModule(gm, body), backend, strict, compiles)
+        key = _structure(body)
+        region = compiles.shared.get(key)
+        if region is None:      # the first of its kind: the layers' alike runs share it
+            region = CompiledRegion(f"{REGION_PREFIX}{len(compiles.counts)}", fx.GraphModule(gm, body), backend,
+                                    strict, compiles)
+            compiles.shared[key] = region
+        name = f"{region.name}_{sum(1 for k in owner if k.startswith(region.name + '_'))}"
+        owner[name] = region
         call = new.call_module(name, tuple(env[a] for a in inputs))
         for i, m in enumerate(outputs):
             env[m] = new.call_function(operator.getitem, (call, i))

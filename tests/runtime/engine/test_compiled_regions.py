@@ -53,6 +53,18 @@ def test_regions_hold_compute_only_and_the_runtime_ops_keep_their_order():
         assert {id(p) for p in out.parameters()} == {id(p) for p in gm.parameters()}
 
 
+def test_alike_runs_of_the_layers_share_one_compiled_region():
+    """Parameters are the regions' inputs, so the runs between two attentions, the same in every layer,
+    are one compiled function (traced and compiled once, not once per layer)."""
+    layers = 4
+    gm = hgraph.compile(llama.build("tiny", num_layers=layers)).build_program(
+        Strategy.parse("1xTP1PP1"), Cluster(1)).rank(0).graph_module
+    out, compiles = compile_regions(gm, backend="eager")
+    calls = [n for n in out.graph.nodes if n.op == "call_module" and n.target.startswith(REGION_PREFIX)]
+    # before the first attention, between two attentions (layers - 1 times), after the last one
+    assert len(calls) == layers + 1 and len(compiles.counts) == 3
+
+
 def _docs():
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(2, 40, (60,), generator=g).tolist()
