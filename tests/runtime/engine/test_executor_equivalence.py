@@ -49,9 +49,11 @@ CASES_4 = [
     # an embedding with a padding row (pad_token_id, as Hugging Face configs set it), vocabulary-parallel:
     # the padding row must not train on the TP rank that holds it
     ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {}),
-    # torch.compile of the rank graphs' compute between their collectives (engine/compiled_regions):
-    # traced and differentiated by AOTAutograd (inductor's code generation: test_compiled_regions)
-    ("tiny", "1xTP2PP1+2xTP1PP1;1xTP2PP2", {"num_layers": 2}, {"compile": "on", "compile_backend": "aot_eager"}),
+    # torch.compile of the rank graphs' compute between their TP, PP and CP collectives
+    # (engine/compiled_regions), traced and differentiated by AOTAutograd (inductor's code generation:
+    # test_compiled_regions)
+    ("tiny", "1xTP2PP1+2xTP1PP1;1xTP1PP2CP2", {"num_layers": 2},
+     {"compile": "on", "compile_backend": "aot_eager"}),
 ]
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
