@@ -42,6 +42,7 @@ from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
 from hgraph.passes.annotate import _ELEMENTWISE, is_metadata, op_name
+from hgraph.passes.stage_split import stage_of_blocks
 
 #: ``NodeMeta.tp_rewrite`` position of a full-width sum / mean (``annotate.PARTIAL_SUM``)
 _PARTIAL_SUM = -2
@@ -69,6 +70,8 @@ class SequenceParallelPlan:
     shape_reads: frozenset       # metadata nodes reading a sliced value's shape: the whole shape instead
     same_shape_views: frozenset  # views of a sliced value to the shape it has: the value itself
     token_dims: dict             # value name -> index of its token dim
+    blocks: dict                 # op / read / view name -> its block (a rank graph's new nodes may reuse
+    #                              the name of an HGraph node on another stage)
     partial_grads: frozenset     # replicated parameters whose gradient each TP rank computes on its tokens
 
 
@@ -203,11 +206,13 @@ def plan_sequence_parallel(hg: Any, shapes: dict) -> SequenceParallelPlan:
         sliced.add(n)
     _check_shape_reads(reads, meta_nodes, sliced)
     token_dims = {n.name: _tdim(shapes, n.args[0]) for n in exits | enters | reads}
+    located = [op for op, _ in narrows] + [*reads, *same_shape]      # found by name in the rank graphs
     return SequenceParallelPlan(frozenset(n.name for n in sliced), frozenset(n.name for n in exits),
                                 frozenset(n.name for n in enters),
                                 tuple((n.name, _origins(a), _tdim(shapes, a)) for n, a in narrows),
                                 frozenset(n.name for n in reads), frozenset(n.name for n in same_shape),
-                                token_dims, _partial_grad_params(hg, sliced, exits))
+                                token_dims, {n.name: get_meta(n).block for n in located},
+                                _partial_grad_params(hg, sliced, exits))
 
 
 def _origins(a: fx.Node) -> tuple[str, ...]:
@@ -286,7 +291,10 @@ def sequence_parallel_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
     if sp is None:
         return gm
     g = gm.graph
-    by_name = {n.name: n for n in g.nodes}
+    stage_of = stage_of_blocks(ctx.stage_blocks)
+    by_name = {n.name: n for n in g.nodes
+               if n.name not in sp.blocks or sp.blocks[n.name] is None
+               or stage_of.get(sp.blocks[n.name], 0) == ctx.role.stage}
     comm = by_name["comm"]
     input_ids = next(n for n in g.nodes if n.op == "placeholder" and n.target == "input_ids")
     for op_name_, origins, dim in sp.narrows:

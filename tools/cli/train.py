@@ -336,6 +336,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
                   f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}" + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
+    print(f"sequence parallelism: {result.get('sequence_parallel', 'on')}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())
     evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]
