@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-import hgraph
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
@@ -30,8 +29,8 @@ from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Scheme
 
-MODEL_ARGS = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "num_layers": 4, "num_heads": 8,
-              "num_kv_heads": 8}
+MODEL_ARGS = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1408, "num_layers": 4,
+              "num_heads": 8, "num_kv_heads": 8}
 
 
 def _documents(tokens: int, steps: int, vocab: int) -> list[list[int]]:
@@ -45,10 +44,10 @@ def _worker(rank: int, world: int, model: str, model_args: dict, tokens: int, st
     docs = _documents(tokens, steps, model_args.get("vocab_size", 512))
     out = {}
     for sp in (True, False):
-        config = TrainConfig.from_values(model=model, model_args=dict(model_args), dtype="fp32", world_size=world,
-                                         strategy_schedule=f"1xTP{world}PP1", steps=steps, tokens_per_iter=tokens,
-                                         microbatch_tokens=tokens, docs=docs, device_memory=None,
-                                         track_memory=True, sequence_parallel=sp)
+        config = TrainConfig.from_values(model=model, model_args=dict(model_args), dtype="fp32",
+                                         world_size=world, strategy_schedule=f"1xTP{world}PP1", steps=steps,
+                                         tokens_per_iter=tokens, microbatch_tokens=tokens, docs=docs,
+                                         device_memory=None, track_memory=True, sequence_parallel=sp)
         trainer = Trainer(config, rank, world, groups)
         batches = mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], tokens, steps)
         peaks = [trainer.step(b).peak_mem_bytes for b in batches]
@@ -62,8 +61,8 @@ def predicted(model: str, model_args: dict, tp: int, tokens: int, sequence_paral
     with torch.device("meta"):
         cfg = resolve_model_spec(model, model_args).config
     A, other = measured_activation_coeffs(cfg, [tp], sequence_parallel=sequence_parallel)
-    return stage_activation_bytes(dict(A)[tp], dict(other)[tp], cfg.hidden_size, cfg.num_layers, Scheme(tp, 1, 1),
-                                  0, tokens)
+    return stage_activation_bytes(dict(A)[tp], dict(other)[tp], cfg.hidden_size, cfg.num_layers,
+                                  Scheme(tp, 1, 1), 0, tokens)
 
 
 def main(argv: Any = None) -> dict:
@@ -77,19 +76,19 @@ def main(argv: Any = None) -> dict:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     model_args = json.loads(args.model_args)
-    hgraph.compile   # noqa: B018 - the package is imported before the ranks start
     ranks = spawn(_worker, args.tp, args=(args.model, model_args, args.tokens, args.steps), timeout_s=600)
     measured = {k: max(r[k]["peak"] for r in ranks) for k in ("sp", "no_sp")}
     model = {k: predicted(args.model, model_args, args.tp, args.tokens, k == "sp") for k in ("sp", "no_sp")}
     result = {"model": args.model, "model_args": model_args, "tp": args.tp, "tokens": args.tokens,
               "sequence_parallel": ranks[0]["sp"]["status"], "measured": measured, "model_prediction": model,
-              "measured_ratio": measured["sp"] / measured["no_sp"], "model_ratio": model["sp"] / model["no_sp"]}
+              "measured_ratio": measured["sp"] / measured["no_sp"],
+              "model_ratio": model["sp"] / model["no_sp"]}
     if args.json:
         print(json.dumps(result))
         return result
     mib = 2 ** 20
-    print(f"{args.model} TP{args.tp}, one micro-batch of {args.tokens} tokens, fp32: activation bytes per TP rank "
-          f"(sequence parallelism: {result['sequence_parallel']})")
+    print(f"{args.model} TP{args.tp}, one micro-batch of {args.tokens} tokens, fp32: activation bytes per TP "
+          f"rank (sequence parallelism: {result['sequence_parallel']})")
     print(f"{'':>18} {'SP':>12} {'no SP':>12} {'SP / no SP':>11}")
     for name, figures, ratio in (("measured (runtime)", measured, result["measured_ratio"]),
                                  ("memory model", model, result["model_ratio"])):

@@ -13,8 +13,9 @@ last stage also holds the head's and the loss's (``other_coeff``: the head's inp
 loss being made chunk by chunk; the embedding saves only token ids); under sequence parallelism
 (TP > 1) what the norms save is a TP rank's token slice (``runtime_memory``). The last stage's figure
 also holds the chunked loss's transient logits of one chunk (``runtime_memory.loss_transient_bytes``:
-not per token, at most a few times 64 MiB; the planner's MaxLen, per token, leaves it out). CP ranks see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a
-scheme instead (all layers of the model for one micro-batch plus the head, on the first stage), which
+not per token, at most a few times 64 MiB; the planner's MaxLen, per token, leaves it out). CP ranks
+see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a scheme instead (all layers of the
+model for one micro-batch plus the head, on the first stage), which
 is at least every stage's figure here. They are measured for zoo Llama models; for other models the
 activations are not known (``None``) and the totals are the model states alone.
 
@@ -128,8 +129,8 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
                 all(cost.memory.activation_A(tp) is not None for tp in tps):     # counted already
             A, other = cost.memory.activation_coeff, cost.memory.other_coeff
         else:
-            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype,
-                                                  sequence_parallel=compiled.sequence_parallel_status() == "on")
+            sp = compiled.sequence_parallel_status() == "on"
+            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype, sequence_parallel=sp)
         coeffs = {tp: (a, dict(other).get(tp, 0.0)) for tp, a in A}
         source = "runtime memory model (zoo Llama, counted on fake tensors)"
     ranks = []

@@ -18,8 +18,9 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
   saved; one chunk's transient logits, at most a few times ``CHUNK_BYTES``, are not per token and not
   counted). Under sequence parallelism (the default with TP > 1) what the norms save, the values
   between TP regions, holds 1/TP of the tokens (the column-parallel linears keep the all-gathered
-  input whole): those bytes, counted apart, are divided by TP. Under 1F1B the first stage holds PP micro-batches of ``layers / PP``
-  layers, i.e. the whole model's layers for one micro-batch (B.1): PP alone does not lengthen MaxLen
+  input whole): those bytes, counted apart, are divided by TP. Under 1F1B the first stage holds PP
+  micro-batches of ``layers / PP`` layers, i.e. the whole model's layers for one micro-batch (B.1): PP
+  alone does not lengthen MaxLen
   by much, TP does.
 * model states: what the runtime's ranks hold, counted from its layouts (``counted_states``,
   ``engine.model_states``): fp32 masters and Adam's two moments (12 bytes a parameter) of the rank's
