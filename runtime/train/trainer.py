@@ -85,9 +85,9 @@ class TrainSummary:
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
     dropout: str = "none"                             # ``dropout_status`` of the run
-    sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
     long_documents: dict = field(default_factory=dict)   # what --long did (``LongReport``)
     step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
+    sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -361,7 +361,7 @@ class Trainer:
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
-                            self.sequence_parallel)
+                            sequence_parallel=self.sequence_parallel)
 
     def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
         """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""

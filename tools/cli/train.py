@@ -322,6 +322,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
                           "step_extra": result.get("step_extra", []),
                           "long_documents": result.get("long_documents", {}),
+                          "dropout": result.get("dropout", "none"),
+                          "sequence_parallel": result.get("sequence_parallel", "on"),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
