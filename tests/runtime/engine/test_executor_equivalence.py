@@ -51,8 +51,9 @@ CASES_4 = [
     # steps leave ranks idle)
     ("tiny-tied", "4xTP1PP1;4xTP1PP1;1xTP2PP2", {}, {"optimizer": "adamw", "weight_decay": 0.1}),
     # an embedding with a padding row (pad_token_id, as Hugging Face configs set it), vocabulary-parallel:
-    # the padding row must not train on the TP rank that holds it
-    ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {}),
+    # the padding row must not train on the TP rank that holds it; a memory budget of one byte recomputes
+    # every block in backward, sequence parallelism's collectives included
+    ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {"memory_budget": 1}),
 ]
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
@@ -92,6 +93,7 @@ def _worker(rank, world, cases):
         out.append({"states": len(holding), "holding": sum(holding), "losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
+                    "recomputed": [bool(s.recompute_layers) for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.cache.info()})
     return out
 
@@ -177,6 +179,7 @@ def test_the_padding_case_trains_on_its_padding_token(results4):
     assert any(PAD in d for d in _docs())
     case = next(i for i, c in enumerate(CASES_4) if "pad_token_id" in c[2])
     assert not results4[0][case]["final"]["embed_tokens.weight"][PAD].any()
+    assert all(all(r[case]["recomputed"]) for r in results4)      # its blocks recomputed (TP2 with SP)
 
 
 def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
