@@ -46,6 +46,8 @@ class CommRuntime(Protocol):
     def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
     def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
     def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor: ...
+    def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  key: str, dim: int) -> torch.Tensor: ...
     def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
                     sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any: ...
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
@@ -138,6 +140,16 @@ def sp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim:
     if comm is None:
         raise _need_runtime("sp_gather_issue")
     return comm.sp_gather_issue(x, key, dim, input_ids.shape[1])
+
+
+def sp_linear(comm: Optional[CommRuntime], whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
+              b: Optional[torch.Tensor], key: str, dim: int) -> torch.Tensor:
+    """A column-parallel linear of the all-gathered ``whole`` (``sp_gather_issue`` of ``part``): the same
+    ``F.linear(whole, w, b)``, keeping only this rank's token slice ``part`` for backward (Megatron), the
+    weight's gradient gathering it again."""
+    if comm is None:
+        return F.linear(whole, w, b)
+    return comm.sp_linear(whole, part, w, b, key, dim)
 
 
 def sp_narrow(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:

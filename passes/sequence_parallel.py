@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch.fx as fx
+import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import HGraphError
@@ -283,7 +284,9 @@ def _partial_grad_params(hg: Any, sliced: set, exits: set) -> frozenset:
 def sequence_parallel_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
     """The rank graph's side of ``ctx.sp`` besides the collectives (``fill_activation_comm``): whole
     inputs of sliced ops narrowed to the rank's tokens (``ops.sp_narrow``), shape reads of sliced values
-    made whole (``ops.whole_shape``), views of a sliced value to its own shape removed.
+    made whole (``ops.whole_shape``), views of a sliced value to its own shape removed, and the linears
+    of an all-gathered value made ``ops.sp_linear`` (the same linear, keeping only the rank's slice for
+    backward, as Megatron does; not the output head, which the chunked loss takes whole).
 
     Does nothing when the role does not run SP (TP1, or SP off).
     """
@@ -329,4 +332,23 @@ def sequence_parallel_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
         if view is not None:
             view.replace_all_uses_with(view.args[0])
             g.erase_node(view)
+    _linears_keep_the_slice(g, comm)
     return gm
+
+
+def _linears_keep_the_slice(g: fx.Graph, comm: fx.Node) -> None:
+    """``F.linear(gathered, w, b)`` -> ``ops.sp_linear(comm, gathered, slice, w, b, "tp", dim)`` for the
+    all-gathers of SP enters; a linear whose logits are gathered or returned (the head) is left as is."""
+    for wait in list(g.nodes):
+        issue = wait.args[1] if wait.target is ops.comm_wait and len(wait.args) > 1 else None
+        if not isinstance(issue, fx.Node) or issue.target is not ops.sp_gather_issue:
+            continue
+        part, dim = issue.args[1], issue.args[3]
+        for lin in list(wait.users):
+            if lin.target is not F.linear or lin.args[0] is not wait or set(lin.kwargs) - {"bias"}:
+                continue
+            if any(u.op == "output" or u.target is ops.tp_gather_issue for u in lin.users):
+                continue
+            bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
+            lin.target, lin.kwargs = ops.sp_linear, {}
+            lin.args = (comm, wait, part, lin.args[1], bias, "tp", dim)

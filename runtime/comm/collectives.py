@@ -18,6 +18,8 @@ Autograd (all ops are differentiable):
   the token dim, uneven slices allowed; backward all-gather of the gradient's slices.
 * ``sp_gather_issue`` (the enter of a TP region): forward all-gather of the token slices; backward
   reduce-scatter (each TP rank's column-parallel linear gives a partial gradient of every token).
+* ``sp_gathered_linear``: the linear of that all-gathered input, keeping only the rank's slice for
+  backward and gathering it again there for the weight's gradient (Megatron).
 * ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
@@ -285,6 +287,44 @@ def sp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int, 
     n = len(ranks)
     sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
     return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear(whole, w, b)`` of an all-gathered input that keeps only this rank's token slice for
+    backward (Megatron's sequence-parallel linear): the weight's gradient gathers the slices again."""
+
+    @staticmethod
+    def forward(ctx, whole, part, w, b, comm, group, ranks, dim, sizes):
+        ctx.save_for_backward(part, w)
+        ctx.comm, ctx.group, ctx.ranks, ctx.dim, ctx.sizes = comm, group, ranks, dim, sizes
+        ctx.has_bias = b is not None
+        return torch.nn.functional.linear(whole, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        part, w = ctx.saved_tensors
+        need_whole, _, need_w, need_b = ctx.needs_input_grad[:4]
+        dw = db = None
+        if need_w:
+            issue = tp_gather_issue(ctx.comm, part.detach(), ctx.ranks, ctx.dim, ctx.sizes)
+            whole = comm_wait(ctx.comm, issue)
+            dw = grad.flatten(0, -2).t() @ whole.flatten(0, -2)
+        if need_b and ctx.has_bias:
+            db = grad.flatten(0, -2).sum(0)
+        return (grad @ w if need_whole else None), None, dw, db, None, None, None, None, None
+
+
+def sp_gathered_linear(comm: Any, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
+                       b: Optional[torch.Tensor], ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """``F.linear(whole, w, b)`` where ``whole`` is the all-gather (``sp_gather_issue``) of the token slices
+    ``part`` along ``dim``: only ``part`` is kept for backward, gathered again for the weight's gradient."""
+    key, group = _tp_group(comm, ranks)
+    if len(key) == 1:
+        return torch.nn.functional.linear(whole, w, b)
+    dim = dim % part.dim()
+    n, total = len(key), whole.shape[dim]
+    sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
+    return _GatheredLinear.apply(whole, part, w, b, comm, group, list(ranks), dim, sizes)
 
 
 def comm_wait(comm: Any, t: torch.Tensor) -> torch.Tensor:

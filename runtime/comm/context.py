@@ -125,6 +125,10 @@ class CommContext:
     def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor:
         return collectives.sp_gather_issue(self, x, self.ranks(key), dim, total)
 
+    def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  key: str, dim: int) -> torch.Tensor:
+        return collectives.sp_gathered_linear(self, whole, part, w, b, self.ranks(key), dim)
+
     def wait(self, t: torch.Tensor) -> torch.Tensor:
         return collectives.comm_wait(self, t)
 

@@ -132,3 +132,15 @@ def test_whole_shape_and_narrow_without_a_runtime_are_the_plain_ops():
     assert ops.whole_shape(x, 1, ids) == torch.Size([1, 7, 4])
     assert ops.whole_shape(x, 1, ids, 1) == 7
     assert ops.sp_narrow(None, x, "tp", 1) is x
+
+
+def test_column_linears_of_a_gathered_input_keep_the_slice_but_the_head_does_not(tiny):
+    """Megatron: q/k/v and gate/up keep this rank's slice for backward (``sp_linear``, gathering it again
+    for the weight's gradient); the output head stays the chunked loss's (its input kept whole)."""
+    gm = hgraph.compile(tiny).instantiate("1xTP2PP1").rank(0).graph_module
+    linears = [n for n in gm.graph.nodes if n.target is ops.sp_linear]
+    assert len(linears) == 2 * 5
+    for n in linears:
+        whole, part = n.args[1], n.args[2]
+        assert whole.args[1].target is ops.sp_gather_issue and whole.args[1].args[1] is part
+    assert sum(n.target is ops.output_head for n in gm.graph.nodes) == 1

@@ -16,9 +16,10 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
   The loss is counted as the runtime makes it (``kernels.head_cross_entropy``: chunk by chunk from the
   output head's input, which it keeps with the targets; the whole ``[tokens, vocab]`` logits are never
   saved; one chunk's transient logits, at most a few times ``CHUNK_BYTES``, are not per token and not
-  counted). Under sequence parallelism (the default with TP > 1) what the norms save, the values
-  between TP regions, holds 1/TP of the tokens (the column-parallel linears keep the all-gathered
-  input whole): those bytes, counted apart, are divided by TP. Under 1F1B the first stage holds PP
+  counted). Under sequence parallelism (the default with TP > 1) what the norms save and their outputs,
+  the values between TP regions, hold 1/TP of the tokens (the column-parallel linears keep only the
+  rank's slice of their all-gathered input, ``ops.sp_linear``): those bytes, counted apart, are divided
+  by TP. Under 1F1B the first stage holds PP
   micro-batches of ``layers / PP`` layers, i.e. the whole model's layers for one micro-batch (B.1): PP
   alone does not lengthen MaxLen
   by much, TP does.
@@ -48,7 +49,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.frontends.zoo.llama import tp_shard_config
-from hgraph.runtime.engine.memory import ActivationMeter
+from hgraph.runtime.engine.memory import ActivationMeter, _storage
 from hgraph.runtime.engine.model_states import scheme_states
 from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens, head_cross_entropy_sum
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel
@@ -77,17 +78,19 @@ class PackedAttention(TorchFunctionMode):
 
 
 class _RegionMeter(ActivationMeter):
-    """The runtime's accounting, also telling apart the bytes first saved while a module of ``region``
-    (a type) runs: the norms, whose values lie between TP regions."""
+    """The runtime's accounting, also telling apart the bytes of what is first saved while a module of
+    ``region`` (a type) runs, or is such a module's output: the norms, whose values lie between TP
+    regions (their outputs are what the column-parallel linears keep of their all-gathered input)."""
 
     def __init__(self, excluded: Any, region: type) -> None:
         super().__init__(excluded)
         self.region, self.depth, self.region_bytes = region, 0, 0
+        self.outputs: set[int] = set()
 
     def _add(self, t: torch.Tensor) -> Optional[int]:
         before = self.live_bytes
         key = super()._add(t)
-        if self.depth:
+        if self.depth or key in self.outputs:
             self.region_bytes += self.live_bytes - before
         return key
 
@@ -95,8 +98,10 @@ class _RegionMeter(ActivationMeter):
         def enter(*_: Any) -> None:
             self.depth += 1
 
-        def leave(*_: Any) -> None:
+        def leave(_m: Any, _args: Any, out: Any) -> None:
             self.depth -= 1
+            if isinstance(out, torch.Tensor):
+                self.outputs.add(_storage(out)[0])
         return [h for m in model.modules() if isinstance(m, self.region)
                 for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
 
@@ -111,7 +116,11 @@ def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = Non
     meter = _RegionMeter(list(model.parameters()), llama.RMSNorm)
     handles = meter.watch(model)
     head_input: list = []
-    handles.append(model.lm_head.register_forward_pre_hook(lambda _m, args: head_input.append(args[0])))
+
+    def capture(_m: Any, args: Any) -> None:
+        head_input.append(args[0])
+        meter.outputs.discard(_storage(args[0])[0])    # the chunked loss keeps the head's input whole
+    handles.append(model.lm_head.register_forward_pre_hook(capture))
     ids = torch.randint(0, model.config.vocab_size, (1, length))
     packed = PackedAttention(list(range(0, length, doc_len)) + [length]) if doc_len else contextlib.nullcontext()
     try:
@@ -253,8 +262,9 @@ def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[floa
 
 def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, context: int) -> int:
     """The built-in run's limit: the smallest device on which the widest TP scheme (``TPmax PP1``)
-    still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about two
-    thirds of it (llama:tiny), so the longest documents need TP >= 2 while most fit TP1PP1."""
+    still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about half of
+    it (llama:tiny: 46%, TP2 running sequence parallelism; two thirds without), so the longest
+    documents need TP >= 2 while most fit TP1PP1."""
     mem = cost.memory
     widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.cp == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)

@@ -72,7 +72,9 @@ def test_file_profile_of_another_model_takes_the_limit_as_device_memory(tiny):
 def test_auto_limit_needs_tp2_for_the_context_only(tiny, prior):
     cost, limit = _bounded(prior, tiny, "auto", 4)
     context = tiny.config.max_seq_len
-    assert cost.max_len(TP2) >= context > cost.max_len(TP1) >= context // 2
+    # TP1PP1 holds 46% of the context (TP2 runs sequence parallelism: it needs less, so the limit is lower;
+    # two thirds without SP)
+    assert cost.max_len(TP2) >= context > cost.max_len(TP1) >= 0.4 * context
     assert not any(s.tp == 1 and s.cp == 1 and cost.max_len(s) >= context for s in cost.schemes)
     assert 4 * MiB < limit < 64 * MiB
 
