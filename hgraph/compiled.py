@@ -111,6 +111,20 @@ class CompiledModule(nn.Module):
         from hgraph.passes.instantiate import instantiate
         return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes())
 
+    def sequence_parallel_status(self) -> str:
+        """What TP>1 strategies do about sequence parallelism: ``"on"``, ``"off (disabled)"`` or ``"off: "``
+        and the reason the model refuses it (``hgraph.passes.sequence_parallel``)."""
+        from hgraph.passes.sequence_parallel import SequenceParallelRefused, plan_sequence_parallel
+        if self.options.sequence_parallel is False:
+            return "off (disabled)"
+        try:
+            plan_sequence_parallel(self._hgraph, self.symbolic_shapes())
+        except SequenceParallelRefused as exc:
+            if self.options.sequence_parallel:
+                raise
+            return f"off: {exc}"
+        return "on"
+
     def sharding_report(self, strategy: Union[Strategy, str]):
         """Per TP degree of ``strategy``: each block parameter's placement, why replicated ones are
         whole, and the fraction of bytes sharded (``hgraph.passes.sharding_report.ShardingReport``)."""

@@ -42,7 +42,12 @@ class CommRuntime(Protocol):
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
-    def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor: ...
+    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor: ...
+    def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
+    def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
+    def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor: ...
+    def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  key: str, dim: int) -> torch.Tensor: ...
     def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
                     sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any: ...
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
@@ -126,6 +131,53 @@ def comm_wait(comm: Optional[CommRuntime], t: torch.Tensor) -> torch.Tensor:
     return comm.wait(t)
 
 
+# ---- Communicate Activation: sequence parallelism (Megatron SP, ``passes/sequence_parallel``) ----------
+#: a received activation's dim holding this TP rank's slice of the micro-batch's ``T`` tokens
+SP_TOKENS = "T/tp"
+
+
+def sp_scatter_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    """SP exit, issue half: start the reduce-scatter (sum) of ``x`` over the TP group ``key`` along the
+    token ``dim``; rank ``r`` of ``tp`` keeps tokens ``[T*r//tp, T*(r+1)//tp)``. Backward all-gathers."""
+    if comm is None:
+        raise _need_runtime("sp_scatter_issue")
+    return comm.sp_scatter_issue(x, key, dim)
+
+
+def sp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int,
+                    input_ids: torch.Tensor) -> torch.Tensor:
+    """SP enter, issue half: start the all-gather of the TP ranks' token slices along ``dim`` (the whole
+    micro-batch: ``input_ids``' tokens). Backward reduce-scatters the gradient."""
+    if comm is None:
+        raise _need_runtime("sp_gather_issue")
+    return comm.sp_gather_issue(x, key, dim, input_ids.shape[1])
+
+
+def sp_linear(comm: Optional[CommRuntime], whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
+              b: Optional[torch.Tensor], key: str, dim: int) -> torch.Tensor:
+    """A column-parallel linear of the all-gathered ``whole`` (``sp_gather_issue`` of ``part``): the same
+    ``F.linear(whole, w, b)``, keeping only this rank's token slice ``part`` for backward (Megatron), the
+    weight's gradient gathering it again."""
+    if comm is None:
+        return F.linear(whole, w, b)
+    return comm.sp_linear(whole, part, w, b, key, dim)
+
+
+def sp_narrow(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    """This TP rank's slice of the tokens of a whole (replicated) value, where it meets a sliced one."""
+    if comm is None:
+        return x
+    lo, hi = comm.token_slice(key, x.shape[dim])
+    return x.narrow(dim, lo, hi - lo)
+
+
+def whole_shape(x: torch.Tensor, dim: int, input_ids: torch.Tensor, index: Optional[int] = None) -> Any:
+    """``x.shape`` (or ``x.size(index)``) of a token-sliced ``x`` as if it held the whole micro-batch."""
+    shape = list(x.shape)
+    shape[dim] = input_ids.shape[1]
+    return torch.Size(shape) if index is None else shape[index]
+
+
 @wrap
 def vocab_parallel_embedding(ids: torch.Tensor, w: torch.Tensor, lo: int, hi: int,
                              padding_idx: Optional[int] = None) -> torch.Tensor:
@@ -142,8 +194,12 @@ def vocab_parallel_embedding(ids: torch.Tensor, w: torch.Tensor, lo: int, hi: in
 
 
 # ---- Communicate Activation: pipeline parallelism ------------------------------------------------
-def _resolve_shape(dims: Sequence[Any], input_ids: torch.Tensor) -> list[int]:
+def _resolve_shape(dims: Sequence[Any], input_ids: torch.Tensor,
+                   comm: Optional[CommRuntime] = None) -> list[int]:
     sym = {"B": input_ids.shape[0], "T": input_ids.shape[1]}
+    if SP_TOKENS in dims and comm is not None:
+        lo, hi = comm.token_slice("tp", input_ids.shape[1])
+        sym[SP_TOKENS] = hi - lo
     return [sym[d] if isinstance(d, str) else int(d) for d in dims]
 
 
@@ -151,12 +207,13 @@ def pp_recv(comm: Optional[CommRuntime], key: str, index: int, dims: Sequence[An
             input_ids: torch.Tensor) -> torch.Tensor:
     """Receive activation ``index`` of this micro-batch from the previous stage.
 
-    Its shape comes from the plan (``dims`` with ``"B"``/``"T"`` taken from ``input_ids``), so no
-    shape message is exchanged. In backward, the gradient is sent back to the previous stage.
+    Its shape comes from the plan (``dims`` with ``"B"``/``"T"`` taken from ``input_ids``, ``SP_TOKENS``:
+    this TP rank's slice of ``T``), so no shape message is exchanged. In backward, the gradient is sent
+    back to the previous stage.
     """
     if comm is None:
         raise _need_runtime("pp_recv")
-    return comm.pp_recv(key, _resolve_shape(dims, input_ids), dtype)
+    return comm.pp_recv(key, _resolve_shape(dims, input_ids, comm), dtype)
 
 
 def pp_send(comm: Optional[CommRuntime], x: torch.Tensor, key: str, index: int) -> torch.Tensor:
@@ -229,14 +286,16 @@ def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, 
 
 
 # ---- dropout -----------------------------------------------------------------------------------------
-def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None, site: int = 0) -> torch.Tensor:
+def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None, site: int = 0,
+                  tokens: Optional[str] = None) -> torch.Tensor:
     """Dropout of a token-major activation ``[1, T, ...]`` whose masks depend on what each element is
     (document, position, feature, site, step), never on the strategy (``runtime/kernels/dropout``).
     The frontends turn a model's train-mode dropout into this op; the dropout pass gives it ``comm``
-    and its ``site``. Without a runtime (``comm=None``) it is the identity, as in eval mode."""
+    and its ``site`` (and ``tokens``, the TP group key, when ``x`` holds that TP rank's slice of the tokens
+    under sequence parallelism). Without a runtime (``comm=None``) it is the identity, as in eval mode."""
     if comm is None or p == 0.0:
         return x
-    return comm.dropout(x, p, site)
+    return comm.dropout(x, p, site, tokens) if tokens else comm.dropout(x, p, site)
 
 
 def packed_attention_dropout(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

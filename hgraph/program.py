@@ -204,6 +204,10 @@ class Program:
     pull_plans: dict[str, Any]
     push_plans: dict[str, Any]
     compile_seconds: float = 0.0
+    # whether the TP>1 pipelines run Megatron sequence parallelism, and why not when it was only the
+    # default (the compile option ``sequence_parallel=None``) and the model does not allow it
+    sequence_parallel: bool = False
+    sequence_parallel_note: str = ""
 
     def rank(self, r: int) -> RankProgram:
         return self.ranks[r]

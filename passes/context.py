@@ -36,6 +36,9 @@ class PassContext:
     #                                  fill_activation_comm (the CP key/value sequence dim)
     options: CompileOptions          # the working dtype: extract_stage, fill_param_slots
     params: dict[str, ParamShard]    # the shards this role holds: shard_tp (then the module's parameters)
+    # the sequence-parallel plan when this role runs SP (TP > 1 and SP on), else None: extract_stage,
+    # fill_activation_comm, sequence_parallel, dropout
+    sp: Optional[Any] = None
     # ---- written by the passes -------------------------------------------------------------------
     # TP_GATHER slot name -> (per-rank sizes along the last dim, real size), None where the op before
     # is not sharded: written by shard_tp, read by fill_activation_comm

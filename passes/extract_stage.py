@@ -6,7 +6,8 @@ parameters (rotary tables, parameter slots) are copied into every stage that use
 Activations crossing a stage boundary are found from the graph, not assumed: every value produced
 at or before boundary ``b`` and used after it is sent over that boundary (relayed through
 intermediate stages when it skips one). They become Communicate Activation subgraphs: ``pp_recv``
-at the start of the receiving stage, ``pp_send`` at the end of the sending one; a non-last stage
+at the start of the receiving stage, ``pp_send`` at the end of the sending one (a TP rank's token slice
+under sequence parallelism); a non-last stage
 returns the send tokens (their backward receives the gradients), the last stage returns the output.
 """
 from __future__ import annotations
@@ -86,7 +87,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     dtype = ctx.options.working_dtype
     ctx.recv_specs = []
     for i, v in enumerate(recv_vals):
-        dims, vdtype = ctx.shapes[v.name]
+        dims, vdtype = _crossing_dims(ctx, v)
         spec = (tuple(dims), dtype if vdtype.is_floating_point else vdtype)
         ctx.recv_specs.append(spec)
         r = g.call_function(ops.pp_recv, (comm, "pp_prev", i, spec[0], spec[1], input_ids))
@@ -108,7 +109,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if send_vals:
         tokens = []
         for i, v in enumerate(send_vals):
-            dims, vdtype = ctx.shapes[v.name]
+            dims, vdtype = _crossing_dims(ctx, v)
             ctx.send_specs.append((tuple(dims), dtype if vdtype.is_floating_point else vdtype))
             t = g.call_function(ops.pp_send, (comm, env[v], "pp_next", i))
             t.name = f"send_{v.name}"
@@ -118,6 +119,15 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             tokens.append(t)
         g.output(tuple(tokens))
     return graph_only_module(gm, g)
+
+
+def _crossing_dims(ctx: PassContext, v: fx.Node) -> tuple[tuple[Any, ...], torch.dtype]:
+    """Dims of a value sent between stages; under sequence parallelism a token-sliced value holds the
+    rank's slice of ``T`` (``ops.SP_TOKENS``, resolved at run time: uneven slices too)."""
+    dims, vdtype = ctx.shapes[v.name]
+    if ctx.sp is not None and v.name in ctx.sp.sliced:
+        dims = tuple(ops.SP_TOKENS if d == "T" else d for d in dims)
+    return tuple(dims), vdtype
 
 
 def graph_only_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:

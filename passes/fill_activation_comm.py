@@ -1,7 +1,11 @@
 """Fill the Communicate Activation slots of one rank with the collectives its scheme needs.
 
-* ``tp_enter``: Megatron f (``tp_copy``: identity forward, all-reduce of the gradient backward).
-* ``tp_exit``: Megatron g: ``tp_reduce_issue`` + ``comm_wait`` (all-reduce of the partial sums).
+* ``tp_enter``: Megatron f (``tp_copy``: identity forward, all-reduce of the gradient backward); under
+  sequence parallelism (``ctx.sp``) ``sp_gather_issue`` + ``comm_wait``: all-gather of the TP ranks'
+  token slices (the gradient reduce-scattered).
+* ``tp_exit``: Megatron g: ``tp_reduce_issue`` + ``comm_wait`` (all-reduce of the partial sums); under
+  sequence parallelism, after a row-parallel linear / vocab-parallel embedding, ``sp_scatter_issue`` +
+  ``comm_wait``: reduce-scatter along the tokens (a full-width partial sum's exit stays an all-reduce).
 * ``tp_gather``: ``tp_gather_issue`` + ``comm_wait`` along the last dim, then the vocabulary padding
   is cut off.
 * ``cp_kv``: ``cp_kv_gather_issue`` + ``comm_wait``: all-gather of K/V along the sequence over the CP
@@ -25,6 +29,10 @@ def _comm_placeholder(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm")
 
 
+def _input_ids(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "input_ids")
+
+
 def _replace(slot: fx.Node, new: fx.Node) -> None:
     slot.replace_all_uses_with(new)
     slot.graph.erase_node(slot)
@@ -40,7 +48,7 @@ def _mark(node: fx.Node, slot: fx.Node, name: str) -> fx.Node:
 
 def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Replace each comm_activation slot by its issue / wait ops for this rank's scheme."""
-    scheme = ctx.role.scheme
+    scheme, sp = ctx.role.scheme, ctx.sp
     comm = _comm_placeholder(gm)
     g = gm.graph
     for slot in list(g.nodes):
@@ -61,8 +69,16 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                 issue = _mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, "cp", dims.index("T"))),
                               slot, "all_gather")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
+            elif point == CommPoint.TP_ENTER and sp is not None and slot.name in sp.enters:
+                issue = _mark(g.call_function(ops.sp_gather_issue, (comm, x, "tp", sp.token_dims[slot.name],
+                                                                      _input_ids(gm))), slot, "all_gather")
+                out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_ENTER:
                 out = _mark(g.call_function(ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
+            elif point == CommPoint.TP_EXIT and sp is not None and slot.name in sp.exits:
+                dim = sp.token_dims[slot.name]
+                issue = _mark(g.call_function(ops.sp_scatter_issue, (comm, x, "tp", dim)), slot, "reduce_scatter")
+                out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_EXIT:
                 issue = _mark(g.call_function(ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")

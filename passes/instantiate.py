@@ -23,6 +23,7 @@ from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
 from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
+from hgraph.passes.sequence_parallel import SequenceParallelRefused, plan_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
@@ -68,10 +69,12 @@ def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> 
 
 
 def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str, ...], ...], shapes: dict,
-                      options: CompileOptions,
-                      params: dict[str, ParamShard]) -> tuple[fx.GraphModule, PassContext]:
-    """Run the instantiation passes for one role and generate its module (done on first use)."""
-    ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(params))
+                      options: CompileOptions, params: dict[str, ParamShard],
+                      sp: Any = None) -> tuple[fx.GraphModule, PassContext]:
+    """Run the instantiation passes for one role and generate its module (done on first use); ``sp``:
+    the sequence-parallel plan when the role runs SP."""
+    ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(params),
+                      sp=sp if role.scheme.tp > 1 else None)
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
     root = _param_root(ctx.params, options.working_dtype)
     _copy_constants(hg.gm, gm.graph, root)
@@ -113,20 +116,22 @@ def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
     return b
 
 
-def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str, info: Any):
+def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str, info: Any,
+                        sp_partial: bool = False):
     """Ranges each rank contributes to the gradient of ``name`` so every pipeline counts each element once.
 
     A parameter replicated across a TP group gets identical gradients on its TP ranks (its inputs are
-    replicated), so the range is split among them; TP-sharded slices, CP ranks (different tokens) and a
-    whole parameter read on TP-sharded heads (``tp_partial``: each rank's gradient covers its heads)
-    contribute what they hold.
+    replicated), so the range is split among them; TP-sharded slices, CP ranks (different tokens), a
+    whole parameter read on TP-sharded heads (``tp_partial``: each rank's gradient covers its heads) and,
+    under sequence parallelism, one used only on token-sliced values (``sp_partial``: each TP rank's
+    gradient covers its tokens) contribute what they hold.
     """
     contrib: dict[int, list[tuple[int, int]]] = {}
     for rp in ranks:
         shard = rp.params.get(name)
         if shard is None:
             continue
-        if shard.tp_sharded or rp.scheme.tp == 1 or info.tp_partial:
+        if shard.tp_sharded or rp.scheme.tp == 1 or info.tp_partial or sp_partial:
             contrib[rp.rank] = list(shard.ranges)
         else:
             (lo, hi), = shard.ranges
@@ -193,6 +198,7 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
     stage_blocks = {pp: layouts.stage_blocks(pp) for pp in sorted({p.pp for p in strategy.pipelines})}
     order = list(hg.params)   # model order: every rank walks the plans in this order
 
+    sp, sp_note = _sequence_parallel(hg, shapes, options, strategy)
     roles: dict[RankRole, RoleProgram] = {}
     ranks: list[RankProgram] = []
     for c in strategy.coords():
@@ -201,7 +207,7 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         if role not in roles:
             params = layouts.params(scheme, c.stage, c.tp_rank)
             blocks = stage_blocks[scheme.pp]
-            build = functools.partial(build_role_module, hg, role, blocks, shapes, options, params)
+            build = functools.partial(build_role_module, hg, role, blocks, shapes, options, params, sp)
             roles[role] = RoleProgram(role, params, tuple(blocks[c.stage]), build)
         ranks.append(RankProgram(c.rank, c.pipeline, roles[role], _bindings(strategy, c.rank)))
 
@@ -214,7 +220,8 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         needs = {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
         pulls[name] = pull_plan(layout, needs, cluster.world_size, cluster.gpus_per_node,
                                 working_dtype_bytes=wbytes)
-        contrib, groups = _push_contributions(strategy, ranks, name, info)
+        contrib, groups = _push_contributions(strategy, ranks, name, info,
+                                              sp is not None and name in sp.partial_grads)
         pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
                                  replica_groups=groups)
     describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes, shapes=shapes,
@@ -223,9 +230,29 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         rp.pull_ops = [op for name in rp.params for op in pulls[name].for_rank(rp.rank)]
         rp.push_ops = [op for name in rp.params for op in pushes[name].for_rank(rp.rank)]
         rp.describe = describe
-    prog = Program(strategy, cluster, ranks, stage_blocks, pulls, pushes)
+    prog = Program(strategy, cluster, ranks, stage_blocks, pulls, pushes,
+                   sequence_parallel=sp is not None, sequence_parallel_note=sp_note)
     prog.compile_seconds = time.perf_counter() - t0
     return prog
+
+
+def _sequence_parallel(hg: Any, shapes: dict, options: CompileOptions, strategy: Strategy) -> tuple[Any, str]:
+    """The SP plan the strategy's TP>1 pipelines run (None: no SP) and, when SP was only the default and
+    the model refused it, why. The plan depends on the model only, so it is made once per HGraph."""
+    if options.sequence_parallel is False or all(p.tp == 1 for p in strategy.pipelines):
+        return None, ""
+    cached = getattr(hg, "_sequence_parallel_plan", None)
+    if cached is None:
+        try:
+            cached = plan_sequence_parallel(hg, shapes)
+        except SequenceParallelRefused as exc:
+            cached = exc
+        hg._sequence_parallel_plan = cached
+    if isinstance(cached, SequenceParallelRefused):
+        if options.sequence_parallel:
+            raise cached
+        return None, f"{cached}; running TP without it"
+    return cached, ""
 
 
 def _peers_and_bytes(plan_ops, rank: int) -> tuple[tuple[int, ...], int]:

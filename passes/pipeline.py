@@ -26,6 +26,7 @@ from hgraph.passes.insert_slots import insert_slots_pass
 from hgraph.passes.output_head import output_head_pass
 from hgraph.passes.packed_attention import packed_attention_pass
 from hgraph.passes.schedule_comm import schedule_comm_pass
+from hgraph.passes.sequence_parallel import sequence_parallel_pass
 from hgraph.passes.shard_tp import shard_tp_pass
 
 log = logging.getLogger("hgraph.passes")
@@ -54,6 +55,7 @@ def instantiation_passes() -> list[Pass]:
         Pass("extract_stage", extract_stage_pass),
         Pass("shard_tp", shard_tp_pass),
         Pass("fill_activation_comm", fill_activation_comm_pass),
+        Pass("sequence_parallel", sequence_parallel_pass),
         Pass("output_head", output_head_pass),
         Pass("packed_attention", packed_attention_pass),
         Pass("dropout", dropout_pass),

@@ -14,6 +14,12 @@ Autograd (all ops are differentiable):
 * ``tp_reduce_issue`` (Megatron g): forward all-reduce (sum), backward identity.
 * ``tp_gather_issue``: forward all-gather along ``dim`` (uneven ``sizes`` allowed, pieces ordered as
   ``ranks`` is), backward: this rank's slice of the gradient (the gathered tensor is replicated).
+* ``sp_scatter_issue`` (sequence parallelism, the exit of a TP region): forward reduce-scatter (sum) along
+  the token dim, uneven slices allowed; backward all-gather of the gradient's slices.
+* ``sp_gather_issue`` (the enter of a TP region): forward all-gather of the token slices; backward
+  reduce-scatter (each TP rank's column-parallel linear gives a partial gradient of every token).
+* ``sp_gathered_linear``: the linear of that all-gathered input, keeping only the rank's slice for
+  backward and gathering it again there for the weight's gradient (Megatron).
 * ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
@@ -47,8 +53,9 @@ class PendingWork:
     def wait(self, comm: Any) -> None:
         if self.done:
             return
-        for work in self.works:
-            work.wait()
+        with torch.no_grad():   # a backend may finish a collective by copying into its output (gloo's
+            for work in self.works:   # reduce-scatter): not an op of the graph for autograd to record
+                work.wait()
         if comm.comm_stream is not None:
             torch.cuda.current_stream().wait_stream(comm.comm_stream)
         self.done = True
@@ -219,6 +226,105 @@ def cp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
     rank's keys). ``comm_wait`` gives the gathered tensor, pieces in the order of ``ranks``.
     """
     return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+
+
+# ---- sequence parallelism: token slices --------------------------------------------------------------
+def token_bounds(total: int, n: int, i: int) -> tuple[int, int]:
+    """Tokens ``[lo, hi)`` of ``total`` that rank ``i`` of ``n`` holds (slices differ by at most one)."""
+    return total * i // n, total * (i + 1) // n
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Reduce-scatter of ``x`` along ``dim`` into the ranks' token slices (``token_bounds``, in group order):
+    each rank's slice is placed in a [group size, padded, ...] buffer (the token dim moved first), so one
+    equal-piece reduce-scatter serves uneven slices. Returns the padded piece; ``finish`` cuts it."""
+
+    @staticmethod
+    def forward(ctx, x, comm, group, n, index, dim, holder):
+        total = x.shape[dim]
+        bounds = [token_bounds(total, n, i) for i in range(n)]
+        padded = max(hi - lo for lo, hi in bounds)
+        moved = x.detach().movedim(dim, 0)
+        buf = moved.new_zeros((n, padded) + tuple(moved.shape[1:]))
+        for i, (lo, hi) in enumerate(bounds):
+            buf[i, :hi - lo].copy_(moved[lo:hi])
+        out = moved.new_empty((1, padded) + tuple(moved.shape[1:]))
+        holder.pending = _issue(comm, [buf, out],
+                                lambda: reduce_scatter_single(out, buf, group=group, async_op=True))
+        ctx.comm, ctx.group, ctx.n, ctx.dim, ctx.bounds, ctx.padded = comm, group, n, dim, bounds, padded
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous()                       # [1, padded, ...]: zero past this rank's slice
+        full = g.new_empty((ctx.n,) + tuple(g.shape[1:]))
+        _run(ctx.comm, [g, full], lambda: all_gather_single(full, g, group=ctx.group, async_op=True))
+        whole = torch.cat([full[i, :hi - lo] for i, (lo, hi) in enumerate(ctx.bounds)], dim=0)
+        return whole.movedim(0, ctx.dim), None, None, None, None, None, None
+
+
+def sp_scatter_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """Start the reduce-scatter of ``x`` over ``ranks`` along the token ``dim``: the rank at position ``i``
+    of the group keeps the sum of tokens ``token_bounds(T, n, i)``; ``comm_wait`` gives that slice."""
+    key, group = _tp_group(comm, ranks)
+    if list(ranks) != list(key):
+        raise HGraphError(f"sp_scatter_issue: ranks {list(ranks)} must be in TP rank order")
+    dim = dim % x.dim()
+    if len(key) == 1:
+        return x
+    holder = _Holder()
+    index = key.index(comm.rank)
+    out = _ScatterTokens.apply(x, comm, group, len(key), index, dim, holder)
+    lo, hi = token_bounds(x.shape[dim], len(key), index)
+    holder.pending.finish = lambda buf: buf[0, :hi - lo].movedim(0, dim)
+    comm.register(out, holder.pending)
+    return out
+
+
+def sp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int, total: int) -> torch.Tensor:
+    """Start the all-gather of the token slices of ``total`` tokens along ``dim`` over ``ranks``; the
+    backward reduce-scatters the gradient (``tp_gather_issue`` with ``reduce_grad``)."""
+    n = len(ranks)
+    sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
+    return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear(whole, w, b)`` of an all-gathered input that keeps only this rank's token slice for
+    backward (Megatron's sequence-parallel linear): the weight's gradient gathers the slices again."""
+
+    @staticmethod
+    def forward(ctx, whole, part, w, b, comm, group, ranks, dim, sizes):
+        ctx.save_for_backward(part, w)
+        ctx.comm, ctx.group, ctx.ranks, ctx.dim, ctx.sizes = comm, group, ranks, dim, sizes
+        ctx.has_bias = b is not None
+        return torch.nn.functional.linear(whole, w, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        part, w = ctx.saved_tensors
+        need_whole, _, need_w, need_b = ctx.needs_input_grad[:4]
+        dw = db = None
+        if need_w:
+            issue = tp_gather_issue(ctx.comm, part.detach(), ctx.ranks, ctx.dim, ctx.sizes)
+            whole = comm_wait(ctx.comm, issue)
+            dw = grad.flatten(0, -2).t() @ whole.flatten(0, -2)
+        if need_b and ctx.has_bias:
+            db = grad.flatten(0, -2).sum(0)
+        return (grad @ w if need_whole else None), None, dw, db, None, None, None, None, None
+
+
+def sp_gathered_linear(comm: Any, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
+                       b: Optional[torch.Tensor], ranks: Sequence[int], dim: int) -> torch.Tensor:
+    """``F.linear(whole, w, b)`` where ``whole`` is the all-gather (``sp_gather_issue``) of the token slices
+    ``part`` along ``dim``: only ``part`` is kept for backward, gathered again for the weight's gradient."""
+    key, group = _tp_group(comm, ranks)
+    if len(key) == 1:
+        return torch.nn.functional.linear(whole, w, b)
+    dim = dim % part.dim()
+    n, total = len(key), whole.shape[dim]
+    sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
+    return _GatheredLinear.apply(whole, part, w, b, comm, group, list(ranks), dim, sizes)
 
 
 def comm_wait(comm: Any, t: torch.Tensor) -> torch.Tensor:

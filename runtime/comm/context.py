@@ -114,6 +114,21 @@ class CommContext:
                         sizes: Optional[Sequence[int]]) -> torch.Tensor:
         return collectives.tp_gather_issue(self, x, self.ranks(key), dim, list(sizes) if sizes else None)
 
+    def token_slice(self, key: str, total: int) -> tuple[int, int]:
+        """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""
+        ranks = self.ranks(key) if key in self.bindings else (self.rank,)
+        return collectives.token_bounds(total, len(ranks), ranks.index(self.rank))
+
+    def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+        return collectives.sp_scatter_issue(self, x, self.ranks(key), dim)
+
+    def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor:
+        return collectives.sp_gather_issue(self, x, self.ranks(key), dim, total)
+
+    def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
+                  key: str, dim: int) -> torch.Tensor:
+        return collectives.sp_gathered_linear(self, whole, part, w, b, self.ranks(key), dim)
+
     def wait(self, t: torch.Tensor) -> torch.Tensor:
         return collectives.comm_wait(self, t)
 
@@ -140,10 +155,14 @@ class CommContext:
         return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
 
-    def dropout(self, x: torch.Tensor, p: float, site: int) -> torch.Tensor:
+    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor:
+        """Keyed dropout of ``x``; ``tokens``: the TP group key when ``x`` holds this rank's token slice."""
         if self.evaluating:
             return x
-        return dropout_kernel.dropout(x, p, site, self._token_keys("dropout"))
+        keys = self._token_keys("dropout")
+        if tokens is not None:
+            keys = keys.narrow(*self.token_slice(tokens, keys.documents.numel()))
+        return dropout_kernel.dropout(x, p, site, keys)
 
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int, softcap: Optional[float] = None,

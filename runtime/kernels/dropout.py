@@ -57,6 +57,10 @@ class TokenKeys:
     positions: torch.Tensor     # [T_local] int64: each token's position inside its document
     doc_ids: tuple = ()         # the micro-batch's documents (packed order) -> corpus index (CP keys)
 
+    def narrow(self, lo: int, hi: int) -> "TokenKeys":
+        """The keys of local tokens ``[lo, hi)`` (a TP rank's slice under sequence parallelism)."""
+        return TokenKeys(self.seed, self.step, self.documents[lo:hi], self.positions[lo:hi], self.doc_ids)
+
     def base(self, site: int, device: torch.device) -> torch.Tensor:
         """Per-token keys for dropout site ``site``: [T_local] int64."""
         h = torch.full((), self.seed, dtype=torch.int64, device=device)

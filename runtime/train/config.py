@@ -39,6 +39,7 @@ class ModelConfig:
     dtype: str = "fp32"
     seed: int = 0
     dropout: str = "apply"                     # apply: the model's train-mode dropout, strategy-invariant; off
+    sequence_parallel: bool = True             # Megatron SP under TP>1 where the model allows it; False: off
     init_from: Optional[str] = None            # initial weights: safetensors, hgraph checkpoint or state_dict
     vocab_parallel_loss: str = "auto"          # a TP-split vocabulary's loss: on | off | auto (on below fp32)
     compile: str = "auto"                      # torch.compile of the rank graphs: on | off | auto (on with CUDA)

@@ -87,6 +87,7 @@ class TrainSummary:
     dropout: str = "none"                             # ``dropout_status`` of the run
     long_documents: dict = field(default_factory=dict)   # what --long did (``LongReport``)
     step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
+    sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -188,7 +189,12 @@ class Trainer:
         if self.device.type == "cpu":
             host_heap.return_large_blocks()     # the process's peak follows what is live (engine/host_heap)
         install_buffers(self.model, self.weights, self.device)
-        self.compiled = hgraph.compile(self.model, dtype=config.model.dtype, dropout=config.model.dropout == "apply")
+        self.compiled = hgraph.compile(self.model, dtype=config.model.dtype,
+                                       dropout=config.model.dropout == "apply",
+                                       sequence_parallel=None if config.model.sequence_parallel else False)
+        self.sequence_parallel = self.compiled.sequence_parallel_status()
+        if self.sequence_parallel.startswith("off:") and rank == 0 and config.log_steps:
+            print(f"hgraph: {self.sequence_parallel.removeprefix('off: ')}", flush=True)
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
         self.model_flops = ModelFlops.of(self.compiled)        # every step's TFLOP/s and MFU
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
@@ -355,7 +361,8 @@ class Trainer:
             "next_document": start_position}
         return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
-                            [{"step": k, **v} for k, v in sorted(self.step_extra.items())])
+                            [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
+                            sequence_parallel=self.sequence_parallel)
 
     def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
         """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""
@@ -433,6 +440,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
             "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
             "candidates": summary.candidates, "dropout": summary.dropout,
+            "sequence_parallel": summary.sequence_parallel,
             "long_documents": summary.long_documents, "step_extra": summary.step_extra}
 
 

@@ -84,8 +84,10 @@ def test_training_with_switching_strategies_equals_pytorch(data, tmp_path, capsy
                "--world-size", "4", "--strategy-schedule", SCHEDULE, "--steps", "3", "--tokens-per-iter", "30",
                "--save-final", str(final), "--json"])
     assert rc == 0
-    steps = json.loads(capsys.readouterr().out)["steps"]
+    doc = json.loads(capsys.readouterr().out)
+    steps = doc["steps"]
     assert [s["strategy"] for s in steps] == SCHEDULE.split(";")
+    assert doc["sequence_parallel"] == "on"          # the TP2 pipelines ran Megatron SP
     ref_losses, ref_state = _reference(spec, args, data, 3, 30)
     for s, want in zip(steps, ref_losses):
         assert abs(s["loss"] - want) <= 1e-6 * want

@@ -8,7 +8,8 @@ differences allowed are the documented rewrites: sizes TP scales (``NodeMeta.tp_
 projection cuts, attention turned into packed / CP attention (q, k, v, scale, GQA, softcap and
 window kept), a
 vocabulary-parallel embedding (``padding_idx`` kept), a row-parallel bias moved after the all-reduce,
-and the dropout pass's ``comm`` and ``site``.
+and the dropout pass's ``comm`` and ``site`` (and ``tokens`` on a sequence-parallel token slice); under
+sequence parallelism a linear of an all-gathered input becomes ``sp_linear`` (the same linear).
 """
 import operator
 
@@ -54,10 +55,12 @@ def _allowed(before: fx.Node, after: fx.Node) -> bool:
         if after.target is ops.cp_attention:
             return (after.args[4] == keep.get("scale") and after.args[5] == keep.get("enable_gqa", False)
                     and after.args[6] == before.kwargs.get("dropout_p", 0.0) and tuple(after.args[9:11]) == variant)
+    if before.target is F.linear and after.target is ops.sp_linear:     # sequence parallelism: the same
+        return after.args[5:] == ("tp", after.args[6]) and isinstance(after.args[6], int)   # linear, w, b
     if before.target is F.embedding and after.target is ops.vocab_parallel_embedding:
         return after.args[4] == before.kwargs.get("padding_idx")
-    if after.target is ops.keyed_dropout:              # the dropout pass adds comm and site
-        return after.args[1] == before.args[1] and set(after.kwargs) == {"comm", "site"}
+    if after.target is ops.keyed_dropout:              # the dropout pass adds comm and site (and under
+        return after.args[1] == before.args[1] and set(after.kwargs) - {"tokens"} == {"comm", "site"}   # SP: tokens
     if get_meta(before).tp_role is not None and len(before.args) > 2 and after.args[2:] == (None,):
         return True                                    # a row-parallel bias, added after the all-reduce
     return False

@@ -104,14 +104,15 @@ def test_slots_issue_wait_pairs_and_pp_boundaries(compiled, text):
             issue = next(i for i in issues if get_meta(i).subgraph == get_meta(w).subgraph)
             assert nodes.index(issue) < nodes.index(w)
         for n in nodes:
-            if n.target in (ops.tp_reduce_issue, ops.tp_gather_issue):
+            if n.target in (ops.tp_reduce_issue, ops.tp_gather_issue, ops.sp_scatter_issue, ops.sp_gather_issue):
                 assert [u.target for u in n.users] == [ops.comm_wait]
             assert not (get_meta(n).slot is not None and n.target is hgraph.slots.empty_slot), "unfilled slot"
-        tp_exits = [n for n in nodes if n.target is ops.tp_reduce_issue]
+        # sequence parallelism (on by default under TP > 1): reduce-scatters instead of all-reduces
+        tp_exits = [n for n in nodes if n.target in (ops.tp_reduce_issue, ops.sp_scatter_issue)]
         if rp.scheme.tp == 1:
-            assert not tp_exits and not any(n.target is ops.tp_copy for n in nodes)
+            assert not tp_exits and not any(n.target in (ops.tp_copy, ops.sp_gather_issue) for n in nodes)
         else:
-            # one all-reduce per row-parallel linear (o, down) per layer + the vocab embedding
+            # one exit per row-parallel linear (o, down) per layer + the vocab embedding
             layers = sum(1 for b in rp.role.blocks)
             assert len(tp_exits) == 2 * layers + (1 if rp.stage == 0 else 0)
         sends = [n for n in nodes if n.target is ops.pp_send]

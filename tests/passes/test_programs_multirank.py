@@ -5,7 +5,8 @@ per-document or per-sequence plan when the scheme has CP); its logits must equal
 each document alone, and the gradients of its
 working parameters, put back together from the TP shards and PP stages, must equal the module's
 gradients. Pull/Push are not exercised here (a pass-through parameter sync stands in for them; the
-runtime tests cover them): this checks the TP collectives, vocabulary padding, KV-head replication,
+runtime tests cover them): this checks the TP collectives (sequence parallelism's reduce-scatter / all-gather under TP > 1, the
+replicated parameters whose TP ranks' gradients the push sums), vocabulary padding, KV-head replication,
 PP send/recv and the CP all-gather / per-document attention that the compiler inserted, for the zoo
 model (fx frontend) and, when transformers is installed, Hugging Face Llama and GPT-2 (export frontend).
 
@@ -108,7 +109,10 @@ def _worker(rank, world, cases):
         else:
             torch.autograd.backward(list(result))
         comm.wait_all()
-        grads = {n: (s, params[n].grad.detach())
+        # what the push sums: a replicated parameter whose TP ranks each contribute their whole copy
+        # holds a per-rank partial gradient (under sequence parallelism: of the rank's tokens)
+        grads = {n: (s, params[n].grad.detach(),
+                     rp.scheme.tp > 1 and prog.push_plans[n].contributions.get(rank) == tuple(s.ranges))
                  for n, s in rp.params.items()}
         out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank, "tokens": idx,
                     "logits": logits, "grads": grads, "frontend": compiled.frontend})
@@ -146,11 +150,11 @@ def test_forward_and_backward_match_the_module(results, case):
         seen = sorted(t for r in ranks if r["logits"] is not None and r["tp_rank"] == 0 for t in r["tokens"])
         assert seen == list(range(sum(DOCS))), "the CP ranks of the last stage cover every token once"
         for r in ranks:
-            for n, (shard, grad) in r["grads"].items():
+            for n, (shard, grad, partial) in r["grads"].items():
                 if shard.tp_sharded:
                     shard.add_into(rebuilt[n], grad)
                     assert torch.count_nonzero(shard.padding_of(grad)) == 0
-                elif r["tp_rank"] == 0:     # replicated: identical on every TP rank
+                elif partial or r["tp_rank"] == 0:     # summed over TP, or identical on every TP rank
                     rebuilt[n] += grad
         for n in ref_grads:
             atol = 1e-6 * float(ref_grads[n].abs().max())

@@ -322,6 +322,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
         print(json.dumps({"steps": steps, "planned": result.get("planned", []), "cache": result["cache"],
                           "step_extra": result.get("step_extra", []),
                           "long_documents": result.get("long_documents", {}),
+                          "dropout": result.get("dropout", "none"),
+                          "sequence_parallel": result.get("sequence_parallel", "on"),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
@@ -336,6 +338,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
             print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
                   f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}" + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
+    print(f"sequence parallelism: {result.get('sequence_parallel', 'on')}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())
     evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]

@@ -78,6 +78,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "the dropout masks", minimum=0),
     _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
        "position and site, the same under every strategy) or off", choices=("apply", "off")),
+    _k("model", "sequence-parallel", "bool", True, "Megatron sequence parallelism under TP > 1: the "
+       "activations between TP regions hold 1/TP of the tokens (reduce-scatter / all-gather instead of "
+       "all-reduce); on where the model allows it (else TP runs without it, said at the start); "
+       "--no-sequence-parallel to compare"),
     _k("model", "vocab-parallel-loss", "str", "auto", "the loss of a vocabulary split over TP ranks: on "
        "(Megatron's vocabulary-parallel cross-entropy: no logits gathered), off (each chunk's logits "
        "gathered for torch's log_softmax: the single-device arithmetic), auto (on with a working dtype "

@@ -47,6 +47,8 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
     return {
         "strategy": str(program.strategy),
         "world_size": program.cluster.world_size,
+        "sequence_parallel": program.sequence_parallel,
+        "sequence_parallel_note": program.sequence_parallel_note or None,
         "ranks": [{
             "rank": rp.rank, "pipeline": rp.pipeline, "scheme": str(rp.scheme), "stage": rp.stage,
             "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank,
@@ -67,6 +69,11 @@ def rank_text(program: Program, rp: RankProgram) -> str:
              f"tp_rank {rp.tp_rank}, cp_rank {rp.cp_rank}  [strategy {program.strategy}]",
              f"   blocks: {', '.join(rp.role.blocks) or '-'}",
              "   peers: " + ", ".join(f"{k}={list(v)}" for k, v in rp.bindings.items())]
+    if rp.scheme.tp > 1:       # what the TP exits and enters are
+        note = program.sequence_parallel_note
+        lines.append("   sequence parallelism: " + ("on (exits reduce-scatter, enters all-gather the tokens)"
+                                                     if program.sequence_parallel else
+                                                     "off" + (f": {note}" if note else "")))
     lines.append(f"   parameters ({len(rp.params)}):")
     for s in rp.params.values():
         how = f"split on dim {s.shard_dim} {list(s.ranges)}" + (f" +{s.pad} pad" if s.pad else "") \

@@ -9,9 +9,13 @@ layer and the rest of the model save, counted on fake tensors), and its peak aga
 Activations: ``tokens`` is the length of one packed micro-batch (what MaxLen bounds). Under 1F1B
 stage ``s`` of a ``PP``-stage pipeline holds ``PP - s`` micro-batches in flight (enough micro-batches
 assumed: the worst case), each of its layers saving ``A[TP] * hidden / (TP * CP)`` bytes a token; the
-last stage also holds the head's and the loss's (``other_coeff``, mostly the logits; the embedding
-saves only token ids). CP ranks see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a
-scheme instead (all layers of the model for one micro-batch plus the head, on the first stage), which
+last stage also holds the head's and the loss's (``other_coeff``: the head's input and the targets, the
+loss being made chunk by chunk; the embedding saves only token ids); under sequence parallelism
+(TP > 1) what the norms save is a TP rank's token slice (``runtime_memory``). The last stage's figure
+also holds the chunked loss's transient logits of one chunk (``runtime_memory.loss_transient_bytes``:
+not per token, at most a few times 64 MiB; the planner's MaxLen, per token, leaves it out). CP ranks
+see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a scheme instead (all layers of the
+model for one micro-batch plus the head, on the first stage), which
 is at least every stage's figure here. They are measured for zoo Llama models; for other models the
 activations are not known (``None``) and the totals are the model states alone.
 
@@ -29,7 +33,8 @@ import torch
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.engine.model_states import RankStates, rank_states
-from hgraph.runtime.planner.cost.runtime_memory import is_runtime_model, measured_activation_coeffs
+from hgraph.runtime.planner.cost.runtime_memory import (is_runtime_model, loss_transient_bytes,
+                                                        measured_activation_coeffs)
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
@@ -124,7 +129,8 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
                 all(cost.memory.activation_A(tp) is not None for tp in tps):     # counted already
             A, other = cost.memory.activation_coeff, cost.memory.other_coeff
         else:
-            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype)
+            sp = compiled.sequence_parallel_status() == "on"
+            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype, sequence_parallel=sp)
         coeffs = {tp: (a, dict(other).get(tp, 0.0)) for tp, a in A}
         source = "runtime memory model (zoo Llama, counted on fake tensors)"
     ranks = []
@@ -134,6 +140,8 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
         if coeffs:
             layers = len(compiled.stage_blocks(scheme.pp)[c.stage])
             act = stage_activation_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
+            if c.stage == scheme.pp - 1:        # the chunked loss's logits of one chunk, while it runs
+                act += loss_transient_bytes(cfg.vocab_size, -(-tokens // scheme.cp), scheme.tp, dtype)
         ranks.append(RankMemory(c.rank, c.pipeline, scheme, c.stage, c.tp_rank, c.cp_rank, states[c.rank], act))
     parameters = sum(int(torch.Size(p.shape).numel()) for p in compiled.hgraph.params.values())
     max_len = {}

@@ -13,9 +13,15 @@ every document. Here (App. B.1's form, ``cost_model.MemoryModel``):
   own ``peak_mem_bytes`` on one rank: within 0.1%; a single-document micro-batch keeps ~4% less, so
   the model is an upper bound for it): the difference is one layer (``A = bytes_per_token * TP / hidden``), the rest is the embedding, head and loss
   (``other_coeff``). Counts are bytes, not times: the same on every run and every machine load.
-  No sequence parallelism here, so TP2 does not halve a layer's activations (the residual stream
-  and norms are replicated). Under 1F1B the first stage holds PP micro-batches of ``layers / PP``
-  layers, i.e. the whole model's layers for one micro-batch (B.1): PP alone does not lengthen MaxLen
+  The loss is counted as the runtime makes it (``kernels.head_cross_entropy``: chunk by chunk from the
+  output head's input, which it keeps with the targets; the whole ``[tokens, vocab]`` logits are never
+  saved; one chunk's transient logits, at most a few times ``CHUNK_BYTES``, are not per token and not
+  counted). Under sequence parallelism (the default with TP > 1) what the norms save and their outputs,
+  the values between TP regions, hold 1/TP of the tokens (the column-parallel linears keep only the
+  rank's slice of their all-gathered input, ``ops.sp_linear``): those bytes, counted apart, are divided
+  by TP. Under 1F1B the first stage holds PP
+  micro-batches of ``layers / PP`` layers, i.e. the whole model's layers for one micro-batch (B.1): PP
+  alone does not lengthen MaxLen
   by much, TP does.
 * model states: what the runtime's ranks hold, counted from its layouts (``counted_states``,
   ``engine.model_states``): fp32 masters and Adam's two moments (12 bytes a parameter) of the rank's
@@ -43,8 +49,9 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.frontends.zoo.llama import tp_shard_config
-from hgraph.runtime.engine.memory import ActivationMeter
+from hgraph.runtime.engine.memory import ActivationMeter, _storage
 from hgraph.runtime.engine.model_states import scheme_states
+from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens, head_cross_entropy_sum
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel
 from hgraph.strategy import Scheme
 from hgraph.varlen_attention import varlen_attention
@@ -70,29 +77,75 @@ class PackedAttention(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = None) -> int:
+class _RegionMeter(ActivationMeter):
+    """The runtime's accounting, also telling apart the bytes of what is first saved while a module of
+    ``region`` (a type) runs, or is such a module's output: the norms, whose values lie between TP
+    regions (their outputs are what the column-parallel linears keep of their all-gathered input)."""
+
+    def __init__(self, excluded: Any, region: type) -> None:
+        super().__init__(excluded)
+        self.region, self.depth, self.region_bytes = region, 0, 0
+        self.outputs: set[int] = set()
+
+    def _add(self, t: torch.Tensor) -> Optional[int]:
+        before = self.live_bytes
+        key = super()._add(t)
+        if self.depth or key in self.outputs:
+            self.region_bytes += self.live_bytes - before
+        return key
+
+    def watch(self, model: torch.nn.Module) -> list:
+        def enter(*_: Any) -> None:
+            self.depth += 1
+
+        def leave(_m: Any, _args: Any, out: Any) -> None:
+            self.depth -= 1
+            if isinstance(out, torch.Tensor):
+                self.outputs.add(_storage(out)[0])
+        return [h for m in model.modules() if isinstance(m, self.region)
+                for h in (m.register_forward_pre_hook(enter), m.register_forward_hook(leave))]
+
+
+def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = None,
+                           sequence_parallel_tp: int = 1) -> int:
     """Bytes autograd keeps for backward in one forward of ``model`` on ``length`` random tokens
     (the runtime's ``ActivationMeter``; parameters excluded), packed as documents of ``doc_len``
-    tokens through the runtime's varlen attention (None: one document, plain SDPA)."""
-    meter = ActivationMeter(excluded=list(model.parameters()))
+    tokens through the runtime's varlen attention (None: one document, plain SDPA), the loss made as
+    the runtime makes it, from the output head's input (module docstring). ``sequence_parallel_tp``:
+    what the norms save counts 1/TP (a TP rank's token slice under sequence parallelism)."""
+    meter = _RegionMeter(list(model.parameters()), llama.RMSNorm)
+    handles = meter.watch(model)
+    head_input: list = []
+
+    def capture(_m: Any, args: Any) -> None:
+        head_input.append(args[0])
+        meter.outputs.discard(_storage(args[0])[0])    # the chunked loss keeps the head's input whole
+    handles.append(model.lm_head.register_forward_pre_hook(capture))
     ids = torch.randint(0, model.config.vocab_size, (1, length))
     packed = PackedAttention(list(range(0, length, doc_len)) + [length]) if doc_len else contextlib.nullcontext()
-    with meter.hooks(), packed:
-        logits = model(ids)
-        loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
-    peak = meter.peak_bytes
-    del loss, logits
-    return int(peak)
+    try:
+        with meter.hooks(), packed:
+            model(ids)             # the logits themselves are not kept: the loss below does not use them
+            (h,) = head_input
+            loss = head_cross_entropy_sum(h[0, :-1], model.lm_head.weight, model.lm_head.bias, ids[0, 1:])
+    finally:
+        for handle in handles:
+            handle.remove()
+    peak = meter.peak_bytes - meter.region_bytes * (1 - 1 / sequence_parallel_tp)
+    del loss, head_input
+    return int(round(peak))
 
 
-def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASURE_LENGTH,
-                               dtype: Any = None) -> tuple[tuple[tuple[int, float], ...], tuple[tuple[int, float], ...]]:
+def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASURE_LENGTH, dtype: Any = None,
+                               sequence_parallel: bool = True) -> tuple[tuple[tuple[int, float], ...],
+                                                                        tuple[tuple[int, float], ...]]:
     """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring).
 
     The 1- and 2-layer models run on fake tensors (``FakeTensorMode`` on the CPU device: the same
     kernels are chosen, so the same tensors are saved, with the same shapes and dtypes as a real run,
     measured equal to the byte): nothing is allocated, so a 70B-shaped layer costs what a tiny one does
-    (a real 168M-shaped pass took 23 s and its weights; the fake one 0.6 s)."""
+    (a real 168M-shaped pass took 23 s and its weights; the fake one 0.6 s). ``sequence_parallel``: the
+    TP > 1 schemes run it (what the norms save is a TP rank's token slice)."""
     A, other = [], []
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         torch.manual_seed(0)
@@ -103,11 +156,27 @@ def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASU
                 if dtype is not None:
                     _cast_parameters(m, dtype)
                 # packed (the common micro-batch, and the larger count): the model is an upper bound
-                counts.append(saved_activation_bytes(m, length, PACKED_DOC_LEN))
+                counts.append(saved_activation_bytes(m, length, PACKED_DOC_LEN,
+                                                     tp if sequence_parallel else 1))
             layer = max(counts[1] - counts[0], 1) / length
             A.append((tp, layer * tp / cfg.hidden_size))
             other.append((tp, max(counts[0] / length - layer, 0.0)))
     return tuple(A), tuple(other)
+
+
+def loss_transient_bytes(vocab: int, tokens: int, tp: int = 1, dtype: Any = None) -> int:
+    """Bytes the chunked loss allocates for one chunk on top of what is saved (``head_cross_entropy``): the
+    fp32 logits of ``min(tokens, chunk)`` tokens and their log-softmax; under TP with the gathered loss
+    (the default in fp32) this rank's piece, the gathered pieces and their concatenation; with the
+    vocabulary-parallel loss (the default below fp32) a few pieces of this rank's rows. At most a few
+    times ``CHUNK_BYTES``, whatever the micro-batch's length."""
+    rows = -(-vocab // tp)
+    chunk = min(tokens, chunk_tokens(rows))
+    if tp == 1:
+        return 2 * chunk * vocab * 4
+    if dtype is not None and dtype != torch.float32:        # vocabulary-parallel: logits, exp, log-probs
+        return 3 * chunk * rows * 4
+    return chunk * rows * 4 + 3 * chunk * vocab * 4          # piece, gathered, concatenated, log-softmax
 
 
 def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -123,14 +192,15 @@ def _cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, working_bytes: int = 4,
-                         dtype: Any = None, states: Optional[Mapping] = None) -> MemoryModel:
+                         dtype: Any = None, states: Optional[Mapping] = None,
+                         sequence_parallel: bool = True) -> MemoryModel:
     """This runtime's memory model of a zoo Llama ``cfg`` on devices of ``device_memory`` bytes;
     ``states``: the model states this runtime's ranks hold (``counted_states``), which replace the
     formula for the schemes they list. Activations are counted in the working dtype (``dtype``;
-    default: that of ``working_bytes``)."""
+    default: that of ``working_bytes``), with or without ``sequence_parallel`` under TP > 1."""
     if dtype is None:
         dtype = torch.bfloat16 if working_bytes == 2 else None
-    A, other = measured_activation_coeffs(cfg, tps, dtype=dtype)
+    A, other = measured_activation_coeffs(cfg, tps, dtype=dtype, sequence_parallel=sequence_parallel)
     h, f = cfg.hidden_size, cfg.intermediate_size
     kv = cfg.num_kv_heads * cfg.head_dim
     layer_params = h * cfg.num_heads * cfg.head_dim * 2 + 2 * h * kv + 3 * h * f + 2 * h
@@ -166,7 +236,8 @@ def counted_states(cost: CostModel, model: Any, *, working_bytes: int = 4,
 
 
 def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[float], *,
-                       working_bytes: int = 4, states: Optional[Mapping] = None) -> CostModel:
+                       working_bytes: int = 4, states: Optional[Mapping] = None,
+                       sequence_parallel: bool = True) -> CostModel:
     """``cost`` with MaxLen bounded by ``device_memory`` bytes per rank (None: ``cost`` unchanged).
 
     For a zoo Llama whose shape is the cost model's, the memory model becomes this runtime's
@@ -181,7 +252,8 @@ def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[floa
     if is_runtime_model(cost, model):
         if states is None:
             states = counted_states(cost, model, working_bytes=working_bytes)
-        memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes, states=states)
+        memory = runtime_memory_model(cfg, device_memory, tps, working_bytes=working_bytes, states=states,
+                                      sequence_parallel=sequence_parallel)
     else:
         memory = dataclasses.replace(cost.memory, gpu_memory_bytes=int(device_memory), framework_gap_bytes=0,
                                      safety_margin_bytes=0)
@@ -190,8 +262,9 @@ def with_device_memory(cost: CostModel, model: Any, device_memory: Optional[floa
 
 def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, context: int) -> int:
     """The built-in run's limit: the smallest device on which the widest TP scheme (``TPmax PP1``)
-    still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about two
-    thirds of it (llama:tiny), so the longest documents need TP >= 2 while most fit TP1PP1."""
+    still holds a micro-batch of the model's whole ``context``. A TP1PP1 rank then holds about half of
+    it (llama:tiny: 46%, TP2 running sequence parallelism; two thirds without), so the longest
+    documents need TP >= 2 while most fit TP1PP1."""
     mem = cost.memory
     widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.cp == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)

@@ -71,16 +71,19 @@ def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes:
     states the runtime's ranks hold are counted once, from ``compiled`` when given."""
     if device_memory is None:
         return cost, None
+    # the TP>1 schemes' activations: a token slice between TP regions under sequence parallelism
+    sp = compiled.sequence_parallel_status() == "on" if compiled is not None else True
     states = counted_states(cost, model, working_bytes=working_bytes, compiled=compiled) \
         if is_runtime_model(cost, model) else None
     if device_memory == "auto":
-        sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes, states=states)
+        sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes, states=states,
+                                   sequence_parallel=sp)
         context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or 0)
         if not context:
             raise HGraphError("--device-memory auto needs a model with max_seq_len; give BYTES")
         device_memory = default_device_memory(sized, cost.model, cost.world_size, context)
-    return (with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes, states=states),
-            float(device_memory))
+    return (with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes, states=states,
+                               sequence_parallel=sp), float(device_memory))
 
 
 _bounded = bounded_cost_model      # the name the tests know

@@ -1,4 +1,5 @@
-"""Comm ops on 4 gloo processes: 2-way TP MLP (f, g), uneven all-gather, 2-stage 1F1B pipeline.
+"""Comm ops on 4 gloo processes: 2-way TP MLP (f, g; and with sequence parallelism's all-gather /
+reduce-scatter over uneven token slices), uneven all-gather, 2-stage 1F1B pipeline.
 
 Every check compares with the unsharded computation done locally in fp32. Tolerance: the sharded
 sums only reorder fp32 additions, so values and gradients agree to rtol 1e-5, atol 1e-6.
@@ -12,8 +13,8 @@ import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, tp_copy_issue, tp_gather_issue,
-                                             tp_reduce_issue)
+from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, sp_gather_issue, sp_scatter_issue,
+                                             token_bounds, tp_copy_issue, tp_gather_issue, tp_reduce_issue)
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.engine.loss import IGNORE_INDEX, stage_loss_sum
 from hgraph.runtime.train.launch import spawn
@@ -53,6 +54,34 @@ def _tp_mlp(comm, rank):
     return {"y": _close(y, yf), "dx": _close(x_i.grad, xf.grad),
             "dw1": _close(w1_i.grad, w1f.grad[rows]), "dw2": _close(w2_i.grad, w2f.grad[:, rows]),
             "busy": busy.item() == (x * 2).sum().item(), "pending": comm.num_pending()}
+
+
+def _sp_mlp(comm, rank):
+    """The MLP above under sequence parallelism: each TP rank holds its slice of 5 tokens (2 and 3: uneven)
+    before the all-gather and after the reduce-scatter; a norm weight-like ``s`` used on the slices
+    gets a partial gradient per rank, whose sum over the TP group is the whole gradient."""
+    w1, w2, _, _ = _mlp_weights()
+    g = torch.Generator().manual_seed(2)
+    x, r, s = torch.randn(1, 5, D, generator=g), torch.randn(1, 5, D, generator=g), torch.randn(D, generator=g)
+    tp = [0, 1] if rank < 2 else [2, 3]
+    i = tp.index(rank)
+    lo, hi = token_bounds(5, 2, i)
+    rows = slice(i * H // 2, (i + 1) * H // 2)
+    w1_i, w2_i = w1[rows].clone().requires_grad_(), w2[:, rows].clone().requires_grad_()
+    x_i, s_i = x[:, lo:hi].clone().requires_grad_(), s.clone().requires_grad_()
+    whole = comm_wait(comm, sp_gather_issue(comm, x_i * s_i, tp, 1, 5))
+    y_i = comm_wait(comm, sp_scatter_issue(comm, F.gelu(whole @ w1_i.t()) @ w2_i.t(), tp, 1))
+    (y_i * r[:, lo:hi]).sum().backward()
+    ds = s_i.grad.clone()
+    dist.all_reduce(ds, group=comm.groups.get(tuple(tp)))
+
+    w1f, w2f, xf, sf = (t.clone().requires_grad_() for t in (w1, w2, x, s))
+    yf = F.gelu((xf * sf) @ w1f.t()) @ w2f.t()
+    (yf * r).sum().backward()
+    return {"shape": tuple(y_i.shape) == (1, hi - lo, D), "y": _close(y_i, yf[:, lo:hi]),
+            "dx": _close(x_i.grad, xf.grad[:, lo:hi]), "dw1": _close(w1_i.grad, w1f.grad[rows]),
+            "dw2": _close(w2_i.grad, w2f.grad[:, rows]), "ds_summed": _close(ds, sf.grad),
+            "ds_partial": not _close(s_i.grad, sf.grad), "pending": comm.num_pending()}
 
 
 def _gather(comm, rank):
@@ -154,7 +183,7 @@ def _vocab_parallel_loss(comm, rank, parallel):
 def _worker(rank, world_size):
     comm = CommContext.from_default_group()
     comm.groups.ensure([[0, 1], [2, 3]])
-    return {"tp": _tp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
+    return {"tp": _tp_mlp(comm, rank), "sp": _sp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
             "async": _issue_does_not_block(comm, rank),
             "head": [_vocab_parallel_loss(comm, rank, parallel) for parallel in (True, False)]}
 
@@ -168,6 +197,12 @@ def test_tp_mlp_matches_unsharded(results):
     for out in results:
         assert out["tp"] == {"y": True, "dx": True, "dw1": True, "dw2": True, "busy": True,
                              "pending": 0}
+
+
+def test_sequence_parallel_mlp_on_uneven_token_slices_matches_unsharded(results):
+    for out in results:
+        assert out["sp"] == {"shape": True, "y": True, "dx": True, "dw1": True, "dw2": True, "ds_summed": True,
+                             "ds_partial": True, "pending": 0}
 
 
 def test_issue_returns_before_the_collective_completes(results):

@@ -114,3 +114,13 @@ def test_bf16_draws_the_fp32_masks_and_trains_with_them():
     assert on["dropout"].startswith("applied (7 sites")
     assert all(torch.isfinite(torch.tensor(v)) for v in on["losses"])
     assert all(abs(a - b) > 1e-3 for a, b in zip(on["losses"], off["losses"]))
+
+
+def test_a_tp_ranks_token_slice_draws_the_masks_of_its_tokens():
+    """Sequence parallelism: a dropout on TP rank r's slice of the tokens (``TokenKeys.narrow``) drops
+    what the whole micro-batch's dropout drops there (the runs above use it: SP is on under TP2)."""
+    keys = TokenKeys(seed=1, step=0, documents=torch.arange(13) // 5, positions=torch.arange(13) % 5)
+    x = torch.randn(1, 13, 8)
+    whole = dropout(x, 0.3, 4, keys)
+    for lo, hi in ((0, 6), (6, 13)):                     # TP2 over 13 tokens: uneven slices
+        assert torch.equal(dropout(x[:, lo:hi], 0.3, 4, keys.narrow(lo, hi)), whole[:, lo:hi])

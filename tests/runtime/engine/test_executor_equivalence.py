@@ -6,6 +6,9 @@ runtime trains the same model on 4 (then 8) gloo processes with the built-in dis
 packs several documents per micro-batch, gives PP pipelines more micro-batches than PP1 pipelines
 and, with 3-document mini-batches on 4 pipelines, leaves a pipeline without any document.
 
+TP pipelines run with Megatron sequence parallelism (the default; uneven token slices where a TP2
+micro-batch has an odd token count), the first case without it.
+
 Processes are spawned once per world size; every schedule runs inside them (one process group).
 
 fp32 tolerances: loss per step |diff| <= 1e-6 x loss (a few ulps of a sum over ~30 targets in
@@ -37,7 +40,8 @@ PAD = 0             # a token the documents below contain (checked)
 
 # (model, schedule, model overrides, optimizer options)
 CASES_4 = [
-    ("tiny", "4xTP1PP1;1xTP2PP1+2xTP1PP1;1xTP2PP2;1xTP1PP2+1xTP2PP1", {}, {}),
+    # TP without sequence parallelism (all-reduce exits); the other TP cases run SP, the default
+    ("tiny", "4xTP1PP1;1xTP2PP1+2xTP1PP1;1xTP2PP2;1xTP1PP2+1xTP2PP1", {}, {"sequence_parallel": False}),
     ("tiny-tied", "1xTP1PP2+1xTP2PP1;4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {}),
     # a vocabulary TP does not divide (padded shards), AdamW with weight decay and global-norm clipping
     ("tiny-tied", "2xTP2PP1;1xTP2PP2;1xTP4PP1", {"vocab_size": 509},
@@ -47,11 +51,12 @@ CASES_4 = [
     # steps leave ranks idle)
     ("tiny-tied", "4xTP1PP1;4xTP1PP1;1xTP2PP2", {}, {"optimizer": "adamw", "weight_decay": 0.1}),
     # an embedding with a padding row (pad_token_id, as Hugging Face configs set it), vocabulary-parallel:
-    # the padding row must not train on the TP rank that holds it
-    ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {}),
-    # torch.compile of the rank graphs' compute between their TP, PP and CP collectives
-    # (engine/compiled_regions), traced and differentiated by AOTAutograd (inductor's code generation:
-    # test_compiled_regions)
+    # the padding row must not train on the TP rank that holds it; a memory budget of one byte recomputes
+    # every block in backward, sequence parallelism's collectives included
+    ("tiny", "2xTP2PP1;1xTP2PP2", {"pad_token_id": PAD}, {"memory_budget": 1}),
+    # torch.compile of the rank graphs' compute between their TP (sequence-parallel), PP and CP
+    # collectives (engine/compiled_regions), traced and differentiated by AOTAutograd (inductor's code
+    # generation: test_compiled_regions)
     ("tiny", "1xTP2PP1+2xTP1PP1;1xTP1PP2CP2", {"num_layers": 2},
      {"compile": "on", "compile_backend": "aot_eager"}),
 ]
@@ -93,6 +98,7 @@ def _worker(rank, world, cases):
         out.append({"states": len(holding), "holding": sum(holding), "losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
+                    "recomputed": [bool(s.recompute_layers) for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.cache.info()})
     return out
 
@@ -178,12 +184,13 @@ def test_the_padding_case_trains_on_its_padding_token(results4):
     assert any(PAD in d for d in _docs())
     case = next(i for i, c in enumerate(CASES_4) if "pad_token_id" in c[2])
     assert not results4[0][case]["final"]["embed_tokens.weight"][PAD].any()
+    assert all(all(r[case]["recomputed"]) for r in results4)      # its blocks recomputed (TP2 with SP)
 
 
 def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
     """The data above really exercises the cases the acceptance test names (checked on the plans)."""
     batches = _batches()       # lengths do not depend on the vocabulary
-    several_docs = uneven = idle = False
+    several_docs = uneven = idle = odd_tp2 = False
     for model, schedule, _, _ in CASES_4 + CASES_8:
         strategies = [Strategy.parse(s) for s in schedule.split(";")]
         for k, batch in enumerate(batches):
@@ -192,5 +199,8 @@ def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
             counts = {len(pipe) for pipe in plan if pipe}
             uneven |= len(counts) > 1
             idle |= any(not pipe for pipe in plan)
+            # sequence parallelism over uneven token slices: a TP2 micro-batch of an odd token count
+            odd_tp2 |= any(p.tp == 2 and sum(len(d.input_ids) for d in mb) % 2
+                           for p, pipe in zip(strategies[k % len(strategies)].pipelines, plan) for mb in pipe)
             assert sorted(d.index for pipe in plan for mb in pipe for d in mb) == sorted(d.index for d in batch.docs)
-    assert several_docs and uneven and idle
+    assert several_docs and uneven and idle and odd_tp2

@@ -6,7 +6,11 @@ attention written by hand as nanoGPT does (``softmax(masked_fill(q @ k^T * scale
 @ v``, which must become packed attention: the reference computes each document alone, hgraph packs
 several in a row): under TP2 every block matrix is sharded (the sizes written out are rewritten for the shard), and 4 ranks switching
 ``1xTP2PP1+2xTP1PP1``, ``2xTP2PP1``, ``1xTP2PP2`` equal single-process Adam within the tolerances of
-``test_executor_equivalence`` (loss 1e-6 relative, parameters 1e-5).
+``test_executor_equivalence`` (loss 1e-6 relative, parameters 1e-5). TP2 runs with sequence parallelism
+(the default); a third variant reads its position embedding as a table (``wpe.weight[position_ids]``), a
+whole value on every TP rank that meets the reduce-scattered token embedding: it is narrowed to each rank's
+tokens, and its gradient (each rank's tokens) summed over the TP group. All variants train in one process
+group.
 """
 import textwrap
 
@@ -91,12 +95,20 @@ ATTENTION = {
 }
 
 
+# the position embedding read as a table: a whole [T, d] value under sequence parallelism
+POSITION_TABLE = ("self.wpe(position_ids)", "self.wpe.weight[position_ids]")
+VARIANTS = {"sdpa": ("sdpa", None), "eager": ("eager", None), "table": ("sdpa", POSITION_TABLE)}
+
+
 @pytest.fixture(scope="module")
 def model_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("models")
-    for kind, code in ATTENTION.items():
-        (folder / f"gpt_{kind}.py").write_text(GPT_STYLE.replace("ATTENTION", code))
-    return {kind: f"{folder / f'gpt_{kind}.py'}:GPT" for kind in ATTENTION}
+    out = {}
+    for kind, (attention, change) in VARIANTS.items():
+        code = GPT_STYLE.replace("ATTENTION", ATTENTION[attention])
+        (folder / f"gpt_{kind}.py").write_text(code.replace(*change) if change else code)
+        out[kind] = f"{folder / f'gpt_{kind}.py'}:GPT"
+    return out
 
 
 @pytest.fixture(scope="module", params=sorted(ATTENTION))
@@ -104,13 +116,23 @@ def model_file(model_files, request):
     return model_files[request.param]
 
 
-def _worker(rank, world, spec):
-    config = TrainConfig.from_values(model=spec, world_size=world, strategy_schedule=SCHEDULE, steps=STEPS,
-                                     tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), lr=LR, save_final="unused")
-    trainer = Trainer(config, rank, world, GroupCache(rank, world))
-    losses = [trainer.step(b).loss for b in _batches()]
-    final = trainer.final_state_dict()
-    return {"losses": losses, "final": final if rank == 0 else None}
+def _worker(rank, world, specs):
+    groups = GroupCache(rank, world)
+    out = {}
+    for kind, spec in specs.items():
+        config = TrainConfig.from_values(model=spec, world_size=world, strategy_schedule=SCHEDULE, steps=STEPS,
+                                         tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), lr=LR, save_final="unused")
+        trainer = Trainer(config, rank, world, groups)
+        losses = [trainer.step(b).loss for b in _batches()]
+        final = trainer.final_state_dict()
+        out[kind] = {"losses": losses, "final": final if rank == 0 else None,
+                     "sequence_parallel": trainer.sequence_parallel}
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(model_files):
+    return spawn(_worker, 4, args=(model_files,), timeout_s=300)[0]
 
 
 def test_explicit_head_counts_and_repeat_interleave_are_sharded(model_file):
@@ -135,13 +157,15 @@ def _adam_reference(spec):
     return losses, model.state_dict()
 
 
-def test_gpt_style_model_trains_exactly_under_tp_switching(model_file, model_files):
-    got = spawn(_worker, 4, args=(model_file,), timeout_s=300)[0]
-    losses, _ = _adam_reference(model_file)       # the model as written, each document alone
+@pytest.mark.parametrize("kind", sorted(VARIANTS))
+def test_gpt_style_model_trains_exactly_under_tp_switching(kind, model_files, trained):
+    got = trained[kind]
+    assert got["sequence_parallel"] == "on"
+    losses, _ = _adam_reference(model_files[kind])       # the model as written, each document alone
     for k, want in enumerate(losses):
         assert abs(got["losses"][k] - want) <= 1e-6 * want, (k, got["losses"][k], want)
     # parameters against the same model computing attention with SDPA, the kernel hgraph runs the
     # hand-written attention with (the eager math rounds differently; Adam scales such noise up)
-    _, final = _adam_reference(model_files["sdpa"])
+    _, final = _adam_reference(model_files["table" if kind == "table" else "sdpa"])
     for name, want in final.items():
         torch.testing.assert_close(got["final"][name], want, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")

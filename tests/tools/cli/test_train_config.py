@@ -29,3 +29,12 @@ def test_the_command_line_fills_the_config_from_the_resolved_values(tmp_path):
                                                   "--strategy-schedule", "4xTP1PP1"))
     assert config.optimizer.lr == 0.01 and config.data.steps == 7           # flags win over the file
     assert config.planner.memory_budget == 2 ** 20 and not config.planner_driven
+
+
+def test_no_sequence_parallel_turns_sp_off_on_the_command_line_and_in_toml(tmp_path):
+    assert TrainConfig().model.sequence_parallel                              # on by default
+    config, _ = cmd_train.config_from_args(_parse("--no-sequence-parallel"))
+    assert config.model.sequence_parallel is False
+    (tmp_path / "run.toml").write_text('[model]\nsequence-parallel = false\n')
+    config, _ = cmd_train.config_from_args(_parse("--config", str(tmp_path / "run.toml")))
+    assert config.model.sequence_parallel is False
