@@ -184,7 +184,9 @@ def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend:
 
 
 # ---- spawn -------------------------------------------------------------------------------------
-def _context(start_method: Optional[str]) -> Any:
+def process_context(start_method: Optional[str] = None) -> Any:
+    """The multiprocessing context ``spawn`` starts ranks from (``"forkserver"`` where the platform has
+    it, with ``forkserver_preload``), for other processes of a run to start the same way."""
     method = start_method or ("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
     if method not in ("forkserver", "spawn"):
         raise HGraphError(f"spawn: start_method {method!r} is not supported; use 'forkserver' or "
@@ -223,7 +225,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
         raise HGraphError(f"spawn: world_size must be >= 1, got {world_size}")
     _check_backend(backend, world_size)
     ref = _FunctionRef(fn)
-    ctx = _context(start_method)
+    ctx = process_context(start_method)
     store_dir = tempfile.mkdtemp(prefix="hgraph-rdzv-")
     init_method = "file://" + os.path.join(store_dir, "store")
     results = ctx.Queue()
