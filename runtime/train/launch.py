@@ -18,9 +18,10 @@ Start method: ``"forkserver"`` by default where the platform has it: one server 
 torch once and forks each child from its clean state, so a launch after the first costs well under
 a second instead of one torch import per rank (measured: 4 ranks 0.3 s vs ~6-20 s with ``"spawn"``
 on a 2-core machine). The server also imports what a training rank needs (``forkserver_preload``):
-4 ranks each building a ``Trainer`` took 6.4-8.8 s without, 1.1-1.6 s with (2 cores). ``start_method="spawn"`` gives the classic ``torch.multiprocessing`` spawn.
-Each child gets the caller's environment variables of the moment of the launch; settings that torch
-reads only when it is imported come from the first launch with ``"forkserver"``.
+4 ranks each building a ``Trainer`` took 6.4-8.8 s without, 1.1-1.6 s with (2 cores).
+``start_method="spawn"`` gives the classic ``torch.multiprocessing`` spawn. Each child gets the
+caller's environment variables of the moment of the launch; settings that torch reads only when it
+is imported come from the first launch with ``"forkserver"``.
 
 ``fn`` must be importable by the child: a module-level function. Functions of modules that are not on
 ``sys.path`` (a script, a test file imported by path) are re-imported from their file in the child.
