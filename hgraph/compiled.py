@@ -18,6 +18,11 @@ from hgraph.options import CompileOptions
 from hgraph.program import ParamShard, Program
 from hgraph.strategy import Cluster, Scheme, Strategy
 
+#: The compiler modules this API imports when it first traces and instantiates (a process about to
+#: compile, such as the forkserver of training ranks, may import them ahead).
+COMPILER_MODULES = ("hgraph.frontends.select", "hgraph.passes.annotate", "hgraph.passes.insert_slots",
+                    "hgraph.passes.extract_stage", "hgraph.passes.instantiate")
+
 
 def build_hgraph(model: nn.Module, **options: Any) -> HGraph:
     """Trace ``model`` and turn it into an HGraph (trace -> annotate_pass -> insert_slots_pass).

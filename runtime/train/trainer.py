@@ -58,7 +58,7 @@ from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
 from hgraph.runtime.train.heartbeat import Heartbeat
-from hgraph.runtime.train.launch import init_from_env, local_backend, spawn
+from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
@@ -480,7 +480,8 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
             results = [train_worker(rank, world, config, channel)]
     else:
         total = 120.0 + timeout_s * (config.data.steps + 1)
-        with planner_process(config, True) as channel:           # the launcher owns the planner
+        # the launcher owns the planner, forked by the ranks' forkserver
+        with planner_process(config, True, process_context()) as channel:
             results = spawn(train_worker, cluster.world_size,
                             backend=local_backend(cluster.backend, cluster.world_size),
                             args=(config, channel), timeout_s=total)

@@ -83,9 +83,13 @@ def _worker(rank, world, cases):
     from hgraph.runtime.kernels.cp_layout import per_document_plan, per_sequence_plan
 
     out = []
+    traced = {}     # one trace per model (torch.export of an HF model takes seconds): its strategies share it
     for spec, args, text, sharding in cases:
-        model = _model(spec, args)
-        compiled = hgraph.compile(model)
+        key = (spec, tuple(sorted(args.items())))
+        if key not in traced:
+            model = _model(spec, args)
+            traced[key] = model, hgraph.compile(model)
+        model, compiled = traced[key]
         prog = compiled.instantiate(text)
         comm = CommContext.from_default_group()
         comm.groups.ensure(sorted({tuple(g) for rp in prog.ranks for g in rp.bindings.values() if len(g) > 1}))

@@ -1,10 +1,13 @@
 """The planner process of a training run: plans for iterations k+1.. while iteration k trains
 (producer-consumer with a bounded queue, Hydraulis App. E).
 
-Who starts it: the launcher (``run_training``), before it spawns the ranks; under ``torchrun`` rank
-0's process. The spawned ranks are daemon processes (so that they never outlive a launcher that
-dies) and Python forbids a daemon process to have children; keeping the ranks daemonic and starting
-the planner from their non-daemonic parent keeps that guarantee. The planner process itself is a
+Who starts it: the launcher (``run_training``), before it spawns the ranks, from the ranks'
+forkserver (``hgraph.runtime.train.launch.process_context``: forking the server, which has torch and
+hgraph imported, instead of a fresh interpreter importing them saves ~2 s of CPU per run); under
+``torchrun`` rank 0's process, as a fresh interpreter. The spawned ranks are daemon processes (so
+that they never outlive a launcher that dies) and Python forbids a daemon process to have children;
+keeping the ranks daemonic and starting the planner from their non-daemonic parent keeps that
+guarantee. The planner process itself is a
 daemon of its starter for the same reason.
 
 The channel (``PlannerChannel``, picklable into the ranks at their start) has three parts:
@@ -76,10 +79,12 @@ def _serve(jobs, plans, alive_w) -> None:
 class PlannerProcess:
     """The planner process, started by the process that owns it (the launcher, or torchrun's rank 0)."""
 
-    def __init__(self, depth: int) -> None:
+    def __init__(self, depth: int, context: Any = None) -> None:
         if depth < 1:
             raise ValueError(f"plan-ahead depth must be >= 1, got {depth}")
-        ctx = mp.get_context("spawn")     # a clean interpreter: the caller may hold threads
+        # never a fork of the caller, which may hold threads: a fresh interpreter ("spawn"), or the
+        # launcher's forkserver context, whose server has torch and hgraph imported already
+        ctx = context if context is not None else mp.get_context("spawn")
         jobs, plans = ctx.Queue(), ctx.Queue(maxsize=depth)
         alive_r, alive_w = ctx.Pipe(duplex=False)
         self.process = ctx.Process(target=_serve, args=(jobs, plans, alive_w), daemon=True,

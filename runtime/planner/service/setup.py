@@ -18,13 +18,14 @@ from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProce
 
 
 @contextlib.contextmanager
-def planner_process(config: Any, owner: bool) -> Iterator[Optional[Any]]:
+def planner_process(config: Any, owner: bool, context: Any = None) -> Iterator[Optional[Any]]:
     """The channel of a planner process started here for the run (None: inline planning, i.e.
-    deterministic mode, ``plan_ahead`` 0 or not the owner); the process is stopped on exit."""
+    deterministic mode, ``plan_ahead`` 0 or not the owner); the process is stopped on exit.
+    ``context``: the multiprocessing context to start it from (``PlannerProcess``)."""
     if not owner or not config.planner_driven or config.planner.plan_ahead < 1:
         yield None
         return
-    with PlannerProcess(config.planner.plan_ahead) as proc:
+    with PlannerProcess(config.planner.plan_ahead, context) as proc:
         yield proc.channel
 
 

@@ -58,30 +58,38 @@ DIVISIBLE = [16, 8, 24, 32]
 NOT_DIVISIBLE = [13, 7, 22, 6]
 
 
-def _count_attention(rank, world, groups, lengths, method):
-    """One step of 1xTP1PP1CP4 on one micro-batch; the attention work this rank's executor did."""
+def _count_attention(rank, world, groups, method, length_lists):
+    """Per list of lengths, one step of 1xTP1PP1CP4 on one micro-batch of documents of those lengths
+    (one trainer steps them in turn); the attention work this rank's executor did in each."""
     import hgraph.runtime.kernels.cp_attention as cpa
-    counts = {"pairs": 0, "queries": 0}
     original = cpa.cp_attention
-
-    def counting(q, k, v, layout, *args):
-        for q_rows, _k_rows, mask in layout.groups(q.device):
-            counts["pairs"] += int(mask.sum())           # causal (query, key) pairs computed
-            counts["queries"] += len(q_rows)
-        return original(q, k, v, layout, *args)
-
-    g = torch.Generator().manual_seed(5)
-    docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+    docs = {}
+    for lengths in length_lists:
+        g = torch.Generator().manual_seed(5)
+        docs[lengths] = [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+    tokens = max(sum(lengths) for lengths in length_lists)       # every list is one micro-batch
+    every_doc = [d for lengths in length_lists for d in docs[lengths]]
     cfg = EQ._config("tiny", "1xTP1PP1CP4", world, {}, {"cp_sharding": method}).with_values(
-        docs=docs, tokens_per_iter=sum(lengths), microbatch_tokens=sum(lengths))
+        docs=every_doc, tokens_per_iter=tokens, microbatch_tokens=tokens)
     trainer = Trainer(cfg, rank, world, groups)
-    batch = next(iter(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs)], sum(lengths), 1)))
-    cpa.cp_attention = counting
-    try:
-        trainer.step(batch)
-    finally:
-        cpa.cp_attention = original
-    return counts
+    out = {}
+    for lengths in length_lists:
+        counts = out[lengths] = {"pairs": 0, "queries": 0}
+
+        def counting(q, k, v, layout, *args, counts=counts):
+            for q_rows, _k_rows, mask in layout.groups(q.device):
+                counts["pairs"] += int(mask.sum())           # causal (query, key) pairs computed
+                counts["queries"] += len(q_rows)
+            return original(q, k, v, layout, *args)
+
+        batch = next(iter(mini_batches([Document(i, tuple(d)) for i, d in enumerate(docs[lengths])],
+                                       sum(lengths), 1)))
+        cpa.cp_attention = counting
+        try:
+            trainer.step(batch)
+        finally:
+            cpa.cp_attention = original
+    return out
 
 
 def _worker(rank, world):
@@ -102,8 +110,9 @@ def _worker(rank, world):
     dcp = {"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
            "final": final if rank == 0 else None,
            "info": [trainer.balance_info[b.step] for b in EQ._batches()]}
-    counts = {(tuple(lengths), method): _count_attention(rank, world, groups, lengths, method)
-              for lengths in (DIVISIBLE, NOT_DIVISIBLE) for method in ("per-document", "per-sequence")}
+    counts = {(lengths, method): c for method in ("per-document", "per-sequence")
+              for lengths, c in _count_attention(rank, world, groups, method,
+                                                 (tuple(DIVISIBLE), tuple(NOT_DIVISIBLE))).items()}
     return {"runs": runs, "counts": counts, "dcp": dcp}
 
 
