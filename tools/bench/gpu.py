@@ -33,6 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 import hgraph
 from hgraph.runtime.comm.process_groups import GroupCache
@@ -96,7 +97,6 @@ def _varlen_sdpa(cu: torch.Tensor):
 
 def _top_kernels(step, device: torch.device, rows: int = 12) -> str:
     """The kernels (or CPU ops) taking the most time over two steps."""
-    from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for _ in range(2):
