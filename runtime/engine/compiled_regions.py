@@ -105,7 +105,8 @@ class CompiledRegion(torch.nn.Module):
             return self.body(*args)
         try:
             return self._compiled(*args)
-        except Exception as exc:     # dynamo / inductor failures have many types; eager decides below
+        except Exception as exc:     # dynamo / inductor failures have many types: eager tells them apart
+            out = self.body(*args)   # a region is pure compute: an error here is the op's own, raised
             first = ", ".join(n.name for n in self.body.graph.nodes if n.op == "call_function")[:160]
             if self.strict:
                 raise HGraphError(f"--compile on: region {self.name} ({first}) does not compile: "
@@ -114,7 +115,7 @@ class CompiledRegion(torch.nn.Module):
                           f"({type(exc).__name__})", stacklevel=2)
             self._failed = True
             self.compiles.eager.append(self.name)
-            return self.body(*args)
+            return out
 
 
 def _comm_node(graph: fx.Graph) -> Optional[fx.Node]:

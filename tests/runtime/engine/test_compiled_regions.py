@@ -140,3 +140,32 @@ def test_a_compile_mode_or_backend_torch_does_not_know_is_one_line():
     assert not compile_wanted("auto", torch.device("cpu")) and compile_wanted("on", torch.device("cpu"))
     with pytest.raises(HGraphError, match="--compile-backend 'fast': not a torch.compile backend"):
         check_backend("fast")
+
+
+class _Affine(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3, 3))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w) * 2
+
+
+def _failing_backend(gm, example_inputs):
+    raise RuntimeError("this backend compiles nothing")
+
+
+def test_a_region_that_does_not_compile_runs_eagerly_or_is_one_line_and_an_op_error_stays_the_op_s():
+    torch._dynamo.register_backend(_failing_backend, name="hgraph_test_failing")
+    gm = torch.fx.symbolic_trace(_Affine())
+    x = torch.randn(2, 3)
+    lenient, compiles = compile_regions(gm, backend="hgraph_test_failing")
+    with pytest.warns(UserWarning, match="runs eagerly: it did not compile"):
+        assert torch.equal(lenient(x), gm(x))
+    assert len(compiles.eager) == 1
+    assert torch.equal(lenient(x), gm(x))          # eager from then on, without trying again
+    strict, _ = compile_regions(gm, backend="hgraph_test_failing", strict=True)
+    with pytest.raises(HGraphError, match=r"--compile on: region hgraph_region_\d+ \(.*\) does not compile: "):
+        strict(x)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):     # the op's own error, not compile's
+        strict(torch.randn(2, 4))
