@@ -215,8 +215,8 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
         key = _structure(body)
         region = compiles.shared.get(key)
         if region is None:      # the first of its kind: the layers' alike runs share it
-            region = CompiledRegion(f"{REGION_PREFIX}{len(compiles.counts)}", fx.GraphModule(gm, body), backend,
-                                    strict, compiles)
+            region = CompiledRegion(f"{REGION_PREFIX}{len(compiles.counts)}", fx.GraphModule(gm, body),
+                                    backend, strict, compiles)
             compiles.shared[key] = region
         name = f"{region.name}_{sum(1 for k in owner if k.startswith(region.name + '_'))}"
         owner[name] = region

@@ -165,7 +165,8 @@ def test_a_region_that_does_not_compile_runs_eagerly_or_is_one_line_and_an_op_er
     assert len(compiles.eager) == 1
     assert torch.equal(lenient(x), gm(x))          # eager from then on, without trying again
     strict, _ = compile_regions(gm, backend="hgraph_test_failing", strict=True)
-    with pytest.raises(HGraphError, match=r"--compile on: region hgraph_region_\d+ \(.*\) does not compile: "):
+    one_line = r"--compile on: region hgraph_region_\d+ \(.*\) does not compile: "
+    with pytest.raises(HGraphError, match=one_line):
         strict(x)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):     # the op's own error, not compile's
         strict(torch.randn(2, 4))
