@@ -42,11 +42,9 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
-from hgraph.passes.annotate import _ELEMENTWISE, is_metadata, op_name
+from hgraph.passes.annotate import _ELEMENTWISE, PARTIAL_SUM, is_metadata, op_name
 from hgraph.passes.stage_split import stage_of_blocks
 
-#: ``NodeMeta.tp_rewrite`` position of a full-width sum / mean (``annotate.PARTIAL_SUM``)
-_PARTIAL_SUM = -2
 _NORMS = {"layer_norm", "rms_norm"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "norm", "softmax", "log_softmax"}
 _SHAPE_READS = {"shape", "size"}
@@ -92,7 +90,7 @@ def _sp_source(x: Any) -> bool:
     if not isinstance(x, fx.Node):
         return False
     m = get_meta(x)
-    if m.tp_rewrite is not None and m.tp_rewrite[0] == _PARTIAL_SUM:
+    if m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
         return False
     return (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
         (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB)
