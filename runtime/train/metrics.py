@@ -72,11 +72,11 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
     """The step's own figures and the cache's hits and misses so far (with ``--compile``: the
     compilations of rank 0's graph regions so far, ``region_compiles``)."""
     compiles = {} if r.compiles is None else {"region_compiles": r.compiles}
-    return {**compiles, "step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
+    return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
             "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
             "pull_prefetched": r.pull_prefetched, "cache_hits": cache.hits,
-            "cache_misses": cache.misses, **{f"{k}": v for k, v in r.bytes.items()}}
+            "cache_misses": cache.misses, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
 def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],

@@ -4,6 +4,8 @@ run equals single-device PyTorch while each region compiles once for any packed 
 The multi-rank case (heterogeneous strategies with TP2 and PP2, switching, under compile) is a case of
 ``test_executor_equivalence``; this module runs one process: inductor's CPU code generation.
 """
+import types
+
 import pytest
 import torch
 
@@ -16,8 +18,9 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.engine.compiled_regions import (REGION_PREFIX, CompiledRegion, check_backend,
                                                     compile_regions, compile_wanted)
-from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.engine.executor import Executor, MicroBatch, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
+from hgraph.runtime.train.metrics import metrics_line
 from hgraph.strategy import Cluster, Strategy
 from tests.runtime.reference_training import reference_steps
 
@@ -170,3 +173,10 @@ def test_a_region_that_does_not_compile_runs_eagerly_or_is_one_line_and_an_op_er
         strict(x)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):     # the op's own error, not compile's
         strict(torch.randn(2, 4))
+
+
+def test_the_metrics_line_carries_the_compilations_only_with_compile():
+    cache = types.SimpleNamespace(hits=1, misses=1)
+    compiled = StepResult(3, "1xTP1PP1", 1.0, 10, 0.1, compiles=7)
+    assert metrics_line(compiled, cache)["region_compiles"] == 7
+    assert "region_compiles" not in metrics_line(StepResult(3, "1xTP1PP1", 1.0, 10, 0.1), cache)
