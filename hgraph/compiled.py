@@ -119,15 +119,14 @@ class CompiledModule(nn.Module):
     def sequence_parallel_status(self) -> str:
         """What TP>1 strategies do about sequence parallelism: ``"on"``, ``"off (disabled)"`` or ``"off: "``
         and the reason the model refuses it (``hgraph.passes.sequence_parallel``)."""
-        from hgraph.passes.sequence_parallel import SequenceParallelRefused, plan_sequence_parallel
+        from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
         if self.options.sequence_parallel is False:
             return "off (disabled)"
-        try:
-            plan_sequence_parallel(self._hgraph, self.symbolic_shapes())
-        except SequenceParallelRefused as exc:
+        outcome = model_sequence_parallel(self._hgraph, self.symbolic_shapes())
+        if isinstance(outcome, SequenceParallelRefused):
             if self.options.sequence_parallel:
-                raise
-            return f"off: {exc}"
+                raise outcome
+            return f"off: {outcome}"
         return "on"
 
     def sharding_report(self, strategy: Union[Strategy, str]):

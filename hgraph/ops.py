@@ -295,7 +295,7 @@ def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None,
     under sequence parallelism). Without a runtime (``comm=None``) it is the identity, as in eval mode."""
     if comm is None or p == 0.0:
         return x
-    return comm.dropout(x, p, site, tokens) if tokens else comm.dropout(x, p, site)
+    return comm.dropout(x, p, site, tokens)
 
 
 def packed_attention_dropout(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -23,7 +23,7 @@ from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
 from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
-from hgraph.passes.sequence_parallel import SequenceParallelRefused, plan_sequence_parallel
+from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
@@ -238,16 +238,10 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
 
 def _sequence_parallel(hg: Any, shapes: dict, options: CompileOptions, strategy: Strategy) -> tuple[Any, str]:
     """The SP plan the strategy's TP>1 pipelines run (None: no SP) and, when SP was only the default and
-    the model refused it, why. The plan depends on the model only, so it is made once per HGraph."""
+    the model refused it, why."""
     if options.sequence_parallel is False or all(p.tp == 1 for p in strategy.pipelines):
         return None, ""
-    cached = getattr(hg, "_sequence_parallel_plan", None)
-    if cached is None:
-        try:
-            cached = plan_sequence_parallel(hg, shapes)
-        except SequenceParallelRefused as exc:
-            cached = exc
-        hg._sequence_parallel_plan = cached
+    cached = model_sequence_parallel(hg, shapes)
     if isinstance(cached, SequenceParallelRefused):
         if options.sequence_parallel:
             raise cached

@@ -34,7 +34,7 @@ summed like CP ranks' (``instantiate._push_contributions``), not split among the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.fx as fx
 import torch.nn.functional as F
@@ -137,6 +137,19 @@ def _is_shape_read(n: fx.Node) -> bool:
     if n.op == "call_method" and n.target == "size":
         return True
     return n.op == "call_function" and n.target is getattr and len(n.args) > 1 and n.args[1] == "shape"
+
+
+def model_sequence_parallel(hg: Any, shapes: dict) -> Union[SequenceParallelPlan, SequenceParallelRefused]:
+    """``plan_sequence_parallel(hg, shapes)``, or the refusal it raised: the answer depends on the model
+    alone, so it is worked out once per HGraph (kept on it) for every strategy and every caller."""
+    cached = getattr(hg, "_sequence_parallel_plan", None)
+    if cached is None:
+        try:
+            cached = plan_sequence_parallel(hg, shapes)
+        except SequenceParallelRefused as exc:
+            cached = exc
+        hg._sequence_parallel_plan = cached
+    return cached
 
 
 def plan_sequence_parallel(hg: Any, shapes: dict) -> SequenceParallelPlan:

@@ -234,6 +234,11 @@ def token_bounds(total: int, n: int, i: int) -> tuple[int, int]:
     return total * i // n, total * (i + 1) // n
 
 
+def token_sizes(total: int, n: int) -> list[int]:
+    """How many of ``total`` tokens each of ``n`` ranks holds (``token_bounds``), in rank order."""
+    return [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
+
+
 class _ScatterTokens(torch.autograd.Function):
     """Reduce-scatter of ``x`` along ``dim`` into the ranks' token slices (``token_bounds``, in group order):
     each rank's slice is placed in a [group size, padded, ...] buffer (the token dim moved first), so one
@@ -284,9 +289,7 @@ def sp_scatter_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int)
 def sp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int, total: int) -> torch.Tensor:
     """Start the all-gather of the token slices of ``total`` tokens along ``dim`` over ``ranks``; the
     backward reduce-scatters the gradient (``tp_gather_issue`` with ``reduce_grad``)."""
-    n = len(ranks)
-    sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
-    return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+    return tp_gather_issue(comm, x, ranks, dim, token_sizes(total, len(ranks)), reduce_grad=True)
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -322,8 +325,7 @@ def sp_gathered_linear(comm: Any, whole: torch.Tensor, part: torch.Tensor, w: to
     if len(key) == 1:
         return torch.nn.functional.linear(whole, w, b)
     dim = dim % part.dim()
-    n, total = len(key), whole.shape[dim]
-    sizes = [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
+    sizes = token_sizes(whole.shape[dim], len(key))
     return _GatheredLinear.apply(whole, part, w, b, comm, group, list(ranks), dim, sizes)
 
 

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from hgraph.errors import HGraphError
 from hgraph.ops import READS_HOST_VALUES
+from hgraph.runtime.engine.subgraphs import comm_placeholder, extract_subgraph
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +119,6 @@ class CompiledRegion(torch.nn.Module):
             return out
 
 
-def _comm_node(graph: fx.Graph) -> Optional[fx.Node]:
-    return next((n for n in graph.nodes if n.op == "placeholder" and n.name == "comm"), None)
-
-
 def _is_eager(n: fx.Node, comm: Optional[fx.Node], eager: set) -> bool:
     """An op that talks to the runtime, reads tensor values on the host, or unpacks what one returned."""
     if n.op == "call_function" and getattr(n.target, READS_HOST_VALUES, False):
@@ -194,7 +191,7 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
     """
     compiles = compiles if compiles is not None else RegionCompiles()
     graph = gm.graph
-    comm = _comm_node(graph)
+    comm = comm_placeholder(graph)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     owner: dict[str, Any] = {}
@@ -202,16 +199,7 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
         if kind == "node":
             env[nodes[0]] = new.node_copy(nodes[0], lambda x: env[x])
             continue
-        inside = set(nodes)
-        body, body_env, inputs = fx.Graph(), {}, []
-        for m in nodes:
-            for a in m.all_input_nodes:
-                if a not in inside and a not in body_env:
-                    body_env[a] = body.placeholder(a.name)
-                    inputs.append(a)
-            body_env[m] = body.node_copy(m, lambda x: body_env[x])
-        outputs = [m for m in nodes if any(u not in inside for u in m.users)]
-        body.output(tuple(body_env[m] for m in outputs))
+        body, inputs, outputs = extract_subgraph(nodes)
         key = _structure(body)
         region = compiles.shared.get(key)
         if region is None:      # the first of its kind: the layers' alike runs share it

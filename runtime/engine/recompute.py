@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hgraph.meta import CommPoint, get_meta
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.engine.subgraphs import comm_placeholder, extract_subgraph
 
 BLOCK_PREFIX = "hgraph_block_"
 
@@ -101,7 +102,7 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
     interleave.
     """
     graph = gm.graph
-    comm_node = next((n for n in graph.nodes if n.op == "placeholder" and n.name == "comm"), None)
+    comm_node = comm_placeholder(graph)
     ranges = block_ranges(graph)
     if comm_node is None or not ranges:
         return gm
@@ -122,17 +123,7 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
             for m in nodes:                        # parameters stay outside: inputs of the block
                 if m.op == "get_attr":
                     env[m] = new.node_copy(m, lambda x: env[x])
-            sub = fx.Graph()
-            sub_env: dict[fx.Node, fx.Node] = {}
-            inputs: list[fx.Node] = []
-            for m in body:
-                for a in m.all_input_nodes:
-                    if a not in sub_env and in_range.get(a) != k:
-                        sub_env[a] = sub.placeholder(a.name)
-                        inputs.append(a)
-                sub_env[m] = sub.node_copy(m, lambda x: sub_env[x])
-            outputs = [m for m in body if any(in_range.get(u) != k for u in m.users)]
-            sub.output(tuple(sub_env[m] for m in outputs))
+            sub, inputs, outputs = extract_subgraph(body)
             name = f"{BLOCK_PREFIX}{layer}"
             owner[name] = fx.GraphModule(torch.nn.Module(), sub)
             attr = new.get_attr(name)
