@@ -75,6 +75,19 @@ def _docs():
             for i, n in enumerate(lengths)]
 
 
+def _one_rank(compile_mode, backend, **kw):
+    """A seeded 2-layer tiny Llama, its sharded Adam and an executor of ``1xTP1PP1`` on one rank."""
+    torch.manual_seed(0)
+    model = llama.build("tiny", num_layers=2)
+    compiled = hgraph.compile(model)
+    params = dict(model.named_parameters())
+    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
+                      shard_dims_of(compiled), 0, 1, lr=LR)
+    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend=backend,
+                  **kw)
+    return model, opt, ex, ex.programs.get(Strategy.parse("1xTP1PP1"))
+
+
 def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_packed_length():
     """Twenty steps of different packed lengths compile each region once; the first four equal
     ``torch.optim.Adam`` on the model within the equivalence tolerances (``test_executor_equivalence``:
@@ -82,14 +95,7 @@ def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_pac
     without compile)."""
     batches = list(mini_batches(_docs(), 64, STEPS))
     assert len({sum(len(d.input_ids) for d in b.docs) for b in batches}) > 10     # packed lengths vary
-    torch.manual_seed(0)
-    model = llama.build("tiny", num_layers=2)      # three regions: around the two attentions
-    compiled = hgraph.compile(model)
-    params = dict(model.named_parameters())
-    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
-                      shard_dims_of(compiled), 0, 1, lr=LR)
-    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode="on")
-    program = ex.programs.get(Strategy.parse("1xTP1PP1"))
+    model, opt, ex, program = _one_rank("on", "inductor")      # three regions: around the two attentions
     losses = []
     for k, b in enumerate(batches):
         mb = MicroBatch.pack([d.input_ids for d in b.docs], [d.index for d in b.docs])
@@ -110,15 +116,7 @@ def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_pac
 
 
 def _run(compile_mode, batches, **kw):
-    torch.manual_seed(0)
-    model = llama.build("tiny", num_layers=2)
-    compiled = hgraph.compile(model)
-    params = dict(model.named_parameters())
-    opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
-                      shard_dims_of(compiled), 0, 1, lr=LR)
-    ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode,
-                  compile_backend="aot_eager", **kw)
-    program = ex.programs.get(Strategy.parse("1xTP1PP1"))
+    _, _, ex, program = _one_rank(compile_mode, "aot_eager", **kw)
     results = [ex.step(program, [[MicroBatch.pack([d.input_ids for d in b.docs])]], b.num_targets, k)
                for k, b in enumerate(batches)]
     return results, ex
