@@ -1,18 +1,17 @@
 """``hgraph train``: deterministic runs, outputs, bf16, bad input and a rank lost mid-step.
 
-The fp32 run is checked against single-process ``torch.optim.Adam`` with the tolerances of
-``test_executor_equivalence`` (loss |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5). bf16
+The fp32 run is checked against single-process ``torch.optim.Adam`` with the noise-aware comparison of
+the equivalence tests (``tests/runtime/reference_training.py``). bf16
 working precision rounds every working parameter and activation to 8 bits of mantissa, so its loss
 is only required to stay within 2 % of the fp32 reference over three steps.
 """
 import json
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 from tests.runtime.fault_injection import dying_worker
-from tests.runtime.reference_training import reference_steps, write_random_documents
+from tests.runtime.reference_training import assert_trained_like, reference_run, write_random_documents
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
@@ -31,9 +30,7 @@ def data(tmp_path_factory):
 
 def _reference(path, steps, tokens_per_iter, lr=1e-3):
     torch.manual_seed(0)
-    model = llama.build("tiny")
-    losses = [loss for _, loss in reference_steps(model, mini_batches(read_jsonl(path), tokens_per_iter, steps), lr)]
-    return losses, model.state_dict()
+    return reference_run(llama.build("tiny"), mini_batches(read_jsonl(path), tokens_per_iter, steps), lr)
 
 
 def _train(data, *extra):
@@ -59,14 +56,11 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
     # another strategy, so nothing was prefetched for it)
     assert [(m["overlapped_update"], m["pull_prefetched"]) for m in lines] == [(False, False), (True, False),
                                                                                (False, False)]
-    ref_losses, ref_state = _reference(data, 3, 30)
+    reference = _reference(data, 3, 30)
     assert [m["tokens"] for m in lines] == [s["tokens"] for s in out["steps"]]
-    for m, want in zip(lines, ref_losses):
-        assert abs(m["loss"] - want) <= 1e-6 * want
     state = torch.load(final)
-    assert list(state) == list(ref_state)              # keyed like the original module
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5)
+    assert list(state) == list(reference.state)              # keyed like the original module
+    assert_trained_like([m["loss"] for m in lines], state, reference)
     assert out["cache"]["misses"] == 3
 
 
@@ -77,12 +71,7 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
                      "--save-final", str(final), "--json"))
     assert rc == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
-    ref_losses, ref_state = _reference(data, 3, 30)
-    for s, want in zip(steps, ref_losses):
-        assert abs(s["loss"] - want) <= 1e-6 * want
-    state = torch.load(final)
-    for k, v in ref_state.items():
-        torch.testing.assert_close(state[k], v, atol=1e-5, rtol=1e-5)
+    assert_trained_like([s["loss"] for s in steps], torch.load(final), _reference(data, 3, 30))
 
 
 def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
@@ -90,8 +79,7 @@ def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
                      "--dtype", "bf16", "--json"))
     assert rc == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
-    ref_losses, _ = _reference(data, 3, 30)
-    for s, want in zip(steps, ref_losses):
+    for s, want in zip(steps, _reference(data, 3, 30).losses):
         assert abs(s["loss"] - want) <= 0.02 * want
 
 
@@ -143,11 +131,10 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, m
 def test_a_rank_lost_mid_step_is_named_within_the_timeout(data):
     config = TrainConfig.from_values(model="tiny", world_size=4, strategy_schedule="1xTP2PP1+2xTP1PP1;4xTP1PP1",
                                      steps=4, tokens_per_iter=30, data=str(data))
-    t0 = time.monotonic()
+    # spawn's own timeout raises another error, with no rank: the lost rank was named before it
     with pytest.raises(SpawnError, match="rank 2") as info:
         spawn(dying_worker, 4, args=(config, 2, 1), timeout_s=60)
     assert info.value.rank == 2
-    assert time.monotonic() - t0 < 60
 
 
 def test_heartbeats_tell_a_dead_rank_from_a_live_one(tmp_path):

