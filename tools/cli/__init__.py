@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import re
 import sys
 from typing import Callable, Optional, Sequence
 
@@ -32,11 +33,20 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports bad usage as one line and exit code 2."""
+    """argparse that reports bad usage as one line and exit code 2, and shows help as plain text: the
+    subcommands' descriptions are their module docstrings, whose reST literals and roles it drops."""
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         sys.stderr.write(f"{self.prog}: error: {message}\n")
         raise SystemExit(2)
+
+    def format_help(self) -> str:
+        return plain_text(super().format_help())
+
+
+def plain_text(text: str) -> str:
+    """reST markup out of help text: ``x`` and :role:`x` become x."""
+    return re.sub(r":[a-z]+:`([^`]*)`", r"\1", text).replace("``", "")
 
 
 def version_text() -> str:

@@ -11,6 +11,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.strategy import Cluster, Strategy
+from hgraph.tools.cli.common_options import add_gpus_per_node, add_world_size
 from hgraph.tools.report.dump import FORMATS
 from hgraph.tools.report.run_dump import dump_run
 
@@ -26,8 +27,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default=None, metavar="RUN_DIR",
                    help="dump every strategy a training run used (model and world size from its run.json, "
                         "strategies from its metrics.jsonl); -o names a folder, one file per strategy")
-    p.add_argument("--world-size", type=int, default=None, help="number of ranks (default: what the strategy uses)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    add_world_size(p, help="number of ranks (default: what the strategy uses)")
+    add_gpus_per_node(p)
     p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
     p.add_argument("--format", choices=FORMATS + ("report",), default="text",
                    help="report: which parameters TP shards under the strategy and why the others are whole")

@@ -5,11 +5,11 @@
 DIR gets ``config.json`` and the fp32 masters as safetensors (``model.safetensors``, or shards of at
 most the size given with ``model.safetensors.index.json``) that
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` loads with no missing or unexpected
-weights, for ``hf:`` models (the config the run recorded) and the zoo Llama (as ``LlamaForCausalLM``;
-``hgraph.runtime.weights.hf_form``). It streams: the model is built on the meta device, the
+weights, for ``hf:`` models (the config the run recorded) and the zoo Llama (as ``LlamaForCausalLM``).
+It streams: the model is built on the meta device, the
 checkpoint's names and shapes are checked against it, and each output shard is filled one
-parameter at a time, each gathered from the rows of the saved shard files
-(``hgraph.runtime.checkpoint.masters``), written, and dropped; tied weights are written once.
+parameter at a time, each gathered from the rows of the saved shard files,
+written, and dropped; tied weights are written once.
 
 ``--format torch`` (the default) ``-o model.pt``: the model is rebuilt from the model spec and
 arguments the checkpoint records; the result is that module's ``state_dict()`` (buffers included)
@@ -45,6 +45,9 @@ from hgraph.runtime.weights.sources import SeededInit
 UNMAP_AFTER = 64 * 2 ** 20
 
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("export", help="a Hugging Face model folder or a state_dict from a training checkpoint",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +61,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
                    help="--format hf: largest safetensors file (5GB, 500MB, 2GiB); above it the weights are "
                         "sharded with model.safetensors.index.json (default: 5GB)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32",
+                   help="--format hf: precision of the written weights, the fp32 masters rounded to nearest "
+                        "(default: fp32)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -80,8 +86,10 @@ def _recorded_run(folder: Path) -> dict:
     return run
 
 
-def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB") -> dict:
-    """Write the Hugging Face folder (module docstring), streaming; returns what was written."""
+def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB", dtype: str = "fp32") -> dict:
+    """Write the Hugging Face folder (module docstring), streaming, the parameters in ``dtype``
+    (``fp32`` or ``bf16``); returns what was written."""
+    weight_dtype = DTYPES[dtype]
     max_bytes = parse_size(max_shard_size)
     masters = CheckpointMasters(_checkpoint_folder(path, step), unmap_after=UNMAP_AFTER)
     run = _recorded_run(masters.folder)
@@ -95,18 +103,20 @@ def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB") ->
     buffers = dict(SeededInit(record).buffers(form.buffers)) if form.buffers else {}
     source = {key: ("param", name) for name, key in form.params.items()}
     source.update({key: ("buffer", name) for name, key in form.buffers.items()})
-    specs = {key: (masters.shapes[param_keys[name]], torch.float32) for name, key in form.params.items()}
+    specs = {key: (masters.shapes[param_keys[name]], weight_dtype) for name, key in form.params.items()}
     specs.update({key: (tuple(buffers[name].shape), buffers[name].dtype) for name, key in form.buffers.items()})
 
     def read(key: str) -> torch.Tensor:
         kind, name = source[key]
-        return masters.read(param_keys[name]) if kind == "param" else buffers[name]
+        return masters.read(param_keys[name]).to(weight_dtype) if kind == "param" else buffers[name]
 
     out = Path(output)
     plan = plan_shards([(key, nbytes(*spec)) for key, spec in specs.items()], max_bytes)
     files = write_shards(out, plan, specs, read)
+    form.config.dtype = weight_dtype                   # from_pretrained's default dtype for the folder
     form.config.save_pretrained(str(out))
     return {"output": str(out), "checkpoint": str(masters.folder), "model": run["model"], "format": "hf",
+            "dtype": dtype,
             "architecture": form.config.architectures[0], "tensors": len(specs),
             "files": [f.name for f in files] + ["config.json"],
             "bytes": sum(f.stat().st_size for f in files)}
@@ -129,15 +139,17 @@ def export_checkpoint(path: str, output: str, step=None) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
-        out = export_hf(args.checkpoint, args.output, args.step, args.max_shard_size)
+        out = export_hf(args.checkpoint, args.output, args.step, args.max_shard_size, args.dtype)
         if args.json:
             print(json.dumps(out))
         else:
             print(f"{out['output']}: {out['architecture']} of {out['model']} from {out['checkpoint']} "
-                  f"({out['tensors']} tensors in {sum(f.endswith('.safetensors') for f in out['files'])} safetensors "
+                  f"({out['tensors']} {out['dtype']} tensors in {sum(f.endswith('.safetensors') for f in out['files'])} safetensors "
                   f"files, {out['bytes'] / 1e6:.2f} MB; loads "
                   "with transformers.AutoModelForCausalLM.from_pretrained)")
         return 0
+    if args.dtype != "fp32":
+        raise HGraphError(f"--dtype {args.dtype} applies to --format hf; --format torch writes the fp32 masters")
     out = export_checkpoint(args.checkpoint, args.output, args.step)
     if args.json:
         print(json.dumps(out))

@@ -1,7 +1,7 @@
 """Options shared by the planner commands (``plan``, ``propose``, ``pack``, ``simulate``).
 
 ``add_workload_options`` declares the dataset / cluster options they have in common (``--lengths``,
-``--profile``, ``--gpus``, ``--gpus-per-node``, ``--max-len``).
+``--profile``, ``--world-size``, ``--gpus-per-node``, ``--device-memory``, ``--max-len``).
 
 Length handling shared by ``hgraph propose``, ``pack`` and ``simulate``:
 
@@ -16,30 +16,35 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
+from hgraph.tools.cli.train import parse_bytes
 
 LONG_CHOICES = ("error", "truncate", "drop")
 
 
 def workload_cost_model(args, **options):
-    """The cost model of ``--profile`` on ``--gpus`` (``options`` go to ``load_cost_model``); a profile
-    none of whose schemes fits the cluster is a one-line error."""
-
-    cost = load_cost_model(args.profile, world_size=args.gpus, gpus_per_node=args.gpus_per_node, **options)
+    """The cost model of ``--profile`` on ``--world-size`` GPUs of ``--device-memory`` each (``options``
+    go to ``load_cost_model``); a profile none of whose schemes fits the cluster is a one-line error."""
+    memory = None if args.device_memory is None else int(parse_bytes(args.device_memory, "--device-memory"))
+    cost = load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
+                           gpu_memory_bytes=memory, **options)
     if not cost.schemes:
         raise HGraphError(
-            f"no scheme of profile {cost.name!r} fits {args.gpus} GPUs with {args.gpus_per_node} per node "
+            f"no scheme of profile {cost.name!r} fits {args.world_size} GPUs with {args.gpus_per_node} per node "
             "(each scheme needs TP*PP*CP GPUs, TP inside one node, and model states that fit in memory)")
     return cost
 
 
 def add_workload_options(p, *, max_len_help: str = "context length") -> None:
-    """``--lengths FILE --profile NAME|FILE --gpus N [--gpus-per-node G] --max-len L``."""
+    """``--lengths FILE --profile NAME|FILE --world-size N [--gpus-per-node G] [--device-memory SIZE]
+    --max-len L``."""
     p.add_argument("--lengths", required=True, metavar="FILE",
                    help="document lengths: one integer per line, or JSONL objects with input_ids")
     p.add_argument("--profile", required=True, metavar="NAME|FILE",
                    help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
-    p.add_argument("--gpus", required=True, type=int, metavar="N", help="number of GPUs (world size)")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
+    add_world_size(p, required=True, old_gpus=True, help="number of GPUs")
+    add_gpus_per_node(p)
+    add_device_memory(p, help=f"memory of one GPU: {DEVICE_MEMORY_FORMS} (default: the profile's own)")
     p.add_argument("--max-len", required=True, type=int, metavar="L", help=max_len_help)
 
 

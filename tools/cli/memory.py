@@ -5,8 +5,7 @@ Per rank (ranks with the same figures on one row): the fp32 master and Adam mome
 transient, the activations of its pipeline stage for micro-batches of ``--tokens`` tokens, and the
 peak against ``--device-memory`` (which ranks exceed it). The model is built on the meta device and
 activations are counted on fake tensors: nothing is allocated, so ``llama:70b`` on 64 ranks prints in
-seconds. The figures are the runtime's (``hgraph.runtime.planner.cost.memory_estimate``); this
-module only formats them.
+seconds. The figures are the ones the planner and the runtime use.
 """
 from __future__ import annotations
 
@@ -24,6 +23,7 @@ from hgraph.runtime.planner.cost.memory_estimate import MemoryEstimate, estimate
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.cli.dump import model_args_option
+from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
 from hgraph.tools.cli.train import parse_bytes
 
 
@@ -34,15 +34,14 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="llama:tiny (or tiny), llama:70b, hf:llama, FILE.py:CLASS or package.module:CLASS")
     p.add_argument("--model-args", default=None, metavar="JSON", help="config overrides / constructor kwargs")
     p.add_argument("--strategy", required=True, metavar="S", help='e.g. "1xTP2PP2+2xTP1PP1"')
-    p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="number of ranks (default: what the strategy uses; must equal it)")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G")
+    add_world_size(p, help="number of ranks (default: what the strategy uses; must equal it)")
+    add_gpus_per_node(p)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="working precision (default fp32)")
     p.add_argument("--tokens", type=int, default=None, metavar="T",
                    help="tokens of one packed micro-batch (default: the model's context length)")
-    p.add_argument("--device-memory", default=None, metavar="BYTES|auto",
-                   help="memory of one rank (512M, 80G; auto: the limit hgraph train --device-memory auto "
-                        "sizes from the model); reports the ranks that exceed it and each scheme's MaxLen")
+    add_device_memory(p, help=f"memory of one rank: {DEVICE_MEMORY_FORMS}, or auto (the limit that hgraph train "
+                              "--device-memory auto sizes from the model); reports the ranks that exceed it and "
+                              "each scheme's longest micro-batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 

@@ -58,7 +58,7 @@ def _ranks_text(ranks: list[int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("gpus", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
+    for name in ("world_size", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
         if getattr(args, name) < 1:
             raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     raw = read_lengths(args.lengths)
@@ -71,8 +71,8 @@ def run(args: argparse.Namespace) -> int:
         i = int(planned[np.argmax(lengths[planned])])
         raise HGraphError(
             f"document {i} has {int(lengths[i])} tokens (after truncation to --max-len {args.max_len}), more than "
-            f"the largest MaxLen {largest} of any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len")
-    candidates, source = _candidates(args.strategies, lengths, cost, args.gpus, min(args.max_len, int(lengths.max())),
+            f"the largest MaxLen {largest} of any scheme of {cost.name!r} on {args.world_size} GPUs; lower --max-len")
+    candidates, source = _candidates(args.strategies, lengths, cost, args.world_size, min(args.max_len, int(lengths.max())),
                                      args.tokens_per_iter)
     if args.time_limit <= 0:
         raise HGraphError(f"--time-limit must be positive, got {args.time_limit}")
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     out = sys.stdout
-    out.write(f"profile {cost.name}, {args.gpus} GPUs ({args.gpus_per_node} per node), context {args.max_len}, "
+    out.write(f"profile {cost.name}, {args.world_size} GPUs ({args.gpus_per_node} per node), context {args.max_len}, "
               f"{args.tokens_per_iter} tokens per iteration, method {args.method}\n")
     out.write(f"{len(candidates)} candidate strategies ({source}): {', '.join(map(str, candidates))}\n")
     if len(batches) < args.iters:

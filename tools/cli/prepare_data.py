@@ -4,7 +4,7 @@ Inputs, in order: JSONL (``{"text": ...}`` under ``--text-key``, or ``{"input_id
 needs no tokenizer), parquet (the text column), a folder saved by ``datasets`` (``load_from_disk``),
 and plain text files (one document per file, or per non-blank line with ``--text-per-line``).
 ``--tokenizer``: a ``tokenizer.json`` or a local Hugging Face tokenizer folder (never downloaded).
-Writes ``PREFIX.bin`` and ``PREFIX.idx`` (``hgraph.runtime.data.token_store``), streaming: memory stays
+Writes the token store ``PREFIX.bin`` and ``PREFIX.idx``, streaming: memory stays
 bounded whatever the input's size. ``--workers N`` encodes in N processes. Prints a progress line
 (documents and tokens per second) and a summary; ``--json`` one JSON object. A bad record stops with
 one line naming its file and line (exit 2) and leaves no store.

@@ -17,6 +17,8 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.cost.profiler import profile_cost_model
 from hgraph.strategy import Scheme
+from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory
+from hgraph.tools.cli.train import parse_bytes
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,8 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads while timing (default: torch's)")
     p.add_argument("--repeats", type=int, default=10, help="timed runs per point (the fastest counts), after 2 warm-up runs")
     p.add_argument("--name", default=None, help="profile name in the file (default: the model spec)")
-    p.add_argument("--gpu-memory", type=float, default=80.0, metavar="GiB",
-                   help="device memory for the memory model (default 80 GiB)")
+    add_device_memory(p, default="80G", old_gib_flag=True,
+                      help=f"memory of one device for the profile's memory model: {DEVICE_MEMORY_FORMS} (default 80G)")
     p.add_argument("-o", "--output", default=None, metavar="FILE", help="write the profile file here")
     p.add_argument("--json", action="store_true", help="print the profile as one JSON object")
     return p
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cost, raw = profile_cost_model(
         args.name or args.model, lambda n: llama.build(config, num_layers=n), hidden=h, layers=config.num_layers,
         vocab=config.vocab_size, params_per_layer=params_per_layer, schemes=schemes, lengths=lengths,
-        repeats=args.repeats, threads=args.threads, gpu_memory_bytes=int(args.gpu_memory * 2 ** 30),
+        repeats=args.repeats, threads=args.threads, gpu_memory_bytes=int(parse_bytes(args.device_memory, "--device-memory")),
         device=f"cpu ({platform.processor() or platform.machine()}, torch {torch.__version__}, "
                f"{args.threads or torch.get_num_threads()} threads)")
     profile = cost.to_profile_dict()

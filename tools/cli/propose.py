@@ -1,7 +1,7 @@
 """``hgraph propose``: candidate heterogeneous strategies for a dataset's length distribution.
 
-Runs the data-distribution-aware strategy proposal (Hydraulis §7): the relaxed dynamic program over
-(GPUs, length bucket), rounding to strategies of exactly ``--gpus`` GPUs, one candidate per range of
+Runs the data-distribution-aware strategy proposal (Hydraulis, section 7): the relaxed dynamic program over
+(GPUs, length bucket), rounding to strategies of exactly ``--world-size`` GPUs, one candidate per range of
 an iteration's longest document, each with its expected latency per iteration.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("gpus", "gpus_per_node", "max_len", "max_candidates"):
+    for name in ("world_size", "gpus_per_node", "max_len", "max_candidates"):
         if getattr(args, name) < 1:
             raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.tokens_per_iter is not None and args.tokens_per_iter < 1:
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> int:
     cost = workload_cost_model(args)
     largest = cost.largest_max_len()
     lengths, _ = limit_lengths(np.minimum(raw, args.max_len), largest, args.long,
-                               f"the largest MaxLen of any scheme of {cost.name!r} on {args.gpus} GPUs")
+                               f"the largest MaxLen of any scheme of {cost.name!r} on {args.world_size} GPUs")
     max_len = min(args.max_len, int(lengths.max()))  # as `hgraph plan`: no longer than the data needs
-    prop = propose(lengths, cost, args.gpus, max_len, gpus_per_node=args.gpus_per_node,
+    prop = propose(lengths, cost, args.world_size, max_len, gpus_per_node=args.gpus_per_node,
                    tokens_per_iter=args.tokens_per_iter, max_candidates=args.max_candidates)
     if args.json:
         out = prop.to_json()
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     w = sys.stdout.write
-    w(f"profile {cost.name}, {args.gpus} GPUs ({args.gpus_per_node} per node), context {max_len}, "
+    w(f"profile {cost.name}, {args.world_size} GPUs ({args.gpus_per_node} per node), context {max_len}, "
       f"{prop.tokens_per_iter} tokens per iteration; solved in {prop.solve_ms:.0f} ms\n")
     w(f"{len(prop.candidates)} candidates" + (f" ({prop.dropped} less likely ones dropped)" if prop.dropped else "")
       + "\n")

@@ -7,7 +7,7 @@ per-iteration dispatch + packing), Megatron-LM (static homogeneous, fixed-length
 dispatch), DeepSpeed-Ulysses (static homogeneous sequence parallel), HotSPa (a few homogeneous
 strategies per iteration with switching cost), WLB-LLM (var-length packing with outlier delay on a
 homogeneous 4D strategy) and DCP (per-length sequence-parallel groups). Each baseline is tuned over
-its own strategy space. Modelling assumptions: ``hgraph.runtime.planner.simulator``.
+its own strategy space, under the same cost model.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("gpus", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
+    for name in ("world_size", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
         if getattr(args, name) < 1:
             raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     cost = workload_cost_model(args, max_cp=args.max_cp)
     if cost.largest_max_len() < args.max_len:
         raise HGraphError(f"--max-len {args.max_len} is longer than the largest MaxLen {cost.largest_max_len()} of "
-                          f"any scheme of {cost.name!r} on {args.gpus} GPUs; lower --max-len or add GPUs")
-    sim = simulate(lengths, cost, args.gpus, args.max_len, args.tokens_per_iter, args.iters, systems=systems,
+                          f"any scheme of {cost.name!r} on {args.world_size} GPUs; lower --max-len or add GPUs")
+    sim = simulate(lengths, cost, args.world_size, args.max_len, args.tokens_per_iter, args.iters, systems=systems,
                    seed=args.seed, gpus_per_node=args.gpus_per_node, long=args.long)
     if args.json:
         out = sim.to_json()
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     w = sys.stdout.write
-    w(f"profile {cost.name}, {args.gpus} GPUs, context {args.max_len}, {args.tokens_per_iter} tokens per "
+    w(f"profile {cost.name}, {args.world_size} GPUs, context {args.max_len}, {args.tokens_per_iter} tokens per "
       f"iteration, {args.iters} iterations\n")
     w(f"  {'system':<10} {'mean ms':>9} {'std ms':>8} {'tokens/s':>10} {'spread':>7}  configuration\n")
     for name, r in sim.results.items():

@@ -1,51 +1,51 @@
 """``hgraph train``: dynamic heterogeneous training, the planner choosing every iteration's strategy.
 
 With no arguments it runs the built-in default: ``llama:tiny`` on the built-in long-tail documents
-(``hgraph.runtime.data.builtin.synthetic_documents``: real Wikipedia lengths scaled for CPU), 4 local
+(real Wikipedia lengths scaled for CPU), 4 local
 processes, a cost model measured on the spot by the ranks (``--profile measure``), ``auto`` candidate
 strategies and the planner's choice every iteration, planned ahead in a planner process; it prints
 one line per iteration (a progress bar on a terminal) and a summary, and writes ``run.json``,
-``metrics.jsonl`` and the plots (``hgraph.tools.report.plots``) into ``--run-dir`` (default
+``metrics.jsonl`` and the plots into ``--run-dir`` (default
 ``runs/<UTC timestamp>``).
 
 Planner-driven mode (``--strategies auto|"S1;S2"``, the default): every iteration
 ``plan_iteration`` picks the strategy among the candidates and dispatches the mini-batch's documents
 to pipelines and micro-batches with the cost model of ``--profile`` (``measure``: timed on this
-machine at the start, ``hgraph.runtime.planner.cost.calibration``; ``analytic``: the analytic prior for the
+machine at the start; ``analytic``: the analytic prior for the
 model and world size; or a built-in profile NAME or a profile FILE). A planner process started by
-the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead
-(``hgraph.runtime.planner.service.plan_ahead``); rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
+the launcher (under ``torchrun``: by rank 0) plans ``--plan-ahead`` iterations ahead;
+rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
 once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
 Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
 GPUs, gloo on CPU otherwise) or, under ``torchrun`` or as a SLURM task, runs as this process's rank:
-the world size and ranks per node are the launcher's (``hgraph.runtime.train.launcher_env``; a given
-other value is one line naming both), global rank 0 alone prints and writes the run folder, every
+the world size and ranks per node are the launcher's (a given other value is one line naming
+both), global rank 0 alone prints and writes the run folder, every
 rank's error names its rank and host, and an attempt the launcher restarted resumes from the newest
-checkpoint by itself (``hgraph.runtime.train.restart``). The model is built
+checkpoint by itself. The model is built
 right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
 local Hugging Face folder: its ``config.json`` and safetensors) or ``--init-from PATH`` (safetensors,
 an hgraph checkpoint or a torch state_dict, for any model), checked here against the model before
-any process starts (``hgraph.runtime.weights.choice``); mini-batches take whole documents of
+any process starts; mini-batches take whole documents of
 ``--data`` (a token store of ``hgraph prepare-data``, JSONL with ``input_ids``, raw text with
-``--tokenizer`` tokenized here into the run folder, or a mixture ``"0.7:A,0.3:B"``;
-``hgraph.runtime.data.corpus``) in file order or, with ``--shuffle``, a seeded permutation per epoch,
+``--tokenizer`` tokenized here into the run folder, or a mixture ``"0.7:A,0.3:B"``)
+in file order or, with ``--shuffle``, a seeded permutation per epoch,
 up to ``--tokens-per-iter`` tokens
 (``--outlier-queues K``: long documents wait in WLB-LLM's K queues and are all trained by the run's
-last step, ``hgraph.runtime.data.outlier_delay``); in deterministic mode documents are dispatched
-and packed by the runtime's built-in rule (``hgraph.runtime.train.step_modes.dispatch_and_pack``).
+last step); in deterministic mode documents are dispatched
+and packed by the runtime's built-in rule.
 Optimizer defaults are PyTorch's (Adam, no weight decay, no clipping), at a constant learning
-rate unless ``--lr-schedule`` says otherwise (the built-in default run: 10% warmup, cosine to lr/10;
-``hgraph.runtime.train.lr_schedule``); ``--eval-data SRC --eval-every K`` adds ``eval_loss``.
+rate unless ``--lr-schedule`` says otherwise (the built-in default run: 10% warmup, cosine to
+lr/10); ``--eval-data SRC --eval-every K`` adds ``eval_loss``.
 ``--save-final`` writes the gathered fp32 state_dict (keyed like the original module) with
 ``torch.save``; ``--metrics`` one JSON line per step.
 
-Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML file (``--config
-RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
+Every option is also a key of a TOML file (``--config RUN.toml``, sections as in the option groups
+below); flags given on the command line override the file. ``--checkpoint-dir DIR
 --checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
 one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
-checked here, before any process starts (``hgraph.runtime.checkpoint.run``).
+checked here, before any process starts.
 """
 from __future__ import annotations
 

@@ -278,8 +278,10 @@ def _counted_states(entries: Any, where: str) -> tuple[tuple[tuple[int, int, int
 
 
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,
-                          cp_efficiency: float | None = None, max_cp: int | None = None) -> CostModel:
-    """Build a CostModel from one (validated) profile entry."""
+                          cp_efficiency: float | None = None, max_cp: int | None = None,
+                          gpu_memory_bytes: int | None = None) -> CostModel:
+    """Build a CostModel from one (validated) profile entry; ``gpu_memory_bytes`` replaces the
+    profile's device memory."""
     where = f"profile {name!r}"
     try:
         model = ModelShape(int(entry["model"]["hidden"]), int(entry["model"]["layers"]), int(entry["model"]["vocab"]))
@@ -296,7 +298,7 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
             alpha=float(mem["alpha_sharded_fraction"]),
             framework_gap_bytes=int(mem["framework_gap_bytes"]),
             safety_margin_bytes=int(mem["safety_margin_bytes"]),
-            gpu_memory_bytes=int(mem["gpu_memory_bytes"]),
+            gpu_memory_bytes=int(gpu_memory_bytes if gpu_memory_bytes is not None else mem["gpu_memory_bytes"]),
             other_coeff=tuple(sorted(
                 (_tp_key(k, where), float(v)) for k, v in mem.get("other_activation_bytes_per_token", {}).items())),
             embedding_bytes_per_param=float(mem.get("embedding_bytes_per_param", EMBEDDING_BYTES_PER_PARAM)),
@@ -316,11 +318,12 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
 
 
 def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_efficiency: float | None = None,
-                    max_cp: int | None = None) -> CostModel:
-    """Cost model for a built-in profile name, a profile file PATH, or ``PATH:NAME``."""
+                    max_cp: int | None = None, gpu_memory_bytes: int | None = None) -> CostModel:
+    """Cost model for a built-in profile name, a profile file PATH, or ``PATH:NAME`` (``gpu_memory_bytes``:
+    another device memory than the profile's)."""
     name, entry = resolve_profile(ref)
     return cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=gpus_per_node,
-                                 cp_efficiency=cp_efficiency, max_cp=max_cp)
+                                 cp_efficiency=cp_efficiency, max_cp=max_cp, gpu_memory_bytes=gpu_memory_bytes)
 
 
 def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:

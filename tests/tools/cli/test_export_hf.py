@@ -74,6 +74,21 @@ def test_an_hf_model_exports_from_the_config_its_run_recorded(tmp_path, capsys):
     assert all(torch.equal(model.get_parameter(n), v) for n, v in values.items())
 
 
+def test_bf16_export_rounds_the_masters_and_loads_as_bf16(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+    values = assemble_checkpoint(tmp_path / "ck" / "step-00000001", "llama:tiny-tied", 2)
+    written = _export(tmp_path / "ck", tmp_path / "hf", capsys, "--dtype", "bf16")
+    assert written["dtype"] == "bf16"
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.dtype == torch.bfloat16 and written["bytes"] < 2 * sum(v.numel() for v in values.values()) + 4096
+    assert torch.equal(model.model.embed_tokens.weight, values["embed_tokens.weight"].to(torch.bfloat16))
+    assert torch.equal(model.model.layers[1].mlp.down_proj.weight,
+                       values["layers.1.mlp.down_proj.weight"].to(torch.bfloat16))
+    assert main(["export", str(tmp_path / "ck"), "-o", str(tmp_path / "m.pt"), "--dtype", "bf16"]) == 2
+    assert "applies to --format hf" in capsys.readouterr().err
+
+
 def test_bad_export_input_is_one_line(tmp_path, capsys):
     assemble_checkpoint(tmp_path / "ck" / "step-00000001", "llama:tiny", 1)
     assert main(["export", str(tmp_path / "ck"), "--format", "hf", "-o", str(tmp_path / "o"),

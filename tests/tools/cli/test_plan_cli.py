@@ -21,7 +21,7 @@ def lengths_file(tmp_path):
     return p, lengths
 
 
-BASE = ["plan", "--profile", "llama-7b", "--gpus", "16", "--max-len", "16384", "--tokens-per-iter", "60000"]
+BASE = ["plan", "--profile", "llama-7b", "--world-size", "16", "--max-len", "16384", "--tokens-per-iter", "60000"]
 
 
 def _run(capsys, argv):
@@ -79,8 +79,8 @@ def test_human_output_and_auto(capsys, lengths_file):
     ("", [], "empty"),
     ("12\nx7\n", [], "line 2"),
     ("12\n", ["--profile", "gpt-x"], "unknown profile 'gpt-x'"),
-    ("12\n", ["--gpus", "1", "--profile", "llama-32b"], "no scheme of profile 'llama-32b' fits 1 GPUs"),
-    ("100\n900000\n", ["--max-len", "1000000", "--gpus", "8", "--iters", "2"], "document 1 has 900000 tokens.*largest MaxLen"),
+    ("12\n", ["--world-size", "1", "--profile", "llama-32b"], "no scheme of profile 'llama-32b' fits 1 GPUs"),
+    ("100\n900000\n", ["--max-len", "1000000", "--world-size", "8", "--iters", "2"], "document 1 has 900000 tokens.*largest MaxLen"),
     ("12\n", ["--strategies", "3xTP2PP2"], "uses 12 ranks but the world size is 16"),
     ("12\n", ["--strategies", "2xTP3"], "malformed"),
     ("12\n", ["--iters", "0"], "--iters must be a positive integer"),

@@ -18,7 +18,7 @@ def lengths_file(tmp_path):
 
 
 def test_json(lengths_file, capsys):
-    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "16",
+    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "16",
                  "--max-len", "32768", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["gpus"] == 16 and out["max_len"] == 32768 and out["candidates"]
@@ -29,14 +29,14 @@ def test_json(lengths_file, capsys):
 
 
 def test_human(lengths_file, capsys):
-    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+    assert main(["propose", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "8",
                  "--max-len", "16384"]) == 0
     text = capsys.readouterr().out
     assert "candidates" in text and "expected ms" in text
 
 
 def test_errors(lengths_file, tmp_path, capsys):
-    base = ["propose", "--lengths", str(lengths_file), "--gpus", "8"]
+    base = ["propose", "--lengths", str(lengths_file), "--world-size", "8"]
     assert main(base + ["--profile", "llama-99b", "--max-len", "4096"]) == 2
     assert "unknown profile" in capsys.readouterr().err
     # A context longer than any scheme holds: name the longest document and the largest MaxLen.
@@ -45,9 +45,9 @@ def test_errors(lengths_file, tmp_path, capsys):
     assert "largest MaxLen" in err and err.count("\n") == 1
     assert main(base + ["--profile", "llama-7b", "--max-len", "10000000", "--long", "truncate", "--json"]) == 0
     capsys.readouterr()
-    assert main(["propose", "--lengths", str(lengths_file), "--gpus", "1", "--profile", "llama-7b",
+    assert main(["propose", "--lengths", str(lengths_file), "--world-size", "1", "--profile", "llama-7b",
                  "--max-len", "4096"]) == 2
     assert "no scheme" in capsys.readouterr().err
     empty = tmp_path / "e.txt"
     empty.write_text("")
-    assert main(["propose", "--lengths", str(empty), "--gpus", "8", "--profile", "llama-7b", "--max-len", "4096"]) == 2
+    assert main(["propose", "--lengths", str(empty), "--world-size", "8", "--profile", "llama-7b", "--max-len", "4096"]) == 2

@@ -17,7 +17,7 @@ def lengths_file(tmp_path):
 
 
 def test_json(lengths_file, capsys):
-    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "8",
                  "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "2",
                  "--systems", "hgraph,megatron,dcp", "--max-cp", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -30,20 +30,20 @@ def test_json(lengths_file, capsys):
 
 
 def test_human(lengths_file, capsys):
-    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--gpus", "8",
+    assert main(["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "8",
                  "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "1", "--systems", "hgraph,megatron"]) == 0
     assert "speedup of hgraph" in capsys.readouterr().out
 
 
 def test_errors(lengths_file, capsys):
     base = ["simulate", "--lengths", str(lengths_file), "--tokens-per-iter", "50000", "--iters", "1"]
-    assert main(base + ["--profile", "llama-7b", "--gpus", "8", "--max-len", "16384", "--systems", "foo"]) == 2
+    assert main(base + ["--profile", "llama-7b", "--world-size", "8", "--max-len", "16384", "--systems", "foo"]) == 2
     assert "unknown system" in capsys.readouterr().err
-    assert main(base + ["--profile", "llama-7b", "--gpus", "8", "--max-len", "9999999"]) == 2
+    assert main(base + ["--profile", "llama-7b", "--world-size", "8", "--max-len", "9999999"]) == 2
     assert "largest MaxLen" in capsys.readouterr().err
-    assert main(base + ["--profile", "llama-7b", "--gpus", "1", "--max-len", "4096"]) == 2
+    assert main(base + ["--profile", "llama-7b", "--world-size", "1", "--max-len", "4096"]) == 2
     assert "no scheme" in capsys.readouterr().err
-    assert main(base + ["--profile", "nope", "--gpus", "8", "--max-len", "4096"]) == 2
+    assert main(base + ["--profile", "nope", "--world-size", "8", "--max-len", "4096"]) == 2
 
 
 def _shared_lengths():
