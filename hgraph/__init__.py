@@ -6,5 +6,6 @@ __all__ = ["Cluster", "HGraphError", "RankCoord", "Scheme", "Strategy", "Strateg
 from hgraph.compiled import CompiledModule, compile  # noqa: E402,A001
 from hgraph.options import CompileOptions  # noqa: E402
 from hgraph.program import Program, RankProgram  # noqa: E402
+from hgraph.training import TrainResult, train  # noqa: E402
 
-__all__ += ["CompiledModule", "CompileOptions", "Program", "RankProgram", "compile"]
+__all__ += ["CompiledModule", "CompileOptions", "Program", "RankProgram", "TrainResult", "compile", "train"]

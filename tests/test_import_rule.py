@@ -3,8 +3,8 @@
 * ``passes`` and ``frontends`` import only ``hgraph`` IR modules (and libraries);
 * ``runtime`` imports ``hgraph`` IR modules, ``frontends`` (to build models) and itself, never
   ``passes`` or ``tools`` (it reaches the compiler through ``CompiledModule.instantiate``);
-* IR modules of ``hgraph/`` import none of the rooms; only the API module ``hgraph.compiled`` may,
-  inside its functions;
+* IR modules of ``hgraph/`` import none of the rooms; only the API modules ``hgraph.compiled`` and
+  ``hgraph.training`` may, inside their functions;
 * imports sit at the top of a module, except optional heavy dependencies (``LAZY_LIBRARIES``) and the
   API module's wiring;
 * no import cycles among the project's modules (top-level imports).
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROOTS = {"hgraph": "hgraph", "passes": "hgraph.passes", "frontends": "hgraph.frontends",
          "runtime": "hgraph.runtime", "tools": "hgraph.tools"}
 ROOMS = ("hgraph.passes", "hgraph.frontends", "hgraph.runtime", "hgraph.tools")
-API_MODULES = {"hgraph", "hgraph.compiled"}   # the public API wires the rooms together, lazily
+API_MODULES = {"hgraph", "hgraph.compiled", "hgraph.training"}   # the public API wires the rooms together, lazily
 # optional or heavy dependencies a module may import where it needs them
 LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.nn.attention.varlen",
                   "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")

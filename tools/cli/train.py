@@ -220,14 +220,15 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
           + (f"; skipped: {', '.join(plots.skipped)}" if plots.skipped else "") + ")")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, outcome: Optional[dict] = None) -> int:
     """The run of ``args``; under a launcher every rank's error names its global rank and host (one
-    line; bad input exit 2, a failed run exit 1, so that the launcher may restart it)."""
+    line; bad input exit 2, a failed run exit 1, so that the launcher may restart it). ``outcome``
+    (``hgraph.train``) receives this process's result, run folder and metrics file."""
     env = read_launcher_env()
     if env is None:
-        return _run(args, None)
+        return _run(args, None, outcome)
     try:
-        return _run(args, env)
+        return _run(args, env, outcome)
     except HGraphError as exc:
         raise HGraphError(f"{env.where()}: {exc}") from None
     except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
@@ -236,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
+def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict] = None) -> int:
     config, _ = config_from_args(args)
     log, data = config.logging, config.data
     planned = config.planner_driven
@@ -311,6 +312,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
             hint = f"; --resume continues from {last}" if last is not None else ""
         sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
         return 1
+    if outcome is not None:
+        outcome.update(result=result, run_dir=str(run_dir) if run_dir is not None else None, metrics=metrics)
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
