@@ -24,6 +24,7 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
+from hgraph.shard_rule import shard_bounds
 
 
 @dataclass
@@ -117,7 +118,7 @@ class CommContext:
     def token_slice(self, key: str, total: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""
         ranks = self.ranks(key) if key in self.bindings else (self.rank,)
-        return collectives.token_bounds(total, len(ranks), ranks.index(self.rank))
+        return shard_bounds(total, ranks.index(self.rank), len(ranks))
 
     def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
         return collectives.sp_scatter_issue(self, x, self.ranks(key), dim)

@@ -28,7 +28,7 @@ import torch
 
 from hgraph.errors import StrategyError
 from hgraph.runtime.engine.executor import shard_dims_of
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 MASTER_BYTES = 4          # fp32 master segment, per element

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, sp_gather_issue, sp_scatter_issue,
-                                             token_bounds, tp_copy_issue, tp_gather_issue, tp_reduce_issue)
+                                             tp_copy_issue, tp_gather_issue, tp_reduce_issue)
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.engine.loss import IGNORE_INDEX, stage_loss_sum
 from hgraph.runtime.train.launch import spawn
+from hgraph.shard_rule import shard_bounds
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, D, H = 2, 3, 8, 12
@@ -65,7 +66,7 @@ def _sp_mlp(comm, rank):
     x, r, s = torch.randn(1, 5, D, generator=g), torch.randn(1, 5, D, generator=g), torch.randn(D, generator=g)
     tp = [0, 1] if rank < 2 else [2, 3]
     i = tp.index(rank)
-    lo, hi = token_bounds(5, 2, i)
+    lo, hi = shard_bounds(5, i, 2)
     rows = slice(i * H // 2, (i + 1) * H // 2)
     w1_i, w2_i = w1[rows].clone().requires_grad_(), w2[:, rows].clone().requires_grad_()
     x_i, s_i = x[:, lo:hi].clone().requires_grad_(), s.clone().requires_grad_()
