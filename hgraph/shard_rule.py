@@ -6,12 +6,15 @@ dimension in rank order, and may be empty when ``size < parts``.
 
 The rule places the fp32 master parameters and optimizer states on all N ranks (the same for every
 strategy), cuts a tensor into TP segments, and slices a sequence's tokens under sequence parallelism.
-The compiler's LNK plans, the runtime's optimizer, collectives and checkpoints all read it from here,
-so they cannot drift apart.
+The compiler's LNK plans and the runtime's optimizer, collectives, weight sources and checkpoints all
+read it from here, so they cannot drift apart. ``ShardLayout`` is one rank's shard of one parameter.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
+
+import torch
 
 from hgraph.errors import HGraphError
 
@@ -69,6 +72,27 @@ def owner_chunks(lo: int, hi: int, size: int, parts: int) -> Iterator[tuple[int,
         end = min(hi, shard_bounds(size, owner, parts)[1])
         yield lo, end, owner
         lo = end
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where one parameter's shard sits: full shape, shard dimension and this rank's range."""
+
+    name: str
+    full_shape: tuple[int, ...]
+    dim: int
+    lo: int
+    hi: int
+
+    @property
+    def shard_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape) or [1]  # a 0-d parameter is handled as shape [1]
+        shape[self.dim] = self.hi - self.lo
+        return tuple(shape)
+
+    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full tensor (a view)."""
+        return full.reshape(self.full_shape or (1,)).narrow(self.dim, self.lo, self.hi - self.lo)
 
 
 def require_size(size: int) -> None:

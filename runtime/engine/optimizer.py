@@ -28,38 +28,16 @@ The parameters given may live on the meta device (a model built without allocati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.shard_rule import shard_bounds
+from hgraph.shard_rule import ShardLayout, shard_bounds
 
 FUSED, EXACT = "fused", "exact"
 IMPLS = (FUSED, EXACT)
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where one parameter's shard sits: full shape, shard dimension and this rank's range."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dim: int
-    lo: int
-    hi: int
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        shape = list(self.full_shape) or [1]  # a 0-d parameter is handled as shape [1]
-        shape[self.dim] = self.hi - self.lo
-        return tuple(shape)
-
-    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full tensor (a view)."""
-        return full.reshape(self.full_shape or (1,)).narrow(self.dim, self.lo, self.hi - self.lo)
 
 
 NamedParams = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
