@@ -8,7 +8,7 @@ forward and backward and ``peak_bytes`` is their maximum. A recomputed block (``
 adds its checkpointed inputs while it waits for backward, and, during its replay, the tensors the
 replay saves (tracked by a dispatch mode inside the recompute context): that transient is the
 block's stash. Per block the meter records what one layer stashed (``observations``) for the memory
-model (``hgraph.runtime.planner.schedule.recompute``).
+model (``hgraph.runtime.engine.activation_model``).
 
 ``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
 features and, with a budget, picks how many of the stage's blocks recompute (the model's choice,
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hgraph.runtime.engine.activation_model import choose_recompute_layers, fit_activation_model
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
-from hgraph.runtime.planner.schedule.recompute import choose_recompute_layers, fit_activation_model
 
 
 class _Saved:

@@ -29,10 +29,11 @@ import time
 from typing import Any, Optional, Sequence
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.checkpoint.run import planner_state
 from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
-from hgraph.runtime.engine.executor import MicroBatch, StepResult
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import StepResult
 from hgraph.runtime.planner.service.iteration import all_gather_floats, model_cost_model, pipeline_metrics
+from hgraph.runtime.planner.service.setup import planner_state
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
 from hgraph.strategy import Strategy, parse_strategy_list
@@ -85,7 +86,7 @@ class StepMode:
         raise NotImplementedError
 
     def checkpoint_state(self) -> dict:
-        """What a resume needs of the strategy choice (``checkpoint.run.planner_state``)."""
+        """What a resume needs of the strategy choice (``planner.service.setup.planner_state``)."""
         raise NotImplementedError
 
     def candidates(self) -> list[str]:

@@ -44,7 +44,7 @@ from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
-                                           load_resume, restore_state, run_state)
+                                           restore_state)
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
@@ -63,6 +63,7 @@ from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
+from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              dispatch_and_pack, packed, parse_schedule)

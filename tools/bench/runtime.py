@@ -51,7 +51,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hgraph
 from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer

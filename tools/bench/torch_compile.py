@@ -25,7 +25,8 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.strategy import Strategy
 

@@ -20,8 +20,9 @@ from pathlib import Path
 import numpy as np
 
 from hgraph.runtime.data.lengths import minibatches, read_lengths
+from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker, imbalance_degree
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.wlb import DocLatency, FixedLengthPacker, WLBPacker, imbalance_degree
+from hgraph.runtime.research.fixed_length import FixedLengthPacker
 from hgraph.strategy import Scheme
 
 CONTEXT = 131072

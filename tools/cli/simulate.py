@@ -7,7 +7,7 @@ per-iteration dispatch + packing), Megatron-LM (static homogeneous, fixed-length
 dispatch), DeepSpeed-Ulysses (static homogeneous sequence parallel), HotSPa (a few homogeneous
 strategies per iteration with switching cost), WLB-LLM (var-length packing with outlier delay on a
 homogeneous 4D strategy) and DCP (per-length sequence-parallel groups). Each baseline is tuned over
-its own strategy space. Modelling assumptions: ``hgraph.runtime.planner.simulator``.
+its own strategy space. Modelling assumptions: ``hgraph.runtime.research.simulator``.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import sys
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import read_lengths
-from hgraph.runtime.planner.simulator import SYSTEMS, simulate
+from hgraph.runtime.research.simulator import SYSTEMS, simulate
 from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
-from hgraph.runtime.engine.executor import MicroBatch
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan

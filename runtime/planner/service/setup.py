@@ -1,19 +1,21 @@
 """Wiring of the planner into a training run: the planner process's owner side (``planner_process``)
 and the ranks' side (``start_planner``: cost model, candidates, and rank 0's job for the planner
-process). See ``hgraph.runtime.planner.service.plan_ahead`` for the process and its channel."""
+process), and what a checkpoint keeps of the planner (``planner_state``) to give a resumed run the
+same planner back (``resumed_planner``). See ``hgraph.runtime.planner.service.plan_ahead`` for the
+process and its channel."""
 from __future__ import annotations
 
 import contextlib
 import json
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
-from hgraph.runtime.checkpoint.run import resumed_planner
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.planner.cost.calibration import calibration_phases
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
-from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model
+from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
 from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
 
 
@@ -78,3 +80,30 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
         planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(
             trainer.docs, cfg, trainer.world_size, start, trainer.order.copy())])
     return planner
+
+
+def resumed_planner(loaded: Any, config: Any, rank: int, world_size: int) -> Any:
+    """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
+    measurement, so it plans as the interrupted run would have), when they were made for this world
+    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
+    ``config``'s keys are read by name (``config.profile``), as ``planner_state`` does."""
+    state = loaded.planner_state if loaded is not None else {}
+    if (state.get("mode") != "planner" or state.get("world_size") != world_size
+            or state.get("strategies") != config.strategies or state.get("profile") != config.profile
+            or state.get("max_candidates") != config.max_candidates
+            or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
+        return None
+    (name, entry), = state["cost_profile"].items()
+    cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
+    return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
+                            source=state.get("source", "checkpoint"), method=config.method)
+
+
+def planner_state(config: Any, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
+    """What a resume needs of the strategy choice: the schedule, or the planner's candidates."""
+    if planner is None:
+        return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
+    return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
+            "max_candidates": config.max_candidates,
+            "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
+            "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}

@@ -95,8 +95,8 @@ def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
     from types import SimpleNamespace
 
     from hgraph.frontends.zoo import llama
-    from hgraph.runtime.checkpoint.run import planner_state, resumed_planner
     from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
+    from hgraph.runtime.planner.service.setup import planner_state, resumed_planner
     from hgraph.strategy import Scheme
 
     cost = model_cost_model("analytic", llama.build("tiny"), 4)

@@ -16,9 +16,10 @@ from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (REGION_PREFIX, CompiledRegion, check_backend,
                                                     compile_regions, compile_wanted)
-from hgraph.runtime.engine.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.runtime.engine.executor import Executor, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.metrics import metrics_line
 from hgraph.strategy import Cluster, Strategy

@@ -7,7 +7,8 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor, shard_dims_of
 from hgraph.runtime.engine.model_states import allocated_bytes, rank_states, scheme_states
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.planner.cost.runtime_memory import with_device_memory
