@@ -1,6 +1,7 @@
-"""One training step of a compiled Program on this rank (Hydraulis §5, Fig. 2b).
+"""One training step of a strategy's Program on this rank (Hydraulis §5, Fig. 2b).
 
-``Executor.step(program, plan, num_targets)``:
+``Executor.step(strategy, microbatches, num_targets)`` finds the strategy's Program and this rank's
+state for it (building them on first use), then:
 
 1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
    graph's ``pull_wait`` node waits for its parameter.
@@ -31,11 +32,11 @@ DDP needs one; this keeps it at two (the loss costs none) and does the rest on t
 are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes ``2(N - 1)`` steps in
 sequence (``grad_buckets``, ``param_gather``).
 
-Per Program the executor builds a ``RankState`` (working tensors installed in the rank's graph,
-process groups created, the ``ParamSync``) on its first step and keeps it in the run's
-``ProgramCache`` (``hgraph.runtime.engine.program_cache``) with the Program: switching back to a
+The executor owns its ``ProgramCache`` (``hgraph.runtime.engine.program_cache``): per strategy the
+Program, built on the strategy's first step, and this rank's ``RankState`` for it (working tensors
+installed in the rank's graph, process groups created, the ``ParamSync``). Switching back to a
 strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy). Only one Program's working parameters and gradients hold memory at a time: a
+on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``). Only one Program's working parameters and gradients hold memory at a time: a
 switch frees the storage of the last Program's (``ParamSync.release_working``) and re-allocates the
 next one's, so a rank's peak does not grow with the number of strategies a run has used.
 """
@@ -45,7 +46,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -60,12 +61,13 @@ from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backen
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import attach_stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
-from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
-from hgraph.strategy import Cluster
+from hgraph.program import Program
+from hgraph.strategy import Cluster, Strategy
 from hgraph.varlen_attention import cu_seqlens_for
 
 ADAPTIVE = "adaptive"
@@ -97,6 +99,8 @@ class StepResult:
     compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
     tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
     mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
+    cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
+    switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
 
 
 class RankLostError(RuntimeError):
@@ -161,14 +165,15 @@ class Executor:
     """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
 
     ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
-    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``programs``: the run's
-    ``ProgramCache``, where the rank's state of each Program is kept (default: one of its own).
+    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``cluster``: where the
+    strategies' Programs are laid out (default: ``world_size`` ranks on one node's worth of GPUs).
+    ``programs``: the executor's ``ProgramCache`` (read its counts; only the executor looks up).
     """
 
     def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
-                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0,
+                 cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
                  vocab_parallel_loss: Optional[bool] = None, compile_mode: str = "off",
                  compile_backend: str = "inductor") -> None:
         self.compiled = compiled
@@ -197,20 +202,45 @@ class Executor:
         if self.compile:
             check_backend(compile_backend)
         self.region_compiles = RegionCompiles()
-        self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
-        self._last_program: Any = None
+        self.programs = ProgramCache(compiled, cluster if cluster is not None else Cluster(world_size))
+        self._last_program: Optional[Program] = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
         self._step_index = 0
         self._active: Optional[RankState] = None    # the state whose working tensors hold memory
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
         self.peak_memory = PeakMemory(self.device)   # every step's measured peak (StepResult.process_peak_bytes)
 
-    # ---- per-program state (kept in the program cache) --------------------------------------------
-    def state_for(self, program: Any) -> RankState:
-        """This rank's state for ``program``, built (collectively: every rank calls it) on first use."""
-        state = self.programs.state(program)
-        if state is not None:
-            return state
+    # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
+    def prepare(self, strategies: Sequence[Strategy]) -> None:
+        """Build the Programs of ``strategies`` now (misses), so a strategy that cannot be built fails
+        before any step."""
+        for strategy in dict.fromkeys(strategies):
+            self.programs.find(strategy)
+
+    def program(self, strategy: Union[Strategy, str]) -> Program:
+        """The Program of ``strategy`` (built if new; not counted as a hit or a miss)."""
+        return self.programs.find(_strategy(strategy), count=False)[0].program
+
+    def rank_state(self, strategy: Union[Strategy, str, Program]) -> RankState:
+        """This rank's state for ``strategy``'s Program (or a given Program), built on first use
+        (collectively: every rank calls it); no hit or miss counted."""
+        return self._state_of(self._entry(strategy, count=False)[0])
+
+    def _entry(self, strategy: Union[Strategy, str, Program], count: bool = True
+               ) -> tuple[CachedProgram, Optional[bool]]:
+        """The cache entry of a strategy (and whether it hit), or of a Program given (hit: None)."""
+        if isinstance(strategy, Program):
+            return self.programs.adopt(strategy), None
+        return self.programs.find(_strategy(strategy), count=count)
+
+    def _state_of(self, entry: CachedProgram) -> RankState:
+        """The entry's rank state, built (collectively) on the Program's first use."""
+        if entry.state is None:
+            entry.state = self._build_state(entry.program)
+        return entry.state
+
+    def _build_state(self, program: Program) -> RankState:
+        """This rank's state for ``program``: working tensors in its graph, groups, the ``ParamSync``."""
         if program.cluster.world_size != self.world_size:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
                               f"but this run has {self.world_size}")
@@ -252,18 +282,14 @@ class Executor:
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
             state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
                                              self.region_compiles)
-        self.programs.keep_state(program, state)
         return state
 
-    @property
-    def _states(self) -> dict[Any, RankState]:
-        """This rank's states built so far, per strategy (a view of the program cache)."""
-        return self.programs.states()
-
     # ---- one step -----------------------------------------------------------------------------------
-    def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-             step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
-        """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+    def step(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
+             num_targets: int, step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
+        """One training step of ``strategy``'s Program (found or built here; a Program built elsewhere
+        may be given instead): ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+        The result says whether the Program was a hit (``cache_hit``) and how long finding it took.
 
         Every rank must call it with the same arguments (collective). A collective that fails
         because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
@@ -271,8 +297,11 @@ class Executor:
         off when the next step runs the same Program (``None``: when the last step ran this one too,
         a repeat being the best guess; give the answer when the caller knows it).
         """
+        t0 = time.perf_counter()
+        entry, hit = self._entry(strategy)
+        switch_s = time.perf_counter() - t0
         try:
-            return self._step(program, microbatches, num_targets, step, prefetch)
+            result = self._step(entry, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
             if self.heartbeat is None or isinstance(exc, RankLostError):
                 raise
@@ -280,6 +309,8 @@ class Executor:
             if not lost:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
+        result.cache_hit, result.switch_s = hit, switch_s
+        return result
 
     def _activate(self, state: RankState) -> None:
         """Make ``state`` the one whose working tensors hold memory (module docstring)."""
@@ -294,15 +325,16 @@ class Executor:
         Program without global-norm clipping (which needs every gradient before any update)."""
         return state.sync.can_overlap_update and getattr(self.optimizer, "max_grad_norm", None) is None
 
-    def _step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+    def _step(self, entry: CachedProgram, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
               step: int, prefetch: Optional[bool]) -> StepResult:
         t0 = time.perf_counter()
+        program = entry.program
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
                               f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
         if num_targets < 1:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
-        state = self.state_for(program)
+        state = self._state_of(entry)
         self._activate(state)
         self._step_index = step
         rp, sync = state.rank_program, state.sync
@@ -433,13 +465,15 @@ class Executor:
         return stage_loss_sum(out, targets.to(self.device), comm)
 
     @torch.no_grad()
-    def evaluate(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int) -> float:
-        """The loss of ``microbatches`` (per pipeline, as ``step`` takes them) under ``program`` with the
-        current parameters, forward only: the same loss as a step's (summed next-token cross-entropy
-        over ``num_targets``), dropout off, nothing updated. Collective: every rank calls it."""
+    def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
+                 num_targets: int) -> float:
+        """The loss of ``microbatches`` (per pipeline, as ``step`` takes them) under ``strategy``'s
+        Program with the current parameters, forward only: the same loss as a step's (summed
+        next-token cross-entropy over ``num_targets``), dropout off, nothing updated, no hit counted.
+        Collective: every rank calls it."""
         if num_targets < 1:
             raise HGraphError("evaluation: the documents have no targets; the loss is undefined")
-        state = self.state_for(program)
+        state = self.rank_state(strategy)
         self._activate(state)
         rp, sync, comm = state.rank_program, state.sync, state.comm
         last = rp.stage == rp.scheme.pp - 1
@@ -474,6 +508,10 @@ class Executor:
         value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
+
+
+def _strategy(strategy: Union[Strategy, str]) -> Strategy:
+    return strategy if isinstance(strategy, Strategy) else Strategy.parse(strategy)
 
 
 def shard_dims_of(compiled: Any) -> dict[str, int]:

@@ -1,9 +1,9 @@
 """How a step's strategy and micro-batches are chosen: three step modes behind one interface.
 
 The training loop (``hgraph.runtime.train.trainer``) hands every mini-batch to its mode's
-``step(batch)``, which picks the step's strategy, takes its Program from the run's program cache,
-packs the documents into micro-batches per pipeline and runs the executor's step (collective: every
-rank calls it with the same mini-batch):
+``step(batch)``, which picks the step's strategy, packs the documents into micro-batches per pipeline
+and runs the executor's step of that strategy (the executor finds or builds its Program; collective:
+every rank calls it with the same mini-batch):
 
 * ``FixedSchedule`` (``planner.strategy_schedule``): step ``k`` runs ``S_(k mod n)``; the documents
   are dispatched and packed by a simple built-in rule (``dispatch_and_pack``): longest first (ties
@@ -25,7 +25,6 @@ choice (``checkpoint_state``) and which candidates it chose among (``candidates`
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Optional, Sequence
 
 from hgraph.errors import HGraphError
@@ -77,8 +76,8 @@ def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch
 class StepMode:
     """The interface the training loop calls (module docstring)."""
 
-    def __init__(self, cache: Any, executor: Any) -> None:
-        self.cache, self.executor = cache, executor
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
         self.planned: dict[int, dict] = {}      # per step, the planner's figures (planner-driven)
         self.balance: dict[int, dict] = {}      # per step, DCP-inter's figures
 
@@ -100,19 +99,18 @@ class StepMode:
 class FixedSchedule(StepMode):
     """Step ``k`` runs ``schedule[k mod n]``, packed by ``dispatch_and_pack``."""
 
-    def __init__(self, schedule: Sequence[Strategy], cache: Any, executor: Any, config: TrainConfig) -> None:
-        super().__init__(cache, executor)
+    def __init__(self, schedule: Sequence[Strategy], executor: Any, config: TrainConfig) -> None:
+        super().__init__(executor)
         self.schedule, self.config = list(schedule), config
 
     def step(self, batch: MiniBatch) -> StepResult:
         strategy = self.schedule[batch.step % len(self.schedule)]
-        program = self.cache.get(strategy)
         mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
         again = (batch.step + 1 < self.config.data.steps
                  and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy)
-        return self.executor.step(program, mbs, batch.num_targets, batch.step, prefetch=again)
+        return self.executor.step(strategy, mbs, batch.num_targets, batch.step, prefetch=again)
 
     def checkpoint_state(self) -> dict:
         return planner_state(self.config, None, self.schedule, self.executor.world_size)
@@ -121,27 +119,23 @@ class FixedSchedule(StepMode):
 class PlannerDriven(StepMode):
     """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
 
-    def __init__(self, planner: Any, cache: Any, executor: Any, config: TrainConfig) -> None:
-        super().__init__(cache, executor)
+    def __init__(self, planner: Any, executor: Any, config: TrainConfig) -> None:
+        super().__init__(executor)
         self.planner, self.config = planner, config
 
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
         planned = self.planner.plan(batch)
-        hits = self.cache.hits
-        t0 = time.perf_counter()
-        program = self.cache.get(planned.plan.strategy)
-        switch_s = time.perf_counter() - t0
-        result = ex.step(program, planned.microbatches, batch.num_targets, batch.step)
+        result = ex.step(planned.plan.strategy, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
-        if ex.rank == 0 and self.cache.hits > hits:   # a compiling step says nothing about later ones
+        if ex.rank == 0 and result.cache_hit:   # a compiling step says nothing about later ones
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
             "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
-            "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
+            "switch_s": result.switch_s, "cache_hit": result.cache_hit,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
 
@@ -160,9 +154,8 @@ class DcpInter(FixedSchedule):
     """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
     (``dcp_inter.dcp_inter_step``) with the cost model's micro-batch times; figures to ``balance``."""
 
-    def __init__(self, schedule: Sequence[Strategy], cost: Any, cache: Any, executor: Any,
-                 config: TrainConfig) -> None:
-        super().__init__(schedule, cache, executor, config)
+    def __init__(self, schedule: Sequence[Strategy], cost: Any, executor: Any, config: TrainConfig) -> None:
+        super().__init__(schedule, executor, config)
         self.cost = cost
 
     def step(self, batch: MiniBatch) -> StepResult:
@@ -170,8 +163,7 @@ class DcpInter(FixedSchedule):
         rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / world_size)
         planned = dcp_inter_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
         self.balance[batch.step] = planned.metrics()
-        program = self.cache.get(planned.strategy)
-        return self.executor.step(program, packed(planned.plan), batch.num_targets, batch.step)
+        return self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
 
 
 def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any, world_size: int) -> Any:

@@ -86,7 +86,7 @@ def _one_rank(compile_mode, backend, **kw):
                       shard_dims_of(compiled), 0, 1, lr=LR)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend=backend,
                   **kw)
-    return model, opt, ex, ex.programs.get(Strategy.parse("1xTP1PP1"))
+    return model, opt, ex, ex.program(Strategy.parse("1xTP1PP1"))
 
 
 def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_packed_length():
