@@ -46,7 +46,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -161,6 +161,16 @@ def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tupl
     return order
 
 
+class ShardedOptimizer(Protocol):
+    """What the executor needs of the sharded optimizer (``engine.optimizer.ShardedAdam``)."""
+
+    params: Mapping[str, torch.Tensor]      # this rank's fp32 master shards, by parameter name
+    max_grad_norm: Optional[float]          # global-norm clipping (needs every gradient before an update)
+    updates_in_parts: bool                  # ``step`` may take disjoint parts of one step's gradients
+
+    def step(self, grad_shards: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]: ...
+
+
 class Executor:
     """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
 
@@ -170,7 +180,7 @@ class Executor:
     ``programs``: the executor's ``ProgramCache`` (read its counts; only the executor looks up).
     """
 
-    def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
+    def __init__(self, compiled: Any, optimizer: ShardedOptimizer, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
@@ -272,7 +282,7 @@ class Executor:
         comm.head_inputs = True       # a last stage's loss is made from its head's inputs (engine/loss)
         comm.vocab_parallel_loss = self.vocab_parallel_loss
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
-        update = self.optimizer.step if getattr(self.optimizer, "updates_in_parts", False) else None
+        update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased), update=update)
         comm.param_sync = sync
@@ -323,7 +333,7 @@ class Executor:
     def _overlaps_update(self, state: RankState) -> bool:
         """Whether this step updates the shards as their reductions arrive: a plain data-parallel
         Program without global-norm clipping (which needs every gradient before any update)."""
-        return state.sync.can_overlap_update and getattr(self.optimizer, "max_grad_norm", None) is None
+        return state.sync.can_overlap_update and self.optimizer.max_grad_norm is None
 
     def _step(self, entry: CachedProgram, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
               step: int, prefetch: Optional[bool]) -> StepResult:

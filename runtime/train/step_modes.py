@@ -31,8 +31,10 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import StepResult
-from hgraph.runtime.planner.service.iteration import all_gather_floats, model_cost_model, pipeline_metrics
-from hgraph.runtime.planner.service.setup import planner_state
+from hgraph.runtime.planner.cost.cost_model import with_activation_budget
+from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gather_floats, model_cost_model,
+                                                      pipeline_metrics)
+from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
 from hgraph.strategy import Strategy, parse_strategy_list
@@ -113,15 +115,15 @@ class FixedSchedule(StepMode):
         return self.executor.step(strategy, mbs, batch.num_targets, batch.step, prefetch=again)
 
     def checkpoint_state(self) -> dict:
-        return planner_state(self.config, None, self.schedule, self.executor.world_size)
+        return planner_state(None, None, self.schedule, self.executor.world_size)
 
 
 class PlannerDriven(StepMode):
     """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
 
-    def __init__(self, planner: Any, executor: Any, config: TrainConfig) -> None:
+    def __init__(self, planner: IterationPlanner, setup: PlannerSetup, executor: Any, config: TrainConfig) -> None:
         super().__init__(executor)
-        self.planner, self.config = planner, config
+        self.planner, self.setup, self.config = planner, setup, config
 
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
@@ -140,7 +142,7 @@ class PlannerDriven(StepMode):
         return result
 
     def checkpoint_state(self) -> dict:
-        return planner_state(self.config, self.planner, self.planner.candidates, self.executor.world_size)
+        return planner_state(self.setup, self.planner, self.planner.candidates, self.executor.world_size)
 
     def candidates(self) -> list[str]:
         return [str(s) for s in self.planner.candidates]
@@ -180,5 +182,4 @@ def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any
         raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
                           f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")
     cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
-    cost.activation_budget_bytes = config.planner.memory_budget
-    return cost
+    return with_activation_budget(cost, config.planner.memory_budget)

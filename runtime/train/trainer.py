@@ -53,7 +53,7 @@ from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, 
 from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
-from hgraph.runtime.planner.service.setup import planner_process, start_planner
+from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
 from hgraph.runtime.train.heartbeat import Heartbeat
@@ -200,7 +200,15 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
-        planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
+        self.planner_setup = planner_setup_of(config, self.compiled) if config.planner_driven else None
+        planner = None
+        if self.planner_setup is not None:
+            planner = start_planner(
+                self.planner_setup, rank=rank, world_size=world_size, model=self.model, compiled=self.compiled,
+                docs=self.docs, groups=groups, channel=planner_channel, resumed=self.resumed,
+                progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
+                run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
+                                                                    self.order.copy())])
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device)
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
@@ -223,7 +231,7 @@ class Trainer:
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
-            self.mode = PlannerDriven(planner, self.executor, config)
+            self.mode = PlannerDriven(planner, self.planner_setup, self.executor, config)
         elif dcp_cost is not None:
             self.mode = DcpInter(schedule, dcp_cost, self.executor, config)
         else:
@@ -421,6 +429,18 @@ class Trainer:
             else:
                 out[key] = value.detach().cpu().clone()
         return out
+
+
+def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
+    """The planner's setup from the run's configuration and its compiled model's TP slots."""
+    plan, counts = config.planner, compiled.hgraph.slot_counts()
+    return PlannerSetup(
+        strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
+        time_limit_s=plan.time_limit, memory_budget=plan.memory_budget, plan_ahead=plan.plan_ahead,
+        tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
+        device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
+        tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
+        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
