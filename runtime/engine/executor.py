@@ -59,7 +59,7 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import attach_stage_memory
+from hgraph.runtime.engine.memory import stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -277,18 +277,19 @@ class Executor:
             setattr(mod, leaf, param)
             working[name] = param
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
-        comm.bindings = dict(rp.bindings)
-        comm.head_inputs = True       # a last stage's loss is made from its head's inputs (engine/loss)
-        comm.vocab_parallel_loss = self.vocab_parallel_loss
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
         update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased), update=update)
-        comm.param_sync = sync
-        state = RankState(program, rp, gm, working, comm, sync)
+        graph, memory = gm, None
         if self.track_memory:
-            attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
+            graph, memory = stage_memory(gm, working, program, rp, self.groups, self.memory_budget, self.device)
+        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
+                           bindings=dict(rp.bindings), param_sync=sync,
+                           activation_meter=memory.meter if memory is not None else None,
+                           head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
+                           vocab_parallel_loss=self.vocab_parallel_loss)
+        state = RankState(program, rp, graph, working, comm, sync, memory)
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
             state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
                                              self.region_compiles)
@@ -405,7 +406,7 @@ class Executor:
                             t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
                             dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
         if state.memory is not None:
-            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
+            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
         result.process_peak_bytes = self.peak_memory.read()
@@ -425,13 +426,13 @@ class Executor:
         for n, (kind, i) in enumerate(order):
             mb = mbs[i]
             if kind == "F":
-                ids, pos, targets = self._inputs(state, mb)
-                if memory is not None:
-                    memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
+                ids, pos, targets, layout, keys = self._inputs(state, mb)
+                recompute = memory.before_forward(i, mb, layout) if memory is not None else None
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute)
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
-                    out = gm(ids.to(self.device), pos.to(self.device), comm)
+                    out = gm(ids.to(self.device), pos.to(self.device), mb_comm)
                     if last:
-                        s = self._loss_sum(out, ids, targets, mb, comm)
+                        s = self._loss_sum(out, ids, targets, mb, mb_comm)
                         loss_sum += float(s.detach())
                         pending[i] = s / num_targets
                     else:
@@ -451,21 +452,22 @@ class Executor:
                     memory.after_backward(i)
         return loss_sum
 
-    def _inputs(self, state: RankState, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``; sets the
-        micro-batch's CP layout and dropout keys on the rank's communication context."""
-        rp, comm = state.rank_program, state.comm
-        ids, pos, targets = mb.input_ids, mb.position_ids, None
+    def _inputs(self, state: RankState, mb: MicroBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, Any, Optional[CPLayout], TokenKeys]:
+        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
+        micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
+        rp = state.rank_program
+        ids, pos, targets, layout = mb.input_ids, mb.position_ids, None, None
         docs = token_documents(mb)
         if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-            comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
-            local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
+            layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
+            local = torch.tensor(layout.local_tokens, dtype=torch.long)
             cu = cu_seqlens_for(mb.doc_lengths)
             ids, pos, docs = ids[:, local], pos[:, local], docs[local]
             targets = packed_targets(mb.input_ids, cu)[:, local]
-        comm.token_keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
-                                    mb.doc_indices or tuple(range(len(mb.doc_lengths))))
-        return ids, pos, targets
+        keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
+                         mb.doc_indices or tuple(range(len(mb.doc_lengths))))
+        return ids, pos, targets, layout, keys
 
     def _loss_sum(self, out: Any, ids: torch.Tensor, targets: Any, mb: MicroBatch, comm: Any) -> torch.Tensor:
         """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
@@ -488,18 +490,15 @@ class Executor:
         rp, sync, comm = state.rank_program, state.sync, state.comm
         last = rp.stage == rp.scheme.pp - 1
         sync.begin_step()
-        comm.evaluating = True
         loss_sum = 0.0
-        try:
-            for mb in microbatches[rp.pipeline]:
-                ids, pos, targets = self._inputs(state, mb)
-                out = state.graph(ids.to(self.device), pos.to(self.device), comm)
-                if last:
-                    loss_sum += float(self._loss_sum(out, ids, targets, mb, comm))
-                del out
-            comm.wait_all()
-        finally:
-            comm.evaluating = False
+        for mb in microbatches[rp.pipeline]:
+            ids, pos, targets, layout, keys = self._inputs(state, mb)
+            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True)
+            out = state.graph(ids.to(self.device), pos.to(self.device), mb_comm)
+            if last:
+                loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
+            del out
+        comm.wait_all()
         sync.end_step()
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:

@@ -4,6 +4,7 @@ reduce-scatter over uneven token slices), uneven all-gather, 2-stage 1F1B pipeli
 Every check compares with the unsharded computation done locally in fp32. Tolerance: the sharded
 sums only reorder fp32 additions, so values and gradients agree to rtol 1e-5, atol 1e-6.
 """
+import dataclasses
 import time
 
 import pytest
@@ -166,11 +167,11 @@ def _vocab_parallel_loss(comm, rank, parallel):
     w_i = torch.cat([w[rows], torch.zeros(pad, D)]).requires_grad_()
     b_i = torch.cat([b[rows], torch.zeros(pad)]).requires_grad_()
     x_i = x.clone().requires_grad_()
-    comm.bindings, comm.head_inputs, comm.vocab_parallel_loss = {"tp": (0, 1, 2, 3)}, True, parallel
+    comm = dataclasses.replace(comm, bindings={"tp": (0, 1, 2, 3)}, head_inputs=True, vocab_parallel_loss=parallel)
     head = ops.output_head(comm, tp_copy_issue(comm, x_i, [0, 1, 2, 3])[None], w_i, b_i, "tp", sizes, vocab)
     loss = stage_loss_sum(head, targets, comm, chunk=3)
     loss.backward()
-    comm.head_inputs = False
+    comm = dataclasses.replace(comm, head_inputs=False)
     logits = ops.output_head(comm, x[None], w_i.detach(), b_i.detach(), "tp", sizes, vocab)
     xf, wf, bf = (t.clone().requires_grad_() for t in (x, w, b))
     ref = F.cross_entropy(F.linear(xf, wf, bf), targets[0], ignore_index=IGNORE_INDEX, reduction="sum")
