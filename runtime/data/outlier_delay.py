@@ -10,7 +10,7 @@ releasing 4 at 2048 tokens per step raised the planner's estimated imbalance, re
 What is the trainer's own is how a mini-batch fills its ``tokens_per_iter`` budget:
 
 1. documents held back from earlier steps (released but not fitting) go first, oldest first;
-2. then new documents in file order, while they fit (DESIGN.md data order): a short document is
+2. then new documents in file order, while they fit (``docs/architecture.md``, data order): a short document is
    taken; an outlier goes to its queue (it takes no room now) and a released group joins the step,
    what does not fit being held for the next step. While documents are held, reading stops at the
    next outlier, so held documents never pile up: each waits only behind the held ones before it,

@@ -9,7 +9,7 @@ state for it (building them on first use), then:
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
    may have different numbers of micro-batches of different packed lengths; the received
    activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
-   The last stage backpropagates ``stage_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
+   The last stage backpropagates ``stage_loss_sum / num_targets`` (``docs/architecture.md``, loss: the mini-batch's
    number of targets), so the gradient never depends on the strategy or the packing; it is made
    from the output head's inputs chunk by chunk, never from the whole logits (``engine/loss``). In a CP
    pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
@@ -36,9 +36,10 @@ The executor owns its ``ProgramCache`` (``hgraph.runtime.engine.program_cache``)
 Program, built on the strategy's first step, and this rank's ``RankState`` for it (working tensors
 installed in the rank's graph, process groups created, the ``ParamSync``). Switching back to a
 strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``). Only one Program's working parameters and gradients hold memory at a time: a
-switch frees the storage of the last Program's (``ParamSync.release_working``) and re-allocates the
-next one's, so a rank's peak does not grow with the number of strategies a run has used.
+on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``).
+Only one Program's working parameters and gradients hold memory at a time: a switch frees the
+storage of the last Program's (``ParamSync.release_working``) and re-allocates the next one's, so a
+rank's peak does not grow with the number of strategies a run has used.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Shared pieces of the training tests: a data file of random documents, and the single-process
 PyTorch reference every compiled run is compared with: ``torch.optim.Adam`` on the unmodified model,
 each document run alone, the loss of a mini-batch the sum of its next-token cross-entropies divided
-by its number of targets (DESIGN.md loss)."""
+by its number of targets (``docs/architecture.md``, loss)."""
 import json
 from typing import Callable, Iterable, Iterator, Optional
 
