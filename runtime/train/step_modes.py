@@ -14,7 +14,7 @@ every rank calls it with the same mini-batch):
   micro-batches). A pipeline may get no document; it still takes part in pull and push.
 * ``PlannerDriven`` (no schedule): the planner (``hgraph.runtime.planner.service``) chooses the
   strategy and the documents' pipelines and micro-batches; rank 0 plans and broadcasts the plan.
-* ``DcpInter`` (``planner.balance`` ``dcp-inter``, ``hgraph.runtime.train.dcp_inter``): a
+* ``DcpInter`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.dcp_inter``): a
   homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
   accumulation.
 
@@ -36,7 +36,7 @@ from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gath
                                                       pipeline_metrics)
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
+from hgraph.runtime.train.dcp_inter import BALANCE_MODES, SP_ACCUMULATION, balances_accumulation, dcp_inter_step
 from hgraph.strategy import Strategy, parse_strategy_list
 
 
@@ -169,17 +169,17 @@ class DcpInter(FixedSchedule):
 
 
 def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any, world_size: int) -> Any:
-    """``planner.balance``: checked; for ``dcp-inter`` (a homogeneous data-parallel schedule) the cost
+    """``planner.balance``: checked; for ``sp-accumulation`` (a homogeneous data-parallel schedule) the cost
     model whose micro-batch times it balances, else None."""
     balance = config.planner.balance
     if balance not in BALANCE_MODES:
         raise HGraphError(f"--balance {balance!r}: expected one of {', '.join(BALANCE_MODES)}")
-    if balance != DCP_INTER:
+    if not balances_accumulation(balance):
         return None
     homogeneous = (not config.planner_driven and len(set(schedule)) == 1
                    and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in schedule[0].pipelines))
     if not homogeneous:
-        raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+        raise HGraphError(f"--balance {SP_ACCUMULATION} runs homogeneous data parallelism: give "
                           f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")
     cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
     return with_activation_budget(cost, config.planner.memory_budget)

@@ -251,7 +251,7 @@ class Trainer:
 
     @property
     def balance_info(self) -> dict[int, dict]:
-        """``--balance dcp-inter``: per step, its figures."""
+        """``--balance sp-accumulation``: per step, its figures."""
         return self.mode.balance
 
     def progress_bar(self, total: int, label: str, *, plain: bool = False) -> ProgressBar:
