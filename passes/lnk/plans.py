@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from types import MappingProxyType
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 

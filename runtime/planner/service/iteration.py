@@ -86,13 +86,6 @@ def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes:
                                sequence_parallel=sp), float(device_memory))
 
 
-_bounded = bounded_cost_model      # the name the tests know
-
-
-def _check_fit(lengths: Sequence[int], cost: Any, limit: float | None, schemes: Any = None) -> None:
-    check_documents_fit(lengths, cost, limit, schemes)
-
-
 def parse_candidates(text: str, world_size: int) -> list[Strategy]:
     """``"S1;S2;..."`` -> distinct strategies of exactly ``world_size`` ranks (one-line error otherwise)."""
     return list(dict.fromkeys(parse_strategy_list(text, world_size, "--strategies", alternatives="'auto' or ")))
@@ -186,10 +179,11 @@ class IterationPlanner:
         lengths = doc_lengths(documents).tolist()
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)
-            _on_rank0(lambda: _check_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]), rank)
+            _on_rank0(lambda: check_documents_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]),
+                      rank)
             return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source="given",
                        method=method, time_limit_s=time_limit_s, device_memory=limit)
-        _on_rank0(lambda: _check_fit(lengths, cost, limit), rank)
+        _on_rank0(lambda: check_documents_fit(lengths, cost, limit), rank)
         # the longest document is what a candidate must hold (not the model's context, which may
         # be longer than any scheme's MaxLen under a device memory limit)
         context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
