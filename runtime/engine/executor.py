@@ -51,6 +51,7 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
@@ -60,14 +61,14 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import stage_memory
+from hgraph.runtime.engine.memory import StageMemory, stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
-from hgraph.program import Program
+from hgraph.program import Program, RankProgram
 from hgraph.strategy import Cluster, Strategy
 from hgraph.varlen_attention import cu_seqlens_for
 
@@ -118,13 +119,13 @@ class RankLostError(RuntimeError):
 class RankState:
     """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
 
-    program: Any
-    rank_program: Any
-    graph: Any
-    working: dict
-    comm: CommContext
+    program: Program
+    rank_program: RankProgram
+    graph: fx.GraphModule                  # the rank's graph (blocks outlined, regions compiled)
+    working: dict[str, nn.Parameter]
+    comm: CommContext                      # the Program's fixed communication state
     sync: ParamSync
-    memory: Any = None      # a engine.memory.StageMemory: activation accounting, recomputation
+    memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
 
 
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
