@@ -9,8 +9,8 @@ state for it (building them on first use), then:
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
    may have different numbers of micro-batches of different packed lengths; the received
    activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
-   The last stage backpropagates ``stage_loss_sum / num_targets`` (``docs/architecture.md``, loss: the mini-batch's
-   number of targets), so the gradient never depends on the strategy or the packing; it is made
+   The last stage backpropagates ``stage_loss_sum / num_targets`` (``docs/architecture.md``, loss:
+   the mini-batch's number of targets), so the gradient never depends on the strategy or the packing; it is made
    from the output head's inputs chunk by chunk, never from the whole logits (``engine/loss``). In a CP
    pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
@@ -178,7 +178,7 @@ class Executor:
 
     ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
     HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``cluster``: where the
-    strategies' Programs are laid out (default: ``world_size`` ranks on one node's worth of GPUs).
+    strategies' Programs are laid out (default: ``Cluster(world_size)``).
     ``programs``: the executor's ``ProgramCache`` (read its counts; only the executor looks up).
     """
 

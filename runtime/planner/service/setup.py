@@ -1,8 +1,8 @@
 """Wiring of the planner into a training run: the planner process's owner side (``planner_process``)
 and the ranks' side (``start_planner`` from a ``PlannerSetup``: cost model, candidates, and rank 0's
-job for the planner process), and what a checkpoint keeps of the planner (``planner_state``) to give a resumed run the
-same planner back (``resumed_planner``). See ``hgraph.runtime.planner.service.plan_ahead`` for the
-process and its channel."""
+job for the planner process), and what a checkpoint keeps of the planner (``planner_state``) to give
+a resumed run the same planner back (``resumed_planner``). See
+``hgraph.runtime.planner.service.plan_ahead`` for the process and its channel."""
 from __future__ import annotations
 
 import contextlib
