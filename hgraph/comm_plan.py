@@ -2,7 +2,7 @@
 
 A plan is built by the compiler (``hgraph.passes.lnk``) and run by the runtime (``hgraph.runtime.comm``);
 both read these types, so they live in the IR. The fp32 master copy of a parameter is sharded along its
-shard dimension over all ``N`` ranks (``optimizer_segments``: rank ``r`` owns
+shard dimension over all ``N`` ranks by ``hgraph.shard_rule`` (rank ``r`` owns
 ``[floor(r*S/N), floor((r+1)*S/N))``), whatever the strategy. See ``hgraph.passes.lnk.plans`` for how
 plans are made and in what order a rank runs their ops.
 """
@@ -14,31 +14,9 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence, Union
 
-from hgraph.errors import HGraphError
+from hgraph.shard_rule import PlanError, Range, optimizer_segments, require_positive_int
 
-Range = tuple[int, int]
-
-
-class PlanError(HGraphError, ValueError):
-    """A layout or plan request that cannot be planned (bad ranges, ranks, groups)."""
-
-
-# ---- ranges and the optimizer layout ---------------------------------------------------------
-
-def even_segments(size: int, parts: int) -> list[Range]:
-    """Split ``[0, size)`` into ``parts`` contiguous segments; segment ``i`` is
-    ``[floor(i*size/parts), floor((i+1)*size/parts))`` (sizes differ by at most one, may be empty)."""
-    require_size(size)
-    if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
-        raise PlanError(f"number of segments must be a positive integer, got {parts!r}")
-    return [(i * size // parts, (i + 1) * size // parts) for i in range(parts)]
-
-
-def optimizer_segments(size: int, world_size: int) -> list[Range]:
-    """The optimization layout: ``result[r]`` is the range of the shard dimension owned by rank ``r``
-    (``[floor(r*S/N), floor((r+1)*S/N))``); the same for every strategy."""
-    return even_segments(size, world_size)
-
+# ---- ranges ------------------------------------------------------------------------------------
 
 def merge_ranges(ranges: Iterable[Range]) -> list[Range]:
     """Sorted union of ranges as disjoint, non-touching ranges (empty ranges dropped)."""
@@ -357,12 +335,3 @@ def _index_by_rank(*kinds: Iterable[tuple[object, Sequence[int]]]) -> dict[int, 
                 out[r].append(op)
     return {r: tuple(v) for r, v in out.items()}
 
-
-def require_size(size: int) -> None:
-    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise PlanError(f"shard dimension size must be a non-negative integer, got {size!r}")
-
-
-def require_positive_int(value: object, what: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise PlanError(f"{what} must be a positive integer, got {value!r}")

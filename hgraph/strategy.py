@@ -1,6 +1,6 @@
 """Parallel schemes, heterogeneous strategies, the cluster, and the rank layout.
 
-Text forms (DESIGN.md): a scheme is ``TP2PP1`` or ``TP4PP2CP2`` (CP omitted when 1); a strategy is
+Text forms (``docs/architecture.md``): a scheme is ``TP2PP1`` or ``TP4PP2CP2`` (CP omitted when 1); a strategy is
 ``2xTP2PP1+1xTP4PP1`` (pipelines in the order written) and ``DP4TP2PP1`` is accepted for the
 homogeneous ``4xTP2PP1``. ``Strategy.parse(str(s)) == s`` and strategies hash, so they are cache keys.
 
@@ -244,9 +244,6 @@ class Cluster:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise StrategyError(f"cluster {name} must be a positive integer, got {v!r}")
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
 
     def __str__(self) -> str:
         return f"{self.world_size} ranks, {self.gpus_per_node} per node, {self.memory_bytes / 2**30:g} GiB each"

@@ -28,8 +28,9 @@ from typing import Any, Iterable, Optional
 import torch.fx as fx
 
 from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta
-from hgraph.passes.annotate import PARTIAL_SUM, parameter_names
 from hgraph.passes.context import PassContext
+from hgraph.passes.op_kinds import parameter_names
+from hgraph.passes.tp_roles import PARTIAL_SUM
 from hgraph.slots import empty_slot
 
 

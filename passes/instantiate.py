@@ -16,12 +16,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hgraph import ops
+from hgraph.comm_plan import ParamLayout
 from hgraph.errors import StrategyError
 from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
-from hgraph.passes.lnk.plans import ParamLayout, pull_plan, push_plan
+from hgraph.passes.lnk.plans import pull_plan, push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner

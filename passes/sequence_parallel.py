@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
-from hgraph.passes.annotate import _ELEMENTWISE, PARTIAL_SUM, is_metadata, op_name
+from hgraph.passes.op_kinds import ELEMENTWISE, op_name
 from hgraph.passes.stage_split import stage_of_blocks
+from hgraph.passes.tp_roles import PARTIAL_SUM, is_metadata
 
 _NORMS = {"layer_norm", "rms_norm"}
 _REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "norm", "softmax", "log_softmax"}
@@ -113,7 +114,7 @@ def _token_wise(n: fx.Node, shapes: dict, sliced_inputs: list[fx.Node]) -> Optio
         if dims.index("T") - len(dims) != t_from_end:
             return f"moves the token dim of {a.name}"
     name = op_name(n)
-    if n.target is ops.keyed_dropout or name in _ELEMENTWISE:
+    if n.target is ops.keyed_dropout or name in ELEMENTWISE:
         return None
     if get_meta(n).op == OpKind.LINEAR and sliced_inputs == [n.args[0]] \
             and get_meta(n).tp_role in (None, TPRole.REPLICATED):

@@ -34,9 +34,9 @@ from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta, update_me
 from hgraph.passes.context import PassContext
 from hgraph.program import ParamShard
 
-#: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (``annotate.FUSED_PART``)
+#: ``NodeMeta.tp_rewrite`` position of a node cutting a fused projection into parts (``tp_roles.FUSED_PART``)
 FUSED_PART = -1
-#: ``NodeMeta.tp_rewrite`` position of a full-width sum / mean of a sharded value (``annotate.PARTIAL_SUM``)
+#: ``NodeMeta.tp_rewrite`` position of a full-width sum / mean of a sharded value (``tp_roles.PARTIAL_SUM``)
 PARTIAL_SUM = -2
 _RESHAPES = {"view", "reshape", "transpose", "contiguous", "permute", "unflatten", "flatten"}
 

@@ -7,6 +7,9 @@
   ``hgraph.training`` may, inside their functions;
 * imports sit at the top of a module, except optional heavy dependencies (``LAZY_LIBRARIES``) and the
   API module's wiring;
+* inside ``runtime`` the sub-rooms have a declared order (``RUNTIME_ORDER``, lowest first): a
+  sub-room imports itself and the sub-rooms before it, never one after it, so no two sub-rooms
+  import each other;
 * no import cycles among the project's modules (top-level imports).
 
 Running this file as a script prints the report (``python tests/test_import_rule.py``).
@@ -27,6 +30,9 @@ API_MODULES = {"hgraph", "hgraph.compiled", "hgraph.training"}   # the public AP
 # optional or heavy dependencies a module may import where it needs them
 LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.nn.attention.varlen",
                   "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")
+# runtime's sub-rooms, lowest first: each may import those before it; research (offline studies and
+# the papers' baselines) comes last, so nothing a training run imports reaches it
+RUNTIME_ORDER = ("kernels", "comm", "data", "engine", "checkpoint", "weights", "planner", "train", "research")
 ALLOWED = {
     "hgraph.passes": ("hgraph.passes",),
     "hgraph.frontends": ("hgraph.frontends",),
@@ -50,6 +56,14 @@ def room(module: str) -> str:
         if module == r or module.startswith(r + "."):
             return r
     return "hgraph"
+
+
+def sub_room(module: str) -> str | None:
+    """The runtime sub-room of ``module`` (``"engine"`` for ``hgraph.runtime.engine.executor``), else None."""
+    parts = module.split(".")
+    if parts[:2] == ["hgraph", "runtime"] and len(parts) > 2:
+        return parts[2]
+    return None
 
 
 def imports(path: Path, module: str) -> list[tuple[str, int, bool]]:
@@ -101,12 +115,19 @@ def violations() -> list[str]:
                 found.append(f"{where}: IR module {module} imports {name} ({dst})")
             elif src != "hgraph" and dst != "hgraph" and dst not in ALLOWED[src]:
                 found.append(f"{where}: {module} ({src}) imports {name} ({dst})")
+            low, high = sub_room(module), sub_room(name)
+            if low and high and low != high:
+                if low not in RUNTIME_ORDER or high not in RUNTIME_ORDER:
+                    found.append(f"{where}: runtime sub-room {low if low not in RUNTIME_ORDER else high} "
+                                 "is not in RUNTIME_ORDER")
+                elif RUNTIME_ORDER.index(high) > RUNTIME_ORDER.index(low):
+                    found.append(f"{where}: {module} ({low}) imports {name} ({high}, later in RUNTIME_ORDER)")
             if at_top and name in modules_cache() and name != module:
                 graph.add_edge(module, name)
     for cycle in nx.simple_cycles(graph):
         if len(cycle) > 1 and not all(m in API_MODULES for m in cycle):
             found.append("import cycle: " + " -> ".join(cycle + cycle[:1]))
-    return found
+    return list(dict.fromkeys(found))   # one line per import statement, however many names it takes
 
 
 def test_imports_follow_the_rule():
@@ -117,5 +138,6 @@ def test_imports_follow_the_rule():
 if __name__ == "__main__":
     found = violations()
     print(f"import rule: {len(modules_cache())} modules checked, {len(found)} violations")
+    print("runtime sub-rooms, lowest first: " + " < ".join(RUNTIME_ORDER))
     print("\n".join(found))
     sys.exit(1 if found else 0)

@@ -9,9 +9,9 @@ propagation range.
 Conventions (everything here is about one parameter and its shard dimension of size ``S``):
 
 * A range is a half-open pair ``(lo, hi)`` of row indices, ``0 <= lo <= hi <= S``.
-* **Optimizer segments** (``optimizer_segments``): rank ``r`` of ``N`` owns
+* **Optimizer segments** (``hgraph.shard_rule.optimizer_segments``): rank ``r`` of ``N`` owns
   ``[floor(r*S/N), floor((r+1)*S/N))``. Sizes differ by at most one row; when ``S < N`` some ranks own
-  an empty segment. The layout never depends on the strategy (the sharded optimizer uses the same rule).
+  an empty segment. The layout never depends on the strategy (the sharded optimizer reads the same rule).
 * **Propagation ranges** of a strategy: TP rank ``t`` of a pipeline with TP degree ``k`` needs the
   ``t``-th of ``k`` even segments under the same floor rule; a replicated parameter needs ``[0, S)``;
   ranks of other pipeline stages need nothing (``propagation_needs``).
@@ -30,26 +30,9 @@ import bisect
 import math
 from typing import Callable, Iterable, Sequence
 
-# the optimizer layout and ranges belong to the IR's plan types; re-exported for the planning code
-from hgraph.comm_plan import (PlanError, Range, even_segments, merge_ranges, optimizer_segments,  # noqa: F401
-                              require_size)
+from hgraph.comm_plan import merge_ranges
+from hgraph.shard_rule import PlanError, Range, even_segments, shard_bounds
 from hgraph.strategy import Scheme, Strategy
-
-# ---- even layouts ------------------------------------------------------------------------------
-
-
-def segment_owner(size: int, world_size: int, index: int) -> int:
-    """The rank whose optimizer segment holds row ``index`` (0 <= index < size).
-
-    ``floor(r*S/N) <= i`` iff ``r*S < (i+1)*N``, so the owner is ``((i+1)*N - 1) // S``.
-    """
-    require_size(size)
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise PlanError(f"world size must be a positive integer, got {world_size!r}")
-    if not 0 <= index < size:
-        raise PlanError(f"row {index} is outside the shard dimension of size {size}")
-    return ((index + 1) * world_size - 1) // size
-
 
 # ---- refinement --------------------------------------------------------------------------------
 
@@ -156,7 +139,7 @@ def tp_range(size: int, tp: int, tp_rank: int, *, units: int | None = None) -> R
         raise PlanError(f"{units} units cannot be spread over TP {tp}: one must divide the other")
     rows = size // units
     if units >= tp:
-        first, last = tp_rank * units // tp, (tp_rank + 1) * units // tp
+        first, last = shard_bounds(units, tp_rank, tp)
     else:
         first = tp_rank * units // tp
         last = first + 1

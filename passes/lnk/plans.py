@@ -1,7 +1,7 @@
 """Pull Parameter and Push Gradient communication plans (the LNK operator of Hydraulis §5.2) as data.
 
 The fp32 master copy of a parameter is sharded along its shard dimension over all ``N`` ranks
-(``optimizer_segments``: rank ``r`` owns ``[floor(r*S/N), floor((r+1)*S/N))``), whatever the strategy.
+by ``hgraph.shard_rule`` (rank ``r`` owns ``[floor(r*S/N), floor((r+1)*S/N))``), whatever the strategy.
 
 * **Pull** (``pull_plan``): each rank needs some ranges of the shard dimension in the working dtype.
   The owner casts its fp32 rows to the working dtype *before* sending, so a transfer's ``bytes`` are
@@ -39,24 +39,15 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from types import MappingProxyType
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PlanError, PullPlan, PushPlan, Range,
-                              ReduceScatter, Traffic, Transfer, merge_ranges, optimizer_segments,
-                              require_positive_int, uncovered_ranges)
+from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PullPlan, PushPlan, ReduceScatter, Traffic,
+                              Transfer, merge_ranges, uncovered_ranges)
 from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces
 from hgraph.passes.lnk.mutual_slices import mutual_slices, normalise_ranges, slices_within
-
-__all__ = [
-    "ParamLayout", "Transfer", "LocalCopy", "LocalAdd", "ReduceScatter", "PullPlan", "PushPlan",
-    "LinkWeights", "pull_plan", "push_plan", "replica_groups_from", "min_pull_bytes", "min_push_bytes",
-    "min_reduce_push_bytes", "uncovered_ranges", "simulate_pull", "simulate_push",
-]
-
-
-# ---- the parameter and the ops -----------------------------------------------------------------
+from hgraph.shard_rule import PlanError, Range, optimizer_segments, owner_chunks, owner_of, require_positive_int
 
 
 # ---- plans -------------------------------------------------------------------------------------
@@ -197,7 +188,7 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
             for run_lo, run_hi, pieces in runs:
                 member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
                 for (plo, phi), m in zip(pieces, member_of):
-                    sent_load[m] += sum(b - a for a, b, o in _owner_chunks(plo, phi, size, world_size) if o != m)
+                    sent_load[m] += sum(b - a for a, b, o in owner_chunks(plo, phi, size, world_size) if o != m)
                     held[m].append((plo, phi))
                 scatters.append(ReduceScatter(
                     group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
@@ -240,7 +231,7 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
                       gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
     """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``)."""
-    chunks = [list(_owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
+    chunks = [list(owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
 
     def link_cost(p: int, m: int) -> int:
         return sum((b - a) * (weights.intra if o // gpus_per_node == m // gpus_per_node else weights.inter)
@@ -365,21 +356,12 @@ def simulate_push(plan: PushPlan, grads: Mapping[int, Sequence[np.ndarray]]) -> 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
-def _owner_chunks(lo: int, hi: int, size: int, world_size: int) -> Iterable[tuple[int, int, int]]:
-    """``[lo, hi)`` cut at optimizer segment boundaries, as ``(lo, hi, owner)``."""
-    while lo < hi:
-        owner = ((lo + 1) * world_size - 1) // size          # segment_owner without the checks
-        end = min(hi, (owner + 1) * size // world_size)
-        yield lo, end, owner
-        lo = end
-
-
 def _owner_runs(slices: Sequence[Range], size: int, world_size: int,
                 coalesce: bool) -> list[tuple[int, int, int]]:
     """Contiguous mutual slices as ``(lo, hi, owner)``, merged per owner when ``coalesce``."""
     runs: list[list[int]] = []
     for lo, hi in slices:
-        owner = ((lo + 1) * world_size - 1) // size          # segment_owner without the checks
+        owner = owner_of(size, world_size, lo)
         if coalesce and runs and runs[-1][2] == owner and runs[-1][1] == lo:
             runs[-1][1] = hi
         else:

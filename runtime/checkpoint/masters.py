@@ -23,7 +23,7 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 
 
 class CheckpointMasters:

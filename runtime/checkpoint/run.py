@@ -11,7 +11,9 @@ Adam moments, RNG states, atomic writes, resharding). This module is the trainer
 * ``RunCheckpoints``: when to save (every ``checkpoint_every`` steps and after the last step), and
   the run's JSON state stored with the shards: the data position (documents consumed so far, all
   epochs, and a fingerprint of the data), the outlier-delay queues, the planner state (candidate
-  strategies) and what produced it (model spec and arguments, used by ``hgraph export``).
+  strategies) and what produced it (model spec and arguments, used by ``hgraph export``): the
+  trainer and the planner make those dicts (``hgraph.runtime.train.resume``,
+  ``hgraph.runtime.planner.service.saved_state``), this module stores and checks them.
 
 Outlier-delay queues: with ``--outlier-queues K`` (``hgraph.runtime.data.outlier_delay``) the checkpoint
 holds the stream's state after the step: documents waiting in each queue and those released but held
@@ -36,10 +38,6 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
 from hgraph.runtime.data.stored import fingerprint_of
-from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
-from hgraph.runtime.planner.service.iteration import IterationPlanner, parse_candidates
-from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.lr_schedule import schedule_of
 
 NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
                    "note": "mini-batches are packed without outlier delay: no document is held back"}
@@ -207,20 +205,6 @@ def rewrite_metrics_before(path: Path, step: int) -> None:
 
 
 # ---- the trainer's resume --------------------------------------------------------------------------
-def load_resume(config: TrainConfig, rank: int, world_size: int, fingerprint: str) -> Any:
-    """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
-    world size changed), or None for a fresh run; checks that it fits the run (``check_resume``)."""
-    ckpts = config.checkpointing
-    if not ckpts.resume:
-        return None
-    if ckpts.checkpoint_dir is None:
-        raise HGraphError("--resume needs --checkpoint-dir DIR")
-    folder = config.resume_from or find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback).folder
-    loaded = ckpt.load(folder, rank, world_size)
-    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model.model,
-                 model_args=dict(config.model.model_args), fingerprint=fingerprint, total_steps=config.data.steps)
-    return loaded
-
 
 def restore_state(loaded: Any, optimizer: Any) -> None:
     """Masters, moments and step counts from the checkpoint; the optimizer settings stay this run's
@@ -233,47 +217,3 @@ def restore_state(loaded: Any, optimizer: Any) -> None:
      optimizer.max_grad_norm) = settings
     if loaded.rng is not None:
         ckpt.restore_rng(loaded.rng)
-
-
-def resumed_planner(loaded: Any, config: TrainConfig, rank: int, world_size: int) -> Any:
-    """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
-    measurement, so it plans as the interrupted run would have), when they were made for this world
-    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
-    ``config``'s keys are read by name (``config.profile``), as ``planner_state`` does."""
-    state = loaded.planner_state if loaded is not None else {}
-    if (state.get("mode") != "planner" or state.get("world_size") != world_size
-            or state.get("strategies") != config.strategies or state.get("profile") != config.profile
-            or state.get("max_candidates") != config.max_candidates
-            or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
-        return None
-    (name, entry), = state["cost_profile"].items()
-    cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=config.gpus_per_node)
-    return IterationPlanner(cost, parse_candidates(";".join(state["candidates"]), world_size), rank,
-                            source=state.get("source", "checkpoint"), method=config.method)
-
-
-def planner_state(config: TrainConfig, planner: Any, schedule: Sequence[Any], world_size: int) -> dict:
-    """What a resume needs of the strategy choice: the schedule, or the planner's candidates."""
-    if planner is None:
-        return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
-    return {"mode": "planner", "strategies": config.strategies, "profile": config.profile,
-            "max_candidates": config.max_candidates,
-            "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
-            "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}
-
-
-def run_state(config: TrainConfig, world_size: int, module: Any = None) -> dict:
-    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)
-    and the run folder it wrote (a launcher's restart continues in it, ``hgraph.runtime.train.restart``).
-
-    A Hugging Face ``module`` (one with ``config.to_json_string``) also records its config as JSON
-    (``hf_config``), so the export of an ``hf:DIR`` run does not need DIR any more."""
-    model = config.model
-    state = {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
-             "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps,
-             "init_from": model.init_from, "run_dir": config.logging.run_dir,
-             "lr_schedule": schedule_of(config).state()}
-    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
-    if callable(to_json):
-        state["hf_config"] = json.loads(to_json(use_diff=False))
-    return state

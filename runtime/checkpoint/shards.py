@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.process_groups import group_key
+from hgraph.shard_rule import shard_bounds, shard_sizes
 
 
 @dataclass
@@ -229,25 +230,16 @@ def cp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
 
 
 # ---- sequence parallelism: token slices --------------------------------------------------------------
-def token_bounds(total: int, n: int, i: int) -> tuple[int, int]:
-    """Tokens ``[lo, hi)`` of ``total`` that rank ``i`` of ``n`` holds (slices differ by at most one)."""
-    return total * i // n, total * (i + 1) // n
-
-
-def token_sizes(total: int, n: int) -> list[int]:
-    """How many of ``total`` tokens each of ``n`` ranks holds (``token_bounds``), in rank order."""
-    return [hi - lo for lo, hi in (token_bounds(total, n, i) for i in range(n))]
-
 
 class _ScatterTokens(torch.autograd.Function):
-    """Reduce-scatter of ``x`` along ``dim`` into the ranks' token slices (``token_bounds``, in group order):
+    """Reduce-scatter of ``x`` along ``dim`` into the ranks' token slices (``shard_bounds``, in group order):
     each rank's slice is placed in a [group size, padded, ...] buffer (the token dim moved first), so one
     equal-piece reduce-scatter serves uneven slices. Returns the padded piece; ``finish`` cuts it."""
 
     @staticmethod
     def forward(ctx, x, comm, group, n, index, dim, holder):
         total = x.shape[dim]
-        bounds = [token_bounds(total, n, i) for i in range(n)]
+        bounds = [shard_bounds(total, i, n) for i in range(n)]
         padded = max(hi - lo for lo, hi in bounds)
         moved = x.detach().movedim(dim, 0)
         buf = moved.new_zeros((n, padded) + tuple(moved.shape[1:]))
@@ -270,7 +262,7 @@ class _ScatterTokens(torch.autograd.Function):
 
 def sp_scatter_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     """Start the reduce-scatter of ``x`` over ``ranks`` along the token ``dim``: the rank at position ``i``
-    of the group keeps the sum of tokens ``token_bounds(T, n, i)``; ``comm_wait`` gives that slice."""
+    of the group keeps the sum of tokens ``shard_bounds(T, i, n)``; ``comm_wait`` gives that slice."""
     key, group = _tp_group(comm, ranks)
     if list(ranks) != list(key):
         raise HGraphError(f"sp_scatter_issue: ranks {list(ranks)} must be in TP rank order")
@@ -280,7 +272,7 @@ def sp_scatter_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int)
     holder = _Holder()
     index = key.index(comm.rank)
     out = _ScatterTokens.apply(x, comm, group, len(key), index, dim, holder)
-    lo, hi = token_bounds(x.shape[dim], len(key), index)
+    lo, hi = shard_bounds(x.shape[dim], index, len(key))
     holder.pending.finish = lambda buf: buf[0, :hi - lo].movedim(0, dim)
     comm.register(out, holder.pending)
     return out
@@ -289,7 +281,7 @@ def sp_scatter_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int)
 def sp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int, total: int) -> torch.Tensor:
     """Start the all-gather of the token slices of ``total`` tokens along ``dim`` over ``ranks``; the
     backward reduce-scatters the gradient (``tp_gather_issue`` with ``reduce_grad``)."""
-    return tp_gather_issue(comm, x, ranks, dim, token_sizes(total, len(ranks)), reduce_grad=True)
+    return tp_gather_issue(comm, x, ranks, dim, shard_sizes(total, len(ranks)), reduce_grad=True)
 
 
 class _GatheredLinear(torch.autograd.Function):
@@ -325,7 +317,7 @@ def sp_gathered_linear(comm: Any, whole: torch.Tensor, part: torch.Tensor, w: to
     if len(key) == 1:
         return torch.nn.functional.linear(whole, w, b)
     dim = dim % part.dim()
-    sizes = token_sizes(whole.shape[dim], len(key))
+    sizes = shard_sizes(whole.shape[dim], len(key))
     return _GatheredLinear.apply(whole, part, w, b, comm, group, list(ranks), dim, sizes)
 
 

@@ -3,14 +3,20 @@
 The per-rank graphs call the op vocabulary of ``hgraph.ops`` with this context as their ``comm``
 argument; each op that needs peers calls the method of the same name here (the ``CommRuntime``
 protocol of ``hgraph.ops``), which resolves the graph's binding key (``"tp"``, ``"pp_prev"``, ...) to
-ranks and runs the collective of ``hgraph.runtime.comm.collectives``. The executor fills the
-per-program and per-micro-batch fields (``bindings``, ``param_sync``, ``cp_layout``, and the memory
-fields) before it runs a graph.
+ranks and runs the collective of ``hgraph.runtime.comm.collectives``.
+
+A context is immutable. The executor builds one per Program and rank with its fixed state
+(``bindings``, ``param_sync``, the activation meter, the loss settings); what changes per
+micro-batch (its CP layout, its dropout keys, which blocks recompute, whether it is an evaluation)
+enters through ``for_microbatch``, a view with those values that shares the rank's fixed state and
+its work in flight. A graph runs with its micro-batch's view as its ``comm`` input, so whatever
+keeps it (the autograd of a collective, a recomputed block's replay) sees that micro-batch's values
+without anything being saved and restored.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,71 +30,88 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
+from hgraph.shard_rule import shard_bounds
 
 
 @dataclass
+class InFlight:
+    """The ops a rank issued and has not waited for, shared by its context and every micro-batch view."""
+
+    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
+    pending: dict = field(default_factory=dict)
+    detached: list = field(default_factory=list)      # sends issued from backward
+
+
+@dataclass(frozen=True, eq=False)
 class CommContext:
-    """Everything a rank's comm ops need: who it is, its groups, and the work still in flight."""
+    """Everything a rank's comm ops need: who it is, its groups, the Program's fixed state, the
+    micro-batch's values (on a ``for_microbatch`` view), and the work still in flight."""
 
     rank: int
     world_size: int
     groups: GroupCache
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     comm_stream: Any = None                       # the dedicated CUDA stream of collectives (None on CPU)
-    bindings: dict = field(default_factory=dict)  # role key of the graphs -> ranks, per program
+    bindings: Mapping[str, Sequence[int]] = field(default_factory=dict)   # role key -> ranks, per program
     param_sync: Any = None                        # the Pull / Push engine of the program being run
-    cp_layout: Optional[CPLayout] = None          # CP layout of the micro-batch being run (CP > 1)
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
-    recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in this micro-batch
-    token_keys: Optional[TokenKeys] = None        # what the micro-batch's tokens are (dropout masks)
-    evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
-    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
-    _pending: dict = field(default_factory=dict, init=False, repr=False)
-    _detached: list = field(default_factory=list, init=False, repr=False)  # sends from backward
+    # the micro-batch's own values: set on the view ``for_microbatch`` gives
+    cp_layout: Optional[CPLayout] = None          # its CP layout (CP > 1)
+    token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
+    recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
+    evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
+    in_flight: InFlight = field(default_factory=InFlight, repr=False)
 
     @classmethod
-    def single(cls, device: Optional[torch.device] = None) -> "CommContext":
+    def single(cls, device: Optional[torch.device] = None, **fixed: Any) -> "CommContext":
         """A context for one process without a process group (every TP op is the identity)."""
-        return cls(0, 1, GroupCache(0, 1), device=torch.device(device or "cpu"))
+        return cls(0, 1, GroupCache(0, 1), device=torch.device(device or "cpu"), **fixed)
 
     @classmethod
     def from_default_group(cls, device: Optional[torch.device] = None,
-                           groups: Optional[GroupCache] = None) -> "CommContext":
+                           groups: Optional[GroupCache] = None, **fixed: Any) -> "CommContext":
         """A context for this process of the initialised default group (comm stream on CUDA)."""
         device = torch.device(device or "cpu")
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         return cls(dist.get_rank(), dist.get_world_size(), groups or GroupCache(), device=device,
-                   comm_stream=stream)
+                   comm_stream=stream, **fixed)
+
+    def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
+                       recompute_layers: Optional[frozenset] = None, evaluating: bool = False) -> "CommContext":
+        """The context one micro-batch's graph runs with: this context's fixed state and work in
+        flight, with the micro-batch's own values."""
+        return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
+                       evaluating=evaluating)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:
-        self._pending[id(t)] = (t, pending)
+        self.in_flight.pending[id(t)] = (t, pending)
 
     def take(self, t: torch.Tensor) -> Optional[PendingWork]:
-        entry = self._pending.get(id(t))
+        entry = self.in_flight.pending.get(id(t))
         if entry is None or entry[0] is not t:
             return None
-        del self._pending[id(t)]
+        del self.in_flight.pending[id(t)]
         return entry[1]
 
     def detach_work(self, pending: PendingWork) -> None:
-        self._detached.append(pending)
+        self.in_flight.detached.append(pending)
 
     def num_pending(self) -> int:
         """Issued ops not waited yet (forward issues plus backward sends)."""
-        return (sum(not p.done for _, p in self._pending.values())
-                + sum(not p.done for p in self._detached))
+        return (sum(not p.done for _, p in self.in_flight.pending.values())
+                + sum(not p.done for p in self.in_flight.detached))
 
     def wait_all(self) -> None:
         """Wait for every op still in flight (end of a step)."""
-        for _, pending in self._pending.values():
+        for _, pending in self.in_flight.pending.values():
             pending.wait(self)
-        for pending in self._detached:
+        for pending in self.in_flight.detached:
             pending.wait(self)
-        self._pending.clear()
-        self._detached.clear()
+        self.in_flight.pending.clear()
+        self.in_flight.detached.clear()
 
     # ---- the ops of hgraph.ops that need peers (its CommRuntime protocol) ---------------------------
     def ranks(self, key: str) -> tuple[int, ...]:
@@ -117,7 +140,7 @@ class CommContext:
     def token_slice(self, key: str, total: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""
         ranks = self.ranks(key) if key in self.bindings else (self.rank,)
-        return collectives.token_bounds(total, len(ranks), ranks.index(self.rank))
+        return shard_bounds(total, ranks.index(self.rank), len(ranks))
 
     def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
         return collectives.sp_scatter_issue(self, x, self.ranks(key), dim)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.runtime.comm.collectives import all_gather_single
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 
 
 class GatherBucket:

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 
 Range = tuple[int, int]
 

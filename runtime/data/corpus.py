@@ -34,7 +34,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import Document, read_jsonl
-from hgraph.runtime.data.stored import ConcatDocuments, StoreDocuments, doc_lengths, fingerprint_of
+from hgraph.runtime.data.stored import ConcatDocuments, StoreDocuments, fingerprint_of
 from hgraph.runtime.data.token_store import is_store, open_store
 
 
@@ -261,6 +261,3 @@ def open_corpus(spec: str, vocab_size: Optional[int] = None, *,
     sources = parse_data_spec(spec)
     return sources, [open_source(s.path, vocab_size, verify=verify) for s in sources]
 
-
-def lengths_of(corpus: Corpus) -> np.ndarray:
-    return doc_lengths(corpus.docs)

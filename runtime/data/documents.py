@@ -6,8 +6,8 @@ token store (``hgraph.runtime.data.stored``), whose length is known without read
 tokens are read from the memory map only when a micro-batch is packed.
 
 A mini-batch takes whole documents in the run's order (``hgraph.runtime.data.corpus.DataOrder``: file
-order or a seeded permutation per epoch) until the next one would pass ``tokens_per_iter`` (DESIGN.md,
-data order). When the data runs out before the last step, the next mini-batch starts a new epoch, so
+order or a seeded permutation per epoch) until the next one would pass ``tokens_per_iter``
+(``docs/architecture.md``, data order). When the data runs out before the last step, the next mini-batch starts a new epoch, so
 any number of steps can be trained. With outlier delay (``--outlier-queues``) the stream is
 ``hgraph.runtime.data.outlier_delay``'s, which uses these types.
 """
@@ -56,7 +56,7 @@ class MiniBatch:
 
     @property
     def num_targets(self) -> int:
-        """Next-token targets: a document of l tokens has l - 1 (DESIGN.md, loss)."""
+        """Next-token targets: a document of l tokens has l - 1 (``docs/architecture.md``, loss)."""
         return sum(max(len(d) - 1, 0) for d in self.docs)
 
 

@@ -1,4 +1,4 @@
-"""Reading document lengths and cutting them into mini-batches (DESIGN.md, data order)."""
+"""Reading document lengths and cutting them into mini-batches (``docs/architecture.md``, data order)."""
 from __future__ import annotations
 
 import json
@@ -99,7 +99,7 @@ TOO_LONG_POLICIES = ("error", "truncate", "drop")
 
 def iteration_batches(lengths, tokens_per_iter: int, max_len: int, *,
                       too_long: str = "error") -> tuple[np.ndarray, list[np.ndarray]]:
-    """Mini-batches of a dataset (DESIGN.md, data order) with documents longer than ``max_len``
+    """Mini-batches of a dataset (``docs/architecture.md``, data order) with documents longer than ``max_len``
     (the longest supported length) handled by ``too_long``:
 
     - ``error`` (default): HGraphError naming the first such document's index and length;

@@ -1,6 +1,6 @@
 """Mini-batches with WLB-LLM outlier delay (WLB-LLM §4.1): the training data stream of ``--outlier-queues K``.
 
-The queues and their release rule are ``hgraph.runtime.planner.schedule.wlb.WLBPacker``'s (Alg. 1): a document
+The queues and their release rule are ``hgraph.runtime.data.wlb_packing.WLBPacker``'s (Alg. 1): a document
 at least ``thresholds[0]`` tokens long waits in FIFO queue ``i`` (``L_i <= len < L_{i+1}``; default
 ``L / 2^(K-i)`` with ``L`` the longest document of the data) until the queue holds ``release``
 documents, then all of them join the step. WLB releases one per micro-batch; here ``release`` is the
@@ -10,7 +10,7 @@ releasing 4 at 2048 tokens per step raised the planner's estimated imbalance, re
 What is the trainer's own is how a mini-batch fills its ``tokens_per_iter`` budget:
 
 1. documents held back from earlier steps (released but not fitting) go first, oldest first;
-2. then new documents in file order, while they fit (DESIGN.md data order): a short document is
+2. then new documents in file order, while they fit (``docs/architecture.md``, data order): a short document is
    taken; an outlier goes to its queue (it takes no room now) and a released group joins the step,
    what does not fit being held for the next step. While documents are held, reading stops at the
    next outlier, so held documents never pile up: each waits only behind the held ones before it,
@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths, mini_batches
-from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker, _Doc
+from hgraph.runtime.data.wlb_packing import DocLatency, StreamDoc, WLBPacker
 
 _STATE_VERSION = 1
 
@@ -81,7 +81,7 @@ class DelayedMiniBatches:
         self.wlb = WLBPacker(DocLatency(1.0, 0.0), max(1, int(release)), longest, num_queues=num_queues,
                              refine_steps=0)
         self.position, self.step, self.draining = 0, 0, False
-        self.held: list[_Doc] = []
+        self.held: list[StreamDoc] = []
         if state is not None:
             self._restore(state)
 
@@ -104,7 +104,7 @@ class DelayedMiniBatches:
                               f"(thresholds {state.get('thresholds')}) differ from this run's "
                               f"{len(self.wlb.thresholds)} (thresholds {self.wlb.thresholds}); give the same "
                               "--outlier-queues")
-        mk = lambda p: _Doc(int(p[0]), len(self.order.at(int(p[0]))), int(p[1]))   # noqa: E731
+        mk = lambda p: StreamDoc(int(p[0]), len(self.order.at(int(p[0]))), int(p[1]))   # noqa: E731
         for q, saved in zip(self.wlb.queues, state["queues"]):
             q.extend(mk(p) for p in saved)
         self.held = [mk(p) for p in state["held"]]
@@ -134,7 +134,7 @@ class DelayedMiniBatches:
         if not self.draining and (last or self._should_drain()):
             self.draining = True
             self._flush_queues()
-        taken: list[_Doc] = []
+        taken: list[StreamDoc] = []
         room = self.budget
         while self.held and (last or self.held[0].length <= room or not taken):
             d = self.held.pop(0)
@@ -146,7 +146,7 @@ class DelayedMiniBatches:
             doc = self.order.at(self.position)
             if doc.index in seen:
                 break                    # never the same document twice in one mini-batch (tiny data)
-            d = _Doc(self.position, len(doc), self.step)
+            d = StreamDoc(self.position, len(doc), self.step)
             if self.draining or d.length < self.wlb.thresholds[0]:
                 if taken and d.length > room:
                     break

@@ -1,6 +1,7 @@
-"""One training step of a compiled Program on this rank (Hydraulis §5, Fig. 2b).
+"""One training step of a strategy's Program on this rank (Hydraulis §5, Fig. 2b).
 
-``Executor.step(program, plan, num_targets)``:
+``Executor.step(strategy, microbatches, num_targets)`` finds the strategy's Program and this rank's
+state for it (building them on first use), then:
 
 1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
    graph's ``pull_wait`` node waits for its parameter.
@@ -8,8 +9,8 @@
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
    may have different numbers of micro-batches of different packed lengths; the received
    activations' shapes follow from the micro-batch's token count (the plan), so no shape messages.
-   The last stage backpropagates ``stage_loss_sum / num_targets`` (DESIGN.md loss: the mini-batch's
-   number of targets), so the gradient never depends on the strategy or the packing; it is made
+   The last stage backpropagates ``stage_loss_sum / num_targets`` (``docs/architecture.md``, loss:
+   the mini-batch's number of targets), so the gradient never depends on the strategy or the packing; it is made
    from the output head's inputs chunk by chunk, never from the whole logits (``engine/loss``). In a CP
    pipeline each CP rank runs its share of every micro-batch's tokens (per-document or
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
@@ -31,13 +32,14 @@ DDP needs one; this keeps it at two (the loss costs none) and does the rest on t
 are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes ``2(N - 1)`` steps in
 sequence (``grad_buckets``, ``param_gather``).
 
-Per Program the executor builds a ``RankState`` (working tensors installed in the rank's graph,
-process groups created, the ``ParamSync``) on its first step and keeps it in the run's
-``ProgramCache`` (``hgraph.runtime.engine.program_cache``) with the Program: switching back to a
+The executor owns its ``ProgramCache`` (``hgraph.runtime.engine.program_cache``): per strategy the
+Program, built on the strategy's first step, and this rank's ``RankState`` for it (working tensors
+installed in the rank's graph, process groups created, the ``ParamSync``). Switching back to a
 strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy). Only one Program's working parameters and gradients hold memory at a time: a
-switch frees the storage of the last Program's (``ParamSync.release_working``) and re-allocates the
-next one's, so a rank's peak does not grow with the number of strategies a run has used.
+on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``).
+Only one Program's working parameters and gradients hold memory at a time: a switch frees the
+storage of the last Program's (``ParamSync.release_working``) and re-allocates the next one's, so a
+rank's peak does not grow with the number of strategies a run has used.
 """
 from __future__ import annotations
 
@@ -45,64 +47,33 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence, Union
 
-import numpy as np
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import attach_stage_memory
+from hgraph.runtime.engine.memory import StageMemory, stage_memory
 from hgraph.runtime.engine.peak_memory import PeakMemory
-from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
-from hgraph.strategy import Cluster
+from hgraph.program import Program, RankProgram
+from hgraph.strategy import Cluster, Strategy
 from hgraph.varlen_attention import cu_seqlens_for
 
 ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
-
-
-@dataclass(frozen=True, eq=False)
-class MicroBatch:
-    """One packed row: documents concatenated (``input_ids [1, T]``) with per-document positions.
-
-    The row is built when first read: only the ranks of the pipeline that runs it read its documents'
-    tokens (a stored document's tokens stay in the memory map until then)."""
-
-    doc_lengths: tuple[int, ...]
-    doc_indices: tuple[int, ...] = ()
-    sources: tuple = field(default=(), repr=False)    # each document's token ids (any int sequence)
-
-    @classmethod
-    def pack(cls, docs: Sequence[Sequence[int]], indices: Sequence[int] = ()) -> "MicroBatch":
-        """Pack token lists into one row; positions restart at 0 for every document."""
-        if not docs or any(len(d) == 0 for d in docs):
-            raise HGraphError("a micro-batch needs at least one document and no empty document")
-        return cls(tuple(len(d) for d in docs), tuple(indices), tuple(docs))
-
-    @cached_property
-    def input_ids(self) -> torch.Tensor:
-        row = np.concatenate([np.asarray(d, dtype=np.int64) for d in self.sources])
-        return torch.from_numpy(row)[None]
-
-    @cached_property
-    def position_ids(self) -> torch.Tensor:
-        return torch.cat([torch.arange(n) for n in self.doc_lengths])[None]
-
-    @property
-    def tokens(self) -> int:
-        return int(sum(self.doc_lengths))
 
 
 @dataclass
@@ -130,6 +101,8 @@ class StepResult:
     compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
     tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
     mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
+    cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
+    switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
 
 
 class RankLostError(RuntimeError):
@@ -146,13 +119,13 @@ class RankLostError(RuntimeError):
 class RankState:
     """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
 
-    program: Any
-    rank_program: Any
-    graph: Any
-    working: dict
-    comm: CommContext
+    program: Program
+    rank_program: RankProgram
+    graph: fx.GraphModule                  # the rank's graph (blocks outlined, regions compiled)
+    working: dict[str, nn.Parameter]
+    comm: CommContext                      # the Program's fixed communication state
     sync: ParamSync
-    memory: Any = None      # a engine.memory.StageMemory: activation accounting, recomputation
+    memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
 
 
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
@@ -190,18 +163,29 @@ def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tupl
     return order
 
 
+class ShardedOptimizer(Protocol):
+    """What the executor needs of the sharded optimizer (``engine.optimizer.ShardedAdam``)."""
+
+    params: Mapping[str, torch.Tensor]      # this rank's fp32 master shards, by parameter name
+    max_grad_norm: Optional[float]          # global-norm clipping (needs every gradient before an update)
+    updates_in_parts: bool                  # ``step`` may take disjoint parts of one step's gradients
+
+    def step(self, grad_shards: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]: ...
+
+
 class Executor:
     """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
 
     ``optimizer``: a ``ShardedAdam`` over the full model's parameters with shard dims from the
-    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``programs``: the run's
-    ``ProgramCache``, where the rank's state of each Program is kept (default: one of its own).
+    HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``cluster``: where the
+    strategies' Programs are laid out (default: ``Cluster(world_size)``).
+    ``programs``: the executor's ``ProgramCache`` (read its counts; only the executor looks up).
     """
 
-    def __init__(self, compiled: Any, optimizer: Any, rank: int, world_size: int, groups: Any,
+    def __init__(self, compiled: Any, optimizer: ShardedOptimizer, rank: int, world_size: int, groups: Any,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
-                 cp_sharding: str = ADAPTIVE, programs: Optional[ProgramCache] = None, seed: int = 0,
+                 cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
                  vocab_parallel_loss: Optional[bool] = None, compile_mode: str = "off",
                  compile_backend: str = "inductor") -> None:
         self.compiled = compiled
@@ -230,20 +214,45 @@ class Executor:
         if self.compile:
             check_backend(compile_backend)
         self.region_compiles = RegionCompiles()
-        self.programs = programs if programs is not None else ProgramCache(compiled, Cluster(world_size))
-        self._last_program: Any = None
+        self.programs = ProgramCache(compiled, cluster if cluster is not None else Cluster(world_size))
+        self._last_program: Optional[Program] = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
         self._step_index = 0
         self._active: Optional[RankState] = None    # the state whose working tensors hold memory
         self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
         self.peak_memory = PeakMemory(self.device)   # every step's measured peak (StepResult.process_peak_bytes)
 
-    # ---- per-program state (kept in the program cache) --------------------------------------------
-    def state_for(self, program: Any) -> RankState:
-        """This rank's state for ``program``, built (collectively: every rank calls it) on first use."""
-        state = self.programs.state(program)
-        if state is not None:
-            return state
+    # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
+    def prepare(self, strategies: Sequence[Strategy]) -> None:
+        """Build the Programs of ``strategies`` now (misses), so a strategy that cannot be built fails
+        before any step."""
+        for strategy in dict.fromkeys(strategies):
+            self.programs.find(strategy)
+
+    def program(self, strategy: Union[Strategy, str]) -> Program:
+        """The Program of ``strategy`` (built if new; not counted as a hit or a miss)."""
+        return self.programs.find(_strategy(strategy), count=False)[0].program
+
+    def rank_state(self, strategy: Union[Strategy, str, Program]) -> RankState:
+        """This rank's state for ``strategy``'s Program (or a given Program), built on first use
+        (collectively: every rank calls it); no hit or miss counted."""
+        return self._state_of(self._entry(strategy, count=False)[0])
+
+    def _entry(self, strategy: Union[Strategy, str, Program], count: bool = True
+               ) -> tuple[CachedProgram, Optional[bool]]:
+        """The cache entry of a strategy (and whether it hit), or of a Program given (hit: None)."""
+        if isinstance(strategy, Program):
+            return self.programs.adopt(strategy), None
+        return self.programs.find(_strategy(strategy), count=count)
+
+    def _state_of(self, entry: CachedProgram) -> RankState:
+        """The entry's rank state, built (collectively) on the Program's first use."""
+        if entry.state is None:
+            entry.state = self._build_state(entry.program)
+        return entry.state
+
+    def _build_state(self, program: Program) -> RankState:
+        """This rank's state for ``program``: working tensors in its graph, groups, the ``ParamSync``."""
         if program.cluster.world_size != self.world_size:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
                               f"but this run has {self.world_size}")
@@ -270,33 +279,30 @@ class Executor:
             setattr(mod, leaf, param)
             working[name] = param
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream)
-        comm.bindings = dict(rp.bindings)
-        comm.head_inputs = True       # a last stage's loss is made from its head's inputs (engine/loss)
-        comm.vocab_parallel_loss = self.vocab_parallel_loss
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
-        update = self.optimizer.step if getattr(self.optimizer, "updates_in_parts", False) else None
+        update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased), update=update)
-        comm.param_sync = sync
-        state = RankState(program, rp, gm, working, comm, sync)
+        graph, memory = gm, None
         if self.track_memory:
-            attach_stage_memory(state, program, self.groups, self.memory_budget, self.device)
+            graph, memory = stage_memory(gm, working, program, rp, self.groups, self.memory_budget, self.device)
+        comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
+                           bindings=dict(rp.bindings), param_sync=sync,
+                           activation_meter=memory.meter if memory is not None else None,
+                           head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
+                           vocab_parallel_loss=self.vocab_parallel_loss)
+        state = RankState(program, rp, graph, working, comm, sync, memory)
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
             state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
                                              self.region_compiles)
-        self.programs.keep_state(program, state)
         return state
 
-    @property
-    def _states(self) -> dict[Any, RankState]:
-        """This rank's states built so far, per strategy (a view of the program cache)."""
-        return self.programs.states()
-
     # ---- one step -----------------------------------------------------------------------------------
-    def step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-             step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
-        """One training step: ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+    def step(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
+             num_targets: int, step: int = 0, prefetch: Optional[bool] = None) -> StepResult:
+        """One training step of ``strategy``'s Program (found or built here; a Program built elsewhere
+        may be given instead): ``microbatches[i]`` are pipeline ``i``'s packed rows (may be empty).
+        The result says whether the Program was a hit (``cache_hit``) and how long finding it took.
 
         Every rank must call it with the same arguments (collective). A collective that fails
         because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
@@ -304,8 +310,11 @@ class Executor:
         off when the next step runs the same Program (``None``: when the last step ran this one too,
         a repeat being the best guess; give the answer when the caller knows it).
         """
+        t0 = time.perf_counter()
+        entry, hit = self._entry(strategy)
+        switch_s = time.perf_counter() - t0
         try:
-            return self._step(program, microbatches, num_targets, step, prefetch)
+            result = self._step(entry, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
             if self.heartbeat is None or isinstance(exc, RankLostError):
                 raise
@@ -313,6 +322,8 @@ class Executor:
             if not lost:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
+        result.cache_hit, result.switch_s = hit, switch_s
+        return result
 
     def _activate(self, state: RankState) -> None:
         """Make ``state`` the one whose working tensors hold memory (module docstring)."""
@@ -325,17 +336,18 @@ class Executor:
     def _overlaps_update(self, state: RankState) -> bool:
         """Whether this step updates the shards as their reductions arrive: a plain data-parallel
         Program without global-norm clipping (which needs every gradient before any update)."""
-        return state.sync.can_overlap_update and getattr(self.optimizer, "max_grad_norm", None) is None
+        return state.sync.can_overlap_update and self.optimizer.max_grad_norm is None
 
-    def _step(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
+    def _step(self, entry: CachedProgram, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
               step: int, prefetch: Optional[bool]) -> StepResult:
         t0 = time.perf_counter()
+        program = entry.program
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
                               f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
         if num_targets < 1:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
-        state = self.state_for(program)
+        state = self._state_of(entry)
         self._activate(state)
         self._step_index = step
         rp, sync = state.rank_program, state.sync
@@ -396,7 +408,7 @@ class Executor:
                             t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
                             dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
         if state.memory is not None:
-            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step(state.comm)
+            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
         result.process_peak_bytes = self.peak_memory.read()
@@ -416,13 +428,13 @@ class Executor:
         for n, (kind, i) in enumerate(order):
             mb = mbs[i]
             if kind == "F":
-                ids, pos, targets = self._inputs(state, mb)
-                if memory is not None:
-                    memory.before_forward(comm, i, mb, comm.cp_layout if rp.scheme.cp > 1 else None)
+                ids, pos, targets, layout, keys = self._inputs(state, mb)
+                recompute = memory.before_forward(i, mb, layout) if memory is not None else None
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute)
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
-                    out = gm(ids.to(self.device), pos.to(self.device), comm)
+                    out = gm(ids.to(self.device), pos.to(self.device), mb_comm)
                     if last:
-                        s = self._loss_sum(out, ids, targets, mb, comm)
+                        s = self._loss_sum(out, ids, targets, mb, mb_comm)
                         loss_sum += float(s.detach())
                         pending[i] = s / num_targets
                     else:
@@ -442,21 +454,22 @@ class Executor:
                     memory.after_backward(i)
         return loss_sum
 
-    def _inputs(self, state: RankState, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``; sets the
-        micro-batch's CP layout and dropout keys on the rank's communication context."""
-        rp, comm = state.rank_program, state.comm
-        ids, pos, targets = mb.input_ids, mb.position_ids, None
+    def _inputs(self, state: RankState, mb: MicroBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, Any, Optional[CPLayout], TokenKeys]:
+        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
+        micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
+        rp = state.rank_program
+        ids, pos, targets, layout = mb.input_ids, mb.position_ids, None, None
         docs = token_documents(mb)
         if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-            comm.cp_layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
-            local = torch.tensor(comm.cp_layout.local_tokens, dtype=torch.long)
+            layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
+            local = torch.tensor(layout.local_tokens, dtype=torch.long)
             cu = cu_seqlens_for(mb.doc_lengths)
             ids, pos, docs = ids[:, local], pos[:, local], docs[local]
             targets = packed_targets(mb.input_ids, cu)[:, local]
-        comm.token_keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
-                                    mb.doc_indices or tuple(range(len(mb.doc_lengths))))
-        return ids, pos, targets
+        keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
+                         mb.doc_indices or tuple(range(len(mb.doc_lengths))))
+        return ids, pos, targets, layout, keys
 
     def _loss_sum(self, out: Any, ids: torch.Tensor, targets: Any, mb: MicroBatch, comm: Any) -> torch.Tensor:
         """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
@@ -466,29 +479,28 @@ class Executor:
         return stage_loss_sum(out, targets.to(self.device), comm)
 
     @torch.no_grad()
-    def evaluate(self, program: Any, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int) -> float:
-        """The loss of ``microbatches`` (per pipeline, as ``step`` takes them) under ``program`` with the
-        current parameters, forward only: the same loss as a step's (summed next-token cross-entropy
-        over ``num_targets``), dropout off, nothing updated. Collective: every rank calls it."""
+    def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
+                 num_targets: int) -> float:
+        """The loss of ``microbatches`` (per pipeline, as ``step`` takes them) under ``strategy``'s
+        Program with the current parameters, forward only: the same loss as a step's (summed
+        next-token cross-entropy over ``num_targets``), dropout off, nothing updated, no hit counted.
+        Collective: every rank calls it."""
         if num_targets < 1:
             raise HGraphError("evaluation: the documents have no targets; the loss is undefined")
-        state = self.state_for(program)
+        state = self.rank_state(strategy)
         self._activate(state)
         rp, sync, comm = state.rank_program, state.sync, state.comm
         last = rp.stage == rp.scheme.pp - 1
         sync.begin_step()
-        comm.evaluating = True
         loss_sum = 0.0
-        try:
-            for mb in microbatches[rp.pipeline]:
-                ids, pos, targets = self._inputs(state, mb)
-                out = state.graph(ids.to(self.device), pos.to(self.device), comm)
-                if last:
-                    loss_sum += float(self._loss_sum(out, ids, targets, mb, comm))
-                del out
-            comm.wait_all()
-        finally:
-            comm.evaluating = False
+        for mb in microbatches[rp.pipeline]:
+            ids, pos, targets, layout, keys = self._inputs(state, mb)
+            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True)
+            out = state.graph(ids.to(self.device), pos.to(self.device), mb_comm)
+            if last:
+                loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
+            del out
+        comm.wait_all()
         sync.end_step()
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:
@@ -507,6 +519,10 @@ class Executor:
         value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
+
+
+def _strategy(strategy: Union[Strategy, str]) -> Strategy:
+    return strategy if isinstance(strategy, Strategy) else Strategy.parse(strategy)
 
 
 def shard_dims_of(compiled: Any) -> dict[str, int]:

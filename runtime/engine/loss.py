@@ -3,7 +3,7 @@
 A document of ``l`` tokens has ``l - 1`` targets (its last token predicts nothing: the next token
 belongs to another document). ``packed_loss_sum`` returns the SUM over the micro-batch's targets;
 the caller divides by ``num_targets`` of the whole mini-batch, so any packing and any micro-batch
-split give the same loss and gradient as one device on the whole mini-batch (DESIGN.md, Loss).
+split give the same loss and gradient as one device on the whole mini-batch (``docs/architecture.md``, loss).
 
 A last stage whose graph ends in the output head (``ops.output_head``) hands the runtime the head's
 inputs instead of logits (``ops.HeadInputs``); ``stage_loss_sum`` then computes the same sum chunk by

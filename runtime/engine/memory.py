@@ -8,13 +8,14 @@ forward and backward and ``peak_bytes`` is their maximum. A recomputed block (``
 adds its checkpointed inputs while it waits for backward, and, during its replay, the tensors the
 replay saves (tracked by a dispatch mode inside the recompute context): that transient is the
 block's stash. Per block the meter records what one layer stashed (``observations``) for the memory
-model (``hgraph.runtime.planner.schedule.recompute``).
+model (``hgraph.runtime.engine.activation_model``).
 
 ``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
-features and, with a budget, picks how many of the stage's blocks recompute (the model's choice,
-agreed over the stage's TP x CP group); per step it refits the model to what was measured.
-``attach_stage_memory`` gives an executor's rank state its ``StageMemory`` and, with a budget,
-outlines the graph's blocks for recomputation (``recompute.outline_blocks``).
+features and, with a budget, picks the stage's blocks that recompute (the model's choice, agreed
+over the stage's TP x CP group; the executor hands them to the micro-batch's communication
+context); per step it refits the model to what was measured. ``stage_memory`` makes a rank's
+``StageMemory`` for a Program and, with a budget, outlines the graph's blocks for recomputation
+(``recompute.outline_blocks``).
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hgraph.runtime.engine.activation_model import choose_recompute_layers, fit_activation_model
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
-from hgraph.runtime.planner.schedule.recompute import choose_recompute_layers, fit_activation_model
 
 
 class _Saved:
@@ -214,12 +215,14 @@ class StageMemory:
         self._held.clear()
         self.step_predicted, self.step_recompute, self._unknown = [], [], False
 
-    def before_forward(self, comm: Any, index: int, mb: Any, layout: Any) -> None:
+    def before_forward(self, index: int, mb: Any, layout: Any) -> Optional[frozenset]:
+        """Start micro-batch ``index`` (``layout``: its CP layout, or None); returns the layers whose
+        blocks recompute in it (None without a budget)."""
         f = microbatch_features(mb, layout)
         self.meter.features = f
         self.meter.forward_block_bytes = 0
         self._start_live = self.meter.live_bytes
-        r, predicted = 0, None
+        r, predicted, recompute = 0, None, None
         if self.budget is not None:
             held = sum(self._held.values())
             if self.model is None:
@@ -231,12 +234,13 @@ class StageMemory:
             if self.model is not None:
                 predicted = self.model.peak(f, len(self.layers), r, held)
                 self._held[index] = self.model.held(f, len(self.layers), r)
-            comm.recompute_layers = frozenset(self.layers[:r])   # the first blocks: freed last
+            recompute = frozenset(self.layers[:r])   # the first blocks: freed last
         self.step_recompute.append(r)
         if predicted is None:
             self._unknown = True
         else:
             self.step_predicted.append(predicted)
+        return recompute
 
     def after_forward(self) -> None:
         other = self.meter.live_bytes - self._start_live - self.meter.forward_block_bytes
@@ -246,10 +250,9 @@ class StageMemory:
     def after_backward(self, index: int) -> None:
         self._held.pop(index, None)
 
-    def end_step(self, comm: Any) -> tuple[int, Optional[float], list[int]]:
+    def end_step(self) -> tuple[int, Optional[float], list[int]]:
         """(measured peak bytes, predicted peak bytes or None, recomputed layers per micro-batch);
         refits the model to everything measured so far."""
-        comm.recompute_layers = None
         obs = self.meter.observations
         for kind in obs:
             obs[kind] = obs[kind][-256:]           # recent micro-batches are enough for the fit
@@ -265,19 +268,20 @@ class StageMemory:
         return int(t[0])
 
 
-def attach_stage_memory(state: Any, program: Any, groups: Any, budget: Optional[float], device: Any) -> None:
-    """Give an executor's ``RankState`` its ``StageMemory``; with a budget, its graph's blocks are
-    outlined for recomputation (the same computation; the original graph is kept for a budget-less
-    executor sharing the program)."""
-    rp = state.rank_program
-    meter = ActivationMeter(state.working.values())
+def stage_memory(graph: Any, working: Any, program: Any, rank_program: Any, groups: Any,
+                 budget: Optional[float], device: Any) -> tuple[Any, StageMemory]:
+    """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
+    with a budget, ``graph`` with its blocks outlined for recomputation (the same computation; the
+    original graph is kept for a budget-less executor sharing the program)."""
+    rp = rank_program
+    meter = ActivationMeter(working.values())
     layers: list[int] = []
     group = None
     if budget is not None:
-        outlined = outline_blocks(state.graph)
-        if outlined is not state.graph:
-            layers = [layer for layer, _ in block_ranges(state.graph.graph)]
-            state.graph = outlined
+        outlined = outline_blocks(graph)
+        if outlined is not graph:
+            layers = [layer for layer, _ in block_ranges(graph.graph)]
+            graph = outlined
         stages: dict[tuple[int, int], list[int]] = {}
         for r in program.ranks:
             stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
@@ -285,6 +289,4 @@ def attach_stage_memory(state: Any, program: Any, groups: Any, budget: Optional[
         stage_ranks = sorted(stages[(rp.pipeline, rp.stage)])
         if len(stage_ranks) > 1:
             group = (groups.get(stage_ranks),)
-    state.comm.activation_meter = meter
-    state.comm.recompute_layers = None
-    state.memory = StageMemory(meter, layers, budget, group, device)
+    return graph, StageMemory(meter, layers, budget, group, device)

@@ -10,7 +10,7 @@ states and the working tensors of one strategy's layout (Hydraulis §5.2), as th
 * The ``Executor`` keeps one Program's working parameters (this rank's ``ParamShard.shard_shape``,
   padding rows included, in the working dtype) and their gradients; a strategy switch frees the last
   layout's (``ParamSync.release_working``), so only one layout counts. On one rank in fp32 a working
-  parameter without padding is the master itself (``Executor.state_for``): no bytes of its own.
+  parameter without padding is the master itself (``Executor.rank_state``): no bytes of its own.
 
 Nothing is allocated: the shards come from ``CompiledModule.param_shards`` (the layouts every
 Program's ranks get, without graphs or plans), the segments from the parameters' shapes, so a
@@ -28,7 +28,7 @@ import torch
 
 from hgraph.errors import StrategyError
 from hgraph.runtime.engine.executor import shard_dims_of
-from hgraph.runtime.engine.optimizer import shard_bounds
+from hgraph.shard_rule import shard_bounds
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 MASTER_BYTES = 4          # fp32 master segment, per element

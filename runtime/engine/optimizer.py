@@ -2,8 +2,8 @@
 
 This is the *optimization phase* of Hydraulis §5.2: the layout is the same for every parallel
 strategy. Parameter ``name`` is cut along its shard dimension ``d`` (size ``S``); rank ``r`` owns
-``[floor(r*S/N), floor((r+1)*S/N))`` (``shard_bounds``; the LNK plans use the same rule, keep them in
-step). A rank may own an empty shard when ``S < N``.
+``[floor(r*S/N), floor((r+1)*S/N))`` (``hgraph.shard_rule.shard_bounds``, the rule the LNK plans read
+too). A rank may own an empty shard when ``S < N``.
 
 A rank's fp32 masters and both moments live in three flat buffers (one each, the shards of every
 parameter side by side; ``params[name]`` etc. are views into them). Two implementations of the update:
@@ -28,42 +28,16 @@ The parameters given may live on the meta device (a model built without allocati
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.shard_rule import ShardLayout, shard_bounds
 
 FUSED, EXACT = "fused", "exact"
 IMPLS = (FUSED, EXACT)
-
-
-def shard_bounds(size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """The half-open range ``[lo, hi)`` of a dimension of ``size`` owned by ``rank`` of ``world_size``."""
-    return (rank * size) // world_size, ((rank + 1) * size) // world_size
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """Where one parameter's shard sits: full shape, shard dimension and this rank's range."""
-
-    name: str
-    full_shape: tuple[int, ...]
-    dim: int
-    lo: int
-    hi: int
-
-    @property
-    def shard_shape(self) -> tuple[int, ...]:
-        shape = list(self.full_shape) or [1]  # a 0-d parameter is handled as shape [1]
-        shape[self.dim] = self.hi - self.lo
-        return tuple(shape)
-
-    def slice_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a full tensor (a view)."""
-        return full.reshape(self.full_shape or (1,)).narrow(self.dim, self.lo, self.hi - self.lo)
 
 
 NamedParams = Union[Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]

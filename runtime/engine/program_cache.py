@@ -1,4 +1,4 @@
-"""One cache of a run's per-strategy Programs and of this rank's state for each (Hydraulis §5).
+"""The executor's cache of per-strategy Programs and of this rank's state for each (Hydraulis §5).
 
 Per strategy, ``ProgramCache`` holds the Program, built by ``CompiledModule.build_program`` on the
 strategy's first use (a miss; its host time goes to ``compile_s``), and this rank's state for it
@@ -8,15 +8,15 @@ seen before is a dict lookup (a hit; its host time goes to ``switch_s``) and mov
 state, whose layout does not depend on the strategy. ``info()`` has the figures the metrics and the
 run's summary report.
 
-The training loop and the executor share one cache. A Program built elsewhere (e.g. by
-``CompiledModule.instantiate``) that the executor is asked to run is kept under its strategy too,
-without counting a hit or a miss.
+The executor owns the cache: it is the only one that looks Programs up, so it alone counts hits
+and misses; others read the counts. A Program built elsewhere (e.g. by ``CompiledModule.instantiate``)
+that the executor is asked to run is kept under its strategy too (``adopt``), without counting.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from hgraph.program import Program
 from hgraph.strategy import Cluster, Strategy
@@ -35,45 +35,49 @@ class ProgramCache:
 
     def __init__(self, compiled: Any, cluster: Cluster) -> None:
         self.compiled, self.cluster = compiled, cluster
-        self.hits = self.misses = 0
+        self._hits = self._misses = 0
         self.switch_s: list[float] = []
         self.compile_s: list[float] = []
         self._entries: dict[Strategy, CachedProgram] = {}
 
-    def get(self, strategy: Strategy) -> Program:
-        """The Program of ``strategy``, built on a miss."""
+    @property
+    def hits(self) -> int:
+        return self._hits
+
+    @property
+    def misses(self) -> int:
+        return self._misses
+
+    def find(self, strategy: Strategy, *, count: bool = True) -> tuple[CachedProgram, bool]:
+        """The entry of ``strategy`` (its Program built on a miss) and whether it was a hit; with
+        ``count=False`` (an evaluation under a step's Program) the lookup is not counted."""
         t0 = time.perf_counter()
         entry = self._entries.get(strategy)
+        hit = entry is not None
         if entry is None:
-            self.misses += 1
             entry = self._entries[strategy] = CachedProgram(self.compiled.build_program(strategy, self.cluster))
-            self.compile_s.append(time.perf_counter() - t0)
-        else:
-            self.hits += 1
-            self.switch_s.append(time.perf_counter() - t0)
-        return entry.program
+        if count:
+            if hit:
+                self._hits += 1
+                self.switch_s.append(time.perf_counter() - t0)
+            else:
+                self._misses += 1
+                self.compile_s.append(time.perf_counter() - t0)
+        return entry, hit
 
-    def peek(self, strategy: Strategy) -> Program:
-        """The Program of ``strategy`` already built (no hit counted: an evaluation after its step)."""
-        return self._entries[strategy].program
-
-    def state(self, program: Program) -> Optional[Any]:
-        """This rank's state for ``program`` (None before its first step)."""
-        entry = self._entries.get(program.strategy)
-        return entry.state if entry is not None and entry.program is program else None
-
-    def keep_state(self, program: Program, state: Any) -> None:
-        """Keep ``state`` for ``program`` (which replaces another Program of its strategy)."""
+    def adopt(self, program: Program) -> CachedProgram:
+        """The entry of ``program``, built elsewhere: kept under its strategy (replacing another
+        Program of that strategy), not counted."""
         entry = self._entries.get(program.strategy)
         if entry is None or entry.program is not program:
             entry = self._entries[program.strategy] = CachedProgram(program)
-        entry.state = state
+        return entry
 
     def states(self) -> dict[Strategy, Any]:
         """This rank's states, per strategy (those built so far)."""
         return {s: e.state for s, e in self._entries.items() if e.state is not None}
 
     def info(self) -> dict:
-        return {"hits": self.hits, "misses": self.misses, "programs": len(self._entries),
+        return {"hits": self._hits, "misses": self._misses, "programs": len(self._entries),
                 "max_hit_switch_ms": 1e3 * max(self.switch_s, default=0.0),
                 "compile_s": sum(self.compile_s)}

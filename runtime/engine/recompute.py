@@ -11,9 +11,10 @@ micro-batch by the executor), under non-reentrant ``torch.utils.checkpoint``: on
 inputs stay alive, and its forward runs again inside backward. The recomputation replays the
 block's communication (CP all-gather of K/V, TP all-reduces), so every rank of a stage's TP x CP
 group must recompute the same layers (the executor agrees on them with one small all-reduce);
-early stop is disabled so a replay always issues all of the block's collectives. The micro-batch's
-CP layout is captured at forward time and restored during the replay (1F1B interleaves forwards of
-later micro-batches before this backward).
+early stop is disabled so a replay always issues all of the block's collectives. The block's
+``comm`` is its micro-batch's context (``CommContext.for_microbatch``), kept with the checkpointed
+inputs, so the replay runs with that micro-batch's CP layout and dropout keys even though 1F1B ran
+forwards of later micro-batches before this backward.
 
 What a block stashes is counted by ``comm.activation_meter`` (``engine.memory.ActivationMeter``,
 when the executor tracks memory); which layers recompute is ``engine.memory.StageMemory``'s choice.
@@ -72,20 +73,14 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
         if meter is not None:
             meter.observe("layer", meter.features, meter.live_bytes - before, in_forward=True)
         return out
-    layout, keys = comm.cp_layout, comm.token_keys
     token = meter.hold(inputs) if meter is not None else None
     features = meter.features if meter is not None else None
 
     def replay(*xs: Any) -> tuple:
         _ = token              # the checkpointed inputs are counted while this closure lives
-        saved = comm.cp_layout, comm.token_keys     # the micro-batch of this block, not the latest one
-        comm.cp_layout, comm.token_keys = layout, keys
-        try:
-            # compiled regions (--compile) run eagerly here: dynamo does not trace under checkpoint
-            with torch.compiler.set_stance("force_eager"):
-                return block(*xs)
-        finally:
-            comm.cp_layout, comm.token_keys = saved
+        # compiled regions (--compile) run eagerly here: dynamo does not trace under checkpoint
+        with torch.compiler.set_stance("force_eager"):
+            return block(*xs)
 
     def contexts() -> tuple[Any, Any]:
         recompute_ctx = meter.replay_tracker(features) if meter is not None else contextlib.nullcontext()

@@ -53,7 +53,7 @@ class Plan:
         return [d for p in self.pipelines for mb in p.microbatches for d in mb]
 
     def to_json(self) -> dict[str, Any]:
-        """One entry of ``hgraph plan --json``'s ``iterations`` (DESIGN.md)."""
+        """One entry of ``hgraph plan --json``'s ``iterations`` (``docs/architecture.md``, command line)."""
         return {"index": int(self.index), "num_docs": self.num_docs, "tokens": self.tokens,
                 "strategy": str(self.strategy), "est_latency_ms": float(self.est_latency_ms),
                 "solve_ms": float(self.solve_ms), "pipelines": [p.to_json() for p in self.pipelines]}

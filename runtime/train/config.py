@@ -110,7 +110,7 @@ class PlannerConfig:
     microbatch_tokens: Optional[int] = None
     memory_budget: Optional[float] = None      # activation bytes per rank: dynamic recomputation (DCP-intra)
     cp_sharding: str = "adaptive"              # adaptive | per-document | per-sequence
-    balance: str = "none"                      # "dcp-inter": per-batch SP size + accumulation balancing
+    balance: str = "none"                      # "sp-accumulation" (or "dcp-inter"): per-batch SP size
 
 
 @dataclass(frozen=True)

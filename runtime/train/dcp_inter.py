@@ -1,5 +1,6 @@
-"""DCP-inter as a trainer mode (``--balance dcp-inter``): homogeneous data parallelism whose
-sequence-parallel size is chosen per mini-batch, balanced by gradient accumulation (DCP §3.3).
+"""DCP-inter as a trainer mode (``--balance sp-accumulation``, formerly ``dcp-inter``): homogeneous data
+parallelism whose sequence-parallel size is chosen per mini-batch, balanced by gradient accumulation
+(the Data-Centric Parallel paper's §3.3).
 
 What was chosen (DCP adapted to hgraph's data contract: a mini-batch is whole documents in file
 order, all trained in its step):
@@ -33,8 +34,17 @@ from hgraph.runtime.data.documents import first_fit
 from hgraph.runtime.planner.schedule.dcp import idle_fraction
 from hgraph.strategy import Scheme, Strategy
 
+# the method's name says what it does (a sequence-parallel size per mini-batch, replicas balanced by
+# gradient accumulation); "dcp-inter", after the Data-Centric Parallel paper, reads like
+# torch.distributed.checkpoint to a user and stays accepted as the old spelling
+SP_ACCUMULATION = "sp-accumulation"
 DCP_INTER = "dcp-inter"
-BALANCE_MODES = ("none", DCP_INTER)
+BALANCE_MODES = ("none", SP_ACCUMULATION, DCP_INTER)
+
+
+def balances_accumulation(balance: str) -> bool:
+    """Whether ``--balance`` asks for this method (under its name or its old spelling)."""
+    return balance in (SP_ACCUMULATION, DCP_INTER)
 
 
 @dataclass
@@ -51,7 +61,7 @@ class DcpInterStep:
     info: dict = field(default_factory=dict)
 
     def metrics(self) -> dict:
-        return {"balance": DCP_INTER, "sp_size": self.sp_size, "accumulation": self.accumulation,
+        return {"balance": SP_ACCUMULATION, "sp_size": self.sp_size, "accumulation": self.accumulation,
                 "replica_est_ms": self.est_ms, "idle_fraction": self.idle_fraction,
                 "equal_count_idle_fraction": self.equal_count_idle_fraction}
 

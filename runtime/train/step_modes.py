@@ -1,9 +1,9 @@
 """How a step's strategy and micro-batches are chosen: three step modes behind one interface.
 
 The training loop (``hgraph.runtime.train.trainer``) hands every mini-batch to its mode's
-``step(batch)``, which picks the step's strategy, takes its Program from the run's program cache,
-packs the documents into micro-batches per pipeline and runs the executor's step (collective: every
-rank calls it with the same mini-batch):
+``step(batch)``, which picks the step's strategy, packs the documents into micro-batches per pipeline
+and runs the executor's step of that strategy (the executor finds or builds its Program; collective:
+every rank calls it with the same mini-batch):
 
 * ``FixedSchedule`` (``planner.strategy_schedule``): step ``k`` runs ``S_(k mod n)``; the documents
   are dispatched and packed by a simple built-in rule (``dispatch_and_pack``): longest first (ties
@@ -14,7 +14,7 @@ rank calls it with the same mini-batch):
   micro-batches). A pipeline may get no document; it still takes part in pull and push.
 * ``PlannerDriven`` (no schedule): the planner (``hgraph.runtime.planner.service``) chooses the
   strategy and the documents' pipelines and micro-batches; rank 0 plans and broadcasts the plan.
-* ``DcpInter`` (``planner.balance`` ``dcp-inter``, ``hgraph.runtime.train.dcp_inter``): a
+* ``DcpInter`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.dcp_inter``): a
   homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
   accumulation.
 
@@ -25,16 +25,18 @@ choice (``checkpoint_state``) and which candidates it chose among (``candidates`
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Optional, Sequence
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.checkpoint.run import planner_state
 from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
-from hgraph.runtime.engine.executor import MicroBatch, StepResult
-from hgraph.runtime.planner.service.iteration import all_gather_floats, model_cost_model, pipeline_metrics
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import StepResult
+from hgraph.runtime.planner.cost.cost_model import with_activation_budget
+from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gather_floats, model_cost_model,
+                                                      pipeline_metrics)
+from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.dcp_inter import BALANCE_MODES, DCP_INTER, dcp_inter_step
+from hgraph.runtime.train.dcp_inter import BALANCE_MODES, SP_ACCUMULATION, balances_accumulation, dcp_inter_step
 from hgraph.strategy import Strategy, parse_strategy_list
 
 
@@ -76,8 +78,8 @@ def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch
 class StepMode:
     """The interface the training loop calls (module docstring)."""
 
-    def __init__(self, cache: Any, executor: Any) -> None:
-        self.cache, self.executor = cache, executor
+    def __init__(self, executor: Any) -> None:
+        self.executor = executor
         self.planned: dict[int, dict] = {}      # per step, the planner's figures (planner-driven)
         self.balance: dict[int, dict] = {}      # per step, DCP-inter's figures
 
@@ -85,7 +87,7 @@ class StepMode:
         raise NotImplementedError
 
     def checkpoint_state(self) -> dict:
-        """What a resume needs of the strategy choice (``checkpoint.run.planner_state``)."""
+        """What a resume needs of the strategy choice (``planner.service.setup.planner_state``)."""
         raise NotImplementedError
 
     def candidates(self) -> list[str]:
@@ -99,53 +101,48 @@ class StepMode:
 class FixedSchedule(StepMode):
     """Step ``k`` runs ``schedule[k mod n]``, packed by ``dispatch_and_pack``."""
 
-    def __init__(self, schedule: Sequence[Strategy], cache: Any, executor: Any, config: TrainConfig) -> None:
-        super().__init__(cache, executor)
+    def __init__(self, schedule: Sequence[Strategy], executor: Any, config: TrainConfig) -> None:
+        super().__init__(executor)
         self.schedule, self.config = list(schedule), config
 
     def step(self, batch: MiniBatch) -> StepResult:
         strategy = self.schedule[batch.step % len(self.schedule)]
-        program = self.cache.get(strategy)
         mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
         again = (batch.step + 1 < self.config.data.steps
                  and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy)
-        return self.executor.step(program, mbs, batch.num_targets, batch.step, prefetch=again)
+        return self.executor.step(strategy, mbs, batch.num_targets, batch.step, prefetch=again)
 
     def checkpoint_state(self) -> dict:
-        return planner_state(self.config, None, self.schedule, self.executor.world_size)
+        return planner_state(None, None, self.schedule, self.executor.world_size)
 
 
 class PlannerDriven(StepMode):
     """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
 
-    def __init__(self, planner: Any, cache: Any, executor: Any, config: TrainConfig) -> None:
-        super().__init__(cache, executor)
-        self.planner, self.config = planner, config
+    def __init__(self, planner: IterationPlanner, setup: PlannerSetup, executor: Any, config: TrainConfig) -> None:
+        super().__init__(executor)
+        self.planner, self.setup, self.config = planner, setup, config
 
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
         planned = self.planner.plan(batch)
-        hits = self.cache.hits
-        t0 = time.perf_counter()
-        program = self.cache.get(planned.plan.strategy)
-        switch_s = time.perf_counter() - t0
-        result = ex.step(program, planned.microbatches, batch.num_targets, batch.step)
+        result = ex.step(planned.plan.strategy, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
-        if ex.rank == 0 and self.cache.hits > hits:   # a compiling step says nothing about later ones
+        if ex.rank == 0 and result.cache_hit:   # a compiling step says nothing about later ones
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
             "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
-            "switch_s": switch_s, "cache_hit": self.cache.hits > hits,
+            "switch_s": result.switch_s, "cache_hit": result.cache_hit,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
 
     def checkpoint_state(self) -> dict:
-        return planner_state(self.config, self.planner, self.planner.candidates, self.executor.world_size)
+        return planner_state(self.setup, self.planner, self.planner.candidates, self.executor.world_size)
 
     def candidates(self) -> list[str]:
         return [str(s) for s in self.planner.candidates]
@@ -159,9 +156,8 @@ class DcpInter(FixedSchedule):
     """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
     (``dcp_inter.dcp_inter_step``) with the cost model's micro-batch times; figures to ``balance``."""
 
-    def __init__(self, schedule: Sequence[Strategy], cost: Any, cache: Any, executor: Any,
-                 config: TrainConfig) -> None:
-        super().__init__(schedule, cache, executor, config)
+    def __init__(self, schedule: Sequence[Strategy], cost: Any, executor: Any, config: TrainConfig) -> None:
+        super().__init__(schedule, executor, config)
         self.cost = cost
 
     def step(self, batch: MiniBatch) -> StepResult:
@@ -169,23 +165,21 @@ class DcpInter(FixedSchedule):
         rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / world_size)
         planned = dcp_inter_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
         self.balance[batch.step] = planned.metrics()
-        program = self.cache.get(planned.strategy)
-        return self.executor.step(program, packed(planned.plan), batch.num_targets, batch.step)
+        return self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
 
 
 def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any, world_size: int) -> Any:
-    """``planner.balance``: checked; for ``dcp-inter`` (a homogeneous data-parallel schedule) the cost
+    """``planner.balance``: checked; for ``sp-accumulation`` (a homogeneous data-parallel schedule) the cost
     model whose micro-batch times it balances, else None."""
     balance = config.planner.balance
     if balance not in BALANCE_MODES:
         raise HGraphError(f"--balance {balance!r}: expected one of {', '.join(BALANCE_MODES)}")
-    if balance != DCP_INTER:
+    if not balances_accumulation(balance):
         return None
     homogeneous = (not config.planner_driven and len(set(schedule)) == 1
                    and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in schedule[0].pipelines))
     if not homogeneous:
-        raise HGraphError(f"--balance {DCP_INTER} runs homogeneous data parallelism: give "
+        raise HGraphError(f"--balance {SP_ACCUMULATION} runs homogeneous data parallelism: give "
                           f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")
     cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
-    cost.activation_budget_bytes = config.planner.memory_budget
-    return cost
+    return with_activation_budget(cost, config.planner.memory_budget)

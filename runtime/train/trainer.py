@@ -21,9 +21,9 @@ strategy-independent optimizer shards, RNG states, data position and planner sta
 (``hgraph.runtime.checkpoint.run``); ``resume`` continues from one, on any world size, at the saved
 data position, up to ``steps`` in all.
 
-The run's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``, shared with the executor) keeps
-per strategy the Program and this rank's state for it (working tensors, process groups), counting
-hits, misses and the host time of a switch. ``train_worker`` runs one rank;
+The executor's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``) keeps per strategy the
+Program and this rank's state for it (working tensors, process groups), counting hits, misses and
+the host time of a switch; the trainer reads its figures. ``train_worker`` runs one rank;
 ``run_training`` a whole run (local processes, or this process as a ``torchrun`` rank).
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
-                                           load_resume, restore_state, run_state)
+                                           restore_state)
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
@@ -53,8 +53,7 @@ from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, 
 from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
-from hgraph.runtime.engine.program_cache import ProgramCache
-from hgraph.runtime.planner.service.setup import planner_process, start_planner
+from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
 from hgraph.runtime.train.heartbeat import Heartbeat
@@ -63,6 +62,7 @@ from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
+from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
                                              dispatch_and_pack, packed, parse_schedule)
@@ -200,13 +200,15 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
-        planner = start_planner(self, groups, planner_channel) if config.planner_driven else None
-        self.cache = ProgramCache(self.compiled, Cluster(world_size, config.cluster.gpus_per_node))
-        if planner is None:
-            for s in dict.fromkeys(schedule):    # bad strategies fail before any step
-                self.cache.get(s)
-            self.cache.hits = 0
-        # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
+        self.planner_setup = planner_setup_of(config, self.compiled) if config.planner_driven else None
+        planner = None
+        if self.planner_setup is not None:
+            planner = start_planner(
+                self.planner_setup, rank=rank, world_size=world_size, model=self.model, compiled=self.compiled,
+                docs=self.docs, groups=groups, channel=planner_channel, resumed=self.resumed,
+                progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
+                run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
+                                                                    self.order.copy())])
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device)
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
@@ -214,23 +216,26 @@ class Trainer:
             self.optimizer.load_shards(self.weights.shards(self.optimizer.layouts), self.weights.description)
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
-        dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
         vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=config.planner.memory_budget,
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 programs=self.cache, seed=config.model.seed,
+                                 cluster=Cluster(world_size, config.cluster.gpus_per_node), seed=config.model.seed,
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
                                  compile_backend=config.model.compile_backend)
+        if planner is None:
+            self.executor.prepare(schedule)     # bad strategies fail before any step
+        # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
+        dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
-            self.mode = PlannerDriven(planner, self.cache, self.executor, config)
+            self.mode = PlannerDriven(planner, self.planner_setup, self.executor, config)
         elif dcp_cost is not None:
-            self.mode = DcpInter(schedule, dcp_cost, self.cache, self.executor, config)
+            self.mode = DcpInter(schedule, dcp_cost, self.executor, config)
         else:
-            self.mode = FixedSchedule(schedule, self.cache, self.executor, config)
+            self.mode = FixedSchedule(schedule, self.executor, config)
         if rank == 0:
             for line in self.sharding_warnings(schedule or [Strategy.parse(c) for c in self.mode.candidates()]):
                 print(f"hgraph: warning: {line}", flush=True)
@@ -246,7 +251,7 @@ class Trainer:
 
     @property
     def balance_info(self) -> dict[int, dict]:
-        """``--balance dcp-inter``: per step, its figures."""
+        """``--balance sp-accumulation``: per step, its figures."""
         return self.mode.balance
 
     def progress_bar(self, total: int, label: str, *, plain: bool = False) -> ProgressBar:
@@ -299,7 +304,7 @@ class Trainer:
         step's: its Program, dispatched by the built-in rule; collective)."""
         s = Strategy.parse(strategy)
         mbs = packed(dispatch_and_pack(s, self.eval_docs, self.config.planner.microbatch_tokens))
-        return self.executor.evaluate(self.cache.peek(s), mbs, sum(len(d) - 1 for d in self.eval_docs))
+        return self.executor.evaluate(s, mbs, sum(len(d) - 1 for d in self.eval_docs))
 
     def step(self, batch: MiniBatch) -> StepResult:
         """One step of ``batch`` in the run's mode (collective)."""
@@ -359,7 +364,7 @@ class Trainer:
             "path": str(self.resumed.path), "step": self.resumed.step,
             "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
             "next_document": start_position}
-        return TrainSummary(results, self.cache.info(), final, planned, [asdict(c) for c in checkpoints.saved],
+        return TrainSummary(results, self.executor.programs.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
                             sequence_parallel=self.sequence_parallel)
@@ -382,7 +387,7 @@ class Trainer:
         result.tflops_per_device, result.mfu = throughput["tflops_per_device"], throughput["mfu"]
         planned = self.mode.planned.get(batch.step)
         extra = self.step_extra.get(batch.step, {})
-        metrics.write(result, self.cache, batch, delay_state, planned=planned or {}, memory=memory,
+        metrics.write(result, self.executor.programs, batch, delay_state, planned=planned or {}, memory=memory,
                       balance=self.mode.balance.get(batch.step, {}), extra=extra, throughput=throughput)
         if loggers:
             loggers.log(batch.step, step_scalars(result.loss, result.time_s, throughput, memory, extra))
@@ -424,6 +429,18 @@ class Trainer:
             else:
                 out[key] = value.detach().cpu().clone()
         return out
+
+
+def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
+    """The planner's setup from the run's configuration and its compiled model's TP slots."""
+    plan, counts = config.planner, compiled.hgraph.slot_counts()
+    return PlannerSetup(
+        strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
+        time_limit_s=plan.time_limit, memory_budget=plan.memory_budget, plan_ahead=plan.plan_ahead,
+        tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
+        device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
+        tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
+        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:

@@ -27,8 +27,8 @@ import torch
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.engine.optimizer import ShardLayout
 from hgraph.runtime.weights.sources import WeightSource
+from hgraph.shard_rule import ShardLayout
 
 _SHOWN = 3      # names shown per kind of mismatch
 

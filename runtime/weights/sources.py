@@ -1,7 +1,7 @@
 """Where a run's initial weights come from: a ``WeightSource`` hands each rank its optimizer segments.
 
 A source is asked for ``shards(layouts)``: ``(name, segment)`` for every parameter of ``layouts``
-(the rank's ``ShardLayout`` per parameter, ``hgraph.runtime.engine.optimizer``), each segment of the
+(the rank's ``ShardLayout`` per parameter, ``hgraph.shard_rule``), each segment of the
 layout's ``shard_shape``, fp32 or any float dtype (the optimizer copies it into its fp32 master); and
 for ``buffers(names)``: full buffers by name (small: rotary tables, masks). A source never hands the
 whole model at once: it reads (or computes) one tensor, yields this rank's part, and moves on.
@@ -18,8 +18,8 @@ from typing import Iterable, Iterator, Mapping, Protocol
 import torch
 import torch.nn as nn
 
-from hgraph.runtime.engine.optimizer import ShardLayout
 from hgraph.runtime.weights.deferred_init import InitRecord
+from hgraph.shard_rule import ShardLayout
 
 
 class WeightSource(Protocol):

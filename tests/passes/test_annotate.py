@@ -10,7 +10,8 @@ from hgraph.errors import TraceError
 from hgraph.frontends.fx_frontend import trace
 from hgraph.frontends.zoo import build
 from hgraph.meta import OpKind, TPRole, get_meta
-from hgraph.passes.annotate import annotate_pass, find_blocks
+from hgraph.passes.annotate import annotate_pass
+from hgraph.passes.blocks import find_blocks
 
 
 def annotated(model, **kw):
@@ -380,7 +381,7 @@ class FullWidthNormModel(nn.Module):
 def test_a_norm_over_the_full_sharded_width_all_reduces_its_partial_sums():
     import hgraph
     from hgraph import ops
-    from hgraph.passes.annotate import PARTIAL_SUM
+    from hgraph.passes.tp_roles import PARTIAL_SUM
 
     torch.manual_seed(0)
     model = FullWidthNormModel()

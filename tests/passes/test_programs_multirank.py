@@ -91,18 +91,16 @@ def _worker(rank, world, cases):
             traced[key] = model, hgraph.compile(model)
         model, compiled = traced[key]
         prog = compiled.instantiate(text)
-        comm = CommContext.from_default_group()
-        comm.groups.ensure(sorted({tuple(g) for rp in prog.ranks for g in rp.bindings.values() if len(g) > 1}))
         rp = prog.rank(rank)
-        comm.bindings = dict(rp.bindings)
-        comm.param_sync = _PassThroughSync()
+        comm = CommContext.from_default_group(bindings=dict(rp.bindings), param_sync=_PassThroughSync())
+        comm.groups.ensure(sorted({tuple(g) for r in prog.ranks for g in r.bindings.values() if len(g) > 1}))
         params = rp.load_full(dict(model.named_parameters()))
         gm = rp.graph_module
         ids, pos, weights = _inputs(model.config.vocab_size)
         idx = list(range(ids.shape[1]))
         if rp.scheme.cp > 1:   # this rank's tokens of the packed micro-batch
             plan = (per_document_plan if sharding == "per-document" else per_sequence_plan)(DOCS, rp.scheme.cp)
-            comm.cp_layout = CPLayout.from_plan(plan, DOCS, rp.cp_rank)
+            comm = comm.for_microbatch(cp_layout=CPLayout.from_plan(plan, DOCS, rp.cp_rank))
             idx = list(comm.cp_layout.local_tokens)
         ids, pos, weights = ids[:, idx], pos[:, idx], weights[:, idx]
         result = gm(ids, pos, comm)

@@ -38,7 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 import hgraph
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.builtin import synthetic_documents
-from hgraph.runtime.engine.executor import Executor, MicroBatch
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
 from hgraph.varlen_attention import available_backend, cu_seqlens_for, varlen_attention

@@ -18,10 +18,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+from hgraph.comm_plan import ParamLayout
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo.llama import make_config
 from hgraph.passes.lnk.mutual_slices import lcm_granularity, propagation_contributions, propagation_needs
-from hgraph.passes.lnk.plans import ParamLayout, min_pull_bytes, min_push_bytes, pull_plan, push_plan
+from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, pull_plan, push_plan
 from hgraph.strategy import Cluster, Strategy
 
 DEFAULT_STRATEGIES = ("8xTP8PP1", "16xTP4PP1", "1xTP8PP4+2xTP4PP2+2xTP2PP2+4xTP1PP2")

@@ -31,7 +31,7 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
    and the all-gathers run as all-to-alls (faster there, see ``runtime.grad_buckets`` and
    ``runtime.param_gather``), which move the same bytes.
-4. **Switch**: host time of ``ProgramCache.get`` + ``Executor.state_for`` when the strategy was seen
+4. **Switch**: host time of ``Executor.rank_state`` (the Program and the rank's state) when the strategy was seen
    before (every step's pull is not included).
 """
 from __future__ import annotations
@@ -51,11 +51,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hgraph
 from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch
-from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-from hgraph.strategy import Cluster, Strategy
+from hgraph.strategy import Strategy
 
 STRATEGIES_4 = ["4xTP1PP1", "1xTP2PP1+2xTP1PP1", "1xTP2PP2", "1xTP1PP2+1xTP2PP1"]
 
@@ -155,11 +155,10 @@ def _paired_blocks(fn_a, fn_b, blocks: int, block: int, barrier) -> dict:
 def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[list[int]],
                 block: int = 5) -> dict:
     compiled, ex = _setup(model_name, "4xTP1PP1", rank, world)
-    cache = ProgramCache(compiled, Cluster(world, 8))
     share = [docs[i::world] for i in range(world)]
     targets = sum(len(d) - 1 for d in docs)
     mbs = [[MicroBatch.pack(s)] for s in share]
-    prog = cache.get(Strategy.parse("4xTP1PP1"))
+    prog = ex.program(Strategy.parse("4xTP1PP1"))
 
     model = build_model(TrainConfig.from_values(model=model_name, world_size=world))
     ddp = DDP(model)
@@ -181,13 +180,12 @@ def _dp4_worker(rank: int, world: int, model_name: str, blocks: int, docs: list[
 
     # switch with a cache hit: alternate two strategies already built
     other = Strategy.parse("1xTP2PP1+2xTP1PP1")
-    ex.state_for(cache.get(other))
-    ex.state_for(prog)
+    ex.rank_state(other)
+    ex.rank_state(prog)
     switches = []
     for i in range(50):
         t0 = time.perf_counter()
-        p = cache.get(other if i % 2 == 0 else Strategy.parse("4xTP1PP1"))
-        ex.state_for(p)
+        ex.rank_state(other if i % 2 == 0 else Strategy.parse("4xTP1PP1"))
         switches.append(time.perf_counter() - t0)
     dist.barrier()
     return {"compiled_ms": t["a_ms"], "ddp_ms": t["b_ms"], "ratio": t["ratio"], "ratio_q1": t["ratio_q1"],

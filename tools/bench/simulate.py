@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.simulator import iteration_lower_bound, sample_minibatches, simulate
+from hgraph.runtime.research.simulator import iteration_lower_bound, sample_minibatches, simulate
 
 SCENARIOS = [
     ("llama-7b", 8, 100_000), ("llama-7b", 16, 200_000),

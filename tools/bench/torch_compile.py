@@ -25,7 +25,8 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.strategy import Strategy
 
@@ -45,7 +46,7 @@ def _executor(model: torch.nn.Module, mode: str) -> tuple[Executor, object]:
     opt = ShardedAdam([(n, params[n].detach().clone()) for n in compiled.hgraph.params],
                       shard_dims_of(compiled), 0, 1, lr=1e-4)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=mode)
-    return ex, ex.programs.get(Strategy.parse("1xTP1PP1"))
+    return ex, ex.program(Strategy.parse("1xTP1PP1"))
 
 
 def _microbatches(steps: int, tokens: int, vocab: int) -> list[MicroBatch]:

@@ -20,8 +20,10 @@ from pathlib import Path
 import numpy as np
 
 from hgraph.runtime.data.lengths import minibatches, read_lengths
+from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker, imbalance_degree
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.wlb import DocLatency, FixedLengthPacker, WLBPacker, imbalance_degree
+from hgraph.runtime.research.fixed_length import FixedLengthPacker
+from hgraph.runtime.research.simulator import fixed_length_pack
 from hgraph.strategy import Scheme
 
 CONTEXT = 131072
@@ -32,16 +34,7 @@ def _lengths_path() -> Path:
 
 
 def original_imbalance(lengths: np.ndarray, lat: DocLatency, n: int) -> float:
-    mbs = []
-    cur, tok = [], 0
-    for l in lengths.tolist():
-        if cur and tok + l > CONTEXT:
-            mbs.append(cur)
-            cur, tok = [], 0
-        cur.append(l)
-        tok += l
-    if cur:
-        mbs.append(cur)
+    mbs = fixed_length_pack(lengths, CONTEXT)
     return imbalance_degree([lat.microbatch(m) for m in mbs[:n]] + [0.0] * max(0, n - len(mbs)))
 
 

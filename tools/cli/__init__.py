@@ -1,7 +1,7 @@
 """The ``hgraph`` command line: one subcommand per module, registered below.
 
 Every subcommand prints for people by default and one JSON object with ``--json``; bad input is one
-line on stderr and exit code 2 (DESIGN.md, command-line conventions).
+line on stderr and exit code 2 (``docs/architecture.md``, command line).
 """
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches, read_lengths
+from hgraph.runtime.data.wlb_packing import DocLatency, imbalance_degree
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.wlb import DocLatency, imbalance_degree, make_packer
+from hgraph.runtime.research.fixed_length import make_packer
 from hgraph.strategy import Scheme
 from hgraph.tools.cli.length_options import add_long_option, limit_lengths
 

@@ -190,8 +190,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        metavar="BYTES"),
     _k("planner", "cp-sharding", "str", "adaptive", "how CP ranks split a micro-batch",
        choices=("adaptive", "per-document", "per-sequence")),
-    _k("planner", "balance", "str", "none", "dcp-inter: homogeneous data parallelism with a per-batch "
-       "sequence-parallel size, balanced by gradient accumulation", choices=("none", "dcp-inter")),
+    _k("planner", "balance", "str", "none", "sp-accumulation: homogeneous data parallelism with a per-batch "
+       "sequence-parallel size, balanced by gradient accumulation (dcp-inter: its old name)",
+       choices=("none", "sp-accumulation", "dcp-inter")),
     _k("checkpointing", "checkpoint-dir", "path", None, "folder of the checkpoints (none: no "
        "checkpoints)", optional=True, metavar="DIR"),
     _k("checkpointing", "checkpoint-every", "int", None, "save every K steps and at the end (needs "

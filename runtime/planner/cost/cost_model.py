@@ -21,7 +21,7 @@ kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -275,6 +275,14 @@ def _counted_states(entries: Any, where: str) -> tuple[tuple[tuple[int, int, int
             raise HGraphError(f"{where}: memory.model_state_bytes entries need the keys {', '.join(keys)}")
         out.append(((int(e["tp"]), int(e["pp"]), int(e["world_size"])), (int(e["resident"]), int(e["step_transient"]))))
     return tuple(sorted(out))
+
+
+def with_activation_budget(cost: CostModel, budget_bytes: float | None) -> CostModel:
+    """``cost`` whose micro-batch times include the recomputation ``budget_bytes`` of activations per
+    rank forces (DCP-intra; None: no budget), as a new model: a loaded one may be shared."""
+    if cost.activation_budget_bytes == budget_bytes:
+        return cost
+    return replace(cost, activation_budget_bytes=budget_bytes)
 
 
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,

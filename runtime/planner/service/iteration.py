@@ -23,11 +23,11 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
-from hgraph.runtime.engine.executor import MicroBatch
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
-from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
                                                         default_device_memory, is_runtime_model,
                                                         with_device_memory)
@@ -84,13 +84,6 @@ def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes:
         device_memory = default_device_memory(sized, cost.model, cost.world_size, context)
     return (with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes, states=states,
                                sequence_parallel=sp), float(device_memory))
-
-
-_bounded = bounded_cost_model      # the name the tests know
-
-
-def _check_fit(lengths: Sequence[int], cost: Any, limit: float | None, schemes: Any = None) -> None:
-    check_documents_fit(lengths, cost, limit, schemes)
 
 
 def parse_candidates(text: str, world_size: int) -> list[Strategy]:
@@ -153,9 +146,10 @@ class IterationPlanner:
     estimates by what the last steps measured (``observe``)."""
 
     def __init__(self, cost: Any, candidates: Sequence[Strategy], rank: int, *, source: str = "given",
-                 method: str = "fast", time_limit_s: float = 10.0) -> None:
+                 method: str = "fast", time_limit_s: float = 10.0, device_memory: float | None = None) -> None:
         self.cost, self.candidates, self.rank = cost, list(candidates), rank
         self.source, self.method, self.time_limit_s = source, method, time_limit_s
+        self.device_memory = device_memory          # bytes per rank bounding MaxLen (None: the profile's)
         self.ahead = None
         self.correction = StepCorrection()
         self.warnings: list[str] = []
@@ -166,14 +160,17 @@ class IterationPlanner:
                groups: Any = None, tp_slots: int = 0,
                progress: Callable[[str], None] | None = None, device_memory: Any = None,
                working_bytes: int = 4, max_candidates: int | None = None,
-               compiled: Any = None) -> "IterationPlanner":
+               compiled: Any = None, method: str = "fast", time_limit_s: float = 10.0,
+               activation_budget_bytes: float | None = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
         scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
         None: the profile's own memory model); ``max_candidates``: at most this many ``auto``
         candidates; ``compiled``: ``model`` compiled (its layouts size the model states; default:
-        traced again)."""
+        traced again); ``method``, ``time_limit_s``: how each iteration dispatches;
+        ``activation_budget_bytes``: the planner's micro-batch times include the recomputation this
+        budget forces (``with_activation_budget``; the candidates are chosen without it)."""
         if profile == MEASURE:
             cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
         else:
@@ -182,11 +179,11 @@ class IterationPlanner:
         lengths = doc_lengths(documents).tolist()
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)
-            _on_rank0(lambda: _check_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]), rank)
-            planner = cls(cost, candidates, rank, source="given")
-            planner.device_memory = limit
-            return planner
-        _on_rank0(lambda: _check_fit(lengths, cost, limit), rank)
+            _on_rank0(lambda: check_documents_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]),
+                      rank)
+            return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source="given",
+                       method=method, time_limit_s=time_limit_s, device_memory=limit)
+        _on_rank0(lambda: check_documents_fit(lengths, cost, limit), rank)
         # the longest document is what a candidate must hold (not the model's context, which may
         # be longer than any scheme's MaxLen under a device memory limit)
         context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
@@ -195,11 +192,8 @@ class IterationPlanner:
             progress("proposal")
         candidates, source = _on_rank0(lambda: selection.auto_candidates(
             lengths, cost, world_size, max_len, tokens_per_iter, max_candidates=max_candidates), rank)
-        planner = cls(cost, candidates, rank, source=source)
-        planner.device_memory = limit
-        return planner
-
-    device_memory: float | None = None          # bytes per rank bounding MaxLen (None: the profile's)
+        return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source=source,
+                   method=method, time_limit_s=time_limit_s, device_memory=limit)
 
     def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
         """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""

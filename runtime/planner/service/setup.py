@@ -1,19 +1,22 @@
 """Wiring of the planner into a training run: the planner process's owner side (``planner_process``)
-and the ranks' side (``start_planner``: cost model, candidates, and rank 0's job for the planner
-process). See ``hgraph.runtime.planner.service.plan_ahead`` for the process and its channel."""
+and the ranks' side (``start_planner`` from a ``PlannerSetup``: cost model, candidates, and rank 0's
+job for the planner process), and what a checkpoint keeps of the planner (``planner_state``) to give
+a resumed run the same planner back (``resumed_planner``). See
+``hgraph.runtime.planner.service.plan_ahead`` for the process and its channel."""
 from __future__ import annotations
 
 import contextlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
-from hgraph.runtime.checkpoint.run import resumed_planner
-from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.planner.cost.calibration import calibration_phases
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
-from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model
+from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
 from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
 
 
@@ -29,52 +32,106 @@ def planner_process(config: Any, owner: bool, context: Any = None) -> Iterator[O
         yield proc.channel
 
 
-def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
-    """The trainer's ``IterationPlanner`` (collective on every rank); on rank 0 with a ``channel``,
-    the planner process gets the run's mini-batches to plan ahead."""
-    cfg, rank = trainer.config, trainer.rank
-    plan = cfg.planner
-    counts = trainer.compiled.hgraph.slot_counts()
-    kept = resumed_planner(trainer.resumed, cfg, rank, trainer.world_size)
-    phases = int(kept is None and plan.strategies.strip() == "auto")
-    if plan.profile == "measure" and kept is None:
+@dataclass(frozen=True)
+class PlannerSetup:
+    """What a run's planner is built from: the planner settings of the run's configuration and the
+    figures of the run and its model. Built once by the trainer; nothing is attached afterwards."""
+
+    strategies: str = "auto"                   # the candidates: "auto" (proposed) or "S1;S2"
+    profile: str = "measure"                   # the cost model: measure | analytic | NAME | FILE
+    max_candidates: Optional[int] = None       # most candidates of "auto"
+    method: str = "fast"                       # dispatch method: fast | greedy | cpsat
+    time_limit_s: float = 10.0                 # seconds per CP-SAT solve
+    memory_budget: Optional[float] = None      # activation bytes per rank: the recomputation it forces is priced
+    plan_ahead: int = 2                        # steps planned ahead in the planner process (0: inline)
+    tokens_per_iter: int = 8192
+    gpus_per_node: int = 8
+    device_memory: Any = "auto"                # bytes per rank bounding MaxLen, "auto" or None
+    working_bytes: int = 4                     # bytes of a working parameter (2 in bf16)
+    tp_slots: int = 0                          # the model's TP enter/exit slots (a measured profile times them)
+    log: bool = False                          # this rank prints the planner's line
+    profile_path: Optional[Path] = None        # where a measured profile is kept with the run (None: not kept)
+
+
+class Progress(Protocol):
+    """A progress bar (``hgraph.runtime.train.progress``): ``update`` steps it, ``close`` ends it."""
+
+    def update(self, n: int = 1, note: str = "") -> None: ...
+
+    def close(self) -> None: ...
+
+
+def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: Any, compiled: Any,
+                  docs: Sequence[Document], groups: Any = None, channel: Any = None, resumed: Any = None,
+                  progress_bar: Callable[[int, str], Progress], run_batches: Callable[[], Iterable[MiniBatch]]
+                  ) -> IterationPlanner:
+    """The run's ``IterationPlanner`` (collective on every rank): the one a checkpoint kept
+    (``resumed``, ``resumed_planner``) or a new one for ``docs``. On rank 0 with a ``channel``, the
+    planner process gets the mini-batches the run has left (``run_batches()``) to plan ahead.
+    ``progress_bar(total, label)`` shows the setup's phases."""
+    kept = resumed_planner(resumed, setup, rank, world_size)
+    phases = int(kept is None and setup.strategies.strip() == "auto")
+    if setup.profile == "measure" and kept is None:
         try:
-            phases += calibration_phases(model_cost_model("measure", trainer.model, trainer.world_size,
-                                                          cfg.cluster.gpus_per_node), trainer.world_size)
+            phases += calibration_phases(model_cost_model("measure", model, world_size, setup.gpus_per_node),
+                                         world_size)
         except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
             pass
-    bar = trainer.progress_bar(phases, "planner setup", plain=cfg.log_steps and rank == 0)
+    bar = progress_bar(phases, "planner setup")
     t0 = time.perf_counter()
     try:
         planner = kept if kept is not None else IterationPlanner.create(
-            plan.strategies, plan.profile, trainer.model, trainer.docs, cfg.data.tokens_per_iter, rank,
-            trainer.world_size, cfg.cluster.gpus_per_node, groups=groups,
-            tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
-            progress=lambda what: bar.update(1, what), device_memory=cfg.cluster.device_memory,
-            working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates,
-            compiled=trainer.compiled)
+            setup.strategies, setup.profile, model, docs, setup.tokens_per_iter, rank,
+            world_size, setup.gpus_per_node, groups=groups, tp_slots=setup.tp_slots,
+            progress=lambda what: bar.update(1, what), device_memory=setup.device_memory,
+            working_bytes=setup.working_bytes, max_candidates=setup.max_candidates,
+            compiled=compiled, method=setup.method, time_limit_s=setup.time_limit_s,
+            activation_budget_bytes=setup.memory_budget)
     finally:
         bar.close()
-    planner.method, planner.time_limit_s = plan.method, plan.time_limit
-    # the planner's micro-batch times include the recomputation the budget forces (set before the
-    # planner process gets its copy of the cost model)
-    planner.cost.activation_budget_bytes = plan.memory_budget
-    if rank == 0 and cfg.log_steps:
+    if rank == 0 and setup.log:
         c = planner.cost
         print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
               f"{', '.join(map(str, planner.candidates))}; cost model {c.name}; "
               f"set up in {time.perf_counter() - t0:.1f} s"
               + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
                  f"{max_len_table(c)}" if planner.device_memory is not None else "")
-              + (f"; plans {plan.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
+              + (f"; plans {setup.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"), flush=True)
-    if rank == 0 and plan.profile == "measure" and cfg.logging.metrics:
+    if rank == 0 and setup.profile == "measure" and setup.profile_path is not None:
         # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
-        path = Path(cfg.logging.metrics).parent / "profile.json"
-        path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
+        setup.profile_path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
     if channel is not None and rank == 0:
-        # a resumed run plans only the steps it has left
-        start = trainer.resumed
-        planner.plan_ahead(PlanConsumer(channel), [b for b, _ in run_mini_batches(
-            trainer.docs, cfg, trainer.world_size, start, trainer.order.copy())])
+        planner.plan_ahead(PlanConsumer(channel), list(run_batches()))   # a resumed run: the steps it has left
     return planner
+
+
+def resumed_planner(loaded: Any, setup: PlannerSetup, rank: int, world_size: int) -> Optional[IterationPlanner]:
+    """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
+    measurement, so it plans as the interrupted run would have), when they were made for this world
+    size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
+    Its dispatch settings and activation budget are this run's (``setup``)."""
+    state = loaded.planner_state if loaded is not None else {}
+    if (state.get("mode") != "planner" or state.get("world_size") != world_size
+            or state.get("strategies") != setup.strategies or state.get("profile") != setup.profile
+            or state.get("max_candidates") != setup.max_candidates
+            or not isinstance(state.get("cost_profile"), dict) or len(state["cost_profile"]) != 1):
+        return None
+    (name, entry), = state["cost_profile"].items()
+    cost = cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=setup.gpus_per_node)
+    return IterationPlanner(with_activation_budget(cost, setup.memory_budget),
+                            parse_candidates(";".join(state["candidates"]), world_size), rank,
+                            source=state.get("source", "checkpoint"), method=setup.method,
+                            time_limit_s=setup.time_limit_s)
+
+
+def planner_state(setup: Optional[PlannerSetup], planner: Optional[IterationPlanner], schedule: Sequence[Any],
+                  world_size: int) -> dict:
+    """What a resume needs of the strategy choice: the schedule (no planner), or the planner's
+    candidates and the ``setup`` they were made for."""
+    if planner is None or setup is None:
+        return {"mode": "schedule", "schedule": [str(s) for s in schedule]}
+    return {"mode": "planner", "strategies": setup.strategies, "profile": setup.profile,
+            "max_candidates": setup.max_candidates,
+            "world_size": world_size, "candidates": [str(c) for c in planner.candidates],
+            "source": planner.source, "method": planner.method, "cost_profile": planner.cost.to_profile_dict()}

@@ -7,11 +7,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import StrategyError
-from hgraph.passes.lnk.mutual_slices import (PlanError, optimizer_segments, propagation_contributions,
-                                             propagation_needs, segment_owner)
-from hgraph.passes.lnk.plans import (LinkWeights, LocalAdd, LocalCopy, ParamLayout, ReduceScatter, Transfer,
-                                     min_pull_bytes, min_push_bytes, pull_plan, push_plan,
-                                     replica_groups_from, simulate_pull, simulate_push)
+from hgraph.comm_plan import LocalAdd, LocalCopy, ParamLayout, ReduceScatter, Transfer
+from hgraph.passes.lnk.assignment import LinkWeights
+from hgraph.passes.lnk.mutual_slices import propagation_contributions, propagation_needs
+from hgraph.passes.lnk.plans import (min_pull_bytes, min_push_bytes, pull_plan, push_plan, replica_groups_from,
+                                     simulate_pull, simulate_push)
+from hgraph.shard_rule import PlanError, optimizer_segments, segment_owner
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 FAST = settings(max_examples=100, deadline=None)

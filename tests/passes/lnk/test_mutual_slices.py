@@ -3,10 +3,11 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hgraph.passes.lnk.mutual_slices import (PlanError, coarsest_count, even_segments, lcm_granularity,
-                                             lcm_slices, merge_ranges, mutual_slices, optimizer_segments,
+from hgraph.comm_plan import merge_ranges
+from hgraph.passes.lnk.mutual_slices import (coarsest_count, lcm_granularity, lcm_slices, mutual_slices,
                                              propagation_contributions, propagation_needs, pull_granularity,
-                                             push_granularity, segment_owner, tp_range)
+                                             push_granularity, tp_range)
+from hgraph.shard_rule import PlanError, even_segments, optimizer_segments, segment_owner
 from hgraph.strategy import Scheme, Strategy
 
 FAST = settings(max_examples=60, deadline=None)

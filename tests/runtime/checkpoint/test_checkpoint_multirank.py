@@ -19,8 +19,9 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
 from hgraph.runtime.checkpoint import shards as checkpoint
-from hgraph.runtime.engine.optimizer import ShardedAdam, shard_bounds
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
+from hgraph.shard_rule import shard_bounds
 
 WORLD = 4
 # Non-default shard dims: a 2-d weight along its columns; sizes that 3 ranks do not divide evenly.

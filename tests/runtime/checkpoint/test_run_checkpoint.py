@@ -95,8 +95,8 @@ def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
     from types import SimpleNamespace
 
     from hgraph.frontends.zoo import llama
-    from hgraph.runtime.checkpoint.run import planner_state, resumed_planner
     from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
+    from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state, resumed_planner
     from hgraph.strategy import Scheme
 
     cost = model_cost_model("analytic", llama.build("tiny"), 4)
@@ -104,8 +104,8 @@ def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
     cost = dataclasses.replace(cost, name="measured",
                                profiled={k: (a * 3.0, b + 0.5, c * 7.0) for k, (a, b, c) in cost.profiled.items()})
     planner = IterationPlanner(cost, parse_candidates("4xTP1PP1;1xTP2PP2", 4), 0, source="proposed")
-    config = SimpleNamespace(strategies="auto", profile="measure", gpus_per_node=8, method="fast",
-                             max_candidates=None)
+    config = PlannerSetup(strategies="auto", profile="measure", gpus_per_node=8, method="fast",
+                          max_candidates=None)
     state = json.loads(json.dumps(planner_state(config, planner, [], 4)))     # as the manifest keeps it
     loaded = SimpleNamespace(planner_state=state)
     again = resumed_planner(loaded, config, 0, 4)
@@ -115,5 +115,5 @@ def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
         assert again.cost.coeffs(s) == cost.coeffs(s)
     # made for another world size, profile or candidate cap: a fresh planner
     assert resumed_planner(loaded, config, 0, 2) is None
-    assert resumed_planner(loaded, SimpleNamespace(**{**vars(config), "profile": "analytic"}), 0, 4) is None
-    assert resumed_planner(loaded, SimpleNamespace(**{**vars(config), "max_candidates": 1}), 0, 4) is None
+    assert resumed_planner(loaded, dataclasses.replace(config, profile="analytic"), 0, 4) is None
+    assert resumed_planner(loaded, dataclasses.replace(config, max_candidates=1), 0, 4) is None

@@ -4,6 +4,8 @@ reduce-scatter over uneven token slices), uneven all-gather, 2-stage 1F1B pipeli
 Every check compares with the unsharded computation done locally in fp32. Tolerance: the sharded
 sums only reorder fp32 additions, so values and gradients agree to rtol 1e-5, atol 1e-6.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,10 +14,11 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, sp_gather_issue, sp_scatter_issue,
-                                             token_bounds, tp_copy_issue, tp_gather_issue, tp_reduce_issue)
+                                             tp_copy_issue, tp_gather_issue, tp_reduce_issue)
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.engine.loss import IGNORE_INDEX, stage_loss_sum
 from hgraph.runtime.train.launch import spawn
+from hgraph.shard_rule import shard_bounds
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, D, H = 2, 3, 8, 12
@@ -63,7 +66,7 @@ def _sp_mlp(comm, rank):
     x, r, s = torch.randn(1, 5, D, generator=g), torch.randn(1, 5, D, generator=g), torch.randn(D, generator=g)
     tp = [0, 1] if rank < 2 else [2, 3]
     i = tp.index(rank)
-    lo, hi = token_bounds(5, 2, i)
+    lo, hi = shard_bounds(5, i, 2)
     rows = slice(i * H // 2, (i + 1) * H // 2)
     w1_i, w2_i = w1[rows].clone().requires_grad_(), w2[:, rows].clone().requires_grad_()
     x_i, s_i = x[:, lo:hi].clone().requires_grad_(), s.clone().requires_grad_()
@@ -164,11 +167,11 @@ def _vocab_parallel_loss(comm, rank, parallel):
     w_i = torch.cat([w[rows], torch.zeros(pad, D)]).requires_grad_()
     b_i = torch.cat([b[rows], torch.zeros(pad)]).requires_grad_()
     x_i = x.clone().requires_grad_()
-    comm.bindings, comm.head_inputs, comm.vocab_parallel_loss = {"tp": (0, 1, 2, 3)}, True, parallel
+    comm = dataclasses.replace(comm, bindings={"tp": (0, 1, 2, 3)}, head_inputs=True, vocab_parallel_loss=parallel)
     head = ops.output_head(comm, tp_copy_issue(comm, x_i, [0, 1, 2, 3])[None], w_i, b_i, "tp", sizes, vocab)
     loss = stage_loss_sum(head, targets, comm, chunk=3)
     loss.backward()
-    comm.head_inputs = False
+    comm = dataclasses.replace(comm, head_inputs=False)
     logits = ops.output_head(comm, x[None], w_i.detach(), b_i.detach(), "tp", sizes, vocab)
     xf, wf, bf = (t.clone().requires_grad_() for t in (x, w, b))
     ref = F.cross_entropy(F.linear(xf, wf, bf), targets[0], ignore_index=IGNORE_INDEX, reduction="sum")

@@ -107,7 +107,8 @@ def test_overlapped_update_equals_push_then_step_and_prefetches_the_next_pull(pa
 def _executor_worker(rank, world):
     from hgraph.errors import HGraphError
     from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.engine.executor import Executor, MicroBatch
+    from hgraph.runtime.data.micro_batch import MicroBatch
+    from hgraph.runtime.engine.executor import Executor
     from hgraph.runtime.train.config import TrainConfig
     from hgraph.runtime.train.trainer import build_model, make_optimizer
     groups = GroupCache(rank, world)

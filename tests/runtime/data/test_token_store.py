@@ -8,9 +8,9 @@ import pytest
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.corpus import open_source
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.data.stored import StoreDocuments, limit_long
 from hgraph.runtime.data.token_store import MAGIC, TokenStoreWriter, open_store, token_dtype
-from hgraph.runtime.engine.executor import MicroBatch
 
 
 def _write(prefix, docs, vocab):

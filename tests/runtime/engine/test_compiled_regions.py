@@ -16,9 +16,10 @@ from hgraph.frontends.zoo import llama
 from hgraph.meta import SlotKind, get_meta
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (REGION_PREFIX, CompiledRegion, check_backend,
                                                     compile_regions, compile_wanted)
-from hgraph.runtime.engine.executor import Executor, MicroBatch, StepResult, shard_dims_of
+from hgraph.runtime.engine.executor import Executor, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.metrics import metrics_line
 from hgraph.strategy import Cluster, Strategy
@@ -85,7 +86,7 @@ def _one_rank(compile_mode, backend, **kw):
                       shard_dims_of(compiled), 0, 1, lr=LR)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1), compile_mode=compile_mode, compile_backend=backend,
                   **kw)
-    return model, opt, ex, ex.programs.get(Strategy.parse("1xTP1PP1"))
+    return model, opt, ex, ex.program(Strategy.parse("1xTP1PP1"))
 
 
 def test_inductor_run_equals_pytorch_and_compiles_each_region_once_for_every_packed_length():

@@ -87,7 +87,7 @@ def _worker(rank, world, cases):
         trainer = Trainer(_config(model, schedule, world, overrides, options), rank, world, groups)
         steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
         final = trainer.final_state_dict()
-        states = trainer.cache.states().values()
+        states = trainer.executor.programs.states().values()
         # a state holds memory through its working tensors, or through its last step's gradients
         # (kept by the reductions) and transfer buffers
         holding = [any(w.untyped_storage().nbytes() for w in st.working.values())
@@ -97,7 +97,7 @@ def _worker(rank, world, cases):
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "recomputed": [bool(s.recompute_layers) for s in steps],
-                    "final": final if rank == 0 else None, "cache": trainer.cache.info()})
+                    "final": final if rank == 0 else None, "cache": trainer.executor.programs.info()})
     return out
 
 

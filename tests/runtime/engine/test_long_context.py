@@ -98,7 +98,7 @@ def _worker(rank, world):
         trainer = Trainer(EQ._config("tiny", schedule, world, {}, options), rank, world, groups)
         steps = [trainer.step(b) for b in EQ._batches()]
         final = trainer.final_state_dict()
-        live_after = [s.memory.meter.live_bytes for s in trainer.executor._states.values() if s.memory]
+        live_after = [s.memory.meter.live_bytes for s in trainer.executor.programs.states().values() if s.memory]
         runs.append({"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
                      "final": final if rank == 0 else None, "peaks": [s.peak_mem_bytes for s in steps],
                      "predicted": [s.predicted_mem_bytes for s in steps],

@@ -7,7 +7,8 @@ import torch
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor, shard_dims_of
 from hgraph.runtime.engine.model_states import allocated_bytes, rank_states, scheme_states
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.planner.cost.runtime_memory import with_device_memory
@@ -30,7 +31,7 @@ def _optimizer(model, compiled, rank, world):
 
 
 def _working(shards, dtype):
-    """The working tensors the executor gives a rank (``Executor.state_for``), with gradients."""
+    """The working tensors the executor gives a rank (``Executor.rank_state``), with gradients."""
     out = {}
     for name, shard in shards.items():
         w = torch.zeros(shard.shard_shape, dtype=dtype, requires_grad=True)
@@ -63,11 +64,11 @@ def test_one_rank_run_allocates_what_the_planner_counts(dtype):
     opt = _optimizer(model, compiled, 0, 1)
     ex = Executor(compiled, opt, 0, 1, GroupCache(0, 1))
     strategy = Strategy.parse("1xTP1PP1")
-    prog = ex.programs.get(strategy)
+    prog = ex.program(strategy)
     for step in range(2):
         mb = MicroBatch.pack([list(range(1, 20)), list(range(5, 30))])
         ex.step(prog, [[mb]], 40, step)
-    held = allocated_bytes(opt, ex.programs.state(prog).working)
+    held = allocated_bytes(opt, ex.rank_state(prog).working)
     counted = rank_states(compiled, strategy, Cluster(1), ex.working_dtype)[0]
     assert held.resident == counted.resident and held.working_grads == counted.working_grads
     # fp32 on one rank: the working parameters are the masters (no bytes of their own)

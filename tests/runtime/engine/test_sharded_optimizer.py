@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW, shard_bounds
+from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
 from hgraph.runtime.train.launch import spawn
+from hgraph.shard_rule import shard_bounds
 
 SHAPES = {"w": (10, 6), "v": (5, 7), "b": (6,), "tiny": (3, 2)}
 DIMS = {"w": 0, "v": 1, "b": 0, "tiny": 0}

@@ -118,7 +118,7 @@ def test_a_rank_s_data_memory_does_not_grow_with_the_corpus(tmp_path):
     """What a rank holds for the data (lengths, shuffled order, the documents of a few mini-batches),
     traced with tracemalloc (numpy buffers included, memory-mapped pages not): 1M vs 60M tokens."""
     from hgraph.runtime.data.documents import mini_batches
-    from hgraph.runtime.engine.executor import MicroBatch
+    from hgraph.runtime.data.micro_batch import MicroBatch
     peaks = {}
     for name, tokens in (("small", 10 ** 6), ("large", 6 * 10 ** 7)):
         store = _store(tmp_path / name, tokens, 0)

@@ -7,7 +7,7 @@ import torch
 
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches
-from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
+from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.trainer import run_training
 from hgraph.strategy import Strategy
@@ -40,7 +40,7 @@ def test_default_style_run_uses_several_strategies_under_the_limit(tmp_path):
     long_steps = [m for m, b in zip(lines, batches) if max(len(d) for d in b.docs) == 800]
     short_steps = [m for m, b in zip(lines, batches) if max(len(d) for d in b.docs) < 618]
     assert len(long_steps) == len(short_steps) == 2
-    cost, _ = _bounded(model_cost_model("analytic", llama.build("tiny"), 4), llama.build("tiny"), "auto", 4)
+    cost, _ = bounded_cost_model(model_cost_model("analytic", llama.build("tiny"), 4), llama.build("tiny"), "auto", 4)
     for m in long_steps:        # the long document forces a pipeline that holds it (TP2 or CP here)
         assert any(cost.max_len(p) >= 800 for p in Strategy.parse(m["strategy"]).pipelines), m["strategy"]
     for m in lines:             # no pipeline gets a micro-batch it cannot hold: TP1PP1 never holds 800

@@ -10,7 +10,7 @@ from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, measured_activation_coeffs,
                                                         saved_activation_bytes, with_device_memory)
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
-from hgraph.runtime.planner.service.iteration import _bounded, model_cost_model
+from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Scheme
 
 MiB = 2 ** 20
@@ -70,7 +70,7 @@ def test_file_profile_of_another_model_takes_the_limit_as_device_memory(tiny):
 
 
 def test_auto_limit_needs_tp2_for_the_context_only(tiny, prior):
-    cost, limit = _bounded(prior, tiny, "auto", 4)
+    cost, limit = bounded_cost_model(prior, tiny, "auto", 4)
     context = tiny.config.max_seq_len
     # TP1PP1 holds 46% of the context (TP2 runs sequence parallelism: it needs less, so the limit is lower;
     # two thirds without SP)
@@ -93,7 +93,7 @@ def test_document_longer_than_every_max_len_is_one_line_naming_it(tiny, prior):
 
 
 def test_candidates_hold_the_long_documents_and_plans_turn_heterogeneous(tiny, prior):
-    cost, _ = _bounded(prior, tiny, "auto", 4)
+    cost, _ = bounded_cost_model(prior, tiny, "auto", 4)
     cap1 = cost.max_len(TP1)
     lengths = [20] * 300 + [cap1 + 200] * 3 + [900]
     cands, _ = auto_candidates(lengths, cost, 4, 900, 2048)

@@ -5,10 +5,9 @@ import itertools
 import pytest
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.engine.activation_model import ActivationModel, choose_recompute_layers, fit_activation_model
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.schedule.recompute import (ActivationModel, choose_recompute_layers,
-                                                       fit_activation_model, recompute_aware_microbatch_ms,
-                                                       recompute_ms)
+from hgraph.runtime.planner.schedule.recompute import recompute_aware_microbatch_ms, recompute_ms
 from hgraph.strategy import Scheme
 
 MODEL = ActivationModel(layer_per_token=5000.0, layer_per_entry=12.0, checkpoint_per_token=300.0,

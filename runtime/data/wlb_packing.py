@@ -1,6 +1,6 @@
 """WLB-LLM packing: variable-length packing with multi-level outlier delay queues (WLB-LLM §4, Alg. 1).
 
-Every packer here turns a stream of global batches (document lengths with their global indices) into
+A packer turns a stream of global batches (document lengths with their global indices) into
 packed micro-batches, one batch of ``num_microbatches`` micro-batches per ``push``, and emits every
 document still held back on ``flush``. No packer ever drops or duplicates a document.
 
@@ -15,10 +15,9 @@ document still held back on ``flush``. No packer ever drops or duplicates a docu
   first), so a short document cannot be pushed back batch after batch. ``capacity`` (tokens per
   micro-batch, WLB's memory-bound ``L_max``) may exceed ``max_len`` (the context window); with
   ``capacity == max_len`` a batch of ``N * max_len`` tokens has no slack and delays pile up.
-- ``FixedLengthPacker``: the WLB Table 2 baselines. Micro-batches hold at most ``max_len`` tokens and
-  only the attention work ``sum l^2`` is balanced (WLB Eq. 1): ``method="greedy"`` places documents
-  longest first into the micro-batch with least attention work that has room; ``method="solver"``
-  starts from the greedy packing and improves it with CP-SAT within a time box.
+
+The fixed-length packers WLB compares against (its Table 2 baselines) are offline baselines:
+``hgraph.runtime.research.fixed_length``.
 
 Imbalance degree (WLB §6.4): ``max micro-batch latency * PP / total latency`` where the batch has
 ``PP`` micro-batches per pipeline (WLB runs ``N = PP`` micro-batches per DP rank); here ``PP`` is the
@@ -89,7 +88,7 @@ class PackedBatch:
 
 
 @dataclass
-class _Doc:
+class StreamDoc:
     index: int
     length: int
     arrival: int  # batch index at which the document was pushed
@@ -102,7 +101,7 @@ class DelayStats:
     delays: dict[int, int] = field(default_factory=dict)
     lengths: dict[int, int] = field(default_factory=dict)
 
-    def record(self, doc: _Doc, batch_index: int) -> None:
+    def record(self, doc: StreamDoc, batch_index: int) -> None:
         if doc.index in self.delays:
             raise AssertionError(f"document {doc.index} emitted twice")
         self.delays[doc.index] = batch_index - doc.arrival
@@ -123,7 +122,7 @@ class DelayStats:
         return float(np.mean([d > 0 for d in self.delays.values()])) if self.delays else 0.0
 
 
-class _StreamPacker:
+class StreamPacker:
     """Common stream handling: validation, batch numbering, delay accounting, flush."""
 
     def __init__(self, latency: DocLatency, num_microbatches: int, max_len: int,
@@ -144,9 +143,9 @@ class _StreamPacker:
         self.stats = DelayStats()
         self._seen: set[int] = set()
         self._next_auto_index = 0
-        self.remained: list[_Doc] = []
+        self.remained: list[StreamDoc] = []
 
-    def _admit(self, lengths, indices) -> list[_Doc]:
+    def _admit(self, lengths, indices) -> list[StreamDoc]:
         lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
         if indices is None:
             indices = np.arange(self._next_auto_index, self._next_auto_index + lengths.size)
@@ -166,12 +165,12 @@ class _StreamPacker:
             dup = next(i for k, i in enumerate(idx) if i in self._seen or i in idx[:k])
             raise HGraphError(f"document index {dup} was pushed twice")
         self._seen |= fresh
-        docs = [_Doc(i, l, self.batch_index) for i, l in zip(idx, lengths.tolist())]
+        docs = [StreamDoc(i, l, self.batch_index) for i, l in zip(idx, lengths.tolist())]
         if indices.size:
             self._next_auto_index = max(self._next_auto_index, int(indices.max()) + 1)
         return docs
 
-    def _emit(self, bins: list[list[_Doc]], t0: float, from_flush: bool) -> PackedBatch:
+    def _emit(self, bins: list[list[StreamDoc]], t0: float, from_flush: bool) -> PackedBatch:
         mbs = [[d.index for d in b] for b in bins]
         lats = [self.latency.microbatch([d.length for d in b]) for b in bins]
         for b in bins:
@@ -209,14 +208,14 @@ class _StreamPacker:
         return out
 
     # subclasses
-    def _take_pending(self, new_docs: list[_Doc], flushing: bool = False) -> list[_Doc]:
+    def _take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
         raise NotImplementedError
 
-    def _pack(self, docs: list[_Doc]) -> tuple[list[list[_Doc]], list[_Doc]]:
+    def _pack(self, docs: list[StreamDoc]) -> tuple[list[list[StreamDoc]], list[StreamDoc]]:
         raise NotImplementedError
 
 
-class WLBPacker(_StreamPacker):
+class WLBPacker(StreamPacker):
     """WLB-LLM var-length packing with multi-level outlier delay (Alg. 1) plus a bounded local search.
 
     ``outlier_thresholds``: ascending ``L_1 < ... < L_K`` token thresholds, one FIFO queue each;
@@ -236,13 +235,13 @@ class WLBPacker(_StreamPacker):
         if any(b <= a for a, b in zip(th, th[1:])) or any(t < 1 for t in th):
             raise HGraphError(f"outlier thresholds must be positive and strictly ascending, got {th}")
         self.thresholds = th
-        self.queues: list[deque[_Doc]] = [deque() for _ in th]
+        self.queues: list[deque[StreamDoc]] = [deque() for _ in th]
         self.refine_steps = int(refine_steps)
 
     def pending(self) -> int:
         return len(self.remained) + sum(len(q) for q in self.queues)
 
-    def _take_pending(self, new_docs: list[_Doc], flushing: bool = False) -> list[_Doc]:
+    def _take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
         pending = list(self.remained)
         if new_docs and self.thresholds:
             qs = np.searchsorted(self.thresholds, [d.length for d in new_docs], side="right") - 1
@@ -258,7 +257,7 @@ class WLBPacker(_StreamPacker):
                     pending.append(q.popleft())
         return pending
 
-    def _pack(self, docs: list[_Doc]) -> tuple[list[list[_Doc]], list[_Doc]]:
+    def _pack(self, docs: list[StreamDoc]) -> tuple[list[list[StreamDoc]], list[StreamDoc]]:
         # Documents held back from the previous batch go first so none waits twice in a row
         # behind newer ones (no starvation); within each group longest first (Alg. 1 line 19).
         docs = sorted(docs, key=lambda d: (d.arrival >= self.batch_index, -d.length, d.index))
@@ -280,7 +279,7 @@ class WLBPacker(_StreamPacker):
         if self.refine_steps:
             _refine_max_load(assign, lens, work, np.asarray(load), np.asarray(size, dtype=np.int64),
                              cap, self.refine_steps)
-        bins: list[list[_Doc]] = [[] for _ in range(n)]
+        bins: list[list[StreamDoc]] = [[] for _ in range(n)]
         left = []
         for i, j in enumerate(assign.tolist()):
             (bins[j].append(docs[i]) if j >= 0 else left.append(docs[i]))
@@ -340,112 +339,3 @@ def _refine_max_load(assign: np.ndarray, lens: np.ndarray, work: np.ndarray, loa
             load[h] -= d; size[h] -= dl
             load[j] += d; size[j] += dl
             assign[i], assign[o] = j, h
-
-
-class FixedLengthPacker(_StreamPacker):
-    """Fixed-length packing baselines of WLB Table 2 (balance attention work ``sum l^2``, Eq. 1).
-
-    ``method``: ``"greedy"`` or ``"solver"`` (CP-SAT improving the greedy packing within
-    ``time_limit_s`` seconds per batch). Documents that fit no micro-batch wait for the next batch.
-    """
-
-    def __init__(self, latency: DocLatency, num_microbatches: int, max_len: int, *, method: str = "greedy",
-                 time_limit_s: float = 1.0, workers: int = 1) -> None:
-        super().__init__(latency, num_microbatches, max_len)
-        if method not in ("greedy", "solver"):
-            raise HGraphError(f"fixed-length packing method must be 'greedy' or 'solver', got {method!r}")
-        if time_limit_s <= 0:
-            raise HGraphError(f"solver time limit must be positive, got {time_limit_s!r}")
-        self.method = method
-        self.time_limit_s = float(time_limit_s)
-        self.workers = int(workers)
-
-    def _take_pending(self, new_docs: list[_Doc], flushing: bool = False) -> list[_Doc]:
-        return list(self.remained) + list(new_docs)
-
-    def _pack(self, docs: list[_Doc]) -> tuple[list[list[_Doc]], list[_Doc]]:
-        docs = sorted(docs, key=lambda d: (d.arrival >= self.batch_index, -d.length, d.index))
-        lens = np.asarray([d.length for d in docs], dtype=np.int64)
-        attn = lens.astype(np.float64) ** 2
-        n = self.n
-        load = np.zeros(n)
-        size = np.zeros(n, dtype=np.int64)
-        assign = np.full(len(docs), -1, dtype=np.int64)
-        for i in range(len(docs)):
-            room = size + lens[i] <= self.max_len
-            if not room.any():
-                continue
-            j = int(np.argmin(np.where(room, load, np.inf)))
-            assign[i] = j
-            load[j] += attn[i]
-            size[j] += lens[i]
-        if self.method == "solver":
-            placed = np.nonzero(assign >= 0)[0]
-            if placed.size > 1 and n > 1:
-                assign[placed] = solve_fixed_length(lens[placed], n, self.max_len, assign[placed],
-                                                    self.time_limit_s, self.workers)
-        bins: list[list[_Doc]] = [[] for _ in range(n)]
-        left = []
-        for i, j in enumerate(assign.tolist()):
-            (bins[j].append(docs[i]) if j >= 0 else left.append(docs[i]))
-        return bins, left
-
-
-def solve_fixed_length(lengths: np.ndarray, num_bins: int, max_len: int, hint: np.ndarray,
-                       time_limit_s: float, workers: int = 1) -> np.ndarray:
-    """CP-SAT for WLB Eq. 1: minimise the largest ``sum l^2`` of a bin, each bin <= ``max_len`` tokens.
-
-    ``hint`` is a feasible assignment (the greedy one), used as the starting solution; the best
-    assignment found within the time box is returned (never worse than the hint).
-    """
-    from ortools.sat.python import cp_model
-
-    lengths = np.asarray(lengths, dtype=np.int64)
-    m = cp_model.CpModel()
-    U, V = lengths.size, int(num_bins)
-    sq = [int(l) * int(l) for l in lengths.tolist()]
-    x = [[m.NewBoolVar(f"x{i}_{j}") for j in range(V)] for i in range(U)]
-    for i in range(U):
-        m.AddExactlyOne(x[i])
-    hi = sum(sq)
-    z = m.NewIntVar(0, hi, "max_attn")
-    for j in range(V):
-        m.Add(sum(int(lengths[i]) * x[i][j] for i in range(U)) <= max_len)
-        m.Add(sum(sq[i] * x[i][j] for i in range(U)) <= z)
-    # Bins are interchangeable, so pinning the longest document to its hinted bin loses nothing.
-    m.Add(x[0][int(hint[0])] == 1)
-    for i in range(U):
-        for j in range(V):
-            m.AddHint(x[i][j], int(hint[i]) == j)
-    m.Minimize(z)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit_s)
-    solver.parameters.num_search_workers = max(1, int(workers))
-    status = solver.Solve(m)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return hint.copy()
-    out = np.asarray([next(j for j in range(V) if solver.Value(x[i][j])) for i in range(U)], dtype=np.int64)
-    # Never return something worse than the starting packing.
-    def peak(a):
-        return max(sum(sq[i] for i in range(U) if a[i] == j) for j in range(V))
-    return out if peak(out) <= peak(hint) else hint.copy()
-
-
-def make_packer(method: str, latency: DocLatency, num_microbatches: int, max_len: int, *,
-                capacity: Optional[int] = None, num_queues: int = 2,
-                outlier_thresholds: Optional[Sequence[int]] = None,
-                solver_time_limit_s: float = 1.0) -> _StreamPacker:
-    """A packer by name: ``wlb``, ``fixed-greedy`` or ``fixed-solver``.
-
-    ``capacity`` (tokens per micro-batch, default ``max_len``) applies to ``wlb`` only: fixed-length
-    packing is by definition limited to the context window.
-    """
-    if method == "wlb":
-        return WLBPacker(latency, num_microbatches, max_len, capacity=capacity, num_queues=num_queues,
-                         outlier_thresholds=outlier_thresholds)
-    if method == "fixed-greedy":
-        return FixedLengthPacker(latency, num_microbatches, max_len, method="greedy")
-    if method == "fixed-solver":
-        return FixedLengthPacker(latency, num_microbatches, max_len, method="solver",
-                                 time_limit_s=solver_time_limit_s)
-    raise HGraphError(f"unknown packing method {method!r}; choose wlb, fixed-greedy or fixed-solver")

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.schedule.wlb import (DocLatency, FixedLengthPacker, WLBPacker, imbalance_degree,
-                                                 make_packer, solve_fixed_length)
+from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker, imbalance_degree
+from hgraph.runtime.research.fixed_length import FixedLengthPacker, make_packer, solve_fixed_length
 
 LAT = DocLatency(1e-6, 0.01, 5.0)
 

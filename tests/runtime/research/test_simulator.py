@@ -4,7 +4,7 @@ import pytest
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
-from hgraph.runtime.planner.simulator import (SYSTEMS, _accumulate, fixed_length_pack, iteration_lower_bound,
+from hgraph.runtime.research.simulator import (SYSTEMS, _accumulate, fixed_length_pack, iteration_lower_bound,
                                               pipeline_ms, sample_minibatches, simulate)
 from hgraph.strategy import Scheme
 
@@ -57,7 +57,7 @@ def test_megatron_is_tuned_over_its_space():
     data = _data()
     best = simulate(data, cost, 8, 16384, 60000, 2, systems=["megatron"]).results["megatron"]
     # Any other homogeneous strategy that holds the context is no faster.
-    from hgraph.runtime.planner.simulator import homogeneous_space, simulate_homogeneous
+    from hgraph.runtime.research.simulator import homogeneous_space, simulate_homogeneous
     batches = sample_minibatches(data, 60000, 2, 16384)
     for s in homogeneous_space(cost, 8, 16384):
         other = simulate_homogeneous("megatron", batches, cost, 8, 16384, [s])

@@ -33,7 +33,7 @@ iterations themselves, i.e. the best static configuration in hindsight):
   ``switch_gb_per_s`` GB/s per GPU (default 10, which gives ~0.5 s per switch for 7B on 8 GPUs,
   in line with Hydraulis §8.2's ~2 s of switching in a 6.7 s iteration). Ranges and per-range
   schemes are tuned.
-- ``wlb``: WLB-LLM var-length packing with outlier delay (``wlb.WLBPacker``, 2 queues) on a
+- ``wlb``: WLB-LLM var-length packing with outlier delay (``wlb_packing.WLBPacker``, 2 queues) on a
   homogeneous 4D strategy: per iteration ``max(DP, ceil(tokens / max_len))`` micro-batches rounded
   up to a multiple of DP, each up to the scheme's MaxLen, dealt to replicas heaviest first onto the
   least loaded (same count each); delayed documents are trained in later iterations and the final
@@ -57,8 +57,8 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches
+from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker
 from hgraph.runtime.planner.schedule.dcp import idle_fraction
-from hgraph.runtime.planner.schedule.wlb import DocLatency, WLBPacker
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy
 

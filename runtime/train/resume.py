@@ -1,0 +1,48 @@
+"""The run's side of a resume: which checkpoint this run continues from, checked against the run's
+configuration, and what a checkpoint records of the run that wrote it.
+
+``hgraph.runtime.checkpoint.run`` finds, stores and checks checkpoints without knowing the run's
+configuration; this module reads the ``TrainConfig`` for it.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint.run import check_resume, find_resume_point
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.lr_schedule import schedule_of
+
+
+def load_resume(config: TrainConfig, rank: int, world_size: int, fingerprint: str) -> Any:
+    """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
+    world size changed), or None for a fresh run; checks that it fits the run (``check_resume``)."""
+    ckpts = config.checkpointing
+    if not ckpts.resume:
+        return None
+    if ckpts.checkpoint_dir is None:
+        raise HGraphError("--resume needs --checkpoint-dir DIR")
+    folder = config.resume_from or find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback).folder
+    loaded = ckpt.load(folder, rank, world_size)
+    check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model.model,
+                 model_args=dict(config.model.model_args), fingerprint=fingerprint, total_steps=config.data.steps)
+    return loaded
+
+
+def run_state(config: TrainConfig, world_size: int, module: Any = None) -> dict:
+    """What produced the checkpoint (checked on resume; ``hgraph export`` rebuilds the model from it)
+    and the run folder it wrote (a launcher's restart continues in it, ``hgraph.runtime.train.restart``).
+
+    A Hugging Face ``module`` (one with ``config.to_json_string``) also records its config as JSON
+    (``hf_config``), so the export of an ``hf:DIR`` run does not need DIR any more."""
+    model = config.model
+    state = {"model": model.model, "model_args": dict(model.model_args), "seed": model.seed, "dtype": model.dtype,
+             "optimizer": config.optimizer.optimizer, "world_size": world_size, "steps": config.data.steps,
+             "init_from": model.init_from, "run_dir": config.logging.run_dir,
+             "lr_schedule": schedule_of(config).state()}
+    to_json = getattr(getattr(module, "config", None), "to_json_string", None)
+    if callable(to_json):
+        state["hf_config"] = json.loads(to_json(use_diff=False))
+    return state
