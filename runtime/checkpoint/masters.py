@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import dcp_format
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.shard_rule import shard_bounds
 
@@ -44,19 +45,27 @@ class CheckpointMasters:
         self.manifest = ckpt.read_manifest(folder)
         self.saved_world_size = int(self.manifest["world_size"])
         self.entries = self.manifest["shards"]
-        if len(self.entries) != self.saved_world_size:
-            raise HGraphError(f"checkpoint manifest {str(folder / ckpt.MANIFEST)!r} lists {len(self.entries)} "
-                              f"shard files for world size {self.saved_world_size}")
         self.run: dict = dict(self.manifest.get("run", {}))
+        model = self.run.get("model")
+        self.description = f"checkpoint {str(folder)!r}" + (f" (of model {model})" if model else "")
         self._verify, self._unmap_after, self._mapped_bytes = verify, unmap_after, 0
         self._files: dict[int, dict] = {}
         self._verified: set[int] = set()
+        self._dcp = ckpt.is_dcp(self.manifest)
+        if self._dcp:
+            for entry in self.entries if verify else ():
+                ckpt._check_file(folder, entry, verify=True)
+            shapes = dcp_format.tensor_shapes(folder)
+            self.shapes = {k[len("model."):]: s for k, s in shapes.items() if k.startswith("model.")}
+            self.dims = dict(self.manifest["optimizer"]["shard_dims"])
+            return
+        if len(self.entries) != self.saved_world_size:
+            raise HGraphError(f"checkpoint manifest {str(folder / ckpt.MANIFEST)!r} lists {len(self.entries)} "
+                              f"shard files for world size {self.saved_world_size}")
         first = self._shard(0)
         #: every parameter's full shape (the optimizer's names: tied aliases once)
         self.shapes: dict[str, tuple[int, ...]] = {n: tuple(s) for n, s in first["full_shapes"].items()}
         self.dims: dict[str, int] = dict(first["optimizer"]["shard_dims"])
-        model = self.run.get("model")
-        self.description = f"checkpoint {str(folder)!r}" + (f" (of model {model})" if model else "")
 
     def _shard(self, rank: int) -> dict:
         """Saved rank ``rank``'s shard file (memory-mapped; size and SHA-256 checked the first time)."""
@@ -72,8 +81,8 @@ class CheckpointMasters:
         self._mapped_bytes = 0
 
     def where(self, name: str) -> str:
-        """The file a message about ``name`` names (the shard file of saved rank 0)."""
-        return str(self.folder / self.entries[0]["name"])
+        """The file a message about ``name`` names (the shard file of saved rank 0, or the DCP folder)."""
+        return str(self.folder) if self._dcp else str(self.folder / self.entries[0]["name"])
 
     def read(self, name: str, dim: Optional[int] = None, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
         """``name``'s full tensor (``dim`` None), or its rows ``[lo, hi)`` along ``dim`` (a 0-d
@@ -81,6 +90,12 @@ class CheckpointMasters:
         full_shape = self.shapes[name]
         shape = full_shape or (1,)
         saved_dim = self.dims[name]
+        if self._dcp:       # one parameter's full tensor from DCP, then its rows
+            full = dcp_format.read_tensor(self.folder, f"model.{name}", full_shape)
+            if dim is None:
+                return full
+            rows = full.reshape(shape)
+            return rows.narrow(dim, lo, (shape[dim] if hi is None else hi) - lo).clone()
         if dim is None or dim != saved_dim:
             # the whole tensor, gathered from every saved piece (one parameter), then narrowed when asked
             full = self._rows(name, saved_dim, 0, shape[saved_dim], shape)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import torch.distributed as dist
+
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
@@ -114,7 +116,8 @@ def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
 
 @dataclass
 class SavedCheckpoint:
-    """One checkpoint written by the run: its step, folder, total bytes and save time."""
+    """One checkpoint written by the run: its step, folder, total bytes and the time the step waited
+    for it (with asynchronous saving: the copy of its tensors; ``bytes`` is set once it completes)."""
 
     step: int
     path: str
@@ -130,7 +133,10 @@ class RunCheckpoints:
     every: Optional[int]
     total_steps: int
     keep_last: Optional[int] = None
+    asynchronous: bool = False                 # write in a background thread (``shards.save_async``)
     saved: list = field(default_factory=list)
+    _pending: Any = None
+    _async_group: Any = None
 
     def due(self, steps_done: int) -> bool:
         """Save after ``steps_done`` steps? Every ``every`` steps and after the run's last step."""
@@ -141,17 +147,37 @@ class RunCheckpoints:
     def save(self, steps_done: int, optimizer: Any, *, rank: int, world_size: int, data_position: dict,
              planner_state: dict, run: dict, delay_queues: Optional[dict] = None) -> SavedCheckpoint:
         """Write the checkpoint of ``steps_done`` (collective: every rank calls it); ``delay_queues``:
-        the outlier-delay stream's state after that step (None: a run without delay)."""
+        the outlier-delay stream's state after that step (None: a run without delay). Asynchronous: the
+        previous save completes first, and this one is under way when it returns."""
+        self.finish()
         t0 = time.perf_counter()
-        folder = ckpt.save(self.root, steps_done, optimizer, rank=rank, world_size=world_size,
-                           data_position=data_position,
-                           delay_queues=NO_DELAY_QUEUES if delay_queues is None else delay_queues,
-                           planner_state=planner_state, run=run, keep_last=self.keep_last)
-        elapsed = time.perf_counter() - t0
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if rank == 0 else 0
-        record = SavedCheckpoint(steps_done, str(folder), size, elapsed)
+        state = dict(data_position=data_position, planner_state=planner_state, run=run, keep_last=self.keep_last,
+                     delay_queues=NO_DELAY_QUEUES if delay_queues is None else delay_queues)
+        if self.asynchronous:
+            if self._async_group is None and world_size > 1:
+                # the background thread's collectives get a group of their own (collective to create)
+                self._async_group = dist.new_group(backend="gloo")
+            self._pending = ckpt.save_async(self.root, steps_done, optimizer, rank=rank, world_size=world_size,
+                                            async_group=self._async_group, **state)
+            record = SavedCheckpoint(steps_done, str(self._pending.folder), 0, time.perf_counter() - t0)
+        else:
+            folder = ckpt.save(self.root, steps_done, optimizer, rank=rank, world_size=world_size, **state)
+            record = SavedCheckpoint(steps_done, str(folder), _size(folder) if rank == 0 else 0,
+                                     time.perf_counter() - t0)
         self.saved.append(record)
         return record
+
+    def finish(self) -> None:
+        """Complete the save under way, if any (collective; before the next save and at the run's end)."""
+        if self._pending is None:
+            return
+        folder = self._pending.wait()
+        self._pending = None
+        self.saved[-1].bytes = _size(folder)
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
 
 def data_position(steps_done: int, next_document: int, docs: Sequence[Document], tokens_per_iter: int,

@@ -1,15 +1,21 @@
-"""Checkpoints that do not depend on the parallel strategy: one shard file per rank plus a manifest.
+"""Checkpoints that do not depend on the parallel strategy: a ``torch.distributed.checkpoint`` (DCP)
+checkpoint plus a manifest.
 
 What a checkpoint holds (Hydraulis §5.2: the optimizer layout is the same for every strategy, so
 nothing here names a strategy):
 
-* per rank, ``rank-RRRRR-of-NNNNN.pt``: that rank's ``ShardedAdam.state_dict()`` (fp32 master shards,
-  both Adam moments, step counts, hyper-parameters) and its RNG states (torch, CUDA when present,
-  numpy, python ``random``), stored as tensors and plain containers only, so ``torch.load(...,
-  weights_only=True)`` reads it;
-* ``manifest.json`` (rank 0, written last): step, world size, size and SHA-256 of every shard file,
-  and the run's JSON state: data position, outlier-delay queues, planner state, and ``run`` (what
-  produced it: model spec and arguments, data fingerprint; used to resume and to export).
+* the DCP checkpoint (format 2, written by ``save``; ``dcp_format``): the fp32 masters, Adam's moments
+  and step counts keyed by parameter name in full-tensor shapes, each rank writing its own rows, and
+  every rank's RNG states (torch, CUDA when present, numpy, python ``random``); ``dcp.load`` reads it
+  into a plain model at any world size;
+* ``manifest.json`` (rank 0, written last): step, world size, size and SHA-256 of every file, each
+  parameter's shard dimension and the optimizer's hyper-parameters, and the run's JSON state: data
+  position, outlier-delay queues, planner state, and ``run`` (what produced it: model spec and
+  arguments, data fingerprint; used to resume and to export).
+
+Format 1 (one ``rank-RRRRR-of-NNNNN.pt`` per rank holding that rank's ``ShardedAdam.state_dict()`` and
+RNG states) is still read, and written by ``write_shard`` for tools that assemble a checkpoint
+without processes; ``hgraph export`` and ``--init-from`` read both.
 
 Layout: ``DIR/step-SSSSSSSS/``. Writes are atomic: every file goes to a temporary name in the same
 folder and is then renamed (``os.replace``); the manifest is renamed into place only after every rank
@@ -44,9 +50,11 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import dcp_format
 from hgraph.shard_rule import shard_bounds
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1          # one torch.save file per rank (write_shard)
+DCP_FORMAT = 2              # a torch.distributed.checkpoint folder (save)
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MOMENT_KEYS = ("params", "exp_avg", "exp_avg_sq")
@@ -187,14 +195,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _gather_entries(entry: dict, rank: int, world_size: int, group: Any) -> Optional[list]:
-    if world_size == 1:
-        return [entry]
-    out = [None] * world_size if rank == 0 else None
-    dist.gather_object(entry, out, dst=0, group=group)
-    return out
-
-
 def _barrier(world_size: int, group: Any) -> None:
     if world_size > 1:
         dist.barrier(group=group)
@@ -222,23 +222,91 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
              "delay_queues": _json_state("delay_queues", delay_queues),
              "planner_state": _json_state("planner_state", planner_state),
              "run": _json_state("run", run)}
+    return _start(root, step, optimizer, rank, world_size, keep_last, group, state).wait()
+
+
+def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
+               data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
+               planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
+               async_group: Any = None, keep_last: Optional[int] = None, group: Any = None) -> "PendingCheckpoint":
+    """``save`` whose tensors are written in a background thread: returns once they are staged (copied),
+    so training goes on; ``PendingCheckpoint.wait()`` (collective, every rank at the same point:
+    before the next save and at the end of the run) completes it with the manifest. ``async_group``:
+    a process group of all ranks that only checkpointing uses (the background thread's collectives
+    must not interleave with training's on the same group)."""
+    if keep_last is not None and keep_last < 2:
+        raise HGraphError(f"checkpoint: keep_last must be >= 2 (a fallback needs the previous one), "
+                          f"got {keep_last}")
+    state = {"data_position": _json_state("data_position", data_position),
+             "delay_queues": _json_state("delay_queues", delay_queues),
+             "planner_state": _json_state("planner_state", planner_state),
+             "run": _json_state("run", run)}
+    return _start(root, step, optimizer, rank, world_size, keep_last, group, state, asynchronous=True,
+                  async_group=async_group)
+
+
+@dataclass
+class PendingCheckpoint:
+    """A save under way: ``wait`` finishes it (module docstring of ``save_async``)."""
+
+    folder: Path
+    future: Any
+    finish: Any
+
+    def wait(self) -> Path:
+        if self.future is not None:
+            self.future.result()     # this rank's file written (and on rank 0, DCP's .metadata)
+        self.finish()
+        return self.folder
+
+
+def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, asynchronous: bool = False,
+           async_group: Any = None) -> PendingCheckpoint:
     folder = step_dir(root, step)
     if rank == 0:
-        # Re-saving a step: its old manifest goes first, so the folder is never "complete" with a mix.
+        # Re-saving a step: its old manifest and files go first, so the folder is never "complete"
+        # with a mix (DCP would also read a stale rank's file back)
+        if folder.exists():
+            shutil.rmtree(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / MANIFEST).unlink(missing_ok=True)
     _barrier(world_size, group)
-    entry = write_shard(folder, rank, world_size, step, optimizer, capture_rng())
-    entries = _gather_entries(entry, rank, world_size, group)
-    if rank == 0:
-        write_manifest(folder, step, world_size, entries, **state)
-        if keep_last is not None:
-            # only checkpoints older than this one: later steps (another run's) are never touched
-            older = [s for s in complete_steps(root) if s < step]
-            for old in older[: max(len(older) - (keep_last - 1), 0)]:
-                shutil.rmtree(step_dir(root, old), ignore_errors=True)
-    _barrier(world_size, group)
-    return folder
+    layout = {"shard_dims": {n: lay.dim for n, lay in optimizer.layouts.items()},
+              "hyper": optimizer.state_dict()["hyper"]}
+    future = dcp_format.save(folder, optimizer, rank, world_size, capture_rng(),
+                             async_group if async_group is not None else group, asynchronous=asynchronous)
+
+    def finish() -> None:
+        _barrier(world_size, group)          # every rank's files are in place
+        if rank == 0:
+            write_dcp_manifest(folder, step, world_size, layout, **state)
+            if keep_last is not None:
+                # only checkpoints older than this one: later steps (another run's) are never touched
+                older = [s for s in complete_steps(root) if s < step]
+                for old in older[: max(len(older) - (keep_last - 1), 0)]:
+                    shutil.rmtree(step_dir(root, old), ignore_errors=True)
+        _barrier(world_size, group)
+    return PendingCheckpoint(folder, future, finish)
+
+
+def _file_entry(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def write_dcp_manifest(folder: Path, step: int, world_size: int, optimizer_layout: Mapping[str, Any],
+                       **state: Any) -> None:
+    """Complete a DCP checkpoint (every rank's files and DCP's ``.metadata`` in place): its manifest
+    lists every file with its size and SHA-256, the shard dimensions and hyper-parameters."""
+    files = sorted(p for p in folder.iterdir() if p.is_file() and not p.name.startswith((".", MANIFEST))
+                   or p.name == dcp_format.METADATA)
+    manifest = {"format": DCP_FORMAT, "step": step, "world_size": world_size,
+                "shards": [_file_entry(p) for p in files], "optimizer": _json_state("optimizer", optimizer_layout),
+                **{k: _json_state(k, v) for k, v in state.items()}}
+    _atomic_write(folder / MANIFEST, json.dumps(manifest, indent=1).encode())
+    _fsync_dir(folder)
 
 
 # ---- finding and reading -----------------------------------------------------------------------
@@ -255,10 +323,15 @@ def read_manifest(folder: PathLike) -> dict:
     keys = ("format", "step", "world_size", "shards")
     if not isinstance(manifest, dict) or any(k not in manifest for k in keys):
         raise HGraphError(f"checkpoint manifest {str(path)!r} lacks one of {', '.join(keys)}")
-    if manifest["format"] != FORMAT_VERSION:
+    if manifest["format"] not in (FORMAT_VERSION, DCP_FORMAT):
         raise HGraphError(f"checkpoint manifest {str(path)!r} has format {manifest['format']}, this "
-                          f"hgraph reads format {FORMAT_VERSION}")
+                          f"hgraph reads formats {FORMAT_VERSION} and {DCP_FORMAT}")
     return manifest
+
+
+def is_dcp(manifest: Mapping[str, Any]) -> bool:
+    """Whether a manifest's checkpoint is a DCP folder (format 2) rather than per-rank files."""
+    return manifest["format"] == DCP_FORMAT
 
 
 def complete_steps(root: PathLike) -> list[int]:
@@ -286,6 +359,16 @@ def latest(root: PathLike) -> Optional[Path]:
 
 
 def _read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
+    path = _check_file(folder, entry, verify)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file
+        raise HGraphError(f"checkpoint shard file {str(path)!r} cannot be loaded: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def _check_file(folder: Path, entry: Mapping[str, Any], verify: bool) -> Path:
+    """The file of a manifest entry, checked: present, of the manifest's size and (``verify``) SHA-256."""
     path = folder / entry["name"]
     try:
         size = path.stat().st_size
@@ -302,11 +385,7 @@ def _read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
         if digest.hexdigest() != entry["sha256"]:
             raise HGraphError(f"checkpoint shard file {str(path)!r} is corrupt: its SHA-256 differs from "
                               "the manifest's")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file
-        raise HGraphError(f"checkpoint shard file {str(path)!r} cannot be loaded: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    return path
 
 
 def verify(folder: PathLike) -> dict:
@@ -314,6 +393,10 @@ def verify(folder: PathLike) -> dict:
     manifest's size and SHA-256, loadable). Returns the manifest; HGraphError names the first bad file."""
     folder = Path(folder)
     manifest = read_manifest(folder)
+    if is_dcp(manifest):
+        for entry in manifest["shards"]:
+            _check_file(folder, entry, verify=True)
+        return manifest
     if len(manifest["shards"]) != manifest["world_size"]:
         raise HGraphError(f"checkpoint manifest {str(folder / MANIFEST)!r} lists {len(manifest['shards'])} "
                           f"shard files for world size {manifest['world_size']}")
@@ -366,6 +449,8 @@ def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Chec
     manifest = read_manifest(folder)
     saved_n = manifest["world_size"]
     entries = manifest["shards"]
+    if is_dcp(manifest):
+        return _load_dcp(folder, manifest, rank, world_size, verify)
     if len(entries) != saved_n:
         raise HGraphError(f"checkpoint manifest {str(folder / MANIFEST)!r} lists {len(entries)} shard files "
                           f"for world size {saved_n}")
@@ -388,6 +473,20 @@ def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Chec
     state = _reshard(shard_of, saved_n, rank, world_size)
     rng = shard_of(rank)["rng"] if rank < saved_n else None
     return Checkpoint(optimizer=state, rng=rng, resharded=True, full_shapes=_shapes(shard_of(0)), **common)
+
+
+def _load_dcp(folder: Path, manifest: Mapping[str, Any], rank: int, world_size: int, verify: bool) -> Checkpoint:
+    for entry in manifest["shards"]:
+        _check_file(folder, entry, verify)
+    layout = manifest["optimizer"]
+    hyper = {**layout["hyper"], "betas": tuple(layout["hyper"]["betas"])}     # JSON keeps a tuple as a list
+    state, shapes = dcp_format.load_optimizer_state(folder, rank, world_size, layout["shard_dims"], hyper)
+    saved_n = manifest["world_size"]
+    return Checkpoint(path=folder, step=manifest["step"], saved_world_size=saved_n, optimizer=state,
+                      data_position=manifest.get("data_position", {}), delay_queues=manifest.get("delay_queues", {}),
+                      planner_state=manifest.get("planner_state", {}), run=manifest.get("run", {}),
+                      rng=dcp_format.read_rng(folder, rank) if rank < saved_n else None,
+                      resharded=saved_n != world_size, full_shapes=shapes)
 
 
 def _shapes(shard: Mapping[str, Any]) -> dict:

@@ -120,6 +120,7 @@ class CheckpointingConfig:
     checkpoint_dir: Optional[str] = None
     checkpoint_every: Optional[int] = None     # None: only after the last step
     keep_checkpoints: Optional[int] = None
+    async_checkpoint: bool = False             # write in a background thread (the step waits for a copy)
     resume: bool = False                       # continue from the newest checkpoint in checkpoint_dir
     resume_fallback: bool = False              # ... or the previous one when the newest is broken
     save_final: Optional[str] = None           # the gathered fp32 state_dict, written at the end

@@ -317,7 +317,8 @@ class Trainer:
         start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
         ckpts = cfg.checkpointing
         checkpoints = RunCheckpoints(Path(ckpts.checkpoint_dir) if ckpts.checkpoint_dir else None,
-                                     ckpts.checkpoint_every, cfg.data.steps, ckpts.keep_checkpoints)
+                                     ckpts.checkpoint_every, cfg.data.steps, ckpts.keep_checkpoints,
+                                     asynchronous=ckpts.async_checkpoint)
         metrics = MetricsWriter(cfg.logging.metrics if self.rank == 0 else None,
                                 start_step if self.resumed is not None else None)
         loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
@@ -339,6 +340,7 @@ class Trainer:
                 self.step_extra[batch.step] = extra
                 self._report(result, batch, delay_state, metrics, bar, loggers)
                 self._checkpoint(checkpoints, batch, delay_state)
+            checkpoints.finish()                 # an asynchronous save completes before the run ends
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
             # name the rank that died, as the executor does inside a step
@@ -410,8 +412,12 @@ class Trainer:
                                  planner_state=self.mode.checkpoint_state(),
                                  run=run_state(cfg, self.world_size, self.model))
         if cfg.log_steps and self.rank == 0:
-            print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
-                  flush=True)
+            if checkpoints.asynchronous:
+                print(f"checkpoint {saved.path} staged in {1e3 * saved.save_s:.0f} ms, written in the background",
+                      flush=True)
+            else:
+                print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
+                      flush=True)
 
     def final_state_dict(self) -> dict:
         """The parameters gathered to full tensors (collective; every rank gets them), cast to the

@@ -12,7 +12,8 @@ when its construction could not be recorded; ``default`` its own initialisation)
 
 ``open_weights(path)`` tells the kinds apart: a folder with a ``manifest.json`` or ``step-N``
 checkpoint folders is an hgraph checkpoint (``CheckpointMasters``: masters only, resharded to this
-run's world size); any other folder holds safetensors; a file is a torch state_dict when it is a zip
+run's world size); a folder with DCP's ``.metadata`` and no manifest is a DCP checkpoint written by
+another program (``DcpFiles``); any other folder holds safetensors; a file is a torch state_dict when it is a zip
 (``torch.save``) or a pickle, and safetensors otherwise. Each reader checks its files before any
 tensor is read (``FileWeights`` then matches them against the model).
 """
@@ -25,8 +26,10 @@ from torch import nn
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import hf
+from hgraph.runtime.checkpoint import dcp_format
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.checkpoint.masters import CheckpointMasters
+from hgraph.runtime.weights.dcp_files import DcpFiles
 from hgraph.runtime.weights.file_weights import FileWeights, TensorTable
 from hgraph.runtime.weights.safetensors_files import INDEX, SafetensorsFiles
 from hgraph.runtime.weights.sources import WeightSource
@@ -59,6 +62,8 @@ def open_weights(path: str) -> TensorTable:
     if p.is_dir():
         if (p / ckpt.MANIFEST).is_file() or any(ckpt._STEP_DIR.match(c.name) for c in p.iterdir()):
             return CheckpointMasters(p)
+        if dcp_format.is_dcp_folder(p):
+            return DcpFiles(p)
         return SafetensorsFiles.open(p)
     with open(p, "rb") as f:
         magic = f.read(4)

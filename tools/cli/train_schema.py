@@ -199,6 +199,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "checkpoint-dir; default: only at the end)", optional=True, minimum=1, metavar="K"),
     _k("checkpointing", "keep-checkpoints", "int", None, "keep only the newest K checkpoints (at least 2; "
        "default: all)", optional=True, minimum=2, metavar="K"),
+    _k("checkpointing", "async-checkpoint", "bool", False, "write checkpoints in a background thread (DCP's "
+       "async_save): a step waits only for the copy of the tensors; a save completes before the next one "
+       "and at the run's end"),
     _k("checkpointing", "resume", "bool", False, "continue from the newest complete checkpoint in "
        "checkpoint-dir (also with another world-size)"),
     _k("checkpointing", "resume-fallback", "bool", False, "with resume: when the newest checkpoint is "

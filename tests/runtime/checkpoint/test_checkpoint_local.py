@@ -95,13 +95,23 @@ def test_keep_last_and_resave_same_step(tmp_path):
     assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
 
 
-def test_files_are_weights_only_loadable(tmp_path):
-    opt = _trained(_params([(4, 2)]), {}, 0, 1)
+def test_a_checkpoint_is_a_dcp_checkpoint_keyed_by_parameter_name(tmp_path):
+    """``dcp.load`` fills plain tensors of the full shapes; the manifest lists every file with its
+    SHA-256, each parameter's shard dimension and the hyper-parameters."""
+    import torch.distributed.checkpoint as dcp
+    opt = _trained(_params([(4, 2), (3,)]), {"p0": 1}, 0, 1)
     folder = checkpoint.save(tmp_path, 0, opt)
-    shard = torch.load(folder / checkpoint.shard_file_name(0, 1), weights_only=True)
-    assert set(shard) >= {"optimizer", "rng", "full_shapes", "step"}
     manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    assert manifest["world_size"] == 1 and len(manifest["shards"][0]["sha256"]) == 64
+    assert manifest["format"] == checkpoint.DCP_FORMAT and manifest["world_size"] == 1
+    assert {e["name"] for e in manifest["shards"]} == {".metadata", "__0_0.distcp"}
+    assert all(len(e["sha256"]) == 64 for e in manifest["shards"])
+    assert manifest["optimizer"]["shard_dims"] == {"p0": 1, "p1": 0}
+    plain = {"model": {"p0": torch.zeros(4, 2), "p1": torch.zeros(3)},
+             "optim": {"state": {"p0": {"exp_avg": torch.zeros(4, 2), "step": torch.zeros(())}}}}
+    dcp.load(plain, checkpoint_id=str(folder), no_dist=True)
+    assert torch.equal(plain["model"]["p0"], opt.params["p0"]) and torch.equal(plain["model"]["p1"], opt.params["p1"])
+    assert torch.equal(plain["optim"]["state"]["p0"]["exp_avg"], opt.exp_avg["p0"])
+    assert float(plain["optim"]["state"]["p0"]["step"]) == opt.steps["p0"] == 2.0
 
 
 def test_adam_step_counts_must_agree_to_reshard(tmp_path):
@@ -135,8 +145,8 @@ def test_bad_input(tmp_path):
 def test_fallback_without_older_checkpoint_says_so(tmp_path):
     opt = _trained(_params([(3,)]), {}, 0, 1)
     folder = checkpoint.save(tmp_path, 1, opt)
-    (folder / checkpoint.shard_file_name(0, 1)).unlink()
-    with pytest.raises(HGraphError, match=r"rank-00000-of-00001\.pt' is missing; no older complete checkpoint"):
+    (folder / "__0_0.distcp").unlink()
+    with pytest.raises(HGraphError, match=r"__0_0\.distcp' is missing; no older complete checkpoint"):
         checkpoint.load(tmp_path, fallback=True)
 
 

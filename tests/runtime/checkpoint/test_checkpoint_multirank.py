@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
+from hgraph.runtime.checkpoint import dcp_format
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
@@ -69,6 +70,10 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                     planner_state={"seed": 5, "cache": ["4xTP1PP1"]})
     out["state4"] = _state(opt)
     out["rng_after"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
+    # The same state saved asynchronously: training goes on while it is written (the steps below
+    # change the optimizer), and it completes later with the same tensors.
+    pending = checkpoint.save_async(f"{root}-async", 4, opt, rank=rank, world_size=world_size,
+                                    async_group=dist.new_group(backend="gloo"), data_position={"next_doc": 40})
 
     # A crash mid-save of step 6: the shard files (and a stray temp file) are there, no manifest.
     _adam_steps(opt, 4, 2)
@@ -78,6 +83,8 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     dist.barrier()
     out["latest_after_crash"] = str(checkpoint.latest(root))
 
+    pending.wait()
+    out["async4"] = checkpoint.load(f"{root}-async", rank, world_size).optimizer
     ck = checkpoint.load(root, rank, world_size)
     fresh = _optimizer(_model(), rank, world_size)
     fresh.load_state_dict(ck.optimizer)
@@ -174,6 +181,36 @@ def test_resharded_load_gives_bitwise_equal_full_tensors(run, n):
         assert torch.equal(gathered[name], _full(saved, "params", name))
 
 
+def test_an_asynchronous_save_holds_the_state_of_its_step(run):
+    """Saved with save_async while the optimizer stepped on: loaded, bitwise the state it was given."""
+    _, results = run
+    for r in results:
+        _assert_same_state(r["async4"], r["state4"])
+
+
+def test_a_plain_model_and_adam_load_the_checkpoint_of_4_ranks_with_dcp(run):
+    """``dcp.load`` in one process, into a plain model's ``state_dict`` and ``get_optimizer_state_dict``'s
+    form of ``torch.optim.Adam``: the gathered masters, moments and step counts of the 4 ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    root, results = run
+    saved = [r["state4"] for r in results]
+    model = _model()
+    adam = torch.optim.Adam(model.parameters(), lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    adam.step()                                        # Adam's state exists, to be overwritten
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, adam)}
+    dcp.load(state, checkpoint_id=str(checkpoint.step_dir(root, 4)), no_dist=True)
+    model.load_state_dict(state["model"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
+        entry = state["optim"]["state"][name]
+        assert torch.equal(entry["exp_avg_sq"], _full(saved, "exp_avg_sq", name).reshape(p.shape)), name
+        assert float(entry["step"]) == saved[0]["steps"][name] == 4.0
+    assert state["optim"]["param_groups"][0]["lr"] == 1e-2 and state["optim"]["param_groups"][0]["weight_decay"] == 0.01
+
+
 def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
     root, results = run
     saved = [r["state4"] for r in results]
@@ -198,12 +235,12 @@ def test_truncated_shard_names_file_and_fallback_works(run, tmp_path):
     root, results = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / checkpoint.shard_file_name(1, 4)
+    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(1)
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
-    with pytest.raises(HGraphError, match=r"rank-00001-of-00004\.pt.*truncated"):
+    with pytest.raises(HGraphError, match=r"__1_0\.distcp.*truncated"):
         checkpoint.load(copy, 1, 4)
-    with pytest.raises(HGraphError, match=r"rank-00001-of-00004\.pt"):
+    with pytest.raises(HGraphError, match=r"__1_0\.distcp"):
         checkpoint.load(copy, 0, 2)          # re-sharding reads rank 1's file too
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -217,10 +254,11 @@ def test_same_size_corruption_is_caught_by_checksum(run, tmp_path):
     root, _ = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / checkpoint.shard_file_name(2, 4)
+    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(2)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(HGraphError, match=r"rank-00002-of-00004\.pt.*SHA-256"):
+    with pytest.raises(HGraphError, match=r"__2_0\.distcp.*SHA-256"):
         checkpoint.load(copy, 2, 4)
-    assert checkpoint.load(copy, 3, 4).step == 4    # other ranks' files are intact
+    with pytest.raises(HGraphError, match=r"__2_0\.distcp.*SHA-256"):
+        checkpoint.load(copy, 3, 4)      # a rank reads whole tensors from DCP: every file is checked

@@ -28,8 +28,8 @@ def test_newest_verified_checkpoint_and_an_unfinished_save_is_skipped_with_a_not
 
 
 @pytest.mark.parametrize("damage, match", [
-    (lambda f: (f / "rank-00000-of-00001.pt").write_bytes(b"x"), "is truncated or corrupt"),
-    (lambda f: (f / "rank-00000-of-00001.pt").unlink(), "is missing"),
+    (lambda f: (f / "__0_0.distcp").write_bytes(b"x"), "is truncated or corrupt"),
+    (lambda f: (f / "__0_0.distcp").unlink(), "is missing"),
     (lambda f: (f / "manifest.json").write_text("{not json"), "manifest .* cannot be read"),
 ])
 def test_broken_newest_is_named_and_the_previous_is_used_only_when_asked(tmp_path, damage, match):
@@ -49,7 +49,7 @@ def test_nothing_to_resume_is_one_line(tmp_path):
     with pytest.raises(HGraphError, match="no complete checkpoint"):
         find_resume_point(tmp_path)
     root = _root(tmp_path, steps=(2,))
-    (root / "step-00000002" / "rank-00000-of-00001.pt").write_bytes(b"x")
+    (root / "step-00000002" / "__0_0.distcp").write_bytes(b"x")
     with pytest.raises(HGraphError, match="no older checkpoint to fall back to"):
         find_resume_point(root, fallback=True)
 

@@ -112,18 +112,17 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
 
 
 def _dying_in_save_worker(rank, world, config, victim, save_step):
-    """The trainer, with rank ``victim`` dying right after writing its shard of checkpoint ``save_step``
-    (before the manifest: a save that does not finish)."""
-    from hgraph.runtime.checkpoint import shards as checkpoint
+    """The trainer, with rank ``victim`` dying as it starts writing its part of checkpoint ``save_step``
+    (the others are inside DCP's collective save: a save that does not finish)."""
+    from hgraph.runtime.checkpoint import dcp_format
     if rank == victim:
-        original = checkpoint.write_shard
+        original = dcp_format.save
 
-        def write_shard(folder, rank, world_size, step, *args, **kwargs):
-            entry = original(folder, rank, world_size, step, *args, **kwargs)
-            if step == save_step:
+        def save(folder, *args, **kwargs):
+            if folder.name == f"step-{save_step:08d}":
                 os._exit(17)
-            return entry
-        checkpoint.write_shard = write_shard
+            return original(folder, *args, **kwargs)
+        dcp_format.save = save
     return train_worker(rank, world, config)
 
 
@@ -140,8 +139,7 @@ def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp
         spawn(_dying_in_save_worker, 2, args=(config, 1, 4), timeout_s=60)
     assert info.value.rank == 1
     assert checkpoint.complete_steps(ck) == [2]
-    assert (ck / "step-00000004" / "rank-00001-of-00002.pt").exists()
-    assert not (ck / "step-00000004" / "manifest.json").exists()
+    assert (ck / "step-00000004").is_dir() and not (ck / "step-00000004" / "manifest.json").exists()
     point = find_resume_point(ck)
     assert point.step == 2 and "step-00000004" in point.warnings[0]
 
@@ -156,7 +154,7 @@ def test_corrupt_newest_checkpoint_is_named_and_fallback_resumes_on_another_worl
     base = ref["base"]
     ck, run = base / "corrupt-ck", base / "corrupt-run"
     _copy_without(ref["ck"], ck, 6)
-    shard = ck / "step-00000004" / "rank-00001-of-00002.pt"
+    shard = ck / "step-00000004" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:1000])                # truncated
     argv = _argv(ref["data"], ck, run, "--resume", world=3)
     assert main(argv) == 2

@@ -10,8 +10,9 @@ of the reference architecture holding them. The comparison with the reference is
 ``tests/runtime/reference_training.py``.
 
 ``--init-from`` on the zoo Llama, once per kind of source: a safetensors file (of the tied model, with
-only the alias ``lm_head.weight``, as a file of a tied model may hold it), a torch state_dict, and an
-hgraph checkpoint saved by 3 ranks (resharded to 4): the fp32 masters equal the file's values bitwise.
+only the alias ``lm_head.weight``, as a file of a tied model may hold it), a torch state_dict, an
+hgraph checkpoint saved by 3 ranks (resharded to 4), and a DCP checkpoint of a plain model written by
+``dcp.save``: the fp32 masters equal the file's values bitwise.
 
 One spawn of 4 processes runs every case (one process group).
 """
@@ -20,6 +21,7 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -39,7 +41,7 @@ LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1+2xTP1PP1;1xTP1PP2+1xTP2PP1;1xTP2PP2"
 STEPS, TOKENS_PER_ITER, LR = 3, 30, 1e-3
 FAMILIES = ["llama", "qwen2"]
-INIT_KINDS = ["safetensors", "state_dict", "checkpoint"]
+INIT_KINDS = ["safetensors", "state_dict", "checkpoint", "dcp"]
 
 
 def _docs():
@@ -63,9 +65,13 @@ def _init_sources(root):
     torch.save(plain.state_dict(), root / "plain.pt")
     plain_values = {n: p.detach().clone() for n, p in plain.named_parameters()}
     ckpt_values = assemble_checkpoint(root / "ckpt3" / "step-00000001", "llama:tiny", 3)
+    # a DCP checkpoint of a plain model, as another PyTorch program writes it (torchtitan's "model." keys)
+    other = build_model(TrainConfig.from_values(model="llama:tiny", seed=8))
+    dcp.save({"model": other.state_dict()}, checkpoint_id=str(root / "plain-dcp"), no_dist=True)
     return {"safetensors": ("llama:tiny-tied", root / "tied.safetensors", tied_values),
             "state_dict": ("llama:tiny", root / "plain.pt", plain_values),
-            "checkpoint": ("llama:tiny", root / "ckpt3", ckpt_values)}
+            "checkpoint": ("llama:tiny", root / "ckpt3", ckpt_values),
+            "dcp": ("llama:tiny", root / "plain-dcp", {n: p.detach().clone() for n, p in other.named_parameters()})}
 
 
 def _worker(rank, world, cases):
