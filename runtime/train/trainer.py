@@ -57,6 +57,7 @@ from hgraph.runtime.engine.program_cache import ProgramCache
 from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
+from hgraph.runtime.train.devices import backend_for, rank_device
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
@@ -183,9 +184,9 @@ class Trainer:
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
-        # one GPU per process under NCCL: masters, working tensors and buffers live on it
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+        # masters, working tensors and buffers live on the rank's device (a GPU of its own under NCCL)
+        self.device = rank_device(config.cluster.device, rank,
+                                  dist.get_backend() if dist.is_initialized() else None)
         if self.device.type == "cpu":
             host_heap.return_large_blocks()     # the process's peak follows what is live (engine/host_heap)
         install_buffers(self.model, self.weights, self.device)
@@ -482,8 +483,9 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
         total = 120.0 + timeout_s * (config.data.steps + 1)
         # the launcher owns the planner, forked by the ranks' forkserver
         with planner_process(config, True, process_context()) as channel:
-            results = spawn(train_worker, cluster.world_size,
-                            backend=local_backend(cluster.backend, cluster.world_size),
+            backend = (local_backend(cluster.backend, cluster.world_size) if cluster.device == "auto"
+                       else backend_for(cluster.device, cluster.backend, cluster.world_size))
+            results = spawn(train_worker, cluster.world_size, backend=backend,
                             args=(config, channel), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
