@@ -117,9 +117,11 @@ def _on_rank0(compute: Callable[[], Any], rank: int) -> Any:
 
 
 def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = None, gpus_per_node: int = 8,
-                        tp_slots: int = 0, progress: Callable[[str], None] | None = None):
+                        tp_slots: int = 0, progress: Callable[[str], None] | None = None, *,
+                        device: Any = None, dtype: Any = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
-    (``hgraph.runtime.planner.cost.calibration``; collective). Needs a zoo Llama-style model."""
+    (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
+    ``dtype`` (CPU, fp32 by default). Needs a zoo Llama-style model."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
@@ -127,7 +129,8 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                           "give --profile analytic or a profile FILE")
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
         cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
-                                       rank, world_size, groups, tp_slots=tp_slots, progress=progress)
+                                       rank, world_size, groups, tp_slots=tp_slots, progress=progress,
+                                       device=device, dtype=dtype)
     return cost
 
 
@@ -166,16 +169,17 @@ class IterationPlanner:
                groups: Any = None, tp_slots: int = 0,
                progress: Callable[[str], None] | None = None, device_memory: Any = None,
                working_bytes: int = 4, max_candidates: int | None = None,
-               compiled: Any = None) -> "IterationPlanner":
+               compiled: Any = None, device: Any = None, dtype: Any = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
         scheme's MaxLen (``runtime_memory``; ``"auto"``: sized from the model, ``default_device_memory``;
         None: the profile's own memory model); ``max_candidates``: at most this many ``auto``
         candidates; ``compiled``: ``model`` compiled (its layouts size the model states; default:
-        traced again)."""
+        traced again); ``device``, ``dtype``: where and in what ``measure`` times the model (the run's)."""
         if profile == MEASURE:
-            cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
+            cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress,
+                                       device=device, dtype=dtype)
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
         cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled), rank)

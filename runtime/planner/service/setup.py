@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import torch
+
 from hgraph.runtime.checkpoint.run import resumed_planner
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.planner.cost.calibration import calibration_phases
@@ -52,7 +54,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
             tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0),
             progress=lambda what: bar.update(1, what), device_memory=cfg.cluster.device_memory,
             working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates,
-            compiled=trainer.compiled)
+            compiled=trainer.compiled, device=trainer.device,     # measure times the run's device and dtype
+            dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
     finally:
         bar.close()
     planner.method, planner.time_limit_s = plan.method, plan.time_limit
