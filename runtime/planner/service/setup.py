@@ -13,6 +13,7 @@ import torch
 
 from hgraph.runtime.checkpoint.run import resumed_planner
 from hgraph.runtime.data.outlier_delay import run_mini_batches
+from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
 from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model
@@ -55,7 +56,8 @@ def start_planner(trainer: Any, groups: Any, channel: Any) -> Any:
             progress=lambda what: bar.update(1, what), device_memory=cfg.cluster.device_memory,
             working_bytes=2 if cfg.model.dtype == "bf16" else 4, max_candidates=plan.max_candidates,
             compiled=trainer.compiled, device=trainer.device,     # measure times the run's device and dtype
-            dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32)
+            dtype=torch.bfloat16 if cfg.model.dtype == "bf16" else torch.float32,
+            compiled_step=compile_wanted(cfg.model.compile, trainer.device))
     finally:
         bar.close()
     planner.method, planner.time_limit_s = plan.method, plan.time_limit
