@@ -169,7 +169,8 @@ class PushGradient:
                     transfers.append(PeerOp(False, buf, op.src, tag))
                     recvs.append((name, op.lo, op.hi, buf))
                     self.stats.push_recv_bytes += buf.numel() * 4
-        works = batch_isend_irecv(transfers, stage=bool(transfers) and host_staged(transfers[0].tensor.device))
+        stage = bool(transfers) and host_staged(transfers[0].tensor.device)
+        works = batch_isend_irecv(transfers, stage=stage)
         for name in p.order:              # 3. local adds (overlap with the transfers)
             for op in self.ops[name]:
                 if isinstance(op, LocalAdd) and name not in self._sole_add:

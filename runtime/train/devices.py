@@ -67,14 +67,14 @@ def describe(device: str, world_size: int, backend: str) -> str:
     return where if backend == "nccl" else f"{world_size} ranks sharing {where} (gloo)"
 
 
-def ranks_per_gpu(world_size: int) -> int:
-    """Ranks that share the busiest GPU when ``world_size`` local ranks go round-robin over the GPUs."""
-    return -(-world_size // max(1, torch.cuda.device_count()))
+def ranks_per_gpu(ranks_here: int) -> int:
+    """Ranks that share the busiest GPU when this node's ``ranks_here`` go round-robin over its GPUs."""
+    return -(-ranks_here // max(1, torch.cuda.device_count()))
 
 
-def gpu_memory_per_rank(world_size: int) -> float:
+def gpu_memory_per_rank(ranks_here: int) -> float:
     """``--device-memory auto`` on CUDA: one GPU's memory, split between the ranks that share it."""
-    return float(torch.cuda.get_device_properties(0).total_memory) / ranks_per_gpu(world_size)
+    return float(torch.cuda.get_device_properties(0).total_memory) / ranks_per_gpu(ranks_here)
 
 
 def rank_device(device: str, rank: int, backend: Optional[str]) -> torch.device:

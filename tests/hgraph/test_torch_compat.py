@@ -93,7 +93,8 @@ def test_project_passes_only_floor_keywords():
             allowed = torch_compat.FLOOR_KEYWORDS.get(name)
             if allowed is not None and keywords - allowed:
                 bad.append(f"{path.relative_to(REPO)}:{line}: {name}({', '.join(sorted(keywords - allowed))}=)")
-    assert not bad, "keywords the torch floor does not have (guard them in hgraph/torch_compat.py):\n" + "\n".join(bad)
+    assert not bad, ("keywords the torch floor does not have (guard them in hgraph/torch_compat.py):\n"
+                     + "\n".join(bad))
 
 
 def _names(tree: ast.Module):
@@ -108,7 +109,8 @@ def _names(tree: ast.Module):
             module = getattr(node, "module", None) or ""
             for a in node.names:
                 yield f"{module}.{a.name}" if module else a.name, node.lineno
-        elif isinstance(node, ast.Call) and _dotted(node.func) in ("importlib.util.find_spec", "importlib.import_module"):
+        elif isinstance(node, ast.Call) and _dotted(node.func) in ("importlib.util.find_spec",
+                                                                    "importlib.import_module"):
             for arg in node.args:
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     yield arg.value, node.lineno

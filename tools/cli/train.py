@@ -20,7 +20,8 @@ Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
 Starts ``--world-size`` local processes on ``--device`` (``hgraph.runtime.train.devices``: on a machine
 with CUDA one rank per GPU over NCCL by default, more ranks than GPUs being one line that names
-``--device cpu`` and ``--backend gloo``, the shared-device mode; else 4 CPU processes over gloo) or, under ``torchrun`` or as a SLURM task, runs as this process's rank:
+``--device cpu`` and ``--backend gloo``, the shared-device mode; else 4 CPU processes over gloo) or,
+under ``torchrun`` or as a SLURM task, runs as this process's rank:
 the world size and ranks per node are the launcher's (``hgraph.runtime.train.launcher_env``; a given
 other value is one line naming both), global rank 0 alone prints and writes the run folder, every
 rank's error names its rank and host, and an attempt the launcher restarted resumes from the newest
@@ -121,7 +122,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
         parse_candidates(strategies, cfg.world_size)
-    device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, cfg.world_size)
+    # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
+    ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
+    device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                                    device_memory=device_memory), cfg
 
@@ -157,7 +160,7 @@ def on_devices(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfi
     return ResolvedConfig(values, dict(cfg.sources))
 
 
-def device_memory_option(text, data, device: str = "cpu", world_size: int = 1):
+def device_memory_option(text, data, device: str = "cpu", ranks_here: int = 1):
     """``--device-memory``: bytes, None (``none``), or ``auto``: on CUDA one GPU's memory (split
     between the ranks sharing it); on CPU sized on the ranks from the model (``"auto"``) with the
     built-in data, no limit with ``--data`` (module docstring)."""
@@ -166,7 +169,7 @@ def device_memory_option(text, data, device: str = "cpu", world_size: int = 1):
         return None
     if t == "auto":
         if device == "cuda":
-            return gpu_memory_per_rank(world_size)
+            return gpu_memory_per_rank(ranks_here)
         return "auto" if data is None else None
     return parse_bytes(text, "--device-memory")
 

@@ -137,8 +137,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        choices=("auto", "gloo", "nccl")),
     _k("cluster", "device-memory", "str", "auto", "memory per rank (512M, 2G) that bounds each scheme's "
        "longest micro-batch (MaxLen, from this runtime's measured activation and model-state bytes); "
-       "none: no limit; auto: on CUDA one GPU's memory (shared by the ranks on it), on CPU with the built-in data, sized from the model (the widest TP scheme just "
-       "holds the model's context), with --data none", metavar="BYTES|auto|none"),
+       "none: no limit; auto: on CUDA one GPU's memory (shared by the ranks on it); on CPU with the "
+       "built-in data, sized from the model (the widest TP scheme just holds the model's context), with "
+       "--data none", metavar="BYTES|auto|none"),
     _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
