@@ -40,8 +40,8 @@ import torch.fx as fx
 
 from hgraph.errors import HGraphError
 from hgraph.ops import READS_HOST_VALUES
-from hgraph.torch_compat import limit_recompiles
 from hgraph.runtime.engine.subgraphs import comm_placeholder, extract_subgraph
+from hgraph.torch_compat import limit_recompiles
 
 log = logging.getLogger(__name__)
 

@@ -10,16 +10,21 @@ with a time limit, its output kept under ``--out``:
    on``), and the planner's estimates against the measured step times;
 3. ``shared_gpu``: 4 ranks sharing the GPU over gloo (``--backend gloo``), fp32, compiled, a
    heterogeneous schedule with TP, PP, SP and CP, beside ``cpu_reference``: the same run as 4 CPU
-   processes; the losses must agree within the equivalence tolerance.
+   processes (eager); the losses must agree within the equivalence tolerance.
 
-It prints one summary (``--json``: one JSON object) and writes ``summary.json``. ``--smoke`` runs the
-same commands at tiny size on CPU (no GPU needed); ``--dry-run`` prints the commands only.
+It prints one summary (``--json``: one JSON object) and writes ``summary.json``; ``--only`` runs some
+of the checks (a session may split them over several device calls). ``--smoke`` runs the same
+commands at tiny size on CPU (no GPU needed; the runs eager, the peaks then RSS, not comparable with
+``hgraph memory``); ``--dry-run`` prints the commands only. A check past its time limit is stopped
+with every process it started.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +37,7 @@ import torch
 from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS
 
 TOKENS = 16384
-SHARED_SCHEDULE = "1xTP2PP2;1xTP1PP1CP2+1xTP2PP1;2xTP1PP2"     # TP + SP, PP, CP, mixed
+SHARED_SCHEDULE = "1xTP2PP2;1xTP1PP1CP2+1xTP2PP1"     # TP + SP and PP; CP beside TP
 LOSS_RTOL = 1e-5           # fp32 on the GPU against the CPU: other kernels, other summation orders
 SMOKE_MODEL_ARGS = {"num_layers": 2}
 
@@ -67,16 +72,16 @@ def plan_checks(out: Path, smoke: bool) -> list[Check]:
                     "--progress", "off", "--json", "--no-plots")
     memory = _hgraph("memory", "--model", "llama:tiny", "--model-args", model_args, "--strategy", "1xTP1PP1",
                      "--dtype", "fp32" if smoke else "bf16", "--tokens", str(tokens), "--compile", "on", "--json")
-    shared = ["--model", "llama:tiny", "--world-size", "4", "--dtype", "fp32", "--compile", "on",
-              "--strategy-schedule", SHARED_SCHEDULE, "--steps", "3", "--tokens-per-iter", "1024",
-              "--progress", "off", "--json", "--no-plots"]
-    return [Check("bench", bench, 300),
-            Check("train_1gpu", train, 300),
-            Check("memory", memory, 120),
-            Check("shared_gpu", _hgraph("train", *shared, *(device or ["--backend", "gloo"]),
-                                        "--run-dir", str(out / "shared_gpu")), 240),
-            Check("cpu_reference", _hgraph("train", *shared, "--device", "cpu",
-                                           "--run-dir", str(out / "cpu_reference")), 240)]
+    shared = ["--model", "llama:tiny", "--world-size", "4", "--dtype", "fp32", "--strategy-schedule",
+              SHARED_SCHEDULE, "--steps", "2", "--tokens-per-iter", "1024", "--progress", "off", "--json",
+              "--no-plots"]
+    on_gpu = ["--compile", "off"] + device if smoke else ["--compile", "on", "--backend", "gloo"]
+    return [Check("bench", bench, 240),
+            Check("train_1gpu", train, 240),
+            Check("memory", memory, 90),
+            Check("shared_gpu", _hgraph("train", *shared, *on_gpu, "--run-dir", str(out / "shared_gpu")), 180),
+            Check("cpu_reference", _hgraph("train", *shared, "--compile", "off", "--device", "cpu",
+                                           "--run-dir", str(out / "cpu_reference")), 150)]
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -114,16 +119,18 @@ def figures(check: Check, out: Path) -> dict:
 
 def compare(checks: dict[str, Check]) -> dict:
     """The session's verdicts: the bench ratio, the memory model against the measured peak, the
-    shared-GPU run against the CPU run."""
+    shared-GPU run against the CPU run (those whose checks ran)."""
     out: dict = {}
-    bench = checks["bench"].figures
+    figures_of = {name: c.figures for name, c in checks.items()}
+    empty: dict = {}
+    bench = figures_of.get("bench", empty)
     if bench.get("ratio") is not None:
         out["bench_ratio"] = bench["ratio"]
-    peaks = [p for p in checks["train_1gpu"].figures.get("rank_peak_bytes", []) if p]
-    predicted = checks["memory"].figures.get("peak")
+    peaks = [p for p in figures_of.get("train_1gpu", empty).get("rank_peak_bytes", []) if p]
+    predicted = figures_of.get("memory", empty).get("peak")
     if peaks and predicted:
         out["memory_model_over_measured"] = predicted / max(peaks)
-    a, b = checks["shared_gpu"].figures.get("loss"), checks["cpu_reference"].figures.get("loss")
+    a, b = figures_of.get("shared_gpu", empty).get("loss"), figures_of.get("cpu_reference", empty).get("loss")
     if a and b and len(a) == len(b):
         worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
         out["shared_gpu_loss_rel_diff"] = worst
@@ -132,14 +139,19 @@ def compare(checks: dict[str, Check]) -> dict:
 
 
 def run_check(check: Check, out: Path) -> None:
+    """Run ``check`` in a process group of its own: past its time limit the whole group is stopped
+    (a run's ranks included), and its rc is 124."""
     t0 = time.perf_counter()
+    proc = subprocess.Popen(check.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        done = subprocess.run(check.argv, capture_output=True, text=True, timeout=check.timeout_s)
-        check.rc, check.stdout = done.returncode, done.stdout
-        (out / f"{check.name}.stderr.txt").write_text(done.stderr, encoding="utf-8")
-    except subprocess.TimeoutExpired as exc:
+        check.stdout, stderr = proc.communicate(timeout=check.timeout_s)
+        check.rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        check.stdout, stderr = proc.communicate()
         check.rc = 124
-        check.stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    (out / f"{check.name}.stderr.txt").write_text(stderr, encoding="utf-8")
     check.wall_s = time.perf_counter() - t0
     (out / f"{check.name}.stdout.txt").write_text(check.stdout, encoding="utf-8")
     check.figures = figures(check, out)
@@ -151,10 +163,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="gpu-checks", help="folder of the outputs (default: ./gpu-checks)")
     ap.add_argument("--smoke", action="store_true", help="the same commands at tiny size on CPU")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="comma-separated checks to run (bench, train_1gpu, memory, shared_gpu, cpu_reference)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
     checks = plan_checks(out, args.smoke)
+    if args.only is not None:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = sorted(set(names) - {c.name for c in checks})
+        if unknown:
+            print(f"bench gpu_checks: error: --only: unknown check(s) {', '.join(unknown)}", file=sys.stderr)
+            return 2
+        checks = [c for c in checks if c.name in names]
     if args.dry_run:
         for c in checks:
             print(f"{c.name}: {subprocess.list2cmdline(c.argv)}")
@@ -176,7 +197,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for c in checks:
             shown = {k: v for k, v in c.figures.items() if k != "profile"}
             print(f"{c.name}: rc {c.rc}, {c.wall_s:.0f} s, {shown}")
-        if by_name["bench"].figures.get("profile"):
+        if "bench" in by_name and by_name["bench"].figures.get("profile"):
             print(by_name["bench"].figures["profile"])
         print(f"verdicts: {summary['verdicts']}")
     return 0 if all(c.rc == 0 for c in checks) else 1

@@ -221,8 +221,8 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         if tp == 1 or not multi:
             continue
         say(f"all-reduce TP{tp}")
-        ms = [r for r in _all_gather(measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats, device))
-              if r is not None]
+        timed_tp = measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats, device)
+        ms = [r for r in _all_gather(timed_tp) if r is not None]
         med = _median_rows(ms)
         raw["tp_comm_ms"][tp] = med
         tp_line[tp] = _fit_line(COMM_LENGTHS, med)
