@@ -13,7 +13,10 @@ name:
 * the recompile limit of dynamo: ``torch._dynamo.config.recompile_limit`` (2.7; ``cache_size_limit``
   before). ``torch.compile(..., recompile_limit=)`` is newer still (absent in 2.11), so it is not used;
 * PyTorch's varlen attention kernel (``torch.nn.attention.varlen``, 2.10), whose keywords changed
-  between releases (2.11: ``is_causal``, no GQA; 2.13: ``window_size`` and ``enable_gqa``).
+  between releases (2.11: ``is_causal``, no GQA; 2.13: ``window_size`` and ``enable_gqa``);
+* the single-tensor all-gather and reduce-scatter: ``all_gather_single`` / ``reduce_scatter_single``
+  where this torch has them (the ``*_into_tensor`` / ``*_tensor`` names are deprecated there), the
+  older names otherwise.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Iterator, Optional
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 
 TORCH_FLOOR = (2, 6)
 
@@ -64,6 +68,10 @@ def limit_recompiles(limit: int) -> Iterator[None]:
     eagerly and warns). Scoped, so other compiled code of the process keeps its own limit."""
     with torch._dynamo.config.patch(**{_recompile_limit_name(): limit}):
         yield
+
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def has_torch_varlen() -> bool:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hgraph import torch_compat
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import p2p
 from hgraph.runtime.comm.process_groups import group_key
@@ -63,10 +64,8 @@ class PendingWork:
         self.keep = ()
 
 
-# Single-tensor all-gather / reduce-scatter: the ``*_single`` names where this torch has them (the
-# ``*_into_tensor`` / ``*_tensor`` ones are deprecated there), the older names otherwise.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Single-tensor all-gather / reduce-scatter under this torch's names (``hgraph.torch_compat``)
+all_gather_single, reduce_scatter_single = torch_compat.all_gather_single, torch_compat.reduce_scatter_single
 
 
 # ---- issuing on the comm stream ------------------------------------------------------------------

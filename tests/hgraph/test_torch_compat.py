@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("hgraph", "passes", "frontends", "runtime", "tools")
 COMPAT = REPO / "hgraph" / "torch_compat.py"
 # identifiers whose place or form differs across the supported torch releases
-VERSION_SPECIFIC = ("recompile_limit", "cache_size_limit", "varlen_attn", "torch.nn.attention.varlen")
+VERSION_SPECIFIC = ("recompile_limit", "cache_size_limit", "varlen_attn", "torch.nn.attention.varlen",
+                    "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
 def project_files() -> list[Path]:
