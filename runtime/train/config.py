@@ -70,6 +70,8 @@ class ClusterConfig:
 
     world_size: int = 4
     gpus_per_node: int = 8
+    device: str = "auto"                       # cuda | cpu | auto (the command line resolves it; here:
+                                               # CUDA under NCCL, else CPU)
     backend: str = "auto"                      # auto: NCCL with a GPU per local process, else gloo
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     timeout: Optional[float] = None            # None: 60 s for local processes, 600 s under a launcher

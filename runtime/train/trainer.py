@@ -51,11 +51,13 @@ from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, merge_reports
 from hgraph.runtime.engine import host_heap
+from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
+from hgraph.runtime.train.devices import backend_for, rank_device
 from hgraph.runtime.train.heartbeat import Heartbeat
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
@@ -183,9 +185,9 @@ class Trainer:
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
-        # one GPU per process under NCCL: masters, working tensors and buffers live on it
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+        # masters, working tensors and buffers live on the rank's device (a GPU of its own under NCCL)
+        self.device = rank_device(config.cluster.device, rank,
+                                  dist.get_backend() if dist.is_initialized() else None)
         if self.device.type == "cpu":
             host_heap.return_large_blocks()     # the process's peak follows what is live (engine/host_heap)
         install_buffers(self.model, self.weights, self.device)
@@ -200,7 +202,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
-        self.planner_setup = planner_setup_of(config, self.compiled) if config.planner_driven else None
+        self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
         planner = None
         if self.planner_setup is not None:
             planner = start_planner(
@@ -431,8 +433,9 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
-    """The planner's setup from the run's configuration and its compiled model's TP slots."""
+def planner_setup_of(config: TrainConfig, compiled: Any, device: torch.device) -> PlannerSetup:
+    """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
+    device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()
     return PlannerSetup(
         strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
@@ -440,7 +443,9 @@ def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
         tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
         device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
-        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None)
+        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
+        device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
+        compiled_step=compile_wanted(config.model.compile, device))
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
@@ -499,8 +504,9 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
         total = 120.0 + timeout_s * (config.data.steps + 1)
         # the launcher owns the planner, forked by the ranks' forkserver
         with planner_process(config, True, process_context()) as channel:
-            results = spawn(train_worker, cluster.world_size,
-                            backend=local_backend(cluster.backend, cluster.world_size),
+            backend = (local_backend(cluster.backend, cluster.world_size) if cluster.device == "auto"
+                       else backend_for(cluster.device, cluster.backend, cluster.world_size))
+            results = spawn(train_worker, cluster.world_size, backend=backend,
                             args=(config, channel), timeout_s=total)
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
