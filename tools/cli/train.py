@@ -53,6 +53,7 @@ import argparse
 import functools
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
-from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.launch import SpawnError, Stopped
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.lr_schedule import builtin_default
@@ -305,12 +306,12 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     try:
         result = run_training(config, timeout_s=config.cluster.timeout)
     except SpawnError as exc:
-        hint = ""
-        if config.checkpointing.checkpoint_dir is not None:
-            last = latest(config.checkpointing.checkpoint_dir)
-            hint = f"; --resume continues from {last}" if last is not None else ""
-        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{_resume_hint(config)}\n")
         return 1
+    except (KeyboardInterrupt, Stopped) as exc:     # every process of the run has ended
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        sys.stderr.write(f"hgraph train: stopped by {signal.Signals(signum).name}{_resume_hint(config)}\n")
+        return 128 + signum
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
@@ -358,6 +359,14 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """``; --resume continues from DIR`` when the run has a checkpoint to continue from."""
+    if config.checkpointing.checkpoint_dir is None:
+        return ""
+    last = latest(config.checkpointing.checkpoint_dir)
+    return f"; --resume continues from {last}" if last is not None else ""
 
 
 def _is_hf_dir(model: str) -> bool:
