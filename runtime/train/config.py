@@ -123,6 +123,7 @@ class CheckpointingConfig:
     resume: bool = False                       # continue from the newest checkpoint in checkpoint_dir
     resume_fallback: bool = False              # ... or the previous one when the newest is broken
     save_final: Optional[str] = None           # the gathered fp32 state_dict, written at the end
+    exit_signal_handler: bool = True           # with checkpoint_dir: SIGTERM saves and stops (exit_signal)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,11 @@ Every option is a key of ``hgraph.tools.cli.train_schema.SCHEMA`` and of a TOML 
 RUN.toml``); flags given on the command line override the file. ``--checkpoint-dir DIR
 --checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
 one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
-checked here, before any process starts (``hgraph.runtime.checkpoint.run``).
+checked here, before any process starts (``hgraph.runtime.checkpoint.run``). With a checkpoint folder,
+SIGTERM (a scheduler's preemption) finishes the step, saves a checkpoint, says where and exits with
+code 143 (``hgraph.runtime.train.exit_signal``; ``--no-exit-signal-handler``: it stops at once). Every
+process a run starts ends with it: Ctrl-C exits 130, SIGTERM 143, a killed launcher takes its ranks
+along (``hgraph.runtime.train.lifetime``).
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
+from hgraph.runtime.train.exit_signal import EXIT_CODE
 from hgraph.runtime.train.launch import SpawnError, Stopped
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
@@ -312,6 +317,13 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
         signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
         sys.stderr.write(f"hgraph train: stopped by {signal.Signals(signum).name}{_resume_hint(config)}\n")
         return 128 + signum
+    stopped = result.get("stopped")
+    if stopped is not None:            # every rank exits with the code; global rank 0 says where
+        if speaker:
+            sys.stderr.write(f"hgraph train: stopped by {stopped['signal']} after step {stopped['step']} of "
+                             f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
+                             "from it\n")
+        return EXIT_CODE
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]

@@ -204,6 +204,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "corrupt or truncated, use the previous one (default: stop with an error naming the file)"),
     _k("checkpointing", "save-final", "path", None, "write the final fp32 state_dict (keyed like the "
        "module) here", optional=True, metavar="PATH"),
+    _k("checkpointing", "exit-signal-handler", "bool", True, "with checkpoint-dir: on SIGTERM (a scheduler's "
+       "preemption) finish the step, save a checkpoint, say where and exit with code 143 (off: SIGTERM "
+       "stops the run at once, also exit 143)"),
     _k("logging", "run-dir", "path", None, "run folder for metrics.jsonl and plots (default "
        "./runs/<timestamp>)", optional=True, metavar="DIR"),
     _k("logging", "metrics", "path", None, "also write the per-step metrics here", optional=True,

@@ -1,13 +1,15 @@
 """Every process a run starts dies with it: ``hgraph train``'s launcher alone (as ``kill PID`` or a
 scheduler does) sent SIGINT, SIGTERM or SIGKILL, mid-run or while its ranks start, leaves no rank,
 planner, fork server or resource tracker behind; SIGINT and SIGTERM end it with one line and exit
-code 128 + the signal, and without a leaked-semaphore warning.
+code 128 + the signal, and without a leaked-semaphore warning; with a checkpoint folder SIGTERM
+first saves a checkpoint, and says where.
 
 Each test starts a small planner-driven run (two ranks, a planner process) as a subprocess, records
 the launcher's descendants from ``/proc`` (pid and start time, so a reused pid is not mistaken for a
 survivor) before the signal, and waits for every one of them to be gone.
 """
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from hgraph.runtime.checkpoint.shards import complete_steps
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
 
@@ -121,6 +125,19 @@ def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line(tmp_
     name = signal.Signals(signum).name
     assert rc == 128 + signum, err
     assert err.strip().splitlines()[-1] == f"hgraph train: stopped by {name}", err
+    assert "leaked" not in err and "Traceback" not in err, err
+
+
+def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path):
+    ck = tmp_path / "ck"
+    run = Run(tmp_path, "--checkpoint-dir", str(ck))      # saves only at the end, or on SIGTERM
+    run.wait_for(_training)
+    rc, err = run.kill(signal.SIGTERM)                    # passed on to the ranks, which agree on a step
+    assert rc == 143, err
+    said = re.fullmatch(r"hgraph train: stopped by SIGTERM after step (\d+) of 500; checkpoint (\S+) saved; "
+                        r"--resume continues from it", err.strip().splitlines()[-1])
+    assert said, err
+    assert complete_steps(ck) == [int(said[1])] and Path(said[2]) == ck / f"step-{int(said[1]):08d}"
     assert "leaked" not in err and "Traceback" not in err, err
 
 
