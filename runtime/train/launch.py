@@ -58,7 +58,7 @@ import torch.multiprocessing as mp
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
-from hgraph.runtime.train.lifetime import die_with_parent, tie_to_starter
+from hgraph.runtime.train.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
 from hgraph.runtime.train.rendezvous import attempt_store
 
 try:        # torch.fx's Interpreter draws a (disabled) tqdm bar, whose default lock is a named semaphore
@@ -268,9 +268,10 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
     store_dir = tempfile.mkdtemp(prefix="hgraph-rdzv-")
     init_method = "file://" + os.path.join(store_dir, "store")
     results = ctx.Queue()
+    notes = [os.path.join(store_dir, f"exit-note-{r}") for r in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True, name=f"hgraph-rank{r}",
                          args=(r, world_size, ref, tuple(args), backend, init_method, timeout_s, results,
-                               dict(os.environ)))
+                               {**os.environ, NOTE_ENV: notes[r]}))
              for r in range(world_size)]
     finished = False
     sigterm = _SigtermWatch(forward_sigterm)
@@ -278,7 +279,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
         with sigterm:
             for p in procs:
                 p.start()
-            out = _collect(procs, results, timeout_s, sigterm)
+            out = _collect(procs, results, timeout_s, notes, sigterm)
         finished = True
         return out
     finally:
@@ -336,7 +337,8 @@ class _SigtermWatch:
             signal.signal(signal.SIGTERM, self._previous)
 
 
-def _collect(procs: list, results: Any, timeout_s: float, sigterm: Optional[_SigtermWatch] = None) -> list[Any]:
+def _collect(procs: list, results: Any, timeout_s: float, notes: list[str],
+             sigterm: Optional[_SigtermWatch] = None) -> list[Any]:
     world_size = len(procs)
     done: dict[int, Any] = {}
     failures: list[tuple[int, str, str]] = []
@@ -346,7 +348,7 @@ def _collect(procs: list, results: Any, timeout_s: float, sigterm: Optional[_Sig
             sigterm.pass_on(procs)
         # Until a failure that is not the echo of a lost peer arrives, a rank that died without a
         # report is the cause.
-        item = _next_report(procs, results, done, not _causes(failures))
+        item = _next_report(procs, results, done, not _causes(failures), notes)
         if item is None:
             if time.monotonic() < deadline:
                 continue
@@ -395,7 +397,7 @@ def _first_cause(failures: list[tuple[int, str, str]]) -> SpawnError:
     return SpawnError(f"spawn: rank {rank} failed: {message}{also}", rank=rank, detail=detail)
 
 
-def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Optional[tuple]:
+def _next_report(procs: list, results: Any, done: dict, check_lost: bool, notes: list[str]) -> Optional[tuple]:
     """The next (rank, ok, payload) report, or None after a short poll; raises for a lost rank."""
     try:
         return results.get(timeout=_POLL_S)
@@ -408,6 +410,12 @@ def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Opt
     try:
         return results.get(timeout=1.0)
     except queue_mod.Empty:
-        r = lost[0]
-        raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} "
-                         "without a result)", rank=r) from None
+        pass
+    for r in lost:        # a rank that ended itself said why (e.g. a peer stopped answering)
+        note = read_note(notes[r])
+        if note is not None:
+            blame = note.get("blame")
+            raise SpawnError(f"spawn: {note['message']}", rank=r if blame is None else blame)
+    r = lost[0]
+    raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} "
+                     "without a result)", rank=r)

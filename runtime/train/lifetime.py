@@ -14,10 +14,15 @@ the launcher die, and nothing tells the children either (seen: SIGKILL of the la
 planner and server training on). The child closes its copy, after arming the signal against the
 server (which cannot have exited yet: the copy kept it alive), so the launcher's death ends the server
 and the server's ends the child.
+
+``end_process(message)`` ends this process at once from any thread, for a watchdog whose main thread
+is blocked in a collective no exception reaches: one line on stderr and, under ``spawn``, a note the
+launcher reads to name the cause rather than report this rank as lost (``NOTE_ENV``).
 """
 from __future__ import annotations
 
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
@@ -25,7 +30,10 @@ import sys
 import threading
 import time
 from multiprocessing import forkserver
+from typing import NoReturn, Optional
 
+#: The file where a process that ends itself leaves its reason for its launcher (``launch.spawn`` sets it).
+NOTE_ENV = "HGRAPH_EXIT_NOTE"
 _PR_SET_PDEATHSIG = 1
 #: How often the fallback watchdog looks at the parent id.
 WATCH_INTERVAL_S = 0.5
@@ -70,3 +78,24 @@ def tie_to_starter(sig: int = signal.SIGKILL) -> str:
     os.close(server_pipe)
     forkserver._forkserver._forkserver_alive_fd = None
     return how
+
+
+def end_process(message: str, blame: Optional[int] = None, code: int = 1) -> NoReturn:
+    """Ends this process now (``os._exit``): ``message`` on stderr and in the launcher's note, with
+    ``blame``, the rank the message names as the cause."""
+    sys.stderr.write(f"hgraph: {message}\n")
+    sys.stderr.flush()
+    note = os.environ.get(NOTE_ENV)
+    if note:
+        with open(note, "w", encoding="utf-8") as f:
+            json.dump({"message": message, "blame": blame}, f)
+    os._exit(code)
+
+
+def read_note(path: str) -> Optional[dict]:
+    """The note ``end_process`` left at ``path`` ({"message", "blame"}), or None."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

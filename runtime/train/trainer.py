@@ -59,9 +59,10 @@ from hgraph.runtime.planner.service.setup import planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
 from hgraph.runtime.train.exit_signal import ExitSignal, saves_on_sigterm
-from hgraph.runtime.train.heartbeat import Heartbeat
+from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
+from hgraph.runtime.train.lifetime import end_process
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
@@ -322,7 +323,8 @@ class Trainer:
                                 start_step if self.resumed is not None else None)
         loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
                    if self.rank == 0 else StepLoggers())
-        self.executor.heartbeat = Heartbeat.for_default_group()
+        self.executor.heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
+                                                              on_unresponsive=self._end_on_silence)
         now = start_step
         stopped = None
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
@@ -374,6 +376,11 @@ class Trainer:
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
                             sequence_parallel=self.sequence_parallel, stopped=stopped)
+
+    def _end_on_silence(self, silent: list[Silent]) -> None:
+        """A peer stopped answering (heartbeat thread): this rank's collectives would wait for it until
+        their timeout, so the process ends now, naming it; the launcher ends the others."""
+        end_process(silent_peers_text(silent, self.rank, self.config.cluster.heartbeat_timeout), blame=silent[0][0])
 
     def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
         """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""

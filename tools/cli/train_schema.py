@@ -138,6 +138,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
+    _k("cluster", "heartbeat-timeout", "float", 60.0, "seconds a rank may stop answering (stopped, frozen "
+       "host) before a peer names it by rank and host and the run ends", minimum=1e-3, metavar="S"),
     _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
        "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
        minimum=1e-6, metavar="TFLOPS"),

@@ -2,7 +2,8 @@
 scheduler does) sent SIGINT, SIGTERM or SIGKILL, mid-run or while its ranks start, leaves no rank,
 planner, fork server or resource tracker behind; SIGINT and SIGTERM end it with one line and exit
 code 128 + the signal, and without a leaked-semaphore warning; with a checkpoint folder SIGTERM
-first saves a checkpoint, and says where.
+first saves a checkpoint, and says where. A rank that stops answering (SIGSTOP) is named by rank and
+host within the heartbeat timeout, and the run ends.
 
 Each test starts a small planner-driven run (two ranks, a planner process) as a subprocess, records
 the launcher's descendants from ``/proc`` (pid and start time, so a reused pid is not mistaken for a
@@ -11,14 +12,19 @@ survivor) before the signal, and waits for every one of them to be gone.
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from tests.runtime.fault_injection import sigstop_worker
+from tests.runtime.reference_training import write_random_documents
 
 from hgraph.runtime.checkpoint.shards import complete_steps
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import SpawnError, spawn
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
 
@@ -149,3 +155,18 @@ def test_sigkill_of_the_launcher_while_its_ranks_start_leaves_no_process(tmp_pat
     rc, _ = run.kill(signal.SIGKILL)
     assert rc == -signal.SIGKILL
 
+
+
+def test_a_rank_that_stops_answering_mid_step_is_named_by_rank_and_host_and_the_run_ends(tmp_path):
+    """Rank 1 is SIGSTOPped in step 2 (alive, its sockets open: rank 0's collective would wait for it
+    until the collective timeout): rank 0's heartbeat names it within the heartbeat timeout, and the
+    run ends with that message instead of the timeout's."""
+    data = write_random_documents(tmp_path / "docs.jsonl", [9, 7, 11, 5, 8, 6, 10, 4] * 3, seed=3)
+    config = TrainConfig.from_values(model="tiny", world_size=2, strategy_schedule="2xTP1PP1", steps=6,
+                                     tokens_per_iter=30, data=str(data), heartbeat_timeout=3.0, timeout=300)
+    with pytest.raises(SpawnError) as info:
+        spawn(sigstop_worker, 2, args=(config, 1, 2), timeout_s=300)
+    assert info.value.rank == 1
+    assert re.fullmatch(rf"spawn: rank 1 on {re.escape(socket.gethostname())} \(no heartbeat for [\d.]+ s\) "
+                        r"stopped answering \(heartbeat timeout 3 s: stopped or frozen, e.g. SIGSTOP\); "
+                        r"rank 0 ends the run", str(info.value)), str(info.value)
