@@ -59,7 +59,7 @@ from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
 from hgraph.runtime.train.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
-from hgraph.runtime.train.rendezvous import attempt_store
+from hgraph.runtime.train.rendezvous import attempt_store, meet
 
 try:        # torch.fx's Interpreter draws a (disabled) tqdm bar, whose default lock is a named semaphore
     from tqdm import tqdm
@@ -149,8 +149,10 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = LAUNCHER_TIM
     backend = local_backend(backend or "auto", env.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(backend, store=attempt_store(env, timeout_s), rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    store = attempt_store(env, timeout_s)
+    meet(store, env, timeout_s)          # a missing peer is named here, not by gloo's connect timeout
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
     return env.rank, env.world_size
 
 

@@ -86,10 +86,10 @@ def _command_line(pid):
 class Run:
     """``hgraph train`` in a subprocess of its own session, its output in files."""
 
-    def __init__(self, tmp_path, *extra):
+    def __init__(self, tmp_path, *extra, command=TRAIN):
         self.out, self.err = tmp_path / "stdout", tmp_path / "stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([*TRAIN, "--run-dir", str(tmp_path / "run"), *extra], stdout=out,
+            self.proc = subprocess.Popen([*command, "--run-dir", str(tmp_path / "run"), *extra], stdout=out,
                                          stderr=err, start_new_session=True)
         self.seen = {}
 
@@ -170,3 +170,15 @@ def test_a_rank_that_stops_answering_mid_step_is_named_by_rank_and_host_and_the_
     assert re.fullmatch(rf"spawn: rank 1 on {re.escape(socket.gethostname())} \(no heartbeat for [\d.]+ s\) "
                         r"stopped answering \(heartbeat timeout 3 s: stopped or frozen, e.g. SIGSTOP\); "
                         r"rank 0 ends the run", str(info.value)), str(info.value)
+
+
+def test_sigkill_of_a_torchrun_agent_leaves_no_worker_or_planner(tmp_path):
+    """torchrun's workers run in sessions of their own and a SIGKILLed agent signals none of them: each
+    dies with its agent, and rank 0's planner process with rank 0."""
+    world = TRAIN.index("--world-size")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--monitor-interval", "0.1", "-m", "hgraph.tools.cli", *TRAIN[3:world], *TRAIN[world + 2:]]
+    run = Run(tmp_path, command=command)
+    run.wait_for(lambda out, seen: "step    1" in out and len(seen) >= 3)     # 2 workers, the planner
+    rc, _ = run.kill(signal.SIGKILL)
+    assert rc == -signal.SIGKILL
