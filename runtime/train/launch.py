@@ -54,17 +54,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.hub import tqdm       # what torch.fx's Interpreter draws its (disabled) bars with
 
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
 from hgraph.runtime.train.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
 from hgraph.runtime.train.rendezvous import attempt_store, meet
-
-try:        # torch.fx's Interpreter draws a (disabled) tqdm bar, whose default lock is a named semaphore
-    from tqdm import tqdm
-except ImportError:
-    tqdm = None
 
 #: How long the surviving ranks may take to finish on their own after one rank failed.
 FAILURE_GRACE_S = 3.0
@@ -195,7 +191,8 @@ def _loopback_interface() -> Optional[str]:
 def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend: str,
             init_method: str, timeout_s: float, results: Any, environ: dict) -> None:
     tie_to_starter()
-    if tqdm is not None:     # a semaphore of a killed rank is reported leaked: keep the lock in-process
+    if hasattr(tqdm, "set_lock"):
+        # tqdm's default lock is a named semaphore, reported leaked when a rank is killed: keep it in-process
         tqdm.set_lock(threading.RLock())
     # A forkserver child starts with the server's environment: take the caller's, as spawn would.
     os.environ.clear()
