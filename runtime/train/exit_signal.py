@@ -9,8 +9,9 @@ True)``) all stop after the same step. They save a checkpoint there, and the run
 so that neither a scheduler nor ``torchrun --max-restarts`` takes the run for finished (Megatron's
 handler, in the versions read, ends with ``sys.exit()`` after its save: code 0, a job SLURM records as
 COMPLETED), and a value SLURM's ``RequeueExit`` can name to requeue the job (a preemption with
-``PreemptMode=REQUEUE`` requeues whatever the code); a requeued attempt resumes by itself (``hgraph.runtime.train.restart``).
-A signal during the run's last step changes nothing: that step ends the run and saves anyway.
+``PreemptMode=REQUEUE`` requeues whatever the code); a requeued attempt resumes by itself
+(``hgraph.runtime.train.restart``). A signal during the run's last step changes nothing: that step
+ends the run and saves anyway.
 """
 from __future__ import annotations
 

@@ -44,6 +44,9 @@ class Heartbeat:
         self.timeout_s, self.on_unresponsive = timeout_s, on_unresponsive
         self.host = socket.gethostname()
         self._seen: dict[int, tuple[bytes, float]] = {}     # peer -> (its last beat, when it changed here)
+        # reading every peer's beat costs world_size store reads: often enough for the timeout, no more
+        self._watch_every_s = None if timeout_s is None else max(interval_s, timeout_s / 10)
+        self._next_watch = time.monotonic()
         self._stop = threading.Event()
         self._beat()
         self._thread = threading.Thread(target=self._run, name=f"hgraph-heartbeat-{rank}", daemon=True)
@@ -67,7 +70,10 @@ class Heartbeat:
         while not self._stop.wait(self.interval_s):
             try:
                 self._beat()
-                silent = self.unresponsive() if self.timeout_s is not None else []
+                silent = []
+                if self._watch_every_s is not None and time.monotonic() >= self._next_watch:
+                    self._next_watch = time.monotonic() + self._watch_every_s
+                    silent = self.unresponsive()
             except Exception:    # the store went away with its host: nothing left to report to
                 return
             if silent and not self._stop.is_set():

@@ -320,6 +320,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv]) -> int:
     stopped = result.get("stopped")
     if stopped is not None:            # every rank exits with the code; global rank 0 says where
         if speaker:
+            if log.json:
+                print(json.dumps({"stopped": stopped, "steps": result["steps"]}))
             sys.stderr.write(f"hgraph train: stopped by {stopped['signal']} after step {stopped['step']} of "
                              f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
                              "from it\n")
