@@ -286,6 +286,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
         started = [p for p in procs if p.pid is not None]
         if not finished:
             _signal_alive(started, signal.SIGINT)
+            _signal_alive(started, signal.SIGCONT)     # a stopped rank (SIGSTOP) can take it only running
         deadline = time.monotonic() + (EXIT_GRACE_S if finished else STOP_GRACE_S)
         for p in started:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

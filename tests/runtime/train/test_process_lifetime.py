@@ -179,6 +179,6 @@ def test_sigkill_of_a_torchrun_agent_leaves_no_worker_or_planner(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--monitor-interval", "0.1", "-m", "hgraph.tools.cli", *TRAIN[3:world], *TRAIN[world + 2:]]
     run = Run(tmp_path, command=command)
-    run.wait_for(lambda out, seen: "step    1" in out and len(seen) >= 3)     # 2 workers, the planner
+    run.wait_for(lambda out, seen: len(seen) >= 3)      # the 2 workers and rank 0's planner have started
     rc, _ = run.kill(signal.SIGKILL)
     assert rc == -signal.SIGKILL
