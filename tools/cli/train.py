@@ -46,7 +46,10 @@ Every option is also a key of a TOML file (``--config RUN.toml``, sections as in
 below); flags given on the command line override the file. ``--checkpoint-dir DIR
 --checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
 one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
-checked here, before any process starts.
+checked here, before any process starts. With a checkpoint folder, SIGTERM (a scheduler's preemption)
+finishes the step, saves a checkpoint, says where and exits with code 143 (``--no-exit-signal-handler``:
+it stops at once). Every process a run starts ends with it: Ctrl-C exits 130, SIGTERM 143, a killed
+launcher takes its ranks along.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ import argparse
 import functools
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -72,7 +76,8 @@ from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
 from hgraph.runtime.train.devices import (backend_for, default_world_size, describe, gpu_memory_per_rank,
                                          resolve_device)
-from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.exit_signal import EXIT_CODE
+from hgraph.runtime.train.launch import SpawnError, Stopped
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.lr_schedule import builtin_default
@@ -332,14 +337,23 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
     try:
         result = run_training(config, timeout_s=config.cluster.timeout)
     except SpawnError as exc:
-        hint = ""
-        if config.checkpointing.checkpoint_dir is not None:
-            last = latest(config.checkpointing.checkpoint_dir)
-            hint = f"; --resume continues from {last}" if last is not None else ""
-        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{_resume_hint(config)}\n")
         return 1
+    except (KeyboardInterrupt, Stopped) as exc:     # every process of the run has ended
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        sys.stderr.write(f"hgraph train: stopped by {signal.Signals(signum).name}{_resume_hint(config)}\n")
+        return 128 + signum
     if outcome is not None:
         outcome.update(result=result, run_dir=str(run_dir) if run_dir is not None else None, metrics=metrics)
+    stopped = result.get("stopped")
+    if stopped is not None:            # every rank exits with the code; global rank 0 says where
+        if speaker:
+            if log.json:
+                print(json.dumps({"stopped": stopped, "steps": result["steps"]}))
+            sys.stderr.write(f"hgraph train: stopped by {stopped['signal']} after step {stopped['step']} of "
+                             f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
+                             "from it\n")
+        return EXIT_CODE
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
@@ -387,6 +401,14 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """``; --resume continues from DIR`` when the run has a checkpoint to continue from."""
+    if config.checkpointing.checkpoint_dir is None:
+        return ""
+    last = latest(config.checkpointing.checkpoint_dir)
+    return f"; --resume continues from {last}" if last is not None else ""
 
 
 def _is_hf_dir(model: str) -> bool:

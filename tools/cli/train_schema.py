@@ -143,6 +143,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
+    _k("cluster", "heartbeat-timeout", "float", 60.0, "seconds a rank may stop answering (stopped, frozen "
+       "host) before a peer names it by rank and host and the run ends", minimum=1e-3, metavar="S"),
     _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
        "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
        minimum=1e-6, metavar="TFLOPS"),
@@ -210,6 +212,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "corrupt or truncated, use the previous one (default: stop with an error naming the file)"),
     _k("checkpointing", "save-final", "path", None, "write the final fp32 state_dict (keyed like the "
        "module) here", optional=True, metavar="PATH"),
+    _k("checkpointing", "exit-signal-handler", "bool", True, "with checkpoint-dir: on SIGTERM (a scheduler's "
+       "preemption) finish the step, save a checkpoint, say where and exit with code 143 (off: SIGTERM "
+       "stops the run at once, also exit 143)"),
     _k("logging", "run-dir", "path", None, "run folder for metrics.jsonl and plots (default "
        "./runs/<timestamp>)", optional=True, metavar="DIR"),
     _k("logging", "metrics", "path", None, "also write the per-step metrics here", optional=True,

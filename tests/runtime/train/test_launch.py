@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.launch import SpawnError, init_from_env, spawn
+from hgraph.runtime.train.launch import FAILURE_GRACE_S, SpawnError, init_from_env, spawn
 
 
 def _sum_of_ranks(rank, world_size, scale):
@@ -23,7 +23,8 @@ def _rank1_raises(rank, world_size):
     if rank == 2:  # looks like the echo of a lost peer: must not be reported as the cause
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
     if rank == 1:
-        time.sleep(0.3)
+        # later than the echo's grace period: as under load, when the echo arrives seconds first
+        time.sleep(FAILURE_GRACE_S + 0.5)
         raise ValueError("bad shard on purpose")
     t = torch.ones(1)
     dist.all_reduce(t)  # blocks: rank 1 never joins, so the parent must end this rank
