@@ -8,6 +8,7 @@ where Chromium is not installed (CI).  ``HGRAPH_PAGE_SCREENSHOT=FILE.png`` saves
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import select
@@ -35,8 +36,11 @@ class DevTools:
         self._from_browser, from_browser_w = os.pipe()
 
         def wire():  # the browser reads commands from fd 3 and writes replies to fd 4
-            os.dup2(to_browser_r, 3)
-            os.dup2(from_browser_w, 4)
+            # Moved out of the way first: the pipe may already sit on fd 3 or 4, and dup2 onto the
+            # same number would keep its close-on-exec flag.
+            reads, writes = fcntl.fcntl(to_browser_r, fcntl.F_DUPFD, 10), fcntl.fcntl(from_browser_w, fcntl.F_DUPFD, 10)
+            os.dup2(reads, 3)
+            os.dup2(writes, 4)
 
         self.proc = subprocess.Popen(
             [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
