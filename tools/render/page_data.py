@@ -3,8 +3,9 @@ plain JSON-able lists (coordinates rounded to a tenth of a pixel to keep the pag
 
 Shape, read by :mod:`hgraph.tools.render.page_script`::
 
-    levels: {"" (top level) or box id: {w, h, items: [[id, cx, cy, w, h, label lines]],
-             clusters: [[path, x, y, w, h]], edges: [[src item, dst item, count, [x, y, ...]]]}}
+    levels: {"" (top level) or box id: {w, h, items: [[id, cx, cy, w, h, label lines, band]],
+             clusters: [[path, x, y, w, h]], edges: [[src item, dst item, count, [x, y, ...]]],
+             bands: [[x, row width, width]]}}
     boxes:  {box id: {name, kind, parent, tip, n}}      n: nodes inside, at any depth
     order:  box ids, parents first (the order the page expands them in)
     nodes:  {node id: {k: kind, t: tooltip, b: innermost box id or null}}
@@ -26,7 +27,10 @@ def _r(v: float) -> float:
 
 def _level_data(level: Level) -> dict[str, Any]:
     lay = level.layout
-    items = [[node_id, _r(b.x), _r(b.y), _r(b.w), _r(b.h), b.lines] for node_id, b in lay.nodes.items()]
+    band_of = {band.path: k for k, band in enumerate(lay.bands)}
+    cluster = {n.id: n.cluster for n in level.graph.nodes}
+    items = [[node_id, _r(b.x), _r(b.y), _r(b.w), _r(b.h), b.lines, band_of[cluster[node_id]]]
+             for node_id, b in lay.nodes.items()]
     clusters = [[list(c.path), _r(c.x), _r(c.y), _r(c.w), _r(c.h)] for c in lay.clusters]
     edges = []
     for route in lay.edges:
@@ -35,7 +39,9 @@ def _level_data(level: Level) -> dict[str, Any]:
             continue
         flat = [_r(v) for point in route.points for v in point]
         edges.append([e.src, e.dst, level.edge_counts[(e.src, e.dst, e.kind)], flat])
-    return {"w": _r(lay.width), "h": _r(lay.height), "items": items, "clusters": clusters, "edges": edges}
+    bands = [[_r(band.x), _r(band.row_width), _r(band.width)] for band in lay.bands]
+    return {"w": _r(lay.width), "h": _r(lay.height), "items": items, "clusters": clusters, "edges": edges,
+            "bands": bands}
 
 
 def page_data(c: CollapsedGraph) -> dict[str, Any]:

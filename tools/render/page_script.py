@@ -1,11 +1,13 @@
 """The style sheet and the script of the HTML page (inline, so the page opens offline).
 
 The script draws the graph from the page's data (:mod:`hgraph.tools.render.page_data`) into one
-``<svg id="graph">``.  It starts from the top level's layout; expanding a box swaps it for its own
-laid-out inside: the box grows to the inside's size and everything right of it moves right by the
-growth and everything below it moves down (clusters and open boxes that span the cut stretch), so
-no two things overlap and the layout computed in Python is kept.  Boxes are expanded parents first,
-in drawing order, so the result depends only on which boxes are open.
+``<svg id="graph">``.  Each level (the top one, and the inside of every open box) is laid out again
+from its Python layout around the sizes of its open boxes, insides first: its rows and its bands
+(the column strips of the clusters) are kept; a row grows to its tallest item and pushes the rows
+below it down, items in a band's row keep their order and move right only as far as the items
+before them grew, and a band that grows pushes the bands to its right.  Edges keep their routes,
+their bends moved along.  So opening a box costs only the room it needs, and the drawing depends
+only on which boxes are open.
 
 What the browser test and a reader rely on: collapsed boxes are ``<g class="box" data-box>``, open
 ones ``<g class="frame" data-box>`` (click the header to close), nodes ``<g class="node" data-id>``,
@@ -40,7 +42,7 @@ SCRIPT = r"""
 (function () {
   'use strict';
   var D = JSON.parse(document.getElementById('graph-data').textContent);
-  var PAD = 10, HEAD = 22, MARGIN = 14, EPS = 0.01, LINE = 13, FONT = 11;
+  var PAD = 10, HEAD = 22, MARGIN = 14, EPS = 0.01, LINE = 13, FONT = 11, GAP = D.nodeGap, DUMMY = D.dummyWidth;
   var vp = document.getElementById('viewport'), svg = document.getElementById('graph');
   var expanded = new Set(D.open ? D.order : []);
   var geo = null, vb = [0, 0, 1, 1], hits = [], nextHit = 0;
@@ -49,10 +51,6 @@ SCRIPT = r"""
     return String(s).replace(/&/g, '&amp;').replace(/</g, '&lt;').replace(/>/g, '&gt;').replace(/"/g, '&quot;');
   }
   function f(v) { return v.toFixed(1); }
-  function shown(id) {  // every box around it is open
-    for (var p = D.boxes[id].parent; p; p = D.boxes[p].parent) if (!expanded.has(p)) return false;
-    return true;
-  }
   function chain(nodeId) {  // the boxes around a node, outermost first
     var out = [];
     for (var b = D.nodes[nodeId].b; b; b = D.boxes[b].parent) out.unshift(b);
@@ -64,50 +62,133 @@ SCRIPT = r"""
     return nodeId;
   }
 
-  // ---- geometry: the top level, then each open box swapped for its inside ----
+  // ---- geometry: each level laid out again around its open boxes, insides first ----
   function anchor(r, p) { return [(p[0] - r[0]) / Math.max(r[2] - r[0], EPS), (p[1] - r[1]) / Math.max(r[3] - r[1], EPS)]; }
   function at(r, a) { return [r[0] + a[0] * (r[2] - r[0]), r[1] + a[1] * (r[3] - r[1])]; }
-  function geometry() {
-    var g = {rects: {}, lines: {}, frames: {}, edges: [], clusters: [], size: [D.levels[''].w, D.levels[''].h]};
-    function place(key, ox, oy) {
-      var L = D.levels[key];
-      L.items.forEach(function (it) {
-        g.rects[it[0]] = [ox + it[1] - it[3] / 2, oy + it[2] - it[4] / 2, ox + it[1] + it[3] / 2, oy + it[2] + it[4] / 2];
+  function layoutLevel(key) {  // see the module docstring; bends inside a row are placed like thin items
+    var L = D.levels[key], out = {items: {}, inner: {}, edges: [], clusters: []}, size = {};
+    L.items.forEach(function (it) {
+      var id = it[0];
+      if (D.boxes[id] && expanded.has(id)) {
+        var sub = layoutLevel(id);
+        out.inner[id] = sub;
+        size[id] = [Math.max(it[3], sub.w + 2 * PAD), Math.max(it[4], sub.h + HEAD + 2 * PAD)];
+      } else {
+        size[id] = [it[3], it[4]];
+      }
+    });
+    var byY = {}, rows = [];
+    L.items.forEach(function (it) {
+      var k = Math.round(it[2] * 2), row = byY[k];
+      if (!row) { row = byY[k] = {top: Infinity, bottom: -Infinity, items: []}; rows.push(row); }
+      row.top = Math.min(row.top, it[2] - it[4] / 2); row.bottom = Math.max(row.bottom, it[2] + it[4] / 2);
+      row.items.push(it);
+    });
+    rows.sort(function (a, b) { return a.top - b.top; });
+    rows.forEach(function (row, r) {
+      row.k = r;
+      row.newTop = r === 0 ? row.top : rows[r - 1].newBottom + (row.top - rows[r - 1].bottom);
+      var h = row.bottom - row.top;
+      row.items.forEach(function (it) { h = Math.max(h, it[2] - it[4] / 2 - row.top + size[it[0]][1]); });
+      row.newBottom = row.newTop + h;
+    });
+    function mapY(y) {
+      var prev = null;
+      for (var r = 0; r < rows.length; r++) {
+        if (y < rows[r].top - EPS) break;
+        if (y <= rows[r].bottom + EPS) return rows[r].newTop + (y - rows[r].top);
+        prev = rows[r];
+      }
+      return prev ? prev.newBottom + (y - prev.bottom) : y;
+    }
+    var bands = L.bands.map(function (b) { return {x: b[0], area: b[1], w: b[2], growth: 0, rows: {}}; });
+    function bandAt(x) {
+      for (var b = 0; b < bands.length; b++) if (x >= bands[b].x - EPS && x <= bands[b].x + bands[b].w + EPS) return b;
+      return -1;
+    }
+    function cell(b, row) { return bands[b].rows[row.k] || (bands[b].rows[row.k] = []); }
+    L.items.forEach(function (it) {
+      var row = byY[Math.round(it[2] * 2)];
+      cell(it[6], row).push({left: it[1] - it[3] / 2, w: size[it[0]][0], gap: GAP, item: it});
+    });
+    var edges = L.edges.map(function (e) {
+      var p = e[3], mid = [];
+      for (var i = 2; i < p.length - 2; i += 2) {
+        var pt = {x: p[i], y: p[i + 1]}, row = byY[Math.round(p[i + 1] * 2)], b = bandAt(p[i]);
+        if (row && b >= 0 && p[i] <= bands[b].x + bands[b].area + EPS) {  // a bend inside a row: a thin item
+          pt.el = {left: p[i] - DUMMY / 2, w: DUMMY, gap: 2};
+          cell(b, row).push(pt.el);
+        }
+        mid.push(pt);
+      }
+      return {e: e, mid: mid};
+    });
+    bands.forEach(function (band) {
+      Object.keys(band.rows).forEach(function (k) {
+        var right = -Infinity;
+        band.rows[k].sort(function (a, b) { return a.left - b.left; }).forEach(function (el) {
+          el.rel = Math.max(el.left - band.x, right + el.gap);
+          right = el.rel + el.w;
+        });
+        band.growth = Math.max(band.growth, right - band.area);
+      });
+    });
+    function mapX(x) {  // a point outside rows: moved by the growth of every band whose rows end left of it
+      var dx = 0;
+      bands.forEach(function (band) { if (band.x + band.area <= x + EPS) dx += band.growth; });
+      return x + dx;
+    }
+    bands.forEach(function (band) { band.newX = mapX(band.x); });
+    bands.forEach(function (band) {
+      Object.keys(band.rows).forEach(function (k) {
+        band.rows[k].forEach(function (el) { el.x = band.newX + el.rel; });
+      });
+    });
+    L.items.forEach(function (it) {
+      var row = byY[Math.round(it[2] * 2)], el = null, c = cell(it[6], row);
+      for (var i = 0; i < c.length; i++) if (c[i].item === it) el = c[i];
+      var top = row.newTop + (it[2] - it[4] / 2 - row.top), s = size[it[0]];
+      out.items[it[0]] = [el.x, top, el.x + s[0], top + s[1]];
+    });
+    edges.forEach(function (d) {
+      var e = d.e, p = e[3], n = p.length;
+      var src0 = [p[0], p[1]], dst0 = [p[n - 2], p[n - 1]];
+      out.edges.push({src: e[0], dst: e[1], n: e[2], a: anchor(origRect(L, e[0]), src0), b: anchor(origRect(L, e[1]), dst0),
+                      mid: d.mid.map(function (pt) { return pt.el ? [pt.el.x + DUMMY / 2, mapY(pt.y)] : [mapX(pt.x), mapY(pt.y)]; })});
+    });
+    L.clusters.forEach(function (c) {
+      out.clusters.push({path: c[0], r: [mapX(c[1]), mapY(c[2]), mapX(c[1] + c[3]), mapY(c[2] + c[4])]});
+    });
+    out.w = mapX(L.w); out.h = mapY(L.h);
+    return out;
+  }
+  function origRect(L, id) {
+    if (!L.index) { L.index = {}; L.items.forEach(function (it) { L.index[it[0]] = it; }); }
+    var it = L.index[id];
+    return [it[1] - it[3] / 2, it[2] - it[4] / 2, it[1] + it[3] / 2, it[2] + it[4] / 2];
+  }
+  function geometry() {  // every level placed where its box is
+    var g = {rects: {}, lines: {}, frames: {}, edges: [], clusters: []};
+    function emit(key, lay, ox, oy) {
+      function shift(p) { return [p[0] + ox, p[1] + oy]; }
+      D.levels[key].items.forEach(function (it) {
+        var r = lay.items[it[0]];
+        g.rects[it[0]] = [r[0] + ox, r[1] + oy, r[2] + ox, r[3] + oy];
         g.lines[it[0]] = it[5];
       });
-      L.clusters.forEach(function (c) {
-        g.clusters.push({path: c[0], r: [ox + c[1], oy + c[2], ox + c[1] + c[3], oy + c[2] + c[4]]});
+      lay.clusters.forEach(function (c) {
+        g.clusters.push({path: c.path, r: [c.r[0] + ox, c.r[1] + oy, c.r[2] + ox, c.r[3] + oy]});
       });
-      L.edges.forEach(function (e) {
-        var p = e[3], pts = [];
-        for (var i = 0; i < p.length; i += 2) pts.push([ox + p[i], oy + p[i + 1]]);
-        g.edges.push({src: e[0], dst: e[1], n: e[2], mid: pts.slice(1, -1),
-                      a: anchor(g.rects[e[0]], pts[0]), b: anchor(g.rects[e[1]], pts[pts.length - 1])});
+      lay.edges.forEach(function (e) { g.edges.push({src: e.src, dst: e.dst, n: e.n, a: e.a, b: e.b, mid: e.mid.map(shift)}); });
+      Object.keys(lay.inner).forEach(function (id) {
+        var r = g.rects[id], sub = lay.inner[id];
+        g.frames[id] = true;
+        emit(id, sub, r[0] + (r[2] - r[0] - sub.w) / 2, r[1] + HEAD + PAD);
       });
     }
-    function stretch(cx, cy, dw, dh) {
-      function sx(x) { return x >= cx - EPS ? x + dw : x; }
-      function sy(y) { return y >= cy - EPS ? y + dh : y; }
-      Object.keys(g.rects).forEach(function (id) {
-        var r = g.rects[id];
-        if (g.frames[id]) { g.rects[id] = [sx(r[0]), sy(r[1]), sx(r[2]), sy(r[3])]; return; }
-        var dx = sx((r[0] + r[2]) / 2) - (r[0] + r[2]) / 2, dy = sy((r[1] + r[3]) / 2) - (r[1] + r[3]) / 2;
-        g.rects[id] = [r[0] + dx, r[1] + dy, r[2] + dx, r[3] + dy];  // nodes move, never resize
-      });
-      g.clusters.forEach(function (c) { c.r = [sx(c.r[0]), sy(c.r[1]), sx(c.r[2]), sy(c.r[3])]; });
-      g.edges.forEach(function (e) { e.mid = e.mid.map(function (p) { return [sx(p[0]), sy(p[1])]; }); });
-      g.size = [sx(g.size[0]), sy(g.size[1])];
-    }
-    place('', 0, 0);
-    D.order.forEach(function (id) {
-      if (!expanded.has(id) || !shown(id)) return;
-      var r = g.rects[id], L = D.levels[id];
-      var w = Math.max(r[2] - r[0], L.w + 2 * PAD), h = Math.max(r[3] - r[1], L.h + HEAD + 2 * PAD);
-      stretch(r[2], r[3], w - (r[2] - r[0]), h - (r[3] - r[1]));
-      g.rects[id] = [r[0], r[1], r[0] + w, r[1] + h];
-      g.frames[id] = true;
-      place(id, r[0] + (w - L.w) / 2, r[1] + HEAD + PAD);
-    });
+    var root = layoutLevel('');
+    emit('', root, 0, 0);
+    g.size = [root.w, root.h];
     return g;
   }
 

@@ -75,9 +75,10 @@ def test_page_data_keeps_every_comm_edge_between_nodes_and_draws_data_edges_per_
         drawn = {(src, dst) for src, dst, _, _ in level["edges"]}
         data_edges = {(s, d) for (s, d, kind) in c.levels[owner].edge_counts if kind == "data"}
         assert drawn == data_edges
-        for item in level["items"]:
-            node_id, cx, cy, w, h, lines = item
-            assert 0 <= cx - w / 2 and cx + w / 2 <= level["w"] + 0.1 and lines
+        for item in level["items"]:  # inside its band's rows, which the page keeps when it lays out again
+            node_id, cx, cy, w, h, lines, band = item
+            x, row_width, _ = level["bands"][band]
+            assert x - 0.1 <= cx - w / 2 and cx + w / 2 <= x + row_width + 0.1 and lines
     # Every box's inside is laid out, and a collapsed box names its block and counts its ops.
     labels = {item[0]: item[5] for item in data["levels"][""]["items"]}
     block = next(b for b in c.boxes.values() if b.path == ("layers.0",))

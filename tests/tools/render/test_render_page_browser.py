@@ -2,7 +2,8 @@
 pipe (``--remote-debugging-pipe``: JSON messages ending in a NUL byte on file descriptors 3 and 4).
 
 It loads without console errors, opens with the boxes closed at a scale where labels read, a click
-on a layer block opens it and shows its nodes, and a click on its header closes it again.  Skipped
+on a layer block opens it and shows its nodes, a click on its header closes it again, and with
+every box open every node is drawn and no two overlap.  Skipped
 where Chromium is not installed (CI).  ``HGRAPH_PAGE_SCREENSHOT=FILE.png`` saves the first view.
 """
 from __future__ import annotations
@@ -149,6 +150,19 @@ _NODES_IN = """(function (id) {
   }).length;
 })(%s)"""
 
+# Pairs of drawn nodes whose boxes overlap (in the drawing's own units).
+_OVERLAPS = """(function () {
+  var r = Array.from(document.querySelectorAll('#graph g.node > rect.face')).map(function (e) {
+    var x = +e.getAttribute('x'), y = +e.getAttribute('y');
+    return [x, y, x + +e.getAttribute('width'), y + +e.getAttribute('height')];
+  }).sort(function (a, b) { return a[0] - b[0]; });
+  var n = 0;
+  for (var i = 0; i < r.length; i++)
+    for (var j = i + 1; j < r.length && r[j][0] < r[i][2] - 0.5; j++)
+      if (r[j][1] < r[i][3] - 0.5 && r[i][1] < r[j][3] - 0.5) n++;
+  return n;
+})()"""
+
 
 def test_page_opens_closed_and_a_click_opens_and_closes_a_block(dumped_page):
     tools = DevTools(BROWSER)
@@ -185,6 +199,10 @@ def test_page_opens_closed_and_a_click_opens_and_closes_a_block(dumped_page):
         tools.click(*head)
         assert tools.evaluate("document.querySelectorAll('#graph g.frame').length") == 0
         assert tools.evaluate(_NODES_IN % json.dumps(block["id"])) == 0
+
+        tools.evaluate("hgraphPage.expandAll()")  # the page's own layout of every box open
+        assert tools.evaluate("document.querySelectorAll('#graph g.node').length") == total
+        assert tools.evaluate(_OVERLAPS) == 0
         assert tools.errors() == []
     finally:
         tools.close()
