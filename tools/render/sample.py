@@ -8,8 +8,9 @@ The graph imitates what the compiler emits (Fig. 2c of the Hydraulis paper): per
 use goes through a Pull Parameter subgraph (parameter -> to bf16 -> LNK), row-parallel matmuls are
 followed by a TP all-reduce (Communicate Activation, issue and wait, with comm edges between the TP
 ranks), stage boundaries send and receive activations and gradients, and every weight's gradient
-leaves through a Push Gradient subgraph (reduce-scatter -> LNK).  It is a drawing fixture, not the
-compiler's output.
+leaves through a Push Gradient subgraph (reduce-scatter -> LNK).  Nodes sit in layer-block boxes
+(``embed``, ``layers.N``, ``head``) and each slot subgraph in a box of its own inside them, as the
+HTML page draws them.  It is a drawing fixture, not the compiler's output.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 pipe (``--remote-debugging-pipe``: JSON messages ending in a NUL byte on file descriptors 3 and 4).
 
 It loads without console errors, opens with the boxes closed at a scale where labels read, a click
-on a layer block opens it and shows its nodes, a click on its header closes it again, and with
-every box open every node is drawn and no two overlap.  Skipped
+on a layer block opens it and shows its nodes, a click on its header closes it again, a search
+opens the boxes around its hit, and with every box open every node is drawn and no two overlap.  Skipped
 where Chromium is not installed (CI).  ``HGRAPH_PAGE_SCREENSHOT=FILE.png`` saves the first view.
 """
 from __future__ import annotations
@@ -199,6 +199,16 @@ def test_page_opens_closed_and_a_click_opens_and_closes_a_block(dumped_page):
         tools.click(*head)
         assert tools.evaluate("document.querySelectorAll('#graph g.frame').length") == 0
         assert tools.evaluate(_NODES_IN % json.dumps(block["id"])) == 0
+
+        # Search: Enter opens the boxes around the next hit, which is then drawn as a node.
+        hit = tools.evaluate("""(function () {
+          var s = document.getElementById('search');
+          s.value = 'q_proj'; s.dispatchEvent(new Event('input'));
+          s.dispatchEvent(new KeyboardEvent('keydown', {key: 'Enter'}));
+          var g = document.querySelector('#graph g.node.hit');
+          return [document.getElementById('found').textContent, g && g.getAttribute('data-id')];
+        })()""")
+        assert hit[0].endswith(" found") and int(hit[0].split()[0]) > 0 and hit[1], hit
 
         tools.evaluate("hgraphPage.expandAll()")  # the page's own layout of every box open
         assert tools.evaluate("document.querySelectorAll('#graph g.node').length") == total
