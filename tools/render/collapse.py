@@ -197,4 +197,3 @@ def layering_edges(items: list[RNode], edges: list[REdge]) -> list[REdge]:
         if direction.setdefault(frozenset((a, b)), (a, b)) == (a, b):
             kept.append(e)
     return kept
-

@@ -33,13 +33,13 @@ def _script_json(value: object) -> str:
             .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
 
 
-def _legend_html(kinds: list[str], has_boxes: set[str], has_comm: bool) -> str:
+def _legend_html(kinds: list[str], box_kinds: set[str], has_comm: bool) -> str:
     """One legend: a swatch per node kind shown (boxed when that kind also appears as a box)."""
     items = []
     for kind in kinds:
         style = KIND_STYLES[kind]
         words = style.legend + (" (box: click to open)" if kind == BLOCK_KIND else "")
-        boxed = " box" if kind in has_boxes else ""
+        boxed = " box" if kind in box_kinds else ""
         items.append(f'<span class="legend-item" data-kind="{kind}"><span class="swatch{boxed}" '
                      f'style="background:{style.fill};border-color:{style.stroke}"></span>'
                      f"{xml_escape(words)}</span>")

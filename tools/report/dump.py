@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -200,7 +201,7 @@ def _blocks(nodes: list[fx.Node]) -> dict[str, Optional[str]]:
             block[o.name] for n in group for o in (*n.all_input_nodes, *n.users)
             if o.name not in inside and block.get(o.name)]
         for n in group:
-            block[n.name] = max(set(found), key=found.count) if found else None
+            block[n.name] = Counter(found).most_common(1)[0][0] if found else None  # ties: first seen
     for n in reversed(nodes):  # users first, so chains of such nodes follow their consumers
         users = {block.get(u.name) for u in n.users}
         if block[n.name] is None and n.op in ("get_attr", "call_function", "call_method"):
@@ -231,7 +232,7 @@ def graph_title(program: Program, ranks: list[RankProgram], model: str = "") -> 
     shown = (f"all {world} ranks" if len(ranks) == world else
              f"rank {ranks[0].rank} of {world}" if len(ranks) == 1 else
              f"ranks {', '.join(str(rp.rank) for rp in ranks)} of {world}")
-    return f"{model + ' ' if model else ''}under {program.strategy}: {shown}"
+    return f"{model} under {program.strategy}: {shown}" if model else f"{program.strategy}: {shown}"
 
 
 def program_rgraph(program: Program, ranks: list[RankProgram], model: str = ""):
