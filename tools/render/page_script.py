@@ -92,11 +92,11 @@ SCRIPT = r"""
       row.items.forEach(function (it) { h = Math.max(h, it[2] - it[4] / 2 - row.top + size[it[0]][1]); });
       row.newBottom = row.newTop + h;
     });
-    function mapY(y) {
+    function mapY(y) {  // inside a row: from its top; on or below its bottom edge: from its bottom
       var prev = null;
       for (var r = 0; r < rows.length; r++) {
         if (y < rows[r].top - EPS) break;
-        if (y <= rows[r].bottom + EPS) return rows[r].newTop + (y - rows[r].top);
+        if (y < rows[r].bottom - EPS) return rows[r].newTop + (y - rows[r].top);
         prev = rows[r];
       }
       return prev ? prev.newBottom + (y - prev.bottom) : y;

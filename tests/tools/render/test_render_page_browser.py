@@ -3,7 +3,8 @@ pipe (``--remote-debugging-pipe``: JSON messages ending in a NUL byte on file de
 
 It loads without console errors, opens with the boxes closed at a scale where labels read, a click
 on a layer block opens it and shows its nodes, a click on its header closes it again, a search
-opens the boxes around its hit, and with every box open every node is drawn and no two overlap.  Skipped
+opens the boxes around its hit, and with every box open every node is drawn inside the frames of
+the boxes around it and no two overlap.  Skipped
 where Chromium is not installed (CI).  ``HGRAPH_PAGE_SCREENSHOT=FILE.png`` saves the first view.
 """
 from __future__ import annotations
@@ -150,13 +151,24 @@ _NODES_IN = """(function (id) {
   }).length;
 })(%s)"""
 
-# Pairs of drawn nodes whose boxes overlap (in the drawing's own units).
+# Pairs of drawn nodes whose boxes overlap, and nodes outside the frame of an open box around them
+# (in the drawing's own units).
 _OVERLAPS = """(function () {
-  var r = Array.from(document.querySelectorAll('#graph g.node > rect.face')).map(function (e) {
-    var x = +e.getAttribute('x'), y = +e.getAttribute('y');
-    return [x, y, x + +e.getAttribute('width'), y + +e.getAttribute('height')];
+  var D = JSON.parse(document.getElementById('graph-data').textContent);
+  function box(rect) {
+    var x = +rect.getAttribute('x'), y = +rect.getAttribute('y');
+    return [x, y, x + +rect.getAttribute('width'), y + +rect.getAttribute('height')];
+  }
+  var frames = {};
+  document.querySelectorAll('#graph g.frame').forEach(function (g) { frames[g.getAttribute('data-box')] = box(g.querySelector('rect')); });
+  var n = 0, r = Array.from(document.querySelectorAll('#graph g.node')).map(function (g) {
+    var b = box(g.querySelector('rect.face'));
+    for (var p = D.nodes[g.getAttribute('data-id')].b; p; p = D.boxes[p].parent) {
+      var f = frames[p];
+      if (b[0] < f[0] || b[1] < f[1] || b[2] > f[2] || b[3] > f[3]) n++;
+    }
+    return b;
   }).sort(function (a, b) { return a[0] - b[0]; });
-  var n = 0;
   for (var i = 0; i < r.length; i++)
     for (var j = i + 1; j < r.length && r[j][0] < r[i][2] - 0.5; j++)
       if (r[j][1] < r[i][3] - 0.5 && r[i][1] < r[j][3] - 0.5) n++;
