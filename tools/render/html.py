@@ -12,7 +12,7 @@ import json
 
 from hgraph.tools.render.collapse import BLOCK_KIND, collapse
 from hgraph.tools.render.graph import CLUSTER_FILLS, CLUSTER_STROKES, EDGE_COLORS, FONT_FAMILY, KIND_STYLES, RGraph
-from hgraph.tools.render.layout import DUMMY_WIDTH, FONT_SIZE, NODE_GAP
+from hgraph.tools.render.layout import CHAR_WIDTH, DUMMY_WIDTH, FONT_SIZE, NODE_GAP
 from hgraph.tools.render.page_data import page_data
 from hgraph.tools.render.page_script import SCRIPT, STYLE
 from hgraph.tools.render.svg import xml_escape
@@ -57,7 +57,7 @@ def render_html(g: RGraph) -> str:
     kinds = [k for k in KIND_STYLES if k in {n.kind for n in g.nodes} | box_kinds]
     data.update(
         open=len(g.nodes) <= OPEN_UP_TO_NODES, minScale=MIN_SCALE, maxScale=MAX_SCALE, defs=_DEFS,
-        nodeGap=NODE_GAP, dummyWidth=DUMMY_WIDTH,
+        nodeGap=NODE_GAP, dummyWidth=DUMMY_WIDTH, charWidth=CHAR_WIDTH * 1.1,  # frame titles are bold
         styles={kind: [s.fill, s.stroke] for kind, s in KIND_STYLES.items()}, edgeColors=EDGE_COLORS,
         clusterFills=list(CLUSTER_FILLS), clusterStrokes=list(CLUSTER_STROKES))
     title = xml_escape(g.title)

@@ -65,6 +65,7 @@ SCRIPT = r"""
   // ---- geometry: each level laid out again around its open boxes, insides first ----
   function anchor(r, p) { return [(p[0] - r[0]) / Math.max(r[2] - r[0], EPS), (p[1] - r[1]) / Math.max(r[3] - r[1], EPS)]; }
   function at(r, a) { return [r[0] + a[0] * (r[2] - r[0]), r[1] + a[1] * (r[3] - r[1])]; }
+  function frameTitle(id) { var b = D.boxes[id]; return '\u2212 ' + b.name + ' (' + b.n + ' ops)'; }
   function layoutLevel(key) {  // see the module docstring; bends inside a row are placed like thin items
     var L = D.levels[key], out = {items: {}, inner: {}, edges: [], clusters: []}, size = {};
     L.items.forEach(function (it) {
@@ -72,7 +73,8 @@ SCRIPT = r"""
       if (D.boxes[id] && expanded.has(id)) {
         var sub = layoutLevel(id);
         out.inner[id] = sub;
-        size[id] = [Math.max(it[3], sub.w + 2 * PAD), Math.max(it[4], sub.h + HEAD + 2 * PAD)];
+        size[id] = [Math.max(it[3], sub.w + 2 * PAD, frameTitle(id).length * D.charWidth + 2 * PAD),
+                    Math.max(it[4], sub.h + HEAD + 2 * PAD)];
       } else {
         size[id] = [it[3], it[4]];
       }
@@ -203,7 +205,10 @@ SCRIPT = r"""
   }
   function commPath(a, b) {  // between two rects: down, up, or sideways when they share rows
     if (b[1] >= a[3]) return curve([[(a[0] + a[2]) / 2, a[3]], [(b[0] + b[2]) / 2, b[1]]]);
-    if (a[1] >= b[3]) return curve([[(a[0] + a[2]) / 2, a[1]], [(b[0] + b[2]) / 2, b[3]]]);
+    if (a[1] >= b[3]) {  // back up (gradients): out of the right sides, bulging right, not across the boxes
+      var xa = a[2], ya = (a[1] + a[3]) / 2, xb = b[2], yb = (b[1] + b[3]) / 2, out = Math.max(xa, xb) + 40;
+      return 'M' + f(xa) + ',' + f(ya) + ' C' + f(out) + ',' + f(ya) + ' ' + f(out) + ',' + f(yb) + ' ' + f(xb) + ',' + f(yb);
+    }
     var right = b[0] >= a[2], y0 = (a[1] + a[3]) / 2, y1 = (b[1] + b[3]) / 2;
     var x0 = right ? a[2] : a[0], x1 = right ? b[0] : b[2], k = (x1 - x0) / 2;
     return 'M' + f(x0) + ',' + f(y0) + ' C' + f(x0 + k) + ',' + f(y0) + ' ' + f(x1 - k) + ',' + f(y1) +
@@ -236,8 +241,8 @@ SCRIPT = r"""
                rect(r, 'rx="6" fill="#ffffff" fill-opacity="0.85" stroke="' + s[1] + '" stroke-width="1.5"') +
                '<g class="frame-head" data-box="' + esc(id) + '">' +
                rect([r[0], r[1], r[2], r[1] + HEAD], 'rx="6" fill="' + s[0] + '" stroke="' + s[1] + '" stroke-width="1.5"') +
-               '<text x="' + f(r[0] + 8) + '" y="' + f(r[1] + 15) + '" font-weight="bold" fill="#333">\u2212 ' +
-               esc(b.name) + ' (' + b.n + ' ops)</text></g></g>');
+               '<text x="' + f(r[0] + 8) + '" y="' + f(r[1] + 15) + '" font-weight="bold" fill="#333">' +
+               esc(frameTitle(id)) + '</text></g></g>');
     });
     out.push('<g class="edges" fill="none">');
     geo.edges.forEach(function (e) {
