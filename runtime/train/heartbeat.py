@@ -12,7 +12,7 @@ A stopped process neither beats nor closes its connections, so its peers' collec
 their timeout (600 s under a launcher). With ``timeout_s`` the thread also watches its peers: a peer
 whose beat has not changed for ``timeout_s`` (measured on this rank's clock, so clock skew between
 hosts does not matter) is handed to ``on_unresponsive`` with its host, once; the trainer's handler ends
-this process with one line naming it (``hgraph.runtime.train.lifetime.end_process``), which ends the
+this process with one line naming it (``hgraph.runtime.process.lifetime.end_process``), which ends the
 run: the launcher, or torchrun's agent, stops the others. A rank that finished writes a last beat
 marked done, so a peer still finishing (rank 0 writing files) does not take it for stopped.
 """

@@ -26,7 +26,7 @@ is imported come from the first launch with ``"forkserver"``.
 ``fn`` must be importable by the child: a module-level function. Functions of modules that are not on
 ``sys.path`` (a script, a test file imported by path) are re-imported from their file in the child.
 
-Lifetime: every rank dies with the caller (``hgraph.runtime.train.lifetime``), so ``kill -9`` of the
+Lifetime: every rank dies with the caller (``hgraph.runtime.process.lifetime``), so ``kill -9`` of the
 launcher ends the run. SIGTERM to the caller (the main thread's, while ``spawn`` runs) either stops
 the run at once (``Stopped``) or, with ``forward_sigterm``, is passed on to every rank, which decide
 how to end (a training run saves a checkpoint and returns, ``hgraph.runtime.train.exit_signal``).
@@ -59,7 +59,7 @@ from torch.hub import tqdm       # what torch.fx's Interpreter draws its (disabl
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
-from hgraph.runtime.train.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
+from hgraph.runtime.process.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
 from hgraph.runtime.train.rendezvous import attempt_store, meet
 
 #: How long the surviving ranks may take to finish on their own after one rank failed.

@@ -63,7 +63,7 @@ from hgraph.runtime.train.exit_signal import ExitSignal, saves_on_sigterm
 from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
-from hgraph.runtime.train.lifetime import end_process
+from hgraph.runtime.process.lifetime import end_process
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar

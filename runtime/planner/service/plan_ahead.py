@@ -9,7 +9,7 @@ that they never outlive a launcher that dies) and Python forbids a daemon proces
 keeping the ranks daemonic and starting the planner from their non-daemonic parent keeps that
 guarantee. The planner process itself is a
 daemon of its starter for the same reason, and dies with its starter however that ends
-(``hgraph.runtime.train.lifetime``). It ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM
+(``hgraph.runtime.process.lifetime``). It ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM
 to the whole process group is for the ranks to handle (stop, or save and stop), and the planner is
 stopped by its owner when the ranks are done.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hgraph.runtime.planner.selection import plan_iteration
-from hgraph.runtime.train.lifetime import tie_to_starter
+from hgraph.runtime.process.lifetime import tie_to_starter
 
 _POLL_S = 0.02
 
