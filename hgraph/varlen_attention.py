@@ -6,7 +6,8 @@ l0+l1, ..., T]``), and gives exactly what running each document alone through
 ``scaled_dot_product_attention(..., is_causal=True)`` gives. Backends, picked per call:
 
 * ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, when installed);
-* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, when this torch has it);
+* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, when this torch has it;
+  called through ``hgraph.torch_compat``, since its keywords changed between releases);
 * ``sdpa_loop``: one SDPA call per document (everywhere else; the fastest exact path on CPU, where
   a block-diagonal mask is several times slower and FlexAttention has no backward).
 
@@ -21,13 +22,13 @@ has both; elsewhere ``masked_attention`` computes them per document with the mat
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
+from hgraph.torch_compat import has_torch_varlen, torch_varlen_attention
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_loop")
@@ -67,7 +68,7 @@ def available_backend(q: torch.Tensor) -> str:
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attn"
-        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+        if has_torch_varlen():
             return "torch_varlen"
     return "sdpa_loop"
 
@@ -145,28 +146,8 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                      softmax_scale=scale, causal=True, softcap=softcap or 0.0,
                                      window_size=(-1, -1) if window is None else (window - 1, 0))
     else:
-        out = _torch_varlen(q_, k_, v_, cu_t, max_len, scale, enable_gqa)
+        out = torch_varlen_attention(q_, k_, v_, cu_t, max_len, scale)
     return out.transpose(0, 1).unsqueeze(0)
-
-
-def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-                  scale: Optional[float], enable_gqa: bool) -> torch.Tensor:
-    """PyTorch's varlen kernel on packed ``[T, H, D]``, causal. Its keywords changed across releases
-    (2.11: ``is_causal`` and no GQA; 2.13: ``window_size`` and ``enable_gqa``), so ask it what it takes."""
-    from torch.nn.attention.varlen import varlen_attn
-    params = inspect.signature(varlen_attn).parameters
-    kwargs: dict = {"scale": scale}
-    if "window_size" in params:
-        kwargs["window_size"] = (-1, 0)          # causal: no key after the query
-    else:
-        kwargs["is_causal"] = True
-    if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = enable_gqa
-        else:                                    # query head h reads key/value head h // group
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)
 
 
 def _sdpa_loop(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],

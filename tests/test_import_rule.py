@@ -32,7 +32,7 @@ LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.
                   "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")
 # runtime's sub-rooms, lowest first: each may import those before it; research (offline studies and
 # the papers' baselines) comes last, so nothing a training run imports reaches it
-RUNTIME_ORDER = ("kernels", "comm", "data", "engine", "checkpoint", "weights", "planner", "train", "research")
+RUNTIME_ORDER = ("process", "kernels", "comm", "data", "engine", "checkpoint", "weights", "planner", "train", "research")
 ALLOWED = {
     "hgraph.passes": ("hgraph.passes",),
     "hgraph.frontends": ("hgraph.frontends",),

@@ -37,7 +37,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hgraph import torch_compat
 from hgraph.errors import HGraphError
+from hgraph.runtime.comm import p2p
 from hgraph.runtime.comm.process_groups import group_key
 from hgraph.shard_rule import shard_bounds, shard_sizes
 
@@ -63,10 +65,8 @@ class PendingWork:
         self.keep = ()
 
 
-# Single-tensor all-gather / reduce-scatter: the ``*_single`` names where this torch has them (the
-# ``*_into_tensor`` / ``*_tensor`` ones are deprecated there), the older names otherwise.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Single-tensor all-gather / reduce-scatter under this torch's names (``hgraph.torch_compat``)
+all_gather_single, reduce_scatter_single = torch_compat.all_gather_single, torch_compat.reduce_scatter_single
 
 
 # ---- issuing on the comm stream ------------------------------------------------------------------
@@ -339,10 +339,10 @@ def _check_peer(comm: Any, peer: int, op: str) -> None:
 
 class _SendActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm, dst, tag, holder):
+    def forward(ctx, x, comm, dst, tag, holder, stage):
         buf = x.detach().contiguous()
-        holder.pending = _issue(comm, [buf], lambda: dist.isend(buf, dst, tag=tag))
-        ctx.comm, ctx.dst, ctx.tag, ctx.holder = comm, dst, tag, holder
+        holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage))
+        ctx.comm, ctx.dst, ctx.tag, ctx.holder, ctx.stage = comm, dst, tag, holder, stage
         ctx.meta = (x.shape, x.dtype, x.device)
         return torch.zeros((), dtype=x.dtype, device=x.device)
 
@@ -351,49 +351,55 @@ class _SendActivation(torch.autograd.Function):
         ctx.holder.pending.wait(ctx.comm)
         shape, dtype, device = ctx.meta
         g = torch.empty(shape, dtype=dtype, device=device)
-        _run(ctx.comm, [g], lambda: dist.irecv(g, ctx.dst, tag=ctx.tag))
-        return g, None, None, None, None
+        _run(ctx.comm, [g], lambda: p2p.irecv(g, ctx.dst, tag=ctx.tag, stage=ctx.stage))
+        return g, None, None, None, None, None
 
 
 class _RecvActivation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, anchor, comm, src, shape, dtype, tag, holder):
+    def forward(ctx, anchor, comm, src, shape, dtype, tag, holder, stage):
         buf = torch.empty(shape, dtype=dtype, device=comm.device)
-        holder.pending = _issue(comm, [buf], lambda: dist.irecv(buf, src, tag=tag))
-        ctx.comm, ctx.src, ctx.tag = comm, src, tag
+        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage))
+        ctx.comm, ctx.src, ctx.tag, ctx.stage = comm, src, tag, stage
         return buf
 
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous()
-        ctx.comm.detach_work(_issue(ctx.comm, [g], lambda: dist.isend(g, ctx.src, tag=ctx.tag)))
-        return None, None, None, None, None, None, None
+        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage))
+        ctx.comm.detach_work(send)
+        return None, None, None, None, None, None, None, None
 
 
-def pp_send(comm: Any, x: torch.Tensor, dst: int, *, tag: int = 0) -> torch.Tensor:
+def pp_send(comm: Any, x: torch.Tensor, dst: int, *, tag: int = 0,
+            stage: Optional[bool] = None) -> torch.Tensor:
     """Start sending ``x`` to ``dst``; returns a scalar token connected to ``x``.
 
     ``comm_wait(comm, token)`` waits for the send. Back-propagating the token (``token.backward()``)
     receives dL/dx from ``dst`` and carries it into ``x``'s graph (``x`` must require grad).
+    ``stage``: through host memory both ways (``runtime.comm.p2p``; None: where the backend needs it).
     """
     _check_peer(comm, dst, "pp_send")
     holder = _Holder()
-    token = _SendActivation.apply(x, comm, dst, tag, holder)
+    stage = p2p.host_staged(x.device) if stage is None else stage
+    token = _SendActivation.apply(x, comm, dst, tag, holder, stage)
     comm.register(token, holder.pending)
     return token
 
 
 def pp_recv(comm: Any, src: int, shape: Sequence[int], dtype: torch.dtype, *, tag: int = 0,
-            async_op: bool = False) -> torch.Tensor:
+            async_op: bool = False, stage: Optional[bool] = None) -> torch.Tensor:
     """Receive a tensor of ``shape``/``dtype`` from ``src``; it requires grad, and its gradient is
     sent back to ``src`` in backward.
 
     With ``async_op=True`` the receive is only issued: ``comm_wait`` on the result completes it.
+    ``stage``: through host memory both ways (``runtime.comm.p2p``; None: where the backend needs it).
     """
     _check_peer(comm, src, "pp_recv")
     holder = _Holder()
     anchor = torch.empty(0, requires_grad=True)  # gives the Function an input to differentiate
-    out = _RecvActivation.apply(anchor, comm, src, tuple(int(s) for s in shape), dtype, tag, holder)
+    stage = p2p.host_staged(comm.device) if stage is None else stage
+    out = _RecvActivation.apply(anchor, comm, src, tuple(int(s) for s in shape), dtype, tag, holder, stage)
     if async_op:
         comm.register(out, holder.pending)
     else:

@@ -4,7 +4,8 @@ Every rank walks *all* parameters in model order, owners included for parameters
 and posts its part of each plan at once (``post``): the parameters every rank needs whole
 (``is_all_gather``) travel in all-gathers of up to ``bucket_bytes`` each (``param_gather.GatherBucket``,
 model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default), the others as one
-``batch_isend_irecv`` of the plan's transfers each (tag ``2i+1``), the fp32 master rows cast to the
+``batch_isend_irecv`` of the plan's transfers each (tag ``2i+1``; through host memory where the backend
+needs it, ``p2p``), the fp32 master rows cast to the
 working dtype; local copies are done on the spot. ``wait(name)`` waits for that parameter's work and
 assembles the received rows into the working tensor (a gathered bucket is written out whole at its
 first wait; idempotent within a step); ``finish`` completes the rest (the sends, and the pulls of a
@@ -16,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from hgraph.comm_plan import LocalCopy, Transfer
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
+from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
 from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
 
@@ -124,24 +125,24 @@ class PullParameter:
             elif plan.is_all_gather:
                 pull.gather = bucket_of[name]
             else:
-                p2p = []
+                transfers = []
                 for op in self.ops[name]:
                     if isinstance(op, LocalCopy):
                         pull.held.append(((op.lo, op.hi), self._master_rows(name, op.lo, op.hi)))
                     elif isinstance(op, Transfer) and op.src == p.rank:
                         buf = self._master_rows(name, op.lo, op.hi)
-                        p2p.append(dist.P2POp(dist.isend, buf, op.dst, tag=2 * p.tags[name] + 1))
+                        transfers.append(PeerOp(True, buf, op.dst, 2 * p.tags[name] + 1))
                         pull.held.append(((-1, -1), buf))     # keeps the send buffer alive
                         self.stats.pull_send_bytes += buf.numel() * buf.element_size()
                     elif isinstance(op, Transfer):
                         rest = rows(p.masters[name], plan.param.shard_dim).shape[1:]
                         buf = torch.empty((op.hi - op.lo, *rest), dtype=p.working_dtype,
                                           device=p.masters[name].device)
-                        p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=2 * p.tags[name] + 1))
+                        transfers.append(PeerOp(False, buf, op.src, 2 * p.tags[name] + 1))
                         pull.held.append(((op.lo, op.hi), buf))
                         self.stats.pull_recv_bytes += buf.numel() * buf.element_size()
-                if p2p:
-                    pull.works = dist.batch_isend_irecv(p2p)
+                stage = bool(transfers) and host_staged(transfers[0].tensor.device)
+                pull.works = batch_isend_irecv(transfers, stage=stage)
             self._pulls[name] = pull
 
     def post_gather(self, bucket: GatherBucket) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
 
 
@@ -151,7 +151,7 @@ class PushGradient:
         for name in p.order:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)
-        p2p, recvs = [], []
+        transfers, recvs = [], []
         for name in p.order:              # 2. transfers to the owners, one batch in model order
             dim = p.program.push_plans[name].param.shard_dim
             tag = 2 * p.tags[name] + 2
@@ -160,16 +160,17 @@ class PushGradient:
                     continue
                 if op.src == p.rank:
                     buf = lookup([(r, t) for r, t in held[name]], op.lo, op.hi, name).contiguous()
-                    p2p.append(dist.P2POp(dist.isend, buf, op.dst, tag=tag))
+                    transfers.append(PeerOp(True, buf, op.dst, tag))
                     recvs.append((None, None, None, buf))
                     self.stats.push_send_bytes += buf.numel() * 4
                 else:
                     rest = rows(out[name], dim).shape[1:]
                     buf = torch.empty((op.hi - op.lo, *rest), dtype=torch.float32, device=out[name].device)
-                    p2p.append(dist.P2POp(dist.irecv, buf, op.src, tag=tag))
+                    transfers.append(PeerOp(False, buf, op.src, tag))
                     recvs.append((name, op.lo, op.hi, buf))
                     self.stats.push_recv_bytes += buf.numel() * 4
-        works = dist.batch_isend_irecv(p2p) if p2p else []
+        stage = bool(transfers) and host_staged(transfers[0].tensor.device)
+        works = batch_isend_irecv(transfers, stage=stage)
         for name in p.order:              # 3. local adds (overlap with the transfers)
             for op in self.ops[name]:
                 if isinstance(op, LocalAdd) and name not in self._sole_add:

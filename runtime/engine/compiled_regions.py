@@ -20,8 +20,9 @@ compute (the comm stream overlaps them on a GPU instead).
 
 The token dimension changes with every packed micro-batch: regions compile with ``dynamic=True``, so
 a stage compiles each region once for any packed length (once more in evaluation, under no_grad; a
-size of 1 is specialised by dynamo), and ``recompile_limit`` bounds the rest. ``RegionCompiles``
-counts the compilations per region, which the executor reports.
+size of 1 is specialised by dynamo), and dynamo's recompile limit, set per call through
+``hgraph.torch_compat`` (its name and place changed between torch releases), bounds the rest.
+``RegionCompiles`` counts the compilations per region, which the executor reports.
 
 With ``on`` a region that does not compile raises naming its first ops; with ``auto`` it runs eagerly
 from then on (one warning) and the rest stays compiled.
@@ -40,6 +41,7 @@ import torch.fx as fx
 from hgraph.errors import HGraphError
 from hgraph.ops import READS_HOST_VALUES
 from hgraph.runtime.engine.subgraphs import comm_placeholder, extract_subgraph
+from hgraph.torch_compat import limit_recompiles
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +96,7 @@ class CompiledRegion(torch.nn.Module):
             return inner(gm, example_inputs)
 
         # one graph per region: a break would mean a non-compute op slipped in (a bug in ``_is_eager``)
-        self._compiled = torch.compile(body, backend=counting, dynamic=True, fullgraph=True,
-                                       recompile_limit=RECOMPILE_LIMIT)
+        self._compiled = torch.compile(body, backend=counting, dynamic=True, fullgraph=True)
         self._failed = False
 
     def forward(self, *args: Any) -> Any:
@@ -105,7 +106,8 @@ class CompiledRegion(torch.nn.Module):
         if self._failed:
             return self.body(*args)
         try:
-            return self._compiled(*args)
+            with limit_recompiles(RECOMPILE_LIMIT):
+                return self._compiled(*args)
         except Exception as exc:     # dynamo / inductor failures have many types: eager tells them apart
             out = self.body(*args)   # a region is pure compute: an error here is the op's own, raised
             first = ", ".join(n.name for n in self.body.graph.nodes if n.op == "call_function")[:160]

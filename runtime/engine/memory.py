@@ -40,7 +40,10 @@ class _Saved:
         self.tensor, self.key, self.meter = tensor, key, meter
 
     def __del__(self) -> None:
-        self.meter._release(self.key)
+        # dynamo, tracing the pack hook under torch.compile, makes instances it never initialises
+        meter = getattr(self, "meter", None)
+        if meter is not None:
+            meter._release(self.key)
 
 
 class _Held:

@@ -19,9 +19,11 @@ the graph's Megatron f before the head (``tp_copy``) all-reduces it in backward,
 logits of a column-parallel head. Without ``parallel`` each chunk's logits are all-gathered instead (the
 communication of the plain gathered head, still one chunk of memory) for torch's ``log_softmax``.
 
-Precision: the logits are made in the weight's dtype and upcast to fp32 as the plain loss does; the
-weight's and bias's gradients are summed over chunks in fp32 (one rounding to the working dtype at
-the end, as one matmul over all tokens would do).
+Precision: the logits are made in the weight's dtype and upcast to fp32 as the plain loss does. Every
+matmul takes the working dtype's inputs (a bf16 GEMM accumulates in fp32; an fp32 one on bf16 data
+would run without tensor cores, ~10x slower on a GPU): each chunk's weight gradient is a bf16 GEMM, and
+the chunks' parts are summed in fp32 (one rounding to the working dtype at the end); the bias's
+gradient is summed in fp32.
 """
 from __future__ import annotations
 
@@ -158,9 +160,13 @@ class _HeadCrossEntropy(torch.autograd.Function):
             del probs, logp
             if grad_h is not None:
                 grad_h[s:e] = g @ weight
-            if need_w:     # summed in fp32 over the chunks (one chunk: exactly the linear's backward)
-                gt, hf = g.t().float(), h.float()
-                grad_w = gt @ hf if grad_w is None else grad_w.addmm_(gt, hf)
+            if need_w:     # a GEMM in the working dtype (bf16: fp32 accumulation inside, tensor cores)
+                if grad_w is None:
+                    grad_w = g.t() @ h               # one chunk: exactly the linear's backward
+                elif h.dtype == torch.float32:
+                    grad_w.addmm_(g.t(), h)
+                else:                                # chunks summed in fp32
+                    grad_w = grad_w.float().add_(g.t() @ h)
             if need_b and bias is not None:
                 part = g.float().sum(dim=0)
                 grad_b = part if grad_b is None else grad_b.add_(part)

@@ -70,9 +70,12 @@ class ClusterConfig:
 
     world_size: int = 4
     gpus_per_node: int = 8
+    device: str = "auto"                       # cuda | cpu | auto (the command line resolves it; here:
+                                               # CUDA under NCCL, else CPU)
     backend: str = "auto"                      # auto: NCCL with a GPU per local process, else gloo
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     timeout: Optional[float] = None            # None: 60 s for local processes, 600 s under a launcher
+    heartbeat_timeout: float = 60.0            # a rank silent this long is named and the run ends
     peak_tflops: Optional[float] = None        # a device's dense bf16 peak for MFU (None: known GPUs' table)
 
 
@@ -124,6 +127,7 @@ class CheckpointingConfig:
     resume: bool = False                       # continue from the newest checkpoint in checkpoint_dir
     resume_fallback: bool = False              # ... or the previous one when the newest is broken
     save_final: Optional[str] = None           # the gathered fp32 state_dict, written at the end
+    exit_signal_handler: bool = True           # with checkpoint_dir: SIGTERM saves and stops (exit_signal)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,13 @@ is imported come from the first launch with ``"forkserver"``.
 
 ``fn`` must be importable by the child: a module-level function. Functions of modules that are not on
 ``sys.path`` (a script, a test file imported by path) are re-imported from their file in the child.
+
+Lifetime: every rank dies with the caller (``hgraph.runtime.process.lifetime``), so ``kill -9`` of the
+launcher ends the run. SIGTERM to the caller (the main thread's, while ``spawn`` runs) either stops
+the run at once (``Stopped``) or, with ``forward_sigterm``, is passed on to every rank, which decide
+how to end (a training run saves a checkpoint and returns, ``hgraph.runtime.train.exit_signal``).
+Ranks that must be ended get SIGINT first (they report and run their exit handlers), SIGKILL after
+``STOP_GRACE_S``.
 """
 from __future__ import annotations
 
@@ -34,9 +41,11 @@ import os
 import pickle
 import queue as queue_mod
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -45,11 +54,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.hub import tqdm       # what torch.fx's Interpreter draws its (disabled) bars with
 
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
-from hgraph.runtime.train.rendezvous import attempt_store
+from hgraph.runtime.process.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
+from hgraph.runtime.train.rendezvous import attempt_store, meet
 
 #: How long the surviving ranks may take to finish on their own after one rank failed.
 FAILURE_GRACE_S = 3.0
@@ -57,7 +68,18 @@ FAILURE_GRACE_S = 3.0
 #: multiprocessing finalizers) before they are terminated: a rank terminated inside its finalizers
 #: leaves a named semaphore behind, which Python's resource tracker reports as leaked at shutdown.
 EXIT_GRACE_S = 10.0
+#: How long ranks asked to stop (SIGINT) may take before they are killed.
+STOP_GRACE_S = 5.0
 _POLL_S = 0.05
+
+
+class Stopped(BaseException):
+    """The launching process got SIGTERM and stopped the run (a BaseException, as KeyboardInterrupt:
+    no ``except Exception`` on the way swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 class SpawnError(RuntimeError):
@@ -115,11 +137,18 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = LAUNCHER_TIM
         raise HGraphError("init_from_env: environment variables RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT "
                           "are not set (nor a SLURM step's); start the program with torchrun or use "
                           "hgraph.runtime.train.launch.spawn")
+    if env.launcher == "torchrun":
+        # torchrun's agent forks its workers from its main thread, and a SIGKILLed agent signals none
+        # (srun's step daemon ends its tasks itself). An agent already gone leaves this process its
+        # store to time out on.
+        die_with_parent(os.getppid())
     backend = local_backend(backend or "auto", env.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    dist.init_process_group(backend, store=attempt_store(env, timeout_s), rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+    store = attempt_store(env, timeout_s)
+    meet(store, env, timeout_s)          # a missing peer is named here, not by gloo's connect timeout
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
     return env.rank, env.world_size
 
 
@@ -161,6 +190,10 @@ def _loopback_interface() -> Optional[str]:
 
 def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend: str,
             init_method: str, timeout_s: float, results: Any, environ: dict) -> None:
+    tie_to_starter()
+    if hasattr(tqdm, "set_lock"):
+        # tqdm's default lock is a named semaphore, reported leaked when a rank is killed: keep it in-process
+        tqdm.set_lock(threading.RLock())
     # A forkserver child starts with the server's environment: take the caller's, as spawn would.
     os.environ.clear()
     os.environ.update(environ)
@@ -174,11 +207,14 @@ def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend:
     try:
         _init_process_group(backend, init_method, rank, world_size, timeout_s, rank)
         out = ref.resolve()(rank, world_size, *args)
-        payload = pickle.dumps(out)
-        results.put((rank, True, payload))
+        report = (rank, True, pickle.dumps(out))
     except BaseException as e:  # report everything, including KeyboardInterrupt in a child
         message = f"{type(e).__name__}: {e}"
-        results.put((rank, False, pickle.dumps((message, traceback.format_exc()))))
+        report = (rank, False, pickle.dumps((message, traceback.format_exc())))
+    # done: a stop request (SIGINT, module docstring) finds it only reporting and exiting
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        results.put(report)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -216,11 +252,12 @@ def forkserver_preload() -> list[str]:
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", args: Sequence[Any] = (),
-          timeout_s: float = 60.0, start_method: Optional[str] = None) -> list[Any]:
+          timeout_s: float = 60.0, start_method: Optional[str] = None, forward_sigterm: bool = False) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; results in rank order.
 
     Raises ``SpawnError`` naming the first rank that raised or died, or the ranks still running
-    after ``timeout_s`` seconds (collectives inside also time out after ``timeout_s``).
+    after ``timeout_s`` seconds (collectives inside also time out after ``timeout_s``); ``Stopped``
+    on SIGTERM, unless ``forward_sigterm`` passes it on to the ranks (module docstring).
     """
     if world_size < 1:
         raise HGraphError(f"spawn: world_size must be >= 1, got {world_size}")
@@ -230,27 +267,30 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
     store_dir = tempfile.mkdtemp(prefix="hgraph-rdzv-")
     init_method = "file://" + os.path.join(store_dir, "store")
     results = ctx.Queue()
+    notes = [os.path.join(store_dir, f"exit-note-{r}") for r in range(world_size)]
     procs = [ctx.Process(target=_worker, daemon=True, name=f"hgraph-rank{r}",
                          args=(r, world_size, ref, tuple(args), backend, init_method, timeout_s, results,
-                               dict(os.environ)))
+                               {**os.environ, NOTE_ENV: notes[r]}))
              for r in range(world_size)]
     finished = False
+    sigterm = _SigtermWatch(forward_sigterm)
     try:
-        for p in procs:
-            p.start()
-        out = _collect(procs, results, timeout_s)
+        with sigterm:
+            for p in procs:
+                p.start()
+            out = _collect(procs, results, timeout_s, notes, sigterm)
         finished = True
         return out
     finally:
-        if finished:                     # every rank reported: let it exit by itself
-            deadline = time.monotonic() + EXIT_GRACE_S
-            for p in procs:
-                p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        # every rank reported: let it exit by itself; else ask it to stop, then kill it
+        started = [p for p in procs if p.pid is not None]
+        if not finished:
+            _signal_alive(started, signal.SIGINT)
+            _signal_alive(started, signal.SIGCONT)     # a stopped rank (SIGSTOP) can take it only running
+        deadline = time.monotonic() + (EXIT_GRACE_S if finished else STOP_GRACE_S)
+        for p in started:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in started:
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -258,13 +298,57 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
         shutil.rmtree(store_dir, ignore_errors=True)
 
 
-def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
+def _signal_alive(procs: list, signum: int) -> None:
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
+class _SigtermWatch:
+    """SIGTERM in the launching process while ``spawn`` runs: ``Stopped`` raised in the main thread,
+    or (``forward``) remembered for ``_collect`` to pass on to the ranks. Nothing is installed off the
+    main thread (Python allows signal handlers only there)."""
+
+    def __init__(self, forward: bool) -> None:
+        self.forward = forward
+        self.received = 0            # signals not yet passed on
+        self._previous: Any = None
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if not self.forward:
+            raise Stopped(signum)
+        self.received += 1
+
+    def pass_on(self, procs: list) -> None:
+        if self.received:
+            self.received = 0
+            _signal_alive(procs, signal.SIGTERM)
+
+    def __enter__(self) -> "_SigtermWatch":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+
+
+def _collect(procs: list, results: Any, timeout_s: float, notes: list[str],
+             sigterm: Optional[_SigtermWatch] = None) -> list[Any]:
     world_size = len(procs)
     done: dict[int, Any] = {}
     failures: list[tuple[int, str, str]] = []
     deadline = time.monotonic() + timeout_s
     while len(done) < world_size:
-        item = _next_report(procs, results, done, not failures)
+        if sigterm is not None:
+            sigterm.pass_on(procs)
+        # Until a failure that is not the echo of a lost peer arrives, a rank that died without a
+        # report is the cause.
+        item = _next_report(procs, results, done, not _causes(failures), notes)
         if item is None:
             if time.monotonic() < deadline:
                 continue
@@ -278,13 +362,15 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
             continue
         message, detail = pickle.loads(payload)
         done[rank] = None
-        if not failures:
-            # The others are probably blocked in a collective with the failed rank: short grace.
-            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
         failures.append((rank, message, detail))
+        if len(_causes(failures)) == 1 and _causes(failures)[0][0] == rank:
+            # The others are probably blocked in a collective with the failed rank: short grace. It
+            # starts at the cause, not at a peer's echo of it, which may come first (under load, by
+            # seconds), so the cause is never cut off.
+            deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
     if failures:
         lost = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
-        if lost and all(any(m in f[1] for m in _PEER_LOSS_MARKERS) for f in failures):
+        if lost and not _causes(failures):
             # the reports only say a peer went away (e.g. in a collective outside a training step):
             # name the rank that died without a report
             r = lost[0]
@@ -294,20 +380,24 @@ def _collect(procs: list, results: Any, timeout_s: float) -> list[Any]:
     return [done[r] for r in range(world_size)]
 
 
+def _causes(failures: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The failures that are not only the echo of a lost peer."""
+    return [f for f in failures if not any(m in f[1] for m in _PEER_LOSS_MARKERS)]
+
+
 # Messages of ranks that failed only because a peer went away first.
 _PEER_LOSS_MARKERS = ("Connection closed by peer", "Connection reset by peer", "remote worker crash")
 
 
 def _first_cause(failures: list[tuple[int, str, str]]) -> SpawnError:
     """The failure to report: the first one that is not a consequence of losing a peer."""
-    causes = [f for f in failures if not any(m in f[1] for m in _PEER_LOSS_MARKERS)]
-    rank, message, detail = (causes or failures)[0]
+    rank, message, detail = (_causes(failures) or failures)[0]
     others = sorted(r for r, _, _ in failures if r != rank)
     also = f" (rank(s) {others} failed too)" if others else ""
     return SpawnError(f"spawn: rank {rank} failed: {message}{also}", rank=rank, detail=detail)
 
 
-def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Optional[tuple]:
+def _next_report(procs: list, results: Any, done: dict, check_lost: bool, notes: list[str]) -> Optional[tuple]:
     """The next (rank, ok, payload) report, or None after a short poll; raises for a lost rank."""
     try:
         return results.get(timeout=_POLL_S)
@@ -320,6 +410,12 @@ def _next_report(procs: list, results: Any, done: dict, check_lost: bool) -> Opt
     try:
         return results.get(timeout=1.0)
     except queue_mod.Empty:
-        r = lost[0]
-        raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} "
-                         "without a result)", rank=r) from None
+        pass
+    for r in lost:        # a rank that ended itself said why (e.g. a peer stopped answering)
+        note = read_note(notes[r])
+        if note is not None:
+            blame = note.get("blame")
+            raise SpawnError(f"spawn: {note['message']}", rank=r if blame is None else blame)
+    r = lost[0]
+    raise SpawnError(f"spawn: rank {r} was lost (process exited with code {procs[r].exitcode} "
+                     "without a result)", rank=r)

@@ -19,7 +19,8 @@ and the heartbeat that names a lost rank when a collective fails.
 Checkpoints (``checkpoint_dir``): after every ``checkpoint_every`` steps and after the last one, the
 strategy-independent optimizer shards, RNG states, data position and planner state are saved
 (``hgraph.runtime.checkpoint.run``); ``resume`` continues from one, on any world size, at the saved
-data position, up to ``steps`` in all.
+data position, up to ``steps`` in all. With a checkpoint folder, SIGTERM stops the run after the
+step all ranks agree on, with a checkpoint (``hgraph.runtime.train.exit_signal``).
 
 The executor's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``) keeps per strategy the
 Program and this rank's state for it (working tensors, process groups), counting hits, misses and
@@ -43,22 +44,26 @@ import hgraph
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
-from hgraph.runtime.checkpoint.run import (RunCheckpoints, data_fingerprint, data_position, find_resume_point,
-                                           restore_state)
+from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
+                                           find_resume_point, restore_state)
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, merge_reports
 from hgraph.runtime.engine import host_heap
+from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
-from hgraph.runtime.train.heartbeat import Heartbeat
+from hgraph.runtime.train.devices import backend_for, rank_device
+from hgraph.runtime.train.exit_signal import ExitSignal, saves_on_sigterm
+from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
+from hgraph.runtime.process.lifetime import end_process
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
@@ -88,6 +93,7 @@ class TrainSummary:
     long_documents: dict = field(default_factory=dict)   # what --long did (``LongReport``)
     step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
     sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
+    stopped: Optional[dict] = None    # stopped by a signal: {"signal", "step" (steps done), "checkpoint"}
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -183,9 +189,9 @@ class Trainer:
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
-        # one GPU per process under NCCL: masters, working tensors and buffers live on it
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu"))
+        # masters, working tensors and buffers live on the rank's device (a GPU of its own under NCCL)
+        self.device = rank_device(config.cluster.device, rank,
+                                  dist.get_backend() if dist.is_initialized() else None)
         if self.device.type == "cpu":
             host_heap.return_large_blocks()     # the process's peak follows what is live (engine/host_heap)
         install_buffers(self.model, self.weights, self.device)
@@ -200,7 +206,7 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
-        self.planner_setup = planner_setup_of(config, self.compiled) if config.planner_driven else None
+        self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
         planner = None
         if self.planner_setup is not None:
             planner = start_planner(
@@ -310,7 +316,9 @@ class Trainer:
         """One step of ``batch`` in the run's mode (collective)."""
         return self.mode.step(batch)
 
-    def run(self) -> TrainSummary:
+    def run(self, exit_signal: Optional[ExitSignal] = None) -> TrainSummary:
+        """The training loop; ``exit_signal``: stop with a checkpoint after the step on which every rank
+        agrees that one rank got SIGTERM (``hgraph.runtime.train.exit_signal``)."""
         cfg = self.config
         results: list[StepResult] = []
         start_step = self.resumed.step if self.resumed is not None else 0
@@ -323,8 +331,10 @@ class Trainer:
                                 start_step if self.resumed is not None else None)
         loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
                    if self.rank == 0 else StepLoggers())
-        self.executor.heartbeat = Heartbeat.for_default_group()
+        self.executor.heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
+                                                              on_unresponsive=self._end_on_silence)
         now = start_step
+        stopped = None
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
             every = cfg.data.eval_every if self.eval_docs is not None else None
@@ -339,7 +349,12 @@ class Trainer:
                     extra["eval_loss"] = self.evaluate(result.strategy)
                 self.step_extra[batch.step] = extra
                 self._report(result, batch, delay_state, metrics, bar, loggers)
-                self._checkpoint(checkpoints, batch, delay_state)
+                saved = self._checkpoint(checkpoints, batch, delay_state)
+                # the last step saves anyway; the same test on every rank keeps the collective matched
+                if exit_signal is not None and batch.step + 1 < cfg.data.steps and exit_signal.agreed(self.device):
+                    saved = saved or self._checkpoint(checkpoints, batch, delay_state, now=True)
+                    stopped = {"signal": exit_signal.name, "step": batch.step + 1, "checkpoint": saved.path}
+                    break
             checkpoints.finish()                 # an asynchronous save completes before the run ends
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
@@ -369,7 +384,12 @@ class Trainer:
         return TrainSummary(results, self.executor.programs.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
-                            sequence_parallel=self.sequence_parallel)
+                            sequence_parallel=self.sequence_parallel, stopped=stopped)
+
+    def _end_on_silence(self, silent: list[Silent]) -> None:
+        """A peer stopped answering (heartbeat thread): this rank's collectives would wait for it until
+        their timeout, so the process ends now, naming it; the launcher ends the others."""
+        end_process(silent_peers_text(silent, self.rank, self.config.cluster.heartbeat_timeout), blame=silent[0][0])
 
     def throughput(self, result: StepResult, batch: MiniBatch) -> dict:
         """The step's tokens/s, model TFLOP/s per device and MFU (``runtime.train.throughput``)."""
@@ -399,11 +419,13 @@ class Trainer:
                 bar.write(format_step_line(result, planned, extra, throughput["mfu"]))
             bar.update(1, f"step {batch.step}")
 
-    def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict]) -> None:
-        """The checkpoint after ``batch`` when one is due (collective); rank 0 says so with the step lines."""
+    def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict], *,
+                    now: bool = False) -> Optional[SavedCheckpoint]:
+        """The checkpoint after ``batch`` when one is due or asked for ``now`` (collective); rank 0 says
+        so with the step lines. Returns what was saved (None: nothing)."""
         done = batch.step + 1
-        if not checkpoints.due(done):
-            return
+        if not (now or checkpoints.due(done)):
+            return None
         cfg = self.config
         pos = data_position(done, batch.next_position, self.docs, cfg.data.tokens_per_iter, self.fingerprint,
                             self.order)
@@ -418,6 +440,7 @@ class Trainer:
             else:
                 print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
                       flush=True)
+        return saved
 
     def final_state_dict(self) -> dict:
         """The parameters gathered to full tensors (collective; every rank gets them), cast to the
@@ -437,8 +460,9 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
-    """The planner's setup from the run's configuration and its compiled model's TP slots."""
+def planner_setup_of(config: TrainConfig, compiled: Any, device: torch.device) -> PlannerSetup:
+    """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
+    device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()
     return PlannerSetup(
         strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
@@ -446,7 +470,9 @@ def planner_setup_of(config: TrainConfig, compiled: Any) -> PlannerSetup:
         tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
         device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
-        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None)
+        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
+        device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
+        compiled_step=compile_wanted(config.model.compile, device))
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
@@ -455,16 +481,23 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
     Bad input (HGraphError) is returned as ``{"error": message}``: it happens at the same point on
     every rank (before any collective, or after the loss all-reduce), so no rank is left waiting.
     """
+    # installed first: a SIGTERM while the rank sets up is noted, not fatal
+    exit_signal = ExitSignal.install() if saves_on_sigterm(config) else None
     try:
-        summary = Trainer(config, rank, world_size, planner_channel=planner_channel if rank == 0 else None).run()
+        summary = Trainer(config, rank, world_size,
+                          planner_channel=planner_channel if rank == 0 else None).run(exit_signal)
     except HGraphError as exc:
         return {"error": str(exc)}
+    finally:
+        if exit_signal is not None:
+            exit_signal.close()
     return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
             "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
             "candidates": summary.candidates, "dropout": summary.dropout,
             "sequence_parallel": summary.sequence_parallel,
-            "long_documents": summary.long_documents, "step_extra": summary.step_extra}
+            "long_documents": summary.long_documents, "step_extra": summary.step_extra,
+            "stopped": summary.stopped}
 
 
 def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:
@@ -505,9 +538,11 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
         total = 120.0 + timeout_s * (config.data.steps + 1)
         # the launcher owns the planner, forked by the ranks' forkserver
         with planner_process(config, True, process_context()) as channel:
-            results = spawn(train_worker, cluster.world_size,
-                            backend=local_backend(cluster.backend, cluster.world_size),
-                            args=(config, channel), timeout_s=total)
+            backend = (local_backend(cluster.backend, cluster.world_size) if cluster.device == "auto"
+                       else backend_for(cluster.device, cluster.backend, cluster.world_size))
+            results = spawn(train_worker, cluster.world_size, backend=backend,
+                            args=(config, channel), timeout_s=total,
+                            forward_sigterm=saves_on_sigterm(config))
     error = next((r["error"] for r in results if "error" in r), None)
     if error is not None:
         raise HGraphError(error)

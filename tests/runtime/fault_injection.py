@@ -1,20 +1,44 @@
-"""A training worker whose rank dies mid-step, for the tests of lost ranks (spawn targets must live in
-an importable module)."""
+"""Training workers one of whose ranks dies, is signalled or stops mid-step, for the tests of lost ranks,
+of SIGTERM and of silent ranks (spawn targets must live in an importable module).
+
+The fault strikes rank ``victim`` in step ``at_step``, between posting the step's pulls and its
+forward (every step does both), while its peers wait in the step's collectives.
+"""
 import os
+import signal
 
 
-def dying_worker(rank, world, config, victim, die_at_step):
-    """Runs the trainer; rank ``victim`` dies (no report, no cleanup) in step ``die_at_step``, between
-    posting the step's pulls and its forward (every step does both)."""
+def _strike(rank, victim, at_step, fault):
     from hgraph.runtime.engine.executor import Executor
-    from hgraph.runtime.train.trainer import train_worker
-    if rank == victim:
-        original, calls = Executor._run_pipeline, []
+    if rank != victim:
+        return
+    original, calls = Executor._run_pipeline, []
 
-        def run_pipeline(self, *args):
-            calls.append(1)
-            if len(calls) == die_at_step + 1:
-                os._exit(17)
-            return original(self, *args)
-        Executor._run_pipeline = run_pipeline
+    def run_pipeline(self, *args):
+        calls.append(1)
+        if len(calls) == at_step + 1:
+            fault()
+        return original(self, *args)
+    Executor._run_pipeline = run_pipeline
+
+
+def dying_worker(rank, world, config, victim, at_step):
+    """The trainer; rank ``victim`` dies in step ``at_step`` (no report, no cleanup)."""
+    from hgraph.runtime.train.trainer import train_worker
+    _strike(rank, victim, at_step, lambda: os._exit(17))
+    return train_worker(rank, world, config)
+
+
+def sigterm_worker(rank, world, config, victim, at_step):
+    """The trainer; rank ``victim`` alone gets SIGTERM in step ``at_step`` (its peers never see it)."""
+    from hgraph.runtime.train.trainer import train_worker
+    _strike(rank, victim, at_step, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    return train_worker(rank, world, config)
+
+
+def sigstop_worker(rank, world, config, victim, at_step):
+    """The trainer; rank ``victim`` stops itself (SIGSTOP: alive, silent, its sockets open) in step
+    ``at_step``."""
+    from hgraph.runtime.train.trainer import train_worker
+    _strike(rank, victim, at_step, lambda: os.kill(os.getpid(), signal.SIGSTOP))
     return train_worker(rank, world, config)

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         text = compiled.sharding_report(strategy).text()
     else:
         text = compiled.dump(strategy, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-                             rank=args.rank, format=args.format)
+                             rank=args.rank, format=args.format, model=args.model)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)

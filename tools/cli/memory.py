@@ -19,6 +19,7 @@ import torch
 import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.planner.cost.memory_estimate import MemoryEstimate, estimate_memory
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Cluster, Strategy
@@ -42,6 +43,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_device_memory(p, help=f"memory of one rank: {DEVICE_MEMORY_FORMS}, or auto (the limit that hgraph train "
                               "--device-memory auto sizes from the model); reports the ranks that exceed it and "
                               "each scheme's longest micro-batch")
+    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                   help="count the activations of a step compiled as hgraph train --compile compiles it "
+                        "(auto: on when this machine has CUDA, as train's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -70,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if not tokens:
         raise HGraphError("the model names no context length (max_seq_len): give --tokens T")
     compiled = hgraph.compile(model, dtype=args.dtype)
-    cost, limit = _bounded(model, compiled, cluster, limit_arg, args.dtype)
-    estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost)
+    compiled_step = compile_wanted(args.compile, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    cost, limit = _bounded(model, compiled, cluster, limit_arg, args.dtype, compiled_step)
+    estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost,
+                               compiled_step=compiled_step)
     if args.json:
         json.dump({"model": _spec(args.model), **estimate.to_json()}, sys.stdout)
         sys.stdout.write("\n")
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bounded(model, compiled, cluster: Cluster, device_memory, dtype: str):
+def _bounded(model, compiled, cluster: Cluster, device_memory, dtype: str, compiled_step: bool = False):
     """The planner's cost model under ``device_memory`` (for MaxLen; a zoo Llama only) and the limit."""
     if device_memory is None:
         return None, None
@@ -91,7 +97,7 @@ def _bounded(model, compiled, cluster: Cluster, device_memory, dtype: str):
             raise HGraphError("--device-memory auto is sized from the memory model of a zoo Llama-style model; "
                               "give BYTES for this model") from None
         return None, float(device_memory)
-    return bounded_cost_model(cost, model, device_memory, 2 if dtype == "bf16" else 4, compiled)
+    return bounded_cost_model(cost, model, device_memory, 2 if dtype == "bf16" else 4, compiled, compiled_step)
 
 
 def size_text(n: Optional[float]) -> str:

@@ -18,10 +18,11 @@ rank 0 takes its plans and broadcasts them; if it dies, rank 0 warns
 once and plans inline. Estimates are scaled by the median measured/estimated ratio of the last steps.
 Deterministic mode (``--strategy-schedule``): step k uses S_(k mod len).
 
-Starts ``--world-size`` local processes (``--backend``: NCCL with one GPU each when there are enough
-GPUs, gloo on CPU otherwise) or, under ``torchrun`` or as a SLURM task, runs as this process's rank:
-the world size and ranks per node are the launcher's (a given other value is one line naming
-both), global rank 0 alone prints and writes the run folder, every
+Starts ``--world-size`` local processes on ``--device`` (on a machine with CUDA one rank per GPU over
+NCCL by default, more ranks than GPUs being one line that names ``--device cpu`` and ``--backend
+gloo``, the shared-device mode; else 4 CPU processes over gloo) or, under ``torchrun`` or as a SLURM
+task, runs as this process's rank: the world size and ranks per node are the launcher's (a given
+other value is one line naming both), global rank 0 alone prints and writes the run folder, every
 rank's error names its rank and host, and an attempt the launcher restarted resumes from the newest
 checkpoint by itself. The model is built
 right after ``torch.manual_seed(--seed)``, or starts from pretrained weights: ``--model hf:DIR`` (a
@@ -45,7 +46,10 @@ Every option is also a key of a TOML file (``--config RUN.toml``, sections as in
 below); flags given on the command line override the file. ``--checkpoint-dir DIR
 --checkpoint-every K`` saves strategy-independent checkpoints; ``--resume`` continues from the newest
 one up to ``--steps`` (the run's total), also on another ``--world-size``; the checkpoint is chosen and
-checked here, before any process starts.
+checked here, before any process starts. With a checkpoint folder, SIGTERM (a scheduler's preemption)
+finishes the step, saves a checkpoint, says where and exits with code 143 (``--no-exit-signal-handler``:
+it stops at once). Every process a run starts ends with it: Ctrl-C exits 130, SIGTERM 143, a killed
+launcher takes its ranks along.
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ import argparse
 import functools
 import json
 import math
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,7 +74,10 @@ from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
-from hgraph.runtime.train.launch import SpawnError
+from hgraph.runtime.train.devices import (backend_for, default_world_size, describe, gpu_memory_per_rank,
+                                         resolve_device)
+from hgraph.runtime.train.exit_signal import EXIT_CODE
+from hgraph.runtime.train.launch import SpawnError, Stopped
 from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.lr_schedule import builtin_default
@@ -102,7 +110,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     """The run's ``TrainConfig`` (every key of the schema's resolved values, byte sizes parsed) and the
     resolved values with their sources, from the parsed options and ``--config`` (bad values:
     one-line HGraphError)."""
-    cfg = launched(resolve(args), read_launcher_env())
+    env = read_launcher_env()
+    cfg = on_devices(launched(resolve(args), env), env)
     schedule, strategies = cfg.strategy_schedule, cfg.strategies
     if schedule is not None and cfg.sources["strategies"] != "default":
         raise HGraphError("--strategies and --strategy-schedule exclude each other: the planner chooses, "
@@ -117,8 +126,11 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
         parse_candidates(strategies, cfg.world_size)
+    # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
+    ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
+    device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
-                                   device_memory=device_memory_option(cfg.device_memory, cfg.data)), cfg
+                                   device_memory=device_memory), cfg
 
 
 def launched(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfig:
@@ -139,13 +151,29 @@ def launched(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfig:
     return ResolvedConfig(values, sources)
 
 
-def device_memory_option(text, data):
-    """``--device-memory``: bytes, None (``none``), or ``"auto"`` (sized on the ranks from the
-    model) with the built-in data; ``auto`` with ``--data`` is no limit (module docstring)."""
+def on_devices(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfig:
+    """``cfg`` with ``--device`` resolved on this machine and, for local processes, the world size
+    defaulting to the GPUs visible on CUDA (``runtime.train.devices``); more ranks than GPUs is one
+    line before any process starts."""
+    values = dict(cfg.values)
+    values["device"] = resolve_device(values["device"])
+    if env is None:
+        if cfg.sources["world_size"] == "default":
+            values["world_size"] = default_world_size(values["device"])
+        backend_for(values["device"], values["backend"], values["world_size"])
+    return ResolvedConfig(values, dict(cfg.sources))
+
+
+def device_memory_option(text, data, device: str = "cpu", ranks_here: int = 1):
+    """``--device-memory``: bytes, None (``none``), or ``auto``: on CUDA one GPU's memory (split
+    between the ranks sharing it); on CPU sized on the ranks from the model (``"auto"``) with the
+    built-in data, no limit with ``--data`` (module docstring)."""
     t = str(text).strip().lower()
     if t == "none":
         return None
     if t == "auto":
+        if device == "cuda":
+            return gpu_memory_per_rank(ranks_here)
         return "auto" if data is None else None
     return parse_bytes(text, "--device-memory")
 
@@ -300,20 +328,32 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
         write_run_record(run_dir, config)
     if log_steps and speaker:
         source = data.data or "built-in long-tail documents"
-        print(f"hgraph train: {config.model.model} on {config.cluster.world_size} processes, {source}, "
+        c = config.cluster
+        where = (describe(c.device, c.world_size, backend_for(c.device, c.backend, c.world_size))
+                 if env is None else f"{c.world_size} processes")
+        print(f"hgraph train: {config.model.model} on {where}, {source}, "
               f"{data.steps} steps of {data.tokens_per_iter} tokens, strategies {config.planner.strategies}, "
               f"profile {config.planner.profile}", flush=True)
     try:
         result = run_training(config, timeout_s=config.cluster.timeout)
     except SpawnError as exc:
-        hint = ""
-        if config.checkpointing.checkpoint_dir is not None:
-            last = latest(config.checkpointing.checkpoint_dir)
-            hint = f"; --resume continues from {last}" if last is not None else ""
-        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{hint}\n")
+        sys.stderr.write(f"hgraph train: error: {str(exc).splitlines()[0]}{_resume_hint(config)}\n")
         return 1
+    except (KeyboardInterrupt, Stopped) as exc:     # every process of the run has ended
+        signum = exc.signum if isinstance(exc, Stopped) else signal.SIGINT
+        sys.stderr.write(f"hgraph train: stopped by {signal.Signals(signum).name}{_resume_hint(config)}\n")
+        return 128 + signum
     if outcome is not None:
         outcome.update(result=result, run_dir=str(run_dir) if run_dir is not None else None, metrics=metrics)
+    stopped = result.get("stopped")
+    if stopped is not None:            # every rank exits with the code; global rank 0 says where
+        if speaker:
+            if log.json:
+                print(json.dumps({"stopped": stopped, "steps": result["steps"]}))
+            sys.stderr.write(f"hgraph train: stopped by {stopped['signal']} after step {stopped['step']} of "
+                             f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
+                             "from it\n")
+        return EXIT_CODE
     if result.get("rank", 0) != 0:
         return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
@@ -361,6 +401,14 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
     return 0
+
+
+def _resume_hint(config: TrainConfig) -> str:
+    """``; --resume continues from DIR`` when the run has a checkpoint to continue from."""
+    if config.checkpointing.checkpoint_dir is None:
+        return ""
+    last = latest(config.checkpointing.checkpoint_dir)
+    return f"; --resume continues from {last}" if last is not None else ""
 
 
 def _is_hf_dir(model: str) -> bool:

@@ -123,8 +123,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
        minimum=1, metavar="T"),
     _k("data", "steps", "int", 60, "total steps of the run (a resumed run continues up to it)",
        minimum=1, metavar="K"),
-    _k("cluster", "world-size", "int", 4, "number of ranks (default: 4 local processes; under torchrun or "
-       "SLURM the launcher's, and another value is an error)", minimum=1, metavar="N"),
+    _k("cluster", "world-size", "int", 4, "number of ranks (default: one per GPU visible with --device cuda, "
+       "4 local processes on CPU; under torchrun or SLURM the launcher's, and another value is an error)",
+       minimum=1, metavar="N"),
+    _k("cluster", "device", "str", "auto", "where the ranks run (auto: cuda when torch sees a GPU, else cpu); "
+       "on cuda with --backend gloo several ranks share a GPU (shared-device mode, for development)",
+       choices=("auto", "cuda", "cpu")),
     _k("cluster", "gpus-per-node", "int", 8, "ranks per node; a TP group never crosses a node (default: 8; "
        "under torchrun or SLURM the launcher's ranks per node, and another value is an error)", minimum=1,
        metavar="G"),
@@ -133,11 +137,14 @@ SCHEMA: tuple[ConfigKey, ...] = (
        choices=("auto", "gloo", "nccl")),
     _k("cluster", "device-memory", "str", "auto", "memory per rank (512M, 2G) that bounds each scheme's "
        "longest micro-batch (MaxLen, from this runtime's measured activation and model-state bytes); "
-       "none: no limit; auto: with the built-in data, sized from the model (the widest TP scheme just "
-       "holds the model's context), with --data none", metavar="BYTES|auto|none"),
+       "none: no limit; auto: on CUDA one GPU's memory (shared by the ranks on it); on CPU with the "
+       "built-in data, sized from the model (the widest TP scheme just holds the model's context), with "
+       "--data none", metavar="BYTES|auto|none"),
     _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
        "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
        "different times)", optional=True, minimum=1e-3, metavar="S"),
+    _k("cluster", "heartbeat-timeout", "float", 60.0, "seconds a rank may stop answering (stopped, frozen "
+       "host) before a peer names it by rank and host and the run ends", minimum=1e-3, metavar="S"),
     _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
        "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
        minimum=1e-6, metavar="TFLOPS"),
@@ -208,6 +215,9 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "corrupt or truncated, use the previous one (default: stop with an error naming the file)"),
     _k("checkpointing", "save-final", "path", None, "write the final fp32 state_dict (keyed like the "
        "module) here", optional=True, metavar="PATH"),
+    _k("checkpointing", "exit-signal-handler", "bool", True, "with checkpoint-dir: on SIGTERM (a scheduler's "
+       "preemption) finish the step, save a checkpoint, say where and exit with code 143 (off: SIGTERM "
+       "stops the run at once, also exit 143)"),
     _k("logging", "run-dir", "path", None, "run folder for metrics.jsonl and plots (default "
        "./runs/<timestamp>)", optional=True, metavar="DIR"),
     _k("logging", "metrics", "path", None, "also write the per-step metrics here", optional=True,

@@ -13,13 +13,13 @@ _SUFFIXES = {".dot": "dot", ".gv": "dot", ".svg": "svg", ".html": "html", ".htm"
 
 
 def render_as(g: RGraph, fmt: str, *, engine: str = "auto") -> str:
-    """``g`` as text in format ``fmt`` (``engine`` is the SVG engine, used by svg and html)."""
+    """``g`` as text in format ``fmt`` (``engine`` is the SVG engine; the HTML page draws itself)."""
     if fmt == "dot":
         return render_dot(g)
     if fmt == "svg":
         return render_svg(g, engine=engine)
     if fmt == "html":
-        return render_html(g, engine=engine)
+        return render_html(g)
     raise HGraphError(f"unknown graph format {fmt!r}; allowed: {', '.join(FORMATS)}")
 
 

@@ -16,7 +16,8 @@ from hgraph.errors import HGraphError
 
 # Node kinds in legend order.
 NODE_KINDS: tuple[str, ...] = (
-    "compute", "pull_parameter", "push_gradient", "comm_activation", "input", "output", "param")
+    "compute", "pull_parameter", "push_gradient", "comm_activation", "input", "output", "param", "block")
+SLOT_KINDS: tuple[str, ...] = ("pull_parameter", "push_gradient", "comm_activation")
 EDGE_KINDS: tuple[str, ...] = ("data", "comm")
 
 
@@ -37,6 +38,7 @@ KIND_STYLES: dict[str, KindStyle] = {
     "input": KindStyle("#eeeeee", "#6b6b6b", "input"),
     "output": KindStyle("#f8d8d6", "#b2403a", "output"),
     "param": KindStyle("#fff2bf", "#a68a1c", "parameter"),
+    "block": KindStyle("#e6e9f2", "#4b5a7a", "layer block"),  # a collapsed box of the HTML page
 }
 EDGE_COLORS: dict[str, str] = {"data": "#5c5c5c", "comm": "#7a4aa3"}
 # Cluster boxes by nesting depth (pipeline, stage, rank, deeper...): light fills, darker borders.
@@ -47,13 +49,19 @@ FONT_FAMILY = "Helvetica,Arial,sans-serif"
 
 @dataclass(frozen=True)
 class RNode:
-    """One operator. ``cluster`` is its nested cluster path, outermost first (may be empty)."""
+    """One operator. ``cluster`` is its nested cluster path, outermost first (may be empty).
+
+    ``box`` is the nesting of collapsible boxes inside its cluster, outermost first: e.g.
+    ``("layers.3", "pull mlp.up_proj.weight")`` for a node of a Pull Parameter subgraph in a layer
+    block.  The HTML page draws each box as one node that expands on click; DOT and SVG ignore it.
+    """
 
     id: str
     label: str
     kind: str
     cluster: tuple[str, ...] = ()
     tooltip: str = ""
+    box: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,10 @@ def validate_graph(g: RGraph) -> None:
         if not isinstance(node.cluster, tuple) or not all(isinstance(c, str) and c for c in node.cluster):
             raise HGraphError(
                 f"graph {g.title!r}: node {node.id!r} has cluster {node.cluster!r}; "
+                "expected a tuple of non-empty strings, outermost first")
+        if not isinstance(node.box, tuple) or not all(isinstance(b, str) and b for b in node.box):
+            raise HGraphError(
+                f"graph {g.title!r}: node {node.id!r} has box {node.box!r}; "
                 "expected a tuple of non-empty strings, outermost first")
     for edge in g.edges:
         if edge.kind not in EDGE_KINDS:

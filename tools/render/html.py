@@ -1,149 +1,100 @@
-"""A self-contained HTML page for an :class:`RGraph`: the SVG inline, a legend, pan and zoom, search,
-and node tooltips (the SVG's ``<title>`` elements).  No external URL is loaded: styles and the small
-script are inline, so the file opens offline from anywhere.
+"""A self-contained HTML page for an :class:`RGraph`: one legend, a title, pan and zoom, search, node
+tooltips, and boxes (layer blocks, slot subgraphs; ``RNode.box``) that open and close on click.
+
+The page holds the laid-out levels of :func:`hgraph.tools.render.collapse.collapse` as JSON and a
+small script (:mod:`hgraph.tools.render.page_script`) draws them; a large graph opens with every box
+closed, fitted to the width of that view.  No external URL is loaded: styles, data and script are
+inline, so the file opens offline from anywhere.
 """
 from __future__ import annotations
 
-from hgraph.tools.render.graph import EDGE_COLORS, KIND_STYLES, RGraph, kinds_present
-from hgraph.tools.render.svg import render_svg, strip_xml_prolog, xml_escape
+import json
 
-_STYLE = """
-* { box-sizing: border-box; }
-html, body { margin: 0; height: 100%; font-family: Helvetica, Arial, sans-serif; font-size: 13px; }
-body { display: flex; flex-direction: column; }
-header { padding: 8px 12px; border-bottom: 1px solid #ccc; background: #fafafa; }
-header h1 { font-size: 16px; margin: 0 0 6px 0; }
-.bar { display: flex; flex-wrap: wrap; gap: 6px 14px; align-items: center; }
-.legend { display: flex; flex-wrap: wrap; gap: 4px 12px; }
-.swatch { display: inline-block; width: 20px; height: 12px; border: 1px solid; border-radius: 3px;
-          vertical-align: -2px; margin-right: 4px; }
-.dash { display: inline-block; width: 24px; vertical-align: 3px; margin-right: 4px;
-        border-top: 2px dashed; }
-.tools button { font-size: 12px; padding: 2px 8px; }
-.tools input { font-size: 12px; padding: 2px 4px; width: 14em; }
-.stats { color: #666; }
-#viewport { flex: 1; overflow: hidden; cursor: grab; background: #fff; touch-action: none; }
-#viewport.dragging { cursor: grabbing; }
-#viewport svg { width: 100%; height: 100%; display: block; }
-#viewport g.node.hit > rect, #viewport g.node.hit polygon, #viewport g.node.hit path {
-  stroke: #e0113d; stroke-width: 3px; }
-"""
+from hgraph.tools.render.collapse import BLOCK_KIND, collapse
+from hgraph.tools.render.graph import CLUSTER_FILLS, CLUSTER_STROKES, EDGE_COLORS, FONT_FAMILY, KIND_STYLES, RGraph
+from hgraph.tools.render.layout import CHAR_WIDTH, DUMMY_WIDTH, FONT_SIZE, NODE_GAP
+from hgraph.tools.render.page_data import page_data
+from hgraph.tools.render.page_script import SCRIPT, STYLE
+from hgraph.tools.render.svg import xml_escape
 
-# Pan by dragging, zoom with the wheel (around the pointer) or the buttons, search highlights nodes
-# whose label or tooltip contains the text and Enter centres the next hit.  Works on our SVG and on
-# Graphviz's (both put nodes in <g class="node">).
-_SCRIPT = """
-(function () {
-  var vp = document.getElementById('viewport');
-  var svg = vp.querySelector('svg');
-  if (!svg) return;
-  var b = svg.viewBox.baseVal;
-  var home = (b && b.width) ? [b.x, b.y, b.width, b.height]
-                            : [0, 0, svg.getBBox().width, svg.getBBox().height];
-  svg.removeAttribute('width'); svg.removeAttribute('height');
-  svg.setAttribute('preserveAspectRatio', 'xMidYMin meet');  // graphs read top down
-  var vb = home.slice();
-  function apply() { svg.setAttribute('viewBox', vb.join(' ')); }
-  function scale() { var r = svg.getBoundingClientRect(); return Math.max(vb[2] / r.width, vb[3] / r.height); }
-  function toSvg(cx, cy) {
-    var r = svg.getBoundingClientRect(), s = scale();
-    return [vb[0] - (r.width * s - vb[2]) / 2 + (cx - r.left) * s,
-            vb[1] + (cy - r.top) * s];
-  }
-  function zoom(f, cx, cy) {
-    var p = (cx === undefined) ? [vb[0] + vb[2] / 2, vb[1] + vb[3] / 2] : toSvg(cx, cy);
-    vb = [p[0] - (p[0] - vb[0]) * f, p[1] - (p[1] - vb[1]) * f, vb[2] * f, vb[3] * f]; apply();
-  }
-  function fitWidth() {
-    var r = svg.getBoundingClientRect();
-    vb = [home[0], home[1], home[2], Math.min(home[3], home[2] * r.height / r.width)]; apply();
-  }
-  function centre(el) {  // screen box -> viewBox units, so transforms inside the SVG do not matter
-    var r = el.getBoundingClientRect(), c = toSvg(r.left + r.width / 2, r.top + r.height / 2);
-    var w = Math.max(r.width * scale() * 6, 400), h = w * vb[3] / vb[2];
-    vb = [c[0] - w / 2, c[1] - h / 2, w, h]; apply();
-  }
-  vp.addEventListener('wheel', function (e) {
-    e.preventDefault(); zoom(Math.exp(e.deltaY * 0.0015), e.clientX, e.clientY);
-  }, {passive: false});
-  var drag = null;
-  vp.addEventListener('pointerdown', function (e) {
-    drag = [e.clientX, e.clientY]; vp.setPointerCapture(e.pointerId); vp.classList.add('dragging');
-  });
-  vp.addEventListener('pointermove', function (e) {
-    if (!drag) return;
-    var s = scale();
-    vb[0] -= (e.clientX - drag[0]) * s; vb[1] -= (e.clientY - drag[1]) * s;
-    drag = [e.clientX, e.clientY]; apply();
-  });
-  function stop() { drag = null; vp.classList.remove('dragging'); }
-  vp.addEventListener('pointerup', stop); vp.addEventListener('pointercancel', stop);
-  document.getElementById('zoom-in').onclick = function () { zoom(1 / 1.4); };
-  document.getElementById('zoom-out').onclick = function () { zoom(1.4); };
-  document.getElementById('fit').onclick = function () { vb = home.slice(); apply(); };
-  document.getElementById('fit-width').onclick = fitWidth;
-  var nodes = Array.prototype.slice.call(svg.querySelectorAll('g.node'));
-  var hits = [], next = 0, found = document.getElementById('found');
-  document.getElementById('search').addEventListener('input', function (e) {
-    var q = e.target.value.trim().toLowerCase();
-    hits = []; next = 0;
-    nodes.forEach(function (n) {
-      var hit = q !== '' && n.textContent.toLowerCase().indexOf(q) >= 0;
-      n.classList.toggle('hit', hit); if (hit) hits.push(n);
-    });
-    found.textContent = q === '' ? '' : hits.length + ' found';
-  });
-  document.getElementById('search').addEventListener('keydown', function (e) {
-    if (e.key === 'Enter' && hits.length) { centre(hits[next % hits.length]); next += 1; }
-  });
-  if (home[3] > 2 * home[2]) fitWidth();
-})();
-"""
+OPEN_UP_TO_NODES = 200  # graphs this small open with every box expanded
+MIN_SCALE = 0.6  # the first view fits the width, but never below this (11px labels stay readable)
+MAX_SCALE = 1.3
+
+_DEFS = "<defs>" + "".join(
+    f'<marker id="arrow-{kind}" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="7" markerHeight="7" '
+    f'orient="auto-start-reverse"><path d="M0,1 L10,5 L0,9 z" fill="{color}"/></marker>'
+    for kind, color in EDGE_COLORS.items()) + "</defs>"
 
 
-def _legend_html(g: RGraph) -> str:
+def _script_json(value: object) -> str:
+    """JSON that cannot end its <script> element or open a comment inside it."""
+    return (json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
+
+
+def _legend_html(kinds: list[str], box_kinds: set[str], has_comm: bool) -> str:
+    """One legend: a swatch per node kind shown (boxed when that kind also appears as a box)."""
     items = []
-    for kind in kinds_present(g):
+    for kind in kinds:
         style = KIND_STYLES[kind]
-        items.append(f'<span class="legend-item" data-kind="{kind}"><span class="swatch" '
+        words = style.legend + (" (box: click to open)" if kind == BLOCK_KIND else "")
+        boxed = " box" if kind in box_kinds else ""
+        items.append(f'<span class="legend-item" data-kind="{kind}"><span class="swatch{boxed}" '
                      f'style="background:{style.fill};border-color:{style.stroke}"></span>'
-                     f"{xml_escape(style.legend)}</span>")
-    if any(e.kind == "comm" for e in g.edges):
+                     f"{xml_escape(words)}</span>")
+    if has_comm:
         items.append(f'<span class="legend-item" data-kind="comm"><span class="dash" '
                      f'style="border-color:{EDGE_COLORS["comm"]}"></span>communication between ranks</span>')
     return '<div class="legend">' + "".join(items) + "</div>"
 
 
-def render_html(g: RGraph, *, engine: str = "auto") -> str:
-    """A self-contained HTML page showing ``g`` (SVG from :func:`render_svg` with ``engine``)."""
-    svg = strip_xml_prolog(render_svg(g, engine=engine))
+def render_html(g: RGraph) -> str:
+    """A self-contained HTML page showing ``g``.  Raises HGraphError for an invalid graph."""
+    collapsed = collapse(g)
+    data = page_data(collapsed)
+    box_kinds = {box.kind for box in collapsed.boxes.values()}
+    kinds = [k for k in KIND_STYLES if k in {n.kind for n in g.nodes} | box_kinds]
+    data.update(
+        open=len(g.nodes) <= OPEN_UP_TO_NODES, minScale=MIN_SCALE, maxScale=MAX_SCALE, defs=_DEFS,
+        nodeGap=NODE_GAP, dummyWidth=DUMMY_WIDTH, charWidth=CHAR_WIDTH * 1.1,  # frame titles are bold
+        styles={kind: [s.fill, s.stroke] for kind, s in KIND_STYLES.items()}, edgeColors=EDGE_COLORS,
+        clusterFills=list(CLUSTER_FILLS), clusterStrokes=list(CLUSTER_STROKES))
     title = xml_escape(g.title)
+    n_boxes = len(collapsed.boxes)
+    boxes_note = (f" in {n_boxes} boxes (layer blocks and slot subgraphs): click a box to open it, its "
+                  "header to close it;" if n_boxes else ";")
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title}</title>
-<style>{_STYLE}</style>
+<style>{STYLE}</style>
 </head>
 <body>
 <header>
 <h1>{title}</h1>
 <div class="bar">
-{_legend_html(g)}
-<span class="tools"><button id="fit" type="button" title="whole graph">fit</button>
-<button id="fit-width" type="button" title="fit the width, from the top">fit width</button>
+{_legend_html(kinds, box_kinds, bool(data["comm"]))}
+<span class="tools"><button id="home" type="button" title="fit the width, from the top">fit width</button>
+<button id="fit" type="button" title="whole graph">fit all</button>
 <button id="zoom-in" type="button" title="zoom in">+</button>
 <button id="zoom-out" type="button" title="zoom out">&#8722;</button>
+<button id="expand-all" type="button" title="open every box">open all</button>
+<button id="collapse-all" type="button" title="close every box">close all</button>
 <input id="search" type="search" placeholder="find node (Enter: next)" aria-label="find node">
 <span id="found" class="stats"></span></span>
-<span class="stats">{len(g.nodes)} nodes, {len(g.edges)} edges; drag to pan, wheel to zoom,
-hover a node for details</span>
+<span class="stats">{len(g.nodes)} nodes{boxes_note} <span id="shown"></span>; drag to pan, wheel to zoom,
+hover for details</span>
 </div>
 </header>
 <div id="viewport">
-{svg}</div>
-<script>{_SCRIPT}</script>
+<svg id="graph" xmlns="http://www.w3.org/2000/svg" preserveAspectRatio="xMinYMin meet" font-family="{FONT_FAMILY}"
+font-size="{FONT_SIZE:g}" role="img" aria-label="{title}"></svg>
+</div>
+<script type="application/json" id="graph-data">{_script_json(data)}</script>
+<script>{SCRIPT}</script>
 </body>
 </html>
 """

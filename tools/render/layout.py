@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from bisect import bisect_right, insort
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 
@@ -76,6 +76,17 @@ class ClusterBox:
 
 
 @dataclass
+class Band:
+    """The vertical strip of a cluster's own nodes: ``x`` to ``x + width``, rows in the first
+    ``row_width``, the gutter of long edges after them."""
+
+    path: tuple[str, ...]
+    x: float
+    row_width: float
+    width: float
+
+
+@dataclass
 class EdgeRoute:
     """An edge and the points its curve goes through, from its source to its destination."""
 
@@ -93,6 +104,7 @@ class Layout:
     width: float
     height: float
     crossings: int  # edge crossings between adjacent rows inside bands, after ordering
+    bands: list[Band] = field(default_factory=list)
 
 
 def label_lines(label: str) -> list[str]:
@@ -497,4 +509,5 @@ def layout_graph(g: RGraph) -> Layout:
                 + [nb.x + nb.w / 2 for nb in nodes.values()])
     bottom = max([0.0] + [c.y + c.h for c in boxes.values()] + [nb.y + nb.h / 2 for nb in nodes.values()])
     ordered_boxes = [boxes[c.path] for c in clusters if c.path]
-    return Layout(nodes, ordered_boxes, routes, right, bottom, crossings)
+    band_boxes = [Band(c.path, band_x[b] - min_x, row_area[b], band_width[b]) for b, c in enumerate(bands)]
+    return Layout(nodes, ordered_boxes, routes, right, bottom, crossings, band_boxes)

@@ -8,8 +8,9 @@ The graph imitates what the compiler emits (Fig. 2c of the Hydraulis paper): per
 use goes through a Pull Parameter subgraph (parameter -> to bf16 -> LNK), row-parallel matmuls are
 followed by a TP all-reduce (Communicate Activation, issue and wait, with comm edges between the TP
 ranks), stage boundaries send and receive activations and gradients, and every weight's gradient
-leaves through a Push Gradient subgraph (reduce-scatter -> LNK).  It is a drawing fixture, not the
-compiler's output.
+leaves through a Push Gradient subgraph (reduce-scatter -> LNK).  Nodes sit in layer-block boxes
+(``embed``, ``layers.N``, ``head``) and each slot subgraph in a box of its own inside them, as the
+HTML page draws them.  It is a drawing fixture, not the compiler's output.
 """
 from __future__ import annotations
 
@@ -28,17 +29,22 @@ _WEIGHTS = (("wqkv", "matmul qkv", False), ("wo", "matmul o", True),
 
 
 class _RankBuilder:
-    """Adds the nodes and data edges of one rank's program."""
+    """Adds the nodes and data edges of one rank's program; ``block`` is the layer block (a box of
+    the HTML page) the next nodes belong to."""
 
     def __init__(self, graph: RGraph, rank: int, cluster: tuple[str, ...]):
         self.graph, self.rank, self.cluster = graph, rank, cluster
         self.count = 0
+        self.block: tuple[str, ...] = ()
 
-    def node(self, label: str, kind: str, after: Sequence[str] = (), tooltip: str = "") -> str:
+    def node(self, label: str, kind: str, after: Sequence[str] = (), tooltip: str = "",
+             subgraph: str = "") -> str:
+        """A node in the current block, or in its slot subgraph box ``subgraph`` when given."""
         self.count += 1
         node_id = f"r{self.rank}.{self.count}"
+        box = self.block + (subgraph,) if subgraph else self.block
         self.graph.nodes.append(RNode(node_id, label, kind, self.cluster,
-                                      tooltip or f"rank {self.rank}: {label}"))
+                                      tooltip or f"rank {self.rank}: {label}", box))
         for src in after:
             self.graph.edges.append(REdge(src, node_id))
         return node_id
@@ -46,14 +52,17 @@ class _RankBuilder:
     def pulled(self, name: str, tp: int) -> str:
         """Pull Parameter subgraph for one weight; returns the node holding the working copy."""
         param = self.node(name, "param", tooltip=f"fp32 shard of {name} (optimizer layout)")
-        cast = self.node("to bf16", "pull_parameter", [param])
+        cast = self.node("to bf16", "pull_parameter", [param], subgraph=f"pull {name}")
         how = "LNK" if tp > 1 else "all-gather"
-        return self.node(how, "pull_parameter", [cast], tooltip=f"{how}: {name} into the TP{tp} layout")
+        return self.node(how, "pull_parameter", [cast], tooltip=f"{how}: {name} into the TP{tp} layout",
+                         subgraph=f"pull {name}")
 
     def pushed(self, name: str, grad_src: str) -> None:
         """Push Gradient subgraph for one weight."""
-        rs = self.node("reduce-scatter", "push_gradient", [grad_src], tooltip=f"gradient of {name}")
-        self.node("LNK", "push_gradient", [rs], tooltip=f"gradient of {name} into the optimizer layout")
+        rs = self.node("reduce-scatter", "push_gradient", [grad_src], tooltip=f"gradient of {name}",
+                       subgraph=f"push {name}")
+        self.node("LNK", "push_gradient", [rs], tooltip=f"gradient of {name} into the optimizer layout",
+                  subgraph=f"push {name}")
 
 
 def synthetic_graph(strategy: "Strategy | str", layers: int = 2, *, backward: bool = True) -> RGraph:
@@ -75,51 +84,62 @@ def synthetic_graph(strategy: "Strategy | str", layers: int = 2, *, backward: bo
         last = (st + 1) * layers // scheme.pp
         cluster = (f"pipeline {p}: {scheme}", f"stage {st}", f"rank {coord.rank}")
         b = _RankBuilder(g, coord.rank, cluster)
-        grads: list[tuple[str, str, str]] = []  # (weight name, forward op id, its label), forward order
+        # (weight name, forward op id, its label, its block), forward order
+        grads: list[tuple[str, str, str, tuple[str, ...]]] = []
         if st == 0:
             tokens = b.node("input_ids", "input")
+            b.block = ("embed",)
             emb_w = b.pulled("embed.weight", scheme.tp)
             x = b.node("embedding", "compute", [tokens, emb_w])
-            grads.append(("embed.weight", x, "embedding"))
+            grads.append(("embed.weight", x, "embedding", b.block))
         else:
             x = b.node("recv activation", "comm_activation", tooltip="recv from the previous stage")
             g.edges.append(REdge(sends[(p, st - 1, t)], x, "act", "comm"))
         for layer in range(first, last):
+            b.block = (f"layers.{layer}",)
             residual = x
             for half, ops in (("attn", _WEIGHTS[:2]), ("mlp", _WEIGHTS[2:])):
                 h = b.node("rmsnorm", "compute", [x])
                 for name, op, row_parallel in ops:
                     w = b.pulled(f"layers.{layer}.{name}", scheme.tp)
                     h = b.node(op, "compute", [h, w])
-                    grads.append((f"layers.{layer}.{name}", h, op))
+                    grads.append((f"layers.{layer}.{name}", h, op, b.block))
                     if op == "matmul qkv":
                         h = b.node("attention", "compute", [h])
                     elif op == "matmul up":
                         h = b.node("silu * gate", "compute", [h])
                     if row_parallel and scheme.tp > 1:
                         key = (p, st, f"{layer}.{half}")
-                        issue = b.node("all-reduce", "comm_activation", [h], tooltip="TP all-reduce issue")
-                        h = b.node("wait", "comm_activation", [issue], tooltip="TP all-reduce wait")
+                        comm = f"all-reduce {half}"
+                        issue = b.node("all-reduce", "comm_activation", [h], tooltip="TP all-reduce issue",
+                                       subgraph=comm)
+                        h = b.node("wait", "comm_activation", [issue], tooltip="TP all-reduce wait",
+                                   subgraph=comm)
                         ar_issues.setdefault(key, []).append(issue)
                         ar_waits.setdefault(key, []).append(h)
                 x = b.node("add", "compute", [residual, h])
                 residual = x
         if st == scheme.pp - 1:
+            b.block = ("head",)
             head = b.pulled("lm_head.weight", scheme.tp)
             logits = b.node("lm_head", "compute", [x, head])
-            grads.append(("lm_head.weight", logits, "lm_head"))
+            grads.append(("lm_head.weight", logits, "lm_head", b.block))
             loss = b.node("cross entropy", "compute", [logits])
+            b.block = ()
             b.node("loss", "output", [loss])
             grad = loss
         else:
+            b.block = ()
             sends[(p, st, t)] = b.node("send activation", "comm_activation", [x],
                                        tooltip="send to the next stage")
             grad = b.node("recv gradient", "comm_activation", tooltip="recv from the next stage")
             grad_sends[(p, st, t)] = grad
         if backward:
-            for name, fwd, label in reversed(grads):
+            for name, fwd, label, block in reversed(grads):
+                b.block = block
                 grad = b.node(f"backward {label}", "compute", [grad, fwd])
                 b.pushed(name, grad)
+            b.block = ()
             if st > 0:
                 send = b.node("send gradient", "comm_activation", [grad], tooltip="send to the previous stage")
                 g.edges.append(REdge(send, grad_sends[(p, st - 1, t)], "grad", "comm"))
@@ -150,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t2 = time.perf_counter()
     svg = render_svg(g, engine=args.engine)
     t3 = time.perf_counter()
-    page = render_html(g, engine=args.engine)
+    page = render_html(g)
     t4 = time.perf_counter()
     out = Path(args.out)
     for suffix, text in ((".dot", dot), (".svg", svg), (".html", page)):

@@ -1,8 +1,8 @@
 """SVG for an :class:`RGraph`: Graphviz ``dot -Tsvg`` when it is installed, else our own layout.
 
 Our drawing (:func:`svg_from_layout`) uses :mod:`hgraph.tools.render.layout` and the style table of
-:mod:`hgraph.tools.render.graph`, so colours match the DOT output.  Structure, relied on by the HTML
-page and the tests: ``<g class="cluster" data-path=...>`` (a rect and a label) per cluster,
+:mod:`hgraph.tools.render.graph`, so colours match the DOT output and the HTML page.  Structure,
+relied on by the tests: ``<g class="cluster" data-path=...>`` (a rect and a label) per cluster,
 ``<path class="edge data|comm" data-src data-dst>`` per edge (comm dashed), ``<g class="node"
 data-id data-kind>`` (a ``<title>`` tooltip, a rect, the label) per node, and ``<g class="legend">``.
 """
@@ -189,11 +189,3 @@ def render_svg(g: RGraph, *, engine: str = "auto") -> str:
     if engine == "graphviz" or (engine == "auto" and shutil.which("dot") is not None):
         return graphviz_svg(g)
     return svg_from_layout(g, layout_graph(g))
-
-
-def strip_xml_prolog(svg: str) -> str:
-    """The ``<svg>`` element alone (no XML declaration, DOCTYPE or comments before it), for inlining."""
-    start = svg.find("<svg")
-    if start < 0:
-        raise HGraphError("SVG text has no <svg> element")
-    return svg[start:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -22,7 +23,8 @@ from hgraph.tools.render.svg import render_svg
 FORMATS = ("text", "python", "dot", "svg", "html", "json")
 
 
-def render_program(program: Program, fmt: str = "text", rank: Optional[int] = None) -> str:
+def render_program(program: Program, fmt: str = "text", rank: Optional[int] = None, model: str = "") -> str:
+    """``program`` (every rank, or ``rank``) in ``fmt``; ``model`` names the model in graph titles."""
     if fmt not in FORMATS:
         raise HGraphError(f"unknown dump format {fmt!r}; allowed: {', '.join(FORMATS)}")
     if rank is not None and not 0 <= rank < len(program.ranks):
@@ -34,7 +36,7 @@ def render_program(program: Program, fmt: str = "text", rank: Optional[int] = No
         return "\n".join(rank_text(program, rp) for rp in ranks)
     if fmt == "python":
         return "\n\n".join(rank_python(program, rp) for rp in ranks)
-    graph = program_rgraph(program, ranks)
+    graph = program_rgraph(program, ranks, model)
     if fmt == "dot":
         return render_dot(graph)
     if fmt == "svg":
@@ -173,18 +175,80 @@ def _kind(n: fx.Node) -> str:
     return "compute"
 
 
-def program_rgraph(program: Program, ranks: list[RankProgram]):
-    """The renderer-neutral graph of ``ranks``: one cluster per pipeline / stage / rank."""
+OUTSIDE_BLOCKS = "outside blocks"
+
+
+def _blocks(nodes: list[fx.Node]) -> dict[str, Optional[str]]:
+    """Each node's layer block (a box of the HTML page): its ``NodeMeta.block`` if the rank computes
+    that block; for a filled slot subgraph the block its parameter lives in (``layers.3.mlp...``) or
+    else the one its neighbours outside it are in (a stage's receive of ``layers.1``'s output goes
+    with the ``layers.2`` that reads it); a parameter node or compute outside every block goes with
+    its users when they are all in one block, else (rotary tables every block reads) into one
+    ``outside blocks`` box."""
+    known = {get_meta(n).block for n in nodes if get_meta(n).slot is None} - {None}
+    block: dict[str, Optional[str]] = {}
+    for n in nodes:
+        m = get_meta(n)
+        owner = [b for b in known if m.param and m.param.startswith(b + ".")]
+        block[n.name] = m.block if m.block in known else max(owner, key=len, default=None)
+    members: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        if get_meta(n).subgraph:
+            members.setdefault(get_meta(n).subgraph, []).append(n)
+    for group in members.values():
+        inside = {n.name for n in group}
+        found = [block[n.name] for n in group if block[n.name]] or [
+            block[o.name] for n in group for o in (*n.all_input_nodes, *n.users)
+            if o.name not in inside and block.get(o.name)]
+        for n in group:
+            block[n.name] = Counter(found).most_common(1)[0][0] if found else None  # ties: first seen
+    for n in reversed(nodes):  # users first, so chains of such nodes follow their consumers
+        users = {block.get(u.name) for u in n.users}
+        if block[n.name] is None and n.op in ("get_attr", "call_function", "call_method"):
+            block[n.name] = users.pop() if len(users) == 1 and None not in users else (
+                None if n.op == "get_attr" else OUTSIDE_BLOCKS)
+    return block
+
+
+_SLOT_WORDS = {"pull_parameter": "pull", "push_gradient": "push", "comm_activation": "comm"}
+
+
+def _box(n: fx.Node, block: Optional[str]) -> tuple[str, ...]:
+    """The page's boxes around ``n``: its block, and its slot subgraph named by what it moves."""
+    m = get_meta(n)
+    outer = (block,) if block else ()
+    if not m.subgraph or m.slot is None:
+        return outer
+    point, _, tail = m.subgraph.partition(":")
+    what = m.param or (tail if tail.startswith(point) else f"{point} {tail}".strip())
+    if block and what.startswith(block + "."):
+        what = what[len(block) + 1:]
+    return outer + (f"{_SLOT_WORDS[m.slot.value]} {what}",)
+
+
+def graph_title(program: Program, ranks: list[RankProgram], model: str = "") -> str:
+    """What a drawing shows: the model, the strategy and which ranks."""
+    world = program.cluster.world_size
+    shown = (f"all {world} ranks" if len(ranks) == world else
+             f"rank {ranks[0].rank} of {world}" if len(ranks) == 1 else
+             f"ranks {', '.join(str(rp.rank) for rp in ranks)} of {world}")
+    return f"{model} under {program.strategy}: {shown}" if model else f"{program.strategy}: {shown}"
+
+
+def program_rgraph(program: Program, ranks: list[RankProgram], model: str = ""):
+    """The renderer-neutral graph of ``ranks``: one cluster per pipeline / stage / rank, and in each
+    rank one box per layer block and per filled slot subgraph."""
     nodes, edges = [], []
     for rp in ranks:
         cluster = (f"pipeline {rp.pipeline}: {rp.scheme}", f"stage {rp.stage}", f"rank {rp.rank}")
-        for n in rp.graph_module.graph.nodes:
-            if _is_comm(n):
-                continue
+        graph_nodes = [n for n in rp.graph_module.graph.nodes if not _is_comm(n)]
+        blocks = _blocks(graph_nodes)
+        for n in graph_nodes:
             target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
             m = get_meta(n)
             nodes.append(RNode(f"r{rp.rank}.{n.name}", target if n.op != "placeholder" else n.name, _kind(n),
-                               cluster, f"{n.name}: {n.op} {target}" + (f" ({m.param})" if m.param else "")))
+                               cluster, f"{n.name}: {n.op} {target}" + (f" ({m.param})" if m.param else ""),
+                               _box(n, blocks[n.name])))
             for a in n.all_input_nodes:
                 if not _is_comm(a):
                     edges.append(REdge(f"r{rp.rank}.{a.name}", f"r{rp.rank}.{n.name}"))
@@ -198,4 +262,4 @@ def program_rgraph(program: Program, ranks: list[RankProgram]):
         recvs = [n for n in shown[nxt[0]].graph_module.graph.nodes if (get_meta(n).subgraph or "").startswith("pp_recv")]
         for s, r in zip(sends, recvs):
             edges.append(REdge(f"r{rp.rank}.{s.name}", f"r{nxt[0]}.{r.name}", "activation", "comm"))
-    return RGraph(f"hgraph: {program.strategy} on {program.cluster.world_size} ranks", nodes, edges)
+    return RGraph(graph_title(program, ranks, model), nodes, edges)

@@ -62,7 +62,7 @@ def dump_run(args: argparse.Namespace) -> int:
     for text in used:
         strategy = Strategy.parse(text)
         texts[text] = compiled.dump(strategy, world_size=world, gpus_per_node=per_node, rank=args.rank,
-                                    format=args.format)
+                                    format=args.format, model=spec)
     if args.output is not None:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.comm import p2p
 from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
 
@@ -66,7 +67,13 @@ def _all_gather(obj: Any) -> list[Any]:
     return out
 
 
-def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[], Any]] = None) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[], Any]] = None,
+               device: torch.device = torch.device("cpu")) -> float:
     """Median ms of ``fn()``; ``work()`` (untimed) runs before each call, so the time includes the
     wait for peers that were descheduled or slower in their own work, as between a layer's ops."""
     fn()                                                # warm-up: connections, buffers
@@ -74,14 +81,16 @@ def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[],
     for _ in range(repeats):
         if work is not None:
             work()
+        _sync(device)
         t0 = time.perf_counter()
         fn()
+        _sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
-                    repeats: int) -> Optional[list[float]]:
+                    repeats: int, device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
     """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
     ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
     members = [list(range(g, g + tp)) for g in range(0, world_size - tp + 1, tp)]
@@ -93,18 +102,19 @@ def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: An
     group = groups.get(mine)
     out = []
     for l in COMM_LENGTHS:
-        x = torch.ones(l, hidden, dtype=dtype)
+        x = torch.ones(l, hidden, dtype=dtype, device=device)
         # an MLP shard's matmuls between the all-reduces, as in a TP layer: on shared cores the
         # all-reduce mostly waits for the peer (measured alone it was ~0.5 ms, and TP2 estimated
         # 2-5x too fast)
-        w = torch.randn(hidden, max(4 * hidden // tp, 1), dtype=dtype)
+        w = torch.randn(hidden, max(4 * hidden // tp, 1), dtype=dtype, device=device)
         out.append(_time_comm(lambda: dist.all_reduce(x, group=group), repeats,
-                              work=lambda: torch.tanh(x @ w) @ w.T))
+                              work=lambda: torch.tanh(x @ w) @ w.T, device=device))
     dist.barrier()
     return out
 
 
-def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats: int) -> Optional[list[float]]:
+def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats: int,
+                    device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
     """ms of one send/recv of ``l x hidden`` between ranks 2i and 2i+1 (all pairs at once); the
     receiver's time (which includes the transfer) is returned on the odd rank."""
     pairs = world_size // 2 * 2
@@ -114,17 +124,24 @@ def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats
     peer = rank + 1 if rank % 2 == 0 else rank - 1
     out = []
     for l in COMM_LENGTHS:
-        x = torch.ones(l, hidden, dtype=dtype)
-        op = (lambda: dist.send(x, peer)) if rank % 2 == 0 else (lambda: dist.recv(x, peer))
-        out.append(_time_comm(op, repeats))
+        x = torch.ones(l, hidden, dtype=dtype, device=device)
+        stage = p2p.host_staged(device)          # ranks sharing a GPU over gloo
+        op = ((lambda: p2p.isend(x, peer, stage=stage).wait()) if rank % 2 == 0
+              else (lambda: p2p.irecv(x, peer, stage=stage).wait()))
+        out.append(_time_comm(op, repeats, device=device))
     dist.barrier()
     return out if rank % 2 == 1 else None
 
 
 def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[int], lengths: Sequence[int],
-                              vocab: int, repeats: int) -> dict[int, tuple[list[float], list[float]]]:
+                              vocab: int, repeats: int, *, warmup: int = 1, device: Any = "cpu",
+                              dtype: Any = torch.float32) -> dict[int, tuple[list[float], list[float]]]:
     """Per TP degree, ms of one decoder layer and of the rest at each length, forward + backward on one
-    rank's shard (``build(n, tp)``: ``n`` layers).
+    rank's shard (``build(n, tp)``: ``n`` layers), on ``device`` in ``dtype`` (what the run trains on).
+
+    Every model runs ``warmup`` untimed rounds at each length before any timed one: a first call
+    (a kernel's first launch, the allocator's growth, cuBLAS's choice for a new shape, a compile) is
+    never timed.
 
     Why not ``profiler.dual_layer_timings`` per degree: on a loaded machine the load changes between
     two phases, and a layer's time is a difference of two timings. Here every repeat runs the 1- and
@@ -133,19 +150,23 @@ def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[in
     ranks that share cores are slowed for the whole step (measured: the minimum was ~2.5x too low).
     """
     torch.manual_seed(0)
-    models = {tp: (build(1, tp), build(2, tp)) for tp in tps}
+    models = {tp: (build(1, tp).to(device=device, dtype=dtype), build(2, tp).to(device=device, dtype=dtype))
+              for tp in tps}
     out: dict[int, tuple[list[float], list[float]]] = {tp: ([], []) for tp in tps}
     for length in lengths:
         diffs: dict[int, list[float]] = {tp: [] for tp in tps}
         ones: dict[int, list[float]] = {tp: [] for tp in tps}
-        ids = {tp: torch.randint(0, -(-vocab // tp), (1, length)) for tp in tps}
-        for k in range(repeats + 1):
+        ids = {tp: torch.randint(0, -(-vocab // tp), (1, length)).to(device) for tp in tps}
+        for _ in range(warmup):
+            for tp in tps:
+                for m in models[tp]:
+                    fwd_bwd_ms(m, ids[tp])
+        for _ in range(repeats):
             for tp in tps:
                 one, two = models[tp]
                 t1, t2 = fwd_bwd_ms(one, ids[tp]), fwd_bwd_ms(two, ids[tp])
-                if k:                                    # the first round warms up
-                    diffs[tp].append(t2 - t1)
-                    ones[tp].append(t1)
+                diffs[tp].append(t2 - t1)
+                ones[tp].append(t1)
         for tp in tps:
             lay = max(statistics.median(diffs[tp]), 0.0)
             out[tp][0].append(lay)
@@ -164,13 +185,16 @@ def calibration_phases(prior: CostModel, world_size: int) -> int:
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
                          lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 5,
-                         progress: Optional[Callable[[str], None]] = None) -> tuple[CostModel, dict]:
+                         progress: Optional[Callable[[str], None]] = None,
+                         device: Any = None) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
     every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
     shard (``tp`` 1: the model's own layers);
-    ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass).
+    ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass);
+    ``device``, ``dtype``: where and in what the run trains (CPU, fp32 by default), which is what is timed.
     Returns the model and the raw measurements."""
     dtype = dtype or torch.float32
+    device = torch.device(device or "cpu")
     hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
     lengths = [int(l) for l in lengths if l <= max(getattr(model_config, "max_seq_len", max(lengths)), 3)]
     if len(set(lengths)) < 3:
@@ -179,11 +203,12 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     tps = sorted({tp for tp, _, _ in prior.profiled})
     pps = sorted({pp for _, pp, _ in prior.profiled})
     raw: dict[str, Any] = {"lengths": lengths, "layer_ms": {}, "rest_ms": {}, "tp_comm_ms": {},
-                           "pp_comm_ms": None, "repeats": repeats, "ranks": world_size}
+                           "pp_comm_ms": None, "repeats": repeats, "ranks": world_size,
+                           "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     layer: dict[int, tuple[float, float, float]] = {}
     rest: dict[int, tuple[float, float, float]] = {}
     say("compute " + ", ".join(f"TP{tp}" for tp in tps))
-    timed = interleaved_layer_timings(build, tps, lengths, vocab, repeats)
+    timed = interleaved_layer_timings(build, tps, lengths, vocab, repeats, device=device, dtype=dtype)
     rows = _all_gather(timed)
     for tp in tps:
         raw["layer_ms"][tp] = _median_rows([r[tp][0] for r in rows])
@@ -196,15 +221,16 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         if tp == 1 or not multi:
             continue
         say(f"all-reduce TP{tp}")
-        ms = [r for r in _all_gather(measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats))
-              if r is not None]
+        timed_tp = measure_tp_comm(tp, rank, world_size, hidden, groups, dtype, repeats, device)
+        ms = [r for r in _all_gather(timed_tp) if r is not None]
         med = _median_rows(ms)
         raw["tp_comm_ms"][tp] = med
         tp_line[tp] = _fit_line(COMM_LENGTHS, med)
     pp_line = (0.0, 0.0)
     if multi and max(pps) > 1:
         say("send/recv PP")
-        ms = [r for r in _all_gather(measure_pp_comm(rank, world_size, hidden, dtype, repeats)) if r is not None]
+        ms = [r for r in _all_gather(measure_pp_comm(rank, world_size, hidden, dtype, repeats, device))
+              if r is not None]
         med = _median_rows(ms)
         raw["pp_comm_ms"] = med
         pp_line = _fit_line(COMM_LENGTHS, med)

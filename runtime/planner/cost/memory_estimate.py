@@ -114,10 +114,12 @@ def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, sch
 
 
 def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens: int, *,
-                    device_memory: Optional[float] = None, cost: Any = None) -> MemoryEstimate:
+                    device_memory: Optional[float] = None, cost: Any = None,
+                    compiled_step: bool = False) -> MemoryEstimate:
     """Every rank's memory under ``strategy`` for micro-batches of ``tokens`` tokens (module
     docstring); ``cost``: a cost model bounded by ``device_memory`` whose MaxLen of the strategy's
-    schemes is reported. Nothing is allocated. Bad strategies are a ``StrategyError``."""
+    schemes is reported; ``compiled_step``: the activations a ``--compile`` step keeps (``cost``'s
+    must be counted alike). Nothing is allocated. Bad strategies are a ``StrategyError``."""
     dtype = compiled.options.working_dtype or torch.float32
     states = rank_states(compiled, strategy, cluster, dtype)
     cfg = compiled.config
@@ -130,9 +132,11 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
             A, other = cost.memory.activation_coeff, cost.memory.other_coeff
         else:
             sp = compiled.sequence_parallel_status() == "on"
-            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype, sequence_parallel=sp)
+            A, other = measured_activation_coeffs(cfg, tps, dtype=dtype, sequence_parallel=sp,
+                                                  compiled_step=compiled_step)
         coeffs = {tp: (a, dict(other).get(tp, 0.0)) for tp, a in A}
-        source = "runtime memory model (zoo Llama, counted on fake tensors)"
+        source = "runtime memory model (zoo Llama, counted on fake tensors" + \
+            (", compiled step)" if compiled_step else ")")
     ranks = []
     for c in strategy.coords():
         scheme = strategy.pipelines[c.pipeline]

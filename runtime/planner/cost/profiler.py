@@ -40,12 +40,17 @@ class LayerTimings:
 
 
 def fwd_bwd_ms(model, ids) -> float:
-    """ms of one forward + backward of ``model`` on ``ids`` (next-token loss)."""
+    """ms of one forward + backward of ``model`` on ``ids`` (next-token loss); on CUDA from the
+    device's idle to the end of its work, not just the launches."""
     model.zero_grad(set_to_none=True)
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
     t0 = time.perf_counter()
     logits = model(ids)
     loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     loss.backward()
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
     return (time.perf_counter() - t0) * 1e3
 
 

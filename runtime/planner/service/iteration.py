@@ -66,9 +66,10 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
 
 
 def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,
-                       compiled: Any = None) -> tuple[Any, float | None]:
+                       compiled: Any = None, compiled_step: bool = False) -> tuple[Any, float | None]:
     """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes; the model
-    states the runtime's ranks hold are counted once, from ``compiled`` when given."""
+    states the runtime's ranks hold are counted once, from ``compiled`` when given; ``compiled_step``:
+    the activations a ``--compile`` step keeps."""
     if device_memory is None:
         return cost, None
     # the TP>1 schemes' activations: a token slice between TP regions under sequence parallelism
@@ -77,13 +78,13 @@ def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes:
         if is_runtime_model(cost, model) else None
     if device_memory == "auto":
         sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes, states=states,
-                                   sequence_parallel=sp)
+                                   sequence_parallel=sp, compiled_step=compiled_step)
         context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or 0)
         if not context:
             raise HGraphError("--device-memory auto needs a model with max_seq_len; give BYTES")
         device_memory = default_device_memory(sized, cost.model, cost.world_size, context)
     return (with_device_memory(cost, model, float(device_memory), working_bytes=working_bytes, states=states,
-                               sequence_parallel=sp), float(device_memory))
+                               sequence_parallel=sp, compiled_step=compiled_step), float(device_memory))
 
 
 def parse_candidates(text: str, world_size: int) -> list[Strategy]:
@@ -110,9 +111,11 @@ def _on_rank0(compute: Callable[[], Any], rank: int) -> Any:
 
 
 def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = None, gpus_per_node: int = 8,
-                        tp_slots: int = 0, progress: Callable[[str], None] | None = None):
+                        tp_slots: int = 0, progress: Callable[[str], None] | None = None, *,
+                        device: Any = None, dtype: Any = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
-    (``hgraph.runtime.planner.cost.calibration``; collective). Needs a zoo Llama-style model."""
+    (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
+    ``dtype`` (CPU, fp32 by default). Needs a zoo Llama-style model."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
@@ -120,7 +123,8 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                           "give --profile analytic or a profile FILE")
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
         cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
-                                       rank, world_size, groups, tp_slots=tp_slots, progress=progress)
+                                       rank, world_size, groups, tp_slots=tp_slots, progress=progress,
+                                       device=device, dtype=dtype)
     return cost
 
 
@@ -161,7 +165,8 @@ class IterationPlanner:
                progress: Callable[[str], None] | None = None, device_memory: Any = None,
                working_bytes: int = 4, max_candidates: int | None = None,
                compiled: Any = None, method: str = "fast", time_limit_s: float = 10.0,
-               activation_budget_bytes: float | None = None) -> "IterationPlanner":
+               activation_budget_bytes: float | None = None, device: Any = None, dtype: Any = None,
+               compiled_step: bool = False) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
@@ -170,12 +175,16 @@ class IterationPlanner:
         candidates; ``compiled``: ``model`` compiled (its layouts size the model states; default:
         traced again); ``method``, ``time_limit_s``: how each iteration dispatches;
         ``activation_budget_bytes``: the planner's micro-batch times include the recomputation this
-        budget forces (``with_activation_budget``; the candidates are chosen without it)."""
+        budget forces (``with_activation_budget``; the candidates are chosen without it); ``device``,
+        ``dtype``: where and in what ``measure`` times the model (the run's); ``compiled_step``: the run
+        compiles its graphs (the activations it keeps bound MaxLen)."""
         if profile == MEASURE:
-            cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress)
+            cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress,
+                                       device=device, dtype=dtype)
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
-        cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled), rank)
+        cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled,
+                                                           compiled_step), rank)
         lengths = doc_lengths(documents).tolist()
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)

@@ -8,7 +8,10 @@ hgraph imported, instead of a fresh interpreter importing them saves ~2 s of CPU
 that they never outlive a launcher that dies) and Python forbids a daemon process to have children;
 keeping the ranks daemonic and starting the planner from their non-daemonic parent keeps that
 guarantee. The planner process itself is a
-daemon of its starter for the same reason.
+daemon of its starter for the same reason, and dies with its starter however that ends
+(``hgraph.runtime.process.lifetime``). It ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's SIGTERM
+to the whole process group is for the ranks to handle (stop, or save and stop), and the planner is
+stopped by its owner when the ranks are done.
 
 The channel (``PlannerChannel``, picklable into the ranks at their start) has three parts:
 
@@ -28,11 +31,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue as queue_mod
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.runtime.process.lifetime import tie_to_starter
 
 _POLL_S = 0.02
 
@@ -55,6 +60,9 @@ class PlannerChannel:
 def _serve(jobs, plans, alive_w) -> None:
     """Planner process body: wait for the setup, then plan every batch in order into ``plans``
     (blocking while it holds ``depth`` unconsumed plans)."""
+    tie_to_starter()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     msg = jobs.get()
     if msg[0] != "setup":
         return
@@ -94,13 +102,10 @@ class PlannerProcess:
         self.channel = PlannerChannel(jobs, plans, alive_r, self.process.pid, depth)
 
     def close(self) -> None:
-        """Stop the planner (it may be blocked on a full queue) and release the queues."""
-        if self.process.is_alive():
-            self.process.terminate()
-        self.process.join(timeout=5)
+        """Stop the planner (it may be blocked on a full queue; it ignores SIGTERM) and release the queues."""
         if self.process.is_alive():
             self.process.kill()
-            self.process.join()
+        self.process.join()
         for q in (self.channel.jobs, self.channel.plans):
             q.cancel_join_thread()
             q.close()

@@ -51,6 +51,9 @@ class PlannerSetup:
     tp_slots: int = 0                          # the model's TP enter/exit slots (a measured profile times them)
     log: bool = False                          # this rank prints the planner's line
     profile_path: Optional[Path] = None        # where a measured profile is kept with the run (None: not kept)
+    device: Any = None                         # where and in what a measured profile times the model:
+    dtype: Any = None                          # the run's device and working dtype
+    compiled_step: bool = False                # the run compiles its graphs (what they keep bounds MaxLen)
 
 
 class Progress(Protocol):
@@ -86,7 +89,8 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: Any
             progress=lambda what: bar.update(1, what), device_memory=setup.device_memory,
             working_bytes=setup.working_bytes, max_candidates=setup.max_candidates,
             compiled=compiled, method=setup.method, time_limit_s=setup.time_limit_s,
-            activation_budget_bytes=setup.memory_budget)
+            activation_budget_bytes=setup.memory_budget, device=setup.device, dtype=setup.dtype,
+            compiled_step=setup.compiled_step)
     finally:
         bar.close()
     if rank == 0 and setup.log:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import HGraphError
+from hgraph.runtime.comm import p2p
 from hgraph.runtime.comm.collectives import (comm_wait, pp_recv, pp_send, sp_gather_issue, sp_scatter_issue,
                                              tp_copy_issue, tp_gather_issue, tp_reduce_issue)
 from hgraph.runtime.comm.context import CommContext
@@ -109,8 +110,9 @@ def _stage_model():
                                torch.nn.Tanh(), torch.nn.Linear(H, 1))
 
 
-def _pipeline(comm, rank):
-    """Stage 0 = layers 0-3 on ranks 0/2, stage 1 = layer 4 on ranks 1/3; 2 micro-batches, 1F1B."""
+def _pipeline(comm, rank, staged=None):
+    """Stage 0 = layers 0-3 on ranks 0/2, stage 1 = layer 4 on ranks 1/3; 2 micro-batches, 1F1B.
+    ``staged``: activations and gradients through host buffers (``p2p``; None: as the backend needs)."""
     g = torch.Generator().manual_seed(3)
     mbs = [(torch.randn(4, D, generator=g), torch.randn(4, 1, generator=g)) for _ in range(2)]
     model = _stage_model()
@@ -119,13 +121,13 @@ def _pipeline(comm, rank):
     peer = rank + 1 if first else rank - 1
     n = sum(len(t) for _, t in mbs)
     if first:
-        tokens = [pp_send(comm, stage(x), peer, tag=7) for x, _ in mbs]  # warm-up: F0, F1
+        tokens = [pp_send(comm, stage(x), peer, tag=7, stage=staged) for x, _ in mbs]  # warm-up: F0, F1
         for token in tokens:                                               # cool-down: B0, B1
             token.backward()
             comm_wait(comm, token)
     else:
         for x, t in mbs:                                                   # F_i then B_i
-            act = pp_recv(comm, peer, (4, H), torch.float32, tag=7)
+            act = pp_recv(comm, peer, (4, H), torch.float32, tag=7, stage=staged)
             (F.mse_loss(stage(act), t, reduction="sum") / n).backward()
     comm.wait_all()
     ref = _stage_model()
@@ -182,10 +184,33 @@ def _vocab_parallel_loss(comm, rank, parallel):
             "db": _close(b_i.grad[:4 - pad], bf.grad[rows]), "pad_grad": not w_i.grad[4 - pad:].any()}
 
 
+def _staged_transfers(rank):
+    """The LNK pulls' and pushes' batched point-to-point through host buffers (shared-device mode's
+    path, on CPU tensors): ranks 0 <-> 1 and 2 <-> 3 swap two tensors each; a receive is written into
+    its tensor when waited for."""
+    peer = rank ^ 1
+    mine = [torch.full((3, 2), 10.0 * rank + i) for i in range(2)]
+    got = [torch.zeros(3, 2) for _ in range(2)]
+    works = p2p.batch_isend_irecv([*(p2p.PeerOp(True, t, peer, 20 + i) for i, t in enumerate(mine)),
+                                   *(p2p.PeerOp(False, t, peer, 20 + i) for i, t in enumerate(got))], stage=True)
+    for w in works:
+        w.wait()
+    one = torch.zeros(4)
+    if rank % 2 == 0:
+        p2p.isend(torch.arange(4.0) + rank, peer, tag=30, stage=True).wait()
+    else:
+        p2p.irecv(one, peer, tag=30, stage=True).wait()
+    return {"batch": all(torch.equal(g, torch.full((3, 2), 10.0 * peer + i)) for i, g in enumerate(got)),
+            "single": rank % 2 == 0 or torch.equal(one, torch.arange(4.0) + peer),
+            "staged_work": all(isinstance(w, p2p.StagedWork) for w in works),
+            "decides": (p2p.host_staged(torch.device("cuda", 0)), p2p.host_staged(torch.device("cpu")))}
+
+
 def _worker(rank, world_size):
     comm = CommContext.from_default_group()
     comm.groups.ensure([[0, 1], [2, 3]])
     return {"tp": _tp_mlp(comm, rank), "sp": _sp_mlp(comm, rank), "gather": _gather(comm, rank), "pp": _pipeline(comm, rank),
+            "pp_staged": _pipeline(comm, rank, staged=True), "staged": _staged_transfers(rank),
             "async": _issue_does_not_block(comm, rank),
             "head": [_vocab_parallel_loss(comm, rank, parallel) for parallel in (True, False)]}
 
@@ -214,6 +239,14 @@ def test_issue_returns_before_the_collective_completes(results):
 def test_uneven_gather_and_its_backward(results):
     for out in results:
         assert out["gather"] == {"gather": True, "grad": True, "pair_order": True}
+
+
+def test_pipeline_and_transfers_staged_through_host_memory_carry_the_same_values(results):
+    """Shared-device mode (ranks on one GPU over gloo, which aborts on send/recv of CUDA tensors)
+    stages point-to-point through host buffers; the same code on CPU tensors, forced on."""
+    for out in results:
+        assert out["pp_staged"] == {"grads": True, "pending": 0}
+        assert out["staged"] == {"batch": True, "single": True, "staged_work": True, "decides": (True, False)}
 
 
 def test_two_stage_1f1b_pipeline_matches_unsplit_model(results):

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.launch import SpawnError, init_from_env, spawn
+from hgraph.runtime.train.launch import FAILURE_GRACE_S, SpawnError, init_from_env, spawn
 
 
 def _sum_of_ranks(rank, world_size, scale):
@@ -23,7 +23,8 @@ def _rank1_raises(rank, world_size):
     if rank == 2:  # looks like the echo of a lost peer: must not be reported as the cause
         raise RuntimeError("Connection closed by peer [127.0.0.1]:1")
     if rank == 1:
-        time.sleep(0.3)
+        # later than the echo's grace period: as under load, when the echo arrives seconds first
+        time.sleep(FAILURE_GRACE_S + 0.5)
         raise ValueError("bad shard on purpose")
     t = torch.ones(1)
     dist.all_reduce(t)  # blocks: rank 1 never joins, so the parent must end this rank
@@ -66,20 +67,18 @@ def test_ranks_that_reported_run_their_exit_handlers(tmp_path):
 
 
 def test_a_raising_rank_is_named_and_others_are_ended():
-    start = time.monotonic()
+    # rank 0 blocks in a collective: "failed too" says it was ended, not waited on until the timeout
     with pytest.raises(SpawnError, match=r"rank 1 failed: ValueError: bad shard on purpose") as info:
         spawn(_rank1_raises, 3, timeout_s=300)
     assert "rank(s) [0, 2] failed too" in str(info.value) or "rank(s) [2] failed too" in str(info.value)
     assert info.value.rank == 1 and "Traceback" in info.value.detail
-    assert time.monotonic() - start < 120  # the blocked rank 0 was not waited on for 300 s
 
 
 def test_a_killed_rank_is_reported_as_lost():
-    start = time.monotonic()
+    # rank 0 sleeps for 600 s: waited on, it would end in spawn's timeout error, which names no rank
     with pytest.raises(SpawnError, match=r"rank 1 was lost") as info:
         spawn(_rank1_killed, 2, timeout_s=300)
     assert info.value.rank == 1
-    assert time.monotonic() - start < 120  # rank 0 (asleep for 600 s) was terminated
 
 
 def test_bad_arguments_are_one_line_errors():

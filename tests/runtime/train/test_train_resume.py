@@ -16,7 +16,7 @@ import time
 
 import pytest
 import torch
-from tests.runtime.fault_injection import dying_worker
+from tests.runtime.fault_injection import dying_worker, sigterm_worker
 from tests.runtime.reference_training import assert_losses_like, assert_params_like
 
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
@@ -91,24 +91,51 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
     # step 2 was trained (and logged) after the checkpoint, then lost: the resume trains it again
     assert [r["step"] for r in _metrics(run / "metrics.jsonl")] == [0, 1, 2]
 
-    argv = _argv(ref["data"], ck, run, "--resume", "--strategies", CANDIDATES, "--save-final",
-                 str(base / "kill-final.pt"))
+    _resume_matches_the_reference_bitwise(ref, ck, run, "kill", 2, capsys)
+
+
+def _resume_matches_the_reference_bitwise(ref, ck, run, name, from_step, capsys):
+    """``--resume`` from the checkpoint of ``from_step`` in ``ck`` runs to the end; the whole run then
+    equals the uninterrupted reference: documents per step, losses and final parameters, bitwise."""
+    from hgraph.runtime.checkpoint import shards as ckpt
+    final_path = ref["base"] / f"{name}-final.pt"
+    argv = _argv(ref["data"], ck, run, "--resume", "--strategies", CANDIDATES, "--save-final", str(final_path))
     assert main(argv) == 0
     out = _json_out(capsys)
-    assert out["resumed_from"]["step"] == 2 and out["resumed_from"]["resharded"] is False
-    assert [s["step"] for s in out["steps"]] == [2, 3, 4, 5]
+    assert out["resumed_from"]["step"] == from_step and out["resumed_from"]["resharded"] is False
+    assert [s["step"] for s in out["steps"]] == list(range(from_step, STEPS))
     got = _metrics(run / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(STEPS))
     # nothing skipped or trained twice: the same documents per step as the uninterrupted run
     assert [r["documents"] for r in got] == [r["documents"] for r in ref["metrics"]]
-    manifest = ckpt.read_manifest(ck / "step-00000002")
-    assert got[2]["documents"][0] == manifest["data_position"]["next_document"]
+    manifest = ckpt.read_manifest(ck / f"step-{from_step:08d}")
+    assert got[from_step]["documents"][0] == manifest["data_position"]["next_document"]
     # bitwise: losses and final parameters
     assert [r["loss"] for r in got] == [r["loss"] for r in ref["metrics"]]
-    final = torch.load(base / "kill-final.pt", weights_only=True)
+    final = torch.load(final_path, weights_only=True)
     assert final.keys() == ref["final"].keys()
     for k, v in ref["final"].items():
         assert torch.equal(final[k], v), k
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_a_checkpoint_and_resume_matches(ref, capsys):
+    """SLURM-style preemption reaching rank 1 alone, in step 2: both ranks agree to stop after step 2,
+    save the checkpoint of 3 steps (not a multiple of --checkpoint-every) and return; the resume
+    continues as if nothing happened."""
+    from hgraph.runtime.checkpoint import shards as ckpt
+    base = ref["base"]
+    ck, run = base / "term-ck", base / "term-run"
+    run.mkdir()
+    config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategies=CANDIDATES, profile="analytic",
+                                     device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
+                                     checkpoint_dir=str(ck), checkpoint_every=EVERY,
+                                     metrics=str(run / "metrics.jsonl"))
+    out = spawn(sigterm_worker, 2, args=(config, 1, 2), timeout_s=60)
+    stopped = {"signal": "SIGTERM", "step": 3, "checkpoint": str(ck / "step-00000003")}
+    assert [o["stopped"] for o in out] == [stopped, stopped]
+    assert [[s["step"] for s in o["steps"]] for o in out] == [[0, 1, 2]] * 2
+    assert ckpt.complete_steps(ck) == [2, 3]
+    _resume_matches_the_reference_bitwise(ref, ck, run, "term", 3, capsys)
 
 
 def _dying_in_save_worker(rank, world, config, victim, save_step):

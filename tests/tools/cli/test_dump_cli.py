@@ -55,6 +55,28 @@ def test_svg_and_html_are_valid_and_colour_the_subgraph_kinds(capsys, tmp_path, 
                          "--format", "html", "--rank", "0", "--model-args", '{"num_layers": 2}')
     assert code == 0, err
     assert out.lstrip().lower().startswith("<!doctype html") and "<svg" in out
+    assert f"<h1>llama:tiny under {strategy}: rank 0 of 8</h1>" in out
+
+
+def test_html_boxes_each_layer_block_and_slot_subgraph_and_keeps_comm_edges(capsys):
+    code, out, err = run(capsys, "dump", "llama:tiny", "--strategy", "1xTP2PP2+1xTP1PP1", "--format", "html",
+                         "--model-args", '{"num_layers": 2}')
+    assert code == 0, err
+    assert "<h1>llama:tiny under 1xTP2PP2+1xTP1PP1: all 5 ranks</h1>" in out
+    data = json.loads(out.split('<script type="application/json" id="graph-data">')[1].split("</script>")[0])
+    boxes = data["boxes"]
+    blocks = {b["tip"].split(" / ")[-1] for b in boxes.values() if b["parent"] is None}
+    assert {"layers.0", "layers.1"} <= blocks
+    slots = [b for b in boxes.values() if b["kind"] in ("pull_parameter", "push_gradient", "comm_activation")]
+    assert {"pull_parameter", "push_gradient", "comm_activation"} == {b["kind"] for b in slots}
+    # a pulled weight of a layer sits in that layer's box, named without the layer's prefix
+    q = next(b for b in slots if b["name"] == "pull self_attn.q_proj.weight")
+    assert boxes[q["parent"]]["name"] == "layers.0"
+    top = {item[0] for item in data["levels"][""]["items"]}
+    assert len(top) < len(data["nodes"]) / 10 and not data["open"]
+    assert data["comm"], "activation edges between the stages"
+    for src, dst, _ in data["comm"]:
+        assert src.split(".")[0] != dst.split(".")[0]  # node ids are r<rank>.<name>
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

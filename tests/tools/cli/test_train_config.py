@@ -2,6 +2,8 @@
 import argparse
 import dataclasses
 
+import torch
+
 from hgraph.runtime.train.config import SECTIONS, TrainConfig
 from hgraph.tools.cli import train as cmd_train, train_schema as rc
 
@@ -21,9 +23,10 @@ def test_every_key_of_the_schema_is_a_field_of_its_section_with_its_default():
         assert defaults[key.dest] == key.default, key.dest
 
 
-def test_the_command_line_fills_the_config_from_the_resolved_values(tmp_path):
+def test_the_command_line_fills_the_config_from_the_resolved_values(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config, _ = cmd_train.config_from_args(_parse())
-    assert config == TrainConfig()                    # no options: the defaults
+    assert config == TrainConfig().with_values(device="cpu")     # no options: the defaults, on this CPU
     (tmp_path / "run.toml").write_text('[optimizer]\nlr = 0.5\n[data]\nsteps = 7\n[planner]\nmemory-budget = "1M"\n')
     config, _ = cmd_train.config_from_args(_parse("--config", str(tmp_path / "run.toml"), "--lr", "0.01",
                                                   "--strategy-schedule", "4xTP1PP1"))

@@ -1,10 +1,8 @@
-"""The HTML page: self-contained, the SVG inline and well formed, a legend in the shared colours."""
+"""The HTML page: self-contained, one legend in the shared colours, the graph's levels as inline data."""
 from __future__ import annotations
 
-import os
+import json
 import re
-import stat
-import sys
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 
@@ -13,10 +11,9 @@ import pytest
 from hgraph.errors import HGraphError
 from hgraph.tools.render.formats import format_for_path, render_as, write_graph
 from hgraph.tools.render.graph import EDGE_COLORS, KIND_STYLES, REdge, RGraph, RNode
-from hgraph.tools.render.html import render_html
+from hgraph.tools.render.html import OPEN_UP_TO_NODES, render_html
 from hgraph.tools.render.sample import synthetic_graph
 
-NS = {"s": "http://www.w3.org/2000/svg"}
 # Namespace names are identifiers, never fetched.
 _NAMESPACES = ("http://www.w3.org/2000/svg", "http://www.w3.org/1999/xlink")
 
@@ -25,19 +22,27 @@ class _Tags(HTMLParser):
     def __init__(self):
         super().__init__()
         self.tags: list[tuple[str, dict]] = []
+        self.data: dict[str, str] = {}
+        self._in: "str | None" = None
 
     def handle_starttag(self, tag, attrs):
         self.tags.append((tag, dict(attrs)))
+        self._in = dict(attrs).get("id")
+
+    def handle_data(self, data):
+        if self._in:
+            self.data[self._in] = self.data.get(self._in, "") + data
 
 
-def _svg_part(page: str) -> ET.Element:
-    start, end = page.index("<svg"), page.index("</svg>") + len("</svg>")
-    return ET.fromstring(page[start:end])
+def _page_data(page: str) -> dict:
+    parser = _Tags()
+    parser.feed(page)
+    return json.loads(parser.data["graph-data"])
 
 
-def test_page_is_self_contained_with_inline_svg_script_and_style():
+def test_page_is_self_contained_with_inline_data_script_and_style():
     g = synthetic_graph("1xTP1PP2+1xTP1PP1", layers=1)
-    page = render_html(g, engine="python")
+    page = render_html(g)
     assert page.startswith("<!DOCTYPE html>")
     text = page
     for ns in _NAMESPACES:
@@ -48,17 +53,28 @@ def test_page_is_self_contained_with_inline_svg_script_and_style():
     tags = [t for t, _ in parser.tags]
     assert "link" not in tags and "img" not in tags and "iframe" not in tags
     assert all("src" not in attrs for tag, attrs in parser.tags if tag == "script")
-    assert tags.count("script") == 1 and tags.count("style") == 1 and tags.count("svg") == 1
-    root = _svg_part(page)
-    assert len(root.findall(".//s:g[@class='node']", NS)) == len(g.nodes)
-    assert page.count("<title>") >= len(g.nodes)  # tooltips
-    for needed in ("wheel", "pointerdown", "viewBox", 'id="search"', 'id="fit"'):
+    assert tags.count("script") == 2 and tags.count("style") == 1 and tags.count("svg") == 1
+    data = _page_data(page)
+    assert set(data["nodes"]) == {n.id for n in g.nodes}
+    assert data["open"] is (len(g.nodes) <= OPEN_UP_TO_NODES)
+    assert "" in data["levels"] and set(data["levels"]) - {""} == set(data["boxes"]) == set(data["order"])
+    for needed in ("wheel", "pointerdown", "viewBox", 'id="search"', 'id="fit"', 'id="expand-all"'):
         assert needed in page
 
 
-def test_legend_uses_the_shared_colours_for_the_kinds_present():
+def test_large_graph_opens_with_its_boxes_closed():
+    g = synthetic_graph("1xTP2PP2+2xTP1PP1", layers=4)
+    assert len(g.nodes) > OPEN_UP_TO_NODES
+    data = _page_data(render_html(g))
+    assert data["open"] is False
+    top = {item[0] for item in data["levels"][""]["items"]}
+    assert len(top) < len(g.nodes) / 10 and top & set(data["boxes"])
+
+
+def test_one_legend_in_the_shared_colours_for_the_kinds_present():
     g = RGraph("g", [RNode("a", "a", "pull_parameter"), RNode("b", "b", "compute")], [REdge("a", "b", kind="comm")])
-    page = render_html(g, engine="python")
+    page = render_html(g)
+    assert page.count('class="legend"') == 1
     legend = page[page.index('<div class="legend">'):page.index("</div>", page.index('<div class="legend">'))]
     kinds = re.findall(r'data-kind="(\w+)"', legend)
     assert kinds == ["compute", "pull_parameter", "comm"]
@@ -69,26 +85,20 @@ def test_legend_uses_the_shared_colours_for_the_kinds_present():
     assert KIND_STYLES["push_gradient"].legend not in legend
 
 
-def test_title_is_escaped():
-    g = RGraph("<script>alert(1)</script> & co", [RNode("a", "<b>", "compute")], [])
-    page = render_html(g, engine="python")
-    assert "<script>alert" not in page
+def test_legend_names_layer_blocks_when_there_are_boxes():
+    g = RGraph("g", [RNode("a", "a", "compute", box=("layers.0",)), RNode("b", "b", "compute")], [REdge("a", "b")])
+    legend = render_html(g).split('<div class="legend">')[1].split("</div>")[0]
+    assert re.findall(r'data-kind="(\w+)"', legend) == ["compute", "block"]
+
+
+def test_title_and_labels_are_escaped():
+    g = RGraph("<script>alert(1)</script> & co", [RNode("a", "</script><b>", "compute", tooltip="<b>")], [])
+    page = render_html(g)
+    assert "<script>alert" not in page and "</script><b>" not in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &amp; co" in page
-    assert _svg_part(page).find(".//s:g[@class='node']", NS).find("s:title", NS).text == "<b>"
-
-
-def test_graphviz_svg_is_inlined_without_its_prolog(monkeypatch, tmp_path):
-    script = tmp_path / "dot"
-    script.write_text(f"#!{sys.executable}\nimport sys\nsys.stdin.read()\n"
-                      "print('<?xml version=\"1.0\"?>\\n<!DOCTYPE svg PUBLIC \"-//W3C//DTD SVG 1.1//EN\" "
-                      "\"http://www.w3.org/Graphics/SVG/1.1/DTD/svg11.dtd\">\\n<!-- Generated by graphviz -->\\n"
-                      "<svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 10 10\">"
-                      "<g class=\"node\"><title>a</title></g></svg>')\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
-    page = render_html(RGraph("g", [RNode("a", "a", "compute")], []))
-    assert "<!DOCTYPE svg" not in page and "<?xml" not in page and "svg11.dtd" not in page
-    assert len(_svg_part(page).findall(".//s:g[@class='node']", NS)) == 1
+    data = _page_data(page)
+    assert data["nodes"]["a"]["t"] == "<b>"
+    assert data["levels"][""]["items"][0][5] == ["</script><b>"]
 
 
 def test_formats_by_name_and_suffix(tmp_path):
@@ -98,7 +108,7 @@ def test_formats_by_name_and_suffix(tmp_path):
     assert render_as(g, "html", engine="python").startswith("<!DOCTYPE html>")
     assert [format_for_path(p) for p in ("x.DOT", "x.gv", "a/b.svg", "c.htm")] == ["dot", "dot", "svg", "html"]
     written = write_graph(g, tmp_path / "g.html", engine="python")
-    assert "<svg" in written.read_text()
+    assert 'id="graph-data"' in written.read_text()
     with pytest.raises(HGraphError, match="unknown graph format"):
         render_as(g, "png")
     with pytest.raises(HGraphError, match="suffix"):

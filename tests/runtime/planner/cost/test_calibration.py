@@ -1,11 +1,14 @@
 """``--profile measure``: the cost model built from timings on this machine, on 2 ranks (compute,
 TP all-reduce, PP send/recv) and the online correction of the estimates."""
 import math
+import time
 
 import pytest
+import torch
 
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.planner.cost.calibration import COMM_LENGTHS, StepCorrection, scaled_plan
+from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, StepCorrection, interleaved_layer_timings,
+                                                    scaled_plan)
 from hgraph.runtime.planner.cost.cost_model import fit_coefficients
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
@@ -94,3 +97,45 @@ def test_step_correction_is_the_median_ratio_of_recent_steps_and_scales_every_es
     assert scaled.est_latency_ms == pytest.approx(2 * plan.est_latency_ms)
     assert [p.est_latency_ms for p in scaled.pipelines] == pytest.approx([2 * p.est_latency_ms for p in plan.pipelines])
     assert [p.microbatches for p in scaled.pipelines] == [p.microbatches for p in plan.pipelines]
+
+
+class _FirstCallIsSlow(torch.nn.Module):
+    """A stand-in whose first forward at each length takes 0.3 s, as a compile or a first kernel launch
+    would; it records every call's length and its parameters' dtype."""
+
+    def __init__(self, layers: int, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(layers))
+        self.head = torch.nn.Linear(8, vocab)
+        self.calls: list[tuple[int, torch.dtype]] = []
+
+    def forward(self, ids):
+        length = ids.shape[1]
+        if all(n != length for n, _ in self.calls):
+            time.sleep(0.3)
+        self.calls.append((length, self.head.weight.dtype))
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def test_measure_times_warm_calls_only_on_the_runs_dtype():
+    """``--profile measure`` never times a first call (a compile, a first launch): every model runs an
+    untimed round at each length first; and it times the model in the run's working dtype."""
+    built = []
+
+    def build(n, tp):
+        built.append(_FirstCallIsSlow(n))
+        return built[-1]
+
+    lengths = [8, 16, 32]
+    # one timed run per length: a median over several would hide a slow first one
+    timed = interleaved_layer_timings(build, [1], lengths, 16, repeats=1, dtype=torch.bfloat16)
+    layer_ms, rest_ms = timed[1]
+    assert len(layer_ms) == len(rest_ms) == 3
+    assert max(layer_ms + rest_ms) < 100, (layer_ms, rest_ms)     # 300 ms first calls were not timed
+    for model in built:
+        assert [n for n, _ in model.calls] == [n for n in lengths for _ in range(2)]    # warm-up, timed
+        assert {d for _, d in model.calls} == {torch.bfloat16}

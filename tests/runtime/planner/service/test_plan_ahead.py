@@ -60,12 +60,15 @@ def test_a_killed_planner_is_reported_at_once_naming_the_step(cost):
         consumer.get(0)
         os.kill(proc.channel.pid, signal.SIGKILL)
         proc.process.join(5)
-        t0 = time.perf_counter()
+        delivered = []
         with pytest.raises(PlannerLost):
-            for step in range(1, 5):        # at most the plans already queued, then the loss
+            for step in range(1, 5):
                 consumer.get(step)
-        assert time.perf_counter() - t0 < 5
-        assert "exited before the plan of step" in consumer.lost
+                delivered.append(step)
+        # at most the one plan already queued (depth 1), then the loss: no waiting for plans that
+        # cannot come
+        assert delivered in ([], [1])
+        assert f"exited before the plan of step {1 + len(delivered)}" in consumer.lost
 
 
 def test_a_planning_error_is_forwarded_not_hung(cost):

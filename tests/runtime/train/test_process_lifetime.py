@@ -1,0 +1,184 @@
+"""Every process a run starts dies with it: ``hgraph train``'s launcher alone (as ``kill PID`` or a
+scheduler does) sent SIGINT, SIGTERM or SIGKILL, mid-run or while its ranks start, leaves no rank,
+planner, fork server or resource tracker behind; SIGINT and SIGTERM end it with one line and exit
+code 128 + the signal, and without a leaked-semaphore warning; with a checkpoint folder SIGTERM
+first saves a checkpoint, and says where. A rank that stops answering (SIGSTOP) is named by rank and
+host within the heartbeat timeout, and the run ends.
+
+Each test starts a small planner-driven run (two ranks, a planner process) as a subprocess, records
+the launcher's descendants from ``/proc`` (pid and start time, so a reused pid is not mistaken for a
+survivor) before the signal, and waits for every one of them to be gone.
+"""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tests.runtime.fault_injection import sigstop_worker
+from tests.runtime.reference_training import write_random_documents
+
+from hgraph.runtime.checkpoint.shards import complete_steps
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.runtime.train.launch import SpawnError, spawn
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
+
+#: A run of many steps, so that it is still training when the signal comes.
+TRAIN = [sys.executable, "-m", "hgraph.tools.cli", "train", "--model", "tiny", "--world-size", "2", "--steps",
+         "500", "--tokens-per-iter", "64", "--strategies", "2xTP1PP1;1xTP2PP1", "--profile", "analytic",
+         "--plan-ahead", "1", "--progress", "off", "--no-plots", "--timeout", "60"]
+#: The launcher's descendants: the fork server, the resource tracker, two ranks and the planner.
+DESCENDANTS = 5
+#: Bound on waiting for a run to reach a point, or for its processes to end (a hang fails, not waits).
+PATIENCE_S = 120
+#: "Within a few seconds": the processes of a run killed by a signal end within this.
+GONE_WITHIN_S = 20
+
+
+def _stat(pid):
+    """(parent pid, state, start time) of ``pid``, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _descendants(root):
+    """{pid: start time} of every live descendant of ``root``."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None and stat[1] != "Z":
+                children.setdefault(stat[0], []).append((int(name), stat[2]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, start in children.get(todo.pop(), []):
+            found[pid] = start
+            todo.append(pid)
+    return found
+
+
+def _alive(procs):
+    """The processes of ``procs`` ({pid: start time}) still running (a zombie has ended)."""
+    out = []
+    for pid, start in procs.items():
+        stat = _stat(pid)
+        if stat is not None and stat[2] == start and stat[1] != "Z":
+            out.append(pid)
+    return out
+
+
+def _command_line(pid):
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+    except OSError:
+        return "?"
+
+
+class Run:
+    """``hgraph train`` in a subprocess of its own session, its output in files."""
+
+    def __init__(self, tmp_path, *extra, command=TRAIN):
+        self.out, self.err = tmp_path / "stdout", tmp_path / "stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([*command, "--run-dir", str(tmp_path / "run"), *extra], stdout=out,
+                                         stderr=err, start_new_session=True)
+        self.seen = {}
+
+    def wait_for(self, ready):
+        """Polls until ``ready(stdout text, descendants)``, recording every descendant seen."""
+        deadline = time.monotonic() + PATIENCE_S
+        while time.monotonic() < deadline:
+            self.seen.update(_descendants(self.proc.pid))
+            if ready(self.out.read_text(), self.seen):
+                return
+            assert self.proc.poll() is None, f"the run ended early: {self.err.read_text()[-2000:]}"
+            time.sleep(0.05)
+        raise AssertionError(f"the run did not get there in {PATIENCE_S} s: {self.out.read_text()[-2000:]}")
+
+    def kill(self, signum):
+        self.seen.update(_descendants(self.proc.pid))
+        os.kill(self.proc.pid, signum)          # the launcher alone, as `kill PID`
+        rc = self.proc.wait(timeout=PATIENCE_S)
+        deadline = time.monotonic() + GONE_WITHIN_S
+        while _alive(self.seen) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _alive(self.seen)
+        for pid in left:                        # never leave them to the next test
+            os.kill(pid, signal.SIGKILL)
+        assert not left, f"alive {GONE_WITHIN_S} s after {signal.Signals(signum).name}: " + \
+            "; ".join(f"{pid} {_command_line(pid)}" for pid in left)
+        return rc, self.err.read_text()
+
+
+def _training(out, seen):
+    return "step    1" in out and len(seen) >= DESCENDANTS
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line(tmp_path, signum):
+    run = Run(tmp_path)
+    run.wait_for(_training)
+    rc, err = run.kill(signum)
+    name = signal.Signals(signum).name
+    assert rc == 128 + signum, err
+    assert err.strip().splitlines()[-1] == f"hgraph train: stopped by {name}", err
+    assert "leaked" not in err and "Traceback" not in err, err
+
+
+def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path):
+    ck = tmp_path / "ck"
+    run = Run(tmp_path, "--checkpoint-dir", str(ck))      # saves only at the end, or on SIGTERM
+    run.wait_for(_training)
+    rc, err = run.kill(signal.SIGTERM)                    # passed on to the ranks, which agree on a step
+    assert rc == 143, err
+    said = re.fullmatch(r"hgraph train: stopped by SIGTERM after step (\d+) of 500; checkpoint (\S+) saved; "
+                        r"--resume continues from it", err.strip().splitlines()[-1])
+    assert said, err
+    assert complete_steps(ck) == [int(said[1])] and Path(said[2]) == ck / f"step-{int(said[1]):08d}"
+    assert "leaked" not in err and "Traceback" not in err, err
+
+
+def test_sigkill_of_the_launcher_while_its_ranks_start_leaves_no_process(tmp_path):
+    run = Run(tmp_path)
+    # as soon as the ranks and the planner exist (still starting: the race a parent-death signal
+    # armed late would lose); mid-run the same ties hold, and SIGINT and SIGTERM above are mid-run
+    run.wait_for(lambda out, seen: len(seen) >= DESCENDANTS)
+    rc, _ = run.kill(signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+
+
+
+def test_a_rank_that_stops_answering_mid_step_is_named_by_rank_and_host_and_the_run_ends(tmp_path):
+    """Rank 1 is SIGSTOPped in step 2 (alive, its sockets open: rank 0's collective would wait for it
+    until the collective timeout): rank 0's heartbeat names it within the heartbeat timeout, and the
+    run ends with that message instead of the timeout's."""
+    data = write_random_documents(tmp_path / "docs.jsonl", [9, 7, 11, 5, 8, 6, 10, 4] * 3, seed=3)
+    config = TrainConfig.from_values(model="tiny", world_size=2, strategy_schedule="2xTP1PP1", steps=6,
+                                     tokens_per_iter=30, data=str(data), heartbeat_timeout=3.0, timeout=300)
+    with pytest.raises(SpawnError) as info:
+        spawn(sigstop_worker, 2, args=(config, 1, 2), timeout_s=300)
+    assert info.value.rank == 1
+    assert re.fullmatch(rf"spawn: rank 1 on {re.escape(socket.gethostname())} \(no heartbeat for [\d.]+ s\) "
+                        r"stopped answering \(heartbeat timeout 3 s: stopped or frozen, e.g. SIGSTOP\); "
+                        r"rank 0 ends the run", str(info.value)), str(info.value)
+
+
+def test_sigkill_of_a_torchrun_agent_leaves_no_worker_or_planner(tmp_path):
+    """torchrun's workers run in sessions of their own and a SIGKILLed agent signals none of them: each
+    dies with its agent, and rank 0's planner process with rank 0."""
+    world = TRAIN.index("--world-size")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--monitor-interval", "0.1", "-m", "hgraph.tools.cli", *TRAIN[3:world], *TRAIN[world + 2:]]
+    run = Run(tmp_path, command=command)
+    run.wait_for(lambda out, seen: len(seen) >= 3)      # the 2 workers and rank 0's planner have started
+    rc, _ = run.kill(signal.SIGKILL)
+    assert rc == -signal.SIGKILL

@@ -1,0 +1,56 @@
+"""The prepared GPU session (``tools/bench/gpu_checks``): its commands are valid on a one-GPU machine
+(CUDA faked; nothing runs), and its verdicts follow from the figures."""
+from __future__ import annotations
+
+import argparse
+import types
+
+import torch
+
+from hgraph.tools.bench import gpu_checks
+from hgraph.tools.cli import memory as cmd_memory, train as cmd_train
+
+
+def _one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: types.SimpleNamespace(total_memory=80 * 2 ** 30))
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="cmd")
+    cmd_train.add_parser(sub)
+    cmd_memory.add_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_the_commands_are_valid_on_one_gpu(monkeypatch, tmp_path):
+    _one_gpu(monkeypatch)
+    checks = {c.name: c for c in gpu_checks.plan_checks(tmp_path, smoke=False)}
+    assert list(checks) == ["bench", "train_1gpu", "memory", "shared_gpu", "cpu_reference"]
+    cluster = {}
+    for name in ("train_1gpu", "shared_gpu", "cpu_reference"):
+        argv = checks[name].argv[checks[name].argv.index("train"):]
+        config, _ = cmd_train.config_from_args(_parse(argv))       # the schedule is checked on 4 ranks
+        cluster[name] = (config.cluster.device, config.cluster.world_size, config.cluster.backend)
+    assert cluster == {"train_1gpu": ("cuda", 1, "auto"), "shared_gpu": ("cuda", 4, "gloo"),
+                       "cpu_reference": ("cpu", 4, "auto")}
+    memory = _parse(checks["memory"].argv[checks["memory"].argv.index("memory"):])
+    assert (memory.compile, memory.dtype, memory.tokens) == ("on", "bf16", gpu_checks.TOKENS)
+
+
+def test_the_verdicts_follow_from_the_figures(tmp_path):
+    checks = {c.name: c for c in gpu_checks.plan_checks(tmp_path, smoke=True)}
+    checks["bench"].figures = {"ratio": 1.1}
+    checks["train_1gpu"].figures = {"rank_peak_bytes": [90, 100]}
+    checks["memory"].figures = {"peak": 110}
+    checks["shared_gpu"].figures = {"loss": [2.0, 1.5]}
+    checks["cpu_reference"].figures = {"loss": [2.0, 1.5 * (1 + 2e-6)]}
+    verdicts = gpu_checks.compare(checks)
+    assert verdicts["bench_ratio"] == 1.1 and verdicts["memory_model_over_measured"] == 1.1
+    assert verdicts["shared_gpu_equals_cpu"] and verdicts["shared_gpu_loss_rel_diff"] < 2e-6
+    checks["cpu_reference"].figures = {"loss": [2.0, 1.6]}
+    assert not gpu_checks.compare(checks)["shared_gpu_equals_cpu"]
