@@ -86,6 +86,17 @@ def test_resumed_trainer_takes_masters_from_the_checkpoint_and_settings_from_its
             assert torch.equal(state[key][name], t), (key, name)
     summary = again.run()
     assert [r.step for r in summary.steps] == [3] and summary.resumed_from["next_document"] > 0
+    # the same run saving asynchronously (--async-checkpoint): every 2 steps and at the end, each save
+    # completed by the next one or by the run's end; the last holds the same state
+    async_root = tmp_path / "async"
+    third = Trainer(config().with_values(checkpoint_dir=str(async_root), checkpoint_every=2, async_checkpoint=True),
+                    0, 1)
+    records = third.run().checkpoints
+    assert checkpoint.complete_steps(async_root) == [2, 3] and all(r["bytes"] > 0 for r in records)
+    loaded = checkpoint.load(async_root, 0, 1).optimizer
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        for name, t in saved[key].items():
+            assert torch.equal(loaded[key][name], t), (key, name)
 
 
 def test_resumed_planner_keeps_the_runs_candidates_and_cost_model():
