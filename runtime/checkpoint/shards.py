@@ -213,16 +213,21 @@ def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size
     left alone. Re-saving an existing step replaces it (it is incomplete while being rewritten).
     Returns after the manifest is in place on every rank.
     """
+    state = _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
+    return _start(root, step, optimizer, rank, world_size, keep_last, group, state).wait()
+
+
+def _run_state(step, keep_last, data_position, delay_queues, planner_state, run) -> dict:
+    """The manifest's JSON state of a save, its arguments checked (one-line errors)."""
     if step < 0:
         raise HGraphError(f"checkpoint: step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 2:
         raise HGraphError(f"checkpoint: keep_last must be >= 2 (a fallback needs the previous one), "
                           f"got {keep_last}")
-    state = {"data_position": _json_state("data_position", data_position),
-             "delay_queues": _json_state("delay_queues", delay_queues),
-             "planner_state": _json_state("planner_state", planner_state),
-             "run": _json_state("run", run)}
-    return _start(root, step, optimizer, rank, world_size, keep_last, group, state).wait()
+    return {"data_position": _json_state("data_position", data_position),
+            "delay_queues": _json_state("delay_queues", delay_queues),
+            "planner_state": _json_state("planner_state", planner_state),
+            "run": _json_state("run", run)}
 
 
 def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
@@ -234,13 +239,7 @@ def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, worl
     before the next save and at the end of the run) completes it with the manifest. ``async_group``:
     a process group of all ranks that only checkpointing uses (the background thread's collectives
     must not interleave with training's on the same group)."""
-    if keep_last is not None and keep_last < 2:
-        raise HGraphError(f"checkpoint: keep_last must be >= 2 (a fallback needs the previous one), "
-                          f"got {keep_last}")
-    state = {"data_position": _json_state("data_position", data_position),
-             "delay_queues": _json_state("delay_queues", delay_queues),
-             "planner_state": _json_state("planner_state", planner_state),
-             "run": _json_state("run", run)}
+    state = _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
     return _start(root, step, optimizer, rank, world_size, keep_last, group, state, asynchronous=True,
                   async_group=async_group)
 

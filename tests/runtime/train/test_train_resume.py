@@ -75,14 +75,18 @@ def test_reference_run_saves_every_k_steps_and_at_the_end(ref):
     assert trained == list(range(len(trained)))          # file order, each once
 
 
+def _spawned_config(ref, ck, run):
+    """The reference run's settings, launched by ``spawn`` (the CLI's analytic profile, no device limit)."""
+    return TrainConfig.from_values(model="llama:tiny", world_size=2, strategies=CANDIDATES, profile="analytic",
+                                   device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
+                                   checkpoint_dir=str(ck), checkpoint_every=EVERY, metrics=str(run / "metrics.jsonl"))
+
+
 def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, capsys):
     base = ref["base"]
     ck, run = base / "kill-ck", base / "kill-run"
     run.mkdir()
-    config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategies=CANDIDATES, profile="analytic",
-                                     device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
-                                     checkpoint_dir=str(ck), checkpoint_every=EVERY,
-                                     metrics=str(run / "metrics.jsonl"))
+    config = _spawned_config(ref, ck, run)
     with pytest.raises(SpawnError, match="rank 1") as info:    # not spawn's timeout, which names no rank
         spawn(dying_worker, 2, args=(config, 1, 3), timeout_s=60)
     assert info.value.rank == 1
@@ -126,10 +130,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_a_checkpoint_a
     base = ref["base"]
     ck, run = base / "term-ck", base / "term-run"
     run.mkdir()
-    config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategies=CANDIDATES, profile="analytic",
-                                     device_memory=None, steps=STEPS, tokens_per_iter=TOKENS, data=str(ref["data"]),
-                                     checkpoint_dir=str(ck), checkpoint_every=EVERY,
-                                     metrics=str(run / "metrics.jsonl"))
+    config = _spawned_config(ref, ck, run)
     out = spawn(sigterm_worker, 2, args=(config, 1, 2), timeout_s=60)
     stopped = {"signal": "SIGTERM", "step": 3, "checkpoint": str(ck / "step-00000003")}
     assert [o["stopped"] for o in out] == [stopped, stopped]
