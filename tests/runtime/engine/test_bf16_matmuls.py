@@ -19,7 +19,8 @@ from torch.utils._pytree import tree_flatten
 
 import hgraph
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.engine.executor import Executor, MicroBatch
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
 
 aten = torch.ops.aten

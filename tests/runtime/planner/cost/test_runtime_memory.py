@@ -151,7 +151,8 @@ def _measured_step_activations(compile_mode: str, tokens: int, doc_len: int) -> 
     accounting), eager or with its regions compiled through inductor's partitioner."""
     import hgraph
     from hgraph.runtime.comm.process_groups import GroupCache
-    from hgraph.runtime.engine.executor import Executor, MicroBatch, shard_dims_of
+    from hgraph.runtime.data.micro_batch import MicroBatch
+    from hgraph.runtime.engine.executor import Executor, shard_dims_of
     from hgraph.runtime.engine.optimizer import ShardedAdam
     from hgraph.strategy import Strategy
     torch.manual_seed(0)
@@ -164,8 +165,7 @@ def _measured_step_activations(compile_mode: str, tokens: int, doc_len: int) -> 
                   compile_backend=PARTITIONER_BACKEND, track_memory=True)
     g = torch.Generator().manual_seed(1)
     docs = [torch.randint(0, 512, (doc_len,), generator=g).tolist() for _ in range(tokens // doc_len)]
-    result = ex.step(ex.programs.get(Strategy.parse("1xTP1PP1")), [[MicroBatch.pack(docs)]],
-                     sum(len(d) - 1 for d in docs))
+    result = ex.step(Strategy.parse("1xTP1PP1"), [[MicroBatch.pack(docs)]], sum(len(d) - 1 for d in docs))
     return result.peak_mem_bytes
 
 
