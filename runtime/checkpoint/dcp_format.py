@@ -40,7 +40,7 @@ from hgraph.errors import HGraphError
 from hgraph.shard_rule import shard_bounds
 
 METADATA = ".metadata"
-_MOMENTS = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def rank_file_name(rank: int) -> str:
@@ -92,7 +92,7 @@ def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, An
         def chunk(t):
             return _chunked(t, layout.full_shape, layout.dim, rank, world_size, group)
         model[name] = chunk(state["params"][name])
-        optim[name] = {key: chunk(state[src][name]) for key, src in _MOMENTS.items()}
+        optim[name] = {key: chunk(state[key][name]) for key in _MOMENTS}
         optim[name]["step"] = torch.tensor(float(state["steps"][name]))
     buf = io.BytesIO()
     torch.save(dict(rng), buf)              # one bytes entry: DCP would split a dict into entries
@@ -162,6 +162,17 @@ def read_tensor(folder: Path, key: str, shape: tuple[int, ...], dtype: torch.dty
     return out
 
 
+def read_rows(folder: Path, key: str, shape: tuple[int, ...], dim: Optional[int] = None, lo: int = 0,
+              hi: Optional[int] = None) -> torch.Tensor:
+    """Entry ``key``'s full tensor (``dim`` None), or its rows ``[lo, hi)`` along ``dim`` (a 0-d
+    tensor handled as shape [1], as the optimizer does); read whole, then narrowed into a copy."""
+    full = read_tensor(folder, key, shape)
+    if dim is None:
+        return full
+    rows = full.reshape(shape or (1,))
+    return rows.narrow(dim, lo, (rows.shape[dim] if hi is None else hi) - lo).clone()
+
+
 def _load(flat: dict, folder: Path) -> None:
     try:
         with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
@@ -201,11 +212,14 @@ def load_optimizer_state(folder: Path, rank: int, world_size: int, shard_dims: M
         full_shapes[name] = shape = shapes[key]
         rows = (shape or (1,))
         lo, hi = shard_bounds(rows[dim], rank, world_size)
-        for target, entry in (("params", key), ("exp_avg", f"optim.state.{name}.exp_avg"),
-                              ("exp_avg_sq", f"optim.state.{name}.exp_avg_sq")):
-            full = read_tensor(folder, entry, shape).reshape(rows)
-            out[target][name] = full.narrow(dim, lo, hi - lo).clone()
-        step = torch.zeros(())
-        _load({f"optim.state.{name}.step": step}, folder)
-        out["steps"][name] = float(step)
+        # one DCP read per parameter: its master, both moments and its step count
+        entries = {"params": key, "exp_avg": f"optim.state.{name}.exp_avg",
+                   "exp_avg_sq": f"optim.state.{name}.exp_avg_sq"}
+        flat = {entry: torch.empty(shape) for entry in entries.values()}
+        step_key = f"optim.state.{name}.step"
+        flat[step_key] = torch.zeros(())
+        _load(flat, folder)
+        for target, entry in entries.items():
+            out[target][name] = flat[entry].reshape(rows).narrow(dim, lo, hi - lo).clone()
+        out["steps"][name] = float(flat[step_key])
     return out, full_shapes

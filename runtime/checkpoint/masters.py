@@ -90,12 +90,8 @@ class CheckpointMasters:
         full_shape = self.shapes[name]
         shape = full_shape or (1,)
         saved_dim = self.dims[name]
-        if self._dcp:       # one parameter's full tensor from DCP, then its rows
-            full = dcp_format.read_tensor(self.folder, f"model.{name}", full_shape)
-            if dim is None:
-                return full
-            rows = full.reshape(shape)
-            return rows.narrow(dim, lo, (shape[dim] if hi is None else hi) - lo).clone()
+        if self._dcp:
+            return dcp_format.read_rows(self.folder, f"model.{name}", full_shape, dim, lo, hi)
         if dim is None or dim != saved_dim:
             # the whole tensor, gathered from every saved piece (one parameter), then narrowed when asked
             full = self._rows(name, saved_dim, 0, shape[saved_dim], shape)

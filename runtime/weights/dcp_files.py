@@ -31,11 +31,7 @@ class DcpFiles:
         return str(self.folder)
 
     def read(self, name: str, dim: Optional[int] = None, lo: int = 0, hi: Optional[int] = None) -> torch.Tensor:
-        full = dcp_format.read_tensor(self.folder, self._keys[name], self.shapes[name])
-        if dim is None:
-            return full
-        rows = full.reshape(self.shapes[name] or (1,))
-        return rows.narrow(dim, lo, (rows.shape[dim] if hi is None else hi) - lo).clone()
+        return dcp_format.read_rows(self.folder, self._keys[name], self.shapes[name], dim, lo, hi)
 
     def close(self) -> None:
         pass
