@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.fx import wrap
 
 from hgraph.errors import HGraphError
-from hgraph.varlen_attention import allowed_keys, masked_attention, varlen_attention
+from hgraph.varlen_attention import DocumentBounds, allowed_keys, masked_attention, varlen_attention
 
 
 class CommRuntime(Protocol):
@@ -44,6 +44,7 @@ class CommRuntime(Protocol):
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor: ...
     def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
+    def document_bounds(self, total: int) -> Optional[DocumentBounds]: ...
     def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
     def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor: ...
     def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
@@ -238,22 +239,28 @@ def causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 @reads_host_values
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor,
                      scale: Optional[float] = None, enable_gqa: bool = False, softcap: Optional[float] = None,
-                     window: Optional[int] = None) -> torch.Tensor:
+                     window: Optional[int] = None, comm: Optional[CommRuntime] = None) -> torch.Tensor:
     """Causal attention inside each document of a packed row, none across documents (with the logit
     ``softcap`` and sliding ``window`` of ``causal_attention`` when given).
 
-    Documents are found from ``position_ids``: a document starts where its position is 0 (and at the
-    start of the row). A row holding one document is plain causal SDPA.
+    A one-row micro-batch run by the runtime takes its documents from ``comm`` (known on the host,
+    so the GPU is never waited for); otherwise they are found from ``position_ids``: a document
+    starts where its position is 0 (and at the start of the row). A row holding one document is plain
+    causal SDPA.
     """
     B, T = q.shape[0], q.shape[-2]
+    known = comm.document_bounds(T) if comm is not None and B == 1 else None
     pos = position_ids.expand(B, T)
     plain = softcap is None and window is None
     rows = []
     for b in range(B):
-        starts = (pos[b] == 0).nonzero().flatten().tolist()
-        cu = sorted({0, *starts}) + [T]
+        if known is not None:
+            cu = known
+        else:
+            starts = (pos[b] == 0).nonzero().flatten().tolist()
+            cu = sorted({0, *starts}) + [T]
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        if len(cu) == 2 and plain:
+        if len(cu.cu if known is not None else cu) == 2 and plain:
             rows.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                        enable_gqa=enable_gqa))
         else:

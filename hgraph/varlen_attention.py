@@ -12,7 +12,9 @@ l0+l1, ..., T]``), and gives exactly what running each document alone through
   a block-diagonal mask is several times slower and FlexAttention has no backward).
 
 All are differentiable. ``position_ids_for(cu_seqlens)`` gives the per-document positions 0..l-1
-that a packed step passes to the model.
+that a packed step passes to the model. ``DocumentBounds`` holds boundaries known on the host with
+their copy on the device: a varlen kernel given one reads nothing back from the GPU, where boundaries
+given as a device tensor cost a synchronisation per call (the GPU then idles while Python catches up).
 
 Two variants of the scores, as models write them: ``softcap`` (Gemma-2's logit capping,
 ``tanh(s / c) * c`` of the scaled scores) and ``window`` (sliding-window attention: a query sees the
@@ -22,6 +24,7 @@ has both; elsewhere ``masked_attention`` computes them per document with the mat
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
@@ -32,6 +35,34 @@ from hgraph.torch_compat import has_torch_varlen, torch_varlen_attention
 
 CuSeqlens = Union[torch.Tensor, Sequence[int]]
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_loop")
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentBounds:
+    """A packed row's document boundaries ``cu`` (host ints, no empty document) with the same as an
+    int32 tensor on the row's device and the longest document's length."""
+
+    cu: tuple[int, ...]
+    device_cu: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, doc_lengths: Sequence[int], device: Optional[torch.device] = None) -> "DocumentBounds":
+        """The boundaries of documents packed in this order, copied to ``device`` once, without
+        waiting (from pinned memory on CUDA)."""
+        lengths = [int(n) for n in doc_lengths]
+        if any(n < 0 for n in lengths):
+            raise HGraphError(f"document lengths must be >= 0, got {lengths}")
+        cu = [0]
+        for n in lengths:
+            if n:
+                cu.append(cu[-1] + n)
+        if len(cu) == 1:
+            cu.append(0)
+        on_device = torch.tensor(cu, dtype=torch.int32)
+        if device is not None and torch.device(device).type == "cuda":
+            on_device = on_device.pin_memory().to(device, non_blocking=True)
+        return cls(tuple(cu), on_device, max(b - a for a, b in zip(cu, cu[1:])))
 
 
 def boundaries(cu_seqlens: CuSeqlens, total: int, where: str = "cu_seqlens") -> list[int]:
@@ -112,18 +143,21 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     return F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), dropout_p) @ v
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: CuSeqlens, *,
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     cu_seqlens: Union[CuSeqlens, DocumentBounds], *,
                      scale: Optional[float] = None, enable_gqa: bool = False,
                      backend: Optional[str] = None, softcap: Optional[float] = None,
                      window: Optional[int] = None) -> torch.Tensor:
     """Causal attention inside each document of the packed row; output ``[1, H, T, D]``.
 
     ``backend`` forces one of ``BACKENDS`` (default: ``available_backend(q)``; PyTorch's varlen
-    kernel is used for plain causal attention only).
+    kernel is used for plain causal attention only). ``cu_seqlens`` as ``DocumentBounds`` spares the
+    varlen kernels reading boundaries back from the device.
     """
     _check_layout(q, k, v, enable_gqa)
     total = q.shape[2]
-    cu = boundaries(cu_seqlens, total)
+    known = cu_seqlens if isinstance(cu_seqlens, DocumentBounds) else None
+    cu = boundaries(known.cu if known is not None else cu_seqlens, total)
     backend = backend or available_backend(q)
     if backend == "torch_varlen" and (softcap is not None or window is not None):
         backend = "sdpa_loop"
@@ -138,8 +172,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                           f"got {q.dtype} on {q.device}")
     # [1, H, T, D] -> [T, H, D], the packed layout of the varlen kernels
     q_, k_, v_ = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))
-    cu_t = torch.as_tensor(cu, dtype=torch.int32, device=q.device)
-    max_len = max(b - a for a, b in zip(cu, cu[1:]))
+    if known is not None and known.device_cu.device == q.device:
+        cu_t, max_len = known.device_cu, known.max_len
+    else:
+        cu_t = torch.as_tensor(cu, dtype=torch.int32, device=q.device)
+        max_len = max(b - a for a, b in zip(cu, cu[1:]))
     if backend == "flash_attn":
         from flash_attn import flash_attn_varlen_func  # GQA is native: H % H_kv == 0
         out = flash_attn_varlen_func(q_, k_, v_, cu_t, cu_t, max_len, max_len, dropout_p=0.0,

@@ -2,9 +2,10 @@
 
 A packed micro-batch holds several documents in one row with per-document ``position_ids``; the
 model's ``scaled_dot_product_attention(..., is_causal=True)`` would let a document attend to the ones
-before it. This pass replaces each attention op by ``ops.packed_attention``, which finds the
-documents from ``position_ids`` (a document starts at position 0), so a packed step computes exactly
-what running each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
+before it. This pass replaces each attention op by ``ops.packed_attention``, which takes the
+micro-batch's documents from the runtime's ``comm`` (known on the host) or finds them from
+``position_ids`` (a document starts at position 0), so a packed step computes exactly what running
+each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
 this rank's queries against the CP group's gathered keys, per document (layout from the runtime).
 ``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
 its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
@@ -29,7 +30,8 @@ _CAUSAL_ARGS = ("query", "key", "value", "dropout_p", "scale", "enable_gqa", "so
 
 def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Rewrite causal attention nodes into ``packed_attention(q, k, v, position_ids, scale, enable_gqa,
-    softcap, window)`` (or the CP / dropout variants)."""
+    softcap, window, comm)`` (or the CP / dropout variants); ``comm`` (None in a graph without a
+    runtime) gives the micro-batch's documents as the host knows them."""
     pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "position_ids"), None)
     for node in gm.graph.nodes:
         if get_meta(node).op != OpKind.ATTENTION or node.target in (ops.packed_attention, ops.cp_attention,
@@ -57,6 +59,6 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             node.target, node.args = ops.packed_attention_dropout, (comm, q, k, v, p, dropout_site(node), scale,
                                                                     gqa, heads, *variant)
         else:
-            node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa, *variant)
+            node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa, *variant, comm)
         node.kwargs = {}
     return gm

@@ -31,6 +31,7 @@ from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.shard_rule import shard_bounds
+from hgraph.varlen_attention import DocumentBounds
 
 
 @dataclass
@@ -59,6 +60,7 @@ class CommContext:
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
     cp_layout: Optional[CPLayout] = None          # its CP layout (CP > 1)
+    documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1
     token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
@@ -79,11 +81,12 @@ class CommContext:
                    comm_stream=stream, **fixed)
 
     def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
-                       recompute_layers: Optional[frozenset] = None, evaluating: bool = False) -> "CommContext":
+                       recompute_layers: Optional[frozenset] = None, evaluating: bool = False,
+                       documents: Optional[DocumentBounds] = None) -> "CommContext":
         """The context one micro-batch's graph runs with: this context's fixed state and work in
         flight, with the micro-batch's own values."""
         return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
-                       evaluating=evaluating)
+                       evaluating=evaluating, documents=documents)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:
@@ -141,6 +144,12 @@ class CommContext:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""
         ranks = self.ranks(key) if key in self.bindings else (self.rank,)
         return shard_bounds(total, ranks.index(self.rank), len(ranks))
+
+    def document_bounds(self, total: int) -> Optional[DocumentBounds]:
+        """The micro-batch's document boundaries when they span ``total`` tokens (packed attention's
+        row), else None (the op then finds them from the positions)."""
+        known = self.documents
+        return known if known is not None and known.cu[-1] == total else None
 
     def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
         return collectives.sp_scatter_issue(self, x, self.ranks(key), dim)

@@ -70,7 +70,7 @@ from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose
 from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.program import Program, RankProgram
 from hgraph.strategy import Cluster, Strategy
-from hgraph.varlen_attention import cu_seqlens_for
+from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
 
 ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
@@ -430,9 +430,10 @@ class Executor:
             if kind == "F":
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
                 recompute = memory.before_forward(i, mb, layout) if memory is not None else None
-                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute)
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute,
+                                              documents=self._documents(mb, layout))
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
-                    out = gm(ids.to(self.device), pos.to(self.device), mb_comm)
+                    out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
                     if last:
                         s = self._loss_sum(out, ids, targets, mb, mb_comm)
                         loss_sum += float(s.detach())
@@ -471,12 +472,24 @@ class Executor:
                          mb.doc_indices or tuple(range(len(mb.doc_lengths))))
         return ids, pos, targets, layout, keys
 
+    def _documents(self, mb: MicroBatch, layout: Optional[CPLayout]) -> Optional[DocumentBounds]:
+        """The micro-batch's document boundaries for packed attention, on the host and copied to the
+        device once (without CP: a CP rank's attention takes its layout)."""
+        return DocumentBounds.of(mb.doc_lengths, self.device) if layout is None else None
+
     def _loss_sum(self, out: Any, ids: torch.Tensor, targets: Any, mb: MicroBatch, comm: Any) -> torch.Tensor:
         """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
         output head's inputs: ``engine.loss.stage_loss_sum``)."""
         if targets is None:
             targets = packed_targets(ids, cu_seqlens_for(mb.doc_lengths))
-        return stage_loss_sum(out, targets.to(self.device), comm)
+        return stage_loss_sum(out, self._to_device(targets), comm)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the executor's device without waiting for the GPU (a copy from pageable
+        memory waits for the stream; one from pinned memory is queued)."""
+        if self.device.type != "cuda" or t.is_cuda:
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
@@ -495,7 +508,8 @@ class Executor:
         loss_sum = 0.0
         for mb in microbatches[rp.pipeline]:
             ids, pos, targets, layout, keys = self._inputs(state, mb)
-            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True)
+            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
+                                          documents=self._documents(mb, layout))
             out = state.graph(ids.to(self.device), pos.to(self.device), mb_comm)
             if last:
                 loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
@@ -516,7 +530,8 @@ class Executor:
     def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
         """Start summing the mini-batch's loss over the world; returns the buffer and the work to
         wait for (None on one rank)."""
-        value = torch.tensor([self._loss_share(rp, loss_sum)], dtype=torch.float64, device=self.device)
+        # a fill, not a copy from the host: nothing waits for the GPU's backward here
+        value = torch.full((1,), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
 

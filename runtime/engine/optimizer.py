@@ -174,7 +174,8 @@ class ShardedAdam:
             if not names:
                 continue
             params = [self.params[n] for n in names]
-            steps = [torch.tensor(step + 1, dtype=torch.float32, device=params[0].device) for _ in names]
+            # one fill for every shard's step count (a tensor each from the host would wait for the GPU)
+            steps = list(torch.full((len(names),), step + 1, dtype=torch.float32, device=params[0].device).unbind())
             # the kernel walks memory linearly: a shard cut from a gradient along dim > 0 is strided
             kernel(params, [grads[n].contiguous() for n in names], [self.exp_avg[n] for n in names],
                    [self.exp_avg_sq[n] for n in names], [], steps, amsgrad=False, lr=self.lr,

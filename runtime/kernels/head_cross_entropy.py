@@ -151,8 +151,9 @@ class _HeadCrossEntropy(torch.autograd.Function):
             g_rows = (t != ignore_index).to(torch.float32) * grad_total
             probs = logp.exp_().mul_(g_rows[:, None])
             local, held = _local_target(t, rows_start, rows, ignore_index)
-            picked = held.nonzero()[:, 0]
-            probs[picked, local[picked]] -= g_rows[picked]
+            # -g at each held target (a row without one adds -0 to column 0: unchanged); a scatter,
+            # not indexing by held.nonzero(), which would wait for the GPU once per chunk
+            probs.scatter_add_(1, local[:, None], torch.where(held, -g_rows, 0.0)[:, None])
             if split is not None and not split.parallel:     # this rank's columns (padding: no gradient)
                 probs = F.pad(probs, (0, max(0, vocab_start + weight.shape[0] - split.vocab)))
                 probs = probs.narrow(-1, vocab_start, weight.shape[0])

@@ -15,13 +15,15 @@ sample, scaled to the model's context) with Adam and fp32 master weights:
 
 Prints median step times of alternated steps, tokens/s, model TFLOP/s and MFU (``runtime/train/
 throughput``: the device's dense bf16 peak) of both, the ratio hgraph/plain (goal <= 1.03), and with
-``--profile`` the top kernels of two hgraph steps (``torch.profiler``). ``--device cpu`` (gloo, fp32)
+``--profile`` the top kernels of two hgraph steps (``torch.profiler``) and where one hgraph step
+waits for the GPU (``torch.cuda.set_sync_debug_mode``). ``--device cpu`` (gloo, fp32)
 runs the same code as a smoke test; its times say nothing about a GPU. The default model is a Llama of
 1.1B parameters (TinyLlama's shape).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -29,6 +31,8 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -105,6 +109,42 @@ def _top_kernels(step, device: torch.device, rows: int = 12) -> str:
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def _package_dirs() -> tuple[str, ...]:
+    """The folders of hgraph's code (its packages map to several folders of the tree)."""
+    import hgraph.frontends, hgraph.passes, hgraph.runtime, hgraph.tools
+    return tuple(os.path.dirname(m.__file__) + os.sep
+                 for m in (hgraph, hgraph.frontends, hgraph.passes, hgraph.runtime, hgraph.tools))
+
+
+def _sync_sites(step, device: torch.device, rows: int = 12) -> list[list]:
+    """Where one step waits for the GPU: torch's sync debug mode warns at every synchronising call;
+    each is counted at the innermost frame of hgraph's own code (``file:line function``)."""
+    if device.type != "cuda":
+        return []
+    ours = _package_dirs()
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(ours)]
+        where = frames[-1] if frames else None
+        sites[f"{os.path.relpath(where.filename, os.path.dirname(ours[0]))}:{where.lineno} {where.name}"
+              if where else f"{filename}:{lineno}"] += 1
+
+    _sync(device)
+    shown = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            _sync(device)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+    return [[site, n] for site, n in sites.most_common(rows)]
 
 
 def main(argv=None) -> int:
@@ -195,6 +235,7 @@ def main(argv=None) -> int:
             out[f"{side}_tokens_per_s"], out[f"{side}_tflops"], out[f"{side}_mfu"] = \
                 t["tokens_per_s"], t["tflops_per_device"], t["mfu"]
         profile = _top_kernels(hgraph_step, dev) if args.profile else None
+        out["sync_sites"] = _sync_sites(hgraph_step, dev) if args.profile else []
     finally:
         dist.destroy_process_group()
     if args.json:
@@ -211,6 +252,10 @@ def main(argv=None) -> int:
     print(f"ratio hgraph/plain {out['ratio']:.3f} (goal <= 1.03)")
     if profile:
         print(profile)
+    if out["sync_sites"]:
+        print("where an hgraph step waits for the GPU (calls per step):")
+        for site, n in out["sync_sites"]:
+            print(f"  {n:4d}  {site}")
     return 0
 
 

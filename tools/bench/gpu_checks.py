@@ -105,7 +105,7 @@ def figures(check: Check, out: Path) -> dict:
     if check.name == "bench":
         keys = ("device", "hgraph_ms", "plain_ms", "ratio", "hgraph_mfu", "plain_mfu", "region_compiles")
         got = _last_json(check.stdout)
-        return {k: got.get(k) for k in keys} | {"profile": got.get("profile")}
+        return {k: got.get(k) for k in keys} | {"profile": got.get("profile"), "sync_sites": got.get("sync_sites")}
     if check.name == "memory":
         rank = (_last_json(check.stdout).get("ranks") or [{}])[0]
         return {"activations": rank.get("activations"), "peak": rank.get("peak")}
@@ -195,10 +195,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(summary))
     else:
         for c in checks:
-            shown = {k: v for k, v in c.figures.items() if k != "profile"}
+            shown = {k: v for k, v in c.figures.items() if k not in ("profile", "sync_sites")}
             print(f"{c.name}: rc {c.rc}, {c.wall_s:.0f} s, {shown}")
         if "bench" in by_name and by_name["bench"].figures.get("profile"):
             print(by_name["bench"].figures["profile"])
+            for site, n in by_name["bench"].figures.get("sync_sites") or []:
+                print(f"sync {n:4d}  {site}")
         print(f"verdicts: {summary['verdicts']}")
     return 0 if all(c.rc == 0 for c in checks) else 1
 
