@@ -45,6 +45,19 @@ from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024)
 COMM_LENGTHS = (64, 1024)
+GPU_LONGEST = 16384          # the longest sequence timed on a GPU (the model's context if shorter)
+
+
+def calibration_lengths(device: Any, max_seq_len: int) -> tuple[int, ...]:
+    """The sequence lengths the compute is timed at on ``device``. A CPU is compute-bound from a few
+    tokens on (``DEFAULT_LENGTHS``); a GPU is not below thousands: a layer took 1.6-2.1 ms at every
+    length from 64 to 1024 on an H200 (1.1B, bf16), so a line through those points put a 16K-token
+    step at 47 ms where it took 290. There the lengths are an eighth, a quarter, a half and all of
+    the model's context (at most ``GPU_LONGEST``), where the planner's micro-batches are."""
+    if torch.device(device or "cpu").type != "cuda":
+        return DEFAULT_LENGTHS
+    longest = min(int(max_seq_len), GPU_LONGEST)
+    return tuple(sorted({max(longest // d, 3) for d in (8, 4, 2, 1)}))
 
 
 def _median_rows(rows: Sequence[Sequence[float]]) -> list[float]:
@@ -184,7 +197,7 @@ def calibration_phases(prior: CostModel, world_size: int) -> int:
 
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
-                         lengths: Sequence[int] = DEFAULT_LENGTHS, repeats: int = 5,
+                         lengths: Optional[Sequence[int]] = None, repeats: int = 5,
                          progress: Optional[Callable[[str], None]] = None,
                          device: Any = None) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
@@ -192,10 +205,13 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     shard (``tp`` 1: the model's own layers);
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass);
     ``device``, ``dtype``: where and in what the run trains (CPU, fp32 by default), which is what is timed.
+    ``lengths``: the sequence lengths timed (default: ``calibration_lengths`` of the device).
     Returns the model and the raw measurements."""
     dtype = dtype or torch.float32
     device = torch.device(device or "cpu")
     hidden, layers, vocab = prior.model.hidden, prior.model.layers, prior.model.vocab
+    if lengths is None:
+        lengths = calibration_lengths(device, getattr(model_config, "max_seq_len", max(DEFAULT_LENGTHS)))
     lengths = [int(l) for l in lengths if l <= max(getattr(model_config, "max_seq_len", max(lengths)), 3)]
     if len(set(lengths)) < 3:
         raise HGraphError(f"calibration needs 3 distinct lengths up to the model's context, got {lengths}")

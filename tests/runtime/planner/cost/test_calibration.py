@@ -139,3 +139,11 @@ def test_measure_times_warm_calls_only_on_the_runs_dtype():
     for model in built:
         assert [n for n, _ in model.calls] == [n for n in lengths for _ in range(2)]    # warm-up, timed
         assert {d for _, d in model.calls} == {torch.bfloat16}
+
+
+def test_a_gpu_is_timed_at_the_lengths_its_micro_batches_have():
+    from hgraph.runtime.planner.cost.calibration import DEFAULT_LENGTHS, calibration_lengths
+    assert calibration_lengths(torch.device("cpu"), 8192) == DEFAULT_LENGTHS
+    assert calibration_lengths(torch.device("cuda", 0), 8192) == (1024, 2048, 4096, 8192)
+    assert calibration_lengths("cuda", 1 << 20) == (2048, 4096, 8192, 16384)
+    assert len(calibration_lengths("cuda", 16)) >= 3          # calibration needs three lengths
