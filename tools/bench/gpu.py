@@ -52,7 +52,7 @@ DEFAULT_MODEL_ARGS = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_si
                       "num_heads": 32, "num_kv_heads": 4, "head_dim": 64, "max_seq_len": 8192}
 
 
-def _documents(tokens: int, vocab: int, max_len: int, seed: int = 0) -> list[list[int]]:
+def bench_documents(tokens: int, vocab: int, max_len: int, seed: int = 0) -> list[list[int]]:
     """Whole documents of built-in long-tail lengths (scaled to ``max_len``) summing to about ``tokens``."""
     docs = synthetic_documents(4 * tokens // 64 + 64, vocab, max_len, seed, scale=1.0)
     out, total = [], 0
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                                       lr=1e-4, dtype=dtype,
                                       compile=args.compile)
         model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
-        docs = _documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
+        docs = bench_documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
         targets = sum(len(d) - 1 for d in docs)
         compiled = hgraph.compile(model, dtype=dtype)
         ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1), device=dev,

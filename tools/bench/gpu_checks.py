@@ -5,9 +5,10 @@ with a time limit, its output kept under ``--out``:
 
 1. ``bench``: ``python -m hgraph.tools.bench.gpu --profile`` (1.1B Llama, bf16, 16K packed tokens,
    compiled): hgraph's step against plain PyTorch + ``torch.compile``, MFU, the top kernels;
-2. ``train_1gpu``: ``hgraph train`` on the GPU alone (bf16, 16K tokens a step, the same model), its
-   measured allocator peak per step beside ``memory``: ``hgraph memory`` of the same run (``--compile
-   on``), and the planner's estimates against the measured step times;
+2. ``train_1gpu``: ``hgraph train`` on the GPU alone (bf16, 16K tokens a step, the same model, on
+   documents of the bench's length distribution, written to ``documents.jsonl``), its measured
+   allocator peak per step beside ``memory``: ``hgraph memory`` of the same run (``--compile on``),
+   the planner's estimates against the measured step times, and its warm step against the bench's;
 3. ``shared_gpu``: 4 ranks sharing the GPU over gloo (``--backend gloo``), fp32, compiled, a
    heterogeneous schedule with TP, PP, SP and CP, beside ``cpu_reference``: the same run as 4 CPU
    processes (eager); the losses must agree within the equivalence tolerance.
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -34,12 +36,15 @@ from typing import Optional
 
 import torch
 
-from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.data.builtin import write_jsonl
+from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS, bench_documents
 
 TOKENS = 16384
 SHARED_SCHEDULE = "1xTP2PP2;1xTP1PP1CP2+1xTP2PP1"     # TP + SP and PP; CP beside TP
 LOSS_RTOL = 1e-5           # fp32 on the GPU against the CPU: other kernels, other summation orders
 SMOKE_MODEL_ARGS = {"num_layers": 2}
+DOCUMENTS = "documents.jsonl"
 
 
 @dataclass
@@ -67,6 +72,7 @@ def plan_checks(out: Path, smoke: bool) -> list[Check]:
     bench = [sys.executable, "-m", "hgraph.tools.bench.gpu", "--model-args", model_args, "--tokens", str(tokens),
              "--json", *(["--device", "cpu", "--steps", "2"] if smoke else ["--profile"])]
     train = _hgraph("train", "--model", "llama:tiny", "--model-args", model_args, "--world-size", "1",
+                    "--data", str(out / DOCUMENTS),
                     *device, "--dtype", "fp32" if smoke else "bf16", "--tokens-per-iter", str(tokens),
                     "--steps", "3" if smoke else "8", "--compile", "on", "--run-dir", str(out / "train_1gpu"),
                     "--progress", "off", "--json", "--no-plots")
@@ -82,6 +88,17 @@ def plan_checks(out: Path, smoke: bool) -> list[Check]:
             Check("shared_gpu", _hgraph("train", *shared, *on_gpu, "--run-dir", str(out / "shared_gpu")), 180),
             Check("cpu_reference", _hgraph("train", *shared, "--compile", "off", "--device", "cpu",
                                            "--run-dir", str(out / "cpu_reference")), 150)]
+
+
+def write_documents(out: Path, smoke: bool, steps: int = 10) -> Path:
+    """The 1-GPU run's data: ``steps`` batches drawn as the bench draws its one (the same model's
+    vocabulary and context), so the run's warm step compares with the bench's."""
+    args = SMOKE_MODEL_ARGS if smoke else DEFAULT_MODEL_ARGS
+    config = llama.make_config("tiny", **args)
+    tokens = 512 if smoke else TOKENS
+    docs = [d for seed in range(steps)
+            for d in bench_documents(tokens, config.vocab_size, min(config.max_seq_len, tokens), seed=seed)]
+    return write_jsonl(out / DOCUMENTS, docs)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -126,6 +143,9 @@ def compare(checks: dict[str, Check]) -> dict:
     bench = figures_of.get("bench", empty)
     if bench.get("ratio") is not None:
         out["bench_ratio"] = bench["ratio"]
+    warm = figures_of.get("train_1gpu", empty).get("step_ms", [])[2:]     # past compiles and warm-up
+    if warm and bench.get("hgraph_ms"):
+        out["train_over_bench"] = statistics.median(warm) / bench["hgraph_ms"]
     peaks = [p for p in figures_of.get("train_1gpu", empty).get("rank_peak_bytes", []) if p]
     predicted = figures_of.get("memory", empty).get("peak")
     if peaks and predicted:
@@ -185,6 +205,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    if any(c.name == "train_1gpu" for c in checks):
+        write_documents(out, args.smoke)
     for c in checks:
         run_check(c, out)
     by_name = {c.name: c for c in checks}

@@ -29,6 +29,9 @@ def _parse(argv):
 
 def test_the_commands_are_valid_on_one_gpu(monkeypatch, tmp_path):
     _one_gpu(monkeypatch)
+    docs = gpu_checks.write_documents(tmp_path, smoke=False)    # the 1-GPU run's data: the bench's lengths
+    lengths = [len(line.split(",")) for line in docs.read_text().splitlines()]
+    assert sum(lengths) > 8 * gpu_checks.TOKENS * 0.9 and max(lengths) > 4096
     checks = {c.name: c for c in gpu_checks.plan_checks(tmp_path, smoke=False)}
     assert list(checks) == ["bench", "train_1gpu", "memory", "shared_gpu", "cpu_reference"]
     cluster = {}
@@ -44,13 +47,14 @@ def test_the_commands_are_valid_on_one_gpu(monkeypatch, tmp_path):
 
 def test_the_verdicts_follow_from_the_figures(tmp_path):
     checks = {c.name: c for c in gpu_checks.plan_checks(tmp_path, smoke=True)}
-    checks["bench"].figures = {"ratio": 1.1}
-    checks["train_1gpu"].figures = {"rank_peak_bytes": [90, 100]}
+    checks["bench"].figures = {"ratio": 1.1, "hgraph_ms": 100.0}
+    checks["train_1gpu"].figures = {"rank_peak_bytes": [90, 100], "step_ms": [900.0, 300.0, 110.0, 100.0, 105.0]}
     checks["memory"].figures = {"peak": 110}
     checks["shared_gpu"].figures = {"loss": [2.0, 1.5]}
     checks["cpu_reference"].figures = {"loss": [2.0, 1.5 * (1 + 2e-6)]}
     verdicts = gpu_checks.compare(checks)
     assert verdicts["bench_ratio"] == 1.1 and verdicts["memory_model_over_measured"] == 1.1
+    assert verdicts["train_over_bench"] == 1.05          # the warm steps' median against the bench's step
     assert verdicts["shared_gpu_equals_cpu"] and verdicts["shared_gpu_loss_rel_diff"] < 2e-6
     checks["cpu_reference"].figures = {"loss": [2.0, 1.6]}
     assert not gpu_checks.compare(checks)["shared_gpu_equals_cpu"]
