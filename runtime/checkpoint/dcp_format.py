@@ -20,19 +20,23 @@ is the shard dimension itself, which only matters for reading a rank's range bac
 checkpoint's ``manifest.json`` with the hyper-parameters.
 
 Reading a rank's rows (``read_rows``, ``load_optimizer_state``) asks DCP for those rows only: a
-``DefaultLoadPlanner`` whose local plan describes each wanted entry as one chunk of the full tensor
-(offset ``lo`` along the shard dimension, ``hi - lo`` rows), turned into read items by DCP's own
-resharding helper (``create_read_items_for_chunk_list``): the read items name only the stored chunks
-that overlap those rows, and each copies only the overlap into a tensor of the rows' shape. DCP's
-file-system reader still loads each stored chunk it touches whole before narrowing it, so what a rank
-reads from disk is the saved chunks that overlap its rows: its own rows when the checkpoint was
-written at the same world size, a few more chunks at another one, and a whole tensor for a checkpoint
-written in one piece (one process) unless ``RowsReader`` reads it (below).
+``DefaultLoadPlanner`` (``RowsPlanner``) whose local plan describes each wanted entry as one chunk of
+the full tensor (offset ``lo`` along the shard dimension, ``hi - lo`` rows), turned into read items
+by DCP's own resharding helper (``create_read_items_for_chunk_list``): the read items name only the
+stored chunks that overlap those rows, and each copies only the overlap into a tensor of the rows'
+shape. DCP's file-system reader would still load every chunk it touches whole before narrowing it
+(a whole tensor per rank for a checkpoint written by one process), so ``RowsReader`` reads only
+the overlap's bytes from the chunk's uncompressed data instead.
 """
 from __future__ import annotations
 
 import io
+import itertools
+import math
+import struct
+import sys
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -45,9 +49,10 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.futures import Future
 
 from hgraph.errors import HGraphError
 from hgraph.shard_rule import shard_bounds
@@ -233,11 +238,138 @@ def read_rows(folder: Path, key: str, shape: tuple[int, ...], dim: Optional[int]
     return out
 
 
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of a file as a seekable file of their own (for ``zipfile``)."""
+
+    def __init__(self, stream: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self.stream, self.offset, self.length, self.pos = stream, offset, length, 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + pos, 0), self.length)
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.stream.seek(self.offset + self.pos)
+        got = self.stream.readinto(memoryview(buffer)[:n])
+        self.pos += got
+        return got
+
+
+_LOCAL_HEADER = struct.Struct("<4s22xHH")   # a zip entry's local header: signature ... name and extra lengths
+
+
+class RowsReader(dcp.FileSystemReader):
+    """DCP's file-system reader, except that a read item asking for part of a stored chunk reads only
+    the bytes of that part (one run of bytes for rows cut along the first dimension, one run per row
+    for a cut along a later one) instead of loading the whole chunk and narrowing it.
+
+    A chunk is a ``torch.save`` archive whose tensor data is one uncompressed zip entry in row-major
+    order; its offset is found from the archive's directory (``zipfile``), the dtype and shape from
+    the checkpoint's metadata. Any item that does not fit that form (bytes entries, a chunk written
+    through a storage transform or compressed, a storage other than the tensor's own elements, a
+    big-endian archive) goes to ``FileSystemReader.read_data`` unchanged. ``reads`` lists what was
+    read: (entry, bytes) per region, or per chunk read whole (its stored bytes)."""
+
+    def __init__(self, path: Any) -> None:
+        super().__init__(path)
+        self.reads: list[tuple[str, int]] = []       # (entry, bytes) per read: a region, or a chunk whole
+
+    def read_data(self, plan: LoadPlan, planner: Any):
+        others = []
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
+                others.append(item)
+            else:
+                per_file.setdefault(info.relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for item in items:
+                    region = self._region(stream, item, planner.metadata)
+                    if region is None:
+                        others.append(item)
+                        continue
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(region)
+                    planner.commit_tensor(item, target)
+        if others:
+            self.reads += [(i.storage_index.fqn, self.storage_data[i.storage_index].length) for i in others]
+            return super().read_data(LoadPlan(others), planner)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    def _region(self, stream: Any, item: Any, metadata: Any) -> Optional[torch.Tensor]:
+        """The elements ``item`` asks of its stored chunk, read from the chunk's data entry alone
+        (None: the chunk is not in the plain form; the caller reads it the default way)."""
+        md = metadata.state_dict_metadata.get(item.storage_index.fqn)
+        if not isinstance(md, TensorStorageMetadata) or not md.size:
+            return None
+        chunk = next((c for c in md.chunks if list(c.offsets) == list(item.storage_index.offset)), None)
+        if chunk is None:
+            return None
+        info = self.storage_data[item.storage_index]
+        view = _Slice(stream, info.offset, info.length)
+        try:
+            archive = zipfile.ZipFile(view)
+            names = archive.namelist()
+            data = [n for n in names if n.endswith("/data/0")]
+            order = [n for n in names if n.endswith("/byteorder")]
+            if len(data) != 1 or len([n for n in names if "/data/" in n and not n.endswith(".pkl")]) != 1:
+                return None
+            entry = archive.getinfo(data[0])
+            if order and archive.read(order[0]) != b"little" or sys.byteorder != "little":
+                return None
+        except (zipfile.BadZipFile, OSError, KeyError):
+            return None
+        dtype = md.properties.dtype
+        sizes = list(chunk.sizes)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != math.prod(sizes) * itemsize:
+            return None
+        view.seek(entry.header_offset)
+        signature, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
+        if signature != b"PK\x03\x04":
+            return None
+        start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
+        offsets, lengths = list(item.storage_offsets), list(item.lengths)
+        # the region is a run of contiguous elements per index of its dimensions before ``cut``, the
+        # last dimension it does not span whole (rows cut along dim 0: one run)
+        cut = max([d for d in range(len(sizes)) if lengths[d] != sizes[d]], default=0)
+        run = lengths[cut] * strides[cut] * itemsize
+        raw = bytearray(math.prod(lengths) * itemsize)
+        at = 0
+        for outer in itertools.product(*(range(n) for n in lengths[:cut])):
+            first = sum((o + i) * s for o, i, s in zip(offsets, outer, strides)) + offsets[cut] * strides[cut]
+            view.seek(start + first * itemsize)
+            if view.readinto(memoryview(raw)[at:at + run]) != run:
+                return None
+            at += run
+        self.reads.append((item.storage_index.fqn, len(raw)))
+        return torch.frombuffer(raw, dtype=dtype).reshape(lengths) if raw else torch.empty(lengths, dtype=dtype)
+
+
 def _load(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None) -> None:
     try:
         with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(flat, checkpoint_id=str(folder), no_dist=True,
+            dcp.load(flat, storage_reader=RowsReader(str(folder)), no_dist=True,
                      planner=RowsPlanner(rows) if rows else None)
     except Exception as exc:  # noqa: BLE001 - DCP wraps file errors in CheckpointException
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

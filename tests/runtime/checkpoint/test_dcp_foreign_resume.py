@@ -9,6 +9,7 @@ error cases read files only.
 """
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from tests.runtime.reference_training import assert_trained_like, reference_run,
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
+from hgraph.runtime.checkpoint import dcp_format
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.checkpoint.foreign import ForeignCheckpoint
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
@@ -71,11 +73,22 @@ def test_resume_from_a_plain_adam_dcp_checkpoint_continues_like_the_plain_model(
     assert ckpt.complete_steps(plain["ck"]) == [STEPS]
 
 
-def test_a_rank_reads_its_rows_of_weights_moments_and_step_counts(plain):
-    """Rank 1 of 2: exactly torch's values, cut to its rows (bitwise), read from the plain folder."""
+def test_a_rank_reads_its_rows_of_weights_moments_and_step_counts(plain, monkeypatch):
+    """Rank 1 of 2: exactly torch's values, cut to its rows (bitwise), read from the plain folder
+    (one chunk per tensor, written by one process): the bytes read are its rows, not the tensors."""
+    readers = []
+
+    class Counting(dcp_format.RowsReader):
+        def __init__(self, path):
+            super().__init__(path)
+            readers.append(self)
+
+    monkeypatch.setattr(dcp_format, "RowsReader", Counting)
     model = llama.build("tiny")
     opt = ShardedAdam(list(model.named_parameters()), None, 1, 2)
     state = ForeignCheckpoint(plain["ck"]).optimizer_state(opt)
+    read = sum(n for reader in readers for key, n in reader.reads if not key.endswith(".step"))
+    assert read == sum(math.prod(lay.shard_shape) * 4 * 3 for lay in opt.layouts.values())
     dcp.load({"model": (m := {k: torch.empty_like(v) for k, v in model.state_dict().items()})},
              checkpoint_id=str(plain["ck"]), no_dist=True)
     moments = {f"optim.state.{n}.{key}": torch.empty_like(p) for n, p in model.named_parameters()
@@ -106,3 +119,21 @@ def test_missing_entries_are_one_line_naming_them(plain, tmp_path, capsys):
     sharded = ShardedAdam(list(model.named_parameters()), None, 0, 2)
     with pytest.raises(HGraphError, match="no entry 'optim.state.norm.weight.exp_avg_sq'"):
         ForeignCheckpoint(tmp_path / "no-moment").optimizer_state(sharded)
+
+
+def test_other_prefixes_are_found(plain, tmp_path):
+    """Bare parameter names for the weights and ``optimizer.`` for Adam's state read the same values."""
+    model = llama.build("tiny")
+    values = {n: torch.empty_like(p) for n, p in model.state_dict().items()}
+    moments = {f"optim.state.{n}.{key}": torch.empty_like(p) for n, p in model.named_parameters()
+               for key in ("exp_avg", "exp_avg_sq")}
+    steps = {f"optim.state.{n}.step": torch.zeros(()) for n, _ in model.named_parameters()}
+    dcp.load({"model": values, **moments, **steps}, checkpoint_id=str(plain["ck"]), no_dist=True)
+    renamed = {**values, **{k.replace("optim.", "optimizer.", 1): v for k, v in {**moments, **steps}.items()}}
+    dcp.save(renamed, checkpoint_id=str(tmp_path / "bare"), no_dist=True)
+    opt = ShardedAdam(list(model.named_parameters()), None, 0, 2)
+    a = ForeignCheckpoint(tmp_path / "bare").optimizer_state(opt)
+    b = ForeignCheckpoint(plain["ck"]).optimizer_state(opt)
+    for key in ("params", "exp_avg", "exp_avg_sq"):
+        assert all(torch.equal(a[key][n], b[key][n]) for n in b[key]), key
+    assert a["steps"] == b["steps"]
