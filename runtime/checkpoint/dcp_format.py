@@ -333,7 +333,7 @@ class RowsReader(dcp.FileSystemReader):
             if len(data) != 1 or len([n for n in names if "/data/" in n and not n.endswith(".pkl")]) != 1:
                 return None
             entry = archive.getinfo(data[0])
-            if order and archive.read(order[0]) != b"little" or sys.byteorder != "little":
+            if (order and archive.read(order[0]) != b"little") or sys.byteorder != "little":
                 return None
         except (zipfile.BadZipFile, OSError, KeyError):
             return None
