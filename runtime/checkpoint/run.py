@@ -4,9 +4,10 @@
 Adam moments, RNG states, atomic writes, resharding). This module is the trainer's side:
 
 * ``find_resume_point(DIR, fallback)``: the newest checkpoint under DIR whose manifest and every
-  shard file check out (size, SHA-256, loadable). A broken one is an HGraphError naming the file,
-  unless ``fallback`` (``--resume-fallback``): then the next older complete one is used, with a
-  warning. A step folder without a manifest is a save that did not finish: skipped with a note.
+  shard file check out (size, SHA-256, loadable); DIR itself when it is a DCP checkpoint of another
+  program and holds none of hgraph's (``hgraph.runtime.checkpoint.foreign``). A broken one is an
+  HGraphError naming the file, unless ``fallback`` (``--resume-fallback``): then the next older
+  complete one is used, with a warning. A step folder without a manifest is a save that did not finish: skipped with a note.
   The launcher resolves it once, before any process starts, so every rank loads the same folder.
 * ``RunCheckpoints``: when to save (every ``checkpoint_every`` steps and after the last step), and
   the run's JSON state stored with the shards: the data position (documents consumed so far, all
@@ -37,6 +38,7 @@ from typing import Any, Optional, Sequence
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import foreign
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
 from hgraph.runtime.data.stored import fingerprint_of
@@ -93,6 +95,9 @@ def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
     folders = _step_folders(root)
     incomplete = [(s, f) for s, f in folders if not (f / ckpt.MANIFEST).exists()]
     candidates = [(s, f) for s, f in folders if (f / ckpt.MANIFEST).exists()]
+    if not candidates and foreign.is_foreign(root):
+        # another program's DCP checkpoint (the run's own checkpoints, once saved under it, come first)
+        return ResumePoint(root, foreign.resume_manifest(root))
     if not candidates:
         raise HGraphError(f"--resume: no complete checkpoint in {str(root)!r}")
     notes: list[str] = []
@@ -238,7 +243,8 @@ def restore_state(loaded: Any, optimizer: Any) -> None:
     the saved run keeps its seeded state)."""
     settings = (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay,
                 optimizer.decoupled_weight_decay, optimizer.max_grad_norm)
-    optimizer.load_state_dict(loaded.optimizer)
+    state = loaded.optimizer if loaded.foreign is None else loaded.foreign.optimizer_state(optimizer)
+    optimizer.load_state_dict(state)
     (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.decoupled_weight_decay,
      optimizer.max_grad_norm) = settings
     if loaded.rng is not None:

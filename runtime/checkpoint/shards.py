@@ -79,7 +79,7 @@ class Checkpoint:
     ``optimizer``: a state for ``ShardedAdam.load_state_dict`` of (rank, world_size) of the reader;
     ``rng``: the saved RNG states of the same rank (None when that rank did not exist in the saved
     run; pass to ``restore_rng``); ``resharded``: True when the saved world size differed;
-    ``full_shapes``: each parameter's full shape.
+    ``full_shapes``: each parameter's full shape; ``foreign``: see the field.
     """
 
     path: Path
@@ -93,6 +93,9 @@ class Checkpoint:
     rng: Optional[dict] = None
     resharded: bool = False
     full_shapes: dict = field(default_factory=dict)
+    # a DCP checkpoint written by another program (``foreign.ForeignCheckpoint``): ``optimizer`` is
+    # then None and is read once the optimizer exists (``run.restore_state``)
+    foreign: Any = None
 
 
 # ---- RNG states as tensors and plain containers ------------------------------------------------

@@ -185,7 +185,7 @@ class Trainer:
         self.eval_docs = self.eval_documents()
         self.schedule = schedule_of(config)
         self.fingerprint = data_fingerprint(self.docs)
-        self.resumed = load_resume(config, rank, world_size, self.fingerprint)   # None: a fresh run
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order)   # None: fresh
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)

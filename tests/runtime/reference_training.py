@@ -49,11 +49,13 @@ def _logits(model, ids):
 def reference_steps(model, batches: Iterable, lr: float = 1e-3, *,
                     logits: Callable = _logits,
                     after_backward: Optional[Callable] = None,
+                    after_step: Optional[Callable] = None,
                     optimizer: str = "adam", weight_decay: float = 0.0,
                     grad_clip: Optional[float] = None) -> Iterator[tuple]:
     """Train ``model`` on ``batches`` (``MiniBatch``es) one step each; yields ``(batch, loss)`` after
     every step. ``logits(model, ids)`` runs one document (``ids``: ``[1, n]`` on the model's device);
-    ``after_backward(model)`` sees the gradients before clipping and the optimizer step.
+    ``after_backward(model)`` sees the gradients before clipping and the optimizer step;
+    ``after_step(model, optimizer, batch)`` runs after each optimizer step (e.g. to save a checkpoint).
     ``optimizer``: ``"adam"`` or ``"adamw"`` (with ``weight_decay``); ``grad_clip``: the global-norm
     clip applied before the step, as ``torch.nn.utils.clip_grad_norm_``."""
     if optimizer == "adamw":
@@ -74,6 +76,8 @@ def reference_steps(model, batches: Iterable, lr: float = 1e-3, *,
         if grad_clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
+        if after_step is not None:
+            after_step(model, opt, batch)
         yield batch, loss.item()
 
 

@@ -430,7 +430,11 @@ def _resume_point(config: TrainConfig, quiet: bool, speaker: bool = True) -> Opt
         raise HGraphError(f"--resume: {str(point.folder)!r} is at step {point.step} and --steps is "
                           f"{steps}: nothing left to train (--steps is the run's total)")
     check_resume_queues(point.manifest.get("delay_queues", {}), config.planner.outlier_queues, point.folder)
-    if speaker and not quiet:
+    if speaker and not quiet and point.manifest.get("foreign"):
+        print(f"resuming from {point.folder}, a DCP checkpoint of another program: its Adam step count "
+              f"{point.step} is taken as the steps done ({point.step} of {steps}); the data goes on after this "
+              f"run's first {point.step} mini-batches", flush=True)
+    elif speaker and not quiet:
         pos = point.data_position
         resharded = (f", resharded from {point.world_size} to {world_size} ranks"
                      if point.world_size != world_size else "")

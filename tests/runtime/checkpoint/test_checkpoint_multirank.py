@@ -262,3 +262,36 @@ def test_same_size_corruption_is_caught_by_checksum(run, tmp_path):
         checkpoint.load(copy, 2, 4)
     with pytest.raises(HGraphError, match=r"__2_0\.distcp.*SHA-256"):
         checkpoint.load(copy, 3, 4)      # a rank reads whole tensors from DCP: every file is checked
+
+
+def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
+    """Rank r of 3 reading the 4 ranks' checkpoint from files: its rows of every master and moment,
+    bitwise, and the bytes read of those entries are exactly those rows (columns for the parameters
+    sharded along dim 1); only the step counts (one number each) are read whole."""
+    root, results = run
+    saved = [r["state4"] for r in results]
+    readers = []
+
+    class Counting(dcp_format.RowsReader):
+        def __init__(self, path):
+            super().__init__(path)
+            readers.append(self)
+
+    monkeypatch.setattr(dcp_format, "RowsReader", Counting)
+    folder = checkpoint.step_dir(root, 4)
+    layout = checkpoint.read_manifest(folder)["optimizer"]
+    for r in range(3):
+        readers.clear()
+        state, shapes = dcp_format.load_optimizer_state(folder, r, 3, layout["shard_dims"], layout["hyper"])
+        rows_bytes = 0
+        for name, dim in layout["shard_dims"].items():
+            lo, hi = shard_bounds(shapes[name][dim], r, 3)
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key][name], _full(saved, key, name).narrow(dim, lo, hi - lo)), (key, name)
+                rows_bytes += state[key][name].numel() * 4
+        reads = [read for reader in readers for read in reader.reads]
+        assert sum(n for key, n in reads if not key.endswith(".step")) == rows_bytes
+        assert sorted(key for key, _ in reads if key.endswith(".step")) == sorted(
+            f"optim.state.{name}.step" for name in layout["shard_dims"])
+    whole = sum(_full(saved, "params", name).numel() * 4 * 3 for name in layout["shard_dims"])
+    assert rows_bytes < whole / 2.5          # a third of the model's states, not all of it
