@@ -40,6 +40,10 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import hgraph
+import hgraph.frontends
+import hgraph.passes
+import hgraph.runtime
+import hgraph.tools
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.micro_batch import MicroBatch
@@ -113,7 +117,6 @@ def _top_kernels(step, device: torch.device, rows: int = 12) -> str:
 
 def _package_dirs() -> tuple[str, ...]:
     """The folders of hgraph's code (its packages map to several folders of the tree)."""
-    import hgraph.frontends, hgraph.passes, hgraph.runtime, hgraph.tools
     return tuple(os.path.dirname(m.__file__) + os.sep
                  for m in (hgraph, hgraph.frontends, hgraph.passes, hgraph.runtime, hgraph.tools))
 
