@@ -331,8 +331,9 @@ class Trainer:
                                 start_step if self.resumed is not None else None)
         loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
                    if self.rank == 0 else StepLoggers())
-        self.executor.heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
-                                                              on_unresponsive=self._end_on_silence)
+        heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
+                                                on_unresponsive=self._end_on_silence)
+        self.executor.watch(heartbeat)
         now = start_step
         stopped = None
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
@@ -359,8 +360,7 @@ class Trainer:
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
             # name the rank that died, as the executor does inside a step
-            beat = self.executor.heartbeat
-            lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
+            lost = heartbeat.lost_ranks() if heartbeat is not None and not isinstance(exc, RankLostError) else []
             if lost:
                 raise RankLostError(now, lost, self.rank, exc) from exc
             raise
@@ -369,9 +369,9 @@ class Trainer:
             self.mode.close()
             metrics.close()
             loggers.close()
-            if self.executor.heartbeat is not None:
-                self.executor.heartbeat.stop()
-                self.executor.heartbeat = None
+            self.executor.watch(None)
+            if heartbeat is not None:
+                heartbeat.stop()
         final = self.final_state_dict() if ckpts.save_final else None
         if final is not None and self.rank == 0:
             Path(ckpts.save_final).parent.mkdir(parents=True, exist_ok=True)
