@@ -64,6 +64,7 @@ from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.process.lifetime import end_process
+from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
@@ -76,6 +77,8 @@ from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
 from hgraph.strategy import Cluster, Strategy
+
+log = run_log(__name__)
 
 
 @dataclass
@@ -140,7 +143,7 @@ def model_and_weights(config: TrainConfig, say: bool = False) -> tuple[torch.nn.
         model, default = record.model, SeededInit(record)
     except NotRecordable as exc:
         if say:
-            print(f"hgraph: {exc}; every rank builds the whole model once to initialise its shards", flush=True)
+            log.info("hgraph: %s; every rank builds the whole model once to initialise its shards", exc)
         model = build_model(config)
         default = EagerInit(model, config.model.seed)
     return model, weight_source(model, default, _model_spec(config), config.model.init_from)
@@ -200,12 +203,12 @@ class Trainer:
                                        sequence_parallel=None if config.model.sequence_parallel else False)
         self.sequence_parallel = self.compiled.sequence_parallel_status()
         if self.sequence_parallel.startswith("off:") and rank == 0 and config.log_steps:
-            print(f"hgraph: {self.sequence_parallel.removeprefix('off: ')}", flush=True)
+            log.info("hgraph: %s", self.sequence_parallel.removeprefix('off: '))
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
         self.model_flops = ModelFlops.of(self.compiled)        # every step's TFLOP/s and MFU
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
-            print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
+            log.info("hgraph: the model's dropout is disabled (%s)", self.dropout)
         self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
         planner = None
         if self.planner_setup is not None:
@@ -244,7 +247,7 @@ class Trainer:
             self.mode = FixedSchedule(schedule, self.executor, config)
         if rank == 0:
             for line in self.sharding_warnings(schedule or [Strategy.parse(c) for c in self.mode.candidates()]):
-                print(f"hgraph: warning: {line}", flush=True)
+                log.info("hgraph: warning: %s", line)     # on stdout, with the run's other notes
 
     def sharding_warnings(self, strategies: list) -> list[str]:
         """One line per TP degree of ``strategies`` that leaves much of the blocks' parameters replicated
@@ -435,11 +438,9 @@ class Trainer:
                                  run=run_state(cfg, self.world_size, self.model))
         if cfg.log_steps and self.rank == 0:
             if checkpoints.asynchronous:
-                print(f"checkpoint {saved.path} staged in {1e3 * saved.save_s:.0f} ms, written in the background",
-                      flush=True)
+                log.info("checkpoint %s staged in %.0f ms, written in the background", saved.path, 1e3 * saved.save_s)
             else:
-                print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
-                      flush=True)
+                log.info("checkpoint %s (%.2f MB) saved in %.0f ms", saved.path, saved.bytes / 1e6, 1e3 * saved.save_s)
         return saved
 
     def final_state_dict(self) -> dict:
