@@ -114,7 +114,7 @@ class ActivationMeter:
         self._live: dict[int, list[int]] = {}       # storage ptr -> [bytes, references]
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.features: Optional[Features] = None         # the current micro-batch's features (set by the executor)
+        self.features: Optional[Features] = None    # the current micro-batch's (set by the executor)
         self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": []}
         self.forward_block_bytes = 0      # bytes attributed to blocks during the current forward
 

@@ -109,7 +109,8 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
             if n.op != "get_attr":
                 in_range[n] = k
     starts = {id(nodes[0]): k for k, (_, nodes) in enumerate(ranges)}
-    owner: dict[str, Union[torch.nn.Module, torch.Tensor]] = {}                   # qualified name -> object, the new module's attributes
+    # qualified name -> object, the new module's attributes
+    owner: dict[str, Union[torch.nn.Module, torch.Tensor]] = {}
     for n in graph.nodes:
         k = starts.get(id(n))
         if k is not None:

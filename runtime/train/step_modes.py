@@ -47,7 +47,7 @@ def parse_schedule(text: str, world_size: int) -> list[Strategy]:
 
 def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
                       microbatch_tokens: Optional[int] = None) -> list[list[list[Document]]]:
-    """The built-in rule (module docstring): per pipeline, its micro-batches, each a list of documents."""
+    """The built-in rule: per pipeline, its micro-batches, each a list of documents."""
     n = len(strategy.pipelines)
     load = [0] * n
     assigned: list[list[Document]] = [[] for _ in range(n)]
@@ -76,7 +76,7 @@ def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch
 
 
 class StepMode:
-    """The interface the training loop calls (module docstring)."""
+    """The interface the training loop calls."""
 
     def __init__(self, executor: Any) -> None:
         self.executor = executor
