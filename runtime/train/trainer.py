@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import hgraph
 from hgraph import ops
+from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
@@ -117,7 +118,7 @@ def record_model(config: TrainConfig) -> InitRecord:
                        config.model.seed)
 
 
-def dropout_status(gm: Any, mode: str) -> str:
+def dropout_status(gm: torch.fx.GraphModule, mode: str) -> str:
     """What happens to the model's dropout: ``"applied (N sites, p ...)"``, ``"off (N sites ...)"`` or
     ``"none"`` (the traced graph has no training dropout)."""
     probs = []
@@ -155,8 +156,8 @@ def check_weights(config: TrainConfig) -> str:
     return model_and_weights(config)[1].description
 
 
-def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> Any:
+def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
+                   device: Optional[torch.device] = None) -> ShardedAdam:
     opt = config.optimizer
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
@@ -171,7 +172,7 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
 class Trainer:
     """Runs a ``TrainConfig`` on this rank of an initialised process group (or alone)."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Optional[GroupCache] = None,
                  planner_channel: Any = None) -> None:
         if world_size != config.cluster.world_size:
             raise HGraphError(f"the run has {world_size} processes but --world-size is "
@@ -461,7 +462,7 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: Any, device: torch.device) -> PlannerSetup:
+def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device) -> PlannerSetup:
     """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
     device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()
