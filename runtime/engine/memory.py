@@ -78,7 +78,7 @@ class _ReplayTracker(TorchDispatchMode):
                 self.refs.append(weakref.ref(t))
         return out
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: object) -> Optional[bool]:
         result = super().__exit__(*exc)
         # what is still alive once the replay's outputs were dropped is what the replay saved
         seen: dict[int, int] = {}
