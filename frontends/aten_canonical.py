@@ -98,7 +98,7 @@ def _is_full_slice(start: Any, end: Any, step: Any) -> bool:
 
 
 def translate_aten_ops(graph: fx.Graph) -> None:
-    """aten layout / elementwise / slicing ops -> torch methods and functions (module docstring)."""
+    """aten layout / elementwise / slicing ops -> torch methods and functions."""
     for node in list(graph.nodes):
         pk = packet(node)
         if pk is None:
@@ -204,7 +204,7 @@ def _erase_if_unused(graph: fx.Graph, *nodes: Any) -> None:
 
 def rewrite_linears(graph: fx.Graph, is_param: Callable[[str], bool], param_shape: Callable[[str], torch.Size]
                     ) -> None:
-    """linear / addmm / matmul(+add) / Conv1D / embedding / layer_norm -> canonical ops (module docstring)."""
+    """linear / addmm / matmul(+add) / Conv1D / embedding / layer_norm -> canonical ops."""
     for node in list(graph.nodes):
         pk = packet(node)
         if pk is aten.linear:
@@ -284,7 +284,7 @@ _SDPA_NAMES = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 def rewrite_attention(graph: fx.Graph, mask_values: Callable[[list[fx.Node]], dict[fx.Node, torch.Tensor]],
                       free: Callable[[fx.Node], bool]) -> None:
-    """SDPA variants -> causal ``F.scaled_dot_product_attention`` (module docstring).
+    """SDPA variants -> causal ``F.scaled_dot_product_attention``.
 
     ``mask_values(nodes)`` evaluates mask nodes on an example batch with positions 0..T-1;
     ``free(node)``: whether a node depends only on the graph inputs, buffers and constants.

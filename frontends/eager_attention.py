@@ -29,7 +29,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from hgraph import ops
 from hgraph.errors import TraceError
@@ -100,7 +99,7 @@ def _k_of_transpose(n: Any) -> Optional[fx.Node]:
 
 
 def _scores(x: Any, free: Callable[[fx.Node], bool]) -> Optional[_Scores]:
-    """Walk back from the softmax input to ``q @ k^T`` (module docstring); None: no such matmul."""
+    """Walk back from the softmax input to ``q @ k^T``; None: no such matmul."""
     scale, softcap, fill, add, other = 1.0, None, None, None, None
     for _ in range(16):
         x = _skip_casts(x)
@@ -193,7 +192,7 @@ def _unrepeated(node: Any) -> Optional[fx.Node]:
 
 def rewrite_eager_attention(graph: fx.Graph, evaluate_masks: Callable[[list[fx.Node]], dict[fx.Node, torch.Tensor]],
                             free: Callable[[fx.Node], bool]) -> None:
-    """Hand-written causal attention -> causal SDPA; unpackable attention refused (module docstring)."""
+    """Hand-written causal attention -> causal SDPA; unpackable attention refused."""
     found = []
     for sm in [n for n in graph.nodes if op_name(n) == "softmax"]:
         dim = sm.kwargs.get("dim", sm.args[1] if len(sm.args) > 1 else None)

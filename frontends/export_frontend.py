@@ -329,7 +329,7 @@ class _GraphBuilder:
 def export_trace(model: nn.Module, *, replicate_layers: bool = True,
                  dtype: Optional[torch.dtype] = None) -> fx.GraphModule:
     """The canonical GraphModule of ``model`` through torch.export (placeholders ``input_ids``,
-    ``position_ids``; the model's parameter FQNs; see the module docstring), traced with its
+    ``position_ids``; the model's parameter FQNs), traced with its
     parameters in ``dtype``, the working precision the graph will run in (None: as they are).
 
     ``replicate_layers``: a model with more than two layers in a config-sized ModuleList is exported

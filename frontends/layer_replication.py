@@ -128,7 +128,7 @@ def _constants(node: fx.Node) -> Any:
 
 def replicate_layers(graph: fx.Graph, root: dict[str, Any], model: nn.Module, path: str, count: int,
                      canonical: dict[int, str]) -> None:
-    """Append copies of layer 1 as layers 2..count-1 (module docstring); the nodes after the layers
+    """Append copies of layer 1 as layers 2..count-1; the nodes after the layers
     then read the last copy. ``root`` gains the copied layers' parameters and buffers."""
     l1, feeds = _template(graph, path)
     index1 = {n: i for i, n in enumerate(l1)}

@@ -50,7 +50,7 @@ class TrainResult:
 
 
 def model_spec(model: Union[str, Callable[..., nn.Module]]) -> str:
-    """The ``--model`` spec that rebuilds ``model`` in every rank (module docstring)."""
+    """The ``--model`` spec that rebuilds ``model`` in every rank."""
     if isinstance(model, str):
         return model
     if isinstance(model, nn.Module):

@@ -95,7 +95,7 @@ def position_ids_for(cu_seqlens: CuSeqlens, device: Optional[torch.device] = Non
 
 
 def available_backend(q: torch.Tensor) -> str:
-    """The backend ``varlen_attention`` uses for ``q`` (see the module docstring)."""
+    """The backend ``varlen_attention`` uses for ``q``."""
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         if importlib.util.find_spec("flash_attn") is not None:
             return "flash_attn"

@@ -28,7 +28,7 @@ def _stack_paths(node: fx.Node) -> list[str]:
 
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
-    """Module paths of the repeated blocks, in index order (see the module docstring).
+    """Module paths of the repeated blocks, in index order.
 
     Containers that are never called (a ModuleList of ModuleDicts) do not appear in the module
     stacks themselves, so block candidates are all integer-indexed *prefixes* of the recorded module
@@ -76,7 +76,7 @@ def _prefixes(path: str) -> Iterable[str]:
 
 
 def assign_blocks(gm: fx.GraphModule, blocks: list[str], params: set[str]) -> dict[fx.Node, Optional[str]]:
-    """Block of every node (see the module docstring)."""
+    """Block of every node."""
     block_set = set(blocks)
     order = {b: i for i, b in enumerate([PRE] + blocks + [POST])}
     nodes = list(gm.graph.nodes)

@@ -138,7 +138,7 @@ def insert_pp_slots(gm: fx.GraphModule) -> None:
 
 
 def insert_slots_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
-    """Insert the empty slots described in the module docstring; reads nothing from ``ctx``.
+    """Insert the empty parameter, TP, CP and PP slots into ``gm``; reads nothing from ``ctx``.
 
     Does nothing to a graph that already has slots (it is returned unchanged).
     """

@@ -29,7 +29,8 @@ def _single_use(node: object) -> bool:
 
 def _head_chain(out: fx.Node) -> Optional[tuple[list[fx.Node], Optional[tuple[int, ...]], Optional[int]]]:
     """``(nodes from out back to the linear, sizes, vocab)`` when ``out`` is a head's logits
-    (module docstring), each node used only by the one after it; else None."""
+    (a linear; under TP then its gather, wait and padding narrow), each node used only by the one after it;
+    else None."""
     node, vocab, sizes, chain = out, None, None, []
     if node.op == "call_function" and node.target is torch.narrow:
         x, dim, start, length = (tuple(node.args) + (None,) * 4)[:4]
@@ -56,7 +57,7 @@ def _head_chain(out: fx.Node) -> Optional[tuple[list[fx.Node], Optional[tuple[in
 
 
 def output_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Replace the last stage's head chain by ``ops.output_head`` (module docstring)."""
+    """Replace the last stage's head chain by ``ops.output_head``."""
     g = gm.graph
     output = next(n for n in reversed(g.nodes) if n.op == "output")
     out = output.args[0]

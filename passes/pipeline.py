@@ -66,7 +66,7 @@ def instantiation_passes() -> list[Pass]:
 
 def run_passes(gm: fx.GraphModule, ctx: Optional[PassContext], passes: Sequence[Pass], *,
                disabled: Iterable[str] = ()) -> fx.GraphModule:
-    """Run ``passes`` in order on ``gm``; see the module docstring for the checks."""
+    """Run ``passes`` in order on ``gm``, linting after each; a failure names the pass and those before it."""
     disabled = set(disabled)
     unknown = disabled - {p.name for p in passes}
     if unknown:

@@ -154,7 +154,7 @@ def model_sequence_parallel(hg: Any, shapes: dict) -> Union[SequenceParallelPlan
 
 
 def plan_sequence_parallel(hg: Any, shapes: dict) -> SequenceParallelPlan:
-    """The SP plan of HGraph ``hg`` (module docstring); ``SequenceParallelRefused`` names the op that
+    """The SP plan of HGraph ``hg``; ``SequenceParallelRefused`` names the op that
     is not token-wise."""
     gm: fx.GraphModule = hg.gm
     sliced: set[fx.Node] = set()

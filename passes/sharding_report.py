@@ -124,7 +124,7 @@ def _reason(name: str, uses: list[fx.Node]) -> str:
 
 
 def sharding_report(hg: Any, shapes: dict, strategy: Strategy) -> ShardingReport:
-    """The report of ``hg`` (an HGraph) for the TP degrees of ``strategy`` (module docstring)."""
+    """The report of ``hg`` (an HGraph) for the TP degrees of ``strategy``."""
     planner = TPShardPlanner(hg, shapes)
     uses = param_uses(hg.gm)
     tps = sorted({p.tp for p in strategy.pipelines if p.tp > 1})

@@ -149,7 +149,7 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                     rewrite_sources: Optional[dict[fx.Node, tuple[int, str]]] = None,
                     fused_parts: Optional[dict[fx.Node, tuple]] = None,
                     partial: Optional[dict[fx.Node, bool]] = None) -> dict[fx.Node, TPRole]:
-    """TP role of every op that reads a parameter (see the module docstring). ``reasons``, if given,
+    """TP role of every op that reads a parameter. ``reasons``, if given,
     gets for each linear replicated although it could pair up, the first node that blocked it;
     ``rewrite_sources`` for each reshape of a sharded value whose written-out size TP rewrites, the
     position of that size and the column-parallel weight whose shard decides it; ``fused_parts`` for

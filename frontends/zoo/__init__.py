@@ -41,7 +41,7 @@ def zoo_names() -> list[str]:
 
 
 def resolve_model_spec(spec: str, model_args: Optional[Mapping[str, Any]] = None) -> nn.Module:
-    """Instantiate the model named by ``spec`` (see the module docstring); bad specs -> HGraphError."""
+    """Instantiate the model named by ``spec``; bad specs -> HGraphError."""
     args = dict(model_args or {})
     if not isinstance(spec, str) or ":" not in spec:
         raise HGraphError(f"model spec {spec!r} must be FAMILY:CONFIG (one of {', '.join(zoo_names())}), "

@@ -63,7 +63,7 @@ def local_dir(name: str) -> Optional[Path]:
 
 
 def build(name: str, **overrides: Any) -> nn.Module:
-    """A randomly initialised ``hf:NAME`` model (a zoo name or a local directory, module docstring);
+    """A randomly initialised ``hf:NAME`` model (a zoo name or a local directory);
     ``overrides`` are config fields."""
     if name not in FAMILIES:
         return _from_config(directory_config(name, overrides), f"hf:{name}")

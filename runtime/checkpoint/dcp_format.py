@@ -97,13 +97,13 @@ def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_
 
 def save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation (module docstring)
+        warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation
         return _save_state(optimizer, rank, world_size, rng, group)
 
 
 def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
     """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
-    and RNG states (module docstring)."""
+    and RNG states."""
     state = optimizer.state_dict()
     model, optim = {}, {}
     for name, layout in optimizer.layouts.items():

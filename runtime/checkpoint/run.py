@@ -88,7 +88,7 @@ def _step_folders(root: Path) -> list[tuple[int, Path]]:
 
 
 def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
-    """The checkpoint to resume from under ``root`` (module docstring); HGraphError otherwise."""
+    """The checkpoint to resume from under ``root``; HGraphError otherwise."""
     root = Path(root)
     if not root.is_dir():
         raise HGraphError(f"--resume: checkpoint folder {str(root)!r} does not exist")
@@ -132,7 +132,7 @@ class SavedCheckpoint:
 
 @dataclass
 class RunCheckpoints:
-    """When the trainer saves, and the JSON state it stores (module docstring)."""
+    """When the trainer saves, and the JSON state it stores."""
 
     root: Optional[Path]
     every: Optional[int]

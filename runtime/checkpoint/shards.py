@@ -249,7 +249,7 @@ def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, worl
 
 @dataclass
 class PendingCheckpoint:
-    """A save under way: ``wait`` finishes it (module docstring of ``save_async``)."""
+    """A save under way (``save_async``): ``wait`` finishes it, collectively, and writes the manifest."""
 
     folder: Path
     future: Any

@@ -168,7 +168,7 @@ class GradBuckets:
     def _issue(self, b: _Bucket) -> None:
         """One collective for the bucket: member ``i``'s chunk holds its piece of every op (rows
         flattened, each padded to the op's widest piece), so all chunks have ``b.elements`` elements
-        (on gloo followed by the carried values, see the module docstring). An op whose pieces are
+        (on gloo followed by the carried values, each member's in its own slots). An op whose pieces are
         consecutive blocks of equal width (the usual case) is copied in with the others in one batched
         copy; any other piece is copied on its own."""
         k = len(b.group)
@@ -197,7 +197,7 @@ class GradBuckets:
         if dests:
             torch._foreach_copy_(dests, srcs)
         self.bytes_issued += (k - 1) * b.elements * 4
-        if gloo:                                     # see the module docstring
+        if gloo:                                     # all-to-all: member i sums every chunk i itself
             if carry is not None:
                 buf.narrow(1, b.elements, extra).copy_(carry.expand(k, extra))
             received = torch.empty_like(buf)

@@ -26,14 +26,14 @@ from hgraph.shard_rule import shard_bounds
 
 
 class GatherBucket:
-    """One all-gather carrying several parameters (see the module docstring)."""
+    """One all-gather carrying several parameters."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
                  world_size: int, dtype: torch.dtype, all_to_all: bool = False) -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of
-        the parameter and only sends its segment; ``all_to_all``: gather by all-to-all (gloo, see
-        the module docstring)."""
+        the parameter and only sends its segment; ``all_to_all``: gather by all-to-all (on gloo: one
+        exchange with each peer instead of a ring)."""
         self.rank, self.world_size, self.dtype = rank, world_size, dtype
         self.all_to_all = all_to_all and world_size > 1
         self.names = [name for name, _, _, _ in entries]

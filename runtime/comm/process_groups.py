@@ -38,7 +38,7 @@ class GroupCacheStats:
 
 
 class GroupCache:
-    """Process groups of this rank, created once per rank set (see the module docstring)."""
+    """Process groups of this rank, created once per rank set."""
 
     def __init__(self, rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         initialised = dist.is_available() and dist.is_initialized()

@@ -50,7 +50,7 @@ class _Pull:
 
 
 class PullParameter:
-    """The pulls of one rank for one Program (see the module docstring).
+    """The pulls of one rank for one Program.
 
     ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather
     (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else ``DEFAULT_PULL_BUCKET_BYTES``).

@@ -28,7 +28,7 @@ def groups_needed(program: Any) -> list[tuple[int, ...]]:
 
 
 class PushGradient:
-    """The push of one rank for one Program (see the module docstring).
+    """The push of one rank for one Program.
 
     ``groups``: a ``GroupCache`` holding every replica group of the push plans (``groups_needed``);
     ``in_backward``: issue the reductions from backward's hooks (CPU: NCCL keeps them at the end, as

@@ -135,7 +135,7 @@ def corpus_of(parts: Sequence[Sequence[Document]], weights: Sequence[float], nam
 
 
 class DataOrder:
-    """Position -> document (module docstring)."""
+    """Position -> document."""
 
     def __init__(self, corpus: Union[Corpus, Sequence[Document]], *, shuffle: bool = False,
                  seed: int = 0) -> None:

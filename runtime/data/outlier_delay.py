@@ -63,7 +63,7 @@ def _next_fit_steps(lengths: Sequence[int], budget: int) -> int:
 
 
 class DelayedMiniBatches:
-    """The mini-batches of one run with outlier delay (module docstring); ``state()`` after any batch
+    """The mini-batches of one run with outlier delay; ``state()`` after any batch
     is what a checkpoint stores, ``DelayedMiniBatches(..., state=that)`` continues from it."""
 
     def __init__(self, docs: Sequence[Document], tokens_per_iter: int, steps: int, num_queues: int,

@@ -214,7 +214,7 @@ def _cache_key(path: Path, tokenizer: str, text_key: str) -> str:
 
 def resolve_raw_sources(spec: str, tokenizer: Optional[str], text_key: str, cache_dir: Path,
                         say: Optional[Callable[[str], None]] = None, what: str = "--data") -> str:
-    """``spec`` with each raw source replaced by a token store under ``cache_dir`` (module docstring)."""
+    """``spec`` with each raw source replaced by a token store under ``cache_dir``."""
     out = []
     for src in parse_data_spec(spec):
         if not needs_tokenizer(src.path, text_key):

@@ -173,7 +173,7 @@ def _decode(data: bytes, where: str) -> str:
 
 def records(path: Path, *, text_key: str = "text", text_per_line: bool = False,
             progress: Any = None) -> Iterator[Record]:
-    """The records of one input (module docstring); ``progress(n)``: ``n`` more bytes read."""
+    """The records of one input; ``progress(n)``: ``n`` more bytes read."""
     kind = input_kind(path)
     if kind == "jsonl":
         return _jsonl(path, text_key, progress)

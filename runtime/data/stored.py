@@ -169,7 +169,7 @@ def merge_reports(reports: Sequence[LongReport]) -> LongReport:
 def limit_long(docs: Sequence[Document], tokens_per_iter: int, max_len: Optional[int],
                mode: str = "error") -> tuple[Sequence[Document], LongReport]:
     """``docs`` with ``--long mode`` applied to documents longer than the model's context ``max_len``
-    or the step's budget ``tokens_per_iter`` (module docstring)."""
+    or the step's budget ``tokens_per_iter``."""
     if mode not in LONG_MODES:
         raise HGraphError(f"--long {mode!r}: allowed are {', '.join(LONG_MODES)}")
     limit = min(tokens_per_iter, max_len) if max_len is not None else tokens_per_iter

@@ -63,7 +63,7 @@ def is_store(prefix: Union[str, Path]) -> bool:
 
 
 class TokenStoreWriter:
-    """Writes a token store one document at a time (module docstring). ``add(ids, where)``: ``where``
+    """Writes a token store one document at a time. ``add(ids, where)``: ``where``
     names the document in errors (``file:line``); ``finish()`` returns the opened store.
 
     ``vocab_size`` None (pre-tokenized ids of an unknown vocabulary): the ids are written as ``uint32``

@@ -33,7 +33,7 @@ from hgraph.errors import HGraphError
 
 @dataclass(frozen=True)
 class ActivationModel:
-    """Coefficients (bytes) of the activation memory of one stage (module docstring)."""
+    """Coefficients (bytes) of the activation memory of one stage."""
 
     layer_per_token: float
     layer_per_entry: float = 0.0

@@ -29,21 +29,21 @@ from then on (one warning) and the rest stays compiled.
 """
 from __future__ import annotations
 
-import logging
 import operator
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.fx as fx
 
 from hgraph.errors import HGraphError
 from hgraph.ops import READS_HOST_VALUES
+from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.engine.subgraphs import comm_placeholder, extract_subgraph
 from hgraph.torch_compat import limit_recompiles
 
-log = logging.getLogger(__name__)
+log = run_log(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")
 REGION_PREFIX = "hgraph_region_"
@@ -175,7 +175,7 @@ def _structure(body: fx.Graph) -> tuple:
     values by position. Parameters are inputs, so two runs alike (the layers') are the same function."""
     index = {n: i for i, n in enumerate(body.nodes)}
 
-    def norm(a: Any) -> str:
+    def norm(a: fx.node.Argument) -> str:
         return repr(fx.node.map_arg(a, lambda n: f"%{index[n]}"))
 
     return tuple((n.op, None if n.op == "placeholder" else repr(n.target), norm(n.args), norm(n.kwargs))
@@ -196,7 +196,7 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
     comm = comm_placeholder(graph)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    owner: dict[str, Any] = {}
+    owner: dict[str, Union[torch.nn.Module, torch.Tensor]] = {}
     for kind, nodes in _runs(graph, comm):
         if kind == "node":
             env[nodes[0]] = new.node_copy(nodes[0], lambda x: env[x])
@@ -222,5 +222,5 @@ def compile_regions(gm: fx.GraphModule, backend: str = "inductor", strict: bool 
             owner[n.target] = target
     out = fx.GraphModule(owner, new)
     out.graph.lint()
-    log.info("compile: %d regions", sum(1 for k in owner if k.startswith(REGION_PREFIX)))
+    log.debug("compile: %d regions", sum(1 for k in owner if k.startswith(REGION_PREFIX)))
     return out, compiles

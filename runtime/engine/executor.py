@@ -47,16 +47,19 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Protocol, Sequence, Union
+from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError
+from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
+from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
@@ -173,6 +176,12 @@ class ShardedOptimizer(Protocol):
     def step(self, grad_shards: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]: ...
 
 
+class RankWatch(Protocol):
+    """What the executor needs of a heartbeat (``runtime.train.heartbeat.Heartbeat``)."""
+
+    def lost_ranks(self) -> list[int]: ...      # the ranks that stopped answering, in order
+
+
 class Executor:
     """Runs steps of Programs of one compiled model on this rank with a sharded optimizer.
 
@@ -180,9 +189,11 @@ class Executor:
     HGraph (``shard_dims_of``); ``groups``: the rank's ``GroupCache``; ``cluster``: where the
     strategies' Programs are laid out (default: ``Cluster(world_size)``).
     ``programs``: the executor's ``ProgramCache`` (read its counts; only the executor looks up).
+    ``watch(heartbeat)``: name the lost ranks when a step's collective fails (``RankLostError``).
     """
 
-    def __init__(self, compiled: Any, optimizer: ShardedOptimizer, rank: int, world_size: int, groups: Any,
+    def __init__(self, compiled: CompiledModule, optimizer: ShardedOptimizer, rank: int, world_size: int,
+                 groups: GroupCache,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
                  memory_budget: Optional[float] = None, track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
@@ -214,13 +225,17 @@ class Executor:
         if self.compile:
             check_backend(compile_backend)
         self.region_compiles = RegionCompiles()
-        self.programs = ProgramCache(compiled, cluster if cluster is not None else Cluster(world_size))
+        self.programs: ProgramCache[RankState] = ProgramCache(compiled, cluster if cluster is not None else Cluster(world_size))
         self._last_program: Optional[Program] = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
         self._step_index = 0
         self._active: Optional[RankState] = None    # the state whose working tensors hold memory
-        self.heartbeat: Any = None      # a runtime.heartbeat.Heartbeat: names lost ranks on failure
+        self._heartbeat: Optional[RankWatch] = None     # names lost ranks on failure (``watch``)
         self.peak_memory = PeakMemory(self.device)   # every step's measured peak (StepResult.process_peak_bytes)
+
+    def watch(self, heartbeat: Optional[RankWatch]) -> None:
+        """Name the ranks ``heartbeat`` lost when a step's collective fails (None: stop naming them)."""
+        self._heartbeat = heartbeat
 
     # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
     def prepare(self, strategies: Sequence[Strategy]) -> None:
@@ -239,13 +254,13 @@ class Executor:
         return self._state_of(self._entry(strategy, count=False)[0])
 
     def _entry(self, strategy: Union[Strategy, str, Program], count: bool = True
-               ) -> tuple[CachedProgram, Optional[bool]]:
+               ) -> tuple[CachedProgram[RankState], Optional[bool]]:
         """The cache entry of a strategy (and whether it hit), or of a Program given (hit: None)."""
         if isinstance(strategy, Program):
             return self.programs.adopt(strategy), None
         return self.programs.find(_strategy(strategy), count=count)
 
-    def _state_of(self, entry: CachedProgram) -> RankState:
+    def _state_of(self, entry: CachedProgram[RankState]) -> RankState:
         """The entry's rank state, built (collectively) on the Program's first use."""
         if entry.state is None:
             entry.state = self._build_state(entry.program)
@@ -305,7 +320,7 @@ class Executor:
         The result says whether the Program was a hit (``cache_hit``) and how long finding it took.
 
         Every rank must call it with the same arguments (collective). A collective that fails
-        because a rank died raises ``RankLostError`` naming it (when ``heartbeat`` is set).
+        because a rank died raises ``RankLostError`` naming it (when a heartbeat is ``watch``ed).
         ``prefetch``: a plain data-parallel step also pulls the next step's parameters, which pays
         off when the next step runs the same Program (``None``: when the last step ran this one too,
         a repeat being the best guess; give the answer when the caller knows it).
@@ -316,9 +331,9 @@ class Executor:
         try:
             result = self._step(entry, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
-            if self.heartbeat is None or isinstance(exc, RankLostError):
+            if self._heartbeat is None or isinstance(exc, RankLostError):
                 raise
-            lost = self.heartbeat.lost_ranks()
+            lost = self._heartbeat.lost_ranks()
             if not lost:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
@@ -326,7 +341,7 @@ class Executor:
         return result
 
     def _activate(self, state: RankState) -> None:
-        """Make ``state`` the one whose working tensors hold memory (module docstring)."""
+        """Make ``state`` the one whose working tensors hold memory."""
         if self._active is not state:
             if self._active is not None:
                 self._active.sync.release_working()
@@ -417,12 +432,12 @@ class Executor:
         return result
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
-                      last_backward: Any) -> float:
+                      last_backward: Callable[[float], None]) -> float:
         """The rank's 1F1B; ``last_backward(loss_sum)`` runs before its last backward (every forward
         done, so ``loss_sum`` is final)."""
         rp, gm, comm, memory = state.rank_program, state.graph, state.comm, state.memory
         last = rp.stage == rp.scheme.pp - 1
-        pending: dict[int, Any] = {}
+        pending: dict[int, Union[torch.Tensor, list[torch.Tensor]]] = {}
         loss_sum = 0.0
         order = one_f_one_b(len(mbs), rp.scheme.pp, rp.stage)
         for n, (kind, i) in enumerate(order):
@@ -456,7 +471,7 @@ class Executor:
         return loss_sum
 
     def _inputs(self, state: RankState, mb: MicroBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, Any, Optional[CPLayout], TokenKeys]:
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[CPLayout], TokenKeys]:
         """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
         micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
         rp = state.rank_program
@@ -477,7 +492,8 @@ class Executor:
         device once (without CP: a CP rank's attention takes its layout)."""
         return DocumentBounds.of(mb.doc_lengths, self.device) if layout is None else None
 
-    def _loss_sum(self, out: Any, ids: torch.Tensor, targets: Any, mb: MicroBatch, comm: Any) -> torch.Tensor:
+    def _loss_sum(self, out: Union[torch.Tensor, HeadInputs], ids: torch.Tensor, targets: Optional[torch.Tensor],
+                  mb: MicroBatch, comm: CommContext) -> torch.Tensor:
         """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
         output head's inputs: ``engine.loss.stage_loss_sum``)."""
         if targets is None:
@@ -522,12 +538,12 @@ class Executor:
         return float(value[0]) / num_targets
 
     @staticmethod
-    def _loss_share(rp: Any, loss_sum: float) -> float:
+    def _loss_share(rp: RankProgram, loss_sum: float) -> float:
         """What this rank adds to the mini-batch's loss sum: one copy per pipeline (its last stage's
         first TP rank; every CP rank holds part of the loss)."""
         return loss_sum if rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 else 0.0
 
-    def _issue_global_loss(self, rp: Any, loss_sum: float) -> tuple[torch.Tensor, Any]:
+    def _issue_global_loss(self, rp: RankProgram, loss_sum: float) -> tuple[torch.Tensor, Optional[dist.Work]]:
         """Start summing the mini-batch's loss over the world; returns the buffer and the work to
         wait for (None on one rank)."""
         # a fill, not a copy from the host: nothing waits for the GPU's backward here
@@ -540,7 +556,7 @@ def _strategy(strategy: Union[Strategy, str]) -> Strategy:
     return strategy if isinstance(strategy, Strategy) else Strategy.parse(strategy)
 
 
-def shard_dims_of(compiled: Any) -> dict[str, int]:
+def shard_dims_of(compiled: CompiledModule) -> dict[str, int]:
     """The optimizer's shard dimension of every parameter (the HGraph's, 0 for a 0-d parameter)."""
     return {name: (info.shard_dim if tuple(info.shape) else 0) or 0
             for name, info in compiled.hgraph.params.items()}

@@ -12,13 +12,14 @@ chunk and vocabulary-parallel under TP (``runtime/kernels/head_cross_entropy``),
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
 from hgraph.ops import HeadInputs
+from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.kernels.head_cross_entropy import VocabSplit, head_cross_entropy_sum
 from hgraph.varlen_attention import CuSeqlens, boundaries
 
@@ -55,7 +56,8 @@ def packed_loss_sum(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: C
     return F.cross_entropy(logits[0].float(), targets[0], ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def stage_loss_sum(out: Union[torch.Tensor, HeadInputs], targets: torch.Tensor, comm: Any = None,
+def stage_loss_sum(out: Union[torch.Tensor, HeadInputs], targets: torch.Tensor,
+                   comm: Optional[CommContext] = None,
                    chunk: Optional[int] = None) -> torch.Tensor:
     """Summed next-token cross-entropy of a last stage's output against ``targets`` ``[1, T]``
     (``IGNORE_INDEX`` where a token has none): from logits ``[1, T, V]``, or ``chunk`` tokens at a time

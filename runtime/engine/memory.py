@@ -20,15 +20,22 @@ context); per step it refits the model to what was measured. ``stage_memory`` ma
 from __future__ import annotations
 
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, ContextManager, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from hgraph.program import Program, RankProgram
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.activation_model import choose_recompute_layers, fit_activation_model
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
+from hgraph.runtime.kernels.cp_attention import CPLayout
+
+Features = tuple[int, int]     # a micro-batch's (tokens, attention entries) on this rank (``microbatch_features``)
 
 
 class _Saved:
@@ -60,7 +67,7 @@ class _Held:
 class _ReplayTracker(TorchDispatchMode):
     """Inside a block's replay: remembers (weakly) every tensor an op produced."""
 
-    def __init__(self, meter: "ActivationMeter", features: Any) -> None:
+    def __init__(self, meter: "ActivationMeter", features: Optional[Features]) -> None:
         super().__init__()
         self.meter, self.features, self.refs = meter, features, []
 
@@ -71,7 +78,7 @@ class _ReplayTracker(TorchDispatchMode):
                 self.refs.append(weakref.ref(t))
         return out
 
-    def __exit__(self, *exc: Any) -> Any:
+    def __exit__(self, *exc: object) -> Optional[bool]:
         result = super().__exit__(*exc)
         # what is still alive once the replay's outputs were dropped is what the replay saved
         seen: dict[int, int] = {}
@@ -98,20 +105,20 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 
 class ActivationMeter:
-    """Counts the bytes autograd holds for backward on this rank (module docstring)."""
+    """Counts the bytes autograd holds for backward on this rank."""
 
-    def __init__(self, excluded: Any = ()) -> None:
+    def __init__(self, excluded: Iterable[torch.Tensor] = ()) -> None:
         self.excluded: set[int] = set()
         self._excluded_tensors = list(excluded)
         self.exclude(self._excluded_tensors)
         self._live: dict[int, list[int]] = {}       # storage ptr -> [bytes, references]
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.features: Any = None         # the current micro-batch's features (set by the executor)
+        self.features: Optional[Features] = None    # the current micro-batch's (set by the executor)
         self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": []}
         self.forward_block_bytes = 0      # bytes attributed to blocks during the current forward
 
-    def exclude(self, tensors: Any) -> None:
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages never counted (the working parameters: they live anyway)."""
         for t in tensors:
             key, _ = _storage(t)
@@ -147,29 +154,29 @@ class ActivationMeter:
             del self._live[key]
             self.live_bytes -= entry[0]
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Saved]:
         key = self._add(t)
         return t if key is None else _Saved(t, key, self)
 
     @staticmethod
-    def _unpack(p: Any) -> torch.Tensor:
+    def _unpack(p: Union[torch.Tensor, _Saved]) -> torch.Tensor:
         return p.tensor if isinstance(p, _Saved) else p
 
-    def hooks(self) -> Any:
+    def hooks(self) -> ContextManager[None]:
         """The context that counts what autograd saves (wrap a micro-batch's forward in it)."""
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def hold(self, inputs: Any) -> _Held:
+    def hold(self, inputs: Iterable[Any]) -> _Held:
         before = self.live_bytes
         keys = [k for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)
                 for k in [self._add(t)] if k is not None]
         self.observe("checkpoint", self.features, self.live_bytes - before, in_forward=True)
         return _Held(keys, self)
 
-    def replay_tracker(self, features: Any) -> _ReplayTracker:
+    def replay_tracker(self, features: Optional[Features]) -> _ReplayTracker:
         return _ReplayTracker(self, features)
 
-    def observe(self, kind: str, features: Any, nbytes: int, in_forward: bool) -> None:
+    def observe(self, kind: str, features: Optional[Features], nbytes: int, in_forward: bool) -> None:
         """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``) or what the
         rest of the stage saved (``other``) for a micro-batch of ``features``."""
         if in_forward:
@@ -179,7 +186,7 @@ class ActivationMeter:
 
 
 # ---- per-stage policy used by the executor --------------------------------------------------------
-def microbatch_features(mb: Any, layout: Any = None) -> tuple[int, int]:
+def microbatch_features(mb: MicroBatch, layout: Optional[CPLayout] = None) -> Features:
     """(tokens, attention entries) of a micro-batch on this rank: with a CP layout, the local queries
     of each document times that document's gathered keys; otherwise ``sum l_d^2``."""
     if layout is None:
@@ -202,7 +209,8 @@ class StageMemory:
     """
 
     def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
-                 group: Any = None, device: Any = None) -> None:
+                 group: Optional[tuple[Optional[dist.ProcessGroup]]] = None,
+                 device: Optional[torch.device] = None) -> None:
         self.meter, self.layers, self.budget = meter, list(layers), budget
         self.group, self.device = group, device
         self.model = None
@@ -218,7 +226,7 @@ class StageMemory:
         self._held.clear()
         self.step_predicted, self.step_recompute, self._unknown = [], [], False
 
-    def before_forward(self, index: int, mb: Any, layout: Any) -> Optional[frozenset]:
+    def before_forward(self, index: int, mb: MicroBatch, layout: Optional[CPLayout]) -> Optional[frozenset[int]]:
         """Start micro-batch ``index`` (``layout``: its CP layout, or None); returns the layers whose
         blocks recompute in it (None without a budget)."""
         f = microbatch_features(mb, layout)
@@ -271,8 +279,9 @@ class StageMemory:
         return int(t[0])
 
 
-def stage_memory(graph: Any, working: Any, program: Any, rank_program: Any, groups: Any,
-                 budget: Optional[float], device: Any) -> tuple[Any, StageMemory]:
+def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], program: Program,
+                 rank_program: RankProgram, groups: GroupCache, budget: Optional[float],
+                 device: Optional[torch.device]) -> tuple[fx.GraphModule, StageMemory]:
     """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
     with a budget, ``graph`` with its blocks outlined for recomputation (the same computation; the
     original graph is kept for a budget-less executor sharing the program)."""

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 
+from hgraph.compiled import CompiledModule
 from hgraph.errors import StrategyError
+from hgraph.program import ParamShard
 from hgraph.runtime.engine.executor import shard_dims_of
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -60,7 +63,7 @@ class RankStates:
         return {**asdict(self), "optimizer": self.optimizer, "resident": self.resident}
 
 
-def param_dims(compiled: Any) -> dict[str, tuple[tuple[int, ...], int]]:
+def param_dims(compiled: CompiledModule) -> dict[str, tuple[tuple[int, ...], int]]:
     """``name -> (full shape, optimizer shard dim)`` of every parameter, in model order."""
     dims = shard_dims_of(compiled)
     return {name: (tuple(int(d) for d in info.shape), dims[name]) for name, info in compiled.hgraph.params.items()}
@@ -77,7 +80,7 @@ def optimizer_elements(dims: Mapping[str, tuple[tuple[int, ...], int]], rank: in
     return total
 
 
-def working_bytes(shards: Mapping[str, Any], dtype: torch.dtype, aliased: bool = False) -> tuple[int, int]:
+def working_bytes(shards: Mapping[str, ParamShard], dtype: torch.dtype, aliased: bool = False) -> tuple[int, int]:
     """``(parameters, gradients)`` bytes of a rank's working shards in ``dtype``; ``aliased``: one
     rank in fp32, where a shard without padding is the master's storage (its gradient is not)."""
     size = dtype.itemsize
@@ -94,7 +97,7 @@ def _aliased(world_size: int, dtype: torch.dtype) -> bool:
     return world_size == 1 and dtype == torch.float32
 
 
-def rank_states(compiled: Any, strategy: Strategy, cluster: Cluster, dtype: torch.dtype) -> list[RankStates]:
+def rank_states(compiled: CompiledModule, strategy: Strategy, cluster: Cluster, dtype: torch.dtype) -> list[RankStates]:
     """Every rank's ``RankStates`` under ``strategy`` on ``cluster`` (working tensors in ``dtype``).
     Bad strategies (rank count, node boundaries, TP degrees the model refuses) are ``StrategyError``."""
     strategy.validate(cluster)
@@ -109,7 +112,7 @@ def rank_states(compiled: Any, strategy: Strategy, cluster: Cluster, dtype: torc
     return out
 
 
-def scheme_states(compiled: Any, schemes: Iterable[Scheme], world_size: int, dtype: torch.dtype, *,
+def scheme_states(compiled: CompiledModule, schemes: Iterable[Scheme], world_size: int, dtype: torch.dtype, *,
                   skip_refused: bool = False) -> dict[tuple[int, int], tuple[int, int]]:
     """Per ``(tp, pp)``: ``(resident, step transient)`` bytes of the fullest rank a pipeline of that
     scheme can have on ``world_size`` ranks (any of its ranks may sit at any world rank, so the largest
@@ -135,7 +138,7 @@ def scheme_states(compiled: Any, schemes: Iterable[Scheme], world_size: int, dty
     return out
 
 
-def allocated_bytes(optimizer: Any, working: Mapping[str, torch.Tensor]) -> RankStates:
+def allocated_bytes(optimizer: ShardedAdam, working: Mapping[str, torch.Tensor]) -> RankStates:
     """What a rank holds now, measured on its tensors: ``optimizer``'s segments and the ``working``
     parameters (``RankState.working``) with their gradients, each storage once (an aliased working
     parameter shares its master's). ``step_transient`` is 0: nothing of it outlives a step."""

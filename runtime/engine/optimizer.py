@@ -61,7 +61,8 @@ class ShardedAdam:
                  rank: int = 0, world_size: int = 1, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
-                 max_grad_norm: Optional[float] = None, group: Any = None,
+                 max_grad_norm: Optional[float] = None,
+                 group: Optional[dist.ProcessGroup] = None,
                  device: Optional[torch.device] = None, impl: str = FUSED) -> None:
         if not 0 <= rank < world_size:
             raise HGraphError(f"ShardedAdam: rank {rank} is outside world size {world_size}")

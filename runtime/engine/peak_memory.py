@@ -51,7 +51,7 @@ def _max_rss() -> int:
 
 
 class PeakMemory:
-    """Reads (and restarts) the peak memory of this process on ``device`` (module docstring)."""
+    """Reads (and restarts) the peak memory of this process on ``device``."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -63,7 +63,7 @@ class PeakMemory:
             self.source = RSS if resettable else RSS_SINCE_START
 
     def read(self) -> int:
-        """The peak in bytes since the last ``read`` (module docstring), and start a new period."""
+        """The peak in bytes since the last ``read``, and start a new period."""
         if self.source == CUDA:
             peak = int(torch.cuda.max_memory_allocated(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -16,29 +16,33 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Optional, TypeVar
 
+from hgraph.compiled import CompiledModule
 from hgraph.program import Program
 from hgraph.strategy import Cluster, Strategy
 
 
+StateT = TypeVar("StateT")      # the executor's per-Program rank state (``executor.RankState``)
+
+
 @dataclass
-class CachedProgram:
+class CachedProgram(Generic[StateT]):
     """A strategy's Program and this rank's state for it (None until its first step)."""
 
     program: Program
-    state: Any = None
+    state: Optional[StateT] = None
 
 
-class ProgramCache:
-    """Programs of ``compiled`` on ``cluster``, per strategy, with this rank's state (module docstring)."""
+class ProgramCache(Generic[StateT]):
+    """Programs of ``compiled`` on ``cluster``, per strategy, with this rank's state."""
 
-    def __init__(self, compiled: Any, cluster: Cluster) -> None:
+    def __init__(self, compiled: CompiledModule, cluster: Cluster) -> None:
         self.compiled, self.cluster = compiled, cluster
         self._hits = self._misses = 0
         self.switch_s: list[float] = []
         self.compile_s: list[float] = []
-        self._entries: dict[Strategy, CachedProgram] = {}
+        self._entries: dict[Strategy, CachedProgram[StateT]] = {}
 
     @property
     def hits(self) -> int:
@@ -48,7 +52,7 @@ class ProgramCache:
     def misses(self) -> int:
         return self._misses
 
-    def find(self, strategy: Strategy, *, count: bool = True) -> tuple[CachedProgram, bool]:
+    def find(self, strategy: Strategy, *, count: bool = True) -> tuple[CachedProgram[StateT], bool]:
         """The entry of ``strategy`` (its Program built on a miss) and whether it was a hit; with
         ``count=False`` (an evaluation under a step's Program) the lookup is not counted."""
         t0 = time.perf_counter()
@@ -65,7 +69,7 @@ class ProgramCache:
                 self.compile_s.append(time.perf_counter() - t0)
         return entry, hit
 
-    def adopt(self, program: Program) -> CachedProgram:
+    def adopt(self, program: Program) -> CachedProgram[StateT]:
         """The entry of ``program``, built elsewhere: kept under its strategy (replacing another
         Program of that strategy), not counted."""
         entry = self._entries.get(program.strategy)
@@ -73,7 +77,7 @@ class ProgramCache:
             entry = self._entries[program.strategy] = CachedProgram(program)
         return entry
 
-    def states(self) -> dict[Strategy, Any]:
+    def states(self) -> dict[Strategy, StateT]:
         """This rank's states, per strategy (those built so far)."""
         return {s: e.state for s, e in self._entries.items() if e.state is not None}
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from typing import Any
+from typing import Any, ContextManager, Union
 
 import torch
 import torch.fx as fx
@@ -82,7 +82,7 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
         with torch.compiler.set_stance("force_eager"):
             return block(*xs)
 
-    def contexts() -> tuple[Any, Any]:
+    def contexts() -> tuple[ContextManager[None], ContextManager[object]]:
         recompute_ctx = meter.replay_tracker(features) if meter is not None else contextlib.nullcontext()
         return contextlib.nullcontext(), recompute_ctx
 
@@ -109,7 +109,8 @@ def outline_blocks(gm: fx.GraphModule) -> fx.GraphModule:
             if n.op != "get_attr":
                 in_range[n] = k
     starts = {id(nodes[0]): k for k, (_, nodes) in enumerate(ranges)}
-    owner: dict[str, Any] = {}                   # qualified name -> object, the new module's attributes
+    # qualified name -> object, the new module's attributes
+    owner: dict[str, Union[torch.nn.Module, torch.Tensor]] = {}
     for n in graph.nodes:
         k = starts.get(id(n))
         if k is not None:

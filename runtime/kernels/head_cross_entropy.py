@@ -179,7 +179,7 @@ def head_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, bias: Opt
                            targets: torch.Tensor, *, ignore_index: int = -100, vocab_start: int = 0,
                            vocab_local: Optional[int] = None, split: Optional[VocabSplit] = None,
                            chunk: Optional[int] = None) -> torch.Tensor:
-    """Summed cross-entropy of ``F.linear(hidden, weight, bias)`` against ``targets`` (module docstring).
+    """Summed cross-entropy of ``F.linear(hidden, weight, bias)`` against ``targets``.
 
     ``hidden``: ``[tokens, H]``; ``weight``: ``[rows, H]`` (this rank's vocabulary rows, from
     ``vocab_start``; the first ``vocab_local`` real, all of them by default); ``targets``: ``[tokens]``

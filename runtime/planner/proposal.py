@@ -80,7 +80,7 @@ class Candidate:
     relaxed_ms: float  # the relaxed DP optimum t[N][hi] (a bound for the model)
     fractional: dict[str, float] = field(default_factory=dict)  # relaxed pipelines per scheme at hi
     weight: float = 0.0  # probability that an iteration's longest document falls in len_range
-    variant: bool = False  # a neighbour of the full-context candidate (module docstring)
+    variant: bool = False  # a neighbour of the full-context candidate
 
     def to_json(self) -> dict:
         return {"strategy": str(self.strategy), "len_range": list(self.len_range),
@@ -208,7 +208,7 @@ def order_pipelines(counts: np.ndarray, table: SchemeTable, cluster: Cluster) ->
 
 def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpus: int,
            longest: int, holder_options: int = 3, top_n: int = 2) -> list[tuple[float, np.ndarray]]:
-    """Best integer rounding of fractional pipeline counts ``d`` (module docstring)."""
+    """Best integer rounding of fractional pipeline counts ``d``."""
     K = len(d)
     used = np.nonzero(d > 1e-9)[0]
     # Both roundings for the ``MAX_FREE_ROUNDINGS`` counts whose fraction is nearest 1/2, the

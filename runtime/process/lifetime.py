@@ -69,8 +69,8 @@ def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> str:
 
 
 def tie_to_starter(sig: int = signal.SIGKILL) -> str:
-    """In a child of ``multiprocessing`` (spawn or forkserver): die with the process that started it
-    (module docstring). Returns how the death is noticed (``die_with_parent``)."""
+    """In a child of ``multiprocessing`` (spawn or forkserver): die with the process that started it,
+    even when it is killed. Returns how the death is noticed (``die_with_parent``)."""
     server_pipe = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     if server_pipe is None:         # "spawn": the parent is the starter itself
         return die_with_parent(multiprocessing.parent_process().pid, sig)

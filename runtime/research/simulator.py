@@ -363,7 +363,8 @@ def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
         holders.append(min(same, key=lambda x: (-cost.max_len(x), cost.coeffs(x)[1])))
     holders = [h for h in holders if cost.max_len(h) > 0]
     if not holders or max(cost.max_len(h) for h in holders) < max_len:
-        raise HGraphError("no PP=1 scheme holds the context length (DCP needs sequence-parallel schemes)")
+        raise HGraphError("no PP=1 scheme holds the context length (the Data-Centric Parallel baseline needs "
+                          "sequence-parallel schemes)")
     its = []
     idle = []
     for b in batches:
@@ -423,7 +424,7 @@ def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[
 def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters: int, *,
              systems: Sequence[str] = SYSTEMS, seed: int = 0, gpus_per_node: int = 8,
              long: str = "truncate", switch_gb_per_s: float = 10.0) -> Simulation:
-    """Run ``iters`` iterations of every system in ``systems`` (module docstring)."""
+    """Run ``iters`` iterations of every system in ``systems``."""
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")

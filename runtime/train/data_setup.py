@@ -27,8 +27,8 @@ def model_limits(model) -> tuple[Optional[int], Optional[int]]:
 
 def ready_data(config: TrainConfig, model, cache_dir: Path,
                say: Optional[Callable[[str], None]] = None) -> TrainConfig:
-    """``config`` with its raw sources replaced by stores, after the checks of the module docstring;
-    ``model``: the run's model (on the meta device: only its config is read)."""
+    """``config`` with its raw sources replaced by stores, checksums, vocabulary, ``--long`` and mixtures
+    checked; ``model``: the run's model (on the meta device: only its config is read)."""
     data = config.data
     if data.data is None and data.eval_data is None:
         return config

@@ -84,12 +84,12 @@ def _idle(loads: Sequence[float], gpus: int) -> float:
 
 
 def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_ms: Any) -> DcpInterStep:
-    """Plan one mini-batch (module docstring). ``docs``: objects with ``len()`` and ``index``;
+    """Plan one mini-batch. ``docs``: objects with ``len()`` and ``index``;
     ``time_ms(lengths, scheme)``: a micro-batch's time (the cost model's ``microbatch_time``)."""
     if not docs:
-        raise HGraphError("DCP-inter: the mini-batch has no documents")
+        raise HGraphError("--balance sp-accumulation: the mini-batch has no documents")
     if rank_tokens < 1:
-        raise HGraphError(f"DCP-inter: tokens per rank must be positive, got {rank_tokens}")
+        raise HGraphError(f"--balance sp-accumulation: tokens per rank must be positive, got {rank_tokens}")
     c = sp_size_for(max(len(d) for d in docs), world_size, rank_tokens)
     scheme = Scheme(1, 1, c)
     replicas = world_size // c
@@ -101,8 +101,8 @@ def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_
         need = sum(len(d) for d in bins[j])
         k = max((k for k in range(len(bins)) if k != j and bins[k]), key=lambda k: room[k], default=None)
         if k is None or room[k] < need:
-            raise HGraphError(f"DCP-inter: a micro-batch of {need} tokens cannot be spread over CP{c}; "
-                              "raise --microbatch-tokens")
+            raise HGraphError(f"--balance sp-accumulation: a micro-batch of {need} tokens cannot be spread "
+                              f"over CP{c}; raise --microbatch-tokens")
         bins[k] += bins[j]
         room[k] -= need
         bins[j] = []

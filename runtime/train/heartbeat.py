@@ -34,7 +34,7 @@ Silent = tuple[int, str, float]
 
 class Heartbeat:
     """Beats for ``rank`` into ``store`` until ``stop``; ``lost_ranks`` reads everyone's beats; with
-    ``timeout_s``, peers silent that long go to ``on_unresponsive`` (module docstring)."""
+    ``timeout_s``, peers silent that long go to ``on_unresponsive``."""
 
     def __init__(self, store: Any, rank: int, world_size: int, interval_s: float = 0.5,
                  stale_s: float = 3.0, timeout_s: Optional[float] = None,

@@ -211,7 +211,7 @@ def _worker(rank: int, world_size: int, ref: _FunctionRef, args: tuple, backend:
     except BaseException as e:  # report everything, including KeyboardInterrupt in a child
         message = f"{type(e).__name__}: {e}"
         report = (rank, False, pickle.dumps((message, traceback.format_exc())))
-    # done: a stop request (SIGINT, module docstring) finds it only reporting and exiting
+    # done: a stop request (SIGINT) finds it only reporting and exiting
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         results.put(report)
@@ -257,7 +257,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *, backend: str = "gloo", arg
 
     Raises ``SpawnError`` naming the first rank that raised or died, or the ranks still running
     after ``timeout_s`` seconds (collectives inside also time out after ``timeout_s``); ``Stopped``
-    on SIGTERM, unless ``forward_sigterm`` passes it on to the ranks (module docstring).
+    on SIGTERM, unless ``forward_sigterm`` passes it on to the ranks.
     """
     if world_size < 1:
         raise HGraphError(f"spawn: world_size must be >= 1, got {world_size}")

@@ -48,7 +48,7 @@ SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000
 
 @dataclass(frozen=True)
 class LauncherEnv:
-    """One rank's view of a launched run (module docstring). ``names`` maps each field to the
+    """One rank's view of a launched run. ``names`` maps each field to the
     environment variable it came from, for messages."""
 
     launcher: str                  # "torchrun" or "slurm"

@@ -28,7 +28,7 @@ SCHEDULES = ("constant", "cosine", "linear", "wsd")
 
 @dataclass(frozen=True)
 class LRSchedule:
-    """``lr_at(step)`` for one run (module docstring)."""
+    """``lr_at(step)`` for one run."""
 
     kind: str
     lr: float

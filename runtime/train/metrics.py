@@ -43,7 +43,7 @@ class MetricsWriter:
     def write(self, result: StepResult, cache: Any, batch: MiniBatch, delay_state: Optional[dict], *,
               planned: dict, memory: dict, balance: dict, extra: Optional[dict] = None,
               throughput: Optional[dict] = None) -> None:
-        """The line of one step (module docstring); ``delay_state``: the outlier-delay stream's
+        """The line of one step; ``delay_state``: the outlier-delay stream's
         state after it (None without delay)."""
         if self.file is None:
             return

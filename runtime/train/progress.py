@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
+from hgraph.runtime.process.run_log import run_log
+
+log = run_log(__name__)
+
 
 class ProgressBar(Protocol):
     def update(self, n: int = 1, note: str = "") -> None: ...
@@ -25,13 +29,13 @@ class ProgressFactory(Protocol):
 
 
 class PrintedLines:
-    """No bar: the lines written are printed (flushed), updates are not shown."""
+    """No bar: the lines written go to the run's log (stdout, ``process.run_log``), updates are not shown."""
 
     def update(self, n: int = 1, note: str = "") -> None:
         pass
 
     def write(self, line: str) -> None:
-        print(line, flush=True)
+        log.info(line)
 
     def close(self) -> None:
         pass

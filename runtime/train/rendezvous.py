@@ -34,7 +34,7 @@ def attempt_prefix(env: LauncherEnv) -> str:
 
 
 def attempt_store(env: LauncherEnv, timeout_s: float) -> Any:
-    """This attempt's view of the run's store (module docstring); connecting waits up to ``timeout_s``."""
+    """This attempt's view of the run's store; connecting waits up to ``timeout_s``."""
     try:
         tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                             is_master=not env.agent_store and env.rank == 0, timeout=timedelta(seconds=timeout_s),

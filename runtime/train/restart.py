@@ -25,7 +25,7 @@ from hgraph.runtime.train.launcher_env import LauncherEnv
 
 def restart_config(config: TrainConfig, env: Optional[LauncherEnv]) -> tuple[TrainConfig, Optional[str]]:
     """``config`` set to resume when this attempt is a launcher's restart and a complete checkpoint
-    exists (module docstring), and the line that says what the restart does (None: not a restart)."""
+    exists, and the line that says what the restart does (None: not a restart)."""
     ckpts = config.checkpointing
     if env is None or not env.is_restart:
         return config, None

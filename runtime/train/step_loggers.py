@@ -9,15 +9,17 @@ with a known peak), ``time/step_s`` and ``memory/peak_bytes/rank_R`` per rank (w
 """
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.process.run_log import run_log
+
+log = run_log(__name__)
 
 
 def step_scalars(loss: float, time_s: float, throughput: dict, memory: dict,
                  extra: Optional[dict] = None) -> dict[str, float]:
-    """The scalars of one step, by tag (module docstring); ``extra``: the step's ``lr`` and, when
+    """The scalars of one step, by tag; ``extra``: the step's ``lr`` and, when
     measured, ``eval_loss``."""
     extra = extra or {}
     out = {"train/loss": float(loss), "time/step_s": float(time_s),
@@ -80,8 +82,8 @@ class StepLoggers:
             try:
                 import wandb  # optional: only this flag needs it
             except ImportError:
-                print(f"hgraph: --wandb {wandb_project}: wandb is not installed (pip install wandb); "
-                      "not logging to it", file=sys.stderr, flush=True)
+                log.warning("hgraph: --wandb %s: wandb is not installed (pip install wandb); not logging to it",
+                            wandb_project)
             else:
                 self.loggers.append(WandbLogger(wandb, wandb_project, directory, config or {}))
 

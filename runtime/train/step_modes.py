@@ -25,13 +25,15 @@ choice (``checkpoint_state``) and which candidates it chose among (``candidates`
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
+
+import torch.nn as nn
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
 from hgraph.runtime.data.micro_batch import MicroBatch
-from hgraph.runtime.engine.executor import StepResult
-from hgraph.runtime.planner.cost.cost_model import with_activation_budget
+from hgraph.runtime.engine.executor import Executor, StepResult
+from hgraph.runtime.planner.cost.cost_model import CostModel, with_activation_budget
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gather_floats, model_cost_model,
                                                       pipeline_metrics)
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
@@ -47,7 +49,7 @@ def parse_schedule(text: str, world_size: int) -> list[Strategy]:
 
 def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
                       microbatch_tokens: Optional[int] = None) -> list[list[list[Document]]]:
-    """The built-in rule (module docstring): per pipeline, its micro-batches, each a list of documents."""
+    """The built-in rule: per pipeline, its micro-batches, each a list of documents."""
     n = len(strategy.pipelines)
     load = [0] * n
     assigned: list[list[Document]] = [[] for _ in range(n)]
@@ -76,9 +78,9 @@ def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch
 
 
 class StepMode:
-    """The interface the training loop calls (module docstring)."""
+    """The interface the training loop calls."""
 
-    def __init__(self, executor: Any) -> None:
+    def __init__(self, executor: Executor) -> None:
         self.executor = executor
         self.planned: dict[int, dict] = {}      # per step, the planner's figures (planner-driven)
         self.balance: dict[int, dict] = {}      # per step, DCP-inter's figures
@@ -101,7 +103,7 @@ class StepMode:
 class FixedSchedule(StepMode):
     """Step ``k`` runs ``schedule[k mod n]``, packed by ``dispatch_and_pack``."""
 
-    def __init__(self, schedule: Sequence[Strategy], executor: Any, config: TrainConfig) -> None:
+    def __init__(self, schedule: Sequence[Strategy], executor: Executor, config: TrainConfig) -> None:
         super().__init__(executor)
         self.schedule, self.config = list(schedule), config
 
@@ -121,7 +123,8 @@ class FixedSchedule(StepMode):
 class PlannerDriven(StepMode):
     """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
 
-    def __init__(self, planner: IterationPlanner, setup: PlannerSetup, executor: Any, config: TrainConfig) -> None:
+    def __init__(self, planner: IterationPlanner, setup: PlannerSetup, executor: Executor,
+                 config: TrainConfig) -> None:
         super().__init__(executor)
         self.planner, self.setup, self.config = planner, setup, config
 
@@ -156,7 +159,8 @@ class DcpInter(FixedSchedule):
     """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
     (``dcp_inter.dcp_inter_step``) with the cost model's micro-batch times; figures to ``balance``."""
 
-    def __init__(self, schedule: Sequence[Strategy], cost: Any, executor: Any, config: TrainConfig) -> None:
+    def __init__(self, schedule: Sequence[Strategy], cost: CostModel, executor: Executor,
+                 config: TrainConfig) -> None:
         super().__init__(schedule, executor, config)
         self.cost = cost
 
@@ -168,7 +172,8 @@ class DcpInter(FixedSchedule):
         return self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
 
 
-def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: Any, world_size: int) -> Any:
+def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: nn.Module,
+                   world_size: int) -> Optional[CostModel]:
     """``planner.balance``: checked; for ``sp-accumulation`` (a homogeneous data-parallel schedule) the cost
     model whose micro-batch times it balances, else None."""
     balance = config.planner.balance

@@ -64,7 +64,7 @@ def device_peak_tflops(device: torch.device, override: Optional[float] = None) -
 
 @dataclass(frozen=True)
 class ModelFlops:
-    """What the model FLOPs of a step depend on: matmul weights and attention width (module docstring)."""
+    """What the model FLOPs of a step depend on: matmul weights and attention width."""
 
     matmul_params: int
     attention_width: int

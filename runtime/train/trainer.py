@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import hgraph
 from hgraph import ops
+from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
@@ -64,6 +65,7 @@ from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
 from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.process.lifetime import end_process
+from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
@@ -76,6 +78,8 @@ from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
 from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
 from hgraph.strategy import Cluster, Strategy
+
+log = run_log(__name__)
 
 
 @dataclass
@@ -114,7 +118,7 @@ def record_model(config: TrainConfig) -> InitRecord:
                        config.model.seed)
 
 
-def dropout_status(gm: Any, mode: str) -> str:
+def dropout_status(gm: torch.fx.GraphModule, mode: str) -> str:
     """What happens to the model's dropout: ``"applied (N sites, p ...)"``, ``"off (N sites ...)"`` or
     ``"none"`` (the traced graph has no training dropout)."""
     probs = []
@@ -140,7 +144,7 @@ def model_and_weights(config: TrainConfig, say: bool = False) -> tuple[torch.nn.
         model, default = record.model, SeededInit(record)
     except NotRecordable as exc:
         if say:
-            print(f"hgraph: {exc}; every rank builds the whole model once to initialise its shards", flush=True)
+            log.info("hgraph: %s; every rank builds the whole model once to initialise its shards", exc)
         model = build_model(config)
         default = EagerInit(model, config.model.seed)
     return model, weight_source(model, default, _model_spec(config), config.model.init_from)
@@ -152,8 +156,8 @@ def check_weights(config: TrainConfig) -> str:
     return model_and_weights(config)[1].description
 
 
-def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> Any:
+def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
+                   device: Optional[torch.device] = None) -> ShardedAdam:
     opt = config.optimizer
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
@@ -168,7 +172,7 @@ def make_optimizer(config: TrainConfig, compiled: Any, rank: int, world_size: in
 class Trainer:
     """Runs a ``TrainConfig`` on this rank of an initialised process group (or alone)."""
 
-    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Any = None,
+    def __init__(self, config: TrainConfig, rank: int, world_size: int, groups: Optional[GroupCache] = None,
                  planner_channel: Any = None) -> None:
         if world_size != config.cluster.world_size:
             raise HGraphError(f"the run has {world_size} processes but --world-size is "
@@ -200,12 +204,12 @@ class Trainer:
                                        sequence_parallel=None if config.model.sequence_parallel else False)
         self.sequence_parallel = self.compiled.sequence_parallel_status()
         if self.sequence_parallel.startswith("off:") and rank == 0 and config.log_steps:
-            print(f"hgraph: {self.sequence_parallel.removeprefix('off: ')}", flush=True)
+            log.info("hgraph: %s", self.sequence_parallel.removeprefix('off: '))
         self.dropout = dropout_status(self.compiled.hgraph.gm, config.model.dropout)
         self.model_flops = ModelFlops.of(self.compiled)        # every step's TFLOP/s and MFU
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
-            print(f"hgraph: the model's dropout is disabled ({self.dropout})", flush=True)
+            log.info("hgraph: the model's dropout is disabled (%s)", self.dropout)
         self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
         planner = None
         if self.planner_setup is not None:
@@ -244,7 +248,7 @@ class Trainer:
             self.mode = FixedSchedule(schedule, self.executor, config)
         if rank == 0:
             for line in self.sharding_warnings(schedule or [Strategy.parse(c) for c in self.mode.candidates()]):
-                print(f"hgraph: warning: {line}", flush=True)
+                log.info("hgraph: warning: %s", line)     # on stdout, with the run's other notes
 
     def sharding_warnings(self, strategies: list) -> list[str]:
         """One line per TP degree of ``strategies`` that leaves much of the blocks' parameters replicated
@@ -331,8 +335,9 @@ class Trainer:
                                 start_step if self.resumed is not None else None)
         loggers = (StepLoggers(cfg.logging.tensorboard, cfg.logging.wandb, cfg.logging.run_dir, cfg.values())
                    if self.rank == 0 else StepLoggers())
-        self.executor.heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
-                                                              on_unresponsive=self._end_on_silence)
+        heartbeat = Heartbeat.for_default_group(timeout_s=cfg.cluster.heartbeat_timeout,
+                                                on_unresponsive=self._end_on_silence)
+        self.executor.watch(heartbeat)
         now = start_step
         stopped = None
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
@@ -359,8 +364,7 @@ class Trainer:
         except RuntimeError as exc:
             # a collective outside the executor's step (checkpoint save, planner broadcast) failed:
             # name the rank that died, as the executor does inside a step
-            beat = self.executor.heartbeat
-            lost = beat.lost_ranks() if beat is not None and not isinstance(exc, RankLostError) else []
+            lost = heartbeat.lost_ranks() if heartbeat is not None and not isinstance(exc, RankLostError) else []
             if lost:
                 raise RankLostError(now, lost, self.rank, exc) from exc
             raise
@@ -369,9 +373,9 @@ class Trainer:
             self.mode.close()
             metrics.close()
             loggers.close()
-            if self.executor.heartbeat is not None:
-                self.executor.heartbeat.stop()
-                self.executor.heartbeat = None
+            self.executor.watch(None)
+            if heartbeat is not None:
+                heartbeat.stop()
         final = self.final_state_dict() if ckpts.save_final else None
         if final is not None and self.rank == 0:
             Path(ckpts.save_final).parent.mkdir(parents=True, exist_ok=True)
@@ -435,11 +439,9 @@ class Trainer:
                                  run=run_state(cfg, self.world_size, self.model))
         if cfg.log_steps and self.rank == 0:
             if checkpoints.asynchronous:
-                print(f"checkpoint {saved.path} staged in {1e3 * saved.save_s:.0f} ms, written in the background",
-                      flush=True)
+                log.info("checkpoint %s staged in %.0f ms, written in the background", saved.path, 1e3 * saved.save_s)
             else:
-                print(f"checkpoint {saved.path} ({saved.bytes / 1e6:.2f} MB) saved in {1e3 * saved.save_s:.0f} ms",
-                      flush=True)
+                log.info("checkpoint %s (%.2f MB) saved in %.0f ms", saved.path, saved.bytes / 1e6, 1e3 * saved.save_s)
         return saved
 
     def final_state_dict(self) -> dict:
@@ -460,7 +462,7 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: Any, device: torch.device) -> PlannerSetup:
+def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device) -> PlannerSetup:
     """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
     device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()

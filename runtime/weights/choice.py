@@ -40,7 +40,7 @@ _ZIP, _PICKLE = b"PK\x03\x04", b"\x80"
 
 def weight_source(model: nn.Module, default: WeightSource, model_spec: str,
                   init_from: Optional[str] = None) -> WeightSource:
-    """The run's initial weights for ``model`` (module docstring)."""
+    """The run's initial weights for ``model``."""
     if init_from is not None:
         return FileWeights(open_weights(init_from), model, default)
     directory = hf.local_dir(model_spec[3:]) if model_spec.startswith("hf:") else None
@@ -55,7 +55,7 @@ def weight_source(model: nn.Module, default: WeightSource, model_spec: str,
 
 
 def open_weights(path: str) -> TensorTable:
-    """The files at ``path`` as a ``TensorTable`` (module docstring); one-line HGraphError otherwise."""
+    """The files at ``path`` as a ``TensorTable``; one-line HGraphError otherwise."""
     p = Path(path)
     if not p.exists():
         raise HGraphError(f"--init-from {str(p)!r} does not exist")

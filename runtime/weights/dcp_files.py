@@ -17,7 +17,7 @@ from hgraph.runtime.checkpoint import dcp_format
 
 
 class DcpFiles:
-    """A DCP folder's model tensors by parameter name (module docstring)."""
+    """A DCP folder's model tensors by parameter name."""
 
     def __init__(self, folder: Any) -> None:
         self.folder = Path(folder)

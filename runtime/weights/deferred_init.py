@@ -46,7 +46,7 @@ _META = torch.device("meta")
 
 
 class NotRecordable(HGraphError):
-    """The model's construction needs tensor values (module docstring)."""
+    """The model's construction needs tensor values."""
 
 # ops that draw from the generator: always replayed, in their recorded order
 _RANDOM = {"normal", "normal_", "uniform_", "bernoulli", "bernoulli_", "random_", "exponential_",
@@ -90,7 +90,7 @@ class _Storage:
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every aten op with its storages (module docstring)."""
+    """Records every aten op with its storages."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -156,7 +156,7 @@ def _spans_storage(t: torch.Tensor) -> bool:
 
 
 class InitRecord:
-    """A model's recorded construction (module docstring); ``model`` is the meta-device module."""
+    """A model's recorded construction; ``model`` is the meta-device module."""
 
     def __init__(self, model: nn.Module, recorder: _Recorder, seed: int) -> None:
         self.model, self.seed = model, seed
@@ -265,7 +265,7 @@ def _on_cpu(value: Any, real: dict[int, torch.Tensor], record: InitRecord) -> An
 
 
 def record_init(factory: Callable[[], nn.Module], seed: int) -> InitRecord:
-    """Build ``factory()`` without allocating it, recording its construction (module docstring).
+    """Build ``factory()`` without allocating it, recording its construction.
     The global generator is left as found (the recording seeds it with ``seed`` as the eager build does)."""
     state = torch.get_rng_state()
     torch.manual_seed(seed)

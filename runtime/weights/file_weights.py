@@ -56,7 +56,7 @@ def tied_aliases(model: nn.Module) -> dict[str, list[str]]:
 
 
 class FileWeights:
-    """The values of ``table`` for the model of ``record`` (module docstring)."""
+    """The values of ``table`` for the model of ``record``."""
 
     def __init__(self, table: TensorTable, model: nn.Module, default: WeightSource) -> None:
         self.table = table
@@ -86,7 +86,7 @@ class FileWeights:
 
 def match(table: TensorTable, model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     """(parameter -> its key in ``table``, buffer -> its key) for ``model``; one-line HGraphError listing
-    missing, unexpected and mis-shaped keys when the table does not fit (module docstring)."""
+    missing, unexpected and mis-shaped keys when the table does not fit."""
     shapes = table.shapes
     params = dict(model.named_parameters())
     param_keys: dict[str, str] = {}

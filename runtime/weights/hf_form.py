@@ -38,7 +38,7 @@ class HFForm:
 
 
 def hf_form(model: nn.Module) -> HFForm:
-    """The Hugging Face form of ``model`` (module docstring); HGraphError when it has none."""
+    """The Hugging Face form of ``model``; HGraphError when it has none."""
     if isinstance(model, Llama):
         return _zoo_llama(model)
     config = getattr(model, "config", None)

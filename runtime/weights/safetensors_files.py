@@ -73,7 +73,7 @@ def read_header(file: Path) -> dict[str, Any]:
 
 
 class SafetensorsFiles:
-    """The tensors of a safetensors file or directory (module docstring); ``entries`` by name."""
+    """The tensors of a safetensors file or directory; ``entries`` by name."""
 
     def __init__(self, description: str, entries: dict[str, TensorEntry]) -> None:
         self.description = description

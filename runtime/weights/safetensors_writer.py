@@ -66,7 +66,7 @@ def shard_names(count: int) -> list[str]:
 
 def write_shards(directory: Path, plan: list[list[str]], specs: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
                  read: Callable[[str], torch.Tensor]) -> list[Path]:
-    """Write the shards of ``plan`` (module docstring); ``specs``: each key's shape and dtype. Returns
+    """Write the shards of ``plan``; ``specs``: each key's shape and dtype. Returns
     the files written (index last)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)

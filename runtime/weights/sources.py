@@ -23,7 +23,7 @@ from hgraph.shard_rule import ShardLayout
 
 
 class WeightSource(Protocol):
-    """Initial values of a model's parameters (segments) and buffers (whole); module docstring."""
+    """Initial values of a model's parameters (segments) and buffers (whole)."""
 
     #: what the values are, for messages (``"seeded init (seed 0)"``, a path)
     description: str

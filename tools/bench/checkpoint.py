@@ -59,7 +59,7 @@ def _load_times(root: str, world_size: int, repeats: int, verify: bool) -> float
 
 
 def run_benchmark(spec: str, model_args: dict, world_size: int, load_sizes: list[int], repeats: int) -> dict:
-    """The figures as a dict (see the module docstring)."""
+    """The figures as a dict."""
     with tempfile.TemporaryDirectory(prefix="hgraph-ckpt-bench-") as root:
         per_rank = spawn(_save_worker, world_size, args=(spec, model_args, root, repeats), timeout_s=600)
         folder = checkpoint.latest(root)

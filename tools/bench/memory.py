@@ -38,7 +38,7 @@ from hgraph.runtime.planner.cost.memory_estimate import estimate_memory
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import Trainer
-from hgraph.strategy import Cluster, Strategy, parse_strategy_list
+from hgraph.strategy import Cluster, parse_strategy_list
 
 MODEL_ARGS_168M = {"vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_layers": 8,
                    "num_heads": 16}
@@ -93,7 +93,7 @@ def runs_worker(rank: int, world_size: int, configs: Sequence[TrainConfig]) -> l
 
 
 def bounds_and_predictions(model: str, model_args: dict, run: Run, tokens: int) -> tuple[list[int], list[int], int]:
-    """Per rank, the bound and ``hgraph memory``'s peak (module docstring), and the parameter count."""
+    """Per rank, the bound and ``hgraph memory``'s peak, and the parameter count."""
     with torch.device("meta"):
         module = resolve_model_spec(model, model_args)
     compiled = hgraph.compile(module, dtype="fp32")

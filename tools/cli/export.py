@@ -87,7 +87,7 @@ def _recorded_run(folder: Path) -> dict:
 
 
 def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB", dtype: str = "fp32") -> dict:
-    """Write the Hugging Face folder (module docstring), streaming, the parameters in ``dtype``
+    """Write the Hugging Face folder, streaming, the parameters in ``dtype``
     (``fp32`` or ``bf16``); returns what was written."""
     weight_dtype = DTYPES[dtype]
     max_bytes = parse_size(max_shard_size)
@@ -123,7 +123,7 @@ def export_hf(path: str, output: str, step=None, max_shard_size: str = "5GB", dt
 
 
 def export_checkpoint(path: str, output: str, step=None) -> dict:
-    """Write and check the state_dict (module docstring); returns what was written."""
+    """Write and check the state_dict; returns what was written."""
     folder = _checkpoint_folder(path, step)
     run = _recorded_run(folder)
 

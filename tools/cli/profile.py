@@ -1,7 +1,8 @@
 """``hgraph profile``: measure a cost profile (a, b, c per scheme, memory constants) on this machine.
 
-Dual-layer profiling (DCP): the model is timed with 1 and 2 decoder layers, forward + backward, per
-sequence length; the difference is one layer, extrapolated to the layers of one pipeline stage.
+Dual-layer profiling (the Data-Centric Parallel paper's method): the model is timed with 1 and 2
+decoder layers, forward + backward, per sequence length; the difference is one layer, extrapolated to
+the layers of one pipeline stage.
 The written file has the format of the built-in profiles, so ``--profile FILE`` reads it back.
 """
 from __future__ import annotations

@@ -30,7 +30,7 @@ def resolve_mode(mode: str, stream: Optional[TextIO] = None) -> bool:
 
 
 class Progress:
-    """One bar (see the module docstring); ``close()`` clears it."""
+    """One bar; ``close()`` clears it."""
 
     def __init__(self, total: int, label: str, *, enabled: bool = False, plain: bool = False,
                  stream: Optional[TextIO] = None, width: int = 24) -> None:

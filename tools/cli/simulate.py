@@ -6,7 +6,8 @@ dropped with ``--long drop``) under the cost model of ``--profile``: hgraph (pro
 per-iteration dispatch + packing), Megatron-LM (static homogeneous, fixed-length packing, even
 dispatch), DeepSpeed-Ulysses (static homogeneous sequence parallel), HotSPa (a few homogeneous
 strategies per iteration with switching cost), WLB-LLM (var-length packing with outlier delay on a
-homogeneous 4D strategy) and DCP (per-length sequence-parallel groups). Each baseline is tuned over
+homogeneous 4D strategy) and DCP, the Data-Centric Parallel paper's system (per-length
+sequence-parallel groups). Each baseline is tuned over
 its own strategy space, under the same cost model.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hgraph.tools.cli.length_options import add_workload_options, workload_cost_
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("simulate", help="simulate training iterations: hgraph vs Megatron, DeepSpeed, "
-                              "HotSPa, WLB-LLM, DCP", description=__doc__)
+                              "HotSPa, WLB-LLM, Data-Centric Parallel (dcp)", description=__doc__)
     add_workload_options(p, max_len_help="context length")
     p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per iteration")
     p.add_argument("--iters", required=True, type=int, metavar="K", help="iterations to simulate")

@@ -167,7 +167,7 @@ def on_devices(cfg: ResolvedConfig, env: Optional[LauncherEnv]) -> ResolvedConfi
 def device_memory_option(text, data, device: str = "cpu", ranks_here: int = 1):
     """``--device-memory``: bytes, None (``none``), or ``auto``: on CUDA one GPU's memory (split
     between the ranks sharing it); on CPU sized on the ranks from the model (``"auto"``) with the
-    built-in data, no limit with ``--data`` (module docstring)."""
+    built-in data, no limit with ``--data``."""
     t = str(text).strip().lower()
     if t == "none":
         return None

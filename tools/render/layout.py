@@ -300,7 +300,7 @@ def _row_width(row: list[int], width: list[float]) -> float:
 # ---- the layout ---------------------------------------------------------------------------------
 
 def layout_graph(g: RGraph) -> Layout:
-    """Lay out ``g`` (see the module docstring). Raises HGraphError for an invalid graph."""
+    """Lay out ``g``. Raises HGraphError for an invalid graph."""
     validate_graph(g)
     tree = cluster_tree(g.nodes)
     clusters = list(tree.walk())

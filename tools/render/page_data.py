@@ -45,7 +45,7 @@ def _level_data(level: Level) -> dict[str, Any]:
 
 
 def page_data(c: CollapsedGraph) -> dict[str, Any]:
-    """The page's data for ``c`` (see the module docstring)."""
+    """The page's data for ``c``."""
     return {
         "levels": {owner or "": _level_data(level) for owner, level in c.levels.items()},
         "boxes": {box.id: {"name": box.name, "kind": box.kind,

@@ -66,7 +66,7 @@ SCRIPT = r"""
   function anchor(r, p) { return [(p[0] - r[0]) / Math.max(r[2] - r[0], EPS), (p[1] - r[1]) / Math.max(r[3] - r[1], EPS)]; }
   function at(r, a) { return [r[0] + a[0] * (r[2] - r[0]), r[1] + a[1] * (r[3] - r[1])]; }
   function frameTitle(id) { var b = D.boxes[id]; return '\u2212 ' + b.name + ' (' + b.n + ' ops)'; }
-  function layoutLevel(key) {  // see the module docstring; bends inside a row are placed like thin items
+  function layoutLevel(key) {  // bends inside a row are placed like thin items
     var L = D.levels[key], out = {items: {}, inner: {}, edges: [], clusters: []}, size = {};
     L.items.forEach(function (it) {
       var id = it[0];

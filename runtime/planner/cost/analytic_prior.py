@@ -70,7 +70,7 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
                         device_flops: float = 312e12, mfu: float = 0.5, tp_bandwidth: float = 150e9,
                         launch_ms_per_layer: float = 0.25, gpu_memory_bytes: int = 80 * 2 ** 30,
                         framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30) -> CostModel:
-    """A CostModel from first principles (module docstring lists the assumptions).
+    """A CostModel from first principles.
 
     ``device_flops`` (FLOP/s, bf16 dense) and ``tp_bandwidth`` (bytes/s between TP ranks) describe
     the device; defaults are an A100/A800-class GPU with NVLink.

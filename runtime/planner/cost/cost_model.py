@@ -134,7 +134,7 @@ class CostModel:
     """Latency and memory model of every scheme that fits a cluster of ``world_size`` GPUs.
 
     ``profiled`` maps ``(tp, pp, cp)`` to measured ``(a, b, c)``; CP schemes not profiled are
-    derived (module docstring). ``schemes`` lists the schemes that fit: ``tp*pp*cp <= world_size``,
+    derived. ``schemes`` lists the schemes that fit: ``tp*pp*cp <= world_size``,
     TP inside one node, and a positive MaxLen.
     """
 

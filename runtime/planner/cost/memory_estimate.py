@@ -68,7 +68,7 @@ class RankMemory:
 
 @dataclass
 class MemoryEstimate:
-    """Every rank's memory under one strategy (module docstring)."""
+    """Every rank's memory under one strategy."""
 
     strategy: Strategy
     cluster: Cluster
@@ -105,7 +105,7 @@ class MemoryEstimate:
 def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, scheme: Scheme, stage: int,
                            tokens: int) -> int:
     """Bytes a rank of ``stage`` of a ``scheme`` pipeline saves for backward at the 1F1B peak with
-    micro-batches of ``tokens`` tokens (module docstring); ``A``, ``other``: the memory model's
+    micro-batches of ``tokens`` tokens; ``A``, ``other``: the memory model's
     coefficients for the scheme's TP degree, ``layers``: the stage's."""
     per_layer = A * hidden / (scheme.tp * scheme.cp)
     in_flight = scheme.pp - stage

@@ -154,7 +154,7 @@ def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, l
         safety_margin_bytes=safety_margin_bytes,
         gpu_memory_bytes=gpu_memory_bytes,
     )
-    raw = {"method": "dual-layer (DCP): 1- and 2-layer models, forward+backward, fastest of interleaved repeats",
+    raw = {"method": "dual-layer (Data-Centric Parallel paper): 1- and 2-layer models, forward+backward, fastest of interleaved repeats",
            "device": device, "lengths": list(map(int, lengths)), "repeats": repeats, "threads": threads,
            "layer_ms": timings.layer_ms, "rest_ms": timings.rest_ms, "points": points,
            "memory_source": "A measured by counting saved tensors (1 vs 2 layers); B and alpha derived from the "

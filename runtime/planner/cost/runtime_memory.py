@@ -120,7 +120,7 @@ def saved_activation_bytes(model: Any, length: int, doc_len: Optional[int] = Non
     """Bytes autograd keeps for backward in one forward of ``model`` on ``length`` random tokens
     (the runtime's ``ActivationMeter``; parameters excluded), packed as documents of ``doc_len``
     tokens through the runtime's varlen attention (None: one document, plain SDPA), the loss made as
-    the runtime makes it, from the output head's input (module docstring). ``sequence_parallel_tp``:
+    the runtime makes it, from the output head's input. ``sequence_parallel_tp``:
     what the norms save counts 1/TP (a TP rank's token slice under sequence parallelism);
     ``compiled_step``: what a ``--compile`` step keeps (the model behind ``torch.compile``)."""
     meter = _RegionMeter(list(model.parameters()), llama.RMSNorm)
@@ -151,7 +151,7 @@ def measured_activation_coeffs(cfg: Any, tps: Iterable[int], length: int = MEASU
                                sequence_parallel: bool = True,
                                compiled_step: bool = False) -> tuple[tuple[tuple[int, float], ...],
                                                                         tuple[tuple[int, float], ...]]:
-    """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config (module docstring).
+    """``(activation_coeff, other_coeff)`` of ``MemoryModel`` for a zoo Llama config.
 
     The 1- and 2-layer models run on fake tensors (``FakeTensorMode`` on the CPU device: the same
     kernels are chosen, so the same tensors are saved, with the same shapes and dtypes as a real run,

@@ -50,9 +50,9 @@ def dcp_inter(step_ms: Sequence[float], gpus: Optional[Sequence[int]] = None, *,
     """Accumulation counts balancing the bucket batches of one iteration (DCP Eq. 3, App. C)."""
     t = np.asarray(step_ms, dtype=np.float64)
     if t.size == 0 or (t <= 0).any():
-        raise HGraphError(f"DCP-inter needs positive step times, got {list(step_ms)}")
+        raise HGraphError(f"Data-Centric Parallel accumulation needs positive step times, got {list(step_ms)}")
     if gpus is not None and (len(gpus) != t.size or min(gpus) < 1):
-        raise HGraphError("DCP-inter needs one positive GPU count per batch")
+        raise HGraphError("Data-Centric Parallel accumulation needs one positive GPU count per batch")
     if not (1 <= g_min and 1 <= g_max):
         raise HGraphError(f"accumulation bounds must be >= 1, got G_min={g_min}, G_max={g_max}")
     budget = g_max * float(t.max())
@@ -102,7 +102,8 @@ def dcp_intra(candidates: Mapping[tuple[int, int], IntraCandidate], memory_bytes
               seq_len: int) -> IntraChoice:
     """DCP-intra (Alg. 1): fewest recomputed layers within memory, best throughput over (b, p)."""
     if layers < 1 or seq_len < 1:
-        raise HGraphError(f"DCP-intra needs layers >= 1 and a positive sequence length, got {layers}, {seq_len}")
+        raise HGraphError(f"Data-Centric Parallel recomputation needs layers >= 1 and a positive sequence "
+                          f"length, got {layers}, {seq_len}")
     best: Optional[IntraChoice] = None
     for (b, p), c in sorted(candidates.items()):
         if c.mem_bytes > memory_bytes:

@@ -12,7 +12,6 @@ plan needs every id once.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -24,6 +23,7 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
@@ -33,6 +33,8 @@ from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, cou
                                                         with_device_memory)
 from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
+
+log = run_log(__name__)
 
 ANALYTIC = "analytic"
 MEASURE = "measure"      # the analytic prior's schemes, timed on this machine at the start of the run
@@ -143,7 +145,7 @@ class PlannedStep:
 
 
 class IterationPlanner:
-    """Plans each mini-batch on rank 0 and shares the plan with every rank (module docstring).
+    """Plans each mini-batch on rank 0 and shares the plan with every rank.
 
     With ``ahead`` (rank 0's ``PlanConsumer``) the plans come from the planner process; if it is lost,
     rank 0 prints one warning and plans inline from then on. ``correction`` (rank 0) scales the
@@ -220,7 +222,7 @@ class IterationPlanner:
                 self.ahead = None
                 warning = f"hgraph train: warning: {exc}; planning inline from step {batch.step} on"
                 self.warnings.append(warning)
-                print(warning, file=sys.stderr, flush=True)
+                log.warning(warning)
         if plan is None:
             plan = selection.plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
                                   method=self.method, index=batch.step, time_limit_s=self.time_limit_s)

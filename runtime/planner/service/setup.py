@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 from hgraph.runtime.data.documents import Document, MiniBatch
+from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
 from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
 from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
+
+log = run_log(__name__)
 
 
 @contextlib.contextmanager
@@ -95,13 +98,13 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: Any
         bar.close()
     if rank == 0 and setup.log:
         c = planner.cost
-        print(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
+        log.info(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
               f"{', '.join(map(str, planner.candidates))}; cost model {c.name}; "
               f"set up in {time.perf_counter() - t0:.1f} s"
               + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
                  f"{max_len_table(c)}" if planner.device_memory is not None else "")
               + (f"; plans {setup.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
-                 else "; plans inline"), flush=True)
+                 else "; plans inline"))
     if rank == 0 and setup.profile == "measure" and setup.profile_path is not None:
         # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
         setup.profile_path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
