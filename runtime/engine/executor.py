@@ -44,6 +44,7 @@ rank's peak does not grow with the number of strategies a run has used.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -275,7 +276,10 @@ class Executor:
         groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
                   if k in ("tp", "cp") and len(g) > 1}
         self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
-        gm = rp.graph_module
+        # the executor's own copy of the rank's graph holds its working parameters; the Program's
+        # (which the compiled module caches and may hand to others) keeps the compiler's
+        source = rp.graph_module
+        gm = fx.GraphModule(source, copy.deepcopy(source.graph), type(source).__name__)
         working, aliased = {}, set()
         for name, shard in rp.params.items():
             *path, leaf = name.split(".")

@@ -1,7 +1,17 @@
 """The executor's one cache of per-strategy Programs and this rank's state for each."""
+import os
+import tempfile
+
+import torch.distributed as dist
+
 import hgraph
 from hgraph.frontends.zoo import llama
+from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.data.micro_batch import MicroBatch
+from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.engine.program_cache import ProgramCache
+from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
 from hgraph.strategy import Cluster, Strategy
 
 
@@ -32,3 +42,24 @@ def test_a_program_built_elsewhere_is_kept_under_its_strategy_without_counting()
     adopted.state = "state of other"
     assert cache.adopt(other).state == "state of other" and mine.state is None
     assert (cache.hits, cache.misses) == (0, 1)
+
+
+def test_a_program_given_to_the_executor_keeps_the_compilers_graph():
+    """The executor sets its working parameters on its own copy of a rank's graph: a Program built
+    elsewhere (the compiled module caches it) is left as the compiler made it."""
+    cfg = TrainConfig.from_values(model="tiny", model_args={"num_layers": 1}, world_size=1,
+                                  strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=64, lr=1e-4)
+    compiled = hgraph.compile(build_model(cfg))
+    program = compiled.instantiate("1xTP1PP1")
+    gm = program.rank(0).graph_module
+    before = dict(gm.named_parameters())
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"),
+                            rank=0, world_size=1)
+    try:
+        ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1))
+        docs = [list(d) for d in synthetic_documents(4, 256, 32, seed=1)]
+        ex.step(program, [[MicroBatch.pack(docs)]], sum(len(d) - 1 for d in docs))
+    finally:
+        dist.destroy_process_group()
+    after = dict(gm.named_parameters())
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
