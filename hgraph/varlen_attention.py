@@ -77,10 +77,10 @@ def boundaries(cu_seqlens: CuSeqlens, total: int, where: str = "cu_seqlens") -> 
 
 def cu_seqlens_for(doc_lengths: Sequence[int], device: Optional[torch.device] = None) -> torch.Tensor:
     """Cumulative boundaries ``[0, l0, l0+l1, ...]`` (int32) of documents packed in this order."""
-    lengths = torch.as_tensor([int(n) for n in doc_lengths], dtype=torch.int32)
-    if (lengths < 0).any():
-        raise HGraphError(f"document lengths must be >= 0, got {list(doc_lengths)}")
-    return F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0)).to(device)
+    lengths = [int(n) for n in doc_lengths]
+    if any(n < 0 for n in lengths):          # checked on the host ints, not on a tensor
+        raise HGraphError(f"document lengths must be >= 0, got {lengths}")
+    return F.pad(torch.cumsum(torch.as_tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32), (1, 0)).to(device)
 
 
 def position_ids_for(cu_seqlens: CuSeqlens, device: Optional[torch.device] = None) -> torch.Tensor:

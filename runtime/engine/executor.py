@@ -443,6 +443,9 @@ class Executor:
         last = rp.stage == rp.scheme.pp - 1
         pending: dict[int, Union[torch.Tensor, list[torch.Tensor]]] = {}
         loss_sum = 0.0
+        # the micro-batches' loss sums added on the device in float64 (as Python adds floats), read once
+        # at the last backward: a read per micro-batch would wait for the GPU after every forward
+        loss_acc: Optional[torch.Tensor] = None
         order = one_f_one_b(len(mbs), rp.scheme.pp, rp.stage)
         for n, (kind, i) in enumerate(order):
             mb = mbs[i]
@@ -455,7 +458,8 @@ class Executor:
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
                     if last:
                         s = self._loss_sum(out, ids, targets, mb, mb_comm)
-                        loss_sum += float(s.detach())
+                        part = s.detach().double()
+                        loss_acc = part if loss_acc is None else loss_acc + part
                         pending[i] = s / num_targets
                     else:
                         pending[i] = list(out)
@@ -464,6 +468,7 @@ class Executor:
             else:
                 out = pending.pop(i)
                 if n == len(order) - 1:     # gradients finished by this backward start their push
+                    loss_sum = float(loss_acc) if loss_acc is not None else 0.0
                     last_backward(loss_sum)
                 if last:
                     out.backward()

@@ -3,8 +3,9 @@
 On a GPU every read of a device value on the host (``nonzero``, ``.item()``, ``.tolist()``) waits for
 the queue to drain, and the GPU idles while Python catches up. Packed attention takes the
 micro-batch's documents from the host (``DocumentBounds`` on its communication context) and the
-chunked head loss's backward scatters its target gradients, so the reads of a step stay a fixed few
-(the loss, once per micro-batch and once per step), whatever the depth and the number of chunks.
+chunked head loss's backward scatters its target gradients, and the micro-batches' losses are added
+on the device, so the reads of a step stay a fixed few (the loss sum before the last backward, the
+global loss at the end), whatever the depth, the micro-batches and the number of chunks.
 On CPU the same ops run, so counting them under a ``TorchDispatchMode`` shows it.
 """
 from __future__ import annotations
@@ -52,13 +53,14 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def _reads_of_a_step(layers: int) -> collections.Counter:
+def _reads_of_a_step(layers: int, microbatches: int) -> collections.Counter:
     cfg = TrainConfig.from_values(model="tiny", model_args={"num_layers": layers}, world_size=1,
                                   strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=512, lr=1e-4)
     compiled = hgraph.compile(build_model(cfg))
     ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1))
     docs = [list(d) for d in synthetic_documents(12, 256, 128, seed=0)]
-    mbs = [[MicroBatch.pack(docs[:6]), MicroBatch.pack(docs[6:])]]
+    per = len(docs) // microbatches
+    mbs = [[MicroBatch.pack(docs[k * per:(k + 1) * per]) for k in range(microbatches)]]
     targets = sum(len(d) - 1 for d in docs)
     ex.step("1xTP1PP1", mbs, targets)                  # builds the program
     with HostReads() as watch:
@@ -66,9 +68,10 @@ def _reads_of_a_step(layers: int) -> collections.Counter:
     return watch.reads
 
 
-def test_a_step_reads_the_device_a_fixed_number_of_times_whatever_its_depth(one_rank):
-    shallow, deep = _reads_of_a_step(1), _reads_of_a_step(3)
-    assert deep == shallow, f"host reads grow with the layers: 1 layer {dict(shallow)}, 3 layers {dict(deep)}"
+def test_a_step_reads_the_device_a_fixed_number_of_times_whatever_its_depth_and_micro_batches(one_rank):
+    shallow, deep = _reads_of_a_step(1, 1), _reads_of_a_step(3, 4)
+    assert deep == shallow, (f"host reads grow with the layers or micro-batches: 1 layer and micro-batch "
+                             f"{dict(shallow)}, 3 layers and 4 micro-batches {dict(deep)}")
     assert "nonzero" not in deep, f"a step still finds something with nonzero: {dict(deep)}"
 
 
