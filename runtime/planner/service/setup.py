@@ -10,15 +10,21 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence, Union
 
+import torch
+import torch.nn as nn
+
+from hgraph.compiled import CompiledModule
+from hgraph.runtime.checkpoint.shards import Checkpoint
+from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
 from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
-from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerProcess
+from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerChannel, PlannerProcess
 
 log = run_log(__name__)
 
@@ -49,13 +55,13 @@ class PlannerSetup:
     plan_ahead: int = 2                        # steps planned ahead in the planner process (0: inline)
     tokens_per_iter: int = 8192
     gpus_per_node: int = 8
-    device_memory: Any = "auto"                # bytes per rank bounding MaxLen, "auto" or None
+    device_memory: Union[int, float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     working_bytes: int = 4                     # bytes of a working parameter (2 in bf16)
     tp_slots: int = 0                          # the model's TP enter/exit slots (a measured profile times them)
     log: bool = False                          # this rank prints the planner's line
     profile_path: Optional[Path] = None        # where a measured profile is kept with the run (None: not kept)
-    device: Any = None                         # where and in what a measured profile times the model:
-    dtype: Any = None                          # the run's device and working dtype
+    device: Optional[torch.device] = None      # where and in what a measured profile times the model:
+    dtype: Optional[torch.dtype] = None        # the run's device and working dtype
     compiled_step: bool = False                # the run compiles its graphs (what they keep bounds MaxLen)
 
 
@@ -67,8 +73,9 @@ class Progress(Protocol):
     def close(self) -> None: ...
 
 
-def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: Any, compiled: Any,
-                  docs: Sequence[Document], groups: Any = None, channel: Any = None, resumed: Any = None,
+def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.Module, compiled: CompiledModule,
+                  docs: Sequence[Document], groups: Optional[GroupCache] = None,
+                  channel: Optional[PlannerChannel] = None, resumed: Optional[Checkpoint] = None,
                   progress_bar: Callable[[int, str], Progress], run_batches: Callable[[], Iterable[MiniBatch]]
                   ) -> IterationPlanner:
     """The run's ``IterationPlanner`` (collective on every rank): the one a checkpoint kept
@@ -113,7 +120,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: Any
     return planner
 
 
-def resumed_planner(loaded: Any, setup: PlannerSetup, rank: int, world_size: int) -> Optional[IterationPlanner]:
+def resumed_planner(loaded: Optional[Checkpoint], setup: PlannerSetup, rank: int, world_size: int) -> Optional[IterationPlanner]:
     """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
     measurement, so it plans as the interrupted run would have), when they were made for this world
     size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
