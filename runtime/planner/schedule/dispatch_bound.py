@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast
 from hgraph.strategy import Scheme
 
 # Costs in the model: integer units of this many per ms (work), rates per token in 1e-9 ms.
@@ -148,7 +149,6 @@ def microbatch_lower_bound(lengths, pipelines: Sequence[Scheme], cost, *, lower:
     counts = [counts_of[s] for s in schemes]
     buckets = _buckets(lengths, groups, [g[4] for g in groups])
     if upper is None:
-        from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast
         upper = dispatch_fast(lengths, pipelines, cost).latency
     lo, hi = float(lower), float(upper)
     deadline = time.perf_counter() + time_limit_s
