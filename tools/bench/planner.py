@@ -66,7 +66,8 @@ def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8)
     times, cpu, plans = [], [], []
     for k, ids in enumerate(batches):
         t, c = time.perf_counter(), time.process_time()
-        plan = plan_iteration(lengths[ids], cands, cost, doc_ids=ids, index=k)
+        plan = plan_iteration(lengths[ids], cands, cost, doc_ids=ids, index=k,
+                              previous=plans[-1].strategy if plans else None)
         times.append((time.perf_counter() - t) * 1e3)
         cpu.append((time.process_time() - c) * 1e3)
         plans.append(plan)
