@@ -4,8 +4,12 @@ Run ``python -m hgraph.tools.bench.planner`` (``--quick`` for a short run). Data
 lengths in ``../shared/data`` beside the repository (or ``--lengths``), truncated to the context
 length. Figures printed:
 
-1. per-iteration time of dispatch + packing + selection over all candidates (one core), at 64 GPUs /
-   200K tokens and 1024 GPUs / 3.2M tokens, 32K context, llama-32b (targets 50 ms and 500 ms);
+1. per-iteration time of dispatch + packing + selection over all candidates (one core; each
+   iteration is told the previous one's strategy), at 64 GPUs / 200K tokens, 1024 GPUs / 3.2M
+   tokens and 12,288 GPUs / 38.4M tokens, 32K context, llama-32b (targets 50 ms, 100 ms and 1 s;
+   the wall figure counts the time the shared core ran others, the CPU figure does not), the
+   proposal's time, and the chosen plans against Alg. 1 (100 trials) on the same strategy and
+   against the best homogeneous strategy;
 2. dispatch quality: fast vs Hydraulis Alg. 1 (100 trials) vs CP-SAT (joint dispatch + packing,
    time-boxed, given the fast solution in full as its hint, so it can only improve on it) vs the
    best proven lower bound (``selection.strategy_lower_bound``, CP-SAT's own bound where its
@@ -37,7 +41,7 @@ from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.schedule.dispatch_bound import microbatch_lower_bound
 from hgraph.runtime.planner.schedule.dispatch_cpsat import dispatch_cpsat
 from hgraph.runtime.planner.schedule.packing import pack_pipeline, pack_pipeline_cpsat
-from hgraph.runtime.planner.selection import auto_candidates, plan_iteration, strategy_lower_bound
+from hgraph.runtime.planner.selection import auto_candidates, best_homogeneous, plan_iteration, strategy_lower_bound
 from hgraph.strategy import Strategy
 
 
@@ -59,9 +63,9 @@ def _pct(values, q):
 
 def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8):
     cost = load_cost_model(profile, world_size=gpus, gpus_per_node=gpus_per_node)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cands, source = auto_candidates(lengths, cost, gpus, context, tokens)
-    proposal_s = time.perf_counter() - t0
+    proposal_s, proposal_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     batches = minibatches(lengths, tokens)[:iters]
     times, cpu, plans = [], [], []
     for k, ids in enumerate(batches):
@@ -78,6 +82,7 @@ def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8)
     return {
         "gpus": gpus, "tokens_per_iter": tokens, "profile": profile, "iterations": len(batches),
         "candidates": [str(s) for s in cands], "candidate_source": source, "proposal_s": proposal_s,
+        "proposal_cpu_s": proposal_cpu_s,
         "mean_docs": statistics.mean(len(b) for b in batches),
         "solve_ms": {"mean": statistics.mean(times), "p50": _pct(times, 50), "p90": _pct(times, 90), "max": max(times)},
         "cpu_ms": {"mean": statistics.mean(cpu), "p50": _pct(cpu, 50), "p90": _pct(cpu, 90), "max": max(cpu)},
@@ -125,6 +130,26 @@ def bench_quality_small(lengths_raw, instances, cpsat_s, trials=100):
                 continue
             rows.append({"strategy": text, **_compare(lengths[ids], pipes, cost, cpsat_s, trials)})
     return rows
+
+
+def bench_scale_quality(lengths, speed, context, tokens, instances, trials=100):
+    """The chosen plans of the first ``instances`` iterations against Alg. 1 (``trials``) on the
+    same strategy and against the best homogeneous strategy (``selection.best_homogeneous``) planned
+    by the same planner; ratios of estimated latency (< 1: the chosen plan is faster)."""
+    cost, plans = speed["_cost"], speed["_plans"][:instances]
+    homog = best_homogeneous(lengths, cost, speed["gpus"], context, tokens)
+    rows = []
+    for p in plans:
+        ids = np.asarray(sorted(p.doc_lengths), dtype=np.int64)
+        alg1 = dispatch_sequences(lengths[ids], p.strategy.pipelines, cost, method="greedy", trials=trials, seed=0)
+        h = plan_iteration(lengths[ids], [homog], cost) if homog is not None else None
+        rows.append({"strategy": str(p.strategy), "plan": p.est_latency_ms, "alg1": alg1.latency,
+                     "homogeneous": h.est_latency_ms if h is not None else None})
+    return {"homogeneous": str(homog) if homog is not None else None, "rows": rows,
+            "vs_alg1_max": max(r["plan"] / r["alg1"] for r in rows),
+            "vs_alg1_mean": statistics.mean(r["plan"] / r["alg1"] for r in rows),
+            "speedup_vs_homogeneous_mean": (statistics.mean(r["homogeneous"] / r["plan"] for r in rows)
+                                            if homog is not None else None)}
 
 
 def bench_quality(lengths, speed, instances, cpsat_s, trials=100):
@@ -181,6 +206,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations and instances, 2 s CP-SAT")
     ap.add_argument("--iters-64", type=int, default=None)
     ap.add_argument("--iters-1024", type=int, default=None)
+    ap.add_argument("--iters-12288", type=int, default=None)
+    ap.add_argument("--scale-instances", type=int, default=None,
+                    help="iterations per scale compared with Alg. 1 and the best homogeneous strategy (3; quick 2)")
     ap.add_argument("--instances", type=int, default=None,
                     help="CP-SAT quality instances at 64 GPUs (50; quick 3; at most --iters-64)")
     ap.add_argument("--small-instances", type=int, default=None,
@@ -189,10 +217,13 @@ def main(argv=None) -> int:
     ap.add_argument("--pack-seconds", type=float, default=2.0, help="CP-SAT time per packing instance (2)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU core")
     ap.add_argument("--skip-1024", action="store_true")
+    ap.add_argument("--skip-12288", action="store_true", help="leave out 12,288 GPUs (its proposal takes minutes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     iters64 = args.iters_64 or (10 if args.quick else 50)
     iters1024 = args.iters_1024 or (3 if args.quick else 10)
+    iters12k = args.iters_12288 or (2 if args.quick else 5)
+    scale_instances = args.scale_instances or (2 if args.quick else 3)
     instances = args.instances or (3 if args.quick else 50)
     small_instances = args.small_instances or (2 if args.quick else 5)
     cpsat_s = args.cpsat_seconds or (2.0 if args.quick else 10.0)
@@ -204,13 +235,15 @@ def main(argv=None) -> int:
     report = {"config": {"iters_64": iters64, "iters_1024": iters1024, "instances": instances,
                          "small_instances": small_instances, "cpsat_s": cpsat_s,
                          "pin": pin, "profile": args.profile, "context": args.context}}
-    scales = [(64, 200_000, iters64, 50.0)] + ([] if args.skip_1024 else [(1024, 3_200_000, iters1024, 500.0)])
+    scales = ([(64, 200_000, iters64, 50.0)] + ([] if args.skip_1024 else [(1024, 3_200_000, iters1024, 100.0)])
+              + ([] if args.skip_12288 else [(12288, 38_400_000, iters12k, 1000.0)]))
     speeds = {}
     for gpus, tokens, iters, target in scales:
         s = bench_speed(lengths, args.profile, gpus, tokens, args.context, iters)
         speeds[gpus] = s
         say(f"\n[{gpus} GPUs, {tokens} tokens/iter] {s['iterations']} iterations, {s['mean_docs']:.0f} docs each, "
-            f"{len(s['candidates'])} candidates ({s['candidate_source']}, proposal {s['proposal_s']:.2f} s, not counted)")
+            f"{len(s['candidates'])} candidates ({s['candidate_source']}, proposal {s['proposal_s']:.2f} s wall / "
+            f"{s['proposal_cpu_s']:.2f} s CPU, not counted)")
         say(f"  solve time per iteration (wall): mean {s['solve_ms']['mean']:.1f} ms, p50 {s['solve_ms']['p50']:.1f}, "
             f"p90 {s['solve_ms']['p90']:.1f}, max {s['solve_ms']['max']:.1f}  (target <= {target:.0f} ms)")
         say(f"  solve time per iteration (CPU): mean {s['cpu_ms']['mean']:.1f} ms, p50 {s['cpu_ms']['p50']:.1f}, "
@@ -218,7 +251,14 @@ def main(argv=None) -> int:
         say(f"  candidates evaluated {s['evaluated_mean']:.1f}, pruned by bound {s['pruned_mean']:.1f} per iteration")
         say(f"  pipeline spread max/min-1: mean {100 * s['spread']['mean']:.2f}%, p50 {100 * s['spread']['p50']:.2f}%, "
             f"max {100 * s['spread']['max']:.2f}%, {100 * s['spread']['within_2pct']:.0f}% of iterations within 2%")
-        say(f"  chosen strategies: {', '.join(s['chosen'])}")
+        say(f"  chosen strategies: {', '.join(c if len(c) <= 90 else c[:87] + '...' for c in s['chosen'])}")
+        sq = bench_scale_quality(lengths, s, args.context, tokens, scale_instances)
+        s["scale_quality"] = sq
+        say(f"  plan / Alg. 1 (100 trials, same strategy), first {len(sq['rows'])} iterations: mean "
+            f"{sq['vs_alg1_mean']:.4f}, worst {sq['vs_alg1_max']:.4f} (target <= 1)")
+        if sq["homogeneous"] is not None:
+            say(f"  speedup over the best homogeneous strategy {sq['homogeneous']}: "
+                f"{sq['speedup_vs_homogeneous_mean']:.3f}x (mean of {len(sq['rows'])})")
     raw = read_lengths(path)
     small = bench_quality_small(raw, small_instances, cpsat_s)
     _print_quality(say, f"\n[quality, 16 GPUs llama-7b 30K tokens 16K context, {len(small)} instances "

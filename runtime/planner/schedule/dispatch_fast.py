@@ -163,9 +163,8 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
         n[picked] += 1
         owner[chunk] = picked
         pos += take
-        now = estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked], c[picked], caps[picked],
-                            util[picked])
-        if float(now.max()) > stop_above:
+        if stop_above < math.inf and float(estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked],
+                                                         c[picked], caps[picked], util[picked]).max()) > stop_above:
             return None
     surrogate = float(estimate_many(S, L, tmax, n, k, c, caps, util).max(initial=0.0))
     members: list[list[int]] = [[] for _ in range(D)]
