@@ -18,7 +18,10 @@ length. Figures printed:
    the chosen strategies of 50 mini-batches at 64 GPUs (CP-SAT rarely closes the gap there, so
    fast / lower bound is the proven worst case of the gap);
 3. packing alone: fast vs CP-SAT per pipeline;
-4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow).
+4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow);
+5. WLB packing (``bench.wlb``'s default row: one outlier queue, micro-batches up to the memory
+   limit, 4 x 128K tokens per global batch) on the lengths file and on a seeded Pareto long tail:
+   imbalance, packing time per batch and mean delay (targets 1.03, 5 ms, 0.5 iterations).
 
 Candidates: ``selection.auto_candidates`` (the strategy proposer's set plus the best homogeneous
 strategy); the proposer's own time is not counted.
@@ -43,6 +46,7 @@ from hgraph.runtime.planner.schedule.dispatch_cpsat import dispatch_cpsat
 from hgraph.runtime.planner.schedule.packing import pack_pipeline, pack_pipeline_cpsat
 from hgraph.runtime.planner.selection import auto_candidates, best_homogeneous, plan_iteration, strategy_lower_bound
 from hgraph.strategy import Strategy
+from hgraph.tools.bench.wlb import synthetic_lengths, wlb_default
 
 
 def default_lengths_path() -> Path:
@@ -215,6 +219,8 @@ def main(argv=None) -> int:
                     help="mini-batches of the 16-GPU quality set, 5 strategies each (5; quick 2)")
     ap.add_argument("--cpsat-seconds", type=float, default=None, help="CP-SAT time per dispatch instance (10; quick 2)")
     ap.add_argument("--pack-seconds", type=float, default=2.0, help="CP-SAT time per packing instance (2)")
+    ap.add_argument("--wlb-batches", type=int, default=None,
+                    help="global batches of the WLB section (100; quick 20; 0 skips it)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU core")
     ap.add_argument("--skip-1024", action="store_true")
     ap.add_argument("--skip-12288", action="store_true", help="leave out 12,288 GPUs (its proposal takes minutes)")
@@ -271,6 +277,15 @@ def main(argv=None) -> int:
     say(f"\n[packing alone: {pk['pipelines']} pipelines of the first {min(instances, 2)} plans, CP-SAT "
         f"{args.pack_seconds:g} s each, hinted with fast] fast/CP-SAT mean {pk['fast_over_cpsat']['mean']:.5f}, "
         f"worst {pk['fast_over_cpsat']['max']:.5f}, equal in {100 * pk['equal']:.0f}%")
+    wlb_batches = args.wlb_batches if args.wlb_batches is not None else (20 if args.quick else 100)
+    if wlb_batches > 0:
+        report["wlb"] = {}
+        for name, lens in (("lengths file", raw), ("pareto", synthetic_lengths("pareto", 0))):
+            w = wlb_default(lens, wlb_batches)
+            report["wlb"][name] = w
+            say(f"\n[WLB packing, {name}, {wlb_batches} batches of 4 x 128K tokens, 1 queue, memory cap] imbalance "
+                f"{w['imbalance']:.3f}, pack {w['pack_ms_median']:.2f} ms median / {w['pack_ms_p95']:.2f} p95 per batch, "
+                f"mean delay {w['mean_delay_iters']:.3f} iterations (targets 1.03, 5 ms, 0.5)")
     if args.json:
         report["speed"] = {g: {k: v for k, v in s.items() if not k.startswith("_")} for g, s in speeds.items()}
         report["quality"] = {"small": small, "64": q}

@@ -50,6 +50,18 @@ def synthetic_lengths(shape: str, seed: int, size: int = 400_000) -> np.ndarray:
     return np.maximum(x.astype(np.int64), 1)
 
 
+def wlb_default(lengths: np.ndarray, batches: int, n: int = 4) -> dict:
+    """The default WLB row (one outlier queue, micro-batches up to the memory limit) on the first
+    ``batches`` global batches of ``n x 128K`` tokens of ``lengths`` (truncated to 128K)."""
+    lengths = np.minimum(np.asarray(lengths, dtype=np.int64), CONTEXT)
+    scheme = Scheme(8, 2, 2)
+    cost = load_cost_model("llama-7b", 64)
+    lat = DocLatency.from_cost_model(cost, scheme)
+    upto = int(np.searchsorted(np.cumsum(lengths), batches * n * CONTEXT * 2)) + 1
+    picked = minibatches(lengths[:upto], n * CONTEXT)[:batches]
+    return run_packer(WLBPacker(lat, n, CONTEXT, capacity=cost.max_len(scheme), num_queues=1), picked, lengths)
+
+
 def original_imbalance(lengths: np.ndarray, lat: DocLatency, n: int) -> float:
     mbs = fixed_length_pack(lengths, CONTEXT)
     return imbalance_degree([lat.microbatch(m) for m in mbs[:n]] + [0.0] * max(0, n - len(mbs)))
