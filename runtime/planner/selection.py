@@ -152,7 +152,7 @@ IMPROVE_MARGIN = 0.01
 # ... at most this many of them with more than ``CHUNKED_PIPELINES`` pipelines (their screening is
 # the surrogate of the chunked pass, within ~0.1% of the packed result; a proposal's near-identical
 # variants at 1024 GPUs would otherwise all be packed, ~0.1 s each).
-IMPROVE_MANY_PIPELINES = 3
+IMPROVE_MANY_PIPELINES = 4
 
 
 def _select_fast(lengths, bounds, cost, previous=None):
@@ -181,6 +181,7 @@ def _select_fast(lengths, bounds, cost, previous=None):
     greedy.sort(key=lambda x: x[0])
     best = None
     many_left = IMPROVE_MANY_PIPELINES
+    missed_by: dict[frozenset, float] = {}
     for latency, lb, s, res in greedy:
         many = len(s.pipelines) > CHUNKED_PIPELINES
         if best is not None and lb >= best[0].latency:
@@ -189,11 +190,18 @@ def _select_fast(lengths, bounds, cost, previous=None):
             continue
         if many:
             # Screened on the surrogate, a lower bound of the packed greedy pass that can be a few
-            # percent low (long documents): packed while it stays below the best packed so far.
-            if many_left <= 0 or (best is not None and latency >= best[0].latency):
+            # percent low (micro-batches that do not fill): packed while it stays below the best
+            # packed so far, also after scaling by what the surrogate missed on a packed candidate
+            # of the same schemes (a proposal's near-identical variants).
+            family = frozenset(p for _, p in s.groups())
+            missed = missed_by.get(family, 1.0)
+            if many_left <= 0 or (best is not None and latency * missed >= best[0].latency):
                 continue
             many_left -= 1
+        screened = latency
         res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False, greedy_starts=res.greedy_starts)
+        if many and screened > 0:
+            missed_by[family] = min(missed_by.get(family, math.inf), res.latency / screened)
         if best is None or res.latency < best[0].latency:
             best = (res, s)
     if best is not None:
