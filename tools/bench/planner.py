@@ -19,8 +19,8 @@ length. Figures printed:
    fast / lower bound is the proven worst case of the gap);
 3. packing alone: fast vs CP-SAT per pipeline;
 4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow);
-5. WLB packing (``bench.wlb``'s default row: one outlier queue, micro-batches up to the memory
-   limit, 4 x 128K tokens per global batch) on the lengths file and on a seeded Pareto long tail:
+5. WLB packing (``bench.wlb``'s headline row: outlier queues at 64K and 96K tokens, micro-batches
+   up to the memory limit, 4 x 128K tokens per global batch) on the lengths file and on a seeded Pareto long tail:
    imbalance, packing time per batch and mean delay (targets 1.03, 5 ms, 0.5 iterations).
 
 Candidates: ``selection.auto_candidates`` (the strategy proposer's set plus the best homogeneous
@@ -283,9 +283,10 @@ def main(argv=None) -> int:
         for name, lens in (("lengths file", raw), ("pareto", synthetic_lengths("pareto", 0))):
             w = wlb_default(lens, wlb_batches)
             report["wlb"][name] = w
-            say(f"\n[WLB packing, {name}, {wlb_batches} batches of 4 x 128K tokens, 1 queue, memory cap] imbalance "
-                f"{w['imbalance']:.3f}, pack {w['pack_ms_median']:.2f} ms median / {w['pack_ms_p95']:.2f} p95 per batch, "
-                f"mean delay {w['mean_delay_iters']:.3f} iterations (targets 1.03, 5 ms, 0.5)")
+            say(f"\n[WLB packing, {name}, {wlb_batches} batches of 4 x 128K tokens, queues at 64K, 96K, memory cap] "
+                f"imbalance {w['imbalance']:.3f}, pack {w['pack_ms_median']:.2f} ms median / "
+                f"{w['pack_ms_p95']:.2f} p95 per batch, mean delay {w['mean_delay_iters']:.3f} iterations "
+                f"(targets 1.03, 5 ms, 0.5)")
     if args.json:
         report["speed"] = {g: {k: v for k, v in s.items() if not k.startswith("_")} for g, s in speeds.items()}
         report["quality"] = {"small": small, "64": q}
