@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Sequence
 
 from hgraph.errors import StrategyError
@@ -135,13 +136,19 @@ class Strategy:
 
     def groups(self) -> list[tuple[int, Scheme]]:
         """Runs of equal consecutive schemes as (count, scheme), in order."""
+        return list(self._runs)
+
+    @cached_property
+    def _runs(self) -> tuple[tuple[int, Scheme], ...]:
+        # Computed once per strategy (a planner asks every iteration; 12,288 GPUs hold thousands of
+        # pipelines). Not a field: equality and hashing are unchanged.
         out: list[tuple[int, Scheme]] = []
         for p in self.pipelines:
             if out and out[-1][1] == p:
                 out[-1] = (out[-1][0] + 1, p)
             else:
                 out.append((1, p))
-        return out
+        return tuple(out)
 
     def __str__(self) -> str:
         return "+".join(f"{d}x{p}" for d, p in self.groups())

@@ -160,8 +160,12 @@ class SchemeTable:
         a, b = co[:, :1], co[:, 1:2]
         ml = np.asarray([cost.max_len(s) for s in pool], dtype=np.int64)
         u = hist.upper.astype(np.float64)[None, :]
+        # A micro-batch holds at most MaxLen tokens, so a pipeline runs at least tokens / MaxLen of
+        # them, each paying c: charged as c / MaxLen per token of work (without it a PP = 1 scheme
+        # was charged one c for any share, and schemes of a few hundred tokens' MaxLen looked cheap).
+        b_work = b + co[:, 2:3] / np.maximum(ml[:, None], 1)
         return cls(pool, np.asarray([s.num_ranks for s in pool], dtype=np.int64), ml,
-                   (a * hist.sum2[None, :] + b * hist.sum1[None, :]) * scale, a * u * u + b * u,
+                   (a * hist.sum2[None, :] + b_work * hist.sum1[None, :]) * scale, a * u * u + b * u,
                    np.asarray([s.pp - 1 for s in pool], dtype=np.float64), co[:, 2].copy(),
                    ml[:, None] >= hist.upper[None, :])
 

@@ -18,7 +18,7 @@ from hgraph.runtime.planner.interval_cost import DEFAULT_TOKENS_PER_GPU
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.runtime.planner.proposal import propose
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
-from hgraph.runtime.planner.schedule.dispatch_fast import dispatch_fast, improve_with_alg1
+from hgraph.runtime.planner.schedule.dispatch_fast import CHUNKED_PIPELINES, dispatch_fast, improve_with_alg1
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
@@ -67,7 +67,7 @@ def _linear_bound(need: float, params: list[tuple[float, float]]) -> float:
     return math.inf
 
 
-def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float:
+def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost, scheme_cache: dict | None = None) -> float:
     """A lower bound of the packed latency of ``strategy`` on ``lengths`` (inf if a doc fits nowhere).
 
     The largest of valid bounds: (1) the document whose best eligible pipeline is slowest, alone
@@ -81,6 +81,9 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
     capacity of ``r_j (M - k_j c_j)`` per pipeline (this one counts the ``c`` of every micro-batch,
     which (2) charges once). (2) and (3) are applied to all documents and, for every MaxLen level,
     to the documents longer than it and the pipelines that can hold them.
+
+    ``scheme_cache``: a dict shared by calls on the same ``lengths`` (the candidates of one
+    iteration), which keeps each scheme's per-document arrays.
     """
     if lengths.size == 0:
         return 0.0
@@ -96,11 +99,17 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
     params, params_mb = [], []
     for gi, s in enumerate(schemes):
         a, b, c = cost.coeffs(s)
-        t = a * lf * lf + b * lf
-        ok = lengths <= caps[gi]
-        single = np.where(ok, np.minimum(single, s.pp * (t + c)), single)
-        rank_work[gi] = np.where(ok, t * s.num_ranks, np.inf)
-        rank_work_mb[gi] = np.where(ok, (t + c * lf / caps[gi]) * s.num_ranks, np.inf)
+        arrays = scheme_cache.get(s) if scheme_cache is not None else None
+        if arrays is None:
+            t = a * lf * lf + b * lf
+            ok = lengths <= caps[gi]
+            arrays = (np.where(ok, s.pp * (t + c), np.inf), np.where(ok, t * s.num_ranks, np.inf),
+                      np.where(ok, (t + c * lf / caps[gi]) * s.num_ranks, np.inf))
+            if scheme_cache is not None:
+                scheme_cache[s] = arrays
+        single = np.minimum(single, arrays[0])
+        rank_work[gi] = arrays[1]
+        rank_work_mb[gi] = arrays[2]
         k = s.pp - 1
         params.append((counts[s] * s.num_ranks, math.sqrt(k * c), c if k == 0 else 0.0))
         params_mb.append((counts[s] * s.num_ranks, k * c))
@@ -120,19 +129,17 @@ def strategy_lower_bound(lengths: np.ndarray, strategy: Strategy, cost) -> float
 
 
 def _validate(strategy: Strategy, world_size: int, gpus_per_node: int) -> None:
-    """Rank count and TP groups inside nodes, in O(pipelines * PP * CP) (``Strategy.validate``
-    is used for its message when something is wrong)."""
+    """Rank count and TP groups inside nodes, per run of equal pipelines in numpy (12,288 GPUs hold
+    thousands of pipelines; ``Strategy.validate`` is used for its message when something is wrong)."""
     ok = strategy.num_ranks == world_size
     base = 0
-    for p in strategy.pipelines:
+    for d, p in strategy.groups():
         if not ok:
             break
-        for g in range(p.pp * p.cp):
-            start = base + g * p.tp
-            if start // gpus_per_node != (start + p.tp - 1) // gpus_per_node:
-                ok = False
-                break
-        base += p.num_ranks
+        starts = base + p.tp * np.arange(d * p.pp * p.cp, dtype=np.int64)  # every TP group of the run
+        if p.tp > 1 and np.any(starts // gpus_per_node != (starts + p.tp - 1) // gpus_per_node):
+            ok = False
+        base += d * p.num_ranks
     if not ok:
         strategy.validate(Cluster(world_size, gpus_per_node))
         raise HGraphError(f"strategy {strategy} does not fit {world_size} GPUs with {gpus_per_node} per node")
@@ -142,30 +149,59 @@ def _validate(strategy: Strategy, world_size: int, gpus_per_node: int) -> None:
 # Measured at 64 GPUs / 200K tokens (llama-32b, 50 iterations): 3% -> 1% cut the mean CPU time per
 # iteration from 34 to 21 ms (p90 53 -> 27 ms) for +0.02% in the summed estimate.
 IMPROVE_MARGIN = 0.01
+# ... at most this many of them with more than ``CHUNKED_PIPELINES`` pipelines (their screening is
+# the surrogate of the chunked pass, within ~0.1% of the packed result; a proposal's near-identical
+# variants at 1024 GPUs would otherwise all be packed, ~0.1 s each).
+IMPROVE_MANY_PIPELINES = 4
 
 
-def _select_fast(lengths, bounds, cost):
+def _select_fast(lengths, bounds, cost, previous=None):
     """Screen every candidate not pruned by its bound with one cheap greedy pass, then run the full
     fast method (restarts, fill pass, local search) on those within ``IMPROVE_MARGIN`` of the best,
     best first: the full method gains ~1-3%, screening costs a fraction of it. The winner alone
     also gets the Alg. 1 start (``improve_with_alg1``): the plan is never worse than Alg. 1 with
-    100 trials on the chosen strategy."""
+    100 trials on the chosen strategy. ``previous`` (the last iteration's strategy, when among
+    the candidates) is screened first: consecutive iterations mostly choose the same strategy, so
+    its latency prunes the others by their bounds, and with many pipelines stops their screening
+    passes early."""
     greedy = []
     best_latency = float("inf")
     pruned = 0
+    if previous is not None:
+        bounds = sorted(bounds, key=lambda x: x[2] != previous)   # stable: bound order otherwise
     for lb, _, s in bounds:
         if lb >= best_latency:
             pruned += 1
             continue
-        res = dispatch_fast(lengths, s.pipelines, cost, polish=False)
+        res = dispatch_fast(lengths, s.pipelines, cost, polish=False, stop_above=best_latency * (1 + IMPROVE_MARGIN))
+        if not math.isfinite(res.latency):
+            continue   # many pipelines: its screening pass passed the margin over the best, it cannot win
         greedy.append((res.latency, lb, s, res))
         best_latency = min(best_latency, res.latency)
     greedy.sort(key=lambda x: x[0])
     best = None
+    many_left = IMPROVE_MANY_PIPELINES
+    missed_by: dict[frozenset, float] = {}
     for latency, lb, s, res in greedy:
-        if best is not None and (lb >= best[0].latency or latency > best_latency * (1 + IMPROVE_MARGIN)):
+        many = len(s.pipelines) > CHUNKED_PIPELINES
+        if best is not None and lb >= best[0].latency:
             continue
+        if best is not None and not many and latency > best_latency * (1 + IMPROVE_MARGIN):
+            continue
+        if many:
+            # Screened on the surrogate, a lower bound of the packed greedy pass that can be a few
+            # percent low (micro-batches that do not fill): packed while it stays below the best
+            # packed so far, also after scaling by what the surrogate missed on a packed candidate
+            # of the same schemes (a proposal's near-identical variants).
+            family = frozenset(p for _, p in s.groups())
+            missed = missed_by.get(family, 1.0)
+            if many_left <= 0 or (best is not None and latency * missed >= best[0].latency):
+                continue
+            many_left -= 1
+        screened = latency
         res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False, greedy_starts=res.greedy_starts)
+        if many and screened > 0:
+            missed_by[family] = min(missed_by.get(family, math.inf), res.latency / screened)
         if best is None or res.latency < best[0].latency:
             best = (res, s)
     if best is not None:
@@ -174,18 +210,20 @@ def _select_fast(lengths, bounds, cost):
 
 
 def _fits(strategy: Strategy, cost, longest: int) -> bool:
-    return max(cost.max_len(p) for p in strategy.pipelines) >= longest
+    return max(cost.max_len(p) for _, p in strategy.groups()) >= longest
 
 
 def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str = "fast", seed: int = 0,
                    doc_ids=None, index: int = 0, trials: int = 100, time_limit_s: float = 10.0,
-                   workers: int = 1) -> Plan:
+                   workers: int = 1, previous: Strategy | None = None) -> Plan:
     """The best plan over ``candidates`` for the documents ``lengths`` of one mini-batch.
 
     ``doc_ids`` are the documents' indices in the file (default ``0..n-1``); micro-batches in the
     plan hold those. ``method``: ``fast`` (default), ``greedy`` (Alg. 1, ``trials``) or ``cpsat``
     (time-boxed per candidate). Strategies whose pipelines cannot hold the longest document are
     skipped; if none can, HGraphError names the longest length and the largest MaxLen.
+    ``previous``: the strategy of the previous iteration, screened first by the fast method (it
+    changes the order of work, not what is compared).
     """
     t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -196,7 +234,7 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
         raise HGraphError("no candidate strategies to plan with")
     for s in candidates:
         _validate(s, cost.world_size, cost.gpus_per_node)
-        for p in set(s.pipelines):
+        for _, p in s.groups():
             if not cost.has(p):
                 cost.coeffs(p)  # raises the error naming the available schemes
     longest = int(lengths.max()) if lengths.size else 0
@@ -207,11 +245,12 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
         raise HGraphError(
             f"no candidate strategy holds the longest document ({longest} tokens): the largest MaxLen among "
             f"their schemes is {largest}")
-    bounds = [(strategy_lower_bound(lengths, s, cost), i, s) for i, s in enumerate(fitting)]
+    scheme_cache: dict = {}
+    bounds = [(strategy_lower_bound(lengths, s, cost, scheme_cache), i, s) for i, s in enumerate(fitting)]
     bounds.sort(key=lambda x: (x[0], x[1]))
     evaluated = pruned = 0
     if method == "fast":
-        best, evaluated, pruned = _select_fast(lengths, bounds, cost)
+        best, evaluated, pruned = _select_fast(lengths, bounds, cost, previous)
     else:
         best = None
         for lb, _, s in bounds:

@@ -256,8 +256,10 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
     propose_ms = (time.perf_counter() - t0) * 1e3
     iters, chosen, solve = [], {}, 0.0
+    previous = None
     for i, b in enumerate(batches):
-        plan = plan_iteration(b, candidates, cost, index=i)
+        plan = plan_iteration(b, candidates, cost, index=i, previous=previous)
+        previous = plan.strategy
         solve += plan.solve_ms
         # Re-estimated with the simulator's pipeline formula, the same for every system.
         busy = [pipeline_ms(_mb_times(cost, p.scheme, [[plan.doc_lengths[d] for d in mb] for mb in p.microbatches]),

@@ -4,16 +4,24 @@ Run ``python -m hgraph.tools.bench.planner`` (``--quick`` for a short run). Data
 lengths in ``../shared/data`` beside the repository (or ``--lengths``), truncated to the context
 length. Figures printed:
 
-1. per-iteration time of dispatch + packing + selection over all candidates (one core), at 64 GPUs /
-   200K tokens and 1024 GPUs / 3.2M tokens, 32K context, llama-32b (targets 50 ms and 500 ms);
+1. per-iteration time of dispatch + packing + selection over all candidates (one core; each
+   iteration is told the previous one's strategy), at 64 GPUs / 200K tokens, 1024 GPUs / 3.2M
+   tokens and 12,288 GPUs / 38.4M tokens, 32K context, llama-32b (targets 50 ms, 100 ms and 1 s;
+   the wall figure counts the time the shared core ran others, the CPU figure does not), the
+   proposal's time, and the chosen plans against Alg. 1 (100 trials) on the same strategy and
+   against the best homogeneous strategy;
 2. dispatch quality: fast vs Hydraulis Alg. 1 (100 trials) vs CP-SAT (joint dispatch + packing,
    time-boxed, given the fast solution in full as its hint, so it can only improve on it) vs the
-   best proven lower bound (``selection.strategy_lower_bound``, and CP-SAT's own bound where its
-   model is not restricted), on small instances (16 GPUs, where CP-SAT can prove optimality) and on
+   best proven lower bound (``selection.strategy_lower_bound``, CP-SAT's own bound where its
+   model is not restricted, and CP-SAT's micro-batch-counting bound ``dispatch_bound``; the gap
+   to it is printed per iteration), on small instances (16 GPUs, where CP-SAT can prove optimality) and on
    the chosen strategies of 50 mini-batches at 64 GPUs (CP-SAT rarely closes the gap there, so
    fast / lower bound is the proven worst case of the gap);
 3. packing alone: fast vs CP-SAT per pipeline;
-4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow).
+4. max/min pipeline latency spread of the chosen plans (target 2% where lengths allow);
+5. WLB packing (``bench.wlb``'s headline row: outlier queues at 64K and 96K tokens, micro-batches
+   up to the memory limit, 4 x 128K tokens per global batch) on the lengths file and on a seeded Pareto long tail:
+   imbalance, packing time per batch and mean delay (targets 1.03, 5 ms, 0.5 iterations).
 
 Candidates: ``selection.auto_candidates`` (the strategy proposer's set plus the best homogeneous
 strategy); the proposer's own time is not counted.
@@ -33,10 +41,12 @@ import numpy as np
 from hgraph.runtime.data.lengths import minibatches, read_lengths
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
+from hgraph.runtime.planner.schedule.dispatch_bound import microbatch_lower_bound
 from hgraph.runtime.planner.schedule.dispatch_cpsat import dispatch_cpsat
 from hgraph.runtime.planner.schedule.packing import pack_pipeline, pack_pipeline_cpsat
-from hgraph.runtime.planner.selection import auto_candidates, plan_iteration, strategy_lower_bound
+from hgraph.runtime.planner.selection import auto_candidates, best_homogeneous, plan_iteration, strategy_lower_bound
 from hgraph.strategy import Strategy
+from hgraph.tools.bench.wlb import synthetic_lengths, wlb_default
 
 
 def default_lengths_path() -> Path:
@@ -57,14 +67,15 @@ def _pct(values, q):
 
 def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8):
     cost = load_cost_model(profile, world_size=gpus, gpus_per_node=gpus_per_node)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cands, source = auto_candidates(lengths, cost, gpus, context, tokens)
-    proposal_s = time.perf_counter() - t0
+    proposal_s, proposal_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     batches = minibatches(lengths, tokens)[:iters]
     times, cpu, plans = [], [], []
     for k, ids in enumerate(batches):
         t, c = time.perf_counter(), time.process_time()
-        plan = plan_iteration(lengths[ids], cands, cost, doc_ids=ids, index=k)
+        plan = plan_iteration(lengths[ids], cands, cost, doc_ids=ids, index=k,
+                              previous=plans[-1].strategy if plans else None)
         times.append((time.perf_counter() - t) * 1e3)
         cpu.append((time.process_time() - c) * 1e3)
         plans.append(plan)
@@ -75,6 +86,7 @@ def bench_speed(lengths, profile, gpus, tokens, context, iters, gpus_per_node=8)
     return {
         "gpus": gpus, "tokens_per_iter": tokens, "profile": profile, "iterations": len(batches),
         "candidates": [str(s) for s in cands], "candidate_source": source, "proposal_s": proposal_s,
+        "proposal_cpu_s": proposal_cpu_s,
         "mean_docs": statistics.mean(len(b) for b in batches),
         "solve_ms": {"mean": statistics.mean(times), "p50": _pct(times, 50), "p90": _pct(times, 90), "max": max(times)},
         "cpu_ms": {"mean": statistics.mean(cpu), "p50": _pct(cpu, 50), "p90": _pct(cpu, 90), "max": max(cpu)},
@@ -94,12 +106,17 @@ def _compare(ls, pipes, cost, cpsat_s, trials):
     # Yardstick: CP-SAT on the joint model, given the fast solution in full (it can only improve it).
     t = time.perf_counter(); exact = dispatch_cpsat(ls, pipes, cost, time_limit_s=cpsat_s, hint=fast)
     cp_s = time.perf_counter() - t
-    lb = strategy_lower_bound(ls, Strategy(list(pipes)), cost)
+    lb = fractional = strategy_lower_bound(ls, Strategy(list(pipes)), cost)
     if exact.bound is not None and not exact.bound_restricted:
         lb = max(lb, exact.bound)
+    # CP-SAT's micro-batch-counting relaxation (``dispatch_bound``), bisected to 0.01%.
+    t = time.perf_counter()
+    lb = microbatch_lower_bound(ls, pipes, cost, lower=lb, upper=min(fast.latency, exact.latency), rel_tol=1e-4,
+                                time_limit_s=cpsat_s)
+    bound_s = time.perf_counter() - t
     return {"docs": int(len(ls)), "fast": fast.latency, "fast_ms": fast_ms, "alg1": alg1.latency, "alg1_ms": alg1_ms,
             "cpsat": exact.latency, "cpsat_bound": exact.bound, "cpsat_bound_restricted": exact.bound_restricted,
-            "lower_bound": lb, "cpsat_s": cp_s}
+            "fractional_bound": fractional, "lower_bound": lb, "cpsat_s": cp_s, "bound_s": bound_s}
 
 
 SMALL_STRATEGIES = ("4xTP2PP2", "2xTP8PP1", "1xTP8PP1+2xTP4PP1", "1xTP4PP2+2xTP2PP2", "2xTP2PP2+1xTP8PP1")
@@ -117,6 +134,26 @@ def bench_quality_small(lengths_raw, instances, cpsat_s, trials=100):
                 continue
             rows.append({"strategy": text, **_compare(lengths[ids], pipes, cost, cpsat_s, trials)})
     return rows
+
+
+def bench_scale_quality(lengths, speed, context, tokens, instances, trials=100):
+    """The chosen plans of the first ``instances`` iterations against Alg. 1 (``trials``) on the
+    same strategy and against the best homogeneous strategy (``selection.best_homogeneous``) planned
+    by the same planner; ratios of estimated latency (< 1: the chosen plan is faster)."""
+    cost, plans = speed["_cost"], speed["_plans"][:instances]
+    homog = best_homogeneous(lengths, cost, speed["gpus"], context, tokens)
+    rows = []
+    for p in plans:
+        ids = np.asarray(sorted(p.doc_lengths), dtype=np.int64)
+        alg1 = dispatch_sequences(lengths[ids], p.strategy.pipelines, cost, method="greedy", trials=trials, seed=0)
+        h = plan_iteration(lengths[ids], [homog], cost) if homog is not None else None
+        rows.append({"strategy": str(p.strategy), "plan": p.est_latency_ms, "alg1": alg1.latency,
+                     "homogeneous": h.est_latency_ms if h is not None else None})
+    return {"homogeneous": str(homog) if homog is not None else None, "rows": rows,
+            "vs_alg1_max": max(r["plan"] / r["alg1"] for r in rows),
+            "vs_alg1_mean": statistics.mean(r["plan"] / r["alg1"] for r in rows),
+            "speedup_vs_homogeneous_mean": (statistics.mean(r["homogeneous"] / r["plan"] for r in rows)
+                                            if homog is not None else None)}
 
 
 def bench_quality(lengths, speed, instances, cpsat_s, trials=100):
@@ -173,18 +210,26 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer iterations and instances, 2 s CP-SAT")
     ap.add_argument("--iters-64", type=int, default=None)
     ap.add_argument("--iters-1024", type=int, default=None)
+    ap.add_argument("--iters-12288", type=int, default=None)
+    ap.add_argument("--scale-instances", type=int, default=None,
+                    help="iterations per scale compared with Alg. 1 and the best homogeneous strategy (3; quick 2)")
     ap.add_argument("--instances", type=int, default=None,
                     help="CP-SAT quality instances at 64 GPUs (50; quick 3; at most --iters-64)")
     ap.add_argument("--small-instances", type=int, default=None,
                     help="mini-batches of the 16-GPU quality set, 5 strategies each (5; quick 2)")
     ap.add_argument("--cpsat-seconds", type=float, default=None, help="CP-SAT time per dispatch instance (10; quick 2)")
     ap.add_argument("--pack-seconds", type=float, default=2.0, help="CP-SAT time per packing instance (2)")
+    ap.add_argument("--wlb-batches", type=int, default=None,
+                    help="global batches of the WLB section (100; quick 20; 0 skips it)")
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU core")
     ap.add_argument("--skip-1024", action="store_true")
+    ap.add_argument("--skip-12288", action="store_true", help="leave out 12,288 GPUs (its proposal takes minutes)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     iters64 = args.iters_64 or (10 if args.quick else 50)
     iters1024 = args.iters_1024 or (3 if args.quick else 10)
+    iters12k = args.iters_12288 or (2 if args.quick else 5)
+    scale_instances = args.scale_instances or (2 if args.quick else 3)
     instances = args.instances or (3 if args.quick else 50)
     small_instances = args.small_instances or (2 if args.quick else 5)
     cpsat_s = args.cpsat_seconds or (2.0 if args.quick else 10.0)
@@ -196,13 +241,15 @@ def main(argv=None) -> int:
     report = {"config": {"iters_64": iters64, "iters_1024": iters1024, "instances": instances,
                          "small_instances": small_instances, "cpsat_s": cpsat_s,
                          "pin": pin, "profile": args.profile, "context": args.context}}
-    scales = [(64, 200_000, iters64, 50.0)] + ([] if args.skip_1024 else [(1024, 3_200_000, iters1024, 500.0)])
+    scales = ([(64, 200_000, iters64, 50.0)] + ([] if args.skip_1024 else [(1024, 3_200_000, iters1024, 100.0)])
+              + ([] if args.skip_12288 else [(12288, 38_400_000, iters12k, 1000.0)]))
     speeds = {}
     for gpus, tokens, iters, target in scales:
         s = bench_speed(lengths, args.profile, gpus, tokens, args.context, iters)
         speeds[gpus] = s
         say(f"\n[{gpus} GPUs, {tokens} tokens/iter] {s['iterations']} iterations, {s['mean_docs']:.0f} docs each, "
-            f"{len(s['candidates'])} candidates ({s['candidate_source']}, proposal {s['proposal_s']:.2f} s, not counted)")
+            f"{len(s['candidates'])} candidates ({s['candidate_source']}, proposal {s['proposal_s']:.2f} s wall / "
+            f"{s['proposal_cpu_s']:.2f} s CPU, not counted)")
         say(f"  solve time per iteration (wall): mean {s['solve_ms']['mean']:.1f} ms, p50 {s['solve_ms']['p50']:.1f}, "
             f"p90 {s['solve_ms']['p90']:.1f}, max {s['solve_ms']['max']:.1f}  (target <= {target:.0f} ms)")
         say(f"  solve time per iteration (CPU): mean {s['cpu_ms']['mean']:.1f} ms, p50 {s['cpu_ms']['p50']:.1f}, "
@@ -210,7 +257,14 @@ def main(argv=None) -> int:
         say(f"  candidates evaluated {s['evaluated_mean']:.1f}, pruned by bound {s['pruned_mean']:.1f} per iteration")
         say(f"  pipeline spread max/min-1: mean {100 * s['spread']['mean']:.2f}%, p50 {100 * s['spread']['p50']:.2f}%, "
             f"max {100 * s['spread']['max']:.2f}%, {100 * s['spread']['within_2pct']:.0f}% of iterations within 2%")
-        say(f"  chosen strategies: {', '.join(s['chosen'])}")
+        say(f"  chosen strategies: {', '.join(c if len(c) <= 90 else c[:87] + '...' for c in s['chosen'])}")
+        sq = bench_scale_quality(lengths, s, args.context, tokens, scale_instances)
+        s["scale_quality"] = sq
+        say(f"  plan / Alg. 1 (100 trials, same strategy), first {len(sq['rows'])} iterations: mean "
+            f"{sq['vs_alg1_mean']:.4f}, worst {sq['vs_alg1_max']:.4f} (target <= 1)")
+        if sq["homogeneous"] is not None:
+            say(f"  speedup over the best homogeneous strategy {sq['homogeneous']}: "
+                f"{sq['speedup_vs_homogeneous_mean']:.3f}x (mean of {len(sq['rows'])})")
     raw = read_lengths(path)
     small = bench_quality_small(raw, small_instances, cpsat_s)
     _print_quality(say, f"\n[quality, 16 GPUs llama-7b 30K tokens 16K context, {len(small)} instances "
@@ -223,6 +277,16 @@ def main(argv=None) -> int:
     say(f"\n[packing alone: {pk['pipelines']} pipelines of the first {min(instances, 2)} plans, CP-SAT "
         f"{args.pack_seconds:g} s each, hinted with fast] fast/CP-SAT mean {pk['fast_over_cpsat']['mean']:.5f}, "
         f"worst {pk['fast_over_cpsat']['max']:.5f}, equal in {100 * pk['equal']:.0f}%")
+    wlb_batches = args.wlb_batches if args.wlb_batches is not None else (20 if args.quick else 100)
+    if wlb_batches > 0:
+        report["wlb"] = {}
+        for name, lens in (("lengths file", raw), ("pareto", synthetic_lengths("pareto", 0))):
+            w = wlb_default(lens, wlb_batches)
+            report["wlb"][name] = w
+            say(f"\n[WLB packing, {name}, {wlb_batches} batches of 4 x 128K tokens, queues at 64K, 96K, memory cap] "
+                f"imbalance {w['imbalance']:.3f}, pack {w['pack_ms_median']:.2f} ms median / "
+                f"{w['pack_ms_p95']:.2f} p95 per batch, mean delay {w['mean_delay_iters']:.3f} iterations "
+                f"(targets 1.03, 5 ms, 0.5)")
     if args.json:
         report["speed"] = {g: {k: v for k, v in s.items() if not k.startswith("_")} for g, s in speeds.items()}
         report["quality"] = {"small": small, "64": q}

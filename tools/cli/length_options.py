@@ -24,10 +24,21 @@ LONG_CHOICES = ("error", "truncate", "drop")
 
 def workload_cost_model(args, **options):
     """The cost model of ``--profile`` on ``--world-size`` GPUs of ``--device-memory`` each (``options``
-    go to ``load_cost_model``); a profile none of whose schemes fits the cluster is a one-line error."""
+    go to ``load_cost_model``); a profile none of whose schemes fits the cluster is a one-line error.
+    Without ``max_cp`` in ``options``, CP degrees grow past the profile's until a scheme holds
+    ``--max-len`` tokens (or the cluster is too small for more)."""
     memory = None if args.device_memory is None else int(parse_bytes(args.device_memory, "--device-memory"))
     cost = load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
                            gpu_memory_bytes=memory, **options)
+    context = getattr(args, "max_len", None)
+    if options.get("max_cp") is None and context is not None:
+        # No CP degree asked for: derive CP schemes up to the smallest power of two whose MaxLen
+        # holds the context (2048K tokens of llama-32b need CP 128), within the cluster.
+        max_cp = cost.max_cp
+        while cost.largest_max_len() < context and max_cp * 2 <= args.world_size:
+            max_cp *= 2
+            cost = load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
+                                   gpu_memory_bytes=memory, **{**options, "max_cp": max_cp})
     if not cost.schemes:
         raise HGraphError(
             f"no scheme of profile {cost.name!r} fits {args.world_size} GPUs with {args.gpus_per_node} per node "

@@ -76,9 +76,11 @@ def run(args: argparse.Namespace) -> int:
                                      args.tokens_per_iter)
     if args.time_limit <= 0:
         raise HGraphError(f"--time-limit must be positive, got {args.time_limit}")
-    plans = [plan_iteration(lengths[ids], candidates, cost, method=args.method, seed=args.seed, doc_ids=ids, index=k,
-                            time_limit_s=args.time_limit)
-             for k, ids in enumerate(batches)]
+    plans = []
+    for k, ids in enumerate(batches):
+        plans.append(plan_iteration(lengths[ids], candidates, cost, method=args.method, seed=args.seed, doc_ids=ids,
+                                    index=k, time_limit_s=args.time_limit,
+                                    previous=plans[-1].strategy if plans else None))
     if args.json:
         json.dump({"candidates": [str(s) for s in candidates], "iterations": [p.to_json() for p in plans]},
                   sys.stdout)

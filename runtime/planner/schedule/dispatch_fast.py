@@ -20,7 +20,7 @@ import numpy as np
 
 from hgraph.runtime.planner.schedule.dispatch_alg1 import alg1_assignment
 from hgraph.runtime.planner.schedule.dispatch_result import (DispatchResult, SchemeCosts, check_eligible,
-                                                             pack_dispatch, scheme_costs)
+                                                             estimate_many, pack_dispatch, scheme_costs)
 from hgraph.runtime.planner.schedule.packing import PackResult, pack_pipeline
 from hgraph.strategy import Scheme
 
@@ -36,11 +36,21 @@ SMALL_EXCHANGE_DOCS = 40
 # GPUs) skip it; 64 GPUs at 200K tokens have ~220 documents.
 ALG1_SEED_MAX_DOCS = 400
 ALG1_TRIALS = 100
+# Strategies of more than this many pipelines (1024 GPUs and up) take documents in chunks
+# (``_greedy_members_chunked``, numpy over pipelines) and are screened on the surrogate alone.
+CHUNKED_PIPELINES = 64
+# ... a chunk holds one document per pipeline for this fraction of the pipelines (the least loaded).
+CHUNK_FRACTION = 8
+CHUNK_CAP_SLACK = 0.03
+# ... and their dispatch local search stops after this many rounds (measured at 12,288 GPUs on 384
+# pipelines: the full 2D+8 rounds gained 0.01% for ~0.3 s).
+CHUNKED_IMPROVE_ROUNDS = 16
 
 
 def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
                   improve_rounds: int | None = None, polish: bool = True, restarts: int | None = None,
-                  seed: int = 0, alg1_seed: bool = True, greedy_starts: list | None = None) -> DispatchResult:
+                  seed: int = 0, alg1_seed: bool = True, greedy_starts: list | None = None,
+                  stop_above: float = math.inf) -> DispatchResult:
     """Longest-first greedy on the packing surrogate, then local search on the real packing.
 
     Small cases (at most ``SMALL_RESTART_DOCS`` documents) also try ``restarts`` (default
@@ -56,9 +66,25 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
     start (selection adds it to the winning candidate only, with ``improve_with_alg1``).
     ``greedy_starts``: the ``greedy_starts`` of an earlier result on the same input (the
     longest-first passes are deterministic, so they are not recomputed).
+    With more than ``CHUNKED_PIPELINES`` pipelines the longest-first pass goes in chunks
+    (``_greedy_members_chunked``) and ``polish=False`` returns the surrogate's latency unpacked
+    (no ``packs``), or an infinite latency as soon as it passes ``stop_above`` (screening: the
+    candidate cannot win).
     """
     groups, of = scheme_costs(pipelines, cost, lengths)
     check_eligible(lengths, groups)
+    chunked = len(pipelines) > CHUNKED_PIPELINES
+    if greedy_starts is None and chunked:
+        chunked_pass = _greedy_members_chunked(lengths, groups, of, stop_above=math.inf if polish else stop_above)
+        if chunked_pass is None:
+            return DispatchResult([], [], math.inf, polished=False)
+        members, surrogate = chunked_pass
+        greedy_starts = [members]
+        if not polish:  # screening: the surrogate (a lower bound of the packing) stands for it
+            res = DispatchResult([np.asarray(sorted(m), dtype=np.int64) for m in members], [], surrogate,
+                                 polished=False)
+            res.greedy_starts = greedy_starts
+            return res
     if greedy_starts is None:
         order = sorted(range(len(lengths)), key=lambda i: -int(lengths[i]))
         greedy_starts = [_greedy_members(lengths, pipelines, groups, of, order)]
@@ -71,6 +97,8 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
                                                  target=float(work.sum()) / ranks))
     result = min((pack_dispatch(lengths, pipelines, cost, m, polish=polish) for m in greedy_starts),
                  key=lambda r: r.latency)
+    if chunked and improve_rounds is None:
+        improve_rounds = CHUNKED_IMPROVE_ROUNDS
     if restarts is None:
         restarts = SMALL_RESTARTS if len(lengths) <= SMALL_RESTART_DOCS and len(pipelines) > 1 else 0
     starts = [result]
@@ -88,6 +116,61 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
         best = improve_with_alg1(lengths, pipelines, cost, best, seed=seed, improve_rounds=improve_rounds)
     best.greedy_starts = greedy_starts
     return best
+
+
+def _scheme_arrays(groups: list[SchemeCosts], of: list[int]) -> tuple[np.ndarray, ...]:
+    """Per pipeline: ``k, c, cap, util`` of its scheme (for ``estimate_many``)."""
+    of_arr = np.asarray(of, dtype=np.int64)
+    return tuple(np.array([getattr(g, name) for g in groups])[of_arr] for name in ("k", "c", "cap", "util"))
+
+
+def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: list[int], *,
+                            stop_above: float = math.inf) -> tuple[list[list[int]], float] | None:
+    """Longest first in chunks: the next ``ceil(D / CHUNK_FRACTION)`` documents go, longest to
+    least, to the pipelines whose surrogate after taking the chunk's longest document is smallest
+    (among those whose MaxLen holds it), one document each. With many pipelines a chunk's documents
+    barely move the order of the loads, so this is close to the one-by-one pass at a fraction of
+    its Python cost (numpy over pipelines, per chunk). The surrogate's token limit is taken
+    ``CHUNK_CAP_SLACK`` below MaxLen: filling pipelines to whole multiples of MaxLen leaves
+    micro-batches that do not pack (measured: +23% after packing at 68 pipelines without it, +0.1%
+    with 3%). Returns the members and the largest surrogate, or None once the largest surrogate
+    passes ``stop_above``."""
+    D = len(of)
+    of_arr = np.asarray(of, dtype=np.int64)
+    k, c, caps, util = _scheme_arrays(groups, of)
+    vcaps = np.maximum((caps * (1 - CHUNK_CAP_SLACK)).astype(np.int64), 1)
+    tt = np.stack([g.t for g in groups])          # (schemes, docs)
+    order = np.argsort(-lengths, kind="stable")
+    S = np.zeros(D); L = np.zeros(D, dtype=np.int64); tmax = np.zeros(D); n = np.zeros(D, dtype=np.int64)
+    owner = np.empty(lengths.size, dtype=np.int64)
+    m = max(1, -(-D // CHUNK_FRACTION))
+    pos = 0
+    while pos < order.size:
+        first = int(order[pos])
+        l1 = int(lengths[first])
+        t1 = tt[of_arr, first]
+        after = estimate_many(S + t1, L + l1, np.maximum(tmax, t1), n + 1, k, c, vcaps, util)
+        after[caps < l1] = np.inf
+        eligible = int(np.count_nonzero(caps >= l1))
+        take = min(m, eligible, order.size - pos)
+        chunk = order[pos:pos + take]
+        picked = np.argpartition(after, take - 1)[:take] if take < D else np.arange(D)
+        picked = picked[np.argsort(after[picked], kind="stable")][:take]
+        t = tt[of_arr[picked], chunk]
+        S[picked] += t
+        L[picked] += lengths[chunk]
+        tmax[picked] = np.maximum(tmax[picked], t)
+        n[picked] += 1
+        owner[chunk] = picked
+        pos += take
+        if stop_above < math.inf and float(estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked],
+                                                         c[picked], caps[picked], util[picked]).max()) > stop_above:
+            return None
+    surrogate = float(estimate_many(S, L, tmax, n, k, c, caps, util).max(initial=0.0))
+    members: list[list[int]] = [[] for _ in range(D)]
+    for i, j in zip(order.tolist(), owner[order].tolist()):   # longest first, as the one-by-one pass
+        members[j].append(i)
+    return members, surrogate
 
 
 def improve_with_alg1(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, result: DispatchResult, *,

@@ -84,6 +84,23 @@ class SchemeCosts:
         return best
 
 
+def estimate_many(S: np.ndarray, L: np.ndarray, tmax: np.ndarray, n: np.ndarray, k: np.ndarray, c: np.ndarray,
+                  cap: np.ndarray, util: np.ndarray) -> np.ndarray:
+    """``SchemeCosts.estimate`` of many pipelines at once, each with its scheme's ``k, c, cap, util``
+    (arrays of one shape; the same results as the scalar form)."""
+    vmin = np.maximum(-(-L // cap), 1)
+    vmax = np.maximum(np.minimum(L // util, n), vmin)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        knee = np.where(tmax > 0, S / np.where(tmax > 0, tmax, 1.0), vmax)
+        v0 = np.where(k > 0, np.where(c > 0, np.sqrt(k * S / np.where(c > 0, c, 1.0)), vmax), vmin)
+        V = np.clip(np.floor(np.minimum(v0, knee)).astype(np.int64), vmin, vmax)
+        best = (k + V) * (np.maximum(S / np.maximum(V, 1), tmax) + c)
+        V2 = V + 1
+        val = (k + V2) * (np.maximum(S / V2, tmax) + c)
+    best = np.where((V < vmax) & (val < best), val, best)
+    return np.where(n > 0, best, 0.0)
+
+
 def check_eligible(lengths: np.ndarray, groups: list[SchemeCosts]) -> None:
     if lengths.size == 0:
         return

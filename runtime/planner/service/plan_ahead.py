@@ -67,9 +67,12 @@ def _serve(jobs, plans, alive_w) -> None:
     if msg[0] != "setup":
         return
     _, cost, candidates, method, time_limit_s, batches = msg
+    previous = None
     for step, lengths in batches:
         try:
-            plan = plan_iteration(lengths, candidates, cost, method=method, index=step, time_limit_s=time_limit_s)
+            plan = plan_iteration(lengths, candidates, cost, method=method, index=step, time_limit_s=time_limit_s,
+                                  previous=previous)
+            previous = plan.strategy
         except BaseException as exc:  # noqa: BLE001 - the consumer reports it and plans inline
             plans.put(("error", step, f"{type(exc).__name__}: {exc}"))
             return

@@ -12,15 +12,18 @@ def test_bench_planner_tiny(tmp_path, capsys):
     lengths = np.maximum(rng.lognormal(6.0, 1.4, size=1500).astype(np.int64), 1)
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(map(str, lengths)) + "\n")
-    code = bench_planner.main(["--lengths", str(path), "--skip-1024", "--iters-64", "2", "--instances", "1", "--small-instances", "1",
-                               "--cpsat-seconds", "0.3", "--pack-seconds", "0.1", "--no-pin", "--json"])
+    code = bench_planner.main(["--lengths", str(path), "--skip-1024", "--skip-12288", "--iters-64", "2", "--instances", "1",
+                               "--small-instances", "1", "--cpsat-seconds", "0.3", "--pack-seconds", "0.1",
+                               "--wlb-batches", "2", "--no-pin", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     speed = report["speed"]["64"]
     assert speed["iterations"] == 2 and speed["solve_ms"]["mean"] > 0 and speed["candidates"]
+    assert speed["scale_quality"]["vs_alg1_max"] <= 1 + 1e-9   # never worse than Alg. 1 on the same strategy
     small = report["quality"]["small"]
     for r in small + report["quality"]["64"]:
         assert r["cpsat"] <= r["fast"] <= r["alg1"]  # CP-SAT hinted with fast; fast never worse than Alg. 1
         assert r["lower_bound"] <= r["cpsat"] * (1 + 1e-9)
     assert small and report["quality"]["64"]
     assert report["packing"]["fast_over_cpsat"]["max"] >= 1 - 1e-9  # CP-SAT hinted with fast: never worse
+    assert report["wlb"]["pareto"]["imbalance"] >= 1.0

@@ -51,3 +51,20 @@ def test_errors(lengths_file, tmp_path, capsys):
     empty = tmp_path / "e.txt"
     empty.write_text("")
     assert main(["propose", "--lengths", str(empty), "--world-size", "8", "--profile", "llama-7b", "--max-len", "4096"]) == 2
+
+
+def test_cp_degrees_grow_to_hold_the_context():
+    """No --max-cp: CP schemes are derived up to the degree whose MaxLen holds --max-len (2048K
+    tokens of llama-32b need CP 128), and no further than the cluster allows."""
+    from argparse import Namespace
+
+    from hgraph.tools.cli.length_options import workload_cost_model
+
+    def cost(world, max_len):
+        return workload_cost_model(Namespace(profile="llama-32b", world_size=world, gpus_per_node=8,
+                                             device_memory=None, max_len=max_len))
+
+    long = cost(12288, 2_097_152)
+    assert long.max_cp == 128 and long.largest_max_len() >= 2_097_152
+    assert cost(12288, 32768).max_cp == 8                  # the profile's default when it holds the context
+    assert cost(64, 2_097_152).max_cp == 64                # as far as 64 GPUs go
