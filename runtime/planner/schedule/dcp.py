@@ -57,7 +57,9 @@ def dcp_inter(step_ms: Sequence[float], gpus: Optional[Sequence[int]] = None, *,
         raise HGraphError(f"accumulation bounds must be >= 1, got G_min={g_min}, G_max={g_max}")
     budget = g_max * float(t.max())
     # Candidate horizons: every g * T_j that fits the budget (g >= 1).
-    horizons = sorted({g * tj for tj in t.tolist() for g in range(1, int(budget // tj) + 1)})
+    # (the most counts that fit with the slack the counts below get: float // says 33.0477 // 11.0159
+    # is 2, and the budget's own horizon, 3 x 11.0159, was never tried)
+    horizons = sorted({g * tj for tj in t.tolist() for g in range(1, int(math.floor(budget / tj + 1e-9)) + 1)})
     best: Optional[tuple[float, float, np.ndarray]] = None
     for H in horizons:
         if H < t.max():

@@ -51,6 +51,7 @@ def test_exhaustive_search_is_the_loop_over_every_vector():
 @given(st.lists(st.floats(1.0, 50.0), min_size=1, max_size=4), st.integers(1, 4),
        st.lists(st.integers(1, 8), min_size=4, max_size=4))
 @example([1.0, 1.999999999999993], 1, [1, 1, 1, 1])     # two 1 ms steps fit 2 - 7e-15 ms within the slack
+@example([3.0, 11.0159], 3, [1, 1, 1, 1])                # 3 x 11.0159 // 11.0159 is 2.0 in floats
 def test_inter_matches_exhaustive_search(times, g_max, gpus):
     gpus = gpus[:len(times)]
     plan = dcp_inter(times, gpus, g_max=g_max)
