@@ -92,35 +92,3 @@ def minibatches(lengths: np.ndarray, tokens_per_iter: int) -> list[np.ndarray]:
         out.append(np.arange(start, end, dtype=np.int64))
         start = end
     return out
-
-
-TOO_LONG_POLICIES = ("error", "truncate", "drop")
-
-
-def iteration_batches(lengths, tokens_per_iter: int, max_len: int, *,
-                      too_long: str = "error") -> tuple[np.ndarray, list[np.ndarray]]:
-    """Mini-batches of a dataset (``docs/architecture.md``, data order) with documents longer than ``max_len``
-    (the longest supported length) handled by ``too_long``:
-
-    - ``error`` (default): HGraphError naming the first such document's index and length;
-    - ``truncate``: the document counts (and trains) as ``max_len`` tokens;
-    - ``drop``: the document is left out; the other indices stay file positions.
-
-    Returns ``(effective lengths by file index, list of index arrays)``.
-    """
-    if too_long not in TOO_LONG_POLICIES:
-        raise HGraphError(f"unknown policy {too_long!r} for too-long documents: expected one of {', '.join(TOO_LONG_POLICIES)}")
-    if not isinstance(max_len, (int, np.integer)) or max_len < 1:
-        raise HGraphError(f"max_len must be a positive integer, got {max_len!r}")
-    lengths = np.asarray(lengths, dtype=np.int64)
-    over = np.flatnonzero(lengths > max_len)
-    if too_long == "error" and over.size:
-        i = int(over[0])
-        raise HGraphError(
-            f"document {i} has {int(lengths[i])} tokens, longer than the longest supported length {max_len}"
-            f"{f' ({over.size} such documents)' if over.size > 1 else ''}; ask for truncation or dropping")
-    if too_long == "truncate":
-        eff = np.minimum(lengths, max_len)
-        return eff, minibatches(eff, tokens_per_iter)
-    keep = np.flatnonzero(lengths <= max_len)
-    return lengths, [keep[b] for b in minibatches(lengths[keep], tokens_per_iter)] if keep.size else []

@@ -436,8 +436,3 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
         dropped = len(cands) - len(rest) - 1
         cands = sorted(rest, key=lambda c: c.len_range[1]) + [full]
     return Proposal(cands, int(gpus), int(max_len), tokens_per_iter, (time.perf_counter() - t0) * 1e3, dropped)
-
-
-def propose_strategies(lengths, cost, gpus: int, max_len: int, **opts) -> list[Strategy]:
-    """The candidate strategies of ``propose`` (what ``hgraph plan --strategies auto`` uses)."""
-    return propose(lengths, cost, gpus, max_len, **opts).strategies

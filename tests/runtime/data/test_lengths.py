@@ -40,19 +40,3 @@ def test_minibatches_whole_documents_in_order():
     assert np.concatenate(mbs).tolist() == list(range(7))
     with pytest.raises(HGraphError):
         minibatches(lengths, 0)
-
-
-def test_iteration_batches_policies():
-    from hgraph.runtime.data.lengths import iteration_batches
-
-    lengths = np.array([3, 20, 4, 2, 30, 5])
-    with pytest.raises(HGraphError, match=r"document 1 has 20 tokens.*longest supported length 10 \(2 such"):
-        iteration_batches(lengths, 8, 10)
-    eff, batches = iteration_batches(lengths, 12, 10, too_long="truncate")
-    assert eff.tolist() == [3, 10, 4, 2, 10, 5]
-    assert [b.tolist() for b in batches] == [[0], [1], [2, 3], [4], [5]]
-    eff, batches = iteration_batches(lengths, 8, 10, too_long="drop")
-    assert [b.tolist() for b in batches] == [[0, 2], [3, 5]]  # file indices; 1 and 4 left out
-    assert eff.tolist() == lengths.tolist()
-    with pytest.raises(HGraphError, match="unknown policy"):
-        iteration_batches(lengths, 8, 10, too_long="skip")

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.plan import estimate_plan
-from hgraph.runtime.planner.proposal import propose_strategies
+from hgraph.runtime.planner.proposal import propose
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.selection import (auto_candidates, best_homogeneous, homogeneous_strategies,
                                               plan_iteration, strategy_lower_bound)
@@ -110,8 +110,8 @@ def test_homogeneous_candidates():
     assert len(got) == len(set(got)) and "homogeneous" in source
     fallback = best_homogeneous(_lengths(0, 10), CM, 64, 32768, 200_000)
     assert fallback in cands and fallback in got  # the proposer's set plus the best homogeneous only
-    assert len([s for s in got if len(set(s.pipelines)) == 1 and s not in propose_strategies(
-        _lengths(0, 10), CM, 64, 32768, tokens_per_iter=200_000)]) <= 1
+    assert len([s for s in got if len(set(s.pipelines)) == 1 and s not in propose(
+        _lengths(0, 10), CM, 64, 32768, tokens_per_iter=200_000).strategies]) <= 1
     small = load_cost_model("llama-32b", world_size=8)
     with pytest.raises(HGraphError, match="holds 100000 tokens"):
         auto_candidates(_lengths(0, 10), small, 8, 100_000)
@@ -124,7 +124,7 @@ def test_auto_candidates_keep_at_most_max_candidates():
         got, source = auto_candidates(lengths, CM, 64, 32768, max_candidates=cap)
         assert 1 <= len(got) <= cap and len(got) == len(set(got)) and f"at most {cap}" in source
         # the proposer's own picks under the cap come first; one of them holds the full context
-        own = propose_strategies(lengths, CM, 64, 32768, tokens_per_iter=200_000, max_candidates=cap)
+        own = propose(lengths, CM, 64, 32768, tokens_per_iter=200_000, max_candidates=cap).strategies
         assert got[:len(own)] == own
         assert any(max(CM.max_len(p) for p in s.pipelines) >= 32768 for s in got)
     assert auto_candidates(lengths, CM, 64, 32768, max_candidates=len(full))[0] == full   # room for all
