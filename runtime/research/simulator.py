@@ -58,7 +58,7 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker
-from hgraph.runtime.planner.schedule.dcp import idle_fraction
+from hgraph.runtime.planner.schedule.data_centric import idle_fraction
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy
 

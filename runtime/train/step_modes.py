@@ -14,7 +14,7 @@ every rank calls it with the same mini-batch):
   micro-batches). A pipeline may get no document; it still takes part in pull and push.
 * ``PlannerDriven`` (no schedule): the planner (``hgraph.runtime.planner.service``) chooses the
   strategy and the documents' pipelines and micro-batches; rank 0 plans and broadcasts the plan.
-* ``DcpInter`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.dcp_inter``): a
+* ``SpAccumulation`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.sp_accumulation``): a
   homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
   accumulation.
 
@@ -38,7 +38,8 @@ from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gath
                                                       pipeline_metrics)
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.dcp_inter import BALANCE_MODES, SP_ACCUMULATION, balances_accumulation, dcp_inter_step
+from hgraph.runtime.train.sp_accumulation import (BALANCE_MODES, SP_ACCUMULATION, balances_accumulation,
+                                                  sp_accumulation_step)
 from hgraph.strategy import Strategy, parse_strategy_list
 
 
@@ -155,9 +156,9 @@ class PlannerDriven(StepMode):
             self.planner.ahead.stop()
 
 
-class DcpInter(FixedSchedule):
+class SpAccumulation(FixedSchedule):
     """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
-    (``dcp_inter.dcp_inter_step``) with the cost model's micro-batch times; figures to ``balance``."""
+    (``sp_accumulation.sp_accumulation_step``) with the cost model's micro-batch times; figures to ``balance``."""
 
     def __init__(self, schedule: Sequence[Strategy], cost: CostModel, executor: Executor,
                  config: TrainConfig) -> None:
@@ -167,12 +168,12 @@ class DcpInter(FixedSchedule):
     def step(self, batch: MiniBatch) -> StepResult:
         world_size, cfg = self.executor.world_size, self.config
         rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / world_size)
-        planned = dcp_inter_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
+        planned = sp_accumulation_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
         self.balance[batch.step] = planned.metrics()
         return self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
 
 
-def dcp_inter_cost(config: TrainConfig, schedule: Sequence[Strategy], model: nn.Module,
+def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], model: nn.Module,
                    world_size: int) -> Optional[CostModel]:
     """``planner.balance``: checked; for ``sp-accumulation`` (a homogeneous data-parallel schedule) the cost
     model whose micro-batch times it balances, else None."""

@@ -71,8 +71,8 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
-from hgraph.runtime.train.step_modes import (DcpInter, FixedSchedule, PlannerDriven, StepMode, dcp_inter_cost,
-                                             dispatch_and_pack, packed, parse_schedule)
+from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAccumulation, StepMode, dispatch_and_pack,
+                                             packed, parse_schedule, sp_accumulation_cost)
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
@@ -237,13 +237,13 @@ class Trainer:
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
-        dcp_cost = dcp_inter_cost(config, schedule, self.model, world_size)
+        dcp_cost = sp_accumulation_cost(config, schedule, self.model, world_size)
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.planner_setup, self.executor, config)
         elif dcp_cost is not None:
-            self.mode = DcpInter(schedule, dcp_cost, self.executor, config)
+            self.mode = SpAccumulation(schedule, dcp_cost, self.executor, config)
         else:
             self.mode = FixedSchedule(schedule, self.executor, config)
         if rank == 0:

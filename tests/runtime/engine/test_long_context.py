@@ -136,7 +136,7 @@ def test_cp_with_and_without_recomputation_matches_single_process_adam(results, 
     assert len({tuple(r["runs"][run]["losses"]) for r in results}) == 1
 
 
-def test_dcp_inter_matches_single_process_adam_with_a_per_batch_sp_size(results, reference):
+def test_sp_accumulation_matches_single_process_adam_with_a_per_batch_sp_size(results, reference):
     dcp = results[0]["dcp"]
     _matches_reference(dcp, reference)
     sizes = [i["sp_size"] for i in dcp["info"]]

@@ -1,10 +1,11 @@
-"""DCP-inter trainer mode as a pure plan: per-batch SP size, every document once, balanced replicas."""
+"""The sp-accumulation trainer mode (the Data-Centric Parallel paper's DCP-inter) as a pure plan:
+per-batch SP size, every document once, balanced replicas."""
 from dataclasses import dataclass
 
 import pytest
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.dcp_inter import dcp_inter_step, sp_size_for
+from hgraph.runtime.train.sp_accumulation import sp_accumulation_step, sp_size_for
 
 
 def time_ms(lengths, scheme):
@@ -33,7 +34,7 @@ def test_sp_size_is_the_smallest_power_of_two_that_holds_the_longest_document():
 def test_every_document_runs_once_and_the_replicas_are_balanced():
     lengths = [30000, 2000, 1500, 800, 700, 650, 600, 500, 400, 300, 250, 200, 100, 90, 80, 60]
     docs = [Doc(i, l) for i, l in enumerate(lengths)]
-    step = dcp_inter_step(docs, 8, 8192, time_ms)
+    step = sp_accumulation_step(docs, 8, 8192, time_ms)
     assert step.sp_size == 4 and str(step.strategy) == "2xTP1PP1CP4"
     got = sorted(d.index for pipe in step.plan for mb in pipe for d in mb)
     assert got == list(range(len(docs)))
@@ -46,14 +47,14 @@ def test_every_document_runs_once_and_the_replicas_are_balanced():
 
 
 def test_short_documents_keep_plain_data_parallelism():
-    step = dcp_inter_step([Doc(i, 1000 + i) for i in range(20)], 8, 2048, time_ms)
+    step = sp_accumulation_step([Doc(i, 1000 + i) for i in range(20)], 8, 2048, time_ms)
     assert (step.sp_size, str(step.strategy)) == (1, "8xTP1PP1")
     assert min(step.accumulation) >= 1            # 20 documents of ~1000 tokens: every replica works
 
 
 def test_no_micro_batch_has_fewer_tokens_than_cp_ranks():
     docs = [Doc(0, 13), Doc(1, 9), Doc(2, 2)]          # CP4 with 6 tokens per rank: 13 + 9, then 2 alone
-    step = dcp_inter_step(docs, 4, 6, time_ms)
+    step = sp_accumulation_step(docs, 4, 6, time_ms)
     assert step.sp_size == 4
     assert all(sum(len(d) for d in mb) >= 4 for pipe in step.plan for mb in pipe)
     assert sorted(d.index for pipe in step.plan for mb in pipe for d in mb) == [0, 1, 2]

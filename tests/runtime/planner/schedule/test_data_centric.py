@@ -1,4 +1,5 @@
-"""DCP-inter accumulation balancing and DCP-intra recomputation choice."""
+"""The Data-Centric Parallel paper's accumulation balancing (its DCP-inter) and recomputation choice
+(its DCP-intra)."""
 import functools
 import itertools
 
@@ -7,12 +8,13 @@ import pytest
 from hypothesis import example, given, settings, strategies as st
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.schedule.dcp import IntraCandidate, dcp_inter, dcp_intra, idle_fraction
+from hgraph.runtime.planner.schedule.data_centric import (IntraCandidate, data_centric_accumulation,
+                                                         data_centric_recomputation, idle_fraction)
 
 
 def _most(budget, t):
     """The largest count g with g x t within the budget, as the tests measure it (1e-9 of slack: a
-    budget of 1.999999999999993 ms holds two steps of 1 ms, as ``dcp_inter``'s rounding says)."""
+    budget of 1.999999999999993 ms holds two steps of 1 ms, as ``data_centric_accumulation``'s rounding says)."""
     return int(np.floor((budget + 1e-9) / t))
 
 
@@ -54,7 +56,7 @@ def test_exhaustive_search_is_the_loop_over_every_vector():
 @example([3.0, 11.0159], 3, [1, 1, 1, 1])                # 3 x 11.0159 // 11.0159 is 2.0 in floats
 def test_inter_matches_exhaustive_search(times, g_max, gpus):
     gpus = gpus[:len(times)]
-    plan = dcp_inter(times, gpus, g_max=g_max)
+    plan = data_centric_accumulation(times, gpus, g_max=g_max)
     budget = g_max * max(times)
     best = _exhaustive_best_idle(times, gpus, budget)
     assert plan.idle_fraction == pytest.approx(best, abs=1e-9)
@@ -63,10 +65,10 @@ def test_inter_matches_exhaustive_search(times, g_max, gpus):
 
 
 def test_inter_balances_short_batches_with_more_steps():
-    plan = dcp_inter([10.0, 5.0, 2.5], g_max=1)
+    plan = data_centric_accumulation([10.0, 5.0, 2.5], g_max=1)
     assert plan.accumulation == (1, 2, 4) and plan.idle_fraction == 0.0
     # G_min scales every count when all are below it.
-    plan = dcp_inter([10.0, 10.0], g_min=3)
+    plan = data_centric_accumulation([10.0, 10.0], g_min=3)
     assert plan.accumulation == (3, 3)
 
 
@@ -76,7 +78,7 @@ def test_intra_picks_least_recomputation_and_best_throughput():
         (1, 4): IntraCandidate(t_f=2.0, m=1 * GiB, time_ms=300.0, mem_bytes=60 * GiB),
         (1, 8): IntraCandidate(t_f=1.0, m=0.5 * GiB, time_ms=170.0, mem_bytes=50 * GiB),
     }
-    ch = dcp_intra(cands, 80 * GiB, layers=32, seq_len=32768)
+    ch = data_centric_recomputation(cands, 80 * GiB, layers=32, seq_len=32768)
     # (1,4): 20 layers stash (r=12): 300-40=260 ms -> 32768/(4*260); (1,8): 30 layers stash
     # -> 32 layers fit? spare 30 GiB / 0.5 = 60 >= 32 -> r=0, 170-32=138 ms -> 32768/(8*138).
     thr4, thr8 = 32768 / (4 * 260.0), 32768 / (8 * 138.0)
@@ -87,6 +89,6 @@ def test_intra_picks_least_recomputation_and_best_throughput():
 
 def test_intra_rejects_when_nothing_fits():
     with pytest.raises(HGraphError, match="fits"):
-        dcp_intra({(1, 1): IntraCandidate(1.0, 1.0, 10.0, 100.0)}, 50.0, 4, 10)
+        data_centric_recomputation({(1, 1): IntraCandidate(1.0, 1.0, 10.0, 100.0)}, 50.0, 4, 10)
     with pytest.raises(HGraphError):
-        dcp_inter([])
+        data_centric_accumulation([])

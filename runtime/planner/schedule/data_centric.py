@@ -1,6 +1,6 @@
 """DCP planning (Data-Centric Parallel, §3.3-3.4 and App. C) as pure functions.
 
-- ``dcp_inter``: given the step time ``T_i`` of every bucket batch (each run by its own group of
+- ``data_centric_accumulation``: given the step time ``T_i`` of every bucket batch (each run by its own group of
   ``p_i`` GPUs with its throughput-optimal batch and sequence-parallel sizes), choose gradient
   accumulation counts ``g_i`` so the groups finish together (Eq. 3). ``g_i`` is bounded as in App. C:
   the iteration may last at most ``G_max`` times the slowest batch's step, and when every ``g_i``
@@ -10,7 +10,7 @@
   would always pick the shortest iteration, minimising the proportion is what balances.
   Every combination is evaluated exactly: for a horizon ``H`` the best ``g_i`` is
   ``floor(H / T_i)``, so only horizons ``g T_j`` need trying.
-- ``dcp_intra``: Alg. 1 - for every profiled (batch size, SP size) candidate find the fewest
+- ``data_centric_recomputation``: Alg. 1 - for every profiled (batch size, SP size) candidate find the fewest
   recomputed layers that fit the memory budget, and keep the candidate with the best throughput
   ``b * s / (p * time)`` (Eq. 1). The paper's listing breaks at the first ``r`` that fits, which
   would pick the *most* recomputation; the text asks for the minimal recomputation that fits, which
@@ -45,7 +45,7 @@ def idle_fraction(step_ms: Sequence[float], accumulation: Sequence[int],
     return float((w * (H - t)).sum() / (w.sum() * H)) if H > 0 else 0.0
 
 
-def dcp_inter(step_ms: Sequence[float], gpus: Optional[Sequence[int]] = None, *, g_min: int = 1,
+def data_centric_accumulation(step_ms: Sequence[float], gpus: Optional[Sequence[int]] = None, *, g_min: int = 1,
               g_max: int = 4) -> InterPlan:
     """Accumulation counts balancing the bucket batches of one iteration (DCP Eq. 3, App. C)."""
     t = np.asarray(step_ms, dtype=np.float64)
@@ -100,7 +100,7 @@ class IntraChoice:
     throughput: float  # tokens per GPU per ms
 
 
-def dcp_intra(candidates: Mapping[tuple[int, int], IntraCandidate], memory_bytes: float, layers: int,
+def data_centric_recomputation(candidates: Mapping[tuple[int, int], IntraCandidate], memory_bytes: float, layers: int,
               seq_len: int) -> IntraChoice:
     """DCP-intra (Alg. 1): fewest recomputed layers within memory, best throughput over (b, p)."""
     if layers < 1 or seq_len < 1:

@@ -18,10 +18,11 @@ order, all trained in its step):
 3. **Gradient-accumulation balancing**: instead of equal accumulation counts (what a fixed batch
    size per replica gives), every replica gets as many micro-batches ``g_i`` as keeps its
    accumulated time ``sum T`` level with the others (longest-processing-time first), which is DCP's
-   Eq. 3 objective (the GPU-weighted idle proportion, ``dcp.idle_fraction``) under the constraint
-   that every micro-batch of the mini-batch runs once. DCP's free search over ``g_i``
-   (``dcp.dcp_inter``) assumes an unbounded stream of bucket batches per length class, which this
-   data contract does not give; its Eq. 3 is reported for the balanced and the equal-count split.
+   Eq. 3 objective (the GPU-weighted idle proportion, ``data_centric.idle_fraction``) under the
+   constraint that every micro-batch of the mini-batch runs once. DCP's free search over ``g_i``
+   (``data_centric.data_centric_accumulation``) assumes an unbounded stream of bucket batches per
+   length class, which this data contract does not give; its Eq. 3 is reported for the balanced and
+   the equal-count split.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import first_fit
-from hgraph.runtime.planner.schedule.dcp import idle_fraction
+from hgraph.runtime.planner.schedule.data_centric import idle_fraction
 from hgraph.strategy import Scheme, Strategy
 
 # the method's name says what it does (a sequence-parallel size per mini-batch, replicas balanced by
@@ -48,7 +49,7 @@ def balances_accumulation(balance: str) -> bool:
 
 
 @dataclass
-class DcpInterStep:
+class SpAccumulationStep:
     """One step: its strategy, per replica the micro-batches (lists of documents), and figures."""
 
     strategy: Strategy
@@ -83,7 +84,7 @@ def _idle(loads: Sequence[float], gpus: int) -> float:
     return idle_fraction(loads, [1] * len(loads), [gpus] * len(loads))
 
 
-def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_ms: Any) -> DcpInterStep:
+def sp_accumulation_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_ms: Any) -> SpAccumulationStep:
     """Plan one mini-batch. ``docs``: objects with ``len()`` and ``index``;
     ``time_ms(lengths, scheme)``: a micro-batch's time (the cost model's ``microbatch_time``)."""
     if not docs:
@@ -120,4 +121,4 @@ def dcp_inter_step(docs: Sequence[Any], world_size: int, rank_tokens: int, time_
     for j, t in enumerate(times):
         equal[j // per] += t
     strategy = Strategy.parse(f"{replicas}xTP1PP1" + (f"CP{c}" if c > 1 else ""))
-    return DcpInterStep(strategy, plan, c, [len(p) for p in plan], loads, _idle(loads, c), _idle(equal, c))
+    return SpAccumulationStep(strategy, plan, c, [len(p) for p in plan], loads, _idle(loads, c), _idle(equal, c))
