@@ -152,7 +152,7 @@ class SchemeTable:
 
     @classmethod
     def build(cls, cost, hist: LengthHistogram, gpus: int, scale: float,
-              schemes: Optional[Sequence[Scheme]] = None) -> "SchemeTable":
+              schemes: Optional[Sequence[Scheme]] = None, microbatch_charge: bool = True) -> "SchemeTable":
         pool = [s for s in (schemes if schemes is not None else cost.schemes) if s.num_ranks <= gpus]
         if not pool:
             raise HGraphError(f"no scheme of profile {cost.name!r} fits {gpus} GPUs")
@@ -163,7 +163,9 @@ class SchemeTable:
         # A micro-batch holds at most MaxLen tokens, so a pipeline runs at least tokens / MaxLen of
         # them, each paying c: charged as c / MaxLen per token of work (without it a PP = 1 scheme
         # was charged one c for any share, and schemes of a few hundred tokens' MaxLen looked cheap).
-        b_work = b + co[:, 2:3] / np.maximum(ml[:, None], 1)
+        # ``microbatch_charge=False`` leaves it out (the charge before it; ``auto_candidates`` draws
+        # from both, since each misses mixes the other proposes).
+        b_work = b + co[:, 2:3] / np.maximum(ml[:, None], 1) if microbatch_charge else b
         return cls(pool, np.asarray([s.num_ranks for s in pool], dtype=np.int64), ml,
                    (a * hist.sum2[None, :] + b_work * hist.sum1[None, :]) * scale, a * u * u + b * u,
                    np.asarray([s.pp - 1 for s in pool], dtype=np.float64), co[:, 2].copy(),

@@ -262,8 +262,12 @@ def _round(d: np.ndarray, intervals, table: SchemeTable, prefix: np.ndarray, gpu
 def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[int] = None,
             tokens_per_iter: Optional[int] = None, step: int = DEFAULT_STEP, growth: float = DEFAULT_GROWTH,
             m_tol: float = 0.01, max_candidates: int = 8, min_prob: float = 1e-3, max_targets: int = 24,
-            per_len: int = 2, schemes: Optional[Sequence[Scheme]] = None) -> Proposal:
-    """Candidate strategies for a dataset's lengths, ``gpus`` GPUs and context ``max_len`` (§7)."""
+            per_len: int = 2, schemes: Optional[Sequence[Scheme]] = None,
+            microbatch_charge: bool = True) -> Proposal:
+    """Candidate strategies for a dataset's lengths, ``gpus`` GPUs and context ``max_len`` (§7).
+
+    ``microbatch_charge``: charge each token of work its share ``c / MaxLen`` of the micro-batch
+    overhead (``SchemeTable.build``); False charges a pipeline one ``c``, as the paper does."""
     t0 = time.perf_counter()
     if not isinstance(gpus, (int, np.integer)) or gpus < 1:
         raise HGraphError(f"GPU count must be a positive integer, got {gpus!r}")
@@ -273,7 +277,7 @@ def propose(lengths, cost, gpus: int, max_len: int, *, gpus_per_node: Optional[i
     cluster = Cluster(int(gpus), int(gpus_per_node or getattr(cost, "gpus_per_node", 8)))
     hist = LengthHistogram.from_lengths(lengths, max_len, step, growth)
     scale = tokens_per_iter / float(hist.sum1.sum())
-    table = SchemeTable.build(cost, hist, gpus, scale, schemes)
+    table = SchemeTable.build(cost, hist, gpus, scale, schemes, microbatch_charge)
     if table.max_len.max() < max_len:
         raise HGraphError(
             f"no scheme of profile {cost.name!r} on {gpus} GPUs holds {max_len} tokens: the largest MaxLen is "

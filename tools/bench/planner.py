@@ -156,6 +156,27 @@ def bench_scale_quality(lengths, speed, context, tokens, instances, trials=100):
                                             if homog is not None else None)}
 
 
+def bench_charges(lengths, speed, context, tokens):
+    """The chosen plans against the plans of the same iterations (same lengths, each told the
+    previous one's strategy) over the candidates of one proposal charge alone
+    (``auto_candidates(microbatch_charge=True|False)``): per-iteration latency ratios (<= 1: the
+    default candidates plan no worse)."""
+    cost, plans = speed["_cost"], speed["_plans"]
+    out = {"default": [p.est_latency_ms for p in plans]}
+    for name, charge in (("charged", True), ("uncharged", False)):
+        cands, _ = auto_candidates(lengths, cost, speed["gpus"], context, tokens, microbatch_charge=charge)
+        lat, prev = [], None
+        for k, p in enumerate(plans):
+            ids = np.asarray(sorted(p.doc_lengths), dtype=np.int64)
+            q = plan_iteration(lengths[ids], cands, cost, index=k, previous=prev)
+            lat.append(q.est_latency_ms)
+            prev = q.strategy
+        out[name] = lat
+        out[f"vs_{name}"] = [a / b for a, b in zip(out["default"], lat)]
+    out["charged_vs_uncharged"] = [a / b for a, b in zip(out["charged"], out["uncharged"])]
+    return out
+
+
 def bench_quality(lengths, speed, instances, cpsat_s, trials=100):
     cost, plans = speed["_cost"], speed["_plans"][:instances]
     rows = []
@@ -224,6 +245,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pin", action="store_true", help="do not pin the process to one CPU core")
     ap.add_argument("--skip-1024", action="store_true")
     ap.add_argument("--skip-12288", action="store_true", help="leave out 12,288 GPUs (its proposal takes minutes)")
+    ap.add_argument("--no-charges", action="store_true",
+                    help="leave out the per-iteration comparison with each proposal charge alone (64 and 1024 GPUs)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     iters64 = args.iters_64 or (10 if args.quick else 50)
@@ -265,6 +288,15 @@ def main(argv=None) -> int:
         if sq["homogeneous"] is not None:
             say(f"  speedup over the best homogeneous strategy {sq['homogeneous']}: "
                 f"{sq['speedup_vs_homogeneous_mean']:.3f}x (mean of {len(sq['rows'])})")
+        if gpus <= 1024 and not args.no_charges:
+            ch = bench_charges(lengths, s, args.context, tokens)
+            s["charges"] = ch
+            say(f"  per iteration, plan ms: {' '.join(f'{x:.1f}' for x in ch['default'])}")
+            for name, what in (("vs_charged", "plan / plan over the charged proposal's candidates alone"),
+                               ("vs_uncharged", "plan / plan over the uncharged (paper's) proposal's candidates alone"),
+                               ("charged_vs_uncharged", "charged alone / uncharged alone")):
+                r = ch[name]
+                say(f"  {what}: worst {max(r):.4f}, mean {statistics.mean(r):.4f}, best {min(r):.4f}")
     raw = read_lengths(path)
     small = bench_quality_small(raw, small_instances, cpsat_s)
     _print_quality(say, f"\n[quality, 16 GPUs llama-7b 30K tokens 16K context, {len(small)} instances "

@@ -117,6 +117,16 @@ def test_homogeneous_candidates():
         auto_candidates(_lengths(0, 10), small, 8, 100_000)
 
 
+def test_auto_candidates_hold_both_proposal_charges_with_few_pipelines():
+    rng = np.random.default_rng(0)   # a long tail on which the two charges propose different mixes
+    lengths = np.minimum(np.maximum(rng.lognormal(7.0, 1.5, size=200).astype(np.int64), 1), 32768)
+    got, source = auto_candidates(lengths, CM, 64, 32768)
+    for charge in (True, False):
+        own = propose(lengths, CM, 64, 32768, tokens_per_iter=200_000, microbatch_charge=charge).strategies
+        assert set(own) <= set(got)   # 64 GPUs: every candidate has at most 64 pipelines
+    assert "without the micro-batch charge" in source
+
+
 def test_auto_candidates_keep_at_most_max_candidates():
     lengths = _lengths(0, 10)
     full, _ = auto_candidates(lengths, CM, 64, 32768)

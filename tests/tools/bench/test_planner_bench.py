@@ -20,6 +20,8 @@ def test_bench_planner_tiny(tmp_path, capsys):
     speed = report["speed"]["64"]
     assert speed["iterations"] == 2 and speed["solve_ms"]["mean"] > 0 and speed["candidates"]
     assert speed["scale_quality"]["vs_alg1_max"] <= 1 + 1e-9   # never worse than Alg. 1 on the same strategy
+    charges = speed["charges"]   # per iteration against each proposal charge alone
+    assert all(len(charges[k]) == 2 for k in ("default", "vs_charged", "vs_uncharged", "charged_vs_uncharged"))
     small = report["quality"]["small"]
     for r in small + report["quality"]["64"]:
         assert r["cpsat"] <= r["fast"] <= r["alg1"]  # CP-SAT hinted with fast; fast never worse than Alg. 1
