@@ -62,3 +62,20 @@ def test_plan_with_many_pipelines_and_the_previous_strategy_first():
         hinted = plan_iteration(lengths, cands, CM, previous=previous)
         assert hinted.strategy == plain.strategy and hinted.est_latency_ms == plain.est_latency_ms
     assert estimate_plan(plain, CM) == plain.est_latency_ms
+
+
+def test_many_documents_cap_the_local_search_rounds(monkeypatch):
+    rounds = []
+    real = df.improve_dispatch
+
+    def spy(*args, rounds=None, **kw):
+        rounds_seen.append(rounds)
+        return real(*args, rounds=rounds, **kw)
+
+    rounds_seen = rounds
+    monkeypatch.setattr(df, "improve_dispatch", spy)
+    pipes = Strategy.parse("2xTP4PP1").pipelines
+    for n, want in ((df.MANY_DOCS + 1, df.CHUNKED_IMPROVE_ROUNDS), (50, None)):
+        rounds.clear()
+        res = df.dispatch_fast(_lengths(1, n, 4096), pipes, CM, alg1_seed=False)
+        assert rounds and set(rounds) == {want} and np.isfinite(res.latency)
