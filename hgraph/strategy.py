@@ -1,11 +1,15 @@
 """Parallel schemes, heterogeneous strategies, the cluster, and the rank layout.
 
-Text forms (``docs/architecture.md``): a scheme is ``TP2PP1`` or ``TP4PP2CP2`` (CP omitted when 1); a strategy is
+Text forms (``docs/architecture.md``): a scheme is ``TP2PP1``, ``TP4PP2CP2`` or ``TP2PP1UL2`` (CP and UL
+omitted when 1; UL is the Ulysses degree, not called SP because SP already names Megatron's sequence
+parallelism of the TP ranks, ``--sequence-parallel``); a strategy is
 ``2xTP2PP1+1xTP4PP1`` (pipelines in the order written) and ``DP4TP2PP1`` is accepted for the
 homogeneous ``4xTP2PP1``. ``Strategy.parse(str(s)) == s`` and strategies hash, so they are cache keys.
 
 Rank layout: pipelines occupy consecutive ranks in the order written; inside a pipeline TP is
-innermost, then CP, then the PP stage.
+innermost, then the sequence group (the CP ranks, or the Ulysses ranks: ``Scheme.seq`` of them, which
+split each micro-batch's tokens alike), then the PP stage. ``cp_rank`` / ``cp_group`` name a rank's place
+in, and the ranks of, that sequence group.
 """
 from __future__ import annotations
 
@@ -16,16 +20,18 @@ from typing import Iterator, Sequence
 
 from hgraph.errors import StrategyError
 
-_SCHEME_RE = re.compile(r"TP(\d+)PP(\d+)(?:CP(\d+))?", re.IGNORECASE)
+_SCHEME_RE = re.compile(r"TP(\d+)PP(\d+)(?:CP(\d+))?(?:UL(\d+))?", re.IGNORECASE)
 _TERM_RE = re.compile(r"\s*(?:(\d+)\s*[xX]\s*|DP(\d+))?", re.IGNORECASE)
 
 
 def _first_bad_char(text: str) -> int:
-    """Offset of the first character of ``text`` that cannot continue TP<n>PP<n>[CP<n>]."""
+    """Offset of the first character of ``text`` that cannot continue TP<n>PP<n>[CP<n>][UL<n>]."""
     i = 0
-    for j, key in enumerate(("TP", "PP", "CP")):
-        if j == 2 and i == len(text):
+    for j, key in enumerate(("TP", "PP", "CP", "UL")):
+        if j >= 2 and i == len(text):
             return i
+        if j == 2 and text[i:i + 1].upper() == "U":
+            continue      # CP omitted
         if text[i:i + 2].upper() != key:
             return i + next((k for k in range(2) if text[i + k:i + k + 1].upper() != key[k]), 0)
         i += 2
@@ -38,32 +44,51 @@ def _first_bad_char(text: str) -> int:
 
 @dataclass(frozen=True, order=True)
 class Scheme:
-    """How one pipeline (one model replica) is deployed: <TP, PP, CP>."""
+    """How one pipeline (one model replica) is deployed: <TP, PP, CP, UL>.
+
+    ``ul``: the Ulysses degree (DeepSpeed-Ulysses): the micro-batch's tokens are split over ``ul`` ranks
+    like CP's, and attention runs on all tokens with ``1/ul`` of the heads between two all-to-alls.
+    CP and UL together (USP's 2-D) are not supported yet.
+    """
 
     tp: int
     pp: int
     cp: int = 1
+    ul: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp"):
+        for name in ("tp", "pp", "cp", "ul"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise StrategyError(f"scheme {name.upper()} degree must be a positive integer, got {v!r}")
+        if self.cp > 1 and self.ul > 1:
+            raise StrategyError(f"scheme {self}: CP and UL (Ulysses) in one scheme are not supported yet; "
+                                "use one of them")
+
+    @property
+    def seq(self) -> int:
+        """Ranks that split each micro-batch's tokens: the CP or the Ulysses degree."""
+        return self.cp * self.ul
 
     @property
     def num_ranks(self) -> int:
-        return self.tp * self.pp * self.cp
+        return self.tp * self.pp * self.seq
 
     def __str__(self) -> str:
-        return f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp != 1 else "")
+        return (f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp != 1 else "")
+                + (f"UL{self.ul}" if self.ul != 1 else ""))
 
     @classmethod
     def parse(cls, text: str) -> "Scheme":
         m = _SCHEME_RE.fullmatch(text.strip())
         if not m:
             raise StrategyError(
-                f"malformed scheme {text!r}: expected TP<n>PP<n> or TP<n>PP<n>CP<n>, e.g. TP2PP1 or TP4PP2CP2")
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 1))
+                f"malformed scheme {text!r}: expected TP<n>PP<n>[CP<n>][UL<n>], e.g. TP2PP1, TP4PP2CP2 or TP1PP1UL4")
+        return cls._of(m)
+
+    @classmethod
+    def _of(cls, m: "re.Match[str]") -> "Scheme":
+        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 1), int(m.group(4) or 1))
 
 
 @dataclass(frozen=True)
@@ -113,11 +138,11 @@ class Strategy:
                 bad = pos + rest_start + lead + _first_bad_char(scheme_text)
                 raise StrategyError(
                     f"malformed strategy {text!r} at position {bad} (term {term.strip()!r}): expected "
-                    "[<d>x]TP<n>PP<n>[CP<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>]")
+                    "[<d>x]TP<n>PP<n>[CP<n>][UL<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>][UL<n>]")
             count = int(count_text) if count_text else 1
             if count < 1:
                 raise StrategyError(f"malformed strategy {text!r} at position {pos}: pipeline count must be >= 1")
-            scheme = Scheme(int(sm.group(1)), int(sm.group(2)), int(sm.group(3) or 1))
+            scheme = Scheme._of(sm)
             pipelines.extend([scheme] * count)
             pos += len(term) + 1
         return cls(tuple(pipelines))
@@ -172,7 +197,7 @@ class Strategy:
     def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
         p = self.pipelines[pipeline]
         base = self.pipeline_ranks(pipeline)[0]
-        return base + (stage * p.cp + cp_rank) * p.tp + tp_rank
+        return base + (stage * p.seq + cp_rank) * p.tp + tp_rank
 
     def coord(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.num_ranks:
@@ -181,7 +206,7 @@ class Strategy:
         for i, p in enumerate(self.pipelines):
             if rank < base + p.num_ranks:
                 local = rank - base
-                return RankCoord(rank, i, local // (p.tp * p.cp), local % p.tp, (local // p.tp) % p.cp)
+                return RankCoord(rank, i, local // (p.tp * p.seq), local % p.tp, (local // p.tp) % p.seq)
             base += p.num_ranks
         raise AssertionError("unreachable")
 
@@ -195,11 +220,11 @@ class Strategy:
 
     def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0) -> list[int]:
         p = self.pipelines[pipeline]
-        return [self.rank_of(pipeline, stage, tp_rank, c) for c in range(p.cp)]
+        return [self.rank_of(pipeline, stage, tp_rank, c) for c in range(p.seq)]
 
     def stage_ranks(self, pipeline: int, stage: int) -> list[int]:
         p = self.pipelines[pipeline]
-        return [self.rank_of(pipeline, stage, t, c) for c in range(p.cp) for t in range(p.tp)]
+        return [self.rank_of(pipeline, stage, t, c) for c in range(p.seq) for t in range(p.tp)]
 
     def validate(self, cluster: "Cluster") -> None:
         """World size and node boundaries; model-dependent checks live in the compiler."""
@@ -208,7 +233,7 @@ class Strategy:
                 f"strategy {self} uses {self.num_ranks} ranks but the world size is {cluster.world_size}")
         for i, p in enumerate(self.pipelines):
             for s in range(p.pp):
-                for c in range(p.cp):
+                for c in range(p.seq):
                     group = self.tp_group(i, s, c)
                     nodes = {r // cluster.gpus_per_node for r in group}
                     if len(nodes) > 1:

@@ -6,7 +6,9 @@ before it. This pass replaces each attention op by ``ops.packed_attention``, whi
 micro-batch's documents from the runtime's ``comm`` (known on the host) or finds them from
 ``position_ids`` (a document starts at position 0), so a packed step computes exactly what running
 each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
-this rank's queries against the CP group's gathered keys, per document (layout from the runtime).
+this rank's queries against the CP group's gathered keys, per document (layout from the runtime); with
+UL > 1 (Ulysses) ``ops.ulysses_attention``: all-to-all to every token with a slice of the heads,
+attention per document, and back.
 ``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
 its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
 ``cp_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
@@ -52,7 +54,10 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         comm = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "comm"), None)
         heads = ctx.shapes[q.name][0][1] if p else 0     # the HGraph's (whole model's) query heads
         variant = (bound.get("softcap"), bound.get("window"))
-        if ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
+        if ctx.role.scheme.ul > 1:   # Ulysses: all-to-all to a head slice of every token, and back
+            node.target, node.args = ops.ulysses_attention, (comm, q, k, v, "cp", scale, gqa, *variant)
+            _check_ulysses(node, ctx, p)
+        elif ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
             node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads,
                                                         *variant)
         elif p:
@@ -62,3 +67,19 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             node.target, node.args = ops.packed_attention, (q, k, v, pos, scale, gqa, *variant, comm)
         node.kwargs = {}
     return gm
+
+
+def _check_ulysses(node: fx.Node, ctx: PassContext, dropout_p: float) -> None:
+    """One clear line when a Ulysses scheme cannot run this attention: heads over TP x UL, dropout."""
+    scheme = ctx.role.scheme
+    if dropout_p:
+        raise TraceError(f"attention {node.name}: attention dropout under Ulysses ({scheme}) is not supported "
+                         "yet; compile with dropout=False or use CP")
+    q, k = node.args[1], node.args[2]
+    heads = [ctx.shapes[x.name][0][1] if x.name in ctx.shapes else None for x in (q, k)]
+    if isinstance(heads[0], int) and heads[0] % (scheme.tp * scheme.ul):
+        raise TraceError(f"scheme {scheme}: the model's {heads[0]} attention heads do not divide by TP x UL = "
+                         f"{scheme.tp * scheme.ul}; UL must divide heads / TP")
+    if isinstance(heads[1], int) and heads[1] % scheme.tp:
+        raise TraceError(f"scheme {scheme}: the model's {heads[1]} key/value heads do not divide by TP = "
+                         f"{scheme.tp}")

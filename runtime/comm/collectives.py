@@ -20,6 +20,9 @@ Autograd (all ops are differentiable):
   reduce-scatter (each TP rank's column-parallel linear gives a partial gradient of every token).
 * ``sp_gathered_linear``: the linear of that all-gathered input, keeping only the rank's slice for
   backward and gathering it again there for the weight's gradient (Megatron).
+* ``ulysses_to_heads`` / ``ulysses_to_tokens`` (Ulysses sequence parallelism): all-to-all from this
+  rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back; each is
+  the other's backward. Run at once (issued and waited in the op), not yet split into issue and wait.
 * ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
@@ -227,6 +230,75 @@ def cp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
     rank's keys). ``comm_wait`` gives the gathered tensor, pieces in the order of ``ranks``.
     """
     return tp_gather_issue(comm, x, ranks, dim, sizes, reduce_grad=True)
+
+
+# ---- Ulysses sequence parallelism: all-to-all between token slices and head slices -------------------
+def _tokens_to_heads(comm: Any, x: torch.Tensor, group: Any, sizes: Sequence[int], index: int) -> torch.Tensor:
+    """``x`` [1, H, sizes[index], D] -> [1, H / n, sum(sizes), D]: head chunk ``i`` of the local tokens
+    goes to rank ``i``; the tokens come back in group order."""
+    n, (_, heads, tokens, dim) = len(sizes), x.shape
+    part = heads // n
+    send = x[0].reshape(n, part, tokens, dim).contiguous().view(-1)
+    recv = send.new_empty(part * sum(sizes) * dim)
+    _run(comm, [send, recv], lambda: dist.all_to_all_single(
+        recv, send, [part * s * dim for s in sizes], [part * tokens * dim] * n, group=group, async_op=True))
+    pieces = recv.split([part * s * dim for s in sizes])
+    return torch.cat([p.view(part, s, dim) for p, s in zip(pieces, sizes)], dim=1).unsqueeze(0)
+
+
+def _heads_to_tokens(comm: Any, y: torch.Tensor, group: Any, sizes: Sequence[int], index: int) -> torch.Tensor:
+    """The inverse: ``y`` [1, H / n, sum(sizes), D] -> [1, H, sizes[index], D]."""
+    n, (_, part, _, dim) = len(sizes), y.shape
+    tokens = sizes[index]
+    send = torch.cat([p.reshape(-1) for p in y[0].split(list(sizes), dim=1)])
+    recv = send.new_empty(n * part * tokens * dim)
+    _run(comm, [send, recv], lambda: dist.all_to_all_single(
+        recv, send, [part * tokens * dim] * n, [part * s * dim for s in sizes], group=group, async_op=True))
+    return recv.view(1, n * part, tokens, dim)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, group, sizes, index):
+        ctx.comm, ctx.group, ctx.sizes, ctx.index = comm, group, sizes, index
+        return _tokens_to_heads(comm, x, group, sizes, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_tokens(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index), None, None, None, None
+
+
+class _ToTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, comm, group, sizes, index):
+        ctx.comm, ctx.group, ctx.sizes, ctx.index = comm, group, sizes, index
+        return _heads_to_tokens(comm, y, group, sizes, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tokens_to_heads(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index), None, None, None, None
+
+
+def _ulysses_args(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int],
+                  heads: int) -> tuple[Any, tuple[int, ...], int]:
+    key, group = _tp_group(comm, ranks)
+    if len(sizes) != len(key) or heads % len(key):
+        raise HGraphError(f"Ulysses all-to-all over ranks {list(key)}: {heads} heads and token pieces "
+                          f"{list(sizes)} need one piece per rank and heads divisible by {len(key)}")
+    return group, tuple(int(s) for s in sizes), key.index(comm.rank)
+
+
+def ulysses_to_heads(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """Ulysses: ``x`` [1, H, T_local, D] of this rank's tokens -> [1, H / n, T, D], every rank's tokens
+    (pieces of ``sizes`` in the order of ``ranks``) with this rank's chunk of the heads."""
+    group, sizes, index = _ulysses_args(comm, x, ranks, sizes, x.shape[1])
+    return x if len(sizes) == 1 else _ToHeads.apply(x.contiguous(), comm, group, sizes, index)
+
+
+def ulysses_to_tokens(comm: Any, y: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The inverse of ``ulysses_to_heads``: [1, H / n, T, D] -> [1, H, T_local, D]."""
+    group, sizes, index = _ulysses_args(comm, y, ranks, sizes, y.shape[1] * len(sizes))
+    return y if len(sizes) == 1 else _ToTokens.apply(y.contiguous(), comm, group, sizes, index)
 
 
 # ---- sequence parallelism: token slices --------------------------------------------------------------

@@ -15,6 +15,7 @@ without anything being saved and restored.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Sequence
 
@@ -31,7 +32,7 @@ from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.shard_rule import shard_bounds
-from hgraph.varlen_attention import DocumentBounds
+from hgraph.varlen_attention import DocumentBounds, varlen_attention
 
 
 @dataclass
@@ -186,6 +187,32 @@ class CommContext:
         groups = dropout_kernel.cp_groups(layout, keys, q.device, window)
         return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
+
+    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str,
+                          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None,
+                          window: Optional[int] = None) -> torch.Tensor:
+        """Ulysses: this rank's tokens with all its heads -> every token with ``1/n`` of the heads
+        (all-to-all over the group ``key``), packed attention per document of the whole micro-batch,
+        and back. Key/value heads not divisible by ``n`` are repeated (each the least number of times
+        that makes them divisible) so every rank holds the key/value heads its query heads read."""
+        layout = self._cp_layout("ulysses_attention")
+        docs = self.documents
+        if docs is None or docs.cu[-1] != len(layout.doc_of):
+            raise HGraphError("ulysses_attention needs the whole micro-batch's documents: run this rank's "
+                              "program under the hgraph executor")
+        ranks, n = self.ranks(key), len(layout.sizes)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        if heads % n:
+            raise HGraphError(f"Ulysses UL{n}: this rank's {heads} query heads do not divide by {n}; "
+                              "the model's query heads must divide by TP x UL")
+        if kv_heads % n:
+            repeat = n // math.gcd(kv_heads, n)
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        sizes = layout.sizes
+        q, k, v = (collectives.ulysses_to_heads(self, t, ranks, sizes) for t in (q, k, v))
+        out = varlen_attention(q, k, v, docs, scale=scale, enable_gqa=enable_gqa or q.shape[1] != k.shape[1],
+                               softcap=softcap, window=window)
+        return collectives.ulysses_to_tokens(self, out, ranks, sizes)
 
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor:
         """Keyed dropout of ``x``; ``tokens``: the TP group key when ``x`` holds this rank's token slice."""

@@ -73,7 +73,7 @@ from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.program import Program, RankProgram
-from hgraph.strategy import Cluster, Strategy
+from hgraph.strategy import Cluster, Scheme, Strategy
 from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
 
 ADAPTIVE = "adaptive"
@@ -453,7 +453,7 @@ class Executor:
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
                 recompute = memory.before_forward(i, mb, layout) if memory is not None else None
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute,
-                                              documents=self._documents(mb, layout))
+                                              documents=self._documents(mb, layout, rp.scheme))
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
                     if last:
@@ -486,8 +486,9 @@ class Executor:
         rp = state.rank_program
         ids, pos, targets, layout = mb.input_ids, mb.position_ids, None, None
         docs = token_documents(mb)
-        if rp.scheme.cp > 1:   # this CP rank's tokens; targets stay those of the whole documents
-            layout = cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding)
+        if rp.scheme.seq > 1:   # this CP / Ulysses rank's tokens; targets stay those of the whole documents
+            layout = (CPLayout.contiguous(mb.doc_lengths, rp.scheme.ul, rp.cp_rank) if rp.scheme.ul > 1
+                      else cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding))
             local = torch.tensor(layout.local_tokens, dtype=torch.long)
             cu = cu_seqlens_for(mb.doc_lengths)
             ids, pos, docs = ids[:, local], pos[:, local], docs[local]
@@ -496,10 +497,11 @@ class Executor:
                          mb.doc_indices or tuple(range(len(mb.doc_lengths))))
         return ids, pos, targets, layout, keys
 
-    def _documents(self, mb: MicroBatch, layout: Optional[CPLayout]) -> Optional[DocumentBounds]:
+    def _documents(self, mb: MicroBatch, layout: Optional[CPLayout], scheme: Scheme) -> Optional[DocumentBounds]:
         """The micro-batch's document boundaries for packed attention, on the host and copied to the
-        device once (without CP: a CP rank's attention takes its layout)."""
-        return DocumentBounds.of(mb.doc_lengths, self.device) if layout is None else None
+        device once (without CP: a CP rank's attention takes its layout; a Ulysses rank's attention
+        runs on the whole micro-batch, with its layout's contiguous split)."""
+        return DocumentBounds.of(mb.doc_lengths, self.device) if layout is None or scheme.ul > 1 else None
 
     def _loss_sum(self, out: Union[torch.Tensor, HeadInputs], ids: torch.Tensor, targets: Optional[torch.Tensor],
                   mb: MicroBatch, comm: CommContext) -> torch.Tensor:
@@ -534,7 +536,7 @@ class Executor:
         for mb in microbatches[rp.pipeline]:
             ids, pos, targets, layout, keys = self._inputs(state, mb)
             mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
-                                          documents=self._documents(mb, layout))
+                                          documents=self._documents(mb, layout, rp.scheme))
             out = state.graph(ids.to(self.device), pos.to(self.device), mb_comm)
             if last:
                 loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))

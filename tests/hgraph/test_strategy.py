@@ -9,12 +9,14 @@ from hgraph import Cluster, Scheme, Strategy, StrategyError
     ("DP4TP2PP1", (Scheme(2, 1),) * 4),
     ("1xTP4PP2CP2+TP1PP1", (Scheme(4, 2, 2), Scheme(1, 1))),
     (" 3 x tp1pp2 + 1xTP2PP1 ", (Scheme(1, 2),) * 3 + (Scheme(2, 1),)),
+    ("1xTP2PP1UL2+2xTP1PP1", (Scheme(2, 1, ul=2), Scheme(1, 1), Scheme(1, 1))),
 ])
 def test_parse(text, expected):
     assert Strategy.parse(text).pipelines == expected
 
 
-@pytest.mark.parametrize("text", ["2xTP2PP1+1xTP4PP1", "1xTP1PP1", "1xTP4PP2CP2+2xTP1PP1", "4xTP2PP1"])
+@pytest.mark.parametrize("text", ["2xTP2PP1+1xTP4PP1", "1xTP1PP1", "1xTP4PP2CP2+2xTP1PP1", "4xTP2PP1",
+                                  "1xTP1PP2UL4+1xTP2PP1"])
 def test_round_trip_and_hash(text):
     s = Strategy.parse(text)
     assert str(s) == text
@@ -34,6 +36,8 @@ def test_homogeneous_forms_are_equal():
     ("2xTP2PP1+1yTP4PP1", "position 9"),
     ("", "empty"),
     ("0xTP1PP1", "count"),
+    ("TP1PP1UL", "position 8"),
+    ("TP1PP1UX2", "position 7"),
 ])
 def test_malformed_text_says_where(text, where):
     with pytest.raises(StrategyError, match=where):
@@ -65,3 +69,12 @@ def test_validate_world_size_and_node_boundary():
         s.validate(Cluster(6))
     with pytest.raises(StrategyError, match="crossing a node"):
         Strategy.parse("1xTP2PP1+1xTP4PP1+1xTP2PP1").validate(Cluster(8, gpus_per_node=4))
+
+
+def test_ulysses_ranks_take_the_place_of_cp_ranks_and_do_not_combine_with_cp_yet():
+    s = Strategy.parse("1xTP2PP2UL2")
+    assert Scheme.parse("TP2PP2UL2") == s.pipelines[0] and s.pipelines[0].seq == 2
+    assert s.num_ranks == 8
+    assert s.cp_group(0, 1, 1) == [5, 7] and s.tp_group(0, 0, 1) == [2, 3]
+    with pytest.raises(StrategyError, match="CP and UL .* not supported yet"):
+        Scheme.parse("TP1PP1CP2UL2")

@@ -90,8 +90,8 @@ class MemoryModel:
         A = self.activation_A(scheme.tp)
         if A is None:
             return None
-        other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.cp
-        return model.layers * model.hidden / (scheme.tp * scheme.cp) * A + other
+        other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.seq     # CP or Ulysses: tokens / degree
+        return model.layers * model.hidden / (scheme.tp * scheme.seq) * A + other
 
     def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
         """Longest packed micro-batch (tokens) that fits; 0 when even the model states do not fit."""

@@ -107,9 +107,9 @@ def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, sch
     """Bytes a rank of ``stage`` of a ``scheme`` pipeline saves for backward at the 1F1B peak with
     micro-batches of ``tokens`` tokens; ``A``, ``other``: the memory model's
     coefficients for the scheme's TP degree, ``layers``: the stage's."""
-    per_layer = A * hidden / (scheme.tp * scheme.cp)
+    per_layer = A * hidden / (scheme.tp * scheme.seq)   # CP or Ulysses: tokens / degree
     in_flight = scheme.pp - stage
-    last = other / scheme.cp if stage == scheme.pp - 1 else 0.0
+    last = other / scheme.seq if stage == scheme.pp - 1 else 0.0
     return int(round((in_flight * layers * per_layer + last) * tokens))
 
 
@@ -145,7 +145,7 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
             layers = len(compiled.stage_blocks(scheme.pp)[c.stage])
             act = stage_activation_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
             if c.stage == scheme.pp - 1:        # the chunked loss's logits of one chunk, while it runs
-                act += loss_transient_bytes(cfg.vocab_size, -(-tokens // scheme.cp), scheme.tp, dtype)
+                act += loss_transient_bytes(cfg.vocab_size, -(-tokens // scheme.seq), scheme.tp, dtype)
         ranks.append(RankMemory(c.rank, c.pipeline, scheme, c.stage, c.tp_rank, c.cp_rank, states[c.rank], act))
     parameters = sum(int(torch.Size(p.shape).numel()) for p in compiled.hgraph.params.values())
     max_len = {}

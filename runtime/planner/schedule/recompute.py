@@ -44,7 +44,7 @@ def recompute_extra_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_by
     if tokens <= 0:
         return 0.0, 0
     stage_layers = max(math.ceil(shape.layers / scheme.pp), 1)
-    model = ActivationModel(shape.hidden / (scheme.tp * scheme.cp) * A, 0.0, 2.0 * shape.hidden / scheme.cp)
+    model = ActivationModel(shape.hidden / (scheme.tp * scheme.seq) * A, 0.0, 2.0 * shape.hidden / scheme.seq)
     held = (scheme.pp - 1) * model.held((tokens, 0.0), stage_layers, 0)
     choice = choose_recompute_layers(model, (tokens, 0.0), stage_layers, budget_bytes, held)
     a, b, _ = cost.coeffs(scheme)

@@ -141,3 +141,14 @@ def test_analytic_prior_shapes():
         assert 0.5 < cm.max_len(s) / prof.max_len(s) < 2
     with pytest.raises(HGraphError):
         analytic_cost_model(hidden=0, layers=1, vocab=1, world_size=1)
+
+
+def test_ulysses_divides_the_activation_memory_like_cp_but_is_never_priced_or_proposed_yet():
+    cm = load_cost_model("llama-32b", world_size=64)
+    memory, s = cm.memory, Scheme(8, 2)
+    assert memory.max_len(cm.model, Scheme(8, 2, ul=2), 64) == memory.max_len(cm.model, Scheme(8, 2, 2), 64)
+    assert abs(memory.max_len(cm.model, Scheme(8, 2, ul=2), 64) - 2 * cm.max_len(s)) <= 2
+    assert all(p.ul == 1 for p in cm.schemes)      # the planner's candidates: no Ulysses scheme yet
+    assert not cm.has(Scheme(8, 2, ul=2))
+    with pytest.raises(HGraphError, match="TP8PP2UL2 is not available"):
+        cm.coeffs(Scheme(8, 2, ul=2))
