@@ -174,7 +174,7 @@ class SpAccumulation(FixedSchedule):
 
 
 def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], model: nn.Module,
-                   world_size: int) -> Optional[CostModel]:
+                         world_size: int) -> Optional[CostModel]:
     """``planner.balance``: checked; for ``sp-accumulation`` (a homogeneous data-parallel schedule) the cost
     model whose micro-batch times it balances, else None."""
     balance = config.planner.balance
@@ -183,7 +183,7 @@ def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], mode
     if not balances_accumulation(balance):
         return None
     homogeneous = (not config.planner_driven and len(set(schedule)) == 1
-                   and all((p.tp, p.pp, p.cp) == (1, 1, 1) for p in schedule[0].pipelines))
+                   and all((p.tp, p.pp, p.seq) == (1, 1, 1) for p in schedule[0].pipelines))
     if not homogeneous:
         raise HGraphError(f"--balance {SP_ACCUMULATION} runs homogeneous data parallelism: give "
                           f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")

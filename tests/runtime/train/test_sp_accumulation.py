@@ -5,7 +5,10 @@ from dataclasses import dataclass
 import pytest
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.sp_accumulation import sp_accumulation_step, sp_size_for
+from hgraph.runtime.train.step_modes import sp_accumulation_cost
+from hgraph.strategy import Strategy
 
 
 def time_ms(lengths, scheme):
@@ -58,3 +61,13 @@ def test_no_micro_batch_has_fewer_tokens_than_cp_ranks():
     assert step.sp_size == 4
     assert all(sum(len(d) for d in mb) >= 4 for pipe in step.plan for mb in pipe)
     assert sorted(d.index for pipe in step.plan for mb in pipe for d in mb) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("schedule", ["2xTP1PP1CP2", "2xTP1PP1UL2", "2xTP2PP1"])
+def test_the_mode_takes_only_plain_data_parallelism(schedule):
+    """It picks the sequence-splitting degree itself: a schedule that already splits (CP or Ulysses) or
+    shards (TP) is one clear error."""
+    config = TrainConfig.from_values(model="tiny", world_size=4, strategy_schedule=schedule,
+                                     balance="sp-accumulation", steps=1, tokens_per_iter=64)
+    with pytest.raises(HGraphError, match="runs homogeneous data parallelism: give --strategy-schedule 4xTP1PP1"):
+        sp_accumulation_cost(config, [Strategy.parse(schedule)], None, 4)
