@@ -1,11 +1,11 @@
 """``--profile measure``: the cost model built from timings on this machine, on 2 ranks (compute,
 TP all-reduce, PP send/recv) and the online correction of the estimates."""
 import math
-import time
 
 import pytest
 import torch
 
+import hgraph.runtime.planner.cost.calibration as calibration
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, StepCorrection, interleaved_layer_timings,
                                                     scaled_plan)
@@ -99,9 +99,8 @@ def test_step_correction_is_the_median_ratio_of_recent_steps_and_scales_every_es
     assert [p.microbatches for p in scaled.pipelines] == [p.microbatches for p in plan.pipelines]
 
 
-class _FirstCallIsSlow(torch.nn.Module):
-    """A stand-in whose first forward at each length takes 0.3 s, as a compile or a first kernel launch
-    would; it records every call's length and its parameters' dtype."""
+class _Recorder(torch.nn.Module):
+    """A stand-in model that records every call's length and its parameters' dtype."""
 
     def __init__(self, layers: int, vocab: int = 16) -> None:
         super().__init__()
@@ -111,31 +110,37 @@ class _FirstCallIsSlow(torch.nn.Module):
         self.calls: list[tuple[int, torch.dtype]] = []
 
     def forward(self, ids):
-        length = ids.shape[1]
-        if all(n != length for n, _ in self.calls):
-            time.sleep(0.3)
-        self.calls.append((length, self.head.weight.dtype))
+        self.calls.append((ids.shape[1], self.head.weight.dtype))
         x = self.embed(ids)
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return self.head(x)
 
 
-def test_measure_times_warm_calls_only_on_the_runs_dtype():
+def test_measure_times_warm_calls_only_on_the_runs_dtype(monkeypatch):
     """``--profile measure`` never times a first call (a compile, a first launch): every model runs an
-    untimed round at each length first; and it times the model in the run's working dtype."""
+    untimed round at each length first; and it times the model in the run's working dtype. The clock
+    is a stand-in that reads 1000 ms for a model's first call at a length and ``1 + 2 x layers`` ms
+    after it, so a timed first call would show, whatever the machine's load."""
+    real, seen = calibration.fwd_bwd_ms, set()
+
+    def clock(model, ids):
+        real(model, ids)                                 # the model runs (its calls are recorded)
+        first = (id(model), ids.shape[1]) not in seen
+        seen.add((id(model), ids.shape[1]))
+        return 1000.0 if first else 1.0 + 2.0 * len(model.layers)
+
+    monkeypatch.setattr(calibration, "fwd_bwd_ms", clock)
     built = []
 
     def build(n, tp):
-        built.append(_FirstCallIsSlow(n))
+        built.append(_Recorder(n))
         return built[-1]
 
     lengths = [8, 16, 32]
     # one timed run per length: a median over several would hide a slow first one
     timed = interleaved_layer_timings(build, [1], lengths, 16, repeats=1, dtype=torch.bfloat16)
-    layer_ms, rest_ms = timed[1]
-    assert len(layer_ms) == len(rest_ms) == 3
-    assert max(layer_ms + rest_ms) < 100, (layer_ms, rest_ms)     # 300 ms first calls were not timed
+    assert timed[1] == ([2.0] * 3, [1.0] * 3)            # a layer 2 ms, the rest 1 ms: no first call timed
     for model in built:
         assert [n for n, _ in model.calls] == [n for n in lengths for _ in range(2)]    # warm-up, timed
         assert {d for _, d in model.calls} == {torch.bfloat16}
