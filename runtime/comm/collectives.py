@@ -257,26 +257,18 @@ def _heads_to_tokens(comm: Any, y: torch.Tensor, group: Any, sizes: Sequence[int
     return recv.view(1, n * part, tokens, dim)
 
 
-class _ToHeads(torch.autograd.Function):
+class _UlyssesSwap(torch.autograd.Function):
+    """One Ulysses all-to-all, ``there`` (tokens to heads or back), whose backward is its inverse ``back``."""
+
     @staticmethod
-    def forward(ctx, x, comm, group, sizes, index):
-        ctx.comm, ctx.group, ctx.sizes, ctx.index = comm, group, sizes, index
-        return _tokens_to_heads(comm, x, group, sizes, index)
+    def forward(ctx, x, comm, group, sizes, index, there, back):
+        ctx.comm, ctx.group, ctx.sizes, ctx.index, ctx.back = comm, group, sizes, index, back
+        return there(comm, x, group, sizes, index)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_tokens(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index), None, None, None, None
-
-
-class _ToTokens(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, comm, group, sizes, index):
-        ctx.comm, ctx.group, ctx.sizes, ctx.index = comm, group, sizes, index
-        return _heads_to_tokens(comm, y, group, sizes, index)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tokens_to_heads(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index), None, None, None, None
+        return (ctx.back(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index),
+                None, None, None, None, None, None)
 
 
 def _ulysses_args(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int],
@@ -292,13 +284,15 @@ def ulysses_to_heads(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Se
     """Ulysses: ``x`` [1, H, T_local, D] of this rank's tokens -> [1, H / n, T, D], every rank's tokens
     (pieces of ``sizes`` in the order of ``ranks``) with this rank's chunk of the heads."""
     group, sizes, index = _ulysses_args(comm, x, ranks, sizes, x.shape[1])
-    return x if len(sizes) == 1 else _ToHeads.apply(x.contiguous(), comm, group, sizes, index)
+    return x if len(sizes) == 1 else _UlyssesSwap.apply(x.contiguous(), comm, group, sizes, index,
+                                                        _tokens_to_heads, _heads_to_tokens)
 
 
 def ulysses_to_tokens(comm: Any, y: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
     """The inverse of ``ulysses_to_heads``: [1, H / n, T, D] -> [1, H, T_local, D]."""
     group, sizes, index = _ulysses_args(comm, y, ranks, sizes, y.shape[1] * len(sizes))
-    return y if len(sizes) == 1 else _ToTokens.apply(y.contiguous(), comm, group, sizes, index)
+    return y if len(sizes) == 1 else _UlyssesSwap.apply(y.contiguous(), comm, group, sizes, index,
+                                                        _heads_to_tokens, _tokens_to_heads)
 
 
 # ---- sequence parallelism: token slices --------------------------------------------------------------
