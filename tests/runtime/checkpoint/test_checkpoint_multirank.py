@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from tests.runtime.checkpoint.dcp_reads import counted_readers
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
@@ -270,14 +271,7 @@ def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
     sharded along dim 1); only the step counts (one number each) are read whole."""
     root, results = run
     saved = [r["state4"] for r in results]
-    readers = []
-
-    class Counting(dcp_format.RowsReader):
-        def __init__(self, path):
-            super().__init__(path)
-            readers.append(self)
-
-    monkeypatch.setattr(dcp_format, "RowsReader", Counting)
+    readers = counted_readers(monkeypatch)
     folder = checkpoint.step_dir(root, 4)
     layout = checkpoint.read_manifest(folder)["optimizer"]
     for r in range(3):

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from tests.runtime.checkpoint.dcp_reads import counted_readers
 from tests.runtime.reference_training import assert_trained_like, reference_run, write_random_documents
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.checkpoint import dcp_format
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.checkpoint.foreign import ForeignCheckpoint
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
@@ -76,14 +76,7 @@ def test_resume_from_a_plain_adam_dcp_checkpoint_continues_like_the_plain_model(
 def test_a_rank_reads_its_rows_of_weights_moments_and_step_counts(plain, monkeypatch):
     """Rank 1 of 2: exactly torch's values, cut to its rows (bitwise), read from the plain folder
     (one chunk per tensor, written by one process): the bytes read are its rows, not the tensors."""
-    readers = []
-
-    class Counting(dcp_format.RowsReader):
-        def __init__(self, path):
-            super().__init__(path)
-            readers.append(self)
-
-    monkeypatch.setattr(dcp_format, "RowsReader", Counting)
+    readers = counted_readers(monkeypatch)
     model = llama.build("tiny")
     opt = ShardedAdam(list(model.named_parameters()), None, 1, 2)
     state = ForeignCheckpoint(plain["ck"]).optimizer_state(opt)

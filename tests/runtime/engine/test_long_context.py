@@ -12,11 +12,10 @@ reference within its fp32 tolerance.
 
 One spawn of 4 gloo processes runs every multi-rank case of this module.
 """
-import importlib.util
-import pathlib
 
 import pytest
 import torch
+from tests.runtime.engine.equivalence_harness import load_equivalence_harness
 from tests.runtime.reference_training import assert_trained_like
 
 from hgraph.runtime.comm.process_groups import GroupCache
@@ -28,15 +27,7 @@ from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
 
-def _harness():
-    path = pathlib.Path(__file__).with_name("test_executor_equivalence.py")
-    spec = importlib.util.spec_from_file_location("hgraph_tests_equivalence_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EQ = _harness()
+EQ = load_equivalence_harness()
 BUDGET = 100_000      # activation bytes per rank: forces partial recomputation on these micro-batches
 
 # (schedule, options); every schedule runs without and with a memory budget

@@ -10,11 +10,10 @@ key/value head, repeated on every Ulysses rank.
 The harness (documents, mini-batches, configs, reference) is the one of ``test_executor_equivalence.py``;
 one spawn of 4 gloo processes runs every case.
 """
-import importlib.util
-import pathlib
 
 import pytest
 import torch
+from tests.runtime.engine.equivalence_harness import load_equivalence_harness
 from tests.runtime.reference_training import assert_trained_like
 
 import hgraph
@@ -27,15 +26,7 @@ from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
 
-def _harness():
-    path = pathlib.Path(__file__).with_name("test_executor_equivalence.py")
-    spec = importlib.util.spec_from_file_location("hgraph_tests_equivalence_harness", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-EQ = _harness()
+EQ = load_equivalence_harness()
 
 # (model, schedule: one strategy per step, cycled)
 CASES = [
