@@ -258,12 +258,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
     rows = []
     for b in range(B):
         if known is not None:
-            cu = known
+            cu, bounds = known, known.cu
         else:
             starts = (pos[b] == 0).nonzero().flatten().tolist()
-            cu = sorted({0, *starts}) + [T]
+            cu = bounds = sorted({0, *starts}) + [T]
         qb, kb, vb = q[b:b + 1], k[b:b + 1], v[b:b + 1]
-        if len(cu.cu if known is not None else cu) == 2 and plain:
+        if len(bounds) == 2 and plain:
             rows.append(F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
                                                        enable_gqa=enable_gqa))
         else:

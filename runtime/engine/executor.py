@@ -226,7 +226,8 @@ class Executor:
         if self.compile:
             check_backend(compile_backend)
         self.region_compiles = RegionCompiles()
-        self.programs: ProgramCache[RankState] = ProgramCache(compiled, cluster if cluster is not None else Cluster(world_size))
+        self.programs: ProgramCache[RankState] = ProgramCache(
+            compiled, cluster if cluster is not None else Cluster(world_size))
         self._last_program: Optional[Program] = None
         self.seed = seed           # the run's seed: dropout masks are keyed by it (``kernels/dropout``)
         self._step_index = 0
@@ -537,7 +538,7 @@ class Executor:
             ids, pos, targets, layout, keys = self._inputs(state, mb)
             mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
                                           documents=self._documents(mb, layout, rp.scheme))
-            out = state.graph(ids.to(self.device), pos.to(self.device), mb_comm)
+            out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
             if last:
                 loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
             del out

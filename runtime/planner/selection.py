@@ -352,9 +352,10 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     static strategy. ``tokens_per_iter`` defaults to the proposer's (3125 per GPU). Where the
     proposal's full-context candidate has at most ``CHUNKED_PIPELINES`` pipelines (64 GPUs), the
     candidates of at most that many pipelines of a proposal without the micro-batch charge
-    (``propose(microbatch_charge=False)``) join too, and its wider proposal joins the sampled pool: each charge misses mixes the other proposes
-    (at 64 GPUs the charged one drops a CP8 + CP2 + TP4 mix that plans 3.8% faster in one of 20
-    iterations), and with few pipelines a candidate costs a screening pass or its bound.
+    (``propose(microbatch_charge=False)``) join too, and its wider proposal joins the sampled pool:
+    each charge misses mixes the other proposes (at 64 GPUs the charged one drops a CP8 + CP2 + TP4
+    mix that plans 3.8% faster in one of 20 iterations), and with few pipelines a candidate costs a
+    screening pass or its bound.
 
     ``microbatch_charge``: True or False proposes with that charge alone (the bench compares them).
 
@@ -371,18 +372,17 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
         raise HGraphError(f"max_candidates must be >= 1, got {max_candidates}")
     cap = {} if max_candidates is None else {"max_candidates": max_candidates}
     charge = True if microbatch_charge is None else microbatch_charge
-    proposed = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=charge, **cap).strategies
+
+    def proposal(with_charge: bool, **opts) -> list[Strategy]:
+        return propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=with_charge,
+                       **opts).strategies
+
+    proposed = proposal(charge, **cap)
     uncharged: list[Strategy] = []
     uncharged_too = microbatch_charge is None and len(proposed[-1].pipelines) <= CHUNKED_PIPELINES
     if uncharged_too:
-        uncharged = [s for s in propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=False,
-                                        **cap).strategies
-                     if s not in proposed and len(s.pipelines) <= CHUNKED_PIPELINES]
-    wide = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=charge,
-                   **AUTO_WIDE_PROPOSAL).strategies
-    if uncharged_too:
-        wide += propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=False,
-                        **AUTO_WIDE_PROPOSAL).strategies
+        uncharged = [s for s in proposal(False, **cap) if s not in proposed and len(s.pipelines) <= CHUNKED_PIPELINES]
+    wide = proposal(charge, **AUTO_WIDE_PROPOSAL) + (proposal(False, **AUTO_WIDE_PROPOSAL) if uncharged_too else [])
     wide = [s for s in dict.fromkeys(wide) if s not in proposed and s not in uncharged]
     winners: set[Strategy] = set()
     samples = min(samples, max(2, AUTO_SAMPLE_TOKENS // tokens))

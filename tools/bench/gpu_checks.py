@@ -41,6 +41,7 @@ from hgraph.runtime.data.builtin import write_jsonl
 from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS, bench_documents
 
 TOKENS = 16384
+SMOKE_TOKENS = 512
 SHARED_SCHEDULE = "1xTP2PP2;1xTP1PP1CP2+1xTP2PP1"     # TP + SP and PP; CP beside TP
 LOSS_RTOL = 1e-5           # fp32 on the GPU against the CPU: other kernels, other summation orders
 SMOKE_MODEL_ARGS = {"num_layers": 2}
@@ -67,7 +68,7 @@ def _hgraph(*args: str) -> list[str]:
 def plan_checks(out: Path, smoke: bool) -> list[Check]:
     """The session's commands (``smoke``: tiny, on CPU)."""
     model_args = json.dumps(SMOKE_MODEL_ARGS if smoke else DEFAULT_MODEL_ARGS)
-    tokens = 512 if smoke else TOKENS
+    tokens = SMOKE_TOKENS if smoke else TOKENS
     device = ["--device", "cpu"] if smoke else []
     bench = [sys.executable, "-m", "hgraph.tools.bench.gpu", "--model-args", model_args, "--tokens", str(tokens),
              "--json", *(["--device", "cpu", "--steps", "2"] if smoke else ["--profile"])]
@@ -95,7 +96,7 @@ def write_documents(out: Path, smoke: bool, steps: int = 10) -> Path:
     vocabulary and context), so the run's warm step compares with the bench's."""
     args = SMOKE_MODEL_ARGS if smoke else DEFAULT_MODEL_ARGS
     config = llama.make_config("tiny", **args)
-    tokens = 512 if smoke else TOKENS
+    tokens = SMOKE_TOKENS if smoke else TOKENS
     docs = [d for seed in range(steps)
             for d in bench_documents(tokens, config.vocab_size, min(config.max_seq_len, tokens), seed=seed)]
     return write_jsonl(out / DOCUMENTS, docs)

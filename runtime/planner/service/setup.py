@@ -120,7 +120,8 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
     return planner
 
 
-def resumed_planner(loaded: Optional[Checkpoint], setup: PlannerSetup, rank: int, world_size: int) -> Optional[IterationPlanner]:
+def resumed_planner(loaded: Optional[Checkpoint], setup: PlannerSetup, rank: int,
+                    world_size: int) -> Optional[IterationPlanner]:
     """The resumed run's planner: the checkpoint's candidates and cost model (no new proposal, no new
     measurement, so it plans as the interrupted run would have), when they were made for this world
     size, the same ``--strategies``, profile and ``--max-candidates``; else None (a fresh planner).
