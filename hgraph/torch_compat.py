@@ -26,7 +26,6 @@ import inspect
 from typing import Iterator, Optional
 
 import torch
-import torch._dynamo
 import torch.distributed as dist
 
 TORCH_FLOOR = (2, 6)
@@ -58,6 +57,7 @@ def resolve(path: str) -> object:
 
 
 def _recompile_limit_name() -> str:
+    import torch._dynamo     # heavy (half of torch's own import time): only when compiling
     config = torch._dynamo.config
     return "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
 
@@ -66,7 +66,8 @@ def _recompile_limit_name() -> str:
 def limit_recompiles(limit: int) -> Iterator[None]:
     """Dynamo recompiles a function at most ``limit`` times while this is entered (then runs it
     eagerly and warns). Scoped, so other compiled code of the process keeps its own limit."""
-    with torch._dynamo.config.patch(**{_recompile_limit_name(): limit}):
+    name = _recompile_limit_name()
+    with torch._dynamo.config.patch(**{name: limit}):
         yield
 
 
