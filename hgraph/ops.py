@@ -43,7 +43,8 @@ class CommRuntime(Protocol):
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str,
-                          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None,
+                          scale: Optional[float], enable_gqa: bool, dropout_p: float = 0.0, site: int = 0,
+                          heads: int = 0, softcap: Optional[float] = None,
                           window: Optional[int] = None) -> torch.Tensor: ...
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor: ...
     def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
@@ -296,15 +297,17 @@ def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, 
 
 
 def ulysses_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      key: str, scale: Optional[float] = None, enable_gqa: bool = False,
-                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
+                      key: str, scale: Optional[float] = None, enable_gqa: bool = False, dropout_p: float = 0.0,
+                      site: int = 0, heads: int = 0, softcap: Optional[float] = None,
+                      window: Optional[int] = None) -> torch.Tensor:
     """Ulysses sequence parallelism: ``q``/``k``/``v`` [1, H, T_local, D] of this rank's tokens are
-    exchanged all-to-all over the group ``key`` into every token with ``1/n`` of the heads, attention
-    runs per document of the whole micro-batch (causal; ``softcap`` and ``window`` as in
-    ``causal_attention``), and the output goes back to [1, H, T_local, D]."""
+    exchanged all-to-all over the group ``key`` into every token of its CP shard with ``1/n`` of the
+    heads, attention runs per document (causal; against the CP group's gathered keys when the scheme
+    has CP; dropout as in ``packed_attention_dropout``, ``heads`` the model's query heads; ``softcap``
+    and ``window`` as in ``causal_attention``), and the output goes back to [1, H, T_local, D]."""
     if comm is None:
         raise _need_runtime("ulysses_attention")
-    return comm.ulysses_attention(q, k, v, key, scale, enable_gqa, softcap, window)
+    return comm.ulysses_attention(q, k, v, key, scale, enable_gqa, dropout_p, site, heads, softcap, window)
 
 
 # ---- dropout -----------------------------------------------------------------------------------------

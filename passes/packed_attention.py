@@ -7,11 +7,12 @@ micro-batch's documents from the runtime's ``comm`` (known on the host) or finds
 ``position_ids`` (a document starts at position 0), so a packed step computes exactly what running
 each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
 this rank's queries against the CP group's gathered keys, per document (layout from the runtime); with
-UL > 1 (Ulysses) ``ops.ulysses_attention``: all-to-all to every token with a slice of the heads,
-attention per document, and back.
+UL > 1 (Ulysses) ``ops.ulysses_attention``: all-to-all to every token of the rank's CP shard with a
+slice of the heads, attention per document (against the CP group's gathered keys when the scheme also
+has CP: the K/V all-gather then happens inside that op, after the all-to-all), and back.
 ``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
 its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
-``cp_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
+``cp_attention`` / ``ulysses_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
 position (``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own
 heads; with the compile option ``dropout=False`` the probabilities are not dropped.
 It does nothing to a graph without attention.
@@ -55,8 +56,9 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         heads = ctx.shapes[q.name][0][1] if p else 0     # the HGraph's (whole model's) query heads
         variant = (bound.get("softcap"), bound.get("window"))
         if ctx.role.scheme.ul > 1:   # Ulysses: all-to-all to a head slice of every token, and back
-            node.target, node.args = ops.ulysses_attention, (comm, q, k, v, "cp", scale, gqa, *variant)
-            _check_ulysses(node, ctx, p)
+            node.target, node.args = ops.ulysses_attention, (comm, q, k, v, "ul", scale, gqa, p, dropout_site(node),
+                                                             heads, *variant)
+            _check_ulysses(node, ctx)
         elif ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
             node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads,
                                                         *variant)
@@ -69,12 +71,10 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
-def _check_ulysses(node: fx.Node, ctx: PassContext, dropout_p: float) -> None:
-    """One clear line when a Ulysses scheme cannot run this attention: heads over TP x UL, dropout."""
+def _check_ulysses(node: fx.Node, ctx: PassContext) -> None:
+    """One clear line when a Ulysses scheme cannot run this attention: query heads must divide by
+    TP x UL, key/value heads by TP (fewer key/value heads than UL are repeated at run time)."""
     scheme = ctx.role.scheme
-    if dropout_p:
-        raise TraceError(f"attention {node.name}: attention dropout under Ulysses ({scheme}) is not supported "
-                         "yet; compile with dropout=False or use CP")
     q, k = node.args[1], node.args[2]
     heads = [ctx.shapes[x.name][0][1] if x.name in ctx.shapes else None for x in (q, k)]
     if isinstance(heads[0], int) and heads[0] % (scheme.tp * scheme.ul):

@@ -31,6 +31,7 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
+from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
 from hgraph.shard_rule import shard_bounds
 from hgraph.varlen_attention import DocumentBounds, varlen_attention
 
@@ -60,7 +61,7 @@ class CommContext:
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
-    cp_layout: Optional[CPLayout] = None          # its CP layout (CP > 1)
+    cp_layout: Optional[CPLayout | UlyssesLayout] = None   # its tokens' layout (CP > 1 or UL > 1)
     documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1
     token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
@@ -189,30 +190,51 @@ class CommContext:
                                                      self._head_offset(q.shape[1], heads), softcap)
 
     def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str,
-                          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None,
+                          scale: Optional[float], enable_gqa: bool, dropout_p: float = 0.0, site: int = 0,
+                          heads: int = 0, softcap: Optional[float] = None,
                           window: Optional[int] = None) -> torch.Tensor:
-        """Ulysses: this rank's tokens with all its heads -> every token with ``1/n`` of the heads
-        (all-to-all over the group ``key``), packed attention per document of the whole micro-batch,
-        and back. Key/value heads not divisible by ``n`` are repeated (each the least number of times
-        that makes them divisible) so every rank holds the key/value heads its query heads read."""
+        """Ulysses: this rank's tokens with all its heads -> every token of its CP shard with ``1/n`` of
+        the heads (all-to-all over the group ``key``: the three issued together on the comm stream,
+        then waited), attention per document, and back. With CP (USP's 2-D) the keys and values of
+        every shard are all-gathered over the ``"cp"`` group (the ranks holding the same heads) and the
+        shard's queries attend to them as a CP rank's do. Key/value heads not divisible by ``n`` are
+        repeated (each the least number of times that makes them divisible) so every rank holds the
+        key/value heads its query heads read. Dropout masks are keyed by (document, global head, query
+        position, key position), as on one device."""
         layout = self._cp_layout("ulysses_attention")
-        docs = self.documents
-        if docs is None or docs.cu[-1] != len(layout.doc_of):
-            raise HGraphError("ulysses_attention needs the whole micro-batch's documents: run this rank's "
+        if not isinstance(layout, UlyssesLayout):
+            raise HGraphError("ulysses_attention needs this micro-batch's Ulysses layout: run this rank's "
                               "program under the hgraph executor")
-        ranks, n = self.ranks(key), len(layout.sizes)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        if heads % n:
-            raise HGraphError(f"Ulysses UL{n}: this rank's {heads} query heads do not divide by {n}; "
+        shards, n = layout.shards, layout.ul
+        ranks = self.ranks(key)
+        local_heads, kv_heads = q.shape[1], k.shape[1]
+        if local_heads % n:
+            raise HGraphError(f"Ulysses UL{n}: this rank's {local_heads} query heads do not divide by {n}; "
                               "the model's query heads must divide by TP x UL")
         if kv_heads % n:
             repeat = n // math.gcd(kv_heads, n)
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        sizes = layout.sizes
-        q, k, v = (collectives.ulysses_to_heads(self, t, ranks, sizes) for t in (q, k, v))
-        out = varlen_attention(q, k, v, docs, scale=scale, enable_gqa=enable_gqa or q.shape[1] != k.shape[1],
-                               softcap=softcap, window=window)
-        return collectives.ulysses_to_tokens(self, out, ranks, sizes)
+        issued = [collectives.ulysses_to_heads_issue(self, t, ranks, layout.sizes) for t in (q, k, v)]
+        q, k, v = (collectives.comm_wait(self, t) for t in issued)
+        gqa = enable_gqa or q.shape[1] != k.shape[1]
+        if shards.cp > 1:      # the CP group's keys and values, pieces in CP-shard order
+            issued = [collectives.cp_gather_issue(self, t, self.ranks("cp"), 2, shards.sizes) for t in (k, v)]
+            k, v = (collectives.comm_wait(self, t) for t in issued)
+        if dropout_p and not self.evaluating:
+            keys = self._token_keys("ulysses_attention").of_packed(layout.shard_tokens, shards.doc_of,
+                                                                   shards.pos_of)
+            offset = self._head_offset(local_heads, heads) + layout.ul_rank * (local_heads // n)
+            out = dropout_kernel.attention_with_dropout(q, k, v, dropout_kernel.cp_groups(shards, keys, q.device, window),
+                                                        dropout_p, site, keys, scale, gqa, offset, softcap)
+        elif shards.cp > 1:
+            out = cp_kernel.cp_attention(q, k, v, shards, scale, gqa, softcap, window)
+        else:
+            docs = self.documents
+            if docs is None or docs.cu[-1] != len(shards.doc_of):
+                raise HGraphError("ulysses_attention needs the whole micro-batch's documents: run this "
+                                  "rank's program under the hgraph executor")
+            out = varlen_attention(q, k, v, docs, scale=scale, enable_gqa=gqa, softcap=softcap, window=window)
+        return collectives.comm_wait(self, collectives.ulysses_to_tokens_issue(self, out, ranks, layout.sizes))
 
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor:
         """Keyed dropout of ``x``; ``tokens``: the TP group key when ``x`` holds this rank's token slice."""
@@ -269,7 +291,7 @@ class CommContext:
                               "hgraph executor")
         return self.token_keys
 
-    def _cp_layout(self, op: str) -> CPLayout:
+    def _cp_layout(self, op: str) -> CPLayout | UlyssesLayout:
         if self.cp_layout is None:
             raise HGraphError(f"{op} needs this micro-batch's CP layout: run this rank's program under "
                               "the hgraph executor")
