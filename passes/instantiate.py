@@ -302,7 +302,7 @@ def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
             peers, nbytes = _peers_and_bytes(plan.for_rank(rp.rank), rp.rank)
             out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:
-            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next"}.get(
+            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next", "ul_a2a": "ul"}.get(
                 m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
             peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
             out.append(SubgraphInfo(m.slot, None, names, peers, _bytes_per_token(nodes[0], shapes, dtype),

@@ -23,6 +23,7 @@ from tests.runtime.reference_training import assert_losses_like, assert_params_l
 import hgraph
 from hgraph import ops
 from hgraph.errors import HGraphError
+from hgraph.meta import SlotKind, get_meta
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
@@ -119,3 +120,21 @@ def test_a_ulysses_rank_graph_runs_every_attention_between_all_to_alls():
     targets = [n.target for n in gm.graph.nodes]
     assert targets.count(ops.ulysses_attention) == 4          # one per layer
     assert ops.packed_attention not in targets and ops.cp_kv_gather_issue not in targets
+
+
+def test_the_all_to_alls_are_issued_together_and_waited_as_communicate_activation_subgraphs():
+    """Per attention of a CP2UL2 rank: q, k, v all-to-alls issued, then waited; the CP group's
+    all-gathers of k and v; attention; the output's all-to-all issued and waited, all marked as
+    Communicate Activation, with the ranks each talks to."""
+    torch.manual_seed(0)
+    rp = hgraph.compile(llama.build("tiny")).instantiate("1xTP1PP1CP2UL2").rank(3)
+    nodes = list(rp.graph_module.graph.nodes)
+    attention = [i for i, n in enumerate(nodes) if n.target is ops.ulysses_attention]
+    assert len(attention) == 4
+    want = [ops.ulysses_heads_issue] * 3 + [ops.comm_wait] * 3 + [ops.cp_kv_gather_issue] * 2 + [ops.comm_wait] * 2
+    for i in attention:
+        assert [n.target for n in nodes[i - 10:i]] == want
+        assert [n.target for n in nodes[i + 1:i + 3]] == [ops.ulysses_tokens_issue, ops.comm_wait]
+        assert all(get_meta(n).slot == SlotKind.COMM_ACTIVATION for n in nodes[i - 10:i] + nodes[i + 1:i + 3])
+    peers = {(sg.comm_point, sg.peers) for sg in rp.subgraphs if sg.comm_point}
+    assert peers == {("ul_a2a", (2,)), ("cp_kv", (1,))}       # rank 3: CP shard 1, Ulysses rank 1
