@@ -13,10 +13,11 @@ rank's CP shard with a slice of the heads; with CP also the all-gathers of k and
 (``cp_kv_gather_issue``: USP's 2-D); attention per document; the inverse all-to-all of the output
 (``ulysses_tokens_issue`` + ``comm_wait``).
 ``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
-its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
-``cp_attention`` / ``ulysses_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
-position (``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own
-heads; with the compile option ``dropout=False`` the probabilities are not dropped.
+its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes
+``ops.packed_attention_dropout`` (or ``cp_attention`` / ``ulysses_attention`` with the dropout
+arguments): the masks are keyed per document, head, query and key position
+(``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own heads;
+with the compile option ``dropout=False`` the probabilities are not dropped.
 It does nothing to a graph without attention.
 """
 from __future__ import annotations

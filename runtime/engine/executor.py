@@ -133,6 +133,9 @@ class RankState:
     memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
 
 
+SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens: CP alone, or UL (inside CP)
+
+
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
     """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
     the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
@@ -152,8 +155,7 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
-def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE
-                    ) -> Union[CPLayout, UlyssesLayout]:
+def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE) -> SequenceLayout:
     """The tokens of ``mb`` that sequence rank ``seq_rank`` holds: CP's split (``cp_layout_for``) into
     ``scheme.cp`` shards, each cut contiguously over ``scheme.ul`` Ulysses ranks (Ulysses inner)."""
     shard, ul_rank = scheme.seq_place(seq_rank)
@@ -491,7 +493,7 @@ class Executor:
         return loss_sum
 
     def _inputs(self, state: RankState, mb: MicroBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[Union[CPLayout, UlyssesLayout]], TokenKeys]:
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[SequenceLayout], TokenKeys]:
         """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
         micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
         rp = state.rank_program
@@ -507,7 +509,8 @@ class Executor:
                          mb.doc_indices or tuple(range(len(mb.doc_lengths))))
         return ids, pos, targets, layout, keys
 
-    def _documents(self, mb: MicroBatch, layout: Optional[Union[CPLayout, UlyssesLayout]], scheme: Scheme) -> Optional[DocumentBounds]:
+    def _documents(self, mb: MicroBatch, layout: Optional[SequenceLayout], scheme: Scheme
+                   ) -> Optional[DocumentBounds]:
         """The micro-batch's document boundaries for packed attention, on the host and copied to the
         device once (without CP: a CP rank's attention takes its layout; a Ulysses rank's attention
         runs on the whole micro-batch, with its layout's contiguous split)."""
