@@ -30,6 +30,7 @@ class CommPoint(str, enum.Enum):
     TP_EXIT = "tp_exit"              # output of a row-parallel linear or vocab-parallel embedding (all-reduce fwd)
     TP_GATHER = "tp_gather"          # output of a column-parallel linear whose full output is needed (lm head)
     CP_KV = "cp_kv"                  # key / value entering attention (all-gather across CP)
+    UL_A2A = "ul_a2a"                # q / k / v entering and the output leaving Ulysses attention (all-to-all)
     PP_BOUNDARY = "pp_boundary"      # hidden state leaving a block (send / recv between stages)
 
 

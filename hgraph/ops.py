@@ -42,9 +42,11 @@ class CommRuntime(Protocol):
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
-    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str,
-                          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None,
-                          window: Optional[int] = None) -> torch.Tensor: ...
+    def ulysses_heads_issue(self, x: torch.Tensor, key: str, kv: bool) -> torch.Tensor: ...
+    def ulysses_tokens_issue(self, y: torch.Tensor, key: str) -> torch.Tensor: ...
+    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                          enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
+                          softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor: ...
     def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
     def document_bounds(self, total: int) -> Optional[DocumentBounds]: ...
@@ -295,16 +297,35 @@ def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, 
     return comm.cp_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads, softcap, window)
 
 
+def ulysses_heads_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, kv: bool = False) -> torch.Tensor:
+    """Ulysses, issue half: start the all-to-all over the group ``key`` of ``x`` [1, H, T_local, D] (this
+    rank's tokens) into [1, H / n, T_shard, D] (every token of the rank's CP shard, this rank's chunk of
+    the heads); ``comm_wait`` gives it. ``kv``: key / value heads, repeated when ``n`` does not divide
+    them (query heads must divide)."""
+    if comm is None:
+        raise _need_runtime("ulysses_heads_issue")
+    return comm.ulysses_heads_issue(x, key, kv)
+
+
+def ulysses_tokens_issue(comm: Optional[CommRuntime], y: torch.Tensor, key: str) -> torch.Tensor:
+    """The inverse all-to-all, issued: [1, H / n, T_shard, D] -> (after ``comm_wait``) [1, H, T_local, D]."""
+    if comm is None:
+        raise _need_runtime("ulysses_tokens_issue")
+    return comm.ulysses_tokens_issue(y, key)
+
+
 def ulysses_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      key: str, scale: Optional[float] = None, enable_gqa: bool = False,
-                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
-    """Ulysses sequence parallelism: ``q``/``k``/``v`` [1, H, T_local, D] of this rank's tokens are
-    exchanged all-to-all over the group ``key`` into every token with ``1/n`` of the heads, attention
-    runs per document of the whole micro-batch (causal; ``softcap`` and ``window`` as in
-    ``causal_attention``), and the output goes back to [1, H, T_local, D]."""
+                      scale: Optional[float] = None, enable_gqa: bool = False, dropout_p: float = 0.0,
+                      site: int = 0, heads: int = 0, softcap: Optional[float] = None,
+                      window: Optional[int] = None) -> torch.Tensor:
+    """Attention of a Ulysses rank between its all-to-alls: ``q`` [1, H / n, T_shard, D], every token of
+    its CP shard with its chunk of the heads, per document and causal; against the CP group's gathered
+    ``k``/``v`` when the scheme has CP, else against ``k``/``v`` of the shard (the whole micro-batch).
+    Dropout as in ``packed_attention_dropout`` (``heads``: the model's query heads); ``softcap`` and
+    ``window`` as in ``causal_attention``."""
     if comm is None:
         raise _need_runtime("ulysses_attention")
-    return comm.ulysses_attention(q, k, v, key, scale, enable_gqa, softcap, window)
+    return comm.ulysses_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads, softcap, window)
 
 
 # ---- dropout -----------------------------------------------------------------------------------------

@@ -7,9 +7,12 @@ parallelism of the TP ranks, ``--sequence-parallel``); a strategy is
 homogeneous ``4xTP2PP1``. ``Strategy.parse(str(s)) == s`` and strategies hash, so they are cache keys.
 
 Rank layout: pipelines occupy consecutive ranks in the order written; inside a pipeline TP is
-innermost, then the sequence group (the CP ranks, or the Ulysses ranks: ``Scheme.seq`` of them, which
-split each micro-batch's tokens alike), then the PP stage. ``cp_rank`` / ``cp_group`` name a rank's place
-in, and the ranks of, that sequence group.
+innermost, then the sequence group (``Scheme.seq = cp * ul`` ranks that split each micro-batch's tokens),
+then the PP stage. Inside the sequence group the Ulysses ranks are inner and the CP ranks outer (USP /
+LoongTrain's 2-D): sequence rank ``s`` is CP shard ``s // ul`` and Ulysses rank ``s % ul`` inside it, so
+the all-to-all, which moves the most bytes, stays among neighbouring ranks (inside a node) and the CP
+ring spans them. ``RankCoord.cp_rank`` is a rank's place in the whole sequence group (``seq_group``);
+``cp_group`` / ``ul_group`` are the ring and the all-to-all groups through it.
 """
 from __future__ import annotations
 
@@ -42,13 +45,21 @@ def _first_bad_char(text: str) -> int:
     return i
 
 
+def _sp_hint(text: str) -> str:
+    """What to write instead of an ``SP<n>`` degree (SP names Megatron's sequence parallelism here)."""
+    m = re.search(r"SP(\d+)", text, re.IGNORECASE)
+    return (f"; the Ulysses degree is written UL{m.group(1)} (SP is Megatron's sequence parallelism, "
+            "the --sequence-parallel flag)") if m else ""
+
+
 @dataclass(frozen=True, order=True)
 class Scheme:
     """How one pipeline (one model replica) is deployed: <TP, PP, CP, UL>.
 
-    ``ul``: the Ulysses degree (DeepSpeed-Ulysses): the micro-batch's tokens are split over ``ul`` ranks
-    like CP's, and attention runs on all tokens with ``1/ul`` of the heads between two all-to-alls.
-    CP and UL together (USP's 2-D) are not supported yet.
+    ``ul``: the Ulysses degree (DeepSpeed-Ulysses): attention runs on all the tokens of a CP shard
+    with ``1/ul`` of the heads between two all-to-alls. With ``cp`` and ``ul`` both above 1 (USP's
+    2-D) the micro-batch is split over ``cp`` shards (CP's balanced split) and each shard contiguously
+    over ``ul`` ranks.
     """
 
     tp: int
@@ -61,14 +72,15 @@ class Scheme:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise StrategyError(f"scheme {name.upper()} degree must be a positive integer, got {v!r}")
-        if self.cp > 1 and self.ul > 1:
-            raise StrategyError(f"scheme {self}: CP and UL (Ulysses) in one scheme are not supported yet; "
-                                "use one of them")
 
     @property
     def seq(self) -> int:
-        """Ranks that split each micro-batch's tokens: the CP or the Ulysses degree."""
+        """Ranks that split each micro-batch's tokens: the CP degree times the Ulysses degree."""
         return self.cp * self.ul
+
+    def seq_place(self, seq_rank: int) -> tuple[int, int]:
+        """(CP shard, Ulysses rank inside it) of sequence rank ``seq_rank`` (Ulysses inner)."""
+        return divmod(seq_rank, self.ul)
 
     @property
     def num_ranks(self) -> int:
@@ -83,7 +95,8 @@ class Scheme:
         m = _SCHEME_RE.fullmatch(text.strip())
         if not m:
             raise StrategyError(
-                f"malformed scheme {text!r}: expected TP<n>PP<n>[CP<n>][UL<n>], e.g. TP2PP1, TP4PP2CP2 or TP1PP1UL4")
+                f"malformed scheme {text!r}: expected TP<n>PP<n>[CP<n>][UL<n>], e.g. TP2PP1, TP4PP2CP2 or "
+                f"TP1PP1UL4{_sp_hint(text)}")
         return cls._of(m)
 
     @classmethod
@@ -138,7 +151,8 @@ class Strategy:
                 bad = pos + rest_start + lead + _first_bad_char(scheme_text)
                 raise StrategyError(
                     f"malformed strategy {text!r} at position {bad} (term {term.strip()!r}): expected "
-                    "[<d>x]TP<n>PP<n>[CP<n>][UL<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>][UL<n>]")
+                    "[<d>x]TP<n>PP<n>[CP<n>][UL<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>][UL<n>]"
+                    + _sp_hint(scheme_text))
             count = int(count_text) if count_text else 1
             if count < 1:
                 raise StrategyError(f"malformed strategy {text!r} at position {pos}: pipeline count must be >= 1")
@@ -218,9 +232,23 @@ class Strategy:
         p = self.pipelines[pipeline]
         return [self.rank_of(pipeline, stage, t, cp_rank) for t in range(p.tp)]
 
-    def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0) -> list[int]:
+    def seq_group(self, pipeline: int, stage: int, tp_rank: int = 0) -> list[int]:
+        """Every rank splitting the tokens of ``tp_rank``'s micro-batches: CP x UL, Ulysses inner."""
         p = self.pipelines[pipeline]
         return [self.rank_of(pipeline, stage, tp_rank, c) for c in range(p.seq)]
+
+    def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0, seq_rank: int = 0) -> list[int]:
+        """The CP ring (or all-gather) group through sequence rank ``seq_rank``: one rank per CP shard,
+        all with its Ulysses rank (so the same heads after the all-to-all)."""
+        p = self.pipelines[pipeline]
+        u = p.seq_place(seq_rank)[1]
+        return [self.rank_of(pipeline, stage, tp_rank, c * p.ul + u) for c in range(p.cp)]
+
+    def ul_group(self, pipeline: int, stage: int, tp_rank: int = 0, seq_rank: int = 0) -> list[int]:
+        """The Ulysses all-to-all group through sequence rank ``seq_rank``: the ranks of its CP shard."""
+        p = self.pipelines[pipeline]
+        c = p.seq_place(seq_rank)[0]
+        return [self.rank_of(pipeline, stage, tp_rank, c * p.ul + u) for u in range(p.ul)]
 
     def stage_ranks(self, pipeline: int, stage: int) -> list[int]:
         p = self.pipelines[pipeline]

@@ -9,7 +9,8 @@
 * ``tp_gather``: ``tp_gather_issue`` + ``comm_wait`` along the last dim, then the vocabulary padding
   is cut off.
 * ``cp_kv``: ``cp_kv_gather_issue`` + ``comm_wait``: all-gather of K/V along the sequence over the CP
-  group (piece sizes from the micro-batch's CP layout; the backward reduce-scatters).
+  group (piece sizes from the micro-batch's CP layout; the backward reduce-scatters). Under Ulysses
+  (UL > 1) the slot is the identity: ``packed_attention_pass`` gathers K/V after the all-to-all.
 * ``pp_boundary``: already handled by ``extract_stage_pass``; the slot becomes the identity.
 
 With TP=1 and CP=1 every slot becomes the identity, so the rank runs exactly the original ops.
@@ -57,7 +58,8 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
             continue
         x = slot.args[0]
         point = m.comm_point
-        if point == CommPoint.PP_BOUNDARY or (point == CommPoint.CP_KV and scheme.cp == 1) \
+        # under Ulysses the CP group gathers K/V after the all-to-all (packed_attention_pass)
+        if point == CommPoint.PP_BOUNDARY or (point == CommPoint.CP_KV and (scheme.cp == 1 or scheme.ul > 1)) \
                 or (point != CommPoint.CP_KV and scheme.tp == 1):
             _replace(slot, x)
             continue

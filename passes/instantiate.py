@@ -1,7 +1,8 @@
 """Instantiate an HGraph for one strategy: run the per-role pass pipeline and plan pull / push.
 
 Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
-``bindings`` say which ranks its ``"tp"``, ``"cp"``, ``"pp_prev"`` and ``"pp_next"`` groups are.
+``bindings`` say which ranks its ``"tp"``, ``"cp"`` (the CP ring through it), ``"ul"`` (its Ulysses
+all-to-all group), ``"pp_prev"`` and ``"pp_next"`` groups are.
 The LNK plans (who sends which mutual slice to whom) are computed once per parameter for the whole
 strategy from the shards every rank holds.
 """
@@ -109,7 +110,8 @@ def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
     c = strategy.coord(rank)
     p = strategy.pipelines[c.pipeline]
     b = {"tp": tuple(strategy.tp_group(c.pipeline, c.stage, c.cp_rank)),
-         "cp": tuple(strategy.cp_group(c.pipeline, c.stage, c.tp_rank))}
+         "cp": tuple(strategy.cp_group(c.pipeline, c.stage, c.tp_rank, c.cp_rank)),
+         "ul": tuple(strategy.ul_group(c.pipeline, c.stage, c.tp_rank, c.cp_rank))}
     if c.stage > 0:
         b["pp_prev"] = (strategy.rank_of(c.pipeline, c.stage - 1, c.tp_rank, c.cp_rank),)
     if c.stage < p.pp - 1:
@@ -300,7 +302,7 @@ def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
             peers, nbytes = _peers_and_bytes(plan.for_rank(rp.rank), rp.rank)
             out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:
-            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next"}.get(
+            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next", "ul_a2a": "ul"}.get(
                 m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
             peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
             out.append(SubgraphInfo(m.slot, None, names, peers, _bytes_per_token(nodes[0], shapes, dtype),

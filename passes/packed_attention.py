@@ -7,13 +7,17 @@ micro-batch's documents from the runtime's ``comm`` (known on the host) or finds
 ``position_ids`` (a document starts at position 0), so a packed step computes exactly what running
 each document alone computes. With CP > 1 it becomes ``ops.cp_attention``:
 this rank's queries against the CP group's gathered keys, per document (layout from the runtime); with
-UL > 1 (Ulysses) ``ops.ulysses_attention``: all-to-all to every token with a slice of the heads,
-attention per document, and back.
+UL > 1 (Ulysses) a Communicate Activation subgraph around ``ops.ulysses_attention``: the all-to-alls of
+q, k and v (``ulysses_heads_issue``, all three issued, then their ``comm_wait``s) to every token of the
+rank's CP shard with a slice of the heads; with CP also the all-gathers of k and v over the CP group
+(``cp_kv_gather_issue``: USP's 2-D); attention per document; the inverse all-to-all of the output
+(``ulysses_tokens_issue`` + ``comm_wait``).
 ``ops.causal_attention`` (logit softcapping, a sliding window) is made per document the same way,
-its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes ``ops.packed_attention_dropout`` (or
-``cp_attention`` with the dropout arguments): the masks are keyed per document, head, query and key
-position (``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own
-heads; with the compile option ``dropout=False`` the probabilities are not dropped.
+its ``softcap`` and ``window`` passed on. Attention with ``dropout_p`` (a train-mode model) becomes
+``ops.packed_attention_dropout`` (or ``cp_attention`` / ``ulysses_attention`` with the dropout
+arguments): the masks are keyed per document, head, query and key position
+(``runtime/kernels/dropout``), given the model's query head count so a TP rank keys its own heads;
+with the compile option ``dropout=False`` the probabilities are not dropped.
 It does nothing to a graph without attention.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.fx as fx
 
 from hgraph import ops
 from hgraph.errors import TraceError
-from hgraph.meta import OpKind, get_meta
+from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
 from hgraph.passes.dropout import dropout_site
 
@@ -35,9 +39,10 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     softcap, window, comm)`` (or the CP / dropout variants); ``comm`` (None in a graph without a
     runtime) gives the micro-batch's documents as the host knows them."""
     pos = next((n for n in gm.graph.nodes if n.op == "placeholder" and n.target == "position_ids"), None)
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if get_meta(node).op != OpKind.ATTENTION or node.target in (ops.packed_attention, ops.cp_attention,
-                                                                     ops.packed_attention_dropout):
+                                                                     ops.packed_attention_dropout,
+                                                                     ops.ulysses_attention):
             continue
         if node.target is ops.causal_attention:     # softcap / sliding window: causal by definition
             bound = dict(zip(_CAUSAL_ARGS, node.args)) | dict(node.kwargs) | {"is_causal": True}
@@ -55,8 +60,11 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         heads = ctx.shapes[q.name][0][1] if p else 0     # the HGraph's (whole model's) query heads
         variant = (bound.get("softcap"), bound.get("window"))
         if ctx.role.scheme.ul > 1:   # Ulysses: all-to-all to a head slice of every token, and back
-            node.target, node.args = ops.ulysses_attention, (comm, q, k, v, "cp", scale, gqa, *variant)
-            _check_ulysses(node, ctx, p)
+            _check_ulysses(q, k, ctx)
+            q, k, v = _ulysses_inputs(gm.graph, node, comm, q, k, v, ctx.role.scheme.cp > 1)
+            node.target, node.args = ops.ulysses_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node),
+                                                             heads, *variant)
+            _ulysses_output(gm.graph, node, comm)
         elif ctx.role.scheme.cp > 1:   # local queries against the CP group's gathered keys
             node.target, node.args = ops.cp_attention, (comm, q, k, v, scale, gqa, p, dropout_site(node), heads,
                                                         *variant)
@@ -69,13 +77,46 @@ def packed_attention_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     return gm
 
 
-def _check_ulysses(node: fx.Node, ctx: PassContext, dropout_p: float) -> None:
-    """One clear line when a Ulysses scheme cannot run this attention: heads over TP x UL, dropout."""
+def _mark(node: fx.Node, attention: fx.Node, point: CommPoint, part: str, name: str) -> fx.Node:
+    """``node`` (named ``name``) in the Communicate Activation subgraph ``part`` of ``attention``."""
+    m = get_meta(attention)
+    set_meta(node, NodeMeta(block=m.block, layer=m.layer, slot=SlotKind.COMM_ACTIVATION, comm_point=point,
+                            subgraph=f"{point.value}:{attention.name}_{part}"))
+    node.name = f"{name}_{attention.name}"
+    return node
+
+
+def _ulysses_inputs(g: fx.Graph, node: fx.Node, comm: fx.Node, q: fx.Node, k: fx.Node, v: fx.Node,
+                    cp: bool) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Before ``node``: the all-to-alls of q, k, v issued together, then waited (three in flight on the
+    comm stream); with CP, the all-gathers of k and v over the CP group after them."""
+    a2a = CommPoint.UL_A2A
+    with g.inserting_before(node):
+        issued = [(_mark(g.call_function(ops.ulysses_heads_issue, (comm, x, "ul", kv)), node, a2a, "in",
+                         f"all_to_all_{c}"), c) for x, kv, c in ((q, False, "q"), (k, True, "k"), (v, True, "v"))]
+        q, k, v = (_mark(g.call_function(ops.comm_wait, (comm, i)), node, a2a, "in", f"wait_{c}") for i, c in issued)
+        if cp:           # the keys and values of every CP shard, with this rank's heads (dim 2: tokens)
+            issued = [(_mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, "cp", 2)), node, CommPoint.CP_KV,
+                             "kv", f"cp_all_gather_{c}"), c) for x, c in ((k, "k"), (v, "v"))]
+            k, v = (_mark(g.call_function(ops.comm_wait, (comm, i)), node, CommPoint.CP_KV, "kv", f"cp_wait_{c}")
+                    for i, c in issued)
+    return q, k, v
+
+
+def _ulysses_output(g: fx.Graph, node: fx.Node, comm: fx.Node) -> None:
+    """After ``node``: the inverse all-to-all of its output, issued and waited; its users read the wait."""
+    with g.inserting_after(node):
+        issue = _mark(g.call_function(ops.ulysses_tokens_issue, (comm, node, "ul")), node, CommPoint.UL_A2A, "out",
+                      "all_to_all_out")
+    with g.inserting_after(issue):
+        wait = _mark(g.call_function(ops.comm_wait, (comm, issue)), node, CommPoint.UL_A2A, "out", "wait_out")
+    node.replace_all_uses_with(wait, delete_user_cb=lambda user: user is not issue)
+
+
+def _check_ulysses(q: fx.Node, k: fx.Node, ctx: PassContext) -> None:
+    """One clear line when a Ulysses scheme cannot run an attention of ``q``, ``k``: query heads must divide by
+    TP x UL, key/value heads by TP (fewer key/value heads than UL are repeated at run time)."""
     scheme = ctx.role.scheme
-    if dropout_p:
-        raise TraceError(f"attention {node.name}: attention dropout under Ulysses ({scheme}) is not supported "
-                         "yet; compile with dropout=False or use CP")
-    q, k = node.args[1], node.args[2]
     heads = [ctx.shapes[x.name][0][1] if x.name in ctx.shapes else None for x in (q, k)]
     if isinstance(heads[0], int) and heads[0] % (scheme.tp * scheme.ul):
         raise TraceError(f"scheme {scheme}: the model's {heads[0]} attention heads do not divide by TP x UL = "

@@ -9,7 +9,8 @@ written to trace with ``torch.fx``:
   each document alone;
 * heads are reshaped with ``-1`` for the head count, so a tensor-parallel shard (fewer heads per
   rank) runs the same graph without any shape rewrite;
-* attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=...)``.
+* attention is ``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=...)``, with
+  ``dropout_p = attention_dropout`` in training (0 by default, as Hugging Face's Llama).
 
 Named configs: ``tiny`` and ``tiny-tied`` for CPU tests, and the shapes of ``7b``, ``13b``
 (Llama-2), ``32b`` (LLaMA-33B shape, the "32B" of the Hydraulis paper: hidden 6656, 60 layers) and
@@ -46,6 +47,7 @@ class LlamaConfig:
     max_seq_len: int = 4096
     init_std: float = 0.02
     pad_token_id: Optional[int] = None    # the embedding's padding_idx (Hugging Face's pad_token_id)
+    attention_dropout: float = 0.0        # dropout of the attention probabilities in training (Hugging Face's)
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -66,6 +68,8 @@ class LlamaConfig:
                               f"num_kv_heads {self.num_kv_heads}")
         if self.head_dim % 2:
             raise HGraphError(f"LlamaConfig: head_dim {self.head_dim} must be even for rotary embeddings")
+        if not isinstance(self.attention_dropout, (int, float)) or not 0.0 <= self.attention_dropout < 1.0:
+            raise HGraphError(f"LlamaConfig: attention_dropout must be in [0, 1), got {self.attention_dropout!r}")
         pad = self.pad_token_id
         if pad is not None and (not isinstance(pad, int) or not 0 <= pad < self.vocab_size):
             raise HGraphError(f"LlamaConfig: pad_token_id must be a token id in [0, {self.vocab_size}), "
@@ -147,6 +151,7 @@ class Attention(nn.Module):
         c = config
         self.head_dim = c.head_dim
         self.gqa = c.num_kv_heads != c.num_heads
+        self.dropout_p = float(c.attention_dropout)
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -159,7 +164,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout_p if self.training else 0.0,
+                                             is_causal=True, enable_gqa=self.gqa)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

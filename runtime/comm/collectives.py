@@ -20,9 +20,10 @@ Autograd (all ops are differentiable):
   reduce-scatter (each TP rank's column-parallel linear gives a partial gradient of every token).
 * ``sp_gathered_linear``: the linear of that all-gathered input, keeping only the rank's slice for
   backward and gathering it again there for the weight's gradient (Megatron).
-* ``ulysses_to_heads`` / ``ulysses_to_tokens`` (Ulysses sequence parallelism): all-to-all from this
-  rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back; each is
-  the other's backward. Run at once (issued and waited in the op), not yet split into issue and wait.
+* ``ulysses_to_heads_issue`` / ``ulysses_to_tokens_issue`` (Ulysses sequence parallelism): all-to-all
+  from this rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back,
+  issued on the comm stream and finished by ``comm_wait``; the backward of each is the reversed
+  exchange.
 * ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
@@ -233,42 +234,36 @@ def cp_gather_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], dim: int,
 
 
 # ---- Ulysses sequence parallelism: all-to-all between token slices and head slices -------------------
-def _tokens_to_heads(comm: Any, x: torch.Tensor, group: Any, sizes: Sequence[int], index: int) -> torch.Tensor:
-    """``x`` [1, H, sizes[index], D] -> [1, H / n, sum(sizes), D]: head chunk ``i`` of the local tokens
-    goes to rank ``i``; the tokens come back in group order."""
-    n, (_, heads, tokens, dim) = len(sizes), x.shape
-    part = heads // n
-    send = x[0].reshape(n, part, tokens, dim).contiguous().view(-1)
-    recv = send.new_empty(part * sum(sizes) * dim)
-    _run(comm, [send, recv], lambda: dist.all_to_all_single(
-        recv, send, [part * s * dim for s in sizes], [part * tokens * dim] * n, group=group, async_op=True))
-    pieces = recv.split([part * s * dim for s in sizes])
-    return torch.cat([p.view(part, s, dim) for p, s in zip(pieces, sizes)], dim=1).unsqueeze(0)
-
-
-def _heads_to_tokens(comm: Any, y: torch.Tensor, group: Any, sizes: Sequence[int], index: int) -> torch.Tensor:
-    """The inverse: ``y`` [1, H / n, sum(sizes), D] -> [1, H, sizes[index], D]."""
-    n, (_, part, _, dim) = len(sizes), y.shape
-    tokens = sizes[index]
-    send = torch.cat([p.reshape(-1) for p in y[0].split(list(sizes), dim=1)])
-    recv = send.new_empty(n * part * tokens * dim)
-    _run(comm, [send, recv], lambda: dist.all_to_all_single(
-        recv, send, [part * tokens * dim] * n, [part * s * dim for s in sizes], group=group, async_op=True))
-    return recv.view(1, n * part, tokens, dim)
-
-
-class _UlyssesSwap(torch.autograd.Function):
-    """One Ulysses all-to-all, ``there`` (tokens to heads or back), whose backward is its inverse ``back``."""
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of a flat buffer: ``send`` cut into ``send_splits`` (one piece per rank, in
+    group order), pieces of ``recv_splits`` received. Forward is issued (the caller registers it and
+    ``comm_wait`` finishes it); backward runs the same exchange reversed, at once."""
 
     @staticmethod
-    def forward(ctx, x, comm, group, sizes, index, there, back):
-        ctx.comm, ctx.group, ctx.sizes, ctx.index, ctx.back = comm, group, sizes, index, back
-        return there(comm, x, group, sizes, index)
+    def forward(ctx, send, comm, group, send_splits, recv_splits, holder):
+        recv = send.new_empty(sum(recv_splits))
+        holder.pending = _issue(comm, [send, recv], lambda: dist.all_to_all_single(
+            recv, send, list(recv_splits), list(send_splits), group=group, async_op=True))
+        ctx.comm, ctx.group, ctx.splits = comm, group, (send_splits, recv_splits)
+        return recv
 
     @staticmethod
     def backward(ctx, grad):
-        return (ctx.back(ctx.comm, grad.contiguous(), ctx.group, ctx.sizes, ctx.index),
-                None, None, None, None, None, None)
+        send_splits, recv_splits = ctx.splits
+        g = grad.contiguous()
+        out = g.new_empty(sum(send_splits))
+        _run(ctx.comm, [g, out], lambda: dist.all_to_all_single(
+            out, g, list(send_splits), list(recv_splits), group=ctx.group, async_op=True))
+        return out, None, None, None, None, None
+
+
+def _all_to_all_issue(comm: Any, send: torch.Tensor, group: Any, send_splits: Sequence[int],
+                      recv_splits: Sequence[int], finish: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    holder = _Holder()
+    recv = _AllToAll.apply(send, comm, group, tuple(send_splits), tuple(recv_splits), holder)
+    holder.pending.finish = finish
+    comm.register(recv, holder.pending)
+    return recv
 
 
 def _ulysses_args(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int],
@@ -280,19 +275,35 @@ def _ulysses_args(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Seque
     return group, tuple(int(s) for s in sizes), key.index(comm.rank)
 
 
-def ulysses_to_heads(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """Ulysses: ``x`` [1, H, T_local, D] of this rank's tokens -> [1, H / n, T, D], every rank's tokens
-    (pieces of ``sizes`` in the order of ``ranks``) with this rank's chunk of the heads."""
+def ulysses_to_heads_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """Ulysses, issue half: ``x`` [1, H, T_local, D] of this rank's tokens -> (after ``comm_wait``)
+    [1, H / n, T, D], every rank's tokens (pieces of ``sizes`` in the order of ``ranks``) with this
+    rank's chunk ``index`` of the heads: head chunk ``i`` of the local tokens goes to rank ``i``."""
     group, sizes, index = _ulysses_args(comm, x, ranks, sizes, x.shape[1])
-    return x if len(sizes) == 1 else _UlyssesSwap.apply(x.contiguous(), comm, group, sizes, index,
-                                                        _tokens_to_heads, _heads_to_tokens)
+    if len(sizes) == 1:
+        return x
+    n, (_, heads, tokens, dim) = len(sizes), x.shape
+    part = heads // n
+    send = x[0].reshape(n, part, tokens, dim).reshape(-1)
+    recv_splits = [part * s * dim for s in sizes]
+
+    def finish(buf: torch.Tensor) -> torch.Tensor:
+        pieces = buf.split(recv_splits)
+        return torch.cat([p.view(part, s, dim) for p, s in zip(pieces, sizes)], dim=1).unsqueeze(0)
+
+    return _all_to_all_issue(comm, send, group, [part * tokens * dim] * n, recv_splits, finish)
 
 
-def ulysses_to_tokens(comm: Any, y: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
-    """The inverse of ``ulysses_to_heads``: [1, H / n, T, D] -> [1, H, T_local, D]."""
+def ulysses_to_tokens_issue(comm: Any, y: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int]) -> torch.Tensor:
+    """The inverse of ``ulysses_to_heads_issue``: [1, H / n, T, D] -> (after ``comm_wait``) [1, H, T_local, D]."""
     group, sizes, index = _ulysses_args(comm, y, ranks, sizes, y.shape[1] * len(sizes))
-    return y if len(sizes) == 1 else _UlyssesSwap.apply(y.contiguous(), comm, group, sizes, index,
-                                                        _heads_to_tokens, _tokens_to_heads)
+    if len(sizes) == 1:
+        return y
+    n, (_, part, _, dim) = len(sizes), y.shape
+    tokens = sizes[index]
+    send = torch.cat([p.reshape(-1) for p in y[0].split(list(sizes), dim=1)])
+    return _all_to_all_issue(comm, send, group, [part * s * dim for s in sizes], [part * tokens * dim] * n,
+                             lambda buf: buf.view(1, n * part, tokens, dim))
 
 
 # ---- sequence parallelism: token slices --------------------------------------------------------------

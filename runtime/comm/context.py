@@ -31,6 +31,7 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.dropout import TokenKeys
+from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
 from hgraph.shard_rule import shard_bounds
 from hgraph.varlen_attention import DocumentBounds, varlen_attention
 
@@ -60,7 +61,7 @@ class CommContext:
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
-    cp_layout: Optional[CPLayout] = None          # its CP layout (CP > 1)
+    cp_layout: Optional[CPLayout | UlyssesLayout] = None   # its tokens' layout (CP > 1 or UL > 1)
     documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1
     token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
@@ -174,7 +175,10 @@ class CommContext:
         return collectives.pp_send(self, x, dst)
 
     def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
-        sizes = self._cp_layout("cp_kv_gather_issue").sizes
+        """All-gather of K or V over the CP group ``key``: pieces of the CP shards' sizes (under
+        Ulysses, of the head slices the all-to-all gave: every token of this rank's shard)."""
+        layout = self._cp_layout("cp_kv_gather_issue")
+        sizes = (layout.shards if isinstance(layout, UlyssesLayout) else layout).sizes
         return collectives.cp_gather_issue(self, x, self.ranks(key), dim, sizes)
 
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
@@ -188,31 +192,49 @@ class CommContext:
         return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
 
-    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str,
-                          scale: Optional[float], enable_gqa: bool, softcap: Optional[float] = None,
-                          window: Optional[int] = None) -> torch.Tensor:
-        """Ulysses: this rank's tokens with all its heads -> every token with ``1/n`` of the heads
-        (all-to-all over the group ``key``), packed attention per document of the whole micro-batch,
-        and back. Key/value heads not divisible by ``n`` are repeated (each the least number of times
-        that makes them divisible) so every rank holds the key/value heads its query heads read."""
-        layout = self._cp_layout("ulysses_attention")
-        docs = self.documents
-        if docs is None or docs.cu[-1] != len(layout.doc_of):
-            raise HGraphError("ulysses_attention needs the whole micro-batch's documents: run this rank's "
-                              "program under the hgraph executor")
-        ranks, n = self.ranks(key), len(layout.sizes)
-        heads, kv_heads = q.shape[1], k.shape[1]
-        if heads % n:
+    def ulysses_heads_issue(self, x: torch.Tensor, key: str, kv: bool) -> torch.Tensor:
+        """Ulysses: start the all-to-all of this rank's tokens with all its heads into every token of its
+        CP shard with ``1/n`` of the heads (group ``key``). Key/value heads not divisible by ``n`` are
+        repeated first (each the least number of times that makes them divisible), so every rank holds
+        the key/value heads its query heads read."""
+        layout = self._ulysses_layout("ulysses_heads_issue")
+        n, heads = layout.ul, x.shape[1]
+        if heads % n and not kv:
             raise HGraphError(f"Ulysses UL{n}: this rank's {heads} query heads do not divide by {n}; "
                               "the model's query heads must divide by TP x UL")
-        if kv_heads % n:
-            repeat = n // math.gcd(kv_heads, n)
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        sizes = layout.sizes
-        q, k, v = (collectives.ulysses_to_heads(self, t, ranks, sizes) for t in (q, k, v))
-        out = varlen_attention(q, k, v, docs, scale=scale, enable_gqa=enable_gqa or q.shape[1] != k.shape[1],
-                               softcap=softcap, window=window)
-        return collectives.ulysses_to_tokens(self, out, ranks, sizes)
+        if heads % n:
+            x = x.repeat_interleave(n // math.gcd(heads, n), dim=1)
+        return collectives.ulysses_to_heads_issue(self, x, self.ranks(key), layout.sizes)
+
+    def ulysses_tokens_issue(self, y: torch.Tensor, key: str) -> torch.Tensor:
+        layout = self._ulysses_layout("ulysses_tokens_issue")
+        return collectives.ulysses_to_tokens_issue(self, y, self.ranks(key), layout.sizes)
+
+    def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
+                          enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
+                          softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor:
+        """Attention between the all-to-alls: the CP shard's queries with this rank's chunk of the heads,
+        per document, against the shard's keys or (with CP, USP's 2-D) the keys the ``"cp"`` group
+        gathered (the ranks holding the same heads), as a CP rank's queries attend. Dropout masks are
+        keyed by (document, global head, query position, key position), as on one device."""
+        layout = self._ulysses_layout("ulysses_attention")
+        shards = layout.shards
+        gqa = enable_gqa or q.shape[1] != k.shape[1]
+        if dropout_p and not self.evaluating:
+            keys = self._token_keys("ulysses_attention").of_packed(layout.shard_tokens, shards.doc_of,
+                                                                   shards.pos_of)
+            part = q.shape[1]             # this rank's chunk of the TP rank's query heads
+            offset = self._head_offset(part * layout.ul, heads) + layout.ul_rank * part
+            groups = dropout_kernel.cp_groups(shards, keys, q.device, window)
+            return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, gqa,
+                                                         offset, softcap)
+        if shards.cp > 1:
+            return cp_kernel.cp_attention(q, k, v, shards, scale, gqa, softcap, window)
+        docs = self.documents
+        if docs is None or docs.cu[-1] != len(shards.doc_of):
+            raise HGraphError("ulysses_attention needs the whole micro-batch's documents: run this "
+                              "rank's program under the hgraph executor")
+        return varlen_attention(q, k, v, docs, scale=scale, enable_gqa=gqa, softcap=softcap, window=window)
 
     def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor:
         """Keyed dropout of ``x``; ``tokens``: the TP group key when ``x`` holds this rank's token slice."""
@@ -269,7 +291,14 @@ class CommContext:
                               "hgraph executor")
         return self.token_keys
 
-    def _cp_layout(self, op: str) -> CPLayout:
+    def _ulysses_layout(self, op: str) -> UlyssesLayout:
+        layout = self.cp_layout
+        if not isinstance(layout, UlyssesLayout):
+            raise HGraphError(f"{op} needs this micro-batch's Ulysses layout: run this rank's program under "
+                              "the hgraph executor")
+        return layout
+
+    def _cp_layout(self, op: str) -> CPLayout | UlyssesLayout:
         if self.cp_layout is None:
             raise HGraphError(f"{op} needs this micro-batch's CP layout: run this rank's program under "
                               "the hgraph executor")

@@ -72,6 +72,7 @@ from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
+from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
 from hgraph.program import Program, RankProgram
 from hgraph.strategy import Cluster, Scheme, Strategy
 from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
@@ -132,6 +133,9 @@ class RankState:
     memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
 
 
+SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens: CP alone, or UL (inside CP)
+
+
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
     """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
     the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
@@ -149,6 +153,14 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
         raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
                           f"({plan.method} sharding); give CP micro-batches at least {cp} tokens")
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
+
+
+def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE) -> SequenceLayout:
+    """The tokens of ``mb`` that sequence rank ``seq_rank`` holds: CP's split (``cp_layout_for``) into
+    ``scheme.cp`` shards, each cut contiguously over ``scheme.ul`` Ulysses ranks (Ulysses inner)."""
+    shard, ul_rank = scheme.seq_place(seq_rank)
+    shards = cp_layout_for(mb, scheme.cp, shard, method) if scheme.cp > 1 else CPLayout.whole(mb.doc_lengths)
+    return shards if scheme.ul == 1 else UlyssesLayout(shards, scheme.ul, ul_rank)
 
 
 def token_documents(mb: "MicroBatch") -> torch.Tensor:
@@ -275,7 +287,7 @@ class Executor:
                               f"but this run has {self.world_size}")
         rp = program.rank(self.rank)
         groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
-                  if k in ("tp", "cp") and len(g) > 1}
+                  if k in ("tp", "cp", "ul") and len(g) > 1}
         self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
         # the executor's own copy of the rank's graph holds its working parameters; the Program's
         # (which the compiled module caches and may hand to others) keeps the compiler's
@@ -481,15 +493,14 @@ class Executor:
         return loss_sum
 
     def _inputs(self, state: RankState, mb: MicroBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[CPLayout], TokenKeys]:
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[SequenceLayout], TokenKeys]:
         """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
         micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
         rp = state.rank_program
         ids, pos, targets, layout = mb.input_ids, mb.position_ids, None, None
         docs = token_documents(mb)
         if rp.scheme.seq > 1:   # this CP / Ulysses rank's tokens; targets stay those of the whole documents
-            layout = (CPLayout.contiguous(mb.doc_lengths, rp.scheme.ul, rp.cp_rank) if rp.scheme.ul > 1
-                      else cp_layout_for(mb, rp.scheme.cp, rp.cp_rank, self.cp_sharding))
+            layout = sequence_layout(mb, rp.scheme, rp.cp_rank, self.cp_sharding)
             local = torch.tensor(layout.local_tokens, dtype=torch.long)
             cu = cu_seqlens_for(mb.doc_lengths)
             ids, pos, docs = ids[:, local], pos[:, local], docs[local]
@@ -498,7 +509,8 @@ class Executor:
                          mb.doc_indices or tuple(range(len(mb.doc_lengths))))
         return ids, pos, targets, layout, keys
 
-    def _documents(self, mb: MicroBatch, layout: Optional[CPLayout], scheme: Scheme) -> Optional[DocumentBounds]:
+    def _documents(self, mb: MicroBatch, layout: Optional[SequenceLayout], scheme: Scheme
+                   ) -> Optional[DocumentBounds]:
         """The micro-batch's document boundaries for packed attention, on the host and copied to the
         device once (without CP: a CP rank's attention takes its layout; a Ulysses rank's attention
         runs on the whole micro-batch, with its layout's contiguous split)."""

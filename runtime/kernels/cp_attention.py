@@ -15,7 +15,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from hgraph.shard_rule import shard_bounds
 from hgraph.varlen_attention import allowed_keys, masked_attention
 
 
@@ -40,17 +39,13 @@ class CPLayout:
         return cls(cp_rank, tokens, tuple(doc_of), tuple(pos_of))
 
     @classmethod
-    def contiguous(cls, doc_lengths: Sequence[int], n: int, rank: int) -> "CPLayout":
-        """Rank ``i`` of ``n`` holds the packed tokens ``shard_bounds(T, i, n)`` (Ulysses: attention runs
-        on all the tokens, so the split only balances the tokens, and the gathered order is the packed
-        order)."""
+    def whole(cls, doc_lengths: Sequence[int]) -> "CPLayout":
+        """One rank holding every packed token in order (the one CP shard of a Ulysses-only scheme)."""
         doc_of, pos_of = [], []
         for d, length in enumerate(doc_lengths):
             doc_of.extend([d] * length)
             pos_of.extend(range(length))
-        total = len(doc_of)
-        tokens = tuple(tuple(range(*shard_bounds(total, i, n))) for i in range(n))
-        return cls(rank, tokens, tuple(doc_of), tuple(pos_of))
+        return cls(0, (tuple(range(len(doc_of))),), tuple(doc_of), tuple(pos_of))
 
     @property
     def cp(self) -> int:

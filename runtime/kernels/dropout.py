@@ -17,7 +17,7 @@ separately and combined with one more round per element, so the cost per element
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -60,6 +60,14 @@ class TokenKeys:
     def narrow(self, lo: int, hi: int) -> "TokenKeys":
         """The keys of local tokens ``[lo, hi)`` (a TP rank's slice under sequence parallelism)."""
         return TokenKeys(self.seed, self.step, self.documents[lo:hi], self.positions[lo:hi], self.doc_ids)
+
+    def of_packed(self, tokens: Sequence[int], doc_of: Sequence[int], pos_of: Sequence[int]) -> "TokenKeys":
+        """The keys of the micro-batch's packed tokens ``tokens`` (each token's place in the micro-batch
+        ``doc_of`` and position ``pos_of``, as a CP layout gives them): the tokens a Ulysses rank holds
+        after its all-to-all."""
+        docs = torch.tensor([self.doc_ids[doc_of[i]] for i in tokens], dtype=torch.int64)
+        return TokenKeys(self.seed, self.step, docs, torch.tensor([pos_of[i] for i in tokens], dtype=torch.int64),
+                         self.doc_ids)
 
     def base(self, site: int, device: torch.device) -> torch.Tensor:
         """Per-token keys for dropout site ``site``: [T_local] int64."""

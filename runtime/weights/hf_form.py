@@ -67,7 +67,7 @@ def _zoo_llama(model: Llama) -> HFForm:
         initializer_range=c.init_std, rms_norm_eps=c.rms_norm_eps, pad_token_id=c.pad_token_id,
         bos_token_id=None, eos_token_id=None, tie_word_embeddings=c.tie_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(c.rope_theta)},
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0,
+        attention_bias=False, mlp_bias=False, attention_dropout=float(c.attention_dropout),
         architectures=["LlamaForCausalLM"], dtype=torch.float32)
     params = {name: name if name == "lm_head.weight" else f"model.{name}" for name, _ in model.named_parameters()}
     return HFForm(config, params, {})

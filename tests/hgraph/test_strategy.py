@@ -71,10 +71,34 @@ def test_validate_world_size_and_node_boundary():
         Strategy.parse("1xTP2PP1+1xTP4PP1+1xTP2PP1").validate(Cluster(8, gpus_per_node=4))
 
 
-def test_ulysses_ranks_take_the_place_of_cp_ranks_and_do_not_combine_with_cp_yet():
+def test_ulysses_ranks_take_the_place_of_cp_ranks():
     s = Strategy.parse("1xTP2PP2UL2")
     assert Scheme.parse("TP2PP2UL2") == s.pipelines[0] and s.pipelines[0].seq == 2
     assert s.num_ranks == 8
-    assert s.cp_group(0, 1, 1) == [5, 7] and s.tp_group(0, 0, 1) == [2, 3]
-    with pytest.raises(StrategyError, match="CP and UL .* not supported yet"):
-        Scheme.parse("TP1PP1CP2UL2")
+    assert s.seq_group(0, 1, 1) == [5, 7] and s.tp_group(0, 0, 1) == [2, 3]
+    assert s.ul_group(0, 1, 1, 1) == [5, 7] and s.cp_group(0, 1, 1, 1) == [7]
+
+
+def test_cp_and_ulysses_together_put_ulysses_inside_and_the_cp_ring_across():
+    """TP innermost, then UL, then CP, then the stage: sequence rank s is CP shard s // UL, Ulysses
+    rank s % UL; the ring joins the ranks with the same Ulysses rank (the same heads)."""
+    s = Strategy.parse("1xTP2PP1CP2UL2")
+    p = s.pipelines[0]
+    assert str(p) == "TP2PP1CP2UL2" and p.seq == 4 and s.num_ranks == 8
+    assert [p.seq_place(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert s.seq_group(0, 0, 1) == [1, 3, 5, 7]
+    assert s.ul_group(0, 0, 1, 2) == [5, 7] and s.cp_group(0, 0, 1, 2) == [1, 5]
+    assert s.ul_group(0, 0, 0, 1) == [0, 2] and s.cp_group(0, 0, 0, 1) == [2, 6]
+    three = Strategy.parse("1xTP1PP2CP3UL2+1xTP1PP1UL3")
+    assert three.num_ranks == 15 and three.ul_group(0, 1, 0, 5) == [10, 11] and three.cp_group(0, 1, 0, 5) == [7, 9, 11]
+    assert three.ul_group(1, 0, 0, 0) == [12, 13, 14] and three.cp_group(1, 0, 0, 2) == [14]
+    assert Strategy.parse(str(three)) == three
+
+
+@pytest.mark.parametrize("text", ["TP1PP1SP4", "1xTP2PP1SP2+1xTP1PP1"])
+def test_an_sp_degree_in_a_scheme_says_to_write_ul(text):
+    with pytest.raises(StrategyError, match=r"written UL\d") as err:
+        Strategy.parse(text)
+    assert "\n" not in str(err.value)
+    with pytest.raises(StrategyError, match="written UL"):
+        Scheme.parse(text.split("+")[0].split("x")[-1])

@@ -78,7 +78,7 @@ def _latency(args) -> tuple[DocLatency, str]:
         if not holders:
             raise HGraphError(f"no scheme of profile {cost.name!r} holds {args.max_len} tokens (largest MaxLen "
                               f"{cost.largest_max_len()}); choose --scheme or --coeffs")
-        scheme = min(holders, key=lambda s: (s.num_ranks, s.pp, s.cp))
+        scheme = min(holders, key=lambda s: (s.num_ranks, s.pp, s.seq))
     return DocLatency.from_cost_model(cost, scheme), f"profile {cost.name} scheme {scheme}"
 
 

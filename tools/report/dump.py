@@ -54,6 +54,7 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
         "ranks": [{
             "rank": rp.rank, "pipeline": rp.pipeline, "scheme": str(rp.scheme), "stage": rp.stage,
             "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank,
+            **dict(zip(("cp_shard", "ul_rank"), rp.scheme.seq_place(rp.cp_rank))),
             "blocks": list(rp.role.blocks),
             "params": [{"name": s.name, "full_shape": list(s.full_shape), "shard_shape": list(s.shard_shape),
                         "shard_dim": s.shard_dim if s.tp_sharded else None}
@@ -66,9 +67,18 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
 
 
 # ---- text -----------------------------------------------------------------------------------------
+def _seq_rank_text(rp: RankProgram) -> str:
+    """The rank's place among the ranks splitting the tokens: its CP rank, or under Ulysses its
+    sequence rank with its CP shard and Ulysses rank (Ulysses inner)."""
+    if rp.scheme.ul == 1:
+        return f"cp_rank {rp.cp_rank}"
+    shard, ul_rank = rp.scheme.seq_place(rp.cp_rank)
+    return f"seq_rank {rp.cp_rank} (cp_shard {shard}, ul_rank {ul_rank})"
+
+
 def rank_text(program: Program, rp: RankProgram) -> str:
     lines = [f"== rank {rp.rank}: pipeline {rp.pipeline} ({rp.scheme}), stage {rp.stage}, "
-             f"tp_rank {rp.tp_rank}, cp_rank {rp.cp_rank}  [strategy {program.strategy}]",
+             f"tp_rank {rp.tp_rank}, {_seq_rank_text(rp)}  [strategy {program.strategy}]",
              f"   blocks: {', '.join(rp.role.blocks) or '-'}",
              "   peers: " + ", ".join(f"{k}={list(v)}" for k, v in rp.bindings.items())]
     if rp.scheme.tp > 1:       # what the TP exits and enters are
@@ -135,7 +145,7 @@ def rank_python(program: Program, rp: RankProgram) -> str:
         body.append("    " + line if line.strip() else line)
     params = "\n".join(f"        _param(self, {s.name!r}, {list(s.shard_shape)})" for s in rp.params.values())
     header = (f"# hgraph program of rank {rp.rank}: pipeline {rp.pipeline} ({rp.scheme}), stage {rp.stage}, "
-              f"tp_rank {rp.tp_rank}, cp_rank {rp.cp_rank}; strategy {program.strategy}, world size "
+              f"tp_rank {rp.tp_rank}, {_seq_rank_text(rp)}; strategy {program.strategy}, world size "
               f"{program.cluster.world_size}\n# peers: " + ", ".join(f"{k}={list(v)}" for k, v in rp.bindings.items()))
     return f'''{header}
 import torch

@@ -128,9 +128,9 @@ def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, l
                        device: str = "cpu") -> tuple[CostModel, dict[str, Any]]:
     """Measure ``a, b, c`` per scheme and the memory constants; return the model and the raw data."""
     for s in schemes:
-        if s.tp != 1 or s.cp != 1:
+        if s.tp != 1 or s.seq != 1:
             raise HGraphError(
-                f"cannot profile {s} in one process: TP/CP > 1 needs multi-process profiling through the "
+                f"cannot profile {s} in one process: TP, CP or UL > 1 needs multi-process profiling through the "
                 "runtime, which is not built yet; profile TP1 schemes (TP1PP<n>)")
     if len(set(lengths)) < 3:
         raise HGraphError(f"profiling needs at least 3 distinct lengths to fit a*l^2 + b*l + c, got {list(lengths)}")

@@ -42,6 +42,7 @@ def test_activation_coefficient_counts_saved_tensors():
 
 @pytest.mark.parametrize("argv,match", [
     (["--schemes", "TP2PP1"], "multi-process profiling"),
+    (["--schemes", "TP1PP1UL2"], "TP, CP or UL > 1 needs multi-process profiling"),
     (["--model", "gpt:tiny"], "expected llama:NAME"),
     (["--model", "llama:nope"], "unknown llama config"),
     (["--lengths", "16,32"], "at least 3 distinct lengths"),
