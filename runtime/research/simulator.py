@@ -487,8 +487,11 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
             else:
                 skipped[name] = f"no homogeneous CP scheme of {gpus} GPUs holds {max_len} tokens"
         elif name == "deepspeed":
-            results[name] = simulate_homogeneous("deepspeed", batches, cost, gpus, max_len,
-                                                 deepspeed_space(cost, gpus, max_len))
+            space = deepspeed_space(cost, gpus, max_len)
+            if space:
+                results[name] = simulate_homogeneous(name, batches, cost, gpus, max_len, space)
+            else:
+                skipped[name] = f"no homogeneous <TP, UL> scheme (PP 1) of {gpus} GPUs holds {max_len} tokens"
         elif name == "flexsp":
             groups = cost.restricted(lambda s: s.pp == 1 and s.cp == 1)
             if not any(s.ul > 1 for s in groups.schemes):
