@@ -17,8 +17,8 @@ explicitly they are derived from the profiled ``<TP, PP>``: every CP rank comput
 tokens and of the (load-balanced) causal attention, so ``a/CP``; the linear part is divided by
 ``CP * cp_efficiency`` (the ring exchange of K/V is overlapped with attention but not perfectly,
 ``cp_efficiency`` defaults to 0.9, an assumption stored in the profile); ``c`` is unchanged (the same
-kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens). CP degrees are powers of two and
-three times them up to ``max_cp`` (``cp_degrees``).
+kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens). CP degrees
+are powers of two and three times them up to ``max_cp`` (``cp_degrees``).
 
 Ulysses schemes (``UL > 1``) are derived from the ``<TP, PP, CP>`` ones where the model's heads allow
 (``ModelShape.heads``) and an all-to-all model is known (``CostModel.all_to_all``: measured, or the A800
@@ -27,7 +27,6 @@ prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence
 
@@ -165,6 +164,8 @@ class CostModel:
     # Ulysses: the all-to-all's time (None: no UL scheme) and the largest degree (None: ``max_cp``)
     all_to_all: Optional[AllToAll] = None
     max_ul: Optional[int] = None
+    # the schemes kept (None: all that fit): a baseline's space in the simulator (``restricted``)
+    only: Optional[frozenset[Scheme]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -177,6 +178,8 @@ class CostModel:
         self._max_len: dict[Scheme, int] = {}
         for scheme, abc in sorted(self._all_coeffs().items()):
             tp = scheme.tp
+            if self.only is not None and scheme not in self.only:
+                continue
             if scheme.num_ranks > self.world_size or tp > self.gpus_per_node or self.gpus_per_node % tp:
                 continue
             if tp not in self.util_len_tokens:
@@ -209,11 +212,7 @@ class CostModel:
 
     def restricted(self, keep) -> "CostModel":
         """This model with only the schemes for which ``keep(scheme)`` holds (a baseline's space)."""
-        out = copy.copy(self)
-        out.schemes = [s for s in self.schemes if keep(s)]
-        out._coeffs = {s: self._coeffs[s] for s in out.schemes}
-        out._max_len = {s: self._max_len[s] for s in out.schemes}
-        return out
+        return replace(self, only=frozenset(s for s in self.schemes if keep(s)))
 
     # ---- queries ---------------------------------------------------------------------------
     def _check(self, scheme: Scheme) -> Scheme:

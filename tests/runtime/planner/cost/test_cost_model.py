@@ -206,3 +206,12 @@ def _profile_entry(heads=None, kv_heads=None):
             "memory": {"activation_bytes_per_token_per_layer_coeff_A": {"tp1": 34}, "model_state_coeff_B": 200,
                        "alpha_sharded_fraction": 0.75, "framework_gap_bytes": 0, "safety_margin_bytes": 0,
                        "gpu_memory_bytes": 2 ** 30}}
+
+
+def test_a_restricted_model_keeps_its_space_through_a_copy():
+    from hgraph.runtime.planner.cost.cost_model import with_activation_budget
+    cm = load_cost_model("llama-7b", world_size=16)
+    ul = cm.restricted(lambda s: s.ul > 1)
+    assert ul.schemes == [s for s in cm.schemes if s.ul > 1] and ul.schemes
+    assert with_activation_budget(ul, 2 ** 30).schemes == ul.schemes
+    assert ul.coeffs(ul.schemes[0]) == cm.coeffs(ul.schemes[0]) and not ul.has(Scheme(2, 1))
