@@ -68,8 +68,8 @@ def test_the_ulysses_only_and_cp_only_baselines(lengths_file, capsys):
     """FlexSP-style (heterogeneous Ulysses groups per step, no CP) and Megatron-style CP-only baselines
     are printed with hgraph's speedup over each; without derived CP and UL (--max-cp 1) both are named
     as skipped."""
-    base = ["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "8",
-            "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "1", "--systems", "hgraph,flexsp,megatron-cp"]
+    base = ["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "4",
+            "--max-len", "16384", "--tokens-per-iter", "40000", "--iters", "1", "--systems", "hgraph,flexsp,megatron-cp"]
     assert main(base + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out["systems"]) == {"hgraph", "flexsp", "megatron-cp"} and not out["skipped"]
