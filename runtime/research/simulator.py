@@ -19,13 +19,19 @@ iterations themselves, i.e. the best static configuration in hindsight):
   dataset, not on the simulated ones, plus the best homogeneous strategy), and per iteration
   ``plan_iteration`` (dispatch across pipelines + packing within them) picks the best candidate.
 - ``megatron``: one homogeneous ``DP x <TP, PP, CP>`` for all iterations (any scheme of the cost
-  model whose MaxLen holds the context); fixed-length packing (documents in order, a micro-batch is
-  closed when the next document would pass ``max_len`` tokens) and even dispatch (micro-batches
-  round-robin over the DP replicas).
-- ``deepspeed``: DeepSpeed-Ulysses: homogeneous ``DP x SP``, where the profiles have no Ulysses
-  measurements, SP degree ``s`` is modelled by the cost model's ``PP = 1`` schemes with
-  ``TP * CP = s`` (the same per-GPU FLOPs split over ``s`` GPUs, all-to-all taken as costing the
-  same as TP/CP's collectives); packing and dispatch as ``megatron``.
+  model without Ulysses whose MaxLen holds the context); fixed-length packing (documents in order, a
+  micro-batch is closed when the next document would pass ``max_len`` tokens) and even dispatch
+  (micro-batches round-robin over the DP replicas).
+- ``megatron-cp``: Megatron-LM with context parallelism, as ``megatron`` over the schemes with
+  ``CP > 1`` only: the best homogeneous scheme with CP (skipped when the cost model derives no CP).
+- ``deepspeed``: DeepSpeed-Ulysses: homogeneous ``DP x <TP, UL>`` (``PP = 1``, no CP) over the cost
+  model's Ulysses schemes; where it has none (no heads known, or ``max_cp`` 1), SP degree ``s`` is
+  modelled by its ``PP = 1`` schemes with ``TP * CP = s`` as before Ulysses was priced; packing and
+  dispatch as ``megatron``.
+- ``flexsp``: FlexSP (ASPLOS'25): heterogeneous Ulysses groups formed per step, no CP and no PP: the
+  hgraph planner (proposal, then per iteration dispatch + packing) over the ``PP = 1, CP = 1``
+  schemes, i.e. ``<TP, UL>`` groups of any degree side by side (TP stands in for FlexSP's ZeRO-3
+  where a profile has no TP1 scheme that fits; skipped when no such scheme holds the context).
 - ``hotspa``: 2 or 3 homogeneous strategies per iteration for length ranges (App. F: below 4K,
   4K-16K, above 16K, capped at the context), run one after another on all GPUs, each packing its
   documents to its range's upper length with even dispatch; each switch costs moving the model's
@@ -62,7 +68,7 @@ from hgraph.runtime.planner.schedule.data_centric import idle_fraction
 from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
-SYSTEMS = ("hgraph", "megatron", "deepspeed", "hotspa", "wlb", "dcp")
+SYSTEMS = ("hgraph", "megatron", "megatron-cp", "deepspeed", "flexsp", "hotspa", "wlb", "dcp")
 BASELINES = tuple(s for s in SYSTEMS if s != "hgraph")
 
 
@@ -113,6 +119,7 @@ class Simulation:
     tokens_per_iter: int
     gpus: int
     max_len: int
+    skipped: dict[str, str] = field(default_factory=dict)   # system -> why it cannot run this setting
 
     def best_baseline(self) -> Optional[SystemResult]:
         base = [r for s, r in self.results.items() if s != "hgraph"]
@@ -125,12 +132,20 @@ class Simulation:
             return None
         return self.results["hgraph"].throughput / best.throughput
 
+    def speedups(self) -> dict[str, float]:
+        """hgraph's throughput over each baseline's."""
+        h = self.results.get("hgraph")
+        if h is None:
+            return {}
+        return {s: h.throughput / r.throughput for s, r in self.results.items() if s != "hgraph" and r.throughput > 0}
+
     def to_json(self) -> dict:
         best = self.best_baseline()
         return {"gpus": self.gpus, "max_len": self.max_len, "tokens_per_iter": self.tokens_per_iter,
                 "iterations": self.iterations,
                 "systems": {s: r.to_json() for s, r in self.results.items()},
-                "best_baseline": best.system if best else None, "speedup_over_best_baseline": self.speedup()}
+                "best_baseline": best.system if best else None, "speedup_over_best_baseline": self.speedup(),
+                "speedups": self.speedups(), "skipped": self.skipped}
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
@@ -205,10 +220,25 @@ def _spread(busy: Sequence[float]) -> float:
     return 0.0 if mx <= 0 else 1.0 - min(busy) / mx
 
 
-def homogeneous_space(cost, gpus: int, longest: int, pp1_only: bool = False) -> list[Scheme]:
-    """Schemes of the cost model that tile ``gpus`` and hold ``longest`` tokens."""
+def homogeneous_space(cost, gpus: int, longest: int, pp1_only: bool = False,
+                      keep: Callable[[Scheme], bool] = lambda s: s.ul == 1) -> list[Scheme]:
+    """Schemes of the cost model that tile ``gpus``, hold ``longest`` tokens and that ``keep`` takes
+    (default: no Ulysses, which the papers' baselines do not have)."""
     return [s for s in cost.schemes if gpus % s.num_ranks == 0 and cost.max_len(s) >= longest
-            and (not pp1_only or s.pp == 1)]
+            and (not pp1_only or s.pp == 1) and keep(s)]
+
+
+def deepspeed_space(cost, gpus: int, longest: int) -> list[Scheme]:
+    """DeepSpeed-Ulysses' homogeneous schemes: ``<TP, UL>`` at ``PP = 1`` where the cost model has
+    Ulysses schemes, else the ``PP = 1`` schemes with CP standing in for the SP degree."""
+    if any(s.ul > 1 for s in cost.schemes):
+        return homogeneous_space(cost, gpus, longest, pp1_only=True, keep=lambda s: s.cp == 1)
+    return homogeneous_space(cost, gpus, longest, pp1_only=True)
+
+
+def without_ulysses(cost):
+    """``cost`` without its Ulysses schemes: the space of the baselines that have none."""
+    return cost.restricted(lambda s: s.ul == 1) if any(s.ul > 1 for s in cost.schemes) else cost
 
 
 def _tune(space: Sequence, run: Callable[[object], SystemResult], what: str) -> SystemResult:
@@ -251,7 +281,8 @@ def iteration_lower_bound(lengths, cost, gpus: int) -> float:
 
 
 # ---- systems ------------------------------------------------------------------------------------
-def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int) -> SystemResult:
+def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int,
+                    name: str = "hgraph") -> SystemResult:
     t0 = time.perf_counter()
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
     propose_ms = (time.perf_counter() - t0) * 1e3
@@ -266,7 +297,7 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
                             p.scheme) for p in plan.pipelines]
         iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
         chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
-    return SystemResult("hgraph", f"{len(candidates)} candidates ({source})", iters, solve,
+    return SystemResult(name, f"{len(candidates)} candidates ({source})", iters, solve,
                         {"candidates": [str(s) for s in candidates], "chosen": chosen,
                          "propose_ms": propose_ms})
 
@@ -441,19 +472,38 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
         np.asarray(lengths, dtype=np.int64)[np.asarray(lengths) <= max_len]
     batches = sample_minibatches(lengths, tokens_per_iter, iters, max_len, seed=seed, long=long)
     results: dict[str, SystemResult] = {}
+    skipped: dict[str, str] = {}
+    classic = without_ulysses(cost)        # the baselines that have no Ulysses
     for name in systems:
         if name == "hgraph":
             results[name] = simulate_hgraph(batches, cost, gpus, max_len, dataset, tokens_per_iter)
         elif name == "megatron":
             results[name] = simulate_homogeneous("megatron", batches, cost, gpus, max_len,
                                                  homogeneous_space(cost, gpus, max_len))
+        elif name == "megatron-cp":
+            space = homogeneous_space(cost, gpus, max_len, keep=lambda s: s.cp > 1 and s.ul == 1)
+            if space:
+                results[name] = simulate_homogeneous(name, batches, cost, gpus, max_len, space)
+            else:
+                skipped[name] = f"no homogeneous CP scheme of {gpus} GPUs holds {max_len} tokens"
         elif name == "deepspeed":
-            results[name] = simulate_homogeneous("deepspeed", batches, cost, gpus, max_len,
-                                                 homogeneous_space(cost, gpus, max_len, pp1_only=True))
+            space = deepspeed_space(cost, gpus, max_len)
+            if space:
+                results[name] = simulate_homogeneous(name, batches, cost, gpus, max_len, space)
+            else:
+                skipped[name] = f"no homogeneous <TP, UL> scheme (PP 1) of {gpus} GPUs holds {max_len} tokens"
+        elif name == "flexsp":
+            groups = cost.restricted(lambda s: s.pp == 1 and s.cp == 1)
+            if not any(s.ul > 1 for s in groups.schemes):
+                skipped[name] = "the cost model has no Ulysses scheme (heads unknown, or a UL limit of 1)"
+            elif groups.largest_max_len() < max_len:
+                skipped[name] = f"no <TP, UL> scheme (PP 1, no CP) holds {max_len} tokens"
+            else:
+                results[name] = simulate_hgraph(batches, groups, gpus, max_len, dataset, tokens_per_iter, name)
         elif name == "hotspa":
-            results[name] = simulate_hotspa(batches, cost, gpus, max_len, switch_gb_per_s)
+            results[name] = simulate_hotspa(batches, classic, gpus, max_len, switch_gb_per_s)
         elif name == "wlb":
             results[name] = simulate_wlb(batches, cost, gpus, max_len, homogeneous_space(cost, gpus, max_len))
         elif name == "dcp":
-            results[name] = simulate_dcp(batches, cost, gpus, max_len)
-    return Simulation(results, iters, int(tokens_per_iter), int(gpus), int(max_len))
+            results[name] = simulate_dcp(batches, classic, gpus, max_len)
+    return Simulation(results, iters, int(tokens_per_iter), int(gpus), int(max_len), skipped)

@@ -4,11 +4,15 @@ Every system trains the same mini-batches (a seeded shuffle of the dataset cut i
 ``--tokens-per-iter`` token mini-batches; documents longer than ``--max-len`` are truncated, or
 dropped with ``--long drop``) under the cost model of ``--profile``: hgraph (proposed candidates,
 per-iteration dispatch + packing), Megatron-LM (static homogeneous, fixed-length packing, even
-dispatch), DeepSpeed-Ulysses (static homogeneous sequence parallel), HotSPa (a few homogeneous
+dispatch), Megatron-LM with context parallelism (megatron-cp: the best homogeneous scheme with CP),
+DeepSpeed-Ulysses (static homogeneous Ulysses), FlexSP (heterogeneous Ulysses groups per step, no
+CP), HotSPa (a few homogeneous
 strategies per iteration with switching cost), WLB-LLM (var-length packing with outlier delay on a
 homogeneous 4D strategy) and DCP, the Data-Centric Parallel paper's system (per-length
 sequence-parallel groups). Each baseline is tuned over
-its own strategy space, under the same cost model.
+its own strategy space, under the same cost model. A baseline that cannot hold the context in this
+setting (megatron-cp without derived CP, flexsp without a Ulysses scheme that holds it) is named as
+skipped. The speedup of hgraph over each baseline closes the report.
 """
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ from hgraph.tools.cli.length_options import add_workload_options, workload_cost_
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("simulate", help="simulate training iterations: hgraph vs Megatron, DeepSpeed, "
-                              "HotSPa, WLB-LLM, Data-Centric Parallel (dcp)", description=__doc__)
+    p = subparsers.add_parser("simulate", help="simulate training iterations: hgraph vs Megatron (and with CP), "
+                              "DeepSpeed-Ulysses, FlexSP, HotSPa, WLB-LLM, Data-Centric Parallel (dcp)",
+                              description=__doc__)
     add_workload_options(p, max_len_help="context length")
     p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per iteration")
     p.add_argument("--iters", required=True, type=int, metavar="K", help="iterations to simulate")
@@ -35,7 +40,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="documents longer than --max-len: truncate (default) or drop")
     p.add_argument("--max-cp", type=int, default=None, metavar="C",
                    help="largest context-parallel degree the cost model derives (1: only the profiled <TP,PP> "
-                        "schemes, the papers' setting; default: the profile's own, 8)")
+                        "schemes, the papers' setting; default: the profile's own, 8, or more until a scheme holds "
+                        "--max-len); the Ulysses degree follows it unless --max-ul")
+    p.add_argument("--max-ul", type=int, default=None, metavar="U",
+                   help="largest Ulysses degree the cost model derives (1: none; default: as --max-cp)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -53,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     if args.max_cp is not None and args.max_cp < 1:
         raise HGraphError(f"--max-cp must be a positive integer, got {args.max_cp}")
-    cost = workload_cost_model(args, max_cp=args.max_cp)
+    if args.max_ul is not None and args.max_ul < 1:
+        raise HGraphError(f"--max-ul must be a positive integer, got {args.max_ul}")
+    cost = workload_cost_model(args, max_cp=args.max_cp, max_ul=args.max_ul)
     if cost.largest_max_len() < args.max_len:
         raise HGraphError(f"--max-len {args.max_len} is longer than the largest MaxLen {cost.largest_max_len()} of "
                           f"any scheme of {cost.name!r} on {args.world_size} GPUs; lower --max-len or add GPUs")
@@ -68,15 +78,19 @@ def run(args: argparse.Namespace) -> int:
     w = sys.stdout.write
     w(f"profile {cost.name}, {args.world_size} GPUs, context {args.max_len}, {args.tokens_per_iter} tokens per "
       f"iteration, {args.iters} iterations\n")
-    w(f"  {'system':<10} {'mean ms':>9} {'std ms':>8} {'tokens/s':>10} {'spread':>7}  configuration\n")
+    w(f"  {'system':<12} {'mean ms':>9} {'std ms':>8} {'tokens/s':>10} {'spread':>7}  configuration\n")
     for name, r in sim.results.items():
         j = r.to_json()
-        w(f"  {name:<10} {j['mean_latency_ms']:>9.1f} {j['std_latency_ms']:>8.1f} {j['throughput_tokens_per_s']:>10.0f} "
+        w(f"  {name:<12} {j['mean_latency_ms']:>9.1f} {j['std_latency_ms']:>8.1f} {j['throughput_tokens_per_s']:>10.0f} "
           f"{j['mean_spread']:>7.2f}  {r.config}\n")
     if "hgraph" in sim.results:
         h = sim.results["hgraph"]
         w(f"hgraph candidates: {', '.join(h.notes['candidates'])}\n")
         w("hgraph chose: " + ", ".join(f"{s} x{n}" for s, n in h.notes["chosen"].items()) + "\n")
+    for name, why in sim.skipped.items():
+        w(f"  {name:<12} skipped: {why}\n")
+    if sim.speedups():
+        w("speedup of hgraph over: " + ", ".join(f"{s} {x:.2f}x" for s, x in sim.speedups().items()) + "\n")
     sp = sim.speedup()
     if sp is not None:
         w(f"speedup of hgraph over the best baseline ({sim.best_baseline().system}): {sp:.2f}x\n")

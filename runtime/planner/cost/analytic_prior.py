@@ -16,6 +16,8 @@ Assumptions (written down because they set the numbers):
   bf16, i.e. ``A = 34``; model states: 12 H^2 parameters per layer at 16 bytes (bf16 param + grad,
   fp32 master, Adam m and v), ``alpha = 12/16`` of which are fully sharded.
 - UtilLen: the length at which the constant overhead is 15% of the time (85% efficiency, App. C).
+- Ulysses (given ``heads``): all-to-alls at ``tp_bandwidth`` inside a node, ``inter_node_bandwidth``
+  across nodes, ``all_to_all_latency_ms`` each (``cost.ulysses``).
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import sympy as sp
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape
+from hgraph.runtime.planner.cost.ulysses import AllToAll
 
 L = sp.Symbol("l", positive=True)
 
@@ -69,11 +72,14 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
                         tps: Iterable[int] = (1, 2, 4, 8), pps: Iterable[int] = (1, 2, 4, 8),
                         device_flops: float = 312e12, mfu: float = 0.5, tp_bandwidth: float = 150e9,
                         launch_ms_per_layer: float = 0.25, gpu_memory_bytes: int = 80 * 2 ** 30,
-                        framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30) -> CostModel:
+                        framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30,
+                        heads: int | None = None, kv_heads: int | None = None,
+                        inter_node_bandwidth: float = 10e9, all_to_all_latency_ms: float = 0.03) -> CostModel:
     """A CostModel from first principles.
 
     ``device_flops`` (FLOP/s, bf16 dense) and ``tp_bandwidth`` (bytes/s between TP ranks) describe
-    the device; defaults are an A100/A800-class GPU with NVLink.
+    the device; defaults are an A100/A800-class GPU with NVLink. ``heads`` (and ``kv_heads``): the
+    attention heads, which allow Ulysses schemes (none without them).
     """
     if min(hidden, layers, vocab, world_size) < 1 or device_flops <= 0 or tp_bandwidth <= 0 or not 0 < mfu <= 1:
         raise HGraphError("analytic_cost_model: sizes, device_flops and tp_bandwidth must be positive, 0 < mfu <= 1")
@@ -104,7 +110,10 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
         safety_margin_bytes=safety_margin_bytes,
         gpu_memory_bytes=gpu_memory_bytes,
     )
-    return CostModel(name=name, model=ModelShape(hidden, layers, vocab), profiled=profiled, util_len_tokens=util,
-                     memory=memory, world_size=world_size, gpus_per_node=gpus_per_node,
+    all_to_all = AllToAll(all_to_all_latency_ms, tp_bandwidth, inter_node_bandwidth, 2,
+                          "analytic prior (hgraph.runtime.planner.cost.analytic_prior)") if heads else None
+    return CostModel(name=name, model=ModelShape(hidden, layers, vocab, heads, kv_heads), profiled=profiled,
+                     util_len_tokens=util, memory=memory, world_size=world_size, gpus_per_node=gpus_per_node,
+                     all_to_all=all_to_all,
                      extra={"source": "analytic prior (hgraph.runtime.planner.cost.analytic_prior)",
                             "device": {"flops": device_flops, "mfu": mfu, "tp_bandwidth": tp_bandwidth}})

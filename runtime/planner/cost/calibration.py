@@ -14,7 +14,13 @@ training itself (on a CPU machine, N rank processes share the cores exactly as t
   pays it once per TP slot of its layers (the model's ``tp_enter`` + ``tp_exit`` slots: all-reduce in
   backward or forward);
 * pipeline parallelism: send/recv of ``l x hidden`` between neighbour ranks, fitted the same way; a
-  stage pays one forward and one backward transfer per micro-batch.
+  stage pays one forward and one backward transfer per micro-batch;
+* Ulysses, when asked (``ul_degrees``): all-to-all of ``l x hidden`` inside every group of ``UL``
+  consecutive ranks (``measure_ul_comm``), fitted the same way and read as the latency and bytes per
+  second of ``ulysses.AllToAll`` (the slowest degree's: a conservative figure for all); the model's
+  Ulysses schemes are derived from the measured ``<TP, PP>`` with it (``cost.ulysses``), up to the
+  largest degree measured. ``measured_cost_model`` asks for it on a GPU only: ranks that share CPU
+  cores do not run ``1/UL`` of the work each ``UL`` times faster, as CP showed below.
 
 Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
 divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
@@ -42,6 +48,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm import p2p
 from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
+from hgraph.runtime.planner.cost.ulysses import AllToAll
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024)
 COMM_LENGTHS = (64, 1024)
@@ -146,6 +153,39 @@ def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats
     return out if rank % 2 == 1 else None
 
 
+def measure_ul_comm(ul: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any, repeats: int,
+                    device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
+    """ms of one all-to-all of ``rows x hidden`` per ``COMM_LENGTHS`` (``rows``: the length rounded up to
+    a multiple of ``ul``) inside this rank's group of ``ul`` consecutive ranks (every group at once;
+    collective: call on every rank). Ranks outside every group return None."""
+    members = [list(range(g, g + ul)) for g in range(0, world_size - ul + 1, ul)]
+    groups.ensure(members)
+    mine = next((m for m in members if rank in m), None)
+    if mine is None:
+        dist.barrier()
+        return None
+    group = groups.get(mine)
+    out = []
+    for l in COMM_LENGTHS:
+        x = torch.ones(-(-l // ul) * ul, hidden, dtype=dtype, device=device)
+        y = torch.empty_like(x)
+        out.append(_time_comm(lambda: dist.all_to_all_single(y, x, group=group), repeats, device=device))
+    dist.barrier()
+    return out
+
+
+def all_to_all_model(lines: dict[int, tuple[float, float]], hidden: int, bytes_per_element: int) -> AllToAll:
+    """``AllToAll`` from ``{ul: (alpha ms, beta ms per row of hidden values)}``: per degree a row sends
+    ``(ul - 1) / ul`` of its bytes; the slowest bandwidth and the largest latency of the degrees."""
+    rates = [hidden * bytes_per_element * (ul - 1) / ul / (beta / 1e3) if beta > 0 else math.inf
+             for ul, (_, beta) in lines.items()]
+    rate = min(rates)
+    rate = rate if math.isfinite(rate) else 1e15       # too fast to see at these sizes: latency only
+    latency = max(alpha for alpha, _ in lines.values())
+    return AllToAll(latency, rate, rate, bytes_per_element, "measured at the start of the run (all-to-all of "
+                    f"UL{', UL'.join(map(str, sorted(lines)))})")
+
+
 def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[int], lengths: Sequence[int],
                               vocab: int, repeats: int, *, warmup: int = 1, device: Any = "cpu",
                               dtype: Any = torch.float32) -> dict[int, tuple[list[float], list[float]]]:
@@ -187,25 +227,27 @@ def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[in
     return out
 
 
-def calibration_phases(prior: CostModel, world_size: int) -> int:
+def calibration_phases(prior: CostModel, world_size: int, ul_degrees: Sequence[int] = ()) -> int:
     """How many ``progress`` calls ``calibrate_cost_model`` makes (for a progress bar's total)."""
     tps = {tp for tp, _, _ in prior.profiled}
     pps = {pp for _, pp, _ in prior.profiled}
     multi = world_size > 1
-    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0)
+    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0) \
+        + (len([u for u in set(ul_degrees) if 1 < u <= world_size]) if multi else 0)
 
 
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
                          lengths: Optional[Sequence[int]] = None, repeats: int = 5,
                          progress: Optional[Callable[[str], None]] = None,
-                         device: Any = None) -> tuple[CostModel, dict]:
+                         device: Any = None, ul_degrees: Sequence[int] = ()) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
     every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
     shard (``tp`` 1: the model's own layers);
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass);
     ``device``, ``dtype``: where and in what the run trains (CPU, fp32 by default), which is what is timed.
     ``lengths``: the sequence lengths timed (default: ``calibration_lengths`` of the device).
+    ``ul_degrees``: the Ulysses degrees whose all-to-all is timed (none: the model has no UL scheme).
     Returns the model and the raw measurements."""
     dtype = dtype or torch.float32
     device = torch.device(device or "cpu")
@@ -250,6 +292,15 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         med = _median_rows(ms)
         raw["pp_comm_ms"] = med
         pp_line = _fit_line(COMM_LENGTHS, med)
+    ul_lines: dict[int, tuple[float, float]] = {}
+    for ul in sorted({u for u in ul_degrees if 1 < u <= world_size}) if multi else ():
+        say(f"all-to-all UL{ul}")
+        ms = [r for r in _all_gather(measure_ul_comm(ul, rank, world_size, hidden, groups, dtype, repeats, device))
+              if r is not None]
+        med = _median_rows(ms)
+        raw.setdefault("ul_comm_ms", {})[ul] = med
+        ul_lines[ul] = _fit_line([-(-l // ul) * ul for l in COMM_LENGTHS], med)
+    all_to_all = all_to_all_model(ul_lines, hidden, torch.empty((), dtype=dtype).element_size()) if ul_lines else None
     profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     per_layer_slots = tp_slots / layers if layers else 0.0
     for (tp, pp, cp) in prior.profiled:
@@ -269,7 +320,8 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         util[tp] = max(int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else max(lengths), 1)
     cost = CostModel(name="measured", model=prior.model, profiled=profiled, util_len_tokens=util,
                      memory=prior.memory, world_size=prior.world_size, gpus_per_node=prior.gpus_per_node,
-                     max_cp=1, extra={"source": "measured at the start of the run (hgraph.runtime.planner.cost.calibration)",
+                     max_cp=1, all_to_all=all_to_all, max_ul=max(ul_lines, default=1),
+                     extra={"source": "measured at the start of the run (hgraph.runtime.planner.cost.calibration)",
                             "calibration": raw})
     return cost, raw
 

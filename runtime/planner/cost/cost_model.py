@@ -17,17 +17,25 @@ explicitly they are derived from the profiled ``<TP, PP>``: every CP rank comput
 tokens and of the (load-balanced) causal attention, so ``a/CP``; the linear part is divided by
 ``CP * cp_efficiency`` (the ring exchange of K/V is overlapped with attention but not perfectly,
 ``cp_efficiency`` defaults to 0.9, an assumption stored in the profile); ``c`` is unchanged (the same
-kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens).
+kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens). CP degrees
+are powers of two and three times them up to ``max_cp`` (``cp_degrees``).
+
+Ulysses schemes (``UL > 1``) are derived from the ``<TP, PP, CP>`` ones where the model's heads allow
+(``ModelShape.heads``) and an all-to-all model is known (``CostModel.all_to_all``: measured, or the A800
+prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max_ul`` bounds the degree
+(default: ``max_cp``, so a model without derived CP, the papers' ``<TP, PP>`` setting, has no UL either).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.profiles import resolve_profile
+from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repeated_kv_bytes_per_token,
+                                                 ulysses_schemes)
 from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
 from hgraph.strategy import Scheme
 
@@ -38,11 +46,13 @@ EMBEDDING_BYTES_PER_PARAM = 16  # App. B.1: the embedding term uses 16 bytes per
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the memory model needs."""
+    """The sizes the memory model needs; the attention heads (None: unknown) decide the Ulysses degrees."""
 
     hidden: int
     layers: int
     vocab: int
+    heads: Optional[int] = None
+    kv_heads: Optional[int] = None      # None: as many as ``heads`` (multi-head attention)
 
 
 @dataclass(frozen=True)
@@ -91,7 +101,8 @@ class MemoryModel:
         if A is None:
             return None
         other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.seq     # CP or Ulysses: tokens / degree
-        return model.layers * model.hidden / (scheme.tp * scheme.seq) * A + other
+        return model.layers * model.hidden / (scheme.tp * scheme.seq) * A + other \
+            + repeated_kv_bytes_per_token(model.hidden, model.layers, model.heads, model.kv_heads, scheme)
 
     def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
         """Longest packed micro-batch (tokens) that fits; 0 when even the model states do not fit."""
@@ -134,8 +145,8 @@ class CostModel:
     """Latency and memory model of every scheme that fits a cluster of ``world_size`` GPUs.
 
     ``profiled`` maps ``(tp, pp, cp)`` to measured ``(a, b, c)``; CP schemes not profiled are
-    derived. ``schemes`` lists the schemes that fit: ``tp*pp*cp <= world_size``,
-    TP inside one node, and a positive MaxLen.
+    derived, and so are Ulysses schemes (``all_to_all``, ``max_ul``; module docstring). ``schemes``
+    lists the schemes that fit: ``tp*pp*cp*ul <= world_size``, TP inside one node, and a positive MaxLen.
     """
 
     name: str
@@ -150,6 +161,11 @@ class CostModel:
     extra: dict[str, Any] = field(default_factory=dict)  # other profile keys, kept for to_profile_dict
     # DCP-intra: activation bytes per rank; a micro-batch over it recomputes layers and pays their forward
     activation_budget_bytes: float | None = None
+    # Ulysses: the all-to-all's time (None: no UL scheme) and the largest degree (None: ``max_cp``)
+    all_to_all: Optional[AllToAll] = None
+    max_ul: Optional[int] = None
+    # the schemes kept (None: all that fit): a baseline's space in the simulator (``restricted``)
+    only: Optional[frozenset[Scheme]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -160,8 +176,10 @@ class CostModel:
             raise HGraphError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency!r}")
         self._coeffs: dict[Scheme, tuple[float, float, float]] = {}
         self._max_len: dict[Scheme, int] = {}
-        for (tp, pp, cp), abc in sorted(self._all_coeffs().items()):
-            scheme = Scheme(tp, pp, cp)
+        for scheme, abc in sorted(self._all_coeffs().items()):
+            tp = scheme.tp
+            if self.only is not None and scheme not in self.only:
+                continue
             if scheme.num_ranks > self.world_size or tp > self.gpus_per_node or self.gpus_per_node % tp:
                 continue
             if tp not in self.util_len_tokens:
@@ -171,17 +189,30 @@ class CostModel:
                 continue
             self._coeffs[scheme] = abc
             self._max_len[scheme] = ml
-        self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.tp * s.pp * s.cp, s.tp, s.pp, s.cp))
+        self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.num_ranks, s.tp, s.pp, s.cp, s.ul))
 
-    def _all_coeffs(self) -> dict[tuple[int, int, int], tuple[float, float, float]]:
-        out = dict(self.profiled)
-        cp = 2
-        while cp <= self.max_cp:
+    def _all_coeffs(self) -> dict[Scheme, tuple[float, float, float]]:
+        """The profiled schemes, the derived CP ones and the Ulysses ones derived from both."""
+        out = {Scheme(tp, pp, cp): abc for (tp, pp, cp), abc in self.profiled.items()}
+        for cp in cp_degrees(self.max_cp):
             for (tp, pp, base_cp), (a, b, c) in self.profiled.items():
-                if base_cp == 1 and (tp, pp, cp) not in out:
-                    out[(tp, pp, cp)] = (a / cp, b / (cp * self.cp_efficiency), c)
-            cp *= 2
+                s = Scheme(tp, pp, cp)
+                if base_cp == 1 and s not in out and s.num_ranks <= self.world_size:
+                    out[s] = (a / cp, b / (cp * self.cp_efficiency), c)
+        m = self.model
+        out.update(ulysses_schemes(out, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                                   max_ul=self.ulysses_limit, comm=self.all_to_all, gpus_per_node=self.gpus_per_node,
+                                   world_size=self.world_size))
         return out
+
+    @property
+    def ulysses_limit(self) -> int:
+        """The largest Ulysses degree derived (``max_ul``, else ``max_cp``)."""
+        return self.max_ul if self.max_ul is not None else self.max_cp
+
+    def restricted(self, keep) -> "CostModel":
+        """This model with only the schemes for which ``keep(scheme)`` holds (a baseline's space)."""
+        return replace(self, only=frozenset(s for s in self.schemes if keep(s)))
 
     # ---- queries ---------------------------------------------------------------------------
     def _check(self, scheme: Scheme) -> Scheme:
@@ -237,7 +268,7 @@ class CostModel:
     def util_len(self, scheme: Scheme) -> int:
         """UtilLen(P): packed length (tokens) at which the scheme runs near full efficiency (App. C)."""
         self._check(scheme)
-        return self.util_len_tokens[scheme.tp] * scheme.cp
+        return self.util_len_tokens[scheme.tp] * scheme.seq
 
     def largest_max_len(self) -> int:
         return max(self._max_len.values(), default=0)
@@ -256,14 +287,31 @@ class CostModel:
             entry.update({"a": a, "b": b, "c": c})
             schemes.append(entry)
         body: dict[str, Any] = dict(self.extra)
+        m = self.model
         body.update({
-            "model": {"hidden": self.model.hidden, "layers": self.model.layers, "vocab": self.model.vocab},
+            "model": {"hidden": m.hidden, "layers": m.layers, "vocab": m.vocab,
+                      **({"heads": m.heads} if m.heads else {}), **({"kv_heads": m.kv_heads} if m.kv_heads else {})},
             "schemes": schemes,
             "util_len_tokens": {f"tp{tp}": v for tp, v in sorted(self.util_len_tokens.items())},
             "memory": self.memory.to_dict(),
             "context_parallel": {"efficiency": self.cp_efficiency, "max_cp": self.max_cp},
         })
+        if self.all_to_all is not None:
+            body["ulysses"] = {"all_to_all": self.all_to_all.to_dict(),
+                               **({"max_ul": self.max_ul} if self.max_ul is not None else {})}
         return {self.name: body}
+
+
+def cp_degrees(limit: int) -> list[int]:
+    """CP degrees ``2..limit`` the cost model derives: powers of two and three times them (3, 6, 12,
+    ...: FCP's and Hydraulis' degrees that are not powers of two, which give a long document the GPUs
+    it needs while a few pipelines still tile nodes of 8)."""
+    out: set[int] = set()
+    p = 1
+    while p <= limit:
+        out.update(d for d in (p, 3 * p) if 2 <= d <= limit)
+        p *= 2
+    return sorted(out)
 
 
 def _counted_states(entries: Any, where: str) -> tuple[tuple[tuple[int, int, int], tuple[int, int]], ...]:
@@ -287,12 +335,16 @@ def with_activation_budget(cost: CostModel, budget_bytes: float | None) -> CostM
 
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,
                           cp_efficiency: float | None = None, max_cp: int | None = None,
-                          gpu_memory_bytes: int | None = None) -> CostModel:
+                          gpu_memory_bytes: int | None = None, max_ul: int | None = None) -> CostModel:
     """Build a CostModel from one (validated) profile entry; ``gpu_memory_bytes`` replaces the
-    profile's device memory."""
+    profile's device memory. An entry whose model lists its ``heads`` but no ``ulysses`` section gets
+    the A800 all-to-all prior (``ulysses.A800_ALL_TO_ALL``: the built-in profiles' cluster)."""
     where = f"profile {name!r}"
     try:
-        model = ModelShape(int(entry["model"]["hidden"]), int(entry["model"]["layers"]), int(entry["model"]["vocab"]))
+        mod = entry["model"]
+        model = ModelShape(int(mod["hidden"]), int(mod["layers"]), int(mod["vocab"]),
+                           int(mod["heads"]) if mod.get("heads") else None,
+                           int(mod["kv_heads"]) if mod.get("kv_heads") else None)
         profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         for s in entry["schemes"]:
             key = (int(s["tp"]), int(s["pp"]), int(s.get("cp", 1)))
@@ -315,23 +367,32 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
     except (TypeError, ValueError, AttributeError) as exc:
         raise HGraphError(f"{where}: malformed value ({exc})") from None
     cp_conf = entry.get("context_parallel", {})
+    ul_conf = entry.get("ulysses", {})
+    if not isinstance(ul_conf, dict):
+        raise HGraphError(f"{where}: ulysses must be an object with all_to_all and max_ul")
+    all_to_all = AllToAll.from_dict(ul_conf["all_to_all"], where) if "all_to_all" in ul_conf else \
+        (A800_ALL_TO_ALL if model.heads else None)
+    if max_ul is None and ul_conf.get("max_ul") is not None:
+        max_ul = int(ul_conf["max_ul"])
     extra = {k: v for k, v in entry.items()
-             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel")}
+             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel", "ulysses")}
     return CostModel(
         name=name, model=model, profiled=profiled, util_len_tokens=util, memory=memory,
         world_size=world_size, gpus_per_node=gpus_per_node,
         cp_efficiency=float(cp_efficiency if cp_efficiency is not None else cp_conf.get("efficiency", DEFAULT_CP_EFFICIENCY)),
         max_cp=int(max_cp if max_cp is not None else cp_conf.get("max_cp", DEFAULT_MAX_CP)),
-        extra=extra)
+        extra=extra, all_to_all=all_to_all, max_ul=max_ul)
 
 
 def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_efficiency: float | None = None,
-                    max_cp: int | None = None, gpu_memory_bytes: int | None = None) -> CostModel:
+                    max_cp: int | None = None, gpu_memory_bytes: int | None = None,
+                    max_ul: int | None = None) -> CostModel:
     """Cost model for a built-in profile name, a profile file PATH, or ``PATH:NAME`` (``gpu_memory_bytes``:
-    another device memory than the profile's)."""
+    another device memory than the profile's; ``max_ul``: the largest Ulysses degree, default ``max_cp``)."""
     name, entry = resolve_profile(ref)
     return cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=gpus_per_node,
-                                 cp_efficiency=cp_efficiency, max_cp=max_cp, gpu_memory_bytes=gpu_memory_bytes)
+                                 cp_efficiency=cp_efficiency, max_cp=max_cp, gpu_memory_bytes=gpu_memory_bytes,
+                                 max_ul=max_ul)
 
 
 def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:

@@ -281,7 +281,7 @@ def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, co
     it (llama:tiny: 46%, TP2 running sequence parallelism; two thirds without), so the longest
     documents need TP >= 2 while most fit TP1PP1."""
     mem = cost.memory
-    widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.cp == 1), 1, 1)
+    widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.seq == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)
                + mem.activation_bytes_per_token(model_shape, widest) * context) + 1
 
@@ -307,7 +307,7 @@ def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: 
 
 def max_len_table(cost: CostModel) -> str:
     """``TP1PP1<=512, TP2PP1<=1100`` for the PP1 schemes (a log line)."""
-    return ", ".join(f"{s}<={cost.max_len(s)}" for s in cost.schemes if s.pp == 1 and s.cp == 1)
+    return ", ".join(f"{s}<={cost.max_len(s)}" for s in cost.schemes if s.pp == 1 and s.seq == 1)
 
 
 def _mib(nbytes: Optional[float]) -> str:

@@ -28,6 +28,7 @@ from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
+from hgraph.runtime.planner.cost.ulysses import ulysses_degrees
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
                                                         default_device_memory, is_runtime_model,
                                                         with_device_memory)
@@ -46,7 +47,8 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: int = 8):
     """The cost model for ``--profile``: ``analytic`` = the analytic prior for ``model``'s shape
-    (TP degrees dividing its attention and KV heads, PP degrees dividing its layers) on
+    (TP degrees dividing its attention and KV heads, PP degrees dividing its layers, Ulysses degrees
+    dividing its heads per TP rank unless it has attention dropout) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     if profile not in (ANALYTIC, MEASURE):
@@ -62,9 +64,12 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     tps = _divisors(heads, min(world_size, gpus_per_node))
     pps = _divisors(layers, world_size)
     ffn = getattr(cfg, "intermediate_size", None)
+    # Ulysses schemes where the heads allow; attention dropout under Ulysses does not run yet
+    ulysses = not float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
     return analytic_cost_model(hidden=hidden, layers=layers, vocab=vocab, world_size=world_size,
                                ffn_hidden=int(ffn) if ffn else None, gpus_per_node=gpus_per_node,
-                               tps=tps, pps=pps)
+                               tps=tps, pps=pps, heads=int(getattr(cfg, "num_heads", 0) or 0) if ulysses else None,
+                               kv_heads=getattr(cfg, "num_kv_heads", None))
 
 
 def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,
@@ -114,10 +119,11 @@ def _on_rank0(compute: Callable[[], Any], rank: int) -> Any:
 
 def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = None, gpus_per_node: int = 8,
                         tp_slots: int = 0, progress: Callable[[str], None] | None = None, *,
-                        device: Any = None, dtype: Any = None):
+                        device: Any = None, dtype: Any = None, ulysses: bool | None = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
-    ``dtype`` (CPU, fp32 by default). Needs a zoo Llama-style model."""
+    ``dtype`` (CPU, fp32 by default). Needs a zoo Llama-style model. ``ulysses``: time the all-to-all
+    of the Ulysses degrees the model's heads allow and derive its UL schemes (None: on a GPU only)."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
@@ -126,8 +132,17 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
         cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
                                        rank, world_size, groups, tp_slots=tp_slots, progress=progress,
-                                       device=device, dtype=dtype)
+                                       device=device, dtype=dtype,
+                                       ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses))
     return cost
+
+
+def measured_ulysses_degrees(prior: Any, world_size: int, device: Any, ulysses: bool | None) -> list[int]:
+    """The UL degrees ``--profile measure`` times: those the model's heads allow at TP 1 on ``world_size``
+    ranks, when ``ulysses`` (None: when ``device`` is a GPU)."""
+    if ulysses is None:
+        ulysses = torch.device(device or "cpu").type == "cuda"
+    return ulysses_degrees(prior.model.heads, 1, min(world_size, prior.ulysses_limit)) if ulysses else []
 
 
 @dataclass

@@ -23,7 +23,8 @@ from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
-from hgraph.runtime.planner.service.iteration import IterationPlanner, model_cost_model, parse_candidates
+from hgraph.runtime.planner.service.iteration import (IterationPlanner, measured_ulysses_degrees, model_cost_model,
+                                                      parse_candidates)
 from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerChannel, PlannerProcess
 
 log = run_log(__name__)
@@ -86,8 +87,9 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
     phases = int(kept is None and setup.strategies.strip() == "auto")
     if setup.profile == "measure" and kept is None:
         try:
-            phases += calibration_phases(model_cost_model("measure", model, world_size, setup.gpus_per_node),
-                                         world_size)
+            prior = model_cost_model("measure", model, world_size, setup.gpus_per_node)
+            phases += calibration_phases(prior, world_size,
+                                         measured_ulysses_degrees(prior, world_size, setup.device, None))
         except Exception:   # noqa: BLE001 - the bar's length only; create() reports the real error
             pass
     bar = progress_bar(phases, "planner setup")

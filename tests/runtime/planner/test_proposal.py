@@ -117,3 +117,40 @@ def test_proposal_plans_at_least_as_well_as_the_best_homogeneous(model, max_cp):
     best = min(per_homogeneous, key=sum)
     assert sum(proposed) <= sum(best)
     assert all(p <= h * (1 + 1e-9) for p, h in zip(proposed, best))
+
+
+def _entry(heads, cp_efficiency=0.9, all_to_all_bytes_per_s=150e9):
+    """A 4-layer model of 768 features on 1 GiB GPUs: TP1PP1 holds ~8.4K tokens, so a 20K document
+    needs a sequence group of 3 or more."""
+    return {"model": {"hidden": 768, "layers": 4, "vocab": 1000, **({"heads": heads} if heads else {})},
+            "schemes": [{"tp": 1, "pp": 1, "a": 2e-7, "b": 0.01, "c": 1.0}],
+            "util_len_tokens": {"tp1": 256}, "context_parallel": {"efficiency": cp_efficiency, "max_cp": 8},
+            "ulysses": {"all_to_all": {"latency_ms": 0.0, "intra_node_bytes_per_s": all_to_all_bytes_per_s,
+                                       "inter_node_bytes_per_s": all_to_all_bytes_per_s}},
+            "memory": {"activation_bytes_per_token_per_layer_coeff_A": {"tp1": 34}, "model_state_coeff_B": 200,
+                       "alpha_sharded_fraction": 0.75, "framework_gap_bytes": 0, "safety_margin_bytes": 0,
+                       "gpu_memory_bytes": 2 ** 30}}
+
+
+def _schemes(proposal):
+    return {p for s in proposal.strategies for p in s.pipelines}
+
+
+def test_the_proposal_takes_ulysses_and_cp3_where_the_heads_and_gpus_allow():
+    from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
+    from hgraph.strategy import Scheme
+    lengths = np.concatenate([np.full(40, 20000), _lengths(4000, seed=3) % 6000 + 1])
+    # 12 heads on 6 GPUs, ring CP at half efficiency and a fast all-to-all: Ulysses carries the long documents
+    ul = cost_model_from_entry("ul", _entry(12, cp_efficiency=0.5), world_size=6)
+    picked = _schemes(propose(lengths, ul, 6, 20000, tokens_per_iter=120000))
+    assert any(s.ul in (3, 6) for s in picked), picked
+    # 8 heads on 3 GPUs: no UL3; the long documents take exactly 3 GPUs with CP3
+    cp3 = cost_model_from_entry("cp3", _entry(8), world_size=3)
+    assert Scheme(1, 1, 3) in cp3.schemes and not any(s.ul == 3 for s in cp3.schemes)
+    prop = propose(lengths, cp3, 3, 20000, tokens_per_iter=60000)
+    assert Scheme(1, 1, 3) in _schemes(prop) and all(s.ul in (1, 2) for s in _schemes(prop))
+    # 7 heads (or none known) on 6 GPUs: no degree divides them, no Ulysses anywhere
+    for heads in (7, None):
+        cost = cost_model_from_entry("none", _entry(heads, cp_efficiency=0.5), world_size=6)
+        assert all(s.ul == 1 for s in cost.schemes)
+        assert all(s.ul == 1 for s in _schemes(propose(lengths, cost, 6, 20000, tokens_per_iter=120000)))

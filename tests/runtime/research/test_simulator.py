@@ -21,7 +21,8 @@ def sim():
 
 
 def test_every_system_runs_the_same_tokens(sim):
-    assert set(sim.results) == set(SYSTEMS)
+    # without derived CP (max_cp 1, the papers' setting) there is no UL either: those two baselines say why
+    assert set(sim.results) == set(SYSTEMS) - {"megatron-cp", "flexsp"} and set(sim.skipped) == {"megatron-cp", "flexsp"}
     batches = sample_minibatches(_data(), 60000, 3, 16384, seed=1)
     want = [int(b.sum()) for b in batches]
     for name, r in sim.results.items():

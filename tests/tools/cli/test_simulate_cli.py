@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 
 
@@ -61,3 +62,27 @@ def test_benchmarks_run_in_tiny_configurations(capsys):
     assert bench_wlb.main(["--batches", "3", "--solver-batches", "1", "--solver-time-limit", "0.1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rows["wlb q=2 cap=memory"]["imbalance"] >= 1.0
+
+
+def test_the_ulysses_only_and_cp_only_baselines(lengths_file, capsys):
+    """FlexSP-style (heterogeneous Ulysses groups per step, no CP) and Megatron-style CP-only baselines
+    are printed with hgraph's speedup over each; without derived CP and UL (--max-cp 1) both are named
+    as skipped."""
+    base = ["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "4",
+            "--max-len", "16384", "--tokens-per-iter", "40000", "--iters", "1", "--systems", "hgraph,flexsp,megatron-cp"]
+    assert main(base + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["systems"]) == {"hgraph", "flexsp", "megatron-cp"} and not out["skipped"]
+    flexsp = [p for c in out["systems"]["flexsp"]["notes"]["candidates"] for p in Strategy.parse(c).pipelines]
+    assert any(p.ul > 1 for p in flexsp) and all(p.pp == 1 and p.cp == 1 for p in flexsp)
+    assert "CP" in out["systems"]["megatron-cp"]["config"] and "UL" not in out["systems"]["megatron-cp"]["config"]
+    h = out["systems"]["hgraph"]["throughput_tokens_per_s"]
+    for name in ("flexsp", "megatron-cp"):
+        assert out["speedups"][name] == pytest.approx(h / out["systems"][name]["throughput_tokens_per_s"])
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    assert "  flexsp " in text and "  megatron-cp " in text
+    assert f"speedup of hgraph over: flexsp {out['speedups']['flexsp']:.2f}x, megatron-cp" in text
+    assert main(base[:-1] + ["flexsp,megatron-cp", "--max-cp", "1"]) == 0     # nothing left to run
+    text = capsys.readouterr().out
+    assert "flexsp       skipped: the cost model has no Ulysses scheme" in text and "megatron-cp  skipped" in text

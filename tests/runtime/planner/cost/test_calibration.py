@@ -10,6 +10,7 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, StepCorrection, interleaved_layer_timings,
                                                     scaled_plan)
 from hgraph.runtime.planner.cost.cost_model import fit_coefficients
+from hgraph.runtime.planner.cost.ulysses import ulysses_coeffs
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
 from hgraph.runtime.train.launch import spawn
@@ -36,7 +37,7 @@ def _calibrate(rank, world_size):
     expected = torch.rand(3)
     torch.manual_seed(1)
     cost = measured_cost_model(model, rank, world_size, GroupCache(rank, world_size), 8,
-                               slots["tp_enter"] + slots["tp_exit"])
+                               slots["tp_enter"] + slots["tp_exit"], ulysses=True)
     assert torch.equal(torch.rand(3), expected), "calibration must not move the run's RNG stream"
     return cost
 
@@ -50,8 +51,18 @@ def test_two_ranks_build_the_same_measured_model_with_tp_and_pp_comm(measured):
     a, b = measured
     assert a.profiled == b.profiled and a.name == "measured"
     raw = a.extra["calibration"]
-    # TP up to the KV heads' gcd and PP dividing the layers, on 2 ranks; CP is not timed, so not offered
-    assert set(a.schemes) == {Scheme(1, 1), Scheme(1, 2), Scheme(2, 1)}
+    # TP up to the KV heads' gcd and PP dividing the layers, on 2 ranks; CP is not timed, so not offered;
+    # Ulysses (asked for here, on CPU) from the all-to-all timed on the two ranks
+    assert set(a.schemes) == {Scheme(1, 1), Scheme(1, 2), Scheme(2, 1), Scheme(1, 1, ul=2)}
+    assert a.all_to_all == b.all_to_all and len(raw["ul_comm_ms"][2]) == 2 and all(t > 0 for t in raw["ul_comm_ms"][2])
+    u0, u1 = raw["ul_comm_ms"][2]
+    ub = max((u1 - u0) / (COMM_LENGTHS[1] - COMM_LENGTHS[0]), 0.0)
+    assert a.all_to_all.latency_ms == pytest.approx(max((u0 - ub * COMM_LENGTHS[0] + u1 - ub * COMM_LENGTHS[1]) / 2, 0.0))
+    if ub > 0:     # a row of 64 fp32 values sends half its bytes
+        assert a.all_to_all.intra_node_bytes_per_s == pytest.approx(64 * 4 / 2 / (ub / 1e3))
+    assert a.coeffs(Scheme(1, 1, ul=2)) == pytest.approx(ulysses_coeffs(
+        a.coeffs(Scheme(1, 1)), Scheme(1, 1, ul=2), hidden=64, heads=4, kv_heads=2, stage_layers=4,
+        comm=a.all_to_all, gpus_per_node=8))
     assert set(raw["tp_comm_ms"]) == {2} and len(raw["pp_comm_ms"]) == 2
     assert all(t > 0 for t in raw["tp_comm_ms"][2] + raw["pp_comm_ms"])
     # each scheme is assembled from the fitted layer, rest and communication lines (exactly)

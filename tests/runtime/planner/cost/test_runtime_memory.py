@@ -77,7 +77,7 @@ def test_auto_limit_needs_tp2_for_the_context_only(tiny, prior):
     # TP1PP1 holds 46% of the context (TP2 runs sequence parallelism: it needs less, so the limit is lower;
     # two thirds without SP)
     assert cost.max_len(TP2) >= context > cost.max_len(TP1) >= 0.4 * context
-    assert not any(s.tp == 1 and s.cp == 1 and cost.max_len(s) >= context for s in cost.schemes)
+    assert not any(s.tp == 1 and s.seq == 1 and cost.max_len(s) >= context for s in cost.schemes)
     assert 4 * MiB < limit < 64 * MiB
 
 
