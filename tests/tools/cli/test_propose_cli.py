@@ -55,16 +55,20 @@ def test_errors(lengths_file, tmp_path, capsys):
 
 def test_cp_degrees_grow_to_hold_the_context():
     """No --max-cp: CP schemes are derived up to the degree whose MaxLen holds --max-len (2048K
-    tokens of llama-32b need CP 128), and no further than the cluster allows."""
+    tokens of llama-32b need CP 128 without Ulysses, CP 16 with UL 13 inside each CP shard), and no
+    further than the cluster allows."""
     from argparse import Namespace
 
     from hgraph.tools.cli.length_options import workload_cost_model
 
-    def cost(world, max_len):
+    def cost(world, max_len, **options):
         return workload_cost_model(Namespace(profile="llama-32b", world_size=world, gpus_per_node=8,
-                                             device_memory=None, max_len=max_len))
+                                             device_memory=None, max_len=max_len), **options)
 
-    long = cost(12288, 2_097_152)
+    long = cost(12288, 2_097_152, max_ul=1)
     assert long.max_cp == 128 and long.largest_max_len() >= 2_097_152
+    two_d = cost(12288, 2_097_152)
+    assert two_d.max_cp == 16 and two_d.largest_max_len() >= 2_097_152
+    assert max(s.seq for s in two_d.schemes if s.cp == 16) == 16 * 13     # 52 heads / TP4
     assert cost(12288, 32768).max_cp == 8                  # the profile's default when it holds the context
     assert cost(64, 2_097_152).max_cp == 64                # as far as 64 GPUs go
