@@ -18,8 +18,8 @@ itself. Copies keep values and strides, so an offloaded run is bitwise the run w
 
 What stays on the device (passed to the activation meter like any saved tensor): the working
 parameters and views of them (the meter's excluded storages: they live anyway), tensors smaller than
-``min_bytes`` (1 KiB by default: a norm's per-token statistics, scalars, whose copies would cost
-more in launches than they free), expanded tensors (a stride 0 over a longer dimension: a copy
+``min_bytes`` of storage (1 KiB by default: a norm's per-token statistics, scalars, whose copies
+would cost more in launches than they free; a small view of a larger storage goes with its storage), expanded tensors (a stride 0 over a longer dimension: a copy
 would materialise them), tensors of other devices (the fake tensors of memory counting), and any
 tensor whose copy would pass the rank's host budget.
 """
@@ -130,7 +130,7 @@ class HostOffload:
     def offloads(self, t: torch.Tensor) -> bool:
         """Whether ``t`` leaves the device (the rule of the module's docstring)."""
         nbytes = t.untyped_storage().nbytes()
-        if t.device.type not in ("cpu", "cuda") or t.numel() * t.element_size() < self.min_bytes:
+        if t.device.type not in ("cpu", "cuda") or nbytes < self.min_bytes:
             return False
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
             return False
