@@ -66,7 +66,8 @@ def layer_roles(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: fl
         if offload != "on":
             return LayerRoles(0, 0, model.peak(f, stage_layers, 0, held), 0.0, 0.0, True), stage_layers
         per_layer = model.host(f, 1)
-        o = stage_layers if per_layer <= 0 else min(stage_layers, int(host_budget // per_layer))
+        fit = stage_layers if per_layer <= 0 or math.isinf(host_budget) else int(host_budget // per_layer)
+        o = min(stage_layers, fit)
         return LayerRoles(0, o, model.peak(f, stage_layers, 0, held, o), model.host(f, o), o * offload_ms,
                           True), stage_layers
     if offload == "on":               # the engine's order (offload first), priced at the profile's prices
