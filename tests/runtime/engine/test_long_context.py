@@ -45,7 +45,6 @@ RUNS = [(s, dict(o, memory_budget=b, track_memory=True)) for s, o in CP_CASES fo
 OFFLOAD_RUNS = [
     ("1xTP1PP2CP2", {"cp_sharding": "adaptive", "memory_budget": BUDGET, "offload": "on"}, 5),
     ("1xTP2PP2;2xTP1PP2", {"offload": "on"}, None),                    # every block, TP and PP, switching
-    ("1xTP1PP1CP2+2xTP1PP1", {"cp_sharding": "per-document", "memory_budget": BUDGET, "offload": "auto"}, 1),
 ]
 # DCP-inter: homogeneous DP whose SP size follows each mini-batch (6 tokens per rank and micro-batch:
 # a mini-batch whose longest document has 13 tokens runs on CP4, one of 7..12 tokens on CP2)

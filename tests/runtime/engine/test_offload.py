@@ -3,8 +3,9 @@ saved bytes fall by what the activation model says, and the host budget is never
 
 Three runs of the equivalence harness's mini-batches on ``1xTP1PP1`` (one micro-batch a step), in
 one process: blocks outlined without offload (a budget no micro-batch reaches: the first step
-recomputes every block, nothing being measured yet, the others none), every block offloaded, and
-every block offloaded under a host budget smaller than one micro-batch's stash.
+recomputes every block, nothing being measured yet, the others none), every block offloaded, every
+block offloaded under a host budget smaller than one micro-batch's stash, and ``--offload auto`` and
+``on`` under one memory budget.
 """
 import os
 import tempfile
@@ -23,8 +24,11 @@ from hgraph.runtime.train.trainer import Trainer
 EQ = load_equivalence_harness()
 LAYERS = 4                       # tiny's
 HOST_BUDGET = 100_000            # bytes: less than one micro-batch's stash (~550 KB)
+BUDGET = 180_000                 # device bytes: some of a micro-batch's 4 layers (~145 KB each) must leave
 RUNS = {"plain": {"memory_budget": 1e12}, "offload": {"offload": "on"},
-        "host_bound": {"offload": "on", "host_memory_budget": HOST_BUDGET}}
+        "host_bound": {"offload": "on", "host_memory_budget": HOST_BUDGET},
+        # one budget, two policies: layers priced (auto) or offloaded first (on)
+        "auto": {"offload": "auto", "memory_budget": BUDGET}, "on_budget": {"offload": "on", "memory_budget": BUDGET}}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +51,7 @@ def runs():
 
 def test_an_offloaded_run_is_bitwise_the_run_without(runs):
     plain = runs["plain"]
-    for name in ("offload", "host_bound"):
+    for name in ("offload", "host_bound", "auto", "on_budget"):
         run = runs[name]
         assert [s.loss for s in run["steps"]] == [s.loss for s in plain["steps"]], name
         for key, value in plain["final"].items():
@@ -73,6 +77,18 @@ def test_device_side_saved_bytes_fall_by_what_the_model_says(runs):
         # the host holds exactly what left the device (each storage once)
         assert off["steps"][k].host_peak_bytes == measured
         assert model.host(f, LAYERS) == pytest.approx(measured, abs=1.0)
+
+
+def test_auto_takes_the_cheaper_way_where_on_offloads_first(runs):
+    """tiny's copies take longer than its compute hides (its analytic prior at 25 GB/s): under the
+    same budget ``auto`` recomputes, ``on`` offloads before it recomputes; both fit the budget (in
+    the model's prediction) once the model is fitted."""
+    auto, on = runs["auto"]["steps"], runs["on_budget"]["steps"]
+    assert all(s.offload_layers == [0] for s in auto) and any(s.recompute_layers[0] > 0 for s in auto[1:])
+    assert any(s.offload_layers[0] > 0 for s in on[1:])
+    for s in auto[1:] + on[1:]:
+        assert s.predicted_mem_bytes <= BUDGET
+        assert s.recompute_layers[0] + s.offload_layers[0] <= LAYERS
 
 
 def test_the_host_budget_is_never_passed(runs):
