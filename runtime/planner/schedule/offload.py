@@ -14,6 +14,7 @@ conservative), and each gets ``1/PP`` of the rank's host budget, so together the
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -25,6 +26,15 @@ from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S
 from hgraph.runtime.planner.schedule.recompute import FORWARD_FRACTION
 
 HOST_LINK_KEY = "host_link"       # the profile's entry: {"bytes_per_s": float, "source": str}
+
+
+A800_HOST_LINK = {"bytes_per_s": DEFAULT_HOST_LINK_BYTES_PER_S,
+                  "source": "A800 prior: PCIe Gen4 x16, ~25 GB/s each way (not measured)"}
+
+
+def with_host_link(cost: Any, entry: dict) -> Any:
+    """``cost`` with the host link ``entry`` (``{"bytes_per_s", "source", ...}``) in its profile."""
+    return dataclasses.replace(cost, extra={**cost.extra, HOST_LINK_KEY: dict(entry)})
 
 
 def host_link_bytes_per_s(cost: Any) -> float:
