@@ -131,23 +131,36 @@ def choose_layer_roles(model: ActivationModel, f: Sequence[float], layers: int, 
     if recompute_ms < 0 or (offload_ms is not None and offload_ms < 0):
         raise HGraphError(f"layer prices must be non-negative, got {recompute_ms} and {offload_ms} ms")
     best: Optional[tuple] = None
-    least: Optional[tuple] = None
+    avail = budget - held_before
+    per = model.layer(f) - model.kept_per_token * f[0]        # what offloading one more layer frees
     for r in range(layers + 1):
-        for o in range(layers - r + 1 if offload_ms is not None else 1):
+        if best is not None and r * recompute_ms > best[0][0]:
+            break                                      # more recomputed layers only cost more
+        # for a given r the fewest offloaded layers that fit are the cheapest (prices are non-negative):
+        # the held term falls by ``per`` a layer, so they are near ``o0``; the backward term does not
+        # fall with ``o``, so if ``o0`` does not fit no larger count does (the neighbours for rounding)
+        top = layers - r if offload_ms is not None else 0
+        need = model.held(f, layers, r) - avail
+        o0 = 0 if need <= 0 else (math.ceil(need / per) if per > 0 else top + 1)
+        for o in range(max(o0 - 1, 0), min(o0 + 1, top) + 1):
             host = model.host(f, o)
             if o > 0 and host_held + host > host_budget:
                 break                                  # more offloaded layers only hold more
             peak = model.peak(f, layers, r, held_before, o)
-            ms = r * recompute_ms + o * (offload_ms or 0.0)
-            roles = LayerRoles(r, o, peak, host, ms, peak <= budget)
-            if roles.fits:
+            if peak <= budget:
+                ms = r * recompute_ms + o * (offload_ms or 0.0)
                 key = (ms, r + o, r)
                 if best is None or key < best[0]:
-                    best = (key, roles)
-            if least is None or (peak, ms) < least[0]:
-                least = ((peak, ms), roles)
-    assert least is not None
-    return best[1] if best is not None else least[1]
+                    best = (key, LayerRoles(r, o, peak, host, ms, True))
+                break
+    if best is not None:
+        return best[1]
+    # nothing fits: the least device memory within the host budget
+    least = min(((model.peak(f, layers, r, held_before, o), r * recompute_ms + o * (offload_ms or 0.0), r, o)
+                 for r in range(layers + 1) for o in range(layers - r + 1 if offload_ms is not None else 1)
+                 if o == 0 or host_held + model.host(f, o) <= host_budget))
+    peak, ms, r, o = least
+    return LayerRoles(r, o, peak, model.host(f, o), ms, False)
 
 
 def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@ offloaded to host memory, within the device and the host budgets; the copies cos
 layer's compute does not hide."""
 import dataclasses
 import math
+import random
 
 import pytest
 
@@ -89,3 +90,25 @@ def test_the_planner_offloads_when_recomputation_is_dearer_and_not_past_the_host
 def test_bad_offload_mode_is_one_clear_line():
     with pytest.raises(HGraphError, match=r"offload 'sometimes': expected one of off, on, auto"):
         with_offload(load_cost_model("llama-7b", 8), "sometimes", None)
+
+
+def test_the_search_finds_what_trying_every_pair_finds():
+    """``choose_layer_roles`` looks at a few offload counts per recomputed count; trying every
+    ``(r, o)`` gives the same choice (cheapest, then fewest moved, then fewest recomputed)."""
+    rng = random.Random(1)
+    for _ in range(400):
+        model = ActivationModel(rng.uniform(100, 6000), 0.0, rng.uniform(0, 500), rng.uniform(0, 3000),
+                                rng.uniform(0, 200))
+        layers, f, held = rng.randint(0, 10), (rng.randint(1, 100), 0), rng.choice([0.0, rng.uniform(0, 1e6)])
+        budget, rc = rng.uniform(1e3, 3e6), rng.uniform(0, 3)
+        oc = rng.choice([None, 0.0, rng.uniform(0, 3)])
+        host_budget, host_held = rng.choice([math.inf, rng.uniform(0, 1e6)]), rng.uniform(0, 1e5)
+        fitting = [((r * rc + o * (oc or 0.0), r + o, r), (r, o))
+                   for r in range(layers + 1) for o in range(layers - r + 1 if oc is not None else 1)
+                   if (o == 0 or host_held + model.host(f, o) <= host_budget)
+                   and model.peak(f, layers, r, held, o) <= budget]
+        got = choose_layer_roles(model, f, layers, budget, held, recompute_ms=rc, offload_ms=oc,
+                                 host_budget=host_budget, host_held=host_held)
+        assert got.fits == bool(fitting)
+        if fitting:
+            assert (got.recompute, got.offload) == min(fitting)[1]
