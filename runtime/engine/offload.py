@@ -184,28 +184,27 @@ class MicroBatchOffload:
 
     def __init__(self, owner: HostOffload, layers: frozenset) -> None:
         self.owner, self.layers = owner, frozenset(layers)
-        self._copies: dict[int, list] = {}
+        self._copies: dict[int, dict] = {}
         self._fetched: set[int] = set()
         self._seen: dict[int, tuple] = {}      # storage key -> (its weak reference, the copy, version)
 
     def hooks(self, layer: int) -> ContextManager[None]:
         """The context one offloaded block's forward runs in."""
         owner, meter, seen = self.owner, self.owner.meter, self._seen
-        copies = self._copies.setdefault(layer, [])
+        copies = self._copies.setdefault(layer, {})     # id -> weak reference, in the order made
 
         def pack(t: torch.Tensor) -> Union[_SavedView, _Kept]:
-            if not owner.offloads(t):
-                return _Kept(meter._pack(t) if meter is not None else t)
             storage = t.untyped_storage()
             entry = seen.get(storage._cdata)
             # a storage saved again (another op, another view, another block: the rotary tables) is
             # copied once, unless it was freed since (its address reused) or written in place
             rec = entry[1]() if entry is not None and not entry[0].expired() and entry[2] == t._version else None
             if rec is None:
+                if not owner.offloads(t):
+                    return _Kept(meter._pack(t) if meter is not None else t)
                 rec = owner.to_host(t)
                 seen[storage._cdata] = (StorageWeakRef(storage), weakref.ref(rec), t._version)
-            if not any(r() is rec for r in copies[-8:]):
-                copies.append(weakref.ref(rec))
+            copies.setdefault(id(rec), weakref.ref(rec))
             return _SavedView(rec, t)
 
         def unpack(p: Union[_SavedView, _Kept]) -> torch.Tensor:
@@ -233,7 +232,7 @@ class MicroBatchOffload:
         if layer in self._fetched:
             return
         self._fetched.add(layer)
-        for ref in self._copies.get(layer, ()):
+        for ref in self._copies.get(layer, {}).values():
             rec = ref()
             if rec is not None:
                 self.owner.bring_back(rec)
