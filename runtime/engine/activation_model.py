@@ -9,25 +9,28 @@ them recomputed and ``o`` offloaded, is (bytes)::
     peak(f, r, o) = max(held(f, r, o), r * checkpoint(f) + back(r, o) * layer(f))
 
 from its forward to its backward. The second term is backward over the moved layers: the recomputed
-layers are the stage's first ``r`` and the offloaded ones the next ``o`` (``layer_roles``), so when
+layers are the stage's first ``r`` and the offloaded ones the next ``o`` (``engine.memory``), so when
 backward reaches them the head (``other``) and the stashing layers above were already freed; next to
 the ``r`` checkpoints sit one replayed layer's stash, or, for offloaded layers, the stash brought
 back and the one prefetched below it (``back = min(o, 2)``, else ``[r > 0]``). ``kept(f)`` is what an
 offloaded block still saves on the device (tensors under the offload threshold:
 ``engine.offload``); the rest, ``layer(f) - kept(f)``, lives in host memory until the backward
 (``host(f, o) = o * (layer(f) - kept(f))``).
-with ``f = (tokens, entries)`` the micro-batch's features on this rank (its tokens, and the (query,
-key) entries its attention materialises: ``sum_d q_d * k_d`` over its documents) and each term linear
-in them: ``layer(f) = layer_per_token * tokens + layer_per_entry * entries``, ``checkpoint(f) =
-checkpoint_per_token * tokens``, ``other(f) = other_per_token * tokens`` (embedding, final norm,
-head, loss). Under 1F1B the micro-batches forwarded but not yet backwarded (``held``) are added.
+
+Here ``f = (tokens, entries)`` are the micro-batch's features on this rank (its tokens, and the
+(query, key) entries its attention materialises: ``sum_d q_d * k_d`` over its documents) and each
+term is linear in them: ``layer(f) = layer_per_token * tokens + layer_per_entry * entries``,
+``checkpoint(f) = checkpoint_per_token * tokens``, ``other(f) = other_per_token * tokens``
+(embedding, final norm, head, loss), ``kept(f) = kept_per_token * tokens``. Under 1F1B the
+micro-batches forwarded but not yet backwarded (``held``) are added.
 
 ``choose_recompute_layers`` returns the fewest ``r`` whose peak fits the budget (all ``L`` when none
 does, flagged). ``choose_layer_roles`` chooses ``(r, o)`` together: the cheapest in time whose peak
 fits the budget and whose host bytes fit the host budget, a layer's price being its recomputation
-(its forward) or the part of its two copies its compute does not hide (``offload_exposed_ms``). ``fit_activation_model`` fits the coefficients by least squares to what the
-engine's ``ActivationMeter`` (``hgraph.runtime.engine.memory``) measured. The planner prices the
-same choice in time (``hgraph.runtime.planner.schedule.recompute``).
+(its forward) or the part of its two copies its compute does not hide (``offload_exposed_ms``).
+``fit_activation_model`` fits the coefficients by least squares to what the engine's
+``ActivationMeter`` (``hgraph.runtime.engine.memory``) measured. The planner prices the same choice
+in time (``hgraph.runtime.planner.schedule.recompute`` and ``schedule.offload``).
 """
 from __future__ import annotations
 

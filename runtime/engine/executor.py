@@ -66,7 +66,8 @@ from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backen
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import ActivationMeter, LayerChoice, OffloadPolicy, StageMemory, stage_memory
-from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload, default_host_budget
+from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
+                                           default_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout

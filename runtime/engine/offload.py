@@ -19,9 +19,10 @@ itself. Copies keep values and strides, so an offloaded run is bitwise the run w
 What stays on the device (passed to the activation meter like any saved tensor): the working
 parameters and views of them (the meter's excluded storages: they live anyway), tensors smaller than
 ``min_bytes`` of storage (1 KiB by default: a norm's per-token statistics, scalars, whose copies
-would cost more in launches than they free; a small view of a larger storage goes with its storage), expanded tensors (a stride 0 over a longer dimension: a copy
-would materialise them), tensors of other devices (the fake tensors of memory counting), and any
-tensor whose copy would pass the rank's host budget.
+would cost more in launches than they free; a small view of a larger storage goes with its
+storage), expanded tensors (a stride 0 over a longer dimension: a copy would materialise them),
+tensors of other devices (the fake tensors of memory counting), and any tensor whose copy would
+pass the rank's host budget.
 """
 from __future__ import annotations
 
