@@ -96,3 +96,4 @@ def test_the_host_budget_is_never_passed(runs):
     for b, f in zip(bound, free):
         assert 0 < b.host_peak_bytes <= HOST_BUDGET < f.host_peak_bytes
         assert b.peak_mem_bytes > f.peak_mem_bytes        # what did not fit stayed on the device
+
