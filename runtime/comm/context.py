@@ -7,7 +7,7 @@ ranks and runs the collective of ``hgraph.runtime.comm.collectives``.
 
 A context is immutable. The executor builds one per Program and rank with its fixed state
 (``bindings``, ``param_sync``, the activation meter, the loss settings); what changes per
-micro-batch (its CP layout, its dropout keys, which blocks recompute, whether it is an evaluation)
+micro-batch (its CP layout, its dropout keys, which blocks recompute or offload, whether it is an evaluation)
 enters through ``for_microbatch``, a view with those values that shares the rank's fixed state and
 its work in flight. A graph runs with its micro-batch's view as its ``comm`` input, so whatever
 keeps it (the autograd of a collective, a recomputed block's replay) sees that micro-batch's values
@@ -65,6 +65,7 @@ class CommContext:
     documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1
     token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
+    offload: Any = None                           # its offloaded blocks (``engine.offload``), or None
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     in_flight: InFlight = field(default_factory=InFlight, repr=False)
 
@@ -84,11 +85,11 @@ class CommContext:
 
     def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
                        recompute_layers: Optional[frozenset] = None, evaluating: bool = False,
-                       documents: Optional[DocumentBounds] = None) -> "CommContext":
+                       documents: Optional[DocumentBounds] = None, offload: Any = None) -> "CommContext":
         """The context one micro-batch's graph runs with: this context's fixed state and work in
         flight, with the micro-batch's own values."""
         return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
-                       evaluating=evaluating, documents=documents)
+                       evaluating=evaluating, documents=documents, offload=offload)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:

@@ -1,28 +1,40 @@
-"""The activation memory of a micro-batch on one stage, and how many of its layers to recompute
-(dynamic recomputation, DCP-intra §3.4), as pure functions of a memory model.
+"""The activation memory of a micro-batch on one stage, and which of its layers leave the device
+(recomputed: dynamic recomputation, DCP-intra §3.4; or offloaded to host memory), as pure functions
+of a memory model.
 
-The activation memory of one micro-batch on one pipeline stage of ``L`` blocks, ``r`` of them
-recomputed, is (bytes)::
+The device-side activation memory of one micro-batch on one pipeline stage of ``L`` blocks, ``r`` of
+them recomputed and ``o`` offloaded, is (bytes)::
 
-    held(f, r) = other(f) + (L - r) * layer(f) + r * checkpoint(f)   from its forward to its backward
-    peak(f, r) = max(held(f, r), r * checkpoint(f) + [r > 0] * layer(f))
+    held(f, r, o) = other(f) + (L - r - o) * layer(f) + r * checkpoint(f) + o * kept(f)
+    peak(f, r, o) = max(held(f, r, o), r * checkpoint(f) + back(r, o) * layer(f))
 
-The second term is the replay: the recomputed layers are the stage's first ``r``, so when backward
-reaches them the head (``other``) and the stashing layers above were already freed, and one replayed
-layer's stash sits next to the ``r`` checkpoints.
-with ``f = (tokens, entries)`` the micro-batch's features on this rank (its tokens, and the (query,
-key) entries its attention materialises: ``sum_d q_d * k_d`` over its documents) and each term linear
-in them: ``layer(f) = layer_per_token * tokens + layer_per_entry * entries``, ``checkpoint(f) =
-checkpoint_per_token * tokens``, ``other(f) = other_per_token * tokens`` (embedding, final norm,
-head, loss). Under 1F1B the micro-batches forwarded but not yet backwarded (``held``) are added.
+from its forward to its backward. The second term is backward over the moved layers: the recomputed
+layers are the stage's first ``r`` and the offloaded ones the next ``o`` (``engine.memory``), so when
+backward reaches them the head (``other``) and the stashing layers above were already freed; next to
+the ``r`` checkpoints sit one replayed layer's stash, or, for offloaded layers, the stash brought
+back and the one prefetched below it (``back = min(o, 2)``, else ``[r > 0]``). ``kept(f)`` is what an
+offloaded block still saves on the device (tensors under the offload threshold:
+``engine.offload``); the rest, ``layer(f) - kept(f)``, lives in host memory until the backward
+(``host(f, o) = o * (layer(f) - kept(f))``).
+
+Here ``f = (tokens, entries)`` are the micro-batch's features on this rank (its tokens, and the
+(query, key) entries its attention materialises: ``sum_d q_d * k_d`` over its documents) and each
+term is linear in them: ``layer(f) = layer_per_token * tokens + layer_per_entry * entries``,
+``checkpoint(f) = checkpoint_per_token * tokens``, ``other(f) = other_per_token * tokens``
+(embedding, final norm, head, loss), ``kept(f) = kept_per_token * tokens``. Under 1F1B the
+micro-batches forwarded but not yet backwarded (``held``) are added.
 
 ``choose_recompute_layers`` returns the fewest ``r`` whose peak fits the budget (all ``L`` when none
-does, flagged). ``fit_activation_model`` fits the coefficients by least squares to what the
-engine's ``ActivationMeter`` (``hgraph.runtime.engine.memory``) measured. The planner prices the
-same choice in time (``hgraph.runtime.planner.schedule.recompute``).
+does, flagged). ``choose_layer_roles`` chooses ``(r, o)`` together: the cheapest in time whose peak
+fits the budget and whose host bytes fit the host budget, a layer's price being its recomputation
+(its forward) or the part of its two copies its compute does not hide (``offload_exposed_ms``).
+``fit_activation_model`` fits the coefficients by least squares to what the engine's
+``ActivationMeter`` (``hgraph.runtime.engine.memory``) measured. The planner prices the same choice
+in time (``hgraph.runtime.planner.schedule.recompute`` and ``schedule.offload``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -39,19 +51,26 @@ class ActivationModel:
     layer_per_entry: float = 0.0
     checkpoint_per_token: float = 0.0
     other_per_token: float = 0.0
+    kept_per_token: float = 0.0        # what an offloaded layer still saves on the device
 
     def layer(self, f: Sequence[float]) -> float:
         return self.layer_per_token * f[0] + self.layer_per_entry * f[1]
 
-    def held(self, f: Sequence[float], layers: int, r: int) -> float:
-        """Bytes a micro-batch holds between its forward and backward with ``r`` layers recomputed."""
-        return (self.other_per_token * f[0] + (layers - r) * self.layer(f)
-                + r * self.checkpoint_per_token * f[0])
+    def held(self, f: Sequence[float], layers: int, r: int, o: int = 0) -> float:
+        """Device bytes a micro-batch holds between its forward and backward with ``r`` layers
+        recomputed and ``o`` offloaded."""
+        return (self.other_per_token * f[0] + (layers - r - o) * self.layer(f)
+                + r * self.checkpoint_per_token * f[0] + o * self.kept_per_token * f[0])
 
-    def peak(self, f: Sequence[float], layers: int, r: int, held_before: float = 0.0) -> float:
+    def host(self, f: Sequence[float], o: int) -> float:
+        """Host bytes the ``o`` offloaded layers of a micro-batch hold until its backward."""
+        return o * max(self.layer(f) - self.kept_per_token * f[0], 0.0)
+
+    def peak(self, f: Sequence[float], layers: int, r: int, held_before: float = 0.0, o: int = 0) -> float:
         """Peak with ``held_before`` bytes of earlier micro-batches still held."""
-        replay = r * self.checkpoint_per_token * f[0] + (self.layer(f) if r > 0 else 0.0)
-        return held_before + max(self.held(f, layers, r), replay)
+        back = min(o, 2) if o > 0 else (1 if r > 0 else 0)
+        replay = r * self.checkpoint_per_token * f[0] + back * self.layer(f)
+        return held_before + max(self.held(f, layers, r, o), replay)
 
 
 @dataclass(frozen=True)
@@ -75,6 +94,78 @@ def choose_recompute_layers(model: ActivationModel, f: Sequence[float], layers: 
     return RecomputeChoice(layers, model.peak(f, layers, layers, held_before), False)
 
 
+@dataclass(frozen=True)
+class LayerRoles:
+    """Which of a stage's layers leave the device for one micro-batch, and what that costs."""
+
+    recompute: int           # the stage's first ``recompute`` layers are recomputed
+    offload: int             # the next ``offload`` layers keep their stash in host memory
+    predicted_peak: float    # device bytes
+    host_bytes: float        # host bytes the offloaded layers hold
+    extra_ms: float          # time the choice adds (recomputation, exposed copies)
+    fits: bool
+
+
+def offload_exposed_ms(nbytes: float, bytes_per_s: float, layer_ms: float) -> float:
+    """The time one layer's offload adds: its stash goes to host memory during the forward and comes
+    back during the backward, each copy hidden by the compute it overlaps (the layer's forward, a
+    third of its forward+backward time ``layer_ms``, and its backward, two thirds); what exceeds it
+    is exposed."""
+    if nbytes <= 0:
+        return 0.0
+    if not bytes_per_s > 0:
+        raise HGraphError(f"the host link bandwidth must be positive, got {bytes_per_s} bytes/s")
+    copy_ms = nbytes / bytes_per_s * 1e3
+    return max(copy_ms - layer_ms / 3.0, 0.0) + max(copy_ms - 2.0 * layer_ms / 3.0, 0.0)
+
+
+def choose_layer_roles(model: ActivationModel, f: Sequence[float], layers: int, budget: float,
+                       held_before: float = 0.0, *, recompute_ms: float, offload_ms: Optional[float],
+                       host_budget: float = math.inf, host_held: float = 0.0) -> LayerRoles:
+    """The ``(recomputed, offloaded)`` layer counts of one micro-batch: the cheapest in time
+    (``recompute_ms`` and ``offload_ms`` per layer; ``offload_ms`` None: no offload) whose device
+    peak is within ``budget`` and whose host bytes, with ``host_held`` already held, within
+    ``host_budget``; ties go to fewer moved layers, then to fewer recomputed. When nothing fits:
+    the least device memory within the host budget, flagged."""
+    if layers < 0:
+        raise HGraphError(f"a stage has a non-negative number of layers, got {layers}")
+    if not budget > 0:
+        raise HGraphError(f"the memory budget must be positive, got {budget}")
+    if recompute_ms < 0 or (offload_ms is not None and offload_ms < 0):
+        raise HGraphError(f"layer prices must be non-negative, got {recompute_ms} and {offload_ms} ms")
+    best: Optional[tuple] = None
+    avail = budget - held_before
+    per = model.layer(f) - model.kept_per_token * f[0]        # what offloading one more layer frees
+    for r in range(layers + 1):
+        if best is not None and r * recompute_ms > best[0][0]:
+            break                                      # more recomputed layers only cost more
+        # for a given r the fewest offloaded layers that fit are the cheapest (prices are non-negative):
+        # the held term falls by ``per`` a layer, so they are near ``o0``; the backward term does not
+        # fall with ``o``, so if ``o0`` does not fit no larger count does (the neighbours for rounding)
+        top = layers - r if offload_ms is not None else 0
+        need = model.held(f, layers, r) - avail
+        o0 = 0 if need <= 0 else (math.ceil(need / per) if per > 0 else top + 1)
+        for o in range(max(o0 - 1, 0), min(o0 + 1, top) + 1):
+            host = model.host(f, o)
+            if o > 0 and host_held + host > host_budget:
+                break                                  # more offloaded layers only hold more
+            peak = model.peak(f, layers, r, held_before, o)
+            if peak <= budget:
+                ms = r * recompute_ms + o * (offload_ms or 0.0)
+                key = (ms, r + o, r)
+                if best is None or key < best[0]:
+                    best = (key, LayerRoles(r, o, peak, host, ms, True))
+                break
+    if best is not None:
+        return best[1]
+    # nothing fits: the least device memory within the host budget
+    least = min(((model.peak(f, layers, r, held_before, o), r * recompute_ms + o * (offload_ms or 0.0), r, o)
+                 for r in range(layers + 1) for o in range(layers - r + 1 if offload_ms is not None else 1)
+                 if o == 0 or host_held + model.host(f, o) <= host_budget))
+    peak, ms, r, o = least
+    return LayerRoles(r, o, peak, model.host(f, o), ms, False)
+
+
 def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with the columns whose coefficient would be negative dropped (to zero)."""
     active = [j for j in range(X.shape[1]) if np.any(X[:, j])]
@@ -90,8 +181,10 @@ def _nonneg_lstsq(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_activation_model(layer_obs: Iterable[tuple[Sequence[float], float]],
                          checkpoint_obs: Iterable[tuple[Sequence[float], float]] = (),
-                         other_obs: Iterable[tuple[Sequence[float], float]] = ()) -> Optional[ActivationModel]:
+                         other_obs: Iterable[tuple[Sequence[float], float]] = (),
+                         kept_obs: Iterable[tuple[Sequence[float], float]] = ()) -> Optional[ActivationModel]:
     """Fit the coefficients to measurements ``[(features, bytes)]``; None without a layer measurement.
+    ``kept_obs``: what offloaded layers still saved on the device.
 
     The per-entry term is only fitted once the measurements hold two micro-batches whose
     entries-per-token differ (otherwise the two columns cannot be told apart: all goes per token).
@@ -109,4 +202,5 @@ def fit_activation_model(layer_obs: Iterable[tuple[Sequence[float], float]],
         t = sum(f for f, _ in obs)
         return max(sum(b for _, b in obs) / t, 0.0) if t else 0.0
 
-    return ActivationModel(float(coef[0]), float(coef[1]), per_token(checkpoint_obs), per_token(other_obs))
+    return ActivationModel(float(coef[0]), float(coef[1]), per_token(checkpoint_obs), per_token(other_obs),
+                           per_token(kept_obs))

@@ -65,7 +65,9 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import StageMemory, stage_memory
+from hgraph.runtime.engine.memory import ActivationMeter, LayerChoice, OffloadPolicy, StageMemory, stage_memory
+from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
+                                           default_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -101,6 +103,8 @@ class StepResult:
     process_peak_bytes: Optional[int] = None      # this process's peak since the last step (peak_memory)
     predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
     recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
+    offload_layers: list = field(default_factory=list)     # per micro-batch of this rank
+    host_peak_bytes: Optional[int] = None         # offloaded activations held in host memory (peak)
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
     compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
@@ -211,7 +215,10 @@ class Executor:
                  memory_budget: Optional[float] = None, track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
                  vocab_parallel_loss: Optional[bool] = None, compile_mode: str = "off",
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", offload: str = "off",
+                 host_budget: Optional[float] = None,
+                 layer_ms: Optional[Callable[[Scheme, tuple[int, int]], float]] = None,
+                 host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
@@ -220,7 +227,14 @@ class Executor:
         self.skip_nonfinite = skip_nonfinite
         # DCP-intra: with a budget (bytes of activations per rank) blocks are recomputed per micro-batch
         self.memory_budget = memory_budget
-        self.track_memory = track_memory or memory_budget is not None
+        # activation offload (engine/offload): on | auto (priced per layer by ``layer_ms``: a scheme and a
+        # micro-batch's features -> one layer's forward+backward ms) | off; ``host_budget``: host bytes
+        # per rank (None: half the host's RAM over its ranks)
+        if offload not in OFFLOAD_MODES:
+            raise HGraphError(f"offload {offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+        self.offload, self.layer_ms, self.host_link_bytes_per_s = offload, layer_ms, host_link_bytes_per_s
+        self.host_budget = host_budget
+        self.track_memory = track_memory or memory_budget is not None or offload != "off"
         if cp_sharding not in CP_SHARDINGS:
             raise HGraphError(f"CP sharding {cp_sharding!r}: expected one of {', '.join(CP_SHARDINGS)}")
         self.cp_sharding = cp_sharding
@@ -317,7 +331,8 @@ class Executor:
                          self.working_dtype, frozenset(aliased), update=update)
         graph, memory = gm, None
         if self.track_memory:
-            graph, memory = stage_memory(gm, working, program, rp, self.groups, self.memory_budget, self.device)
+            graph, memory = stage_memory(gm, working, program, rp, self.groups, self.memory_budget, self.device,
+                                         self._offload_policy(program, rp))
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
                            activation_meter=memory.meter if memory is not None else None,
@@ -328,6 +343,20 @@ class Executor:
             state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
                                              self.region_compiles)
         return state
+
+    def _offload_policy(self, program: Program, rp: RankProgram
+                        ) -> Optional[Callable[[ActivationMeter], OffloadPolicy]]:
+        """What makes this rank's ``OffloadPolicy`` for ``program`` over its meter (None: off)."""
+        if self.offload == "off":
+            return None
+        budget = self.host_budget
+        if budget is None:
+            node = program.cluster.gpus_per_node
+            budget = default_host_budget(min(node, self.world_size))
+        layer_ms = self.layer_ms
+        prices = (lambda f: layer_ms(rp.scheme, f)) if layer_ms is not None else None
+        return lambda meter: OffloadPolicy(self.offload, HostOffload(self.device, meter, budget), prices,
+                                           self.host_link_bytes_per_s)
 
     # ---- one step -----------------------------------------------------------------------------------
     def step(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
@@ -441,6 +470,9 @@ class Executor:
                             dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
         if state.memory is not None:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
+            result.offload_layers = list(state.memory.step_offload)
+            if state.memory.offload is not None:
+                result.host_peak_bytes = state.memory.offload.host.peak_bytes
             result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
                                      if self.device.type == "cuda" else peak)
         result.process_peak_bytes = self.peak_memory.read()
@@ -464,9 +496,10 @@ class Executor:
             mb = mbs[i]
             if kind == "F":
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
-                recompute = memory.before_forward(i, mb, layout) if memory is not None else None
-                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=recompute,
-                                              documents=self._documents(mb, layout, rp.scheme))
+                choice = memory.before_forward(i, mb, layout) if memory is not None else LayerChoice(None, None)
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
+                                              documents=self._documents(mb, layout, rp.scheme),
+                                              offload=choice.offload)
                 with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
                     if last:

@@ -1,5 +1,5 @@
 """The runtime's accounting of activation memory and, under a budget, the per-micro-batch choice of
-the blocks to recompute.
+the blocks to recompute or offload.
 
 ``ActivationMeter`` is the CPU measurement of activation memory: saved-tensor hooks count the bytes
 of every tensor autograd saves for backward (each storage once; the working parameters excluded)
@@ -7,20 +7,22 @@ and release them when autograd drops them, so ``live_bytes`` follows the activat
 forward and backward and ``peak_bytes`` is their maximum. A recomputed block (``recompute.run_block``)
 adds its checkpointed inputs while it waits for backward, and, during its replay, the tensors the
 replay saves (tracked by a dispatch mode inside the recompute context): that transient is the
-block's stash. Per block the meter records what one layer stashed (``observations``) for the memory
-model (``hgraph.runtime.engine.activation_model``).
+block's stash. An offloaded block (``engine.offload``) passes the meter only what it keeps on the
+device. Per block the meter records what one layer stashed (``observations``) for the memory model
+(``hgraph.runtime.engine.activation_model``).
 
 ``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
-features and, with a budget, picks the stage's blocks that recompute (the model's choice, agreed
-over the stage's TP x CP group; the executor hands them to the micro-batch's communication
-context); per step it refits the model to what was measured. ``stage_memory`` makes a rank's
-``StageMemory`` for a Program and, with a budget, outlines the graph's blocks for recomputation
-(``recompute.outline_blocks``).
+features and, with a budget, picks the stage's blocks that recompute and those that offload (the
+model's choice, ``activation_model.choose_layer_roles`` under an ``OffloadPolicy``, agreed over the
+stage's TP x CP group; the executor hands them to the micro-batch's communication context); per step
+it refits the model to what was measured. ``stage_memory`` makes a rank's ``StageMemory`` for a
+Program and, with a budget or an offload, outlines the graph's blocks (``recompute.outline_blocks``).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Any, ContextManager, Iterable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,9 @@ from torch.utils._pytree import tree_flatten
 from hgraph.program import Program, RankProgram
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
-from hgraph.runtime.engine.activation_model import choose_recompute_layers, fit_activation_model
+from hgraph.runtime.engine.activation_model import (LayerRoles, choose_layer_roles, choose_recompute_layers,
+                                                    fit_activation_model, offload_exposed_ms)
+from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S, HostOffload, MicroBatchOffload
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
 from hgraph.runtime.kernels.cp_attention import CPLayout
 
@@ -115,7 +119,7 @@ class ActivationMeter:
         self.live_bytes = 0
         self.peak_bytes = 0
         self.features: Optional[Features] = None    # the current micro-batch's (set by the executor)
-        self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": []}
+        self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": [], "kept": []}
         self.forward_block_bytes = 0      # bytes attributed to blocks during the current forward
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -177,8 +181,9 @@ class ActivationMeter:
         return _ReplayTracker(self, features)
 
     def observe(self, kind: str, features: Optional[Features], nbytes: int, in_forward: bool) -> None:
-        """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``) or what the
-        rest of the stage saved (``other``) for a micro-batch of ``features``."""
+        """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``), still saved
+        on the device when offloaded (``kept``) or what the rest of the stage saved (``other``) for a
+        micro-batch of ``features``."""
         if in_forward:
             self.forward_block_bytes += int(nbytes)
         if features is not None:
@@ -199,59 +204,112 @@ def microbatch_features(mb: MicroBatch, layout: Optional[CPLayout] = None) -> Fe
     return len(local), int(sum(q * mb.doc_lengths[d] for d, q in per_doc_q.items()))
 
 
-class StageMemory:
-    """Activation accounting and (with a budget) the per-micro-batch recomputation of one rank.
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """How a rank offloads: ``mode`` ``on`` (a layer leaves the device by offload before any is
+    recomputed; without a memory budget every block offloads) or ``auto`` (per micro-batch the
+    cheapest per layer, priced by ``layer_ms``: a micro-batch's features -> one layer's
+    forward+backward ms, None where unpriced: then as ``on``, and ``host_link_bytes_per_s``);
+    ``host``: the rank's ``HostOffload``,
+    whose budget no choice passes."""
 
-    ``budget``: bytes of activations this rank may hold; None measures only. ``layers``: the layer
-    indices of the stage's blocks (in order). ``group``: the process group of the stage's TP x CP
-    ranks as a 1-tuple (its process group, None for the default group) or None alone; the recomputed
-    layer count is agreed over it (max).
+    mode: str
+    host: HostOffload
+    layer_ms: Optional[Callable[[Features], Optional[float]]] = None
+    host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S
+
+
+class LayerChoice(NamedTuple):
+    """The layers of a micro-batch whose blocks recompute, and the offload of those that offload
+    (None: not that way)."""
+
+    recompute: Optional[frozenset]
+    offload: Optional[MicroBatchOffload]
+
+
+class StageMemory:
+    """Activation accounting and (with a budget) the per-micro-batch recomputation and offload of one
+    rank.
+
+    ``budget``: bytes of activations this rank may hold; None measures only (and, with an ``on``
+    offload, offloads every block). ``layers``: the layer indices of the stage's blocks (in order).
+    ``group``: the process group of the stage's TP x CP ranks as a 1-tuple (its process group, None
+    for the default group) or None alone; the recomputed and moved layer counts are agreed over it
+    (max). ``offload``: the rank's ``OffloadPolicy`` (None: recomputation only).
     """
 
     def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
                  group: Optional[tuple[Optional[dist.ProcessGroup]]] = None,
-                 device: Optional[torch.device] = None) -> None:
+                 device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None) -> None:
         self.meter, self.layers, self.budget = meter, list(layers), budget
-        self.group, self.device = group, device
+        self.group, self.device, self.offload = group, device, offload
         self.model = None
         self._held: dict[int, float] = {}
+        self._host_held: dict[int, float] = {}
         self._start_live = 0
         self.step_predicted: list[float] = []
         self.step_recompute: list[int] = []
+        self.step_offload: list[int] = []
         self._unknown = False
 
     def begin_step(self) -> None:
         self.meter.refresh_excluded()
         self.meter.reset_peak()
+        if self.offload is not None:
+            self.offload.host.reset_peak()
         self._held.clear()
-        self.step_predicted, self.step_recompute, self._unknown = [], [], False
+        self._host_held.clear()
+        self.step_predicted, self.step_recompute, self.step_offload, self._unknown = [], [], [], False
 
-    def before_forward(self, index: int, mb: MicroBatch, layout: Optional[CPLayout]) -> Optional[frozenset[int]]:
+    def before_forward(self, index: int, mb: MicroBatch, layout: Optional[CPLayout]) -> LayerChoice:
         """Start micro-batch ``index`` (``layout``: its CP layout, or None); returns the layers whose
-        blocks recompute in it (None without a budget)."""
+        blocks recompute in it (None without a budget) and its offload (None without one)."""
         f = microbatch_features(mb, layout)
         self.meter.features = f
         self.meter.forward_block_bytes = 0
         self._start_live = self.meter.live_bytes
-        r, predicted, recompute = 0, None, None
+        n = len(self.layers)
+        r, o, predicted = 0, 0, None
         if self.budget is not None:
             held = sum(self._held.values())
             if self.model is None:
-                r = len(self.layers)          # nothing measured yet: recompute all (the least memory)
+                r = n                 # nothing measured yet: recompute all (the least memory)
             else:
-                choice = choose_recompute_layers(self.model, f, len(self.layers), self.budget, held)
-                r, predicted = choice.layers, choice.predicted_peak
-            r = self._agree(r)
+                roles = self._roles(f, held)
+                r, o, predicted = roles.recompute, roles.offload, roles.predicted_peak
+            r, o = self._agree(r, o)
             if self.model is not None:
-                predicted = self.model.peak(f, len(self.layers), r, held)
-                self._held[index] = self.model.held(f, len(self.layers), r)
-            recompute = frozenset(self.layers[:r])   # the first blocks: freed last
+                predicted = self.model.peak(f, n, r, held, o)
+                self._held[index] = self.model.held(f, n, r, o)
+                self._host_held[index] = self.model.host(f, o)
+        elif self.offload is not None and self.offload.mode == "on":
+            o = n                     # no budget: every block offloads (within the host budget)
         self.step_recompute.append(r)
+        self.step_offload.append(o)
         if predicted is None:
             self._unknown = True
         else:
             self.step_predicted.append(predicted)
-        return recompute
+        recompute = frozenset(self.layers[:r]) if self.budget is not None else None   # the first: freed last
+        offload = (self.offload.host.for_microbatch(frozenset(self.layers[r:r + o]))
+                   if self.offload is not None and o > 0 else None)
+        return LayerChoice(recompute, offload)
+
+    def _roles(self, f: Features, held: float) -> LayerRoles:
+        """The model's choice of recomputed and offloaded layers for a micro-batch of ``f``."""
+        policy, n = self.offload, len(self.layers)
+        if policy is None:
+            c = choose_recompute_layers(self.model, f, n, self.budget, held)
+            return LayerRoles(c.layers, 0, c.predicted_peak, 0.0, 0.0, c.fits)
+        layer_ms = policy.layer_ms(f) if policy.mode == "auto" and policy.layer_ms is not None else None
+        if layer_ms is not None:
+            recompute_ms = layer_ms / 3.0
+            offload_ms = offload_exposed_ms(self.model.host(f, 1), policy.host_link_bytes_per_s, layer_ms)
+        else:                         # on (or auto without prices): offload before recomputing
+            recompute_ms, offload_ms = 1.0, 0.0
+        return choose_layer_roles(self.model, f, n, self.budget, held, recompute_ms=recompute_ms,
+                                  offload_ms=offload_ms, host_budget=policy.host.budget,
+                                  host_held=sum(self._host_held.values()))
 
     def after_forward(self) -> None:
         other = self.meter.live_bytes - self._start_live - self.meter.forward_block_bytes
@@ -260,36 +318,44 @@ class StageMemory:
 
     def after_backward(self, index: int) -> None:
         self._held.pop(index, None)
+        self._host_held.pop(index, None)
 
     def end_step(self) -> tuple[int, Optional[float], list[int]]:
         """(measured peak bytes, predicted peak bytes or None, recomputed layers per micro-batch);
-        refits the model to everything measured so far."""
+        refits the model to everything measured so far (offloaded layers per micro-batch:
+        ``step_offload``)."""
         obs = self.meter.observations
         for kind in obs:
             obs[kind] = obs[kind][-256:]           # recent micro-batches are enough for the fit
-        self.model = fit_activation_model(obs["layer"], obs["checkpoint"], obs["other"])
+        self.model = fit_activation_model(obs["layer"], obs["checkpoint"], obs["other"], obs["kept"])
         predicted = None if self._unknown or not self.step_predicted else max(self.step_predicted)
         return self.meter.peak_bytes, predicted, list(self.step_recompute)
 
-    def _agree(self, r: int) -> int:
+    def _agree(self, r: int, o: int) -> tuple[int, int]:
+        """The recomputed and offloaded counts of the stage's group: the most recomputed, and the
+        most layers off the device (so no rank keeps more than it chose)."""
         if self.group is None:
-            return r
-        t = torch.tensor([r], dtype=torch.int64, device=self.device)
+            return r, o
+        t = torch.tensor([r, r + o], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group[0])   # None: the default group
-        return int(t[0])
+        return int(t[0]), int(t[1]) - int(t[0])
 
 
 def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], program: Program,
                  rank_program: RankProgram, groups: GroupCache, budget: Optional[float],
-                 device: Optional[torch.device]) -> tuple[fx.GraphModule, StageMemory]:
+                 device: Optional[torch.device],
+                 offload: Optional[Callable[[ActivationMeter], OffloadPolicy]] = None,
+                 ) -> tuple[fx.GraphModule, StageMemory]:
     """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
-    with a budget, ``graph`` with its blocks outlined for recomputation (the same computation; the
-    original graph is kept for a budget-less executor sharing the program)."""
+    with a budget or an offload, ``graph`` with its blocks outlined for recomputation and offload
+    (the same computation; the original graph is kept for a budget-less executor sharing the
+    program). ``offload``: makes the rank's ``OffloadPolicy`` over its meter (None: no offload)."""
     rp = rank_program
     meter = ActivationMeter(working.values())
+    policy = offload(meter) if offload is not None else None
     layers: list[int] = []
     group = None
-    if budget is not None:
+    if budget is not None or policy is not None:
         outlined = outline_blocks(graph)
         if outlined is not graph:
             layers = [layer for layer, _ in block_ranges(graph.graph)]
@@ -301,4 +367,4 @@ def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], pro
         stage_ranks = sorted(stages[(rp.pipeline, rp.stage)])
         if len(stage_ranks) > 1:
             group = (groups.get(stage_ranks),)
-    return graph, StageMemory(meter, layers, budget, group, device)
+    return graph, StageMemory(meter, layers, budget, group, device, policy)

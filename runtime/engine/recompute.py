@@ -6,8 +6,10 @@ rotary nodes interleaved there) become one ``GraphModule`` called through ``run_
 flowing into the range (hidden state, parameters, ``comm``, rotary tables) are its inputs; values
 used after it are its outputs. The rewritten graph computes exactly the same ops in the same order.
 
-``run_block`` runs a block normally, or, when its layer is in ``comm.recompute_layers`` (chosen per
-micro-batch by the executor), under non-reentrant ``torch.utils.checkpoint``: only the block's
+``run_block`` runs a block normally; when its layer is in ``comm.offload.layers`` under the offload's
+saved-tensor hooks (``engine.offload``: its stash waits in host memory); or, when its layer is in
+``comm.recompute_layers`` (chosen per micro-batch by the executor), under non-reentrant
+``torch.utils.checkpoint``: only the block's
 inputs stay alive, and its forward runs again inside backward. The recomputation replays the
 block's communication (CP all-gather of K/V, TP all-reduces), so every rank of a stage's TP x CP
 group must recompute the same layers (the executor agrees on them with one small all-reduce);
@@ -64,9 +66,20 @@ def block_ranges(graph: fx.Graph) -> list[tuple[int, list[fx.Node]]]:
 
 
 def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any) -> tuple:
-    """Run one outlined block; recomputed in backward when ``layer`` is in ``comm.recompute_layers``."""
+    """Run one outlined block; offloaded when ``layer`` is in ``comm.offload.layers``, recomputed in
+    backward when it is in ``comm.recompute_layers``."""
     recompute = comm.recompute_layers
     meter = comm.activation_meter      # an engine.memory.ActivationMeter, or None
+    offload = comm.offload             # an engine.offload.MicroBatchOffload, or None
+    if (offload is not None and layer in offload.layers and torch.is_grad_enabled()
+            and not (recompute and layer in recompute)):
+        before = meter.live_bytes if meter is not None else 0
+        with offload.hooks(layer):
+            out = block(*inputs)
+        offload.watch(layer, out)
+        if meter is not None:          # what the block still saved on the device
+            meter.observe("kept", meter.features, meter.live_bytes - before, in_forward=True)
+        return out
     if not recompute or layer not in recompute or not torch.is_grad_enabled():
         before = meter.live_bytes if meter is not None else 0
         out = block(*inputs)

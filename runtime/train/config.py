@@ -17,7 +17,8 @@ of the schema:
 * ``config.values()`` is every key's value; ``config.lr`` reads ``config.optimizer.lr`` (except the
   keys ``model``, ``data`` and ``optimizer``, whose names are those of their sections).
 
-Values are the runtime's: byte sizes are numbers (``planner.memory_budget``, ``cluster.device_memory``
+Values are the runtime's: byte sizes are numbers (``planner.memory_budget``,
+``planner.host_memory_budget``, ``cluster.device_memory``
 also ``"auto"``: sized on the ranks from the model), the schedule is the ``"S1;S2"`` text of
 ``--strategy-schedule``. A run is planner-driven unless it has a schedule (``planner_driven``).
 """
@@ -112,6 +113,8 @@ class PlannerConfig:
     outlier_queues: int = 0                    # WLB outlier-delay queues of the data stream (0: no delay)
     microbatch_tokens: Optional[int] = None
     memory_budget: Optional[float] = None      # activation bytes per rank: dynamic recomputation (DCP-intra)
+    offload: str = "off"                       # activation offload to host memory: off | on | auto
+    host_memory_budget: Optional[float] = None  # offloaded bytes per rank (None: half the RAM over its ranks)
     cp_sharding: str = "adaptive"              # adaptive | per-document | per-sequence
     balance: str = "none"                      # "sp-accumulation" (or "dcp-inter"): per-batch SP size
 

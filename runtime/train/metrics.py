@@ -83,16 +83,20 @@ def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: O
                    source: str, tracked: bool = False) -> dict:
     """Every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak
     RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``) and, when activations are
-    ``tracked``, their measured and predicted peaks. Collective: one all-gather of a few numbers."""
+    ``tracked``, their measured and predicted peaks, and what offload held in host memory (None
+    without offload). Collective: one all-gather of a few numbers."""
     nan = float("nan")
-    mine = [r.process_peak_bytes, r.peak_mem_bytes, r.predicted_mem_bytes] if tracked else [r.process_peak_bytes]
+    mine = ([r.process_peak_bytes, r.peak_mem_bytes, r.predicted_mem_bytes, r.host_peak_bytes] if tracked
+            else [r.process_peak_bytes])
     rows = all_gather_rows([nan if v is None else float(v) for v in mine], world_size, device)
     out = {"rank_peak_bytes": [None if math.isnan(row[0]) else int(row[0]) for row in rows],
            "rank_peak_source": source}
     if tracked:
         out.update({"peak_mem_bytes": [None if math.isnan(row[1]) else int(row[1]) for row in rows],
                     "predicted_mem_bytes": [None if math.isnan(row[2]) else round(row[2]) for row in rows],
-                    "memory_budget": memory_budget, "recompute_layers": r.recompute_layers})
+                    "memory_budget": memory_budget, "recompute_layers": r.recompute_layers,
+                    "offload_layers": r.offload_layers,      # this rank's, per micro-batch
+                    "host_peak_bytes": [None if math.isnan(row[3]) else int(row[3]) for row in rows]})
     return out
 
 

@@ -25,7 +25,7 @@ choice (``checkpoint_state``) and which candidates it chose among (``candidates`
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch.nn as nn
 
@@ -33,9 +33,10 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.data.documents import Document, MiniBatch, first_fit
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor, StepResult
-from hgraph.runtime.planner.cost.cost_model import CostModel, with_activation_budget
-from hgraph.runtime.planner.service.iteration import (IterationPlanner, all_gather_floats, model_cost_model,
-                                                      pipeline_metrics)
+from hgraph.runtime.planner.cost.cost_model import CostModel, with_activation_budget, with_offload
+from hgraph.runtime.planner.schedule.offload import engine_layer_ms
+from hgraph.runtime.planner.service.iteration import (ANALYTIC, MEASURE, IterationPlanner, all_gather_floats,
+                                                      model_cost_model, pipeline_metrics)
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.sp_accumulation import (BALANCE_MODES, SP_ACCUMULATION, balances_accumulation,
@@ -188,4 +189,24 @@ def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], mode
         raise HGraphError(f"--balance {SP_ACCUMULATION} runs homogeneous data parallelism: give "
                           f"--strategy-schedule {world_size}xTP1PP1 (the SP size is chosen per batch)")
     cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
-    return with_activation_budget(cost, config.planner.memory_budget)
+    return with_offload(with_activation_budget(cost, config.planner.memory_budget), config.planner.offload,
+                        config.planner.host_memory_budget)
+
+
+def offload_prices(config: TrainConfig, model: nn.Module, world_size: int,
+                   planner: Optional[IterationPlanner] = None) -> Optional[Callable]:
+    """The engine's per-layer prices for ``--offload auto`` (``schedule.offload.engine_layer_ms``):
+    from the planner's cost model, else from ``--profile`` (its analytic prior when it is
+    ``measure``: a fixed schedule measures nothing); None when offload is not ``auto`` or the model
+    has no cost model (the engine then offloads before it recomputes)."""
+    if config.planner.offload != "auto":
+        return None
+    if planner is not None:
+        return engine_layer_ms(planner.cost)
+    profile = config.planner.profile
+    try:
+        cost = model_cost_model(ANALYTIC if profile == MEASURE else profile, model, world_size,
+                                config.cluster.gpus_per_node)
+    except HGraphError:
+        return None
+    return engine_layer_ms(cost)

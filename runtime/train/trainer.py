@@ -72,7 +72,7 @@ from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_ba
 from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAccumulation, StepMode, dispatch_and_pack,
-                                             packed, parse_schedule, sp_accumulation_cost)
+                                             offload_prices, packed, parse_schedule, sp_accumulation_cost)
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
@@ -233,7 +233,9 @@ class Trainer:
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
                                  cluster=Cluster(world_size, config.cluster.gpus_per_node), seed=config.model.seed,
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
-                                 compile_backend=config.model.compile_backend)
+                                 compile_backend=config.model.compile_backend, offload=config.planner.offload,
+                                 host_budget=config.planner.host_memory_budget,
+                                 layer_ms=offload_prices(config, self.model, world_size, planner))
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
@@ -469,6 +471,7 @@ def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torc
     return PlannerSetup(
         strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
         time_limit_s=plan.time_limit, memory_budget=plan.memory_budget, plan_ahead=plan.plan_ahead,
+        offload=plan.offload, host_memory_budget=plan.host_memory_budget,
         tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
         device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,

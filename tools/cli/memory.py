@@ -20,6 +20,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.engine.compiled_regions import compile_wanted
+from hgraph.runtime.engine.offload import default_host_budget
 from hgraph.runtime.planner.cost.memory_estimate import MemoryEstimate, estimate_memory
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Cluster, Strategy
@@ -46,6 +47,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="count the activations of a step compiled as hgraph train --compile compiles it "
                         "(auto: on when this machine has CUDA, as train's default)")
+    p.add_argument("--offload", choices=("off", "on"), default="off",
+                   help="on: every block's saved activations wait in host memory, as hgraph train --offload on "
+                        "without a memory budget (a host column; default off)")
+    p.add_argument("--host-memory-budget", default=None, metavar="BYTES",
+                   help="host bytes of offloaded activations per rank (default: half this host's RAM over the "
+                        "ranks of a node, as hgraph train); reports the ranks that exceed it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -76,8 +83,12 @@ def run(args: argparse.Namespace) -> int:
     compiled = hgraph.compile(model, dtype=args.dtype)
     compiled_step = compile_wanted(args.compile, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     cost, limit = _bounded(model, compiled, cluster, limit_arg, args.dtype, compiled_step)
+    host = None
+    if args.offload == "on":
+        host = (parse_bytes(args.host_memory_budget, "--host-memory-budget") if args.host_memory_budget is not None
+                else default_host_budget(min(cluster.gpus_per_node, cluster.world_size)))
     estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost,
-                               compiled_step=compiled_step)
+                               compiled_step=compiled_step, offload=args.offload == "on", host_memory=host)
     if args.json:
         json.dump({"model": _spec(args.model), **estimate.to_json()}, sys.stdout)
         sys.stdout.write("\n")
@@ -127,18 +138,27 @@ def format_estimate(e: MemoryEstimate, model: str) -> str:
     lines = [f"{model} ({e.parameters / 1e6:,.1f} M parameters), {e.strategy} on {e.cluster.world_size} ranks "
              f"({e.cluster.gpus_per_node} per node), {dtype} working weights, micro-batches of {e.tokens} tokens"]
     head = ("ranks", "scheme", "stage", "masters", "moments", "weights", "grads", "activations", "step", "peak")
+    head += ("host",) if e.offload else ()
     rows = []
     for ranks, r in e.groups():
         s = r.states
         rows.append((ranks_text(ranks) + (f" (x{len(ranks)})" if len(ranks) > 1 else ""), str(r.scheme),
                      str(r.stage), *(size_text(v) for v in (s.masters, s.moments, s.working_params,
                                                               s.working_grads, r.activations,
-                                                              s.step_transient, r.peak))))
+                                                              s.step_transient, r.peak)))
+                    + ((size_text(r.host_activations),) if e.offload else ()))
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
     for row in [head, *rows]:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
     lines.append("peak = masters + moments + weights + grads + max(activations, step: the optimizer step's "
                  "gradient segments and denominator); communication buffers and the process come on top")
+    if e.offload:
+        over = e.host_exceeding()
+        lines.append("offload on: every block's stash in host memory (host); activations = the rest of the stage "
+                     "and the two layers a backward brings back"
+                     + (f"; host budget {size_text(e.host_memory)} per rank: "
+                        + (f"rank(s) {ranks_text(over)} exceed it" if over else "every rank fits")
+                        if e.host_memory is not None else ""))
     if e.activations_from is None:
         lines.append("activations: not known for this model (the runtime's memory model covers zoo Llama models)")
     if e.device_memory is not None:

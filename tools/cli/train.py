@@ -130,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
     device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
+                                   host_memory_budget=parse_bytes(cfg.host_memory_budget, "--host-memory-budget"),
                                    device_memory=device_memory), cfg
 
 

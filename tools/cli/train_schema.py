@@ -195,6 +195,13 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("planner", "memory-budget", "str", None, "activation bytes per rank (512M, 2G): blocks are "
        "recomputed per micro-batch, as few as fit (default: no recomputation)", optional=True,
        metavar="BYTES"),
+    _k("planner", "offload", "str", "off", "activation offload: a block's saved tensors wait in (pinned) "
+       "host memory until its backward. on: with --memory-budget blocks offload before any is recomputed, "
+       "without one every block offloads; auto: per micro-batch each layer leaves the device the cheaper "
+       "way (recomputation or the copies its compute does not hide); off", choices=("off", "on", "auto")),
+    _k("planner", "host-memory-budget", "str", None, "host bytes of offloaded activations per rank (64G; "
+       "default: half the host's RAM over the ranks on it); a copy that would pass it stays on the device",
+       optional=True, metavar="BYTES"),
     _k("planner", "cp-sharding", "str", "adaptive", "how CP ranks split a micro-batch",
        choices=("adaptive", "per-document", "per-sequence")),
     _k("planner", "balance", "str", "none", "sp-accumulation: homogeneous data parallelism with a per-batch "

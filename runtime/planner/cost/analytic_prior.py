@@ -29,6 +29,7 @@ import sympy as sp
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape
 from hgraph.runtime.planner.cost.ulysses import AllToAll
+from hgraph.runtime.planner.schedule.offload import A800_HOST_LINK, HOST_LINK_KEY
 
 L = sp.Symbol("l", positive=True)
 
@@ -116,4 +117,5 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
                      util_len_tokens=util, memory=memory, world_size=world_size, gpus_per_node=gpus_per_node,
                      all_to_all=all_to_all,
                      extra={"source": "analytic prior (hgraph.runtime.planner.cost.analytic_prior)",
-                            "device": {"flops": device_flops, "mfu": mfu, "tp_bandwidth": tp_bandwidth}})
+                            "device": {"flops": device_flops, "mfu": mfu, "tp_bandwidth": tp_bandwidth},
+                            HOST_LINK_KEY: dict(A800_HOST_LINK)})

@@ -27,15 +27,18 @@ prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.engine.offload import OFFLOAD_MODES
 from hgraph.runtime.planner.cost.profiles import resolve_profile
 from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repeated_kv_bytes_per_token,
                                                  ulysses_schemes)
+from hgraph.runtime.planner.schedule.offload import relief_extra_ms
 from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
 from hgraph.strategy import Scheme
 
@@ -166,6 +169,9 @@ class CostModel:
     max_ul: Optional[int] = None
     # the schemes kept (None: all that fit): a baseline's space in the simulator (``restricted``)
     only: Optional[frozenset[Scheme]] = None
+    # activation offload (schedule.offload): off | on | auto, and the host bytes per rank it may hold
+    offload: str = "off"
+    host_budget_bytes: float = math.inf
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -244,10 +250,14 @@ class CostModel:
 
     def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
         """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus the forward of the layers it
-        recomputes when ``activation_budget_bytes`` is set (``schedule.recompute``)."""
+        recomputes when ``activation_budget_bytes`` is set (``schedule.recompute``), or, with an
+        ``offload``, what its recomputed and offloaded layers add (``schedule.offload``)."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
         t = float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
-        if self.activation_budget_bytes is not None:
+        if self.offload != "off" and (self.activation_budget_bytes is not None or self.offload == "on"):
+            t += relief_extra_ms(self, arr, scheme, self.activation_budget_bytes, self.offload,
+                                 self.host_budget_bytes)[0]
+        elif self.activation_budget_bytes is not None:
             t += recompute_extra_ms(self, arr, scheme, self.activation_budget_bytes)[0]
         return t
 
@@ -331,6 +341,17 @@ def with_activation_budget(cost: CostModel, budget_bytes: float | None) -> CostM
     if cost.activation_budget_bytes == budget_bytes:
         return cost
     return replace(cost, activation_budget_bytes=budget_bytes)
+
+
+def with_offload(cost: CostModel, offload: str, host_budget_bytes: float | None) -> CostModel:
+    """``cost`` whose micro-batch times price ``--offload`` ``offload`` within ``host_budget_bytes``
+    of host memory per rank (None: unbounded), as a new model."""
+    if offload not in OFFLOAD_MODES:
+        raise HGraphError(f"offload {offload!r}: expected one of {', '.join(OFFLOAD_MODES)}")
+    host = math.inf if host_budget_bytes is None else float(host_budget_bytes)
+    if (cost.offload, cost.host_budget_bytes) == (offload, host):
+        return cost
+    return replace(cost, offload=offload, host_budget_bytes=host)
 
 
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,

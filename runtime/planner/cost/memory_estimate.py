@@ -4,7 +4,9 @@ For every rank of a strategy on a cluster: the model states it holds (``engine.m
 master and Adam moment segments, ~1/N; the working parameters and gradients of its shard of the
 strategy's layout; the optimizer step's transient), the activations of its stage under 1F1B from
 this runtime's memory model (``runtime_memory.measured_activation_coeffs``: the bytes per token a
-layer and the rest of the model save, counted on fake tensors), and its peak against a device memory.
+layer and the rest of the model save, counted on fake tensors), and its peak against a device memory;
+with ``offload``, every block's stash in host memory instead (``stage_offloaded_bytes``), against a
+host budget.
 
 Activations: ``tokens`` is the length of one packed micro-batch (what MaxLen bounds). Under 1F1B
 stage ``s`` of a ``PP``-stage pipeline holds ``PP - s`` micro-batches in flight (enough micro-batches
@@ -50,6 +52,7 @@ class RankMemory:
     cp_rank: int
     states: RankStates
     activations: Optional[int]
+    host_activations: Optional[int] = None     # offloaded to host memory (``--offload on``)
 
     @property
     def peak(self) -> int:
@@ -57,12 +60,12 @@ class RankMemory:
 
     def figures(self) -> tuple:
         """What makes two ranks' rows the same (all but the rank and where it sits)."""
-        return (self.scheme, self.stage, self.states, self.activations)
+        return (self.scheme, self.stage, self.states, self.activations, self.host_activations)
 
     def to_dict(self, device_memory: Optional[float]) -> dict[str, Any]:
         return {"rank": self.rank, "pipeline": self.pipeline, "scheme": str(self.scheme), "stage": self.stage,
                 "tp_rank": self.tp_rank, "cp_rank": self.cp_rank, **self.states.to_dict(),
-                "activations": self.activations, "peak": self.peak,
+                "activations": self.activations, "host_activations": self.host_activations, "peak": self.peak,
                 "fits": None if device_memory is None else self.peak <= device_memory}
 
 
@@ -79,12 +82,20 @@ class MemoryEstimate:
     device_memory: Optional[float] = None
     activations_from: Optional[str] = None     # None: not known for this model
     max_len: dict[str, int] = field(default_factory=dict)   # scheme -> MaxLen under device_memory
+    offload: bool = False                      # every block's stash in host memory (``--offload on``)
+    host_memory: Optional[float] = None        # host bytes per rank the offload may hold
 
     def exceeding(self) -> list[int]:
         """Ranks whose peak is over the device memory (none without one)."""
         if self.device_memory is None:
             return []
         return [r.rank for r in self.ranks if r.peak > self.device_memory]
+
+    def host_exceeding(self) -> list[int]:
+        """Ranks whose offloaded activations pass the host budget (none without offload)."""
+        if not self.offload or self.host_memory is None:
+            return []
+        return [r.rank for r in self.ranks if (r.host_activations or 0) > self.host_memory]
 
     def groups(self) -> list[tuple[list[int], RankMemory]]:
         """Ranks with the same figures together, in order of their first rank."""
@@ -99,7 +110,9 @@ class MemoryEstimate:
                 "tokens": self.tokens, "parameters": self.parameters, "device_memory": self.device_memory,
                 "activations_from": self.activations_from,
                 "ranks": [r.to_dict(self.device_memory) for r in self.ranks],
-                "exceeding_ranks": self.exceeding(), "max_len": dict(self.max_len)}
+                "exceeding_ranks": self.exceeding(), "max_len": dict(self.max_len),
+                "offload": self.offload, "host_memory": self.host_memory,
+                "host_exceeding_ranks": self.host_exceeding()}
 
 
 def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, scheme: Scheme, stage: int,
@@ -113,13 +126,27 @@ def stage_activation_bytes(A: float, other: float, hidden: int, layers: int, sch
     return int(round((in_flight * layers * per_layer + last) * tokens))
 
 
+def stage_offloaded_bytes(A: float, other: float, hidden: int, layers: int, scheme: Scheme, stage: int,
+                          tokens: int) -> tuple[int, int]:
+    """``stage_activation_bytes`` with every block's stash in host memory (``engine.offload``): the
+    bytes left on the device (the rest of the stage and, in a backward, the two layers brought back:
+    one in use, one prefetched; the tensors under the offload threshold that stay are not counted),
+    and the bytes in host memory."""
+    per_layer = A * hidden / (scheme.tp * scheme.seq)
+    last = other / scheme.seq if stage == scheme.pp - 1 else 0.0
+    host = (scheme.pp - stage) * layers * per_layer * tokens
+    return int(round((last + min(layers, 2) * per_layer) * tokens)), int(round(host))
+
+
 def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens: int, *,
                     device_memory: Optional[float] = None, cost: Any = None,
-                    compiled_step: bool = False) -> MemoryEstimate:
+                    compiled_step: bool = False, offload: bool = False,
+                    host_memory: Optional[float] = None) -> MemoryEstimate:
     """Every rank's memory under ``strategy`` for micro-batches of ``tokens`` tokens (module
     docstring); ``cost``: a cost model bounded by ``device_memory`` whose MaxLen of the strategy's
     schemes is reported; ``compiled_step``: the activations a ``--compile`` step keeps (``cost``'s
-    must be counted alike). Nothing is allocated. Bad strategies are a ``StrategyError``."""
+    must be counted alike); ``offload``: every block offloaded, within ``host_memory`` bytes of host
+    memory per rank. Nothing is allocated. Bad strategies are a ``StrategyError``."""
     dtype = compiled.options.working_dtype or torch.float32
     states = rank_states(compiled, strategy, cluster, dtype)
     cfg = compiled.config
@@ -140,15 +167,20 @@ def estimate_memory(compiled: Any, strategy: Strategy, cluster: Cluster, tokens:
     ranks = []
     for c in strategy.coords():
         scheme = strategy.pipelines[c.pipeline]
-        act = None
+        act = host = None
         if coeffs:
             layers = len(compiled.stage_blocks(scheme.pp)[c.stage])
-            act = stage_activation_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
+            if offload:
+                act, host = stage_offloaded_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
+            else:
+                act = stage_activation_bytes(*coeffs[scheme.tp], cfg.hidden_size, layers, scheme, c.stage, tokens)
             if c.stage == scheme.pp - 1:        # the chunked loss's logits of one chunk, while it runs
                 act += loss_transient_bytes(cfg.vocab_size, -(-tokens // scheme.seq), scheme.tp, dtype)
-        ranks.append(RankMemory(c.rank, c.pipeline, scheme, c.stage, c.tp_rank, c.cp_rank, states[c.rank], act))
+        ranks.append(RankMemory(c.rank, c.pipeline, scheme, c.stage, c.tp_rank, c.cp_rank, states[c.rank], act,
+                                host))
     parameters = sum(int(torch.Size(p.shape).numel()) for p in compiled.hgraph.params.values())
     max_len = {}
     if cost is not None:
         max_len = {str(p): cost.max_len(p) if cost.has(p) else 0 for p in dict.fromkeys(strategy.pipelines)}
-    return MemoryEstimate(strategy, cluster, dtype, tokens, parameters, ranks, device_memory, source, max_len)
+    return MemoryEstimate(strategy, cluster, dtype, tokens, parameters, ranks, device_memory, source, max_len,
+                          offload, host_memory if offload else None)

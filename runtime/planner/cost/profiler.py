@@ -13,6 +13,10 @@ bytes of the tensors autograd saves for backward (``saved_tensors_hooks``, disti
 and 2 layers; the model-state constant ``B`` and ``alpha`` are *derived* from the parameter count
 (16 bytes per parameter under mixed-precision Adam, 12 of them sharded), as in the analytic prior.
 Only TP=1 schemes can be measured in one process; TP/CP > 1 needs the multi-process runtime.
+
+The host link (what activation offload copies over, ``schedule.offload``) is measured on the
+profiled device: device to pinned host memory and back on CUDA, a memcpy on CPU
+(``measure_host_link``); the analytic prior assumes an A800 node's PCIe Gen4 (~25 GB/s).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape, fit_coefficients
+from hgraph.runtime.planner.schedule.offload import HOST_LINK_KEY
 from hgraph.strategy import Scheme
 
 UTIL_EFFICIENCY = 0.85  # App. C threshold: UtilLen is where the constant overhead is 15% of the time
@@ -112,6 +117,38 @@ def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], voca
     return LayerTimings(list(lengths), layer, rest)
 
 
+def measure_host_link(device: Any = "cpu", nbytes: int = 64 * 2 ** 20, repeats: int = 5) -> dict[str, Any]:
+    """The host link's bandwidth on ``device`` (bytes/s), as activation offload uses it: on CUDA a
+    device tensor copied to pinned host memory and back (fastest of ``repeats`` each way; the slower
+    direction is the figure); on CPU the device is host memory, so a memcpy between two buffers."""
+    device = torch.device(device)
+    if nbytes < 1 or repeats < 1:
+        raise HGraphError(f"measure_host_link: nbytes and repeats must be positive, got {nbytes}, {repeats}")
+    cuda = device.type == "cuda"
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+
+    def fastest(dst: torch.Tensor, source: torch.Tensor) -> float:
+        dst.copy_(source, non_blocking=cuda)          # warm-up (first touch of the pages)
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dst.copy_(source, non_blocking=cuda)
+            if cuda:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t0)
+        return nbytes / max(min(times), 1e-9)
+
+    to_host = fastest(host, src)
+    to_device = fastest(src, host)
+    what = (f"measured on {device} (pinned host memory, {nbytes} bytes, fastest of {repeats} each way)"
+            if cuda else f"measured on the CPU: a memcpy of {nbytes} bytes (the device is host memory)")
+    return {"bytes_per_s": min(to_host, to_device), "to_host_bytes_per_s": to_host,
+            "to_device_bytes_per_s": to_device, "source": what}
+
+
 def measure_activation_coeff(build: Callable[[int], Any], hidden: int, vocab: int, length: int = 256) -> float:
     """``A``: activation bytes saved per token per layer, divided by the hidden size (TP = 1)."""
     one, two = build(1), build(2)
@@ -161,5 +198,6 @@ def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, l
                             "parameter count (16 bytes/parameter, 12 sharded)"}
     cost = CostModel(name=name, model=ModelShape(hidden, layers, vocab), profiled=profiled,
                      util_len_tokens={1: max(util, 1)}, memory=memory, world_size=max(s.num_ranks for s in schemes),
-                     gpus_per_node=1, extra={"cluster": {"gpu": device, "gpus_per_node": 1}, "profiling": raw})
+                     gpus_per_node=1, extra={"cluster": {"gpu": device, "gpus_per_node": 1}, "profiling": raw,
+                                             HOST_LINK_KEY: measure_host_link(device.split()[0])})
     return cost, raw

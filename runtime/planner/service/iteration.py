@@ -28,10 +28,12 @@ from hgraph.runtime.planner import selection
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
-from hgraph.runtime.planner.cost.ulysses import ulysses_degrees
+from hgraph.runtime.planner.cost.profiler import measure_host_link
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
                                                         default_device_memory, is_runtime_model,
                                                         with_device_memory)
+from hgraph.runtime.planner.cost.ulysses import ulysses_degrees
+from hgraph.runtime.planner.schedule.offload import with_host_link
 from hgraph.runtime.planner.service.plan_ahead import PlannerLost
 from hgraph.strategy import Strategy, parse_strategy_list
 
@@ -122,8 +124,9 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                         device: Any = None, dtype: Any = None, ulysses: bool | None = None):
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
-    ``dtype`` (CPU, fp32 by default). Needs a zoo Llama-style model. ``ulysses``: time the all-to-all
-    of the Ulysses degrees the model's heads allow and derive its UL schemes (None: on a GPU only)."""
+    ``dtype`` (CPU, fp32 by default), with the host link's bandwidth measured there. Needs a zoo
+    Llama-style model. ``ulysses``: time the all-to-all of the Ulysses degrees the model's heads allow
+    and derive its UL schemes (None: on a GPU only)."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
@@ -134,7 +137,8 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
                                        rank, world_size, groups, tp_slots=tp_slots, progress=progress,
                                        device=device, dtype=dtype,
                                        ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses))
-    return cost
+    # the host link activation offload copies over, measured on this rank's device (schedule.offload)
+    return with_host_link(cost, measure_host_link(device if device is not None else "cpu"))
 
 
 def measured_ulysses_degrees(prior: Any, world_size: int, device: Any, ulysses: bool | None) -> list[int]:

@@ -21,7 +21,9 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
-from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget
+from hgraph.runtime.engine.offload import default_host_budget
+from hgraph.runtime.planner.schedule.offload import host_link_bytes_per_s
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget, with_offload
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, measured_ulysses_degrees, model_cost_model,
                                                       parse_candidates)
@@ -53,6 +55,8 @@ class PlannerSetup:
     method: str = "fast"                       # dispatch method: fast | greedy | cpsat
     time_limit_s: float = 10.0                 # seconds per CP-SAT solve
     memory_budget: Optional[float] = None      # activation bytes per rank: the recomputation it forces is priced
+    offload: str = "off"                       # activation offload (off | on | auto): priced with the recomputation
+    host_memory_budget: Optional[float] = None  # its host bytes per rank (None: half the RAM over the node's ranks)
     plan_ahead: int = 2                        # steps planned ahead in the planner process (0: inline)
     tokens_per_iter: int = 8192
     gpus_per_node: int = 8
@@ -105,6 +109,11 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
             compiled_step=setup.compiled_step)
     finally:
         bar.close()
+    if setup.offload != "off":
+        host = setup.host_memory_budget
+        if host is None:
+            host = default_host_budget(min(setup.gpus_per_node, world_size))
+        planner.cost = with_offload(planner.cost, setup.offload, host)
     if rank == 0 and setup.log:
         c = planner.cost
         log.info(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
@@ -112,6 +121,8 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
               f"set up in {time.perf_counter() - t0:.1f} s"
               + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
                  f"{max_len_table(c)}" if planner.device_memory is not None else "")
+              + (f"; offload {setup.offload}, host budget {c.host_budget_bytes / 2 ** 30:.1f} GiB per rank, "
+                 f"host link {host_link_bytes_per_s(c) / 1e9:.1f} GB/s" if setup.offload != "off" else "")
               + (f"; plans {setup.plan_ahead} steps ahead in process {channel.pid}" if channel is not None
                  else "; plans inline"))
     if rank == 0 and setup.profile == "measure" and setup.profile_path is not None:

@@ -131,6 +131,24 @@ def test_blocks_recomputed_under_a_memory_budget_run_eagerly_and_the_rest_compil
     assert compiled[-1].compiles == ex.region_compiles.total
 
 
+def test_offloaded_blocks_stay_compiled_and_train_like_pytorch():
+    """Offload (``engine.offload``) keeps a block compiled: its regions' saved tensors go through the
+    offload's hooks to host memory (AOTAutograd's partition saves less than eager autograd: it
+    recomputes cheap pointwise ops), and the run equals ``torch.optim.Adam`` on the model under the
+    noise-aware comparison (offload itself changes no bit: ``test_offload``)."""
+    batches = list(mini_batches(_docs(), 64, 2))
+    eager, _ = _run("off", batches[:1], offload="on")
+    model, opt, ex, program = _one_rank("on", "aot_eager", offload="on")
+    steps = [ex.step(program, [[MicroBatch.pack([d.input_ids for d in b.docs])]], b.num_targets, k)
+             for k, b in enumerate(batches)]
+    assert all(r.offload_layers == [2] for r in eager + steps)
+    assert 0 < steps[0].host_peak_bytes < eager[0].host_peak_bytes
+    assert ex.region_compiles.total > 0 and not ex.region_compiles.eager
+    reference = reference_run(model, batches, LR)
+    assert_trained_like([r.loss for r in steps], {n: p.detach().clone() for n, p in opt.params.items()},
+                        reference, names=[n for n, _ in model.named_parameters()])
+
+
 def test_a_compile_mode_or_backend_torch_does_not_know_is_one_line():
     with pytest.raises(HGraphError, match="--compile 'yes': expected one of auto, on, off"):
         compile_wanted("yes", torch.device("cpu"))

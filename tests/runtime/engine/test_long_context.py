@@ -8,7 +8,8 @@ tokens round-robin.
 
 Recomputation replays exactly the same ops on the same values, so a run with a memory budget must
 give *bitwise* the same losses and parameters as the run without (tolerance 0), not only match the
-reference within its fp32 tolerance.
+reference within its fp32 tolerance; so must a run whose blocks offload their saved tensors to host
+memory (copies change no value).
 
 One spawn of 4 gloo processes runs every multi-rank case of this module.
 """
@@ -39,6 +40,12 @@ CP_CASES = [
 ]
 # without a budget the accounting is asked for (track_memory): the peaks are compared
 RUNS = [(s, dict(o, memory_budget=b, track_memory=True)) for s, o in CP_CASES for b in (None, BUDGET)]
+# activation offload (engine/offload) in pipelines: (schedule, options, the RUNS index of the same run
+# without offload, which it must equal bitwise, or None)
+OFFLOAD_RUNS = [
+    ("1xTP1PP2CP2", {"cp_sharding": "adaptive", "memory_budget": BUDGET, "offload": "on"}, 5),
+    ("1xTP2PP2;2xTP1PP2", {"offload": "on"}, None),                    # every block, TP and PP, switching
+]
 # DCP-inter: homogeneous DP whose SP size follows each mini-batch (6 tokens per rank and micro-batch:
 # a mini-batch whose longest document has 13 tokens runs on CP4, one of 7..12 tokens on CP2)
 DCP_RUN = ("4xTP1PP1", {"balance": "dcp-inter", "microbatch_tokens": 6})
@@ -94,6 +101,14 @@ def _worker(rank, world):
                      "final": final if rank == 0 else None, "peaks": [s.peak_mem_bytes for s in steps],
                      "predicted": [s.predicted_mem_bytes for s in steps],
                      "recompute": [s.recompute_layers for s in steps], "live_after": live_after})
+    offloaded = []
+    for schedule, options, _ in OFFLOAD_RUNS:
+        trainer = Trainer(EQ._config("tiny", schedule, world, {}, options), rank, world, groups)
+        steps = [trainer.step(b) for b in EQ._batches()]
+        final = trainer.final_state_dict()
+        offloaded.append({"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+                          "final": final if rank == 0 else None, "offload": [s.offload_layers for s in steps],
+                          "host_peaks": [s.host_peak_bytes for s in steps]})
     trainer = Trainer(EQ._config("tiny", DCP_RUN[0], world, {}, DCP_RUN[1]), rank, world, groups)
     steps = [trainer.step(b) for b in EQ._batches()]
     final = trainer.final_state_dict()          # collective: every rank gathers
@@ -103,7 +118,7 @@ def _worker(rank, world):
     counts = {(lengths, method): c for method in ("per-document", "per-sequence")
               for lengths, c in _count_attention(rank, world, groups, method,
                                                  (tuple(DIVISIBLE), tuple(NOT_DIVISIBLE))).items()}
-    return {"runs": runs, "counts": counts, "dcp": dcp}
+    return {"runs": runs, "counts": counts, "dcp": dcp, "offload": offloaded}
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +140,29 @@ def test_cp_with_and_without_recomputation_matches_single_process_adam(results, 
     assert result["strategies"] == [expected[k % len(expected)] for k in range(EQ.STEPS)]
     _matches_reference(result, reference)
     assert len({tuple(r["runs"][run]["losses"]) for r in results}) == 1
+
+
+@pytest.mark.parametrize("run", range(len(OFFLOAD_RUNS)))
+def test_pipelines_with_offload_match_single_process_adam(results, reference, run):
+    schedule, options, same = OFFLOAD_RUNS[run]
+    result = results[0]["offload"][run]
+    expected = [str(Strategy.parse(s)) for s in schedule.split(";")]
+    assert result["strategies"] == [expected[k % len(expected)] for k in range(EQ.STEPS)]
+    _matches_reference(result, reference)
+    assert len({tuple(r["offload"][run]["losses"]) for r in results}) == 1
+    moved = [n for r in results for step in r["offload"][run]["offload"] for n in step]
+    if "memory_budget" not in options:    # every block of every micro-batch, on every rank
+        layers = [4 // Strategy.parse(s).pipelines[0].pp for s in schedule.split(";")]
+        for r in results:
+            assert [set(step) for step in r["offload"][run]["offload"]] == [
+                {layers[k % len(layers)]} for k in range(EQ.STEPS)]
+    elif options["offload"] == "on":      # where the budget is not met, offload before recomputing
+        assert any(n > 0 for n in moved)
+    if same is not None:                  # copies change no bit: the same run without offload
+        plain = results[0]["runs"][same]
+        assert RUNS[same][0] == schedule and result["losses"] == plain["losses"]
+        for name, value in plain["final"].items():
+            assert torch.equal(result["final"][name], value), name
 
 
 def test_sp_accumulation_matches_single_process_adam_with_a_per_batch_sp_size(results, reference):

@@ -64,6 +64,24 @@ def test_table_groups_identical_ranks_and_names_those_over_the_limit(capsys):
     assert ranks_text([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
 
 
+def test_offload_moves_every_blocks_stash_to_the_host_column(capsys):
+    """tiny (4 layers) under 1xTP1PP2 (2 layers a stage): stage 0 holds 2 micro-batches of 2 layers;
+    offloaded, all of that is in host memory and the device keeps the 2 layers a backward brings
+    back; the last stage keeps its head's and loss's activations on the device too."""
+    base = ("--model", "llama:tiny", "--strategy", "1xTP1PP2", "--tokens", "512", "--json")
+    plain = json.loads(run(capsys, *base)[1])["ranks"]
+    code, out, err = run(capsys, *base, "--offload", "on", "--host-memory-budget", "1M")
+    assert code == 0, err
+    doc = json.loads(out)
+    first, last = doc["ranks"]
+    assert first["host_activations"] == plain[0]["activations"] and first["activations"] == plain[0]["activations"] // 2
+    assert last["host_activations"] == first["host_activations"] // 2                 # one micro-batch in flight
+    assert last["activations"] == plain[1]["activations"]                             # 2 layers back: all of them
+    assert doc["offload"] and doc["host_memory"] == 2 ** 20
+    assert doc["host_exceeding_ranks"] == [r["rank"] for r in doc["ranks"] if r["host_activations"] > 2 ** 20]
+    assert "host" in run(capsys, *base[:-1], "--offload", "on")[1].splitlines()[1].split()
+
+
 def test_a_7b_model_on_64_ranks_is_counted_without_allocating_it(capsys):
     code, out, err = run(capsys, "--model", "llama:7b", "--strategy", "4xTP8PP2", "--world-size", "64",
                          "--dtype", "bf16", "--device-memory", "80G", "--json")

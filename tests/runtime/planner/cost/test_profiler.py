@@ -54,3 +54,10 @@ def test_profile_errors(capsys, argv, match):
     code = main(args)
     err = capsys.readouterr().err
     assert code == 2 and match in err and err.count("\n") == 1
+
+
+def test_the_host_link_is_measured_on_the_device_it_serves():
+    from hgraph.runtime.planner.cost.profiler import measure_host_link
+    link = measure_host_link("cpu", nbytes=2 ** 20, repeats=2)
+    assert link["bytes_per_s"] == min(link["to_host_bytes_per_s"], link["to_device_bytes_per_s"]) > 0
+    assert "memcpy" in link["source"]
