@@ -41,7 +41,8 @@ from hgraph.runtime.comm.collectives import reduce_scatter_single
 #: DDP's default bucket cap (``bucket_cap_mb=25``).
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
-Contribution = Callable[[str, Optional[torch.Tensor], int, int], torch.Tensor]
+# (name, gradient, lo, hi) -> the gradient's rows [lo, hi) in its own dtype (the bucket's copy casts them)
+Contribution = Callable[[str, torch.Tensor, int, int], torch.Tensor]
 
 
 @dataclass

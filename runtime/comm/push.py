@@ -73,20 +73,42 @@ class PushGradient:
             out[name] = [r for lo, hi in contributions for r in uncovered_ranges(lo, hi, reduced)]
         return out
 
-    def _contribution(self, name: str, grad: Optional[torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        """Rows ``[lo, hi)`` (full-parameter coordinates) of this rank's fp32 gradient (zeros if none)."""
+    def _contribution(self, name: str, grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` (full-parameter coordinates) of this rank's gradient of ``name``, in the working
+        dtype: callers copy them into fp32 buffers with one ``_foreach_copy_``, which casts as it copies
+        (one fused kernel on CUDA, where a ``.float()`` per parameter launched one each)."""
         p = self.params
         dim = p.program.push_plans[name].param.shard_dim
         offset = 0
         for a, b in p.shards[name].ranges:
             if a <= lo and hi <= b:
-                if grad is None:
-                    shape = list(rows(p.working[name], dim).shape)
-                    shape[0] = hi - lo
-                    return torch.zeros(shape, dtype=torch.float32, device=p.masters[name].device)
-                return rows(grad, dim).narrow(0, offset + lo - a, hi - lo).float()
+                return rows(grad, dim).narrow(0, offset + lo - a, hi - lo)
             offset += b - a
         raise AssertionError(f"rank {p.rank} pushes rows [{lo}, {hi}) of {name!r} that it does not hold")
+
+    def _fp32_rows(self, wanted: list[tuple[str, int, int]], grads: Mapping[str, Optional[torch.Tensor]]
+                   ) -> list[torch.Tensor]:
+        """The fp32 rows ``(name, lo, hi)`` of this rank's gradients (zeros where it has none), as views
+        of one buffer filled by one cast-and-copy."""
+        p = self.params
+        shapes = []
+        for name, lo, hi in wanted:
+            shape = list(rows(p.working[name], p.program.push_plans[name].param.shard_dim).shape)
+            shape[0] = hi - lo
+            shapes.append(shape)
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        complete = all(grads.get(name) is not None for name, _, _ in wanted)
+        device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
+        flat = (torch.empty if complete else torch.zeros)(sum(sizes), dtype=torch.float32, device=device)
+        views = [v.view(s) for v, s in zip(flat.split(sizes), shapes)]
+        dests, srcs = [], []
+        for (name, lo, hi), view in zip(wanted, views):
+            if grads.get(name) is not None:
+                dests.append(view)
+                srcs.append(self._contribution(name, grads[name], lo, hi))
+        if dests:
+            torch._foreach_copy_(dests, srcs)
+        return views
 
     # ---- the step's reductions -----------------------------------------------------------------
     def begin_step(self) -> None:
@@ -146,8 +168,9 @@ class PushGradient:
         self.flush(grads)                 # 1. reduce-scatters among replicas (mostly issued in backward)
         self.buckets.wait(held)
         self.count_reductions()
-        for name, own in self._own_rows.items():      # own rows that no reduce-scatter carries
-            held[name].extend(((lo, hi), self._contribution(name, grads.get(name), lo, hi)) for lo, hi in own)
+        own = [(name, lo, hi) for name, ranges in self._own_rows.items() for lo, hi in ranges]
+        for (name, lo, hi), t in zip(own, self._fp32_rows(own, grads)):   # rows no reduce-scatter carries
+            held[name].append(((lo, hi), t))
         for name in p.order:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)

@@ -1,10 +1,13 @@
-"""A bf16 training step runs every matmul on bf16 inputs, and casts each fp32 master once.
+"""A bf16 training step runs every matmul on bf16 inputs, and casts each fp32 master once, in batches.
 
 On a GPU an fp32 GEMM in a bf16 step runs without tensor cores (a SIMT kernel, ~10x slower than the
 bf16 one, which accumulates in fp32 anyway). One step of a tiny Llama (one rank, two micro-batches)
 runs under a ``TorchDispatchMode`` that records the dtypes of every matmul-like op's operands and
 every fp32 -> bf16 copy: no GEMM or attention above a few elements may see an fp32 operand, and the
-pull casts each fp32 master to the working dtype at most once per step (not once per use).
+pull casts each fp32 master to the working dtype at most once per step (not once per use). The pull's
+and the push's casts (fp32 masters to bf16, bf16 gradients to fp32) are batched: a few
+``_foreach_copy_`` calls carry every parameter (one fused kernel each on CUDA), not one op per
+parameter, whose launches kept a GPU waiting for the host.
 """
 from __future__ import annotations
 
@@ -37,8 +40,13 @@ def _is_attention(func) -> bool:
 class PrecisionWatch(TorchDispatchMode):
     """Records matmul-like ops with an fp32 operand and the fp32 sources of bf16 copies."""
 
-    def __init__(self) -> None:
+    def __init__(self, masters: frozenset = frozenset(), grad_storages=lambda: set()) -> None:
         super().__init__()
+        self.masters = masters                            # the fp32 masters' data pointers
+        self.grad_storages = grad_storages                # the working gradients' storages, when asked
+        self.grad_casts: collections.Counter = collections.Counter()    # op index -> gradients it cast
+        self.master_casts: collections.Counter = collections.Counter()  # op index -> masters it cast
+        self.ops = 0
         self.gemms = 0
         self.fp32_gemms: list[str] = []
         self.cast_sources: collections.Counter = collections.Counter()   # data_ptr -> fp32 -> bf16 copies
@@ -61,9 +69,16 @@ class PrecisionWatch(TorchDispatchMode):
             else:
                 dests, srcs = args[0], args[1]
                 pairs = list(zip(dests, srcs)) if isinstance(dests, (list, tuple)) else [(dests, srcs)]
+            grads = self.grad_storages()
             for dst, src in pairs:
                 if src.dtype == torch.float32 and dst.dtype == torch.bfloat16:
                     self.cast_sources[src.data_ptr()] += 1
+                    if src.data_ptr() in self.masters:
+                        self.master_casts[self.ops] += 1
+                elif (src.dtype == torch.bfloat16 and dst.dtype == torch.float32
+                      and src.untyped_storage().data_ptr() in grads):
+                    self.grad_casts[self.ops] += 1
+        self.ops += 1
         return out
 
 
@@ -81,13 +96,18 @@ def test_a_bf16_step_runs_every_matmul_in_bf16_and_casts_each_master_once():
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 50, 20)]
         mbs = [[MicroBatch.pack(docs[:2]), MicroBatch.pack(docs[2:])]]
-        watch = PrecisionWatch()
+        state = ex.rank_state(program)
+        masters = {p.data_ptr(): name for name, p in optimizer.params.items() if p.numel()}
+        watch = PrecisionWatch(frozenset(masters), lambda: {w.grad.untyped_storage().data_ptr() for w in state.working.values()
+                                        if w.grad is not None})
         with watch:
             result = ex.step(program, mbs, sum(len(d) - 1 for d in docs))
     finally:
         dist.destroy_process_group()
     assert torch.isfinite(torch.tensor(result.loss))
     assert watch.gemms > 50 and not watch.fp32_gemms, "\n".join(watch.fp32_gemms)
-    masters = {p.data_ptr(): name for name, p in optimizer.params.items() if p.numel()}
     pulled = {masters[ptr]: n for ptr, n in watch.cast_sources.items() if ptr in masters}
     assert pulled and max(pulled.values()) == 1, pulled
+    # batched: every parameter's cast, each way, in one of a few ops (the pull's and push's buckets)
+    assert len(pulled) >= 10 and len(watch.master_casts) <= 2, dict(watch.master_casts)
+    assert sum(watch.grad_casts.values()) >= 10 and len(watch.grad_casts) <= 2, dict(watch.grad_casts)
