@@ -29,7 +29,8 @@ ROOMS = ("hgraph.passes", "hgraph.frontends", "hgraph.runtime", "hgraph.tools")
 API_MODULES = {"hgraph", "hgraph.compiled", "hgraph.training"}   # the public API wires the rooms together, lazily
 # optional or heavy dependencies a module may import where it needs them
 LAZY_LIBRARIES = ("transformers", "matplotlib", "ortools", "flash_attn", "torch.nn.attention.varlen",
-                  "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets")
+                  "tensorboard", "torch.utils.tensorboard", "wandb", "safetensors", "tomllib", "tomli", "tokenizers", "pyarrow", "datasets",
+                  "torch._dynamo")     # a sixth of a process's start-up CPU time, needed only to compile
 # runtime's sub-rooms, lowest first: each may import those before it; research (offline studies and
 # the papers' baselines) comes last, so nothing a training run imports reaches it
 RUNTIME_ORDER = ("process", "kernels", "comm", "data", "engine", "checkpoint", "weights", "planner", "train", "research")
