@@ -87,8 +87,14 @@ class SchemeCosts:
 def estimate_many(S: np.ndarray, L: np.ndarray, tmax: np.ndarray, n: np.ndarray, k: np.ndarray, c: np.ndarray,
                   cap: np.ndarray, util: np.ndarray) -> np.ndarray:
     """``SchemeCosts.estimate`` of many pipelines at once, each with its scheme's ``k, c, cap, util``
-    (arrays of one shape; the same results as the scalar form)."""
+    (arrays of one shape; the same results as the scalar form).
+
+    With ``PP = 1`` and ``c > 0`` everywhere (the schemes chosen at 1024 GPUs and up),
+    ``V (max(S/V, t_max) + c)`` grows with ``V``, so the scalar form always keeps ``V = vmin``:
+    that is computed alone, with the same expression (the same floats), at a third of the work."""
     vmin = np.maximum(-(-L // cap), 1)
+    if not k.any() and bool((c > 0).all()):
+        return np.where(n > 0, vmin * (np.maximum(S / vmin, tmax) + c), 0.0)
     vmax = np.maximum(np.minimum(L // util, n), vmin)
     with np.errstate(divide="ignore", invalid="ignore"):
         knee = np.where(tmax > 0, S / np.where(tmax > 0, tmax, 1.0), vmax)
