@@ -84,8 +84,8 @@ def test_many_documents_cap_the_local_search_rounds(monkeypatch):
 
 
 def test_dealing_a_schemes_documents_into_its_microbatches_balances_lumpy_pipelines():
-    """CP pipelines holding a few long documents each pack unevenly on their own; dealt again over
-    all micro-batches of the scheme they pack lower, every document once, within MaxLen."""
+    """CP pipelines holding a few long documents each pack unevenly on their own; dealt over all
+    micro-batches of their scheme the same dispatch packs lower, every document once, within MaxLen."""
     from hgraph.runtime.planner.cost.cost_model import load_cost_model as load
     cost = load("llama-32b", world_size=320)
     pipes = Strategy.parse("4xTP4PP1CP8+16xTP4PP1").pipelines
@@ -95,7 +95,7 @@ def test_dealing_a_schemes_documents_into_its_microbatches_balances_lumpy_pipeli
         groups, of = scheme_costs(pipes, cost, lengths)
         members, _ = df._greedy_members_chunked(lengths, groups, of)
         own = df.pack_dispatch(lengths, pipes, cost, members)
-        dealt = df.repack_bottleneck_groups(lengths, pipes, own, groups, of)
+        dealt = df.deal_dispatch(lengths, pipes, cost, members, groups, of)
         assert dealt.latency < own.latency
         assert sorted(i for a in dealt.assignment for i in a.tolist()) == list(range(lengths.size))
         for p, pk, a in zip(pipes, dealt.packs, dealt.assignment):
