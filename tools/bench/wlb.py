@@ -52,8 +52,8 @@ def synthetic_lengths(shape: str, seed: int, size: int = 400_000) -> np.ndarray:
 
 def wlb_default(lengths: np.ndarray, batches: int, n: int = 4) -> dict:
     """The headline WLB row (the packer's default two outlier queues, at L/2 and 3L/4 of the 128K
-    context, micro-batches up to the memory limit) on the first ``batches`` global batches of ``n x 128K`` tokens of ``lengths``
-    (truncated to 128K)."""
+    context, micro-batches up to the memory limit) on the first ``batches`` global batches of
+    ``n x 128K`` tokens of ``lengths`` (truncated to 128K)."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), CONTEXT)
     scheme = Scheme(8, 2, 2)
     cost = load_cost_model("llama-7b", 64)

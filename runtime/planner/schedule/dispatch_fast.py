@@ -174,9 +174,11 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
         pos += take
         # ``after`` took the chunk's longest document on every picked pipeline (and the surrogate's
         # smaller token limit), so the exact surrogate is computed only when ``after`` passes.
-        if stop_above < math.inf and float(after[picked].max()) > stop_above and float(estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked],
-                                                         c[picked], caps[picked], util[picked]).max()) > stop_above:
-            return None
+        if stop_above < math.inf and float(after[picked].max()) > stop_above:
+            now = estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked], c[picked], caps[picked],
+                                util[picked])
+            if float(now.max()) > stop_above:
+                return None
     surrogate = float(estimate_many(S, L, tmax, n, k, c, caps, util).max(initial=0.0))
     members: list[list[int]] = [[] for _ in range(D)]
     for i, j in zip(order.tolist(), owner[order].tolist()):   # longest first, as the one-by-one pass
