@@ -2,7 +2,8 @@
 
 The queues and their release rule are ``hgraph.runtime.data.wlb_packing.WLBPacker``'s (Alg. 1): a document
 at least ``thresholds[0]`` tokens long waits in FIFO queue ``i`` (``L_i <= len < L_{i+1}``; default
-``L / 2^(K-i)`` with ``L`` the longest document of the data) until the queue holds ``release``
+``L / 2^(K-i)`` with ``L`` the longest document of the data, ``stream_thresholds``; the packer's
+own default differs and a checkpoint stores these) until the queue holds ``release``
 documents, then all of them join the step. WLB releases one per micro-batch; here ``release`` is the
 world size (one per rank) capped by how many documents of length ``L`` a step's budget holds
 (``release_size``): a larger group would not fit one step and would be split anyway (measured:
@@ -62,6 +63,12 @@ def _next_fit_steps(lengths: Sequence[int], budget: int) -> int:
     return steps
 
 
+def stream_thresholds(longest: int, num_queues: int) -> list[int]:
+    """The stream's queue thresholds ``L / 2^(K-i)`` of the longest document ``L``: fixed here,
+    apart from the packer's default, because checkpoints store them and a resume compares."""
+    return [max(1, int(longest) >> (num_queues - i)) for i in range(num_queues)]
+
+
 class DelayedMiniBatches:
     """The mini-batches of one run with outlier delay; ``state()`` after any batch
     is what a checkpoint stores, ``DelayedMiniBatches(..., state=that)`` continues from it."""
@@ -78,8 +85,8 @@ class DelayedMiniBatches:
         longest = int(doc_lengths(docs).max())
         # WLBPacker holds the queues and releases them (Alg. 1); latency only matters to its packing,
         # which this stream does not use.
-        self.wlb = WLBPacker(DocLatency(1.0, 0.0), max(1, int(release)), longest, num_queues=num_queues,
-                             refine_steps=0)
+        self.wlb = WLBPacker(DocLatency(1.0, 0.0), max(1, int(release)), longest,
+                             outlier_thresholds=stream_thresholds(longest, num_queues), refine_steps=0)
         self.position, self.step, self.draining = 0, 0, False
         self.held: list[StreamDoc] = []
         if state is not None:

@@ -166,11 +166,12 @@ def _select_fast(lengths, bounds, cost, previous=None):
     passes early."""
     greedy = []
     best_latency = float("inf")
+    best_packed = float("inf")  # bounds prune against plans that exist, not against a surrogate
     pruned = 0
     if previous is not None:
         bounds = sorted(bounds, key=lambda x: x[2] != previous)   # stable: bound order otherwise
     for lb, _, s in bounds:
-        if lb >= best_latency:
+        if lb >= best_packed:
             pruned += 1
             continue
         res = dispatch_fast(lengths, s.pipelines, cost, polish=False, stop_above=best_latency * (1 + IMPROVE_MARGIN))
@@ -178,7 +179,11 @@ def _select_fast(lengths, bounds, cost, previous=None):
             continue   # many pipelines: its screening pass passed the margin over the best, it cannot win
         greedy.append((res.latency, lb, s, res))
         best_latency = min(best_latency, res.latency)
-    greedy.sort(key=lambda x: x[0])
+        if res.packs:
+            best_packed = min(best_packed, res.latency)
+    # The previous strategy's full plan first (it mostly wins again): what it achieves prunes the
+    # others, then the rest by screened latency.
+    greedy.sort(key=lambda x: (x[2] != previous, x[0]))
     best = None
     many_left = IMPROVE_MANY_PIPELINES
     missed_by: dict[frozenset, float] = {}
@@ -186,8 +191,8 @@ def _select_fast(lengths, bounds, cost, previous=None):
         many = len(s.pipelines) > CHUNKED_PIPELINES
         if best is not None and lb >= best[0].latency:
             continue
-        if best is not None and not many and latency > best_latency * (1 + IMPROVE_MARGIN):
-            continue
+        if not many and latency > min(best_packed, best[0].latency if best else math.inf) * (1 + IMPROVE_MARGIN):
+            continue   # against plans that exist: a many-pipeline screening is a surrogate, often low
         if many:
             # Screened on the surrogate, a lower bound of the packed greedy pass that can be a few
             # percent low (micro-batches that do not fill): packed while it stays below the best
@@ -265,10 +270,11 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
     res, strategy = best
     pipelines = []
     first_rank = 0
+    seq_times: dict[Scheme, np.ndarray] = {}
     for j, (p, pk) in enumerate(zip(strategy.pipelines, res.packs)):
         # The estimate is recomputed with the cost model's own functions, so that
         # ``estimate_plan(plan, cost) == plan.est_latency_ms`` holds exactly.
-        mb_times = [cost.microbatch_time(lengths[mb], p) for mb in pk.microbatches]
+        mb_times = _microbatch_times(lengths, pk.microbatches, p, cost, seq_times)
         pipelines.append(PipelinePlan(scheme=p, ranks=list(range(first_rank, first_rank + p.num_ranks)),
                                       microbatches=[ids[mb].tolist() for mb in pk.microbatches],
                                       est_latency_ms=cost.pipeline_time(mb_times, p)))
@@ -278,6 +284,19 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
                 solve_ms=(time.perf_counter() - t0) * 1e3,
                 doc_lengths=dict(zip(ids.tolist(), lengths.tolist())), index=index,
                 candidates_evaluated=evaluated, candidates_pruned=pruned, candidates_skipped=skipped)
+
+
+def _microbatch_times(lengths: np.ndarray, microbatches, scheme: Scheme, cost, seq_times: dict) -> list[float]:
+    """``cost.microbatch_time`` of each micro-batch, bit for bit: without an activation budget the
+    per-document times are computed once per scheme for the whole mini-batch (elementwise the same
+    values, summed by ``np.sum`` in the same order), which at 1024 GPUs saves ~1,000 calls."""
+    if cost.activation_budget_bytes is not None:
+        return [cost.microbatch_time(lengths[mb], scheme) for mb in microbatches]
+    t = seq_times.get(scheme)
+    if t is None:
+        t = seq_times[scheme] = cost.seq_time(lengths, scheme)
+    c = cost.coeffs(scheme)[2]
+    return [float(np.sum(t[mb])) + c for mb in microbatches]
 
 
 def homogeneous_strategies(cost, gpus: int, max_len: int | None = None) -> list[Strategy]:
@@ -297,6 +316,41 @@ AUTO_SAMPLES = 8
 AUTO_SAMPLE_TOKENS = 1_600_000
 # ``auto_candidates`` also draws from a wider proposal: the best 4 roundings per length, 16 candidates.
 AUTO_WIDE_PROPOSAL = {"per_len": 4, "max_candidates": 16}
+# ... and, with many pipelines, from share variants of the proposal's two-scheme mixes: the scheme
+# of the longer MaxLen given this many times its pipelines (``share_variants``).
+SHARE_STEPS = (1.1, 1.2, 1.3, 1.4)
+
+
+def share_variants(strategy: Strategy, cost, gpus: int) -> list[Strategy]:
+    """``strategy``, a mix of two schemes, with more of the GPUs on the scheme of the longer MaxLen
+    (``SHARE_STEPS`` times its pipelines, the other scheme taking the rest); [] for other mixes.
+
+    Why: the proposal sizes that scheme by the work of the documents only it holds, but they come
+    in whole documents that fill its micro-batches unevenly: at 12,288 GPUs (llama-32b, 32K) the
+    proposed 105-107 ``TP4PP1CP8`` pipelines beside ``TP4PP1`` packed 8% above their surrogate and
+    lost to the homogeneous strategy, while 128-144 of them planned ~3% faster than it."""
+    counts: dict[Scheme, int] = {}
+    for d, p in strategy.groups():
+        counts[p] = counts.get(p, 0) + d
+    if len(counts) != 2:
+        return []
+    long, short = sorted(counts, key=lambda p: (-cost.max_len(p), str(p)))
+    out: list[Strategy] = []
+    for step in SHARE_STEPS:
+        d = math.ceil(counts[long] * step)
+        while d * long.num_ranks <= gpus and (gpus - d * long.num_ranks) % short.num_ranks:
+            d += 1
+        rest = gpus - d * long.num_ranks
+        if rest < 0:
+            break
+        variant = Strategy.parse(f"{d}x{long}" + (f"+{rest // short.num_ranks}x{short}" if rest else ""))
+        try:
+            _validate(variant, gpus, cost.gpus_per_node)
+        except HGraphError:
+            continue
+        if variant != strategy and variant not in out:
+            out.append(variant)
+    return out
 
 
 def sequence_families(cost, max_len: int) -> list[list[Scheme]]:
@@ -397,6 +451,9 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     if uncharged_too:
         uncharged = [s for s in proposal(False, **cap) if s not in proposed and len(s.pipelines) <= CHUNKED_PIPELINES]
     wide = proposal(charge, **AUTO_WIDE_PROPOSAL) + (proposal(False, **AUTO_WIDE_PROPOSAL) if uncharged_too else [])
+    many = len(proposed[-1].pipelines) > CHUNKED_PIPELINES
+    if many:
+        wide += [v for s in proposed for v in share_variants(s, cost, gpus)]
     for family in sequence_families(cost, max_len):
         # uncapped, a family's candidates join the proposed ones; under a cap, the sampled pool
         picks = proposal(charge, schemes=family, **cap)
@@ -414,17 +471,24 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
             fitting = [s for s in pool if _fits(s, cost, longest)]
             bounds = sorted(((strategy_lower_bound(b, s, cost), i, s) for i, s in enumerate(fitting)),
                             key=lambda x: (x[0], x[1]))
-            # The screening pass of plan_iteration's fast method (one greedy pass per candidate).
+            # Few pipelines: the screening pass of plan_iteration's fast method (one greedy pass per
+            # candidate). Many: the full method, because the screening surrogate of a mix whose
+            # long-document scheme is short of pipelines reads several percent low.
             best, best_latency = None, math.inf
             for lb, _, s in bounds:
                 if lb >= best_latency:
                     break
-                latency = dispatch_fast(b, s.pipelines, cost, polish=False).latency
+                latency = dispatch_fast(b, s.pipelines, cost, polish=many, alg1_seed=False).latency
                 if latency < best_latency:
                     best, best_latency = s, latency
             if best is not None:
                 winners.add(best)
     extra = [s for s in wide if s in winners]
+    if many and winners:
+        # With many pipelines a candidate costs a screening pass of 10-60 ms per iteration: the
+        # proposal's candidates that won no sampled mini-batch give way to those that did (the
+        # full-context one is always kept).
+        proposed = [s for s in proposed[:-1] if s in winners] + proposed[-1:]
     fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
     if max_candidates is not None:
         room = max_candidates - len(proposed)

@@ -50,25 +50,17 @@ def synthetic_lengths(shape: str, seed: int, size: int = 400_000) -> np.ndarray:
     return np.maximum(x.astype(np.int64), 1)
 
 
-# The outlier thresholds of the bench's headline row: two queues at L/2 and 3L/4 of the 128K
-# context. Chosen on the Wikipedia lengths and a Pareto tail (seed 0), where WLBPacker's defaults
-# (one queue at L/2: 1.009 and 1.030; two at L/4, L/2: 1.010 and 1.035) left outliers of 64K-128K
-# tokens setting a micro-batch's floor; checked on tails it was not chosen on (log-normal seeds 0
-# and 1, Pareto seed 1: 1.006-1.011, against 1.018-1.031 with one queue).
-HEADLINE_THRESHOLDS = (CONTEXT // 2, 3 * CONTEXT // 4)
-
-
 def wlb_default(lengths: np.ndarray, batches: int, n: int = 4) -> dict:
-    """The headline WLB row (outlier queues at ``HEADLINE_THRESHOLDS``, micro-batches up to the
-    memory limit) on the first ``batches`` global batches of ``n x 128K`` tokens of ``lengths``
-    (truncated to 128K)."""
+    """The headline WLB row (the packer's default two outlier queues, at L/2 and 3L/4 of the 128K
+    context, micro-batches up to the memory limit) on the first ``batches`` global batches of
+    ``n x 128K`` tokens of ``lengths`` (truncated to 128K)."""
     lengths = np.minimum(np.asarray(lengths, dtype=np.int64), CONTEXT)
     scheme = Scheme(8, 2, 2)
     cost = load_cost_model("llama-7b", 64)
     lat = DocLatency.from_cost_model(cost, scheme)
     upto = int(np.searchsorted(np.cumsum(lengths), batches * n * CONTEXT * 2)) + 1
     picked = minibatches(lengths[:upto], n * CONTEXT)[:batches]
-    return run_packer(WLBPacker(lat, n, CONTEXT, capacity=cost.max_len(scheme), outlier_thresholds=HEADLINE_THRESHOLDS),
+    return run_packer(WLBPacker(lat, n, CONTEXT, capacity=cost.max_len(scheme)),
                       picked, lengths)
 
 
@@ -126,8 +118,6 @@ def main(argv=None) -> int:
         rows[f"wlb q={q} cap=context"] = run_packer(WLBPacker(lat, n, CONTEXT, num_queues=q), batches, lengths)
         rows[f"wlb q={q} cap=memory"] = run_packer(WLBPacker(lat, n, CONTEXT, capacity=memory, num_queues=q),
                                                    batches, lengths)
-    rows["wlb q=2 L/2,3L/4 cap=memory"] = run_packer(
-        WLBPacker(lat, n, CONTEXT, capacity=memory, outlier_thresholds=HEADLINE_THRESHOLDS), batches, lengths)
     if args.json:
         print(json.dumps({"context": CONTEXT, "micro_batches": n, "scheme": str(scheme), "memory_limit": memory,
                           "batches": len(batches), "rows": rows}))

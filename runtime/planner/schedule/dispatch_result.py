@@ -85,10 +85,20 @@ class SchemeCosts:
 
 
 def estimate_many(S: np.ndarray, L: np.ndarray, tmax: np.ndarray, n: np.ndarray, k: np.ndarray, c: np.ndarray,
-                  cap: np.ndarray, util: np.ndarray) -> np.ndarray:
+                  cap: np.ndarray, util: np.ndarray, *, counts: bool = False):
     """``SchemeCosts.estimate`` of many pipelines at once, each with its scheme's ``k, c, cap, util``
-    (arrays of one shape; the same results as the scalar form)."""
+    (arrays of one shape; the same results as the scalar form).
+
+    With ``PP = 1`` and ``c > 0`` everywhere (the schemes chosen at 1024 GPUs and up),
+    ``V (max(S/V, t_max) + c)`` grows with ``V``, so the scalar form always keeps ``V = vmin``:
+    that is computed alone, with the same expression (the same floats), at a third of the work.
+
+    ``counts=True`` returns the number of micro-batches each estimate is for as well (0 for an
+    empty pipeline)."""
     vmin = np.maximum(-(-L // cap), 1)
+    if not k.any() and bool((c > 0).all()):
+        est = np.where(n > 0, vmin * (np.maximum(S / vmin, tmax) + c), 0.0)
+        return (est, np.where(n > 0, vmin, 0)) if counts else est
     vmax = np.maximum(np.minimum(L // util, n), vmin)
     with np.errstate(divide="ignore", invalid="ignore"):
         knee = np.where(tmax > 0, S / np.where(tmax > 0, tmax, 1.0), vmax)
@@ -97,8 +107,9 @@ def estimate_many(S: np.ndarray, L: np.ndarray, tmax: np.ndarray, n: np.ndarray,
         best = (k + V) * (np.maximum(S / np.maximum(V, 1), tmax) + c)
         V2 = V + 1
         val = (k + V2) * (np.maximum(S / V2, tmax) + c)
-    best = np.where((V < vmax) & (val < best), val, best)
-    return np.where(n > 0, best, 0.0)
+    second = (V < vmax) & (val < best)
+    est = np.where(n > 0, np.where(second, val, best), 0.0)
+    return (est, np.where(n > 0, np.where(second, V2, V), 0)) if counts else est
 
 
 def check_eligible(lengths: np.ndarray, groups: list[SchemeCosts]) -> None:

@@ -120,3 +120,27 @@ def test_bad_input_is_reported():
         WLBPacker(LAT, 2, 100, outlier_thresholds=[50, 40])
     with pytest.raises(HGraphError, match="unknown packing method"):
         make_packer("best", LAT, 2, 100)
+
+
+def test_default_queues_split_the_upper_half_and_pack_a_long_tail_within_1_03():
+    """Two default queues sit at L/2 and 3L/4: on a seeded Pareto tail at 128K context (WLB bench
+    setting, memory-capped micro-batches) they pack below 1.03 and better than queues at L/4, L/2."""
+    from hgraph.runtime.data.lengths import minibatches
+    from hgraph.runtime.planner.cost.cost_model import load_cost_model
+    from hgraph.strategy import Scheme
+    from hgraph.tools.bench.wlb import synthetic_lengths
+
+    L = 131072
+    assert WLBPacker(LAT, 4, L).thresholds == [L // 2, 3 * L // 4]
+    lengths = np.minimum(synthetic_lengths("pareto", 0, size=40_000), L)
+    cost = load_cost_model("llama-7b", 64)
+    lat = DocLatency.from_cost_model(cost, Scheme(8, 2, 2))
+    batches = minibatches(lengths, 4 * L)[:30]
+    cap = cost.max_len(Scheme(8, 2, 2))
+
+    def mean_imbalance(packer):
+        return np.mean([packer.push(lengths[ids], ids).imbalance for ids in batches])
+
+    new = mean_imbalance(WLBPacker(lat, 4, L, capacity=cap))
+    old = mean_imbalance(WLBPacker(lat, 4, L, capacity=cap, outlier_thresholds=[L // 4, L // 2]))
+    assert new <= 1.03 and new < old

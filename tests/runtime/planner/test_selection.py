@@ -140,3 +140,29 @@ def test_auto_candidates_keep_at_most_max_candidates():
     assert auto_candidates(lengths, CM, 64, 32768, max_candidates=len(full))[0] == full   # room for all
     with pytest.raises(HGraphError, match="max_candidates must be >= 1"):
         auto_candidates(lengths, CM, 64, 32768, max_candidates=0)
+
+
+def test_many_pipeline_surrogates_never_prune_a_plan_that_exists():
+    """At 1024 GPUs a mix's screening surrogate (here 3.4% below the homogeneous strategy's packed
+    plan) packs 3.9% above it: the selection compares with plans that exist, so the choice is never
+    slower than the homogeneous strategy alone."""
+    from hgraph.runtime.data.builtin import length_sample
+    cost = load_cost_model("llama-32b", world_size=1024, gpus_per_node=8)
+    cands = [Strategy.parse(s) for s in ("9xTP4PP1CP8+184xTP4PP1", "10xTP4PP1CP8+176xTP4PP1", "32xTP4PP1CP8")]
+    for seed in (0, 3):
+        lengths = np.minimum(np.random.default_rng(seed).choice(length_sample(), size=6000), 32768)
+        lengths = lengths[:int(np.searchsorted(np.cumsum(lengths), 3_200_000))]
+        alone = plan_iteration(lengths, cands[-1:], cost)
+        assert plan_iteration(lengths, cands, cost).est_latency_ms <= alone.est_latency_ms
+
+
+def test_share_variants_give_the_long_document_scheme_more_gpus():
+    from hgraph.runtime.planner.selection import SHARE_STEPS, share_variants
+    cost = load_cost_model("llama-32b", world_size=12288, gpus_per_node=8)
+    mix = Strategy.parse("106xTP4PP1CP8+2224xTP4PP1")
+    variants = share_variants(mix, cost, 12288)
+    assert len(variants) == len(SHARE_STEPS)
+    longs = [sum(d for d, p in v.groups() if p.cp == 8) for v in variants]
+    assert longs == sorted(longs) and longs[0] > 106
+    assert all(v.num_ranks == 12288 for v in variants)
+    assert share_variants(Strategy.parse("384xTP4PP1CP8"), cost, 12288) == []

@@ -29,3 +29,17 @@ def test_bench_planner_tiny(tmp_path, capsys):
     assert small and report["quality"]["64"]
     assert report["packing"]["fast_over_cpsat"]["max"] >= 1 - 1e-9  # CP-SAT hinted with fast: never worse
     assert report["wlb"]["pareto"]["imbalance"] >= 1.0
+
+
+def test_bench_planner_headline_prints_the_summary(tmp_path, capsys):
+    rng = np.random.default_rng(1)
+    lengths = np.maximum(rng.lognormal(6.0, 1.4, size=1500).astype(np.int64), 1)
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)) + "\n")
+    assert bench_planner.main(["--lengths", str(path), "--headline", "--skip-1024", "--skip-12288", "--iters-64", "2",
+                               "--instances", "1", "--cpsat-seconds", "0.3", "--wlb-batches", "2", "--no-pin"]) == 0
+    out = capsys.readouterr().out
+    block = out[out.index("[headline]"):]
+    assert "64 GPUs: plan CPU ms p50" in block and "gap to the proven bound" in block
+    assert all(f"WLB {name}:" in block for name in ("lengths file", "pareto", "lognormal"))
+    assert "[quality, 16 GPUs" not in out and "[packing alone" not in out
