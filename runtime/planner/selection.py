@@ -446,6 +446,7 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
                        **opts).strategies
 
     proposed = proposal(charge, **cap)
+    full_context = proposed[-1]          # the proposal's last candidate holds the longest documents
     uncharged: list[Strategy] = []
     uncharged_too = microbatch_charge is None and len(proposed[-1].pipelines) <= CHUNKED_PIPELINES
     if uncharged_too:
@@ -488,7 +489,7 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
         # With many pipelines a candidate costs a screening pass of 10-60 ms per iteration: the
         # proposal's candidates that won no sampled mini-batch give way to those that did (the
         # full-context one is always kept).
-        proposed = [s for s in proposed[:-1] if s in winners] + proposed[-1:]
+        proposed = [s for s in proposed if s in winners or s == full_context]
     fallback = best_homogeneous(lengths, cost, gpus, max_len, tokens)
     if max_candidates is not None:
         room = max_candidates - len(proposed)
