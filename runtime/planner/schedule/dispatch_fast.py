@@ -123,9 +123,10 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
 
 
 def _scheme_arrays(groups: list[SchemeCosts], of: list[int]) -> tuple[np.ndarray, ...]:
-    """Per pipeline: ``k, c, cap, util`` of its scheme (for ``estimate_many``)."""
+    """Per pipeline: ``k, c, cap, util, pack_cap`` of its scheme (for ``estimate_many``)."""
     of_arr = np.asarray(of, dtype=np.int64)
-    return tuple(np.array([getattr(g, name) for g in groups])[of_arr] for name in ("k", "c", "cap", "util"))
+    return tuple(np.array([getattr(g, name) for g in groups])[of_arr]
+                 for name in ("k", "c", "cap", "util", "pack_cap"))
 
 
 def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: list[int], *,
@@ -141,8 +142,8 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
     passes ``stop_above``."""
     D = len(of)
     of_arr = np.asarray(of, dtype=np.int64)
-    k, c, caps, util = _scheme_arrays(groups, of)
-    vcaps = np.maximum((caps * (1 - CHUNK_CAP_SLACK)).astype(np.int64), 1)
+    k, c, caps, util, pcaps = _scheme_arrays(groups, of)
+    vcaps = np.maximum((pcaps * (1 - CHUNK_CAP_SLACK)).astype(np.int64), 1)
     tt = np.stack([g.t for g in groups])          # (schemes, docs)
     order = np.argsort(-lengths, kind="stable")
     S = np.zeros(D); L = np.zeros(D, dtype=np.int64); tmax = np.zeros(D); n = np.zeros(D, dtype=np.int64)
@@ -168,9 +169,9 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
         owner[chunk] = picked
         pos += take
         if stop_above < math.inf and float(estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked],
-                                                         c[picked], caps[picked], util[picked]).max()) > stop_above:
+                                                         c[picked], pcaps[picked], util[picked]).max()) > stop_above:
             return None
-    surrogate = float(estimate_many(S, L, tmax, n, k, c, caps, util).max(initial=0.0))
+    surrogate = float(estimate_many(S, L, tmax, n, k, c, pcaps, util).max(initial=0.0))
     members: list[list[int]] = [[] for _ in range(D)]
     for i, j in zip(order.tolist(), owner[order].tolist()):   # longest first, as the one-by-one pass
         members[j].append(i)
