@@ -387,6 +387,13 @@ def with_activation_budget(cost: CostModel, budget_bytes: float | None) -> CostM
     return replace(cost, activation_budget_bytes=budget_bytes)
 
 
+def without_relief(cost: CostModel) -> CostModel:
+    """``cost`` with neither a memory budget nor offload: every activation on the device."""
+    if not cost.relieves:
+        return cost
+    return replace(cost, activation_budget_bytes=None, offload="off")
+
+
 def with_offload(cost: CostModel, offload: str, host_budget_bytes: float | None) -> CostModel:
     """``cost`` whose micro-batch times price ``--offload`` ``offload`` within ``host_budget_bytes``
     of host memory per rank (None: unbounded), as a new model."""

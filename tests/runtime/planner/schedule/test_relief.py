@@ -87,3 +87,26 @@ def test_a_long_document_goes_to_the_narrow_scheme_with_relief_unless_the_host_l
     slow = with_offload(with_host_link(cost, {"bytes_per_s": 2e9, "source": "test"}), "auto", math.inf)
     assert slow.microbatch_time([200_000], TP4) > fast.microbatch_time([200_000], TP4)
     assert plan_iteration(lengths, [narrow, wide], slow).strategy == wide
+
+
+def test_the_engine_relieves_under_the_budget_the_planner_priced(cost):
+    """``--offload auto`` without ``--memory-budget``: the engine's budget for a scheme is the
+    planner's relief budget (the device's room), so a micro-batch placed past the plain MaxLen is
+    relieved to fit; ``--memory-budget`` is the one budget of both."""
+    from types import SimpleNamespace
+
+    from hgraph.runtime.train.step_modes import engine_memory_budget
+
+    planner = SimpleNamespace(cost=with_offload(cost, "auto", math.inf))
+    budget = engine_memory_budget(SimpleNamespace(planner=SimpleNamespace(memory_budget=None, offload="auto")), planner)
+    assert budget(TP4) == planner.cost.relief_budget(TP4) == _room(cost, TP4)
+    assert budget(Scheme(64, 1, 1)) is None                      # a scheme the cost model does not price
+    m = stage_activation_model(cost, TP4)
+    l = planner.cost.max_len(TP4)
+    assert m.peak((l, 0), cost.model.layers, 0) > budget(TP4)   # past the plain MaxLen: relief needed
+    roles, _ = layer_roles(planner.cost, [l], TP4, budget(TP4), offload="auto")
+    assert roles.fits and roles.predicted_peak <= budget(TP4)
+    given = SimpleNamespace(planner=SimpleNamespace(memory_budget=5e9, offload="auto"))
+    assert engine_memory_budget(given, planner) == 5e9
+    assert engine_memory_budget(SimpleNamespace(planner=SimpleNamespace(memory_budget=None, offload="on")),
+                                planner) is None
