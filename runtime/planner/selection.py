@@ -408,7 +408,7 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     if uncharged_too:
         uncharged = [s for s in proposal(False, **cap) if s not in proposed and len(s.pipelines) <= CHUNKED_PIPELINES]
     wide = proposal(charge, **AUTO_WIDE_PROPOSAL) + (proposal(False, **AUTO_WIDE_PROPOSAL) if uncharged_too else [])
-    for family in sequence_families(cost, max_len):
+    for family in sequence_families(proposing, max_len):
         # uncapped, a family's candidates join the proposed ones; under a cap, the sampled pool
         picks = proposal(charge, schemes=family, **cap)
         if max_candidates is None:
