@@ -212,7 +212,8 @@ class Executor:
     def __init__(self, compiled: CompiledModule, optimizer: ShardedOptimizer, rank: int, world_size: int,
                  groups: GroupCache,
                  device: Optional[torch.device] = None, skip_nonfinite: bool = False,
-                 memory_budget: Optional[float] = None, track_memory: bool = False,
+                 memory_budget: Union[float, Callable[[Scheme], Optional[float]], None] = None,
+                 track_memory: bool = False,
                  cp_sharding: str = ADAPTIVE, cluster: Optional[Cluster] = None, seed: int = 0,
                  vocab_parallel_loss: Optional[bool] = None, compile_mode: str = "off",
                  compile_backend: str = "inductor", offload: str = "off",
@@ -225,7 +226,8 @@ class Executor:
         self.groups = groups
         self.device = torch.device(device or "cpu")
         self.skip_nonfinite = skip_nonfinite
-        # DCP-intra: with a budget (bytes of activations per rank) blocks are recomputed per micro-batch
+        # DCP-intra: with a budget (bytes of activations per rank, or per scheme: the planner's relief
+        # budget, ``CostModel.relief_budget``) blocks are recomputed or offloaded per micro-batch
         self.memory_budget = memory_budget
         # activation offload (engine/offload): on | auto (priced per layer by ``layer_ms``: a scheme and a
         # micro-batch's features -> one layer's forward+backward ms) | off; ``host_budget``: host bytes
@@ -331,7 +333,8 @@ class Executor:
                          self.working_dtype, frozenset(aliased), update=update)
         graph, memory = gm, None
         if self.track_memory:
-            graph, memory = stage_memory(gm, working, program, rp, self.groups, self.memory_budget, self.device,
+            budget = self.memory_budget(rp.scheme) if callable(self.memory_budget) else self.memory_budget
+            graph, memory = stage_memory(gm, working, program, rp, self.groups, budget, self.device,
                                          self._offload_policy(program, rp))
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,

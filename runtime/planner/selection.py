@@ -14,6 +14,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches
+from hgraph.runtime.planner.cost.cost_model import without_relief
 from hgraph.runtime.planner.interval_cost import DEFAULT_TOKENS_PER_GPU
 from hgraph.runtime.planner.plan import PipelinePlan, Plan
 from hgraph.runtime.planner.proposal import propose
@@ -441,8 +442,18 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     cap = {} if max_candidates is None else {"max_candidates": max_candidates}
     charge = True if microbatch_charge is None else microbatch_charge
 
+    # The proposer's interval costs do not price relief: where the schemes hold the context without
+    # it, it proposes as if none were there, and the relieved model's proposals join the sampled pool
+    # (measured without this: relief's longer MaxLen drew narrow proposals that planned 5% slower)
+    proposing, relieved_pool = cost, []
+    plain = without_relief(cost)
+    if plain is not cost and plain.largest_max_len() >= max_len:
+        proposing = plain
+        relieved_pool = propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=charge,
+                                **AUTO_WIDE_PROPOSAL).strategies
+
     def proposal(with_charge: bool, **opts) -> list[Strategy]:
-        return propose(lengths, cost, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=with_charge,
+        return propose(lengths, proposing, gpus, max_len, tokens_per_iter=tokens, microbatch_charge=with_charge,
                        **opts).strategies
 
     proposed = proposal(charge, **cap)
@@ -454,15 +465,15 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
     wide = proposal(charge, **AUTO_WIDE_PROPOSAL) + (proposal(False, **AUTO_WIDE_PROPOSAL) if uncharged_too else [])
     many = len(proposed[-1].pipelines) > CHUNKED_PIPELINES
     if many:
-        wide += [v for s in proposed for v in share_variants(s, cost, gpus)]
-    for family in sequence_families(cost, max_len):
+        wide += [v for s in proposed for v in share_variants(s, proposing, gpus)]
+    for family in sequence_families(proposing, max_len):
         # uncapped, a family's candidates join the proposed ones; under a cap, the sampled pool
         picks = proposal(charge, schemes=family, **cap)
         if max_candidates is None:
             proposed += [s for s in picks if s not in proposed]
         else:
             wide += picks
-    wide = [s for s in dict.fromkeys(wide) if s not in proposed and s not in uncharged]
+    wide = [s for s in dict.fromkeys(wide + relieved_pool) if s not in proposed and s not in uncharged]
     winners: set[Strategy] = set()
     samples = min(samples, max(2, AUTO_SAMPLE_TOKENS // tokens))
     if wide and samples > 0:

@@ -25,7 +25,7 @@ choice (``checkpoint_state``) and which candidates it chose among (``candidates`
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch.nn as nn
 
@@ -41,7 +41,7 @@ from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.sp_accumulation import (BALANCE_MODES, SP_ACCUMULATION, balances_accumulation,
                                                   sp_accumulation_step)
-from hgraph.strategy import Strategy, parse_strategy_list
+from hgraph.strategy import Scheme, Strategy, parse_strategy_list
 
 
 def parse_schedule(text: str, world_size: int) -> list[Strategy]:
@@ -191,6 +191,21 @@ def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], mode
     cost = model_cost_model(config.planner.profile, model, world_size, config.cluster.gpus_per_node)
     return with_offload(with_activation_budget(cost, config.planner.memory_budget), config.planner.offload,
                         config.planner.host_memory_budget)
+
+
+def engine_memory_budget(config: TrainConfig, planner: Optional[IterationPlanner] = None
+                         ) -> Union[float, Callable[[Scheme], Optional[float]], None]:
+    """The activation budget the engine relieves micro-batches under: ``--memory-budget``, else, for
+    ``--offload auto`` with a planner, per scheme the planner's relief budget (the device's room for
+    activations, ``CostModel.relief_budget``), so that a micro-batch the planner placed past a
+    scheme's plain MaxLen is relieved as the planner priced it; else None."""
+    if config.planner.memory_budget is not None or config.planner.offload != "auto" or planner is None:
+        return config.planner.memory_budget
+
+    def budget(scheme: Scheme) -> Optional[float]:
+        cost = planner.cost
+        return cost.relief_budget(scheme) if cost.has(scheme) else None
+    return budget
 
 
 def offload_prices(config: TrainConfig, model: nn.Module, world_size: int,

@@ -72,7 +72,8 @@ from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_ba
 from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
 from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAccumulation, StepMode, dispatch_and_pack,
-                                             offload_prices, packed, parse_schedule, sp_accumulation_cost)
+                                             engine_memory_budget, offload_prices, packed, parse_schedule,
+                                             sp_accumulation_cost)
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
@@ -229,7 +230,7 @@ class Trainer:
         vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
-                                 memory_budget=config.planner.memory_budget,
+                                 memory_budget=engine_memory_budget(config, planner),
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
                                  cluster=Cluster(world_size, config.cluster.gpus_per_node), seed=config.model.seed,
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,

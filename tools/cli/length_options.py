@@ -1,7 +1,9 @@
 """Options shared by the planner commands (``plan``, ``propose``, ``pack``, ``simulate``).
 
 ``add_workload_options`` declares the dataset / cluster options they have in common (``--lengths``,
-``--profile``, ``--world-size``, ``--gpus-per-node``, ``--device-memory``, ``--max-len``).
+``--profile``, ``--world-size``, ``--gpus-per-node``, ``--device-memory``, ``--max-len``, and
+``--offload`` / ``--host-memory-budget``: the relief the engine would apply, which lengthens every
+scheme's MaxLen and prices its micro-batches: ``schedule.relief``).
 
 Length handling shared by ``hgraph propose``, ``pack`` and ``simulate``:
 
@@ -15,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost.cost_model import load_cost_model
+from hgraph.runtime.engine.offload import OFFLOAD_MODES, default_host_budget
+from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_offload
 from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
 from hgraph.tools.cli.train import parse_bytes
 
@@ -28,8 +31,17 @@ def workload_cost_model(args, **options):
     Without ``max_cp`` in ``options``, CP degrees grow past the profile's until a scheme holds
     ``--max-len`` tokens (or the cluster is too small for more)."""
     memory = None if args.device_memory is None else int(parse_bytes(args.device_memory, "--device-memory"))
-    cost = load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
-                           gpu_memory_bytes=memory, **options)
+    offload = getattr(args, "offload", "off")
+    host = None
+    if offload != "off":
+        host = (parse_bytes(args.host_memory_budget, "--host-memory-budget") if args.host_memory_budget is not None
+                else default_host_budget(min(args.gpus_per_node, args.world_size)))
+
+    def load(**more):
+        return with_offload(load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
+                                            gpu_memory_bytes=memory, **{**options, **more}), offload, host)
+
+    cost = load()
     context = getattr(args, "max_len", None)
     if options.get("max_cp") is None and context is not None:
         # No CP degree asked for: derive CP schemes up to the smallest power of two whose MaxLen
@@ -37,8 +49,7 @@ def workload_cost_model(args, **options):
         max_cp = cost.max_cp
         while cost.largest_max_len() < context and max_cp * 2 <= args.world_size:
             max_cp *= 2
-            cost = load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
-                                   gpu_memory_bytes=memory, **{**options, "max_cp": max_cp})
+            cost = load(max_cp=max_cp)
     if not cost.schemes:
         raise HGraphError(
             f"no scheme of profile {cost.name!r} fits {args.world_size} GPUs with {args.gpus_per_node} per node "
@@ -57,6 +68,13 @@ def add_workload_options(p, *, max_len_help: str = "context length") -> None:
     add_gpus_per_node(p)
     add_device_memory(p, help=f"memory of one GPU: {DEVICE_MEMORY_FORMS} (default: the profile's own)")
     p.add_argument("--max-len", required=True, type=int, metavar="L", help=max_len_help)
+    p.add_argument("--offload", choices=OFFLOAD_MODES, default="off",
+                   help="activation relief as hgraph train --offload without a memory budget: auto (a micro-batch "
+                        "past a scheme's device memory recomputes or offloads layers, the cheaper way), on (every "
+                        "layer offloaded), off (default: MaxLen with every activation on the device)")
+    p.add_argument("--host-memory-budget", default=None, metavar="BYTES",
+                   help="host bytes of offloaded activations per GPU with --offload (default: half this host's "
+                        "RAM over --gpus-per-node)")
 
 
 def add_long_option(p, what: str) -> None:

@@ -40,6 +40,7 @@ from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repe
                                                  ulysses_schemes)
 from hgraph.runtime.planner.schedule.offload import relief_extra_ms
 from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
+from hgraph.runtime.planner.schedule.relief import relieved_max_len
 from hgraph.strategy import Scheme
 
 DEFAULT_CP_EFFICIENCY = 0.9
@@ -107,17 +108,23 @@ class MemoryModel:
         return model.layers * model.hidden / (scheme.tp * scheme.seq) * A + other \
             + repeated_kv_bytes_per_token(model.hidden, model.layers, model.heads, model.kv_heads, scheme)
 
-    def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
-        """Longest packed micro-batch (tokens) that fits; 0 when even the model states do not fit."""
-        per_token = self.activation_bytes_per_token(model, scheme)
-        if per_token is None:
-            return 0
+    def activation_room(self, model: ModelShape, scheme: Scheme, world_size: int) -> float:
+        """Device bytes a rank of ``scheme`` has for activations: memory minus the margin, the gap and
+        the model states; 0 when even the model states (or the optimizer step) do not fit."""
         free = self.gpu_memory_bytes - self.safety_margin_bytes - self.framework_gap_bytes \
             - self.state_bytes(model, scheme, world_size)
         counted = self.counted_states(scheme, world_size)
         if counted is not None and free < counted[1]:      # the optimizer step itself does not fit
+            return 0.0
+        return max(float(free), 0.0)
+
+    def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
+        """Longest packed micro-batch (tokens) that fits with every activation on the device; 0 when
+        even the model states do not fit."""
+        per_token = self.activation_bytes_per_token(model, scheme)
+        if per_token is None:
             return 0
-        return max(int(free // per_token), 0)
+        return max(int(self.activation_room(model, scheme, world_size) // per_token), 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -182,6 +189,7 @@ class CostModel:
             raise HGraphError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency!r}")
         self._coeffs: dict[Scheme, tuple[float, float, float]] = {}
         self._max_len: dict[Scheme, int] = {}
+        self._relieved_max_len: dict[Scheme, int] = {}     # filled as asked (``max_len``)
         for scheme, abc in sorted(self._all_coeffs().items()):
             tp = scheme.tp
             if self.only is not None and scheme not in self.only:
@@ -249,17 +257,41 @@ class CostModel:
         return a * l * l + b * l
 
     def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
-        """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus the forward of the layers it
-        recomputes when ``activation_budget_bytes`` is set (``schedule.recompute``), or, with an
-        ``offload``, what its recomputed and offloaded layers add (``schedule.offload``)."""
+        """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus what its relief adds
+        (``relief_ms``)."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
-        t = float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2]
-        if self.offload != "off" and (self.activation_budget_bytes is not None or self.offload == "on"):
-            t += relief_extra_ms(self, arr, scheme, self.activation_budget_bytes, self.offload,
-                                 self.host_budget_bytes)[0]
-        elif self.activation_budget_bytes is not None:
-            t += recompute_extra_ms(self, arr, scheme, self.activation_budget_bytes)[0]
-        return t
+        return float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2] + self.relief_ms(arr, scheme)
+
+    @property
+    def relieves(self) -> bool:
+        """Whether the engine relieves micro-batches: a memory budget (recomputation, and offload
+        with ``offload``) or an offload."""
+        return self.activation_budget_bytes is not None or self.offload != "off"
+
+    def relief_budget(self, scheme: Scheme) -> float | None:
+        """The activation bytes per rank of ``scheme`` under which the engine relieves a micro-batch:
+        the memory budget, else under ``--offload auto`` the device's room for activations
+        (``MemoryModel.activation_room``: relief only where a micro-batch would not fit without it);
+        None where none bounds it (no relief, or ``--offload on`` offloading every layer)."""
+        if self.activation_budget_bytes is not None:
+            return float(self.activation_budget_bytes)
+        if self.offload == "auto":
+            return self.memory.activation_room(self.model, scheme, self.world_size)
+        return None
+
+    def relief_ms(self, lengths: Iterable[int], scheme: Scheme) -> float:
+        """What relief adds to one packed micro-batch (ms): the forward of the layers it recomputes
+        (``schedule.recompute``) or, with an ``offload``, its recomputed layers and the copies of its
+        offloaded ones that compute does not hide (``schedule.offload``); 0 without relief."""
+        if not self.relieves:
+            return 0.0
+        arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
+        budget = self.relief_budget(scheme)
+        if self.offload == "off":
+            return recompute_extra_ms(self, arr, scheme, budget)[0]
+        if budget is None and self.offload != "on":
+            return 0.0
+        return relief_extra_ms(self, arr, scheme, budget, self.offload, self.host_budget_bytes)[0]
 
     def pipeline_time(self, mb_times: Sequence[float], scheme: Scheme) -> float:
         """1F1B latency ``(PP - 1 + V) * max(mb_times)``; 0 for a pipeline with no micro-batch."""
@@ -268,7 +300,19 @@ class CostModel:
         return (scheme.pp - 1 + len(mb_times)) * float(max(mb_times))
 
     def max_len(self, scheme: Scheme) -> int:
-        """MaxLen(P): the longest packed micro-batch (tokens) that fits in memory."""
+        """MaxLen(P): the longest packed micro-batch (tokens) that fits in memory, with its layers
+        relieved where the engine relieves them (``relieves``: ``schedule.relief``), else with every
+        activation on the device (``plain_max_len``)."""
+        plain = self.plain_max_len(scheme)
+        if not self.relieves:
+            return plain
+        relieved = self._relieved_max_len.get(scheme)
+        if relieved is None:
+            relieved = self._relieved_max_len[scheme] = relieved_max_len(self, scheme, plain)
+        return relieved
+
+    def plain_max_len(self, scheme: Scheme) -> int:
+        """The longest packed micro-batch (tokens) that fits with every activation on the device."""
         try:
             return self._max_len[scheme]
         except KeyError:
@@ -281,7 +325,7 @@ class CostModel:
         return self.util_len_tokens[scheme.tp] * scheme.seq
 
     def largest_max_len(self) -> int:
-        return max(self._max_len.values(), default=0)
+        return max((self.max_len(s) for s in self.schemes), default=0)
 
     # ---- serialisation ---------------------------------------------------------------------
     def to_profile_dict(self) -> dict[str, Any]:
@@ -341,6 +385,13 @@ def with_activation_budget(cost: CostModel, budget_bytes: float | None) -> CostM
     if cost.activation_budget_bytes == budget_bytes:
         return cost
     return replace(cost, activation_budget_bytes=budget_bytes)
+
+
+def without_relief(cost: CostModel) -> CostModel:
+    """``cost`` with neither a memory budget nor offload: every activation on the device."""
+    if not cost.relieves:
+        return cost
+    return replace(cost, activation_budget_bytes=None, offload="off")
 
 
 def with_offload(cost: CostModel, offload: str, host_budget_bytes: float | None) -> CostModel:

@@ -128,9 +128,10 @@ def dispatch_fast(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, *,
 
 
 def _scheme_arrays(groups: list[SchemeCosts], of: list[int]) -> tuple[np.ndarray, ...]:
-    """Per pipeline: ``k, c, cap, util`` of its scheme (for ``estimate_many``)."""
+    """Per pipeline: ``k, c, cap, util, pack_cap`` of its scheme (for ``estimate_many``)."""
     of_arr = np.asarray(of, dtype=np.int64)
-    return tuple(np.array([getattr(g, name) for g in groups])[of_arr] for name in ("k", "c", "cap", "util"))
+    return tuple(np.array([getattr(g, name) for g in groups])[of_arr]
+                 for name in ("k", "c", "cap", "util", "pack_cap"))
 
 
 def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: list[int], *,
@@ -146,8 +147,8 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
     passes ``stop_above``."""
     D = len(of)
     of_arr = np.asarray(of, dtype=np.int64)
-    k, c, caps, util = _scheme_arrays(groups, of)
-    vcaps = np.maximum((caps * (1 - CHUNK_CAP_SLACK)).astype(np.int64), 1)
+    k, c, caps, util, pcaps = _scheme_arrays(groups, of)
+    vcaps = np.maximum((pcaps * (1 - CHUNK_CAP_SLACK)).astype(np.int64), 1)
     tt = np.stack([g.t for g in groups])          # (schemes, docs)
     order = np.argsort(-lengths, kind="stable")
     S = np.zeros(D); L = np.zeros(D, dtype=np.int64); tmax = np.zeros(D); n = np.zeros(D, dtype=np.int64)
@@ -175,11 +176,11 @@ def _greedy_members_chunked(lengths: np.ndarray, groups: list[SchemeCosts], of: 
         # ``after`` took the chunk's longest document on every picked pipeline (and the surrogate's
         # smaller token limit), so the exact surrogate is computed only when ``after`` passes.
         if stop_above < math.inf and float(after[picked].max()) > stop_above:
-            now = estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked], c[picked], caps[picked],
+            now = estimate_many(S[picked], L[picked], tmax[picked], n[picked], k[picked], c[picked], pcaps[picked],
                                 util[picked])
             if float(now.max()) > stop_above:
                 return None
-    surrogate = float(estimate_many(S, L, tmax, n, k, c, caps, util).max(initial=0.0))
+    surrogate = float(estimate_many(S, L, tmax, n, k, c, pcaps, util).max(initial=0.0))
     members: list[list[int]] = [[] for _ in range(D)]
     for i, j in zip(order.tolist(), owner[order].tolist()):   # longest first, as the one-by-one pass
         members[j].append(i)
@@ -199,7 +200,7 @@ def deal_dispatch(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, member
     the scheme, micro-batches balance across pipelines. It also costs less than packing every
     pipeline (12,288 GPUs: ~0.1 s against ~0.16 s). A scheme whose documents do not all fit its
     micro-batches this way has its pipelines packed one by one (``pack_pipeline``)."""
-    k, c, caps, util = _scheme_arrays(groups, of)
+    k, c, _, util, pcaps = _scheme_arrays(groups, of)
     D = len(of)
     S = np.zeros(D); L = np.zeros(D, dtype=np.int64); tmax = np.zeros(D); n = np.zeros(D, dtype=np.int64)
     of_arr = np.asarray(of, dtype=np.int64)
@@ -207,7 +208,7 @@ def deal_dispatch(lengths: np.ndarray, pipelines: Sequence[Scheme], cost, member
         if m:
             t = groups[of[j]].t[m]
             S[j], L[j], tmax[j], n[j] = float(t.sum()), int(lengths[m].sum()), float(t.max()), len(m)
-    _, V = estimate_many(S, L, tmax, n, k, c, caps, util, counts=True)
+    _, V = estimate_many(S, L, tmax, n, k, c, pcaps, util, counts=True)
     packs: list[PackResult | None] = [None] * D
     for gi, g in enumerate(groups):
         js = np.nonzero((of_arr == gi) & (V > 0))[0].tolist()
@@ -242,7 +243,9 @@ def _deal_into_microbatches(lengths: np.ndarray, g: SchemeCosts, js: list[int], 
     for r, V in enumerate(counts):
         for _ in range(V):
             heaps.setdefault(V, []).append((0.0, len(bins)))
-            bins.append([]); owner.append(r); room.append(g.cap); load.append(0.0)
+            # packing capacity: a document that needs relief (past it) fits no micro-batch here, and
+            # its scheme's pipelines are packed one by one (pack_pipeline prices the relief)
+            bins.append([]); owner.append(r); room.append(g.pack_cap); load.append(0.0)
     lens = lengths.tolist()
     times = t.tolist()
     k, c = g.k, g.c

@@ -13,6 +13,7 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.schedule.packing import PackResult, pack_pipeline
+from hgraph.runtime.planner.schedule.relief import doc_relief_ms, unrelieved_len
 from hgraph.strategy import Scheme
 
 
@@ -45,8 +46,11 @@ class SchemeCosts:
         self.a, self.b, self.c = cost.coeffs(scheme)
         self.k = scheme.pp - 1
         self.cap = cost.max_len(scheme)
+        # the micro-batch size the surrogate counts V by: what packing fills (``relief.packing_capacity``)
+        self.pack_cap = max(min(self.cap, unrelieved_len(cost, scheme)), 1)
         self.util = cost.util_len(scheme)
-        self.t = self.a * lengths.astype(np.float64) ** 2 + self.b * lengths
+        # a document's cost: its compute, and what relief adds to it alone (past the plain MaxLen)
+        self.t = self.a * lengths.astype(np.float64) ** 2 + self.b * lengths + doc_relief_ms(cost, scheme, lengths)
 
     def estimate(self, S: float, L: int, tmax: float, n: int) -> float:
         """Packed-latency surrogate of a pipeline holding ``n`` docs, cost ``S``, ``L`` tokens."""
@@ -54,7 +58,7 @@ class SchemeCosts:
             return 0.0
         k, c = self.k, self.c
         # App. C range of V (as packing.microbatch_range), inlined: this runs per candidate move.
-        vmin = -(-L // self.cap) or 1
+        vmin = -(-L // self.pack_cap) or 1
         vmax = L // self.util
         if vmax > n:
             vmax = n

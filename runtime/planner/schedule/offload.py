@@ -20,10 +20,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hgraph.runtime.engine.activation_model import (ActivationModel, LayerRoles, choose_layer_roles,
-                                                    offload_exposed_ms)
+from hgraph.runtime.engine.activation_model import LayerRoles, choose_layer_roles, offload_exposed_ms
 from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S
-from hgraph.runtime.planner.schedule.recompute import FORWARD_FRACTION
+from hgraph.runtime.planner.schedule.recompute import FORWARD_FRACTION, others_held, stage_activation_model
 
 HOST_LINK_KEY = "host_link"       # the profile's entry: {"bytes_per_s": float, "source": str}
 
@@ -41,15 +40,6 @@ def host_link_bytes_per_s(cost: Any) -> float:
     """The cost profile's host link bandwidth (bytes/s), or the A800 prior when it has none."""
     entry = getattr(cost, "extra", {}).get(HOST_LINK_KEY) or {}
     return float(entry.get("bytes_per_s", DEFAULT_HOST_LINK_BYTES_PER_S))
-
-
-def stage_activation_model(cost: Any, scheme: Any) -> ActivationModel | None:
-    """The App. B.1 memory model of one stage of ``scheme`` (None when the profile has no ``A``)."""
-    A = cost.memory.activation_A(scheme.tp)
-    if A is None:
-        return None
-    hidden = cost.model.hidden
-    return ActivationModel(hidden / (scheme.tp * scheme.seq) * A, 0.0, 2.0 * hidden / scheme.seq)
 
 
 def layer_roles(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: float | None, *,
@@ -70,7 +60,7 @@ def layer_roles(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: fl
     layer_ms = float(np.sum(a * arr * arr + b * arr)) / stage_layers
     recompute_ms = FORWARD_FRACTION * layer_ms
     offload_ms = offload_exposed_ms(model.host(f, 1), host_link_bytes_per_s(cost), layer_ms)
-    held = (scheme.pp - 1) * model.held(f, stage_layers, 0)
+    held = others_held(model, f, stage_layers, scheme.pp)
     host_budget = host_budget_bytes / scheme.pp
     if budget_bytes is None:
         if offload != "on":

@@ -3,7 +3,9 @@
 Minimise ``(PP - 1 + V) * max_j (sum_{i in j} (a l_i^2 + b l_i) + c)`` subject to every
 micro-batch holding at most ``MaxLen(P)`` tokens, with ``V`` pruned to
 ``[max(ceil(sum l / MaxLen), 1), min(sum l / UtilLen, U)]``. When capacity makes every ``V`` of that
-range infeasible the range is widened upwards (``V = U`` always fits).
+range infeasible the range is widened upwards (``V = U`` always fits). A document past the length
+the engine runs without relief also carries what relief adds to it alone (``relief.doc_relief_ms``),
+and no micro-batch is packed past that length beyond the longest document (``relief.packing_capacity``).
 
 ``fast``: for each ``V``, in increasing order of the bound ``(PP-1+V) * (max(S/V, t_max) + c)``,
 longest-processing-time-first with capacity; stop when the bound passes the best found; then
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.planner.schedule.relief import doc_relief_ms, packing_capacity
 from hgraph.strategy import Scheme
 
 # CP-SAT works on integers: costs are scaled to this many units per ms.
@@ -166,9 +169,9 @@ def pack_pipeline(lengths, scheme: Scheme, cost, *, method: str = "fast", time_l
 
 def _pack_fast(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) -> PackResult:
     a, b, c = cost.coeffs(scheme)
-    cap = cost.max_len(scheme)
+    cap = packing_capacity(cost, scheme, int(lengths.max()))
     k = scheme.pp - 1
-    tarr = a * lengths.astype(np.float64) ** 2 + b * lengths
+    tarr = a * lengths.astype(np.float64) ** 2 + b * lengths + doc_relief_ms(cost, scheme, lengths)
     times = tarr.tolist()
     lens = lengths.tolist()
     n = len(lens)
@@ -209,10 +212,10 @@ def pack_pipeline_cpsat(lengths, scheme: Scheme, cost, *, time_limit_s: float = 
     if lengths.size == 0:
         return PackResult([], [], 0.0)
     a, b, c = cost.coeffs(scheme)
-    cap = cost.max_len(scheme)
-    _check_fits(lengths, scheme, cap)
+    _check_fits(lengths, scheme, cost.max_len(scheme))
+    cap = packing_capacity(cost, scheme, int(lengths.max()))
     k = scheme.pp - 1
-    tarr = a * lengths.astype(np.float64) ** 2 + b * lengths
+    tarr = a * lengths.astype(np.float64) ** 2 + b * lengths + doc_relief_ms(cost, scheme, lengths)
     times = tarr.tolist()
     units = [int(round(t * CPSAT_UNITS_PER_MS)) for t in times]
     lens = lengths.tolist()

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hgraph.runtime.engine.activation_model import ActivationModel, choose_recompute_layers
+from hgraph.runtime.planner.cost.ulysses import repeated_kv_bytes_per_token
 
 FORWARD_FRACTION = 1.0 / 3.0     # forward time over forward+backward time of a layer
 
@@ -23,6 +24,27 @@ FORWARD_FRACTION = 1.0 / 3.0     # forward time over forward+backward time of a 
 def recompute_ms(layer_time_ms: float, r: int) -> float:
     """Time the recomputation of ``r`` layers adds: their forward, ``FORWARD_FRACTION`` of T."""
     return r * FORWARD_FRACTION * layer_time_ms
+
+
+def stage_activation_model(cost: Any, scheme: Any) -> ActivationModel | None:
+    """The App. B.1 memory model of one stage of ``scheme`` (None when the profile has no ``A``), per
+    token as ``MemoryModel.activation_bytes_per_token`` counts it: a layer stashes ``H / (TP*seq) * A``
+    bytes (and its share of the K/V heads Ulysses repeats); a recomputed layer keeps its input
+    (``2 * H / seq``: 16-bit working precision); the embedding, head and loss ``other / seq``."""
+    mem, shape = cost.memory, cost.model
+    A = mem.activation_A(scheme.tp)
+    if A is None:
+        return None
+    kv = repeated_kv_bytes_per_token(shape.hidden, shape.layers, shape.heads, shape.kv_heads, scheme) / shape.layers
+    other = dict(mem.other_coeff).get(scheme.tp, 0.0) / scheme.seq
+    return ActivationModel(shape.hidden / (scheme.tp * scheme.seq) * A + kv, 0.0, 2.0 * shape.hidden / scheme.seq,
+                           other)
+
+
+def others_held(model: ActivationModel, f: tuple[float, float], stage_layers: int, pp: int) -> float:
+    """Bytes the first stage's other ``PP - 1`` micro-batches of the same features hold under 1F1B:
+    their layers, counted without relief (conservative); the embedding, head and loss once (B.1)."""
+    return (pp - 1) * stage_layers * model.layer(f)
 
 
 def recompute_extra_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_bytes: float) -> tuple[float, int]:
@@ -35,17 +57,15 @@ def recompute_extra_ms(cost: Any, lengths: Sequence[int], scheme: Any, budget_by
     (the others counted without recomputation: conservative). The fewest layers that fit are
     recomputed, each adding a third of its share of the micro-batch's forward+backward time.
     """
-    mem, shape = cost.memory, cost.model
-    A = mem.activation_A(scheme.tp)
-    if A is None:
+    model = stage_activation_model(cost, scheme)
+    if model is None:
         return 0.0, 0
     lengths = np.asarray(lengths, dtype=np.float64)
     tokens = float(lengths.sum())
     if tokens <= 0:
         return 0.0, 0
-    stage_layers = max(math.ceil(shape.layers / scheme.pp), 1)
-    model = ActivationModel(shape.hidden / (scheme.tp * scheme.seq) * A, 0.0, 2.0 * shape.hidden / scheme.seq)
-    held = (scheme.pp - 1) * model.held((tokens, 0.0), stage_layers, 0)
+    stage_layers = max(math.ceil(cost.model.layers / scheme.pp), 1)
+    held = others_held(model, (tokens, 0.0), stage_layers, scheme.pp)
     choice = choose_recompute_layers(model, (tokens, 0.0), stage_layers, budget_bytes, held)
     a, b, _ = cost.coeffs(scheme)
     layer_ms = float(np.sum(a * lengths * lengths + b * lengths)) / stage_layers
