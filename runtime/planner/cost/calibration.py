@@ -109,17 +109,25 @@ def _time_comm(fn: Callable[[], None], repeats: int, work: Optional[Callable[[],
     return statistics.median(times)
 
 
-def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
-                    repeats: int, device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
-    """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
-    ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
-    members = [list(range(g, g + tp)) for g in range(0, world_size - tp + 1, tp)]
+def _consecutive_group(size: int, rank: int, world_size: int, groups: Any) -> Any:
+    """This rank's group of ``size`` consecutive ranks (all such groups are created, collectively), or
+    None for a rank outside every group (it waits at the barrier the others reach when done)."""
+    members = [list(range(g, g + size)) for g in range(0, world_size - size + 1, size)]
     groups.ensure(members)
     mine = next((m for m in members if rank in m), None)
     if mine is None:
         dist.barrier()
         return None
-    group = groups.get(mine)
+    return groups.get(mine)
+
+
+def measure_tp_comm(tp: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
+                    repeats: int, device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
+    """ms of one all-reduce of ``l x hidden`` per ``COMM_LENGTHS`` inside this rank's TP group of
+    ``tp`` consecutive ranks (every group at once; collective: call on every rank)."""
+    group = _consecutive_group(tp, rank, world_size, groups)
+    if group is None:
+        return None
     out = []
     for l in COMM_LENGTHS:
         x = torch.ones(l, hidden, dtype=dtype, device=device)
@@ -158,13 +166,9 @@ def measure_ul_comm(ul: int, rank: int, world_size: int, hidden: int, groups: An
     """ms of one all-to-all of ``rows x hidden`` per ``COMM_LENGTHS`` (``rows``: the length rounded up to
     a multiple of ``ul``) inside this rank's group of ``ul`` consecutive ranks (every group at once;
     collective: call on every rank). Ranks outside every group return None."""
-    members = [list(range(g, g + ul)) for g in range(0, world_size - ul + 1, ul)]
-    groups.ensure(members)
-    mine = next((m for m in members if rank in m), None)
-    if mine is None:
-        dist.barrier()
+    group = _consecutive_group(ul, rank, world_size, groups)
+    if group is None:
         return None
-    group = groups.get(mine)
     out = []
     for l in COMM_LENGTHS:
         x = torch.ones(-(-l // ul) * ul, hidden, dtype=dtype, device=device)
