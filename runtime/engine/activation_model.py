@@ -17,9 +17,12 @@ offloaded block still saves on the device (tensors under the offload threshold:
 ``engine.offload``); the rest, ``layer(f) - kept(f)``, lives in host memory until the backward
 (``host(f, o) = o * (layer(f) - kept(f))``).
 
-Here ``f = (tokens, entries)`` are the micro-batch's features on this rank (its tokens, and the
-(query, key) entries its attention materialises: ``sum_d q_d * k_d`` over its documents) and each
-term is linear in them: ``layer(f) = layer_per_token * tokens + layer_per_entry * entries``,
+Here ``f = (tokens, entries, keys)`` are the micro-batch's features on this rank (its tokens, the
+(query, key) entries its attention materialises, ``sum_d q_d * k_d`` over its documents, and the
+key/value rows its attention holds, ``sum_d k_d``: under CP every document a rank has queries of
+brings all its gathered keys, a term that does not shrink with the rank's tokens; both counted per
+head share, ``engine.memory.microbatch_features``) and each term is linear in them:
+``layer(f) = layer_per_token * tokens + layer_per_entry * entries + layer_per_key * keys``,
 ``checkpoint(f) = checkpoint_per_token * tokens``, ``other(f) = other_per_token * tokens``
 (embedding, final norm, head, loss), ``kept(f) = kept_per_token * tokens``. Under 1F1B the
 micro-batches forwarded but not yet backwarded (``held``) are added.
@@ -52,9 +55,11 @@ class ActivationModel:
     checkpoint_per_token: float = 0.0
     other_per_token: float = 0.0
     kept_per_token: float = 0.0        # what an offloaded layer still saves on the device
+    layer_per_key: float = 0.0         # per key/value row the layer's attention holds
 
     def layer(self, f: Sequence[float]) -> float:
-        return self.layer_per_token * f[0] + self.layer_per_entry * f[1]
+        keys = self.layer_per_key * f[2] if len(f) > 2 else 0.0     # features without keys: none counted
+        return self.layer_per_token * f[0] + self.layer_per_entry * f[1] + keys
 
     def held(self, f: Sequence[float], layers: int, r: int, o: int = 0) -> float:
         """Device bytes a micro-batch holds between its forward and backward with ``r`` layers
@@ -186,16 +191,29 @@ def fit_activation_model(layer_obs: Iterable[tuple[Sequence[float], float]],
     """Fit the coefficients to measurements ``[(features, bytes)]``; None without a layer measurement.
     ``kept_obs``: what offloaded layers still saved on the device.
 
-    The per-entry term is only fitted once the measurements hold two micro-batches whose
-    entries-per-token differ (otherwise the two columns cannot be told apart: all goes per token).
+    The per-key and per-entry terms are each only fitted once the measurements hold micro-batches
+    whose keys (entries) per token differ (otherwise that column cannot be told apart from the
+    tokens: it goes per token; without CP a rank's keys are its tokens), and more distinct
+    micro-batches than fitted columns.
     """
-    layer_obs = [(tuple(map(float, f)), float(b)) for f, b in layer_obs if f[0] > 0]
+    layer_obs = [(tuple(map(float, f)) + (0.0,) * (3 - len(f)), float(b)) for f, b in layer_obs if f[0] > 0]
     if not layer_obs:
         return None
     X = np.array([f for f, _ in layer_obs])
     y = np.array([b for _, b in layer_obs])
-    ratios = {round(f[1] / f[0], 9) for f, _ in layer_obs}
-    coef = _nonneg_lstsq(X, y) if len(ratios) > 1 else np.array([float(np.sum(y) / np.sum(X[:, 0])), 0.0])
+    # a column joins while the distinct micro-batches outnumber the columns (two micro-batches cannot
+    # tell three apart): keys first (every attention kernel holds its key/value rows; the entries
+    # only where the kernel materialises its scores)
+    distinct = len({tuple(round(x, 9) for x in f) for f, _ in layer_obs})
+    varied = [0]
+    for j in (2, 1):
+        if len({round(f[j] / f[0], 9) for f, _ in layer_obs}) > 1 and distinct > len(varied):
+            varied.append(j)
+    coef = np.zeros(3)
+    if len(varied) > 1:
+        coef[varied] = _nonneg_lstsq(X[:, varied], y)
+    else:
+        coef[0] = float(np.sum(y) / np.sum(X[:, 0]))
 
     def per_token(obs: Iterable[tuple[Sequence[float], float]]) -> float:
         obs = [(float(f[0]), float(b)) for f, b in obs if f[0] > 0]
@@ -203,4 +221,4 @@ def fit_activation_model(layer_obs: Iterable[tuple[Sequence[float], float]],
         return max(sum(b for _, b in obs) / t, 0.0) if t else 0.0
 
     return ActivationModel(float(coef[0]), float(coef[1]), per_token(checkpoint_obs), per_token(other_obs),
-                           per_token(kept_obs))
+                           per_token(kept_obs), float(coef[2]))

@@ -38,8 +38,11 @@ from hgraph.runtime.engine.activation_model import (LayerRoles, choose_layer_rol
 from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S, HostOffload, MicroBatchOffload
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
 from hgraph.runtime.kernels.cp_attention import CPLayout
+from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
 
-Features = tuple[int, int]     # a micro-batch's (tokens, attention entries) on this rank (``microbatch_features``)
+SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens (``engine.executor``)
+
+Features = tuple[float, float, float]   # a micro-batch's (tokens, entries, keys) on this rank (``microbatch_features``)
 
 
 class _Saved:
@@ -71,9 +74,10 @@ class _Held:
 class _ReplayTracker(TorchDispatchMode):
     """Inside a block's replay: remembers (weakly) every tensor an op produced."""
 
-    def __init__(self, meter: "ActivationMeter", features: Optional[Features]) -> None:
+    def __init__(self, meter: "ActivationMeter", features: Optional[Features], stashed_input: int = 0) -> None:
         super().__init__()
         self.meter, self.features, self.refs = meter, features, []
+        self.stashed_input = stashed_input     # the block's input bytes a forward stash counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,7 +98,7 @@ class _ReplayTracker(TorchDispatchMode):
                     seen[key] = nbytes
         transient = sum(seen.values())
         self.meter.peak_bytes = max(self.meter.peak_bytes, self.meter.live_bytes + transient)
-        self.meter.observe("layer", self.features, transient, in_forward=False)
+        self.meter.observe("layer", self.features, transient + self.stashed_input, in_forward=False)
         self.refs = []
         return result
 
@@ -177,8 +181,21 @@ class ActivationMeter:
         self.observe("checkpoint", self.features, self.live_bytes - before, in_forward=True)
         return _Held(keys, self)
 
-    def replay_tracker(self, features: Optional[Features]) -> _ReplayTracker:
-        return _ReplayTracker(self, features)
+    def activation_input_bytes(self, inputs: Iterable[Any]) -> int:
+        """Bytes of the differentiable activations among ``inputs`` (each storage once; the working
+        parameters excluded)."""
+        seen: dict[int, int] = {}
+        for t in tree_flatten(list(inputs))[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                key, nbytes = _storage(t)
+                if key not in self.excluded:
+                    seen[key] = nbytes
+        return sum(seen.values())
+
+    def replay_tracker(self, features: Optional[Features], stashed_input: int = 0) -> _ReplayTracker:
+        """Tracks a block's replay; its stash is observed with ``stashed_input`` bytes added (the
+        checkpointed input a forward block's stash holds)."""
+        return _ReplayTracker(self, features, stashed_input)
 
     def observe(self, kind: str, features: Optional[Features], nbytes: int, in_forward: bool) -> None:
         """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``), still saved
@@ -191,17 +208,28 @@ class ActivationMeter:
 
 
 # ---- per-stage policy used by the executor --------------------------------------------------------
-def microbatch_features(mb: MicroBatch, layout: Optional[CPLayout] = None) -> Features:
-    """(tokens, attention entries) of a micro-batch on this rank: with a CP layout, the local queries
-    of each document times that document's gathered keys; otherwise ``sum l_d^2``."""
+def microbatch_features(mb: MicroBatch, layout: Optional[SequenceLayout] = None) -> Features:
+    """(tokens, attention entries, key/value rows) of a micro-batch on this rank (the activation
+    model's features). Without a layout: ``sum l_d``, ``sum l_d^2`` and ``sum l_d``. A CP rank's
+    attention takes its local queries of each document against all of that document's gathered keys:
+    ``sum_d q_d * l_d`` entries and ``sum_d l_d`` key/value rows over the documents it has queries of
+    (held per micro-batch whatever the rank's share of the tokens: CP3's shard is a third of the
+    tokens, its keys are not). A Ulysses rank holds its ``tokens`` outside attention, but its attention
+    runs on every token of its CP shard for ``1 / UL`` of the heads: the shard's entries and keys
+    counted at that head share (``/ UL``); the key/value heads repeated where they are fewer than UL
+    are a fixed factor of a program's keys, which the fitted per-key coefficient carries."""
     if layout is None:
-        return int(sum(mb.doc_lengths)), int(sum(l * l for l in mb.doc_lengths))
-    local = layout.local_tokens
+        tokens = int(sum(mb.doc_lengths))
+        return tokens, int(sum(l * l for l in mb.doc_lengths)), tokens
+    ul = layout.ul if isinstance(layout, UlyssesLayout) else 1
+    queries = layout.shard_tokens if isinstance(layout, UlyssesLayout) else layout.local_tokens
     per_doc_q: dict[int, int] = {}
-    for i in local:
+    for i in queries:
         d = layout.doc_of[i]
         per_doc_q[d] = per_doc_q.get(d, 0) + 1
-    return len(local), int(sum(q * mb.doc_lengths[d] for d, q in per_doc_q.items()))
+    entries = sum(q * mb.doc_lengths[d] for d, q in per_doc_q.items())
+    keys = sum(mb.doc_lengths[d] for d in per_doc_q)
+    return len(layout.local_tokens), entries / ul if ul > 1 else entries, keys / ul if ul > 1 else keys
 
 
 @dataclass(frozen=True)
@@ -261,8 +289,8 @@ class StageMemory:
         self._host_held.clear()
         self.step_predicted, self.step_recompute, self.step_offload, self._unknown = [], [], [], False
 
-    def before_forward(self, index: int, mb: MicroBatch, layout: Optional[CPLayout]) -> LayerChoice:
-        """Start micro-batch ``index`` (``layout``: its CP layout, or None); returns the layers whose
+    def before_forward(self, index: int, mb: MicroBatch, layout: Optional[SequenceLayout]) -> LayerChoice:
+        """Start micro-batch ``index`` (``layout``: its CP or Ulysses layout, or None); returns the layers whose
         blocks recompute in it (None without a budget) and its offload (None without one)."""
         f = microbatch_features(mb, layout)
         self.meter.features = f

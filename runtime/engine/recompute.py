@@ -88,6 +88,9 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
         return out
     token = meter.hold(inputs) if meter is not None else None
     features = meter.features if meter is not None else None
+    # the block's differentiable input (the hidden state its first norm saves) is counted in a forward
+    # block's stash; in the replay it is the checkpoint, already held: the replay's stash adds it back
+    stashed_input = meter.activation_input_bytes(inputs) if meter is not None else 0
 
     def replay(*xs: Any) -> tuple:
         _ = token              # the checkpointed inputs are counted while this closure lives
@@ -96,7 +99,7 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
             return block(*xs)
 
     def contexts() -> tuple[ContextManager[None], ContextManager[object]]:
-        recompute_ctx = meter.replay_tracker(features) if meter is not None else contextlib.nullcontext()
+        recompute_ctx = meter.replay_tracker(features, stashed_input) if meter is not None else contextlib.nullcontext()
         return contextlib.nullcontext(), recompute_ctx
 
     with set_checkpoint_early_stop(False):

@@ -37,6 +37,7 @@ CP_CASES = [
     ("1xTP2PP1CP2", {"cp_sharding": "per-sequence"}),
     ("1xTP1PP2CP2", {"cp_sharding": "adaptive"}),
     ("1xTP1PP1CP4", {"cp_sharding": "per-document"}),
+    ("1xTP1PP1CP3+1xTP1PP1", {"cp_sharding": "adaptive"}),      # CP3: an uneven split, per-sequence shards
 ]
 # without a budget the accounting is asked for (track_memory): the peaks are compared
 RUNS = [(s, dict(o, memory_budget=b, track_memory=True)) for s, o in CP_CASES for b in (None, BUDGET)]
@@ -215,8 +216,9 @@ def test_budget_is_met_with_partial_recomputation_once_the_model_is_fitted(resul
                 assert run["predicted"][k] is not None
                 ratios.append(run["predicted"][k] / run["peaks"][k])
     assert partial
-    # measured: 0.93 .. 1.56 (the model is conservative under 1F1B with two micro-batches in flight)
-    assert 0.9 <= min(ratios) and max(ratios) <= 1.6, sorted(ratios)
+    # measured: 0.98 .. 1.6 (the model is conservative under 1F1B with two micro-batches in flight); a
+    # CP rank's gathered keys are a feature of their own (``engine.memory.microbatch_features``)
+    assert 0.95 <= min(ratios) and max(ratios) <= 1.6, sorted(ratios)
 
 
 def test_per_document_sharding_gives_every_cp_rank_the_same_attention_work(results):
