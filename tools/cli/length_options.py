@@ -45,7 +45,8 @@ def workload_cost_model(args, **options):
     context = getattr(args, "max_len", None)
     if options.get("max_cp") is None and context is not None:
         # No CP degree asked for: derive CP schemes up to the smallest power of two whose MaxLen
-        # holds the context (2048K tokens of llama-32b need CP 128), within the cluster.
+        # holds the context (2048K tokens of llama-32b need CP 16 x UL 13, or CP 128 without Ulysses),
+        # within the cluster.
         max_cp = cost.max_cp
         while cost.largest_max_len() < context and max_cp * 2 <= args.world_size:
             max_cp *= 2
