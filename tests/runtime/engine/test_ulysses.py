@@ -8,7 +8,8 @@ Ulysses ranks; after the all-to-all the shard's queries attend to the keys the C
 documents (13, 5, 9, 7, ... tokens) are cut across ranks at arbitrary points. ``tiny`` has 4 query and 2
 key/value heads: UL2 splits both, UL4 and TP2UL2 repeat each key/value head twice; ``tiny-tied`` has one
 key/value head, repeated on every Ulysses rank; the 6-head model runs UL3 (its 2 key/value heads
-repeated three times) beside a CP3 pipeline. With attention dropout the model trains under Ulysses
+repeated three times) beside a CP3 pipeline, and with 3 key/value heads a TP3 pipeline (degrees that are
+not powers of two, where the heads allow them) and UL3 without repetition. With attention dropout the model trains under Ulysses
 schemes as on one rank (the masks keyed by document, global head and positions).
 
 The harness (documents, mini-batches, configs, reference) is the one of ``test_executor_equivalence.py``;
@@ -43,6 +44,8 @@ CASES = [
     ("tiny", "1xTP1PP1CP2UL2;1xTP2PP1UL2;1xTP1PP1UL2+2xTP1PP1;1xTP1PP2UL2", {}),
     ("tiny-tied", "1xTP1PP1UL2+1xTP2PP1;1xTP1PP1UL4;1xTP1PP1CP2UL2", {}),
     ("tiny", "1xTP1PP1UL3+1xTP1PP1;1xTP1PP1CP3+1xTP1PP1", SIX_HEADS),
+    # a TP degree that is not a power of two, where the heads allow it (6 query, 3 key/value heads)
+    ("tiny", "1xTP3PP1+1xTP1PP1;1xTP1PP1UL3+1xTP1PP1", {**SIX_HEADS, "num_kv_heads": 3, "hidden_size": 48, "intermediate_size": 96}),
 ]
 DROPOUT_SCHEDULE = "1xTP1PP1CP2UL2;1xTP2PP1UL2;1xTP1PP1UL4"
 # the activation model on Ulysses ranks: a budget forcing partial recomputation (as in test_long_context)
