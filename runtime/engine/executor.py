@@ -65,7 +65,8 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import ActivationMeter, LayerChoice, OffloadPolicy, StageMemory, stage_memory
+from hgraph.runtime.engine.memory import (ActivationMeter, LayerChoice, OffloadPolicy, SequenceLayout, StageMemory,
+                                          stage_memory)
 from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
                                            default_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
@@ -135,9 +136,6 @@ class RankState:
     comm: CommContext                      # the Program's fixed communication state
     sync: ParamSync
     memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
-
-
-SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens: CP alone, or UL (inside CP)
 
 
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:

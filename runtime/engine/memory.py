@@ -40,7 +40,7 @@ from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
 from hgraph.runtime.kernels.cp_attention import CPLayout
 from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
 
-SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens (``engine.executor``)
+SequenceLayout = Union[CPLayout, UlyssesLayout]     # a sequence rank's tokens: CP alone, or UL inside CP
 
 Features = tuple[float, float, float]   # a micro-batch's (tokens, entries, keys) on this rank (``microbatch_features``)
 
