@@ -279,7 +279,7 @@ def ulysses_to_heads_issue(comm: Any, x: torch.Tensor, ranks: Sequence[int], siz
     """Ulysses, issue half: ``x`` [1, H, T_local, D] of this rank's tokens -> (after ``comm_wait``)
     [1, H / n, T, D], every rank's tokens (pieces of ``sizes`` in the order of ``ranks``) with this
     rank's chunk ``index`` of the heads: head chunk ``i`` of the local tokens goes to rank ``i``."""
-    group, sizes, index = _ulysses_args(comm, x, ranks, sizes, x.shape[1])
+    group, sizes, _ = _ulysses_args(comm, x, ranks, sizes, x.shape[1])    # the rank's chunk: its place in group
     if len(sizes) == 1:
         return x
     n, (_, heads, tokens, dim) = len(sizes), x.shape

@@ -111,6 +111,12 @@ class LayerRoles:
     fits: bool
 
 
+#: A layer's forward time over its forward + backward time (the backward is about twice the forward);
+#: what recomputing a layer costs, and the compute its offload copies hide behind, in both the engine's
+#: choice and the planner's.
+FORWARD_FRACTION = 1.0 / 3.0
+
+
 def offload_exposed_ms(nbytes: float, bytes_per_s: float, layer_ms: float) -> float:
     """The time one layer's offload adds: its stash goes to host memory during the forward and comes
     back during the backward, each copy hidden by the compute it overlaps (the layer's forward, a
@@ -121,7 +127,8 @@ def offload_exposed_ms(nbytes: float, bytes_per_s: float, layer_ms: float) -> fl
     if not bytes_per_s > 0:
         raise HGraphError(f"the host link bandwidth must be positive, got {bytes_per_s} bytes/s")
     copy_ms = nbytes / bytes_per_s * 1e3
-    return max(copy_ms - layer_ms / 3.0, 0.0) + max(copy_ms - 2.0 * layer_ms / 3.0, 0.0)
+    forward_ms = FORWARD_FRACTION * layer_ms
+    return max(copy_ms - forward_ms, 0.0) + max(copy_ms - (layer_ms - forward_ms), 0.0)
 
 
 def choose_layer_roles(model: ActivationModel, f: Sequence[float], layers: int, budget: float,

@@ -33,8 +33,9 @@ from torch.utils._pytree import tree_flatten
 from hgraph.program import Program, RankProgram
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
-from hgraph.runtime.engine.activation_model import (LayerRoles, choose_layer_roles, choose_recompute_layers,
-                                                    fit_activation_model, offload_exposed_ms)
+from hgraph.runtime.engine.activation_model import (FORWARD_FRACTION, LayerRoles, choose_layer_roles,
+                                                    choose_recompute_layers, fit_activation_model,
+                                                    offload_exposed_ms)
 from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S, HostOffload, MicroBatchOffload
 from hgraph.runtime.engine.recompute import block_ranges, outline_blocks
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -331,7 +332,7 @@ class StageMemory:
             return LayerRoles(c.layers, 0, c.predicted_peak, 0.0, 0.0, c.fits)
         layer_ms = policy.layer_ms(f) if policy.mode == "auto" and policy.layer_ms is not None else None
         if layer_ms is not None:
-            recompute_ms = layer_ms / 3.0
+            recompute_ms = FORWARD_FRACTION * layer_ms
             offload_ms = offload_exposed_ms(self.model.host(f, 1), policy.host_link_bytes_per_s, layer_ms)
         else:                         # on (or auto without prices): offload before recomputing
             recompute_ms, offload_ms = 1.0, 0.0

@@ -20,9 +20,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hgraph.runtime.engine.activation_model import LayerRoles, choose_layer_roles, offload_exposed_ms
+from hgraph.runtime.engine.activation_model import FORWARD_FRACTION, LayerRoles, choose_layer_roles, offload_exposed_ms
 from hgraph.runtime.engine.offload import DEFAULT_HOST_LINK_BYTES_PER_S
-from hgraph.runtime.planner.schedule.recompute import FORWARD_FRACTION, others_held, stage_activation_model
+from hgraph.runtime.planner.schedule.recompute import others_held, stage_activation_model
 
 HOST_LINK_KEY = "host_link"       # the profile's entry: {"bytes_per_s": float, "source": str}
 

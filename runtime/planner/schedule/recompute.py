@@ -15,10 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hgraph.runtime.engine.activation_model import ActivationModel, choose_recompute_layers
+from hgraph.runtime.engine.activation_model import FORWARD_FRACTION, ActivationModel, choose_recompute_layers
 from hgraph.runtime.planner.cost.ulysses import repeated_kv_bytes_per_token
-
-FORWARD_FRACTION = 1.0 / 3.0     # forward time over forward+backward time of a layer
 
 
 def recompute_ms(layer_time_ms: float, r: int) -> float:
