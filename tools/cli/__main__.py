@@ -1,4 +1,4 @@
 """``python -m hgraph.tools.cli``: the ``hgraph`` command."""
-from hgraph.tools.cli import main
+from hgraph.tools.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())
