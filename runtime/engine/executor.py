@@ -68,7 +68,7 @@ from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import (ActivationMeter, LayerChoice, OffloadPolicy, SequenceLayout, StageMemory,
                                           stage_memory)
 from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
-                                           default_host_budget)
+                                           rank_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -350,10 +350,7 @@ class Executor:
         """What makes this rank's ``OffloadPolicy`` for ``program`` over its meter (None: off)."""
         if self.offload == "off":
             return None
-        budget = self.host_budget
-        if budget is None:
-            node = program.cluster.gpus_per_node
-            budget = default_host_budget(min(node, self.world_size))
+        budget = rank_host_budget(self.host_budget, program.cluster.gpus_per_node, self.world_size)
         layer_ms = self.layer_ms
         prices = (lambda f: layer_ms(rp.scheme, f)) if layer_ms is not None else None
         return lambda meter: OffloadPolicy(self.offload, HostOffload(self.device, meter, budget), prices,
@@ -546,9 +543,11 @@ class Executor:
     def _documents(self, mb: MicroBatch, layout: Optional[SequenceLayout], scheme: Scheme
                    ) -> Optional[DocumentBounds]:
         """The micro-batch's document boundaries for packed attention, on the host and copied to the
-        device once (without CP: a CP rank's attention takes its layout; a Ulysses rank's attention
-        runs on the whole micro-batch, with its layout's contiguous split)."""
-        return DocumentBounds.of(mb.doc_lengths, self.device) if layout is None or scheme.ul > 1 else None
+        device once, where attention runs on the whole micro-batch: without a sequence split, and on a
+        Ulysses rank without CP (after its all-to-all). A CP rank's attention, under Ulysses too, takes
+        its layout instead: None."""
+        whole = layout is None or (scheme.ul > 1 and scheme.cp == 1)
+        return DocumentBounds.of(mb.doc_lengths, self.device) if whole else None
 
     def _loss_sum(self, out: Union[torch.Tensor, HeadInputs], ids: torch.Tensor, targets: Optional[torch.Tensor],
                   mb: MicroBatch, comm: CommContext) -> torch.Tensor:

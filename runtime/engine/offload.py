@@ -42,13 +42,17 @@ DEFAULT_HOST_LINK_BYTES_PER_S = 25e9
 DEFAULT_HOST_FRACTION = 0.5        # of the host's RAM, shared by the ranks on it
 
 
-def default_host_budget(ranks_on_host: int, fraction: float = DEFAULT_HOST_FRACTION) -> float:
-    """Host bytes one rank may hold offloaded: ``fraction`` of the host's RAM over its ranks."""
+def rank_host_budget(given: Optional[float], gpus_per_node: int, world_size: int,
+                     fraction: float = DEFAULT_HOST_FRACTION) -> float:
+    """Host bytes one rank may hold offloaded: ``given`` (``--host-memory-budget``), else ``fraction``
+    of the host's RAM over the ranks on it (a node's GPUs, or the whole run where it is smaller)."""
+    if given is not None:
+        return float(given)
     try:
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         return math.inf               # a host that does not say: only the flag bounds it
-    return fraction * ram / max(ranks_on_host, 1)
+    return fraction * ram / max(min(gpus_per_node, world_size), 1)
 
 
 def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.engine.offload import OFFLOAD_MODES, default_host_budget
+from hgraph.runtime.engine.offload import OFFLOAD_MODES, rank_host_budget
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_offload
 from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
 from hgraph.tools.cli.train import parse_bytes
@@ -34,8 +34,9 @@ def workload_cost_model(args, **options):
     offload = getattr(args, "offload", "off")
     host = None
     if offload != "off":
-        host = (parse_bytes(args.host_memory_budget, "--host-memory-budget") if args.host_memory_budget is not None
-                else default_host_budget(min(args.gpus_per_node, args.world_size)))
+        given = args.host_memory_budget
+        host = rank_host_budget(parse_bytes(given, "--host-memory-budget") if given is not None else None,
+                                args.gpus_per_node, args.world_size)
 
     def load(**more):
         return with_offload(load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,

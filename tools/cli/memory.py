@@ -20,7 +20,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.engine.compiled_regions import compile_wanted
-from hgraph.runtime.engine.offload import default_host_budget
+from hgraph.runtime.engine.offload import rank_host_budget
 from hgraph.runtime.planner.cost.memory_estimate import MemoryEstimate, estimate_memory
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Cluster, Strategy
@@ -85,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
     cost, limit = _bounded(model, compiled, cluster, limit_arg, args.dtype, compiled_step)
     host = None
     if args.offload == "on":
-        host = (parse_bytes(args.host_memory_budget, "--host-memory-budget") if args.host_memory_budget is not None
-                else default_host_budget(min(cluster.gpus_per_node, cluster.world_size)))
+        given = args.host_memory_budget
+        host = rank_host_budget(parse_bytes(given, "--host-memory-budget") if given is not None else None,
+                                cluster.gpus_per_node, cluster.world_size)
     estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost,
                                compiled_step=compiled_step, offload=args.offload == "on", host_memory=host)
     if args.json:

@@ -5,7 +5,7 @@ the ``<TP, PP, CP>`` one.
 **Degrees.** A UL group splits a TP rank's query heads over its ranks, so ``UL`` must divide
 ``heads / TP`` (``heads % TP == 0`` first). Key/value heads need not divide: the runtime repeats a TP
 rank's ``kv = max(kv_heads // TP, 1)`` key/value heads ``UL / gcd(kv, UL)`` times, so ``lcm(kv, UL)``
-of them travel (``kv_heads_sent``; ``runtime/comm/context.py``'s ``ulysses_attention``).
+of them travel (``kv_heads_sent``; ``runtime/comm/context.py``'s ``ulysses_heads_issue``).
 
 **Communication** (``ulysses_bytes_per_token``). Per layer and forward, 4 all-to-alls: q, k, v from
 token slices to head slices, the attention output back; backward the same again for the gradients. A
@@ -39,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from hgraph.errors import HGraphError, StrategyError
+from hgraph.errors import HGraphError
 from hgraph.strategy import Scheme
 
 ALL_TO_ALLS_PER_LAYER = 8      # q, k, v and the output, forward and backward
@@ -131,7 +131,7 @@ def ulysses_schemes(bases: dict[Scheme, tuple[float, float, float]], *, hidden: 
                     heads: Optional[int], kv_heads: Optional[int], max_ul: int, comm: Optional[AllToAll],
                     gpus_per_node: int, world_size: int) -> dict[Scheme, tuple[float, float, float]]:
     """The UL schemes derived from every ``<TP, PP, CP>`` base that fits ``world_size`` GPUs: degrees
-    of ``ulysses_degrees`` up to ``max_ul``; CP x UL where ``Scheme`` allows it (USP's 2-D)."""
+    of ``ulysses_degrees`` up to ``max_ul``, with CP where the base has it (CP x UL, USP's 2-D)."""
     if comm is None or not heads or max_ul < 2:
         return {}
     kv = kv_heads or heads
@@ -142,10 +142,7 @@ def ulysses_schemes(bases: dict[Scheme, tuple[float, float, float]], *, hidden: 
         for ul in ulysses_degrees(heads, base.tp, max_ul):
             if base.num_ranks * ul > world_size:
                 break
-            try:
-                s = Scheme(base.tp, base.pp, base.cp, ul)
-            except StrategyError:       # CP x UL where the engine does not take it yet
-                continue
+            s = Scheme(base.tp, base.pp, base.cp, ul)
             out[s] = ulysses_coeffs(abc, s, hidden=hidden, heads=heads, kv_heads=kv,
                                     stage_layers=math.ceil(layers / base.pp), comm=comm, gpus_per_node=gpus_per_node)
     return out

@@ -21,7 +21,7 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
-from hgraph.runtime.engine.offload import default_host_budget
+from hgraph.runtime.engine.offload import rank_host_budget
 from hgraph.runtime.planner.schedule.offload import host_link_bytes_per_s
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget, with_offload
 from hgraph.runtime.planner.cost.runtime_memory import max_len_table
@@ -110,9 +110,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
     finally:
         bar.close()
     if setup.offload != "off":
-        host = setup.host_memory_budget
-        if host is None:
-            host = default_host_budget(min(setup.gpus_per_node, world_size))
+        host = rank_host_budget(setup.host_memory_budget, setup.gpus_per_node, world_size)
         planner.cost = with_offload(planner.cost, setup.offload, host)
     if rank == 0 and setup.log:
         c = planner.cost
