@@ -50,7 +50,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: int = 8):
     """The cost model for ``--profile``: ``analytic`` = the analytic prior for ``model``'s shape
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers, Ulysses degrees
-    dividing its heads per TP rank unless it has attention dropout) on
+    dividing its heads per TP rank) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     if profile not in (ANALYTIC, MEASURE):
@@ -66,11 +66,9 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     tps = _divisors(heads, min(world_size, gpus_per_node))
     pps = _divisors(layers, world_size)
     ffn = getattr(cfg, "intermediate_size", None)
-    # Ulysses schemes where the heads allow; attention dropout under Ulysses does not run yet
-    ulysses = not float(getattr(cfg, "attention_dropout", 0.0) or 0.0)
     return analytic_cost_model(hidden=hidden, layers=layers, vocab=vocab, world_size=world_size,
                                ffn_hidden=int(ffn) if ffn else None, gpus_per_node=gpus_per_node,
-                               tps=tps, pps=pps, heads=int(getattr(cfg, "num_heads", 0) or 0) if ulysses else None,
+                               tps=tps, pps=pps, heads=int(getattr(cfg, "num_heads", 0) or 0),
                                kv_heads=getattr(cfg, "num_kv_heads", None))
 
 
