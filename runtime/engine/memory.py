@@ -73,34 +73,51 @@ class _Held:
 
 
 class _ReplayTracker(TorchDispatchMode):
-    """Inside a block's replay: remembers (weakly) every tensor an op produced."""
+    """Inside a block's replay: remembers (weakly) every tensor an op produced, and which tensor
+    objects a collective (a ``c10d`` op) took as its buffers (or as the base of a buffer it viewed)."""
 
     def __init__(self, meter: "ActivationMeter", features: Optional[Features], stashed_input: int = 0) -> None:
         super().__init__()
         self.meter, self.features, self.refs = meter, features, []
         self.stashed_input = stashed_input     # the block's input bytes a forward stash counts
+        self.comm_buffers: dict[int, weakref.ref] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.refs.append(weakref.ref(t))
+        if func.namespace == "c10d":        # a collective: its buffers, and the tensors they view
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    for b in (t, t._base):
+                        if b is not None:
+                            self.comm_buffers[id(b)] = weakref.ref(b)
         return out
+
+    def _comm_buffer(self, t: torch.Tensor) -> bool:
+        ref = self.comm_buffers.get(id(t))
+        return ref is not None and ref() is t
 
     def __exit__(self, *exc: object) -> Optional[bool]:
         result = super().__exit__(*exc)
-        # what is still alive once the replay's outputs were dropped is what the replay saved
+        # What is still alive once the replay's outputs were dropped is what the replay saved, except
+        # a collective's buffer objects: the backend may release them a moment after the wait (gloo's
+        # worker thread drops its work item after waking the waiter), so whether they are alive here
+        # is a race. What the replay saves from a buffer is another tensor object (checkpoint saves a
+        # detached alias of what requires grad; an op's result is its own), still counted through its
+        # storage. A buffer that a Function saved as itself would be missed: none of hgraph's does.
         seen: dict[int, int] = {}
         for ref in self.refs:
             t = ref()
-            if t is not None:
+            if t is not None and not self._comm_buffer(t):
                 key, nbytes = _storage(t)
                 if key and key not in self.meter._live and key not in self.meter.excluded:
                     seen[key] = nbytes
         transient = sum(seen.values())
         self.meter.peak_bytes = max(self.meter.peak_bytes, self.meter.live_bytes + transient)
         self.meter.observe("layer", self.features, transient + self.stashed_input, in_forward=False)
-        self.refs = []
+        self.refs, self.comm_buffers = [], {}
         return result
 
 
