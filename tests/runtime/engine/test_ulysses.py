@@ -156,9 +156,9 @@ def test_the_activation_model_predicts_a_ulysses_ranks_activations(results):
     share). Each step's peak is predicted, from the micro-batches before it, within the bound of the
     CP cases (``test_long_context``).
 
-    (A held-out micro-batch's saved bytes per layer are not compared within 1%: the meter's
-    measurement of one layer varies between runs by one 3.2 KB storage, 32,792 or 35,992 bytes,
-    which a fit of a few micro-batches turns into a 2-13% miss.)"""
+    (The meter measures a layer the same in every run, collectives' buffers left out:
+    ``test_activation_meter``. A held-out micro-batch's saved bytes per layer are not compared: a UL2
+    rank sees three micro-batch shapes here, and a fit of two misses the third by up to 1.2%.)"""
     runs = [r[-1] for r in results[:2]]       # the UL2 pipeline's ranks
     for run in runs:
         assert any(0 < n < 4 for step in run["recompute"][1:] for n in step)      # partial recomputation
