@@ -15,8 +15,9 @@ sample, scaled to the model's context) with Adam and fp32 master weights:
 
 Prints median step times of alternated steps, tokens/s, model TFLOP/s and MFU (``runtime/train/
 throughput``: the device's dense bf16 peak) of both, the ratio hgraph/plain (goal <= 1.03), and with
-``--profile`` the top kernels of two hgraph steps (``torch.profiler``) and where one hgraph step
-waits for the GPU (``torch.cuda.set_sync_debug_mode``). ``--device cpu`` (gloo, fp32)
+``--profile`` the top kernels of two hgraph steps (``torch.profiler``), where in them the GPU waits
+for the host between kernels (``gpu_idle``), and where one hgraph step waits for the GPU
+(``torch.cuda.set_sync_debug_mode``). ``--device cpu`` (gloo, fp32)
 runs the same code as a smoke test; its times say nothing about a GPU. The default model is a Llama of
 1.1B parameters (TinyLlama's shape).
 """
@@ -50,6 +51,7 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.tools.bench.gpu_idle import gpu_idle
 from hgraph.varlen_attention import available_backend, cu_seqlens_for, varlen_attention
 
 DEFAULT_MODEL_ARGS = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22,
@@ -104,15 +106,22 @@ def _varlen_sdpa(cu: torch.Tensor):
         F.scaled_dot_product_attention = sdpa
 
 
-def _top_kernels(step, device: torch.device, rows: int = 12) -> str:
-    """The kernels (or CPU ops) taking the most time over two steps."""
+def _top_kernels(step, device: torch.device, rows: int = 12) -> tuple[str, dict]:
+    """The kernels (or CPU ops) taking the most time over two steps, and where the GPU waited for the
+    host between kernels in them (``gpu_idle``; per step)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=True) as prof:     # with_stack: Python frames
         for _ in range(2):
             step()
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+    table = prof.key_averages().table(sort_by=key, row_limit=rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, encoding="utf-8") as f:
+            events = json.load(f).get("traceEvents", [])
+    return table, gpu_idle(events, _package_dirs()).per_step(2)
 
 
 def _package_dirs() -> tuple[str, ...]:
@@ -237,7 +246,7 @@ def main(argv=None) -> int:
             t = step_throughput(flops, tokens, out[f"{side}_ms"] / 1e3, 1, peak)
             out[f"{side}_tokens_per_s"], out[f"{side}_tflops"], out[f"{side}_mfu"] = \
                 t["tokens_per_s"], t["tflops_per_device"], t["mfu"]
-        profile = _top_kernels(hgraph_step, dev) if args.profile else None
+        profile, out["gpu_idle"] = _top_kernels(hgraph_step, dev) if args.profile else (None, None)
         out["sync_sites"] = _sync_sites(hgraph_step, dev) if args.profile else []
     finally:
         dist.destroy_process_group()
@@ -255,6 +264,12 @@ def main(argv=None) -> int:
     print(f"ratio hgraph/plain {out['ratio']:.3f} (goal <= 1.03)")
     if profile:
         print(profile)
+    idle = out["gpu_idle"]
+    if idle and idle["window_ms"]:
+        print(f"GPU idle between kernels (profiled, per step): {idle['idle_ms']:.1f} of {idle['window_ms']:.1f} ms "
+              f"in {idle['gaps']:.0f} gaps; by the code launching the kernel after a gap (hgraph's | innermost):")
+        for ours, inner, ms, n in idle["sites"]:
+            print(f"  {ms:7.2f} ms {n:6.1f}  {ours} | {inner}")
     if out["sync_sites"]:
         print("where an hgraph step waits for the GPU (calls per step):")
         for site, n in out["sync_sites"]:

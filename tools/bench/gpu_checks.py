@@ -4,7 +4,8 @@ On a machine with one CUDA GPU (under 10 minutes on an H100 or H200) it runs, ea
 with a time limit, its output kept under ``--out``:
 
 1. ``bench``: ``python -m hgraph.tools.bench.gpu --profile`` (1.1B Llama, bf16, 16K packed tokens,
-   compiled): hgraph's step against plain PyTorch + ``torch.compile``, MFU, the top kernels;
+   compiled): hgraph's step against plain PyTorch + ``torch.compile``, MFU, the top kernels, where
+   the GPU waits for the host between kernels;
 2. ``train_1gpu``: ``hgraph train`` on the GPU alone (bf16, 16K tokens a step, the same model, on
    documents of the bench's length distribution, written to ``documents.jsonl``), its measured
    allocator peak per step beside ``memory``: ``hgraph memory`` of the same run (``--compile on``),
@@ -123,7 +124,8 @@ def figures(check: Check, out: Path) -> dict:
     if check.name == "bench":
         keys = ("device", "hgraph_ms", "plain_ms", "ratio", "hgraph_mfu", "plain_mfu", "region_compiles")
         got = _last_json(check.stdout)
-        return {k: got.get(k) for k in keys} | {"profile": got.get("profile"), "sync_sites": got.get("sync_sites")}
+        return {k: got.get(k) for k in keys} | {"profile": got.get("profile"), "sync_sites": got.get("sync_sites"),
+                                                 "gpu_idle": got.get("gpu_idle")}
     if check.name == "memory":
         rank = (_last_json(check.stdout).get("ranks") or [{}])[0]
         return {"activations": rank.get("activations"), "peak": rank.get("peak")}
@@ -218,12 +220,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(summary))
     else:
         for c in checks:
-            shown = {k: v for k, v in c.figures.items() if k not in ("profile", "sync_sites")}
+            shown = {k: v for k, v in c.figures.items() if k not in ("profile", "sync_sites", "gpu_idle")}
             print(f"{c.name}: rc {c.rc}, {c.wall_s:.0f} s, {shown}")
         if "bench" in by_name and by_name["bench"].figures.get("profile"):
             print(by_name["bench"].figures["profile"])
             for site, n in by_name["bench"].figures.get("sync_sites") or []:
                 print(f"sync {n:4d}  {site}")
+            idle = by_name["bench"].figures.get("gpu_idle") or {}
+            if idle.get("window_ms"):
+                print(f"GPU idle per step: {idle['idle_ms']:.1f} of {idle['window_ms']:.1f} ms, {idle['gaps']:.0f} gaps")
+                for ours, inner, ms, n in idle["sites"]:
+                    print(f"idle {ms:7.2f} ms {n:6.1f}  {ours} | {inner}")
         print(f"verdicts: {summary['verdicts']}")
     return 0 if all(c.rc == 0 for c in checks) else 1
 
