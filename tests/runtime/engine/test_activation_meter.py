@@ -2,24 +2,12 @@
 alive is its stash, except a collective's buffer objects, which a backend may hold a moment past the
 wait (gloo's worker thread drops its work item after waking the waiter). What the replay keeps from a
 buffer (an alias checkpoint saves, a result) is still counted."""
-import os
-import tempfile
-
-import pytest
 import torch
 import torch.distributed as dist
 
 from hgraph.runtime.engine.memory import ActivationMeter
 
 FEATURES = (1.0, 1.0, 1.0)
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    store = os.path.join(tempfile.mkdtemp(prefix="hgraph-meter-"), "store")
-    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_collectives_buffer_held_past_the_replay_is_not_its_stash(one_rank):

@@ -11,12 +11,8 @@ On CPU the same ops run, so counting them under a ``TorchDispatchMode`` shows it
 from __future__ import annotations
 
 import collections
-import os
-import tempfile
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import hgraph
@@ -43,14 +39,6 @@ class HostReads(TorchDispatchMode):
         if func in HOST_READS:
             self.reads[func.__name__] += 1
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    store = os.path.join(tempfile.mkdtemp(prefix="hgraph-reads-"), "store")
-    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _reads_of_a_step(layers: int, microbatches: int) -> collections.Counter:
