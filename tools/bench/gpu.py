@@ -51,7 +51,7 @@ from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
-from hgraph.tools.bench.gpu_idle import gpu_idle
+from hgraph.tools.bench.gpu_idle import gpu_idle, idle_lines
 from hgraph.varlen_attention import available_backend, cu_seqlens_for, varlen_attention
 
 DEFAULT_MODEL_ARGS = {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632, "num_layers": 22,
@@ -264,12 +264,8 @@ def main(argv=None) -> int:
     print(f"ratio hgraph/plain {out['ratio']:.3f} (goal <= 1.03)")
     if profile:
         print(profile)
-    idle = out["gpu_idle"]
-    if idle and idle["window_ms"]:
-        print(f"GPU idle between kernels (profiled, per step): {idle['idle_ms']:.1f} of {idle['window_ms']:.1f} ms "
-              f"in {idle['gaps']:.0f} gaps; by the code launching the kernel after a gap (hgraph's | innermost):")
-        for ours, inner, ms, n in idle["sites"]:
-            print(f"  {ms:7.2f} ms {n:6.1f}  {ours} | {inner}")
+    for line in idle_lines(out["gpu_idle"]):
+        print(line)
     if out["sync_sites"]:
         print("where an hgraph step waits for the GPU (calls per step):")
         for site, n in out["sync_sites"]:

@@ -40,6 +40,7 @@ import torch
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.builtin import write_jsonl
 from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS, bench_documents
+from hgraph.tools.bench.gpu_idle import idle_lines
 
 TOKENS = 16384
 SMOKE_TOKENS = 512
@@ -226,11 +227,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(by_name["bench"].figures["profile"])
             for site, n in by_name["bench"].figures.get("sync_sites") or []:
                 print(f"sync {n:4d}  {site}")
-            idle = by_name["bench"].figures.get("gpu_idle") or {}
-            if idle.get("window_ms"):
-                print(f"GPU idle per step: {idle['idle_ms']:.1f} of {idle['window_ms']:.1f} ms, {idle['gaps']:.0f} gaps")
-                for ours, inner, ms, n in idle["sites"]:
-                    print(f"idle {ms:7.2f} ms {n:6.1f}  {ours} | {inner}")
+            for line in idle_lines(by_name["bench"].figures.get("gpu_idle")):
+                print(line)
         print(f"verdicts: {summary['verdicts']}")
     return 0 if all(c.rc == 0 for c in checks) else 1
 

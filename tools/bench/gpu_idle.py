@@ -128,3 +128,14 @@ def gpu_idle(events: Iterable[dict[str, Any]], roots: Sequence[str], min_gap_us:
         by_site[key][1] += 1
     report.sites = sorted(((a, b, us, n) for (a, b), (us, n) in by_site.items()), key=lambda s: -s[2])
     return report
+
+
+def idle_lines(per_step: Optional[dict]) -> list[str]:
+    """The printed form of ``IdleReport.per_step`` (none for a trace without kernels)."""
+    if not per_step or not per_step.get("window_ms"):
+        return []
+    lines = [f"GPU idle between kernels (profiled, per step): {per_step['idle_ms']:.1f} of "
+             f"{per_step['window_ms']:.1f} ms in {per_step['gaps']:.0f} gaps; by the code launching the "
+             "kernel after a gap (hgraph's | innermost):"]
+    lines += [f"  {ms:7.2f} ms {n:6.1f}  {ours} | {inner}" for ours, inner, ms, n in per_step["sites"]]
+    return lines

@@ -6,7 +6,7 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hgraph.tools.bench.gpu_idle import gpu_idle
+from hgraph.tools.bench.gpu_idle import gpu_idle, idle_lines
 
 ROOT = "/src/runtime/"
 
@@ -45,6 +45,9 @@ def test_gaps_are_charged_to_the_frames_that_launched_the_next_kernel():
                        ("runtime/engine/loss.py:20 chunk", "torch/_tensor.py:7 item", 100.0, 1)]
     per = r.per_step(2)
     assert per["idle_ms"] == 0.2325 and per["gaps"] == 1 and per["sites"][1][2:] == [0.05, 0.5]
+    lines = idle_lines(per)
+    assert lines[0].startswith("GPU idle between kernels (profiled, per step): 0.2 of 0.4 ms in 1 gaps")
+    assert lines[2] == "     0.05 ms    0.5  runtime/engine/loss.py:20 chunk | torch/_tensor.py:7 item"
 
 
 def test_a_cpu_trace_has_no_kernels_and_reports_nothing(tmp_path):
@@ -54,4 +57,4 @@ def test_a_cpu_trace_has_no_kernels_and_reports_nothing(tmp_path):
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     assert any(e.get("cat") == "python_function" for e in events)
     r = gpu_idle(events, [ROOT])
-    assert (r.window_us, r.idle_us, r.gaps, r.sites) == (0.0, 0.0, 0, [])
+    assert (r.window_us, r.idle_us, r.gaps, r.sites) == (0.0, 0.0, 0, []) and idle_lines(r.per_step(2)) == []
