@@ -12,11 +12,8 @@ parameter, whose launches kept a GPU waiting for the host.
 from __future__ import annotations
 
 import collections
-import os
-import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -82,28 +79,23 @@ class PrecisionWatch(TorchDispatchMode):
         return out
 
 
-def test_a_bf16_step_runs_every_matmul_in_bf16_and_casts_each_master_once():
-    store = os.path.join(tempfile.mkdtemp(prefix="hgraph-bf16-"), "store")
-    dist.init_process_group("gloo", init_method="file://" + store, rank=0, world_size=1)
-    try:
-        cfg = TrainConfig.from_values(model="tiny", model_args={"num_layers": 2}, world_size=1,
-                                      strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=256,
-                                      lr=1e-4, dtype="bf16")
-        compiled = hgraph.compile(build_model(cfg), dtype="bf16")
-        optimizer = make_optimizer(cfg, compiled, 0, 1)
-        ex = Executor(compiled, optimizer, 0, 1, GroupCache(0, 1))
-        program = compiled.instantiate("1xTP1PP1")
-        g = torch.Generator().manual_seed(0)
-        docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 50, 20)]
-        mbs = [[MicroBatch.pack(docs[:2]), MicroBatch.pack(docs[2:])]]
-        state = ex.rank_state(program)
-        masters = {p.data_ptr(): name for name, p in optimizer.params.items() if p.numel()}
-        watch = PrecisionWatch(frozenset(masters), lambda: {w.grad.untyped_storage().data_ptr() for w in state.working.values()
-                                        if w.grad is not None})
-        with watch:
-            result = ex.step(program, mbs, sum(len(d) - 1 for d in docs))
-    finally:
-        dist.destroy_process_group()
+def test_a_bf16_step_runs_every_matmul_in_bf16_and_casts_each_master_once(one_rank):
+    cfg = TrainConfig.from_values(model="tiny", model_args={"num_layers": 2}, world_size=1,
+                                  strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=256,
+                                  lr=1e-4, dtype="bf16")
+    compiled = hgraph.compile(build_model(cfg), dtype="bf16")
+    optimizer = make_optimizer(cfg, compiled, 0, 1)
+    ex = Executor(compiled, optimizer, 0, 1, GroupCache(0, 1))
+    program = compiled.instantiate("1xTP1PP1")
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (30, 50, 20)]
+    mbs = [[MicroBatch.pack(docs[:2]), MicroBatch.pack(docs[2:])]]
+    state = ex.rank_state(program)
+    masters = {p.data_ptr(): name for name, p in optimizer.params.items() if p.numel()}
+    watch = PrecisionWatch(frozenset(masters), lambda: {w.grad.untyped_storage().data_ptr()
+                                                        for w in state.working.values() if w.grad is not None})
+    with watch:
+        result = ex.step(program, mbs, sum(len(d) - 1 for d in docs))
     assert torch.isfinite(torch.tensor(result.loss))
     assert watch.gemms > 50 and not watch.fp32_gemms, "\n".join(watch.fp32_gemms)
     pulled = {masters[ptr]: n for ptr, n in watch.cast_sources.items() if ptr in masters}

@@ -1,9 +1,4 @@
 """The executor's one cache of per-strategy Programs and this rank's state for each."""
-import os
-import tempfile
-
-import torch.distributed as dist
-
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
@@ -44,7 +39,7 @@ def test_a_program_built_elsewhere_is_kept_under_its_strategy_without_counting()
     assert (cache.hits, cache.misses) == (0, 1)
 
 
-def test_a_program_given_to_the_executor_keeps_the_compilers_graph():
+def test_a_program_given_to_the_executor_keeps_the_compilers_graph(one_rank):
     """The executor sets its working parameters on its own copy of a rank's graph: a Program built
     elsewhere (the compiled module caches it) is left as the compiler made it."""
     cfg = TrainConfig.from_values(model="tiny", model_args={"num_layers": 1}, world_size=1,
@@ -53,13 +48,8 @@ def test_a_program_given_to_the_executor_keeps_the_compilers_graph():
     program = compiled.instantiate("1xTP1PP1")
     gm = program.rank(0).graph_module
     before = dict(gm.named_parameters())
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(tempfile.mkdtemp(), "store"),
-                            rank=0, world_size=1)
-    try:
-        ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1))
-        docs = [list(d) for d in synthetic_documents(4, 256, 32, seed=1)]
-        ex.step(program, [[MicroBatch.pack(docs)]], sum(len(d) - 1 for d in docs))
-    finally:
-        dist.destroy_process_group()
+    ex = Executor(compiled, make_optimizer(cfg, compiled, 0, 1), 0, 1, GroupCache(0, 1))
+    docs = [list(d) for d in synthetic_documents(4, 256, 32, seed=1)]
+    ex.step(program, [[MicroBatch.pack(docs)]], sum(len(d) - 1 for d in docs))
     after = dict(gm.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
