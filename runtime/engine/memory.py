@@ -84,7 +84,8 @@ class _ReplayTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
+        # most ops return one tensor (torch's tree_flatten makes a reference cycle per call)
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.refs.append(weakref.ref(t))
         if func.namespace == "c10d":        # a collective: its buffers, and the tensors they view
