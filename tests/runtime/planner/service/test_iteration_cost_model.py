@@ -1,5 +1,5 @@
-"""The analytic prior ``model_cost_model`` builds for a model's shape: its schemes follow the heads and
-layers, and attention dropout (which runs under Ulysses, ``test_ulysses``) keeps the Ulysses schemes."""
+"""The analytic prior ``model_cost_model`` builds for a model's shape keeps its Ulysses schemes when the
+model has attention dropout, which trains under Ulysses (``test_ulysses``)."""
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.service.iteration import model_cost_model
 
