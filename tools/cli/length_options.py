@@ -34,8 +34,7 @@ def workload_cost_model(args, **options):
     offload = getattr(args, "offload", "off")
     host = None
     if offload != "off":
-        given = args.host_memory_budget
-        host = rank_host_budget(parse_bytes(given, "--host-memory-budget") if given is not None else None,
+        host = rank_host_budget(parse_bytes(args.host_memory_budget, "--host-memory-budget"),
                                 args.gpus_per_node, args.world_size)
 
     def load(**more):

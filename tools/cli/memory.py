@@ -85,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
     cost, limit = _bounded(model, compiled, cluster, limit_arg, args.dtype, compiled_step)
     host = None
     if args.offload == "on":
-        given = args.host_memory_budget
-        host = rank_host_budget(parse_bytes(given, "--host-memory-budget") if given is not None else None,
+        host = rank_host_budget(parse_bytes(args.host_memory_budget, "--host-memory-budget"),
                                 cluster.gpus_per_node, cluster.world_size)
     estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost,
                                compiled_step=compiled_step, offload=args.offload == "on", host_memory=host)
