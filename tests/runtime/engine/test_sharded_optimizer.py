@@ -9,6 +9,7 @@ global norm sums in another order, so parameters agree to 1e-6 relative (observe
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
@@ -177,3 +178,30 @@ def test_fused_takes_strided_gradient_shards():
         exact.step(grads)
     for n in SHAPES:
         torch.testing.assert_close(fused.params[n], exact.params[n], rtol=1e-6, atol=1e-7)
+
+
+def test_a_clipped_step_launches_as_many_kernels_for_many_shards_as_for_few():
+    """The global norm and the clipping are multi-tensor calls: on a GPU each op of a step is a kernel
+    launch of host time, and a norm per shard made a 200-parameter model launch 800 of them."""
+
+    class KernelOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.is_view           # views launch nothing
+            return func(*args, **(kwargs or {}))
+
+    def ops_of_a_step(n):
+        g = torch.Generator().manual_seed(n)
+        params = {f"p{i}": torch.randn(4, 3, generator=g) for i in range(n)}
+        opt = ShardedAdam(params, lr=1e-2, max_grad_norm=0.1)
+        grads = {name: torch.randn(4, 3, generator=g) for name in params}
+        with KernelOps() as mode:
+            norm = opt.step(grads)
+        want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads.values()]))
+        assert norm.item() == pytest.approx(want.item(), rel=1e-6)
+        return mode.count
+
+    assert ops_of_a_step(40) == ops_of_a_step(3)
