@@ -74,6 +74,11 @@ class ParamLayout:
         return self.shape[self.shard_dim] if self.shape else 1
 
     @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row (the other dimensions; ``()`` for a 0-d parameter)."""
+        return tuple(d for i, d in enumerate(self.shape) if i != self.shard_dim)
+
+    @property
     def row_elements(self) -> int:
         """Elements of one row (the product of the other dimensions)."""
         return math.prod(d for i, d in enumerate(self.shape) if i != self.shard_dim)

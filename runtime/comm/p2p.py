@@ -72,12 +72,14 @@ class PeerOp:
 
 
 def batch_isend_irecv(transfers: Sequence[PeerOp], *, group: Any = None, stage: bool = False) -> list:
-    """``dist.batch_isend_irecv`` of ``transfers``; staged, every tensor goes through a host buffer."""
+    """``dist.batch_isend_irecv`` of ``transfers``: one work per transfer (NCCL's one work for the
+    whole batch stands for each); staged, every tensor goes through a host buffer."""
     if not transfers:
         return []
     if not stage:
-        return dist.batch_isend_irecv([dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer,
-                                                  group=group, tag=t.tag) for t in transfers])
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend if t.send else dist.irecv, t.tensor, t.peer,
+                                                   group=group, tag=t.tag) for t in transfers])
+        return works + [works[-1]] * (len(transfers) - len(works))
     hosts = [_host_copy(t.tensor) if t.send else
              torch.empty(t.tensor.shape, dtype=t.tensor.dtype, device="cpu", pin_memory=t.tensor.is_cuda)
              for t in transfers]

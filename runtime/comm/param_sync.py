@@ -18,9 +18,10 @@ through a step. It composes three parts over one ``RankParams`` (``runtime/comm/
   (``set_loss``, ``finish_update``) instead of ``push`` + an optimizer step, and with ``prefetch``
   the next step's all-gathers are done by the time the step returns.
 
-Point-to-point messages carry a tag per parameter and direction (pull ``2i+1``, push ``2i+2``;
-pipeline activations use tag 0), so gloo matches them by tag; NCCL matches them in order, and every
-rank posts them in the same global order.
+Point-to-point messages coalesce the transfers between two ranks (``runtime/comm/peer_buckets``) and
+carry a tag per bucket and direction (pull ``2k+1``, push ``2k+2``; pipeline activations use tag 0),
+so gloo matches them by tag; NCCL matches them in order, and every rank posts them in the same
+global order.
 """
 from __future__ import annotations
 
@@ -116,11 +117,12 @@ class ParamSync:
         """Post every pull of this rank (all parameters, model order); returns before they complete.
 
         The all-gather parameters travel in all-gathers of up to ``pull_bucket_bytes``, the LNK ones
-        as one batch each; none of it when the last step prefetched them and the masters have not
-        changed since. ``overlap_update`` (only where ``can_overlap_update``; the same on every
-        rank): this step updates the optimizer shards as their reductions arrive (``set_loss``,
-        ``finish_update``) instead of ``push`` + an optimizer step; ``prefetch``: and posts the next
-        step's all-gathers as soon as their parameters are updated.
+        in messages of up to as many bytes, one per peer and bucket; the all-gathers not at all when
+        the last step prefetched them and the masters have not changed since. ``overlap_update``
+        (only where ``can_overlap_update``; the same on every rank): this step updates the optimizer
+        shards as their reductions arrive (``set_loss``, ``finish_update``) instead of ``push`` + an
+        optimizer step; ``prefetch``: and posts the next step's all-gathers as soon as their
+        parameters are updated.
         """
         if self._active:
             raise HGraphError("ParamSync.begin_step called twice without finishing the step")

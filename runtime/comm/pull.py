@@ -3,26 +3,26 @@
 Every rank walks *all* parameters in model order, owners included for parameters they do not use,
 and posts its part of each plan at once (``post``): the parameters every rank needs whole
 (``is_all_gather``) travel in all-gathers of up to ``bucket_bytes`` each (``param_gather.GatherBucket``,
-model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default), the others as one
-``batch_isend_irecv`` of the plan's transfers each (tag ``2i+1``; through host memory where the backend
-needs it, ``p2p``), the fp32 master rows cast to the
-working dtype; local copies are done on the spot. ``wait(name)`` waits for that parameter's work and
-assembles the received rows into the working tensor (a gathered bucket is written out whole at its
-first wait; idempotent within a step); ``finish`` completes the rest (the sends, and the pulls of a
-pipeline that ran no micro-batch).
+model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default), the others' transfers
+coalesced per peer into messages of up to ``bucket_bytes`` (``peer_buckets``; tags ``2k+1``; through
+host memory where the backend needs it, ``p2p``), the fp32 master rows cast to the working dtype as
+they are copied into the send buffers. ``wait(name)`` waits for the messages carrying that parameter's
+rows and assembles them, and the rows this rank owns itself (cast as they are copied), into the working
+tensor (a gathered bucket is written out whole at its first wait; idempotent within a step);
+``finish`` completes the rest (the sends, and the pulls of a pipeline that ran no micro-batch).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from hgraph.comm_plan import LocalCopy, Transfer
+from hgraph.comm_plan import LocalCopy
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
-from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
 from hgraph.runtime.comm.param_gather import GatherBucket
+from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
@@ -39,12 +39,18 @@ DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
 GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
+def pull_transfers(program: Any, rank: int, aliased: frozenset = frozenset()) -> list:
+    """The point-to-point transfers of ``rank``'s pull (``peer_buckets.plan_transfers``): those of the
+    parameters not all-gathered and not ``aliased``."""
+    return plan_transfers((plan for name, plan in program.pull_plans.items()
+                           if not plan.is_all_gather and name not in aliased), rank)
+
+
 @dataclass
 class _Pull:
-    """The pull of one parameter in flight: work handles and the row buffers it will assemble from."""
+    """The pull of one parameter in flight: the rows it will assemble from besides the received ones."""
 
-    works: list = field(default_factory=list)
-    held: list = field(default_factory=list)         # [((lo, hi), rows-first tensor)]
+    held: list = field(default_factory=list)         # [((lo, hi), rows-first master view)]: local copies
     gather: Optional[GatherBucket] = None             # the shared all-gather carrying this parameter
     done: bool = False
 
@@ -52,8 +58,9 @@ class _Pull:
 class PullParameter:
     """The pulls of one rank for one Program.
 
-    ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather
-    (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else ``DEFAULT_PULL_BUCKET_BYTES``).
+    ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather and of a
+    point-to-point message (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else
+    ``DEFAULT_PULL_BUCKET_BYTES``).
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
@@ -69,6 +76,8 @@ class PullParameter:
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], params.rank, params.world_size,
                                      params.working_dtype, all_to_all=all_to_all)
                         for names in self._buckets(gathered, bucket_bytes)]
+        self.peers = PeerTransfers(params.rank, pull_transfers(program, params.rank, params.aliased),
+                                   params.working_dtype.itemsize, bucket_bytes, parity=1)
 
     def _gather_entry(self, name: str) -> tuple:
         """``GatherBucket`` entry of ``name``: rows, master rows, working rows (None if not held)."""
@@ -95,14 +104,15 @@ class PullParameter:
         return buckets
 
     def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of this rank's fp32 master of ``name`` (a view, rows first)."""
         param = self.params.program.pull_plans[name].param
         base = self.params.segment(param)[0]
-        master = rows(self.params.masters[name], param.shard_dim)
-        return master.narrow(0, lo - base, hi - lo).to(self.params.working_dtype).contiguous()
+        return rows(self.params.masters[name], param.shard_dim).narrow(0, lo - base, hi - lo)
 
     def forget_step(self) -> None:
         """Drop the last step's pulls (their send and receive buffers)."""
         self._pulls = {}
+        self.peers.release()
         for bucket in self.gathers:
             bucket.work = bucket.out = None
 
@@ -124,26 +134,14 @@ class PullParameter:
                 pull.done = True
             elif plan.is_all_gather:
                 pull.gather = bucket_of[name]
-            else:
-                transfers = []
-                for op in self.ops[name]:
-                    if isinstance(op, LocalCopy):
-                        pull.held.append(((op.lo, op.hi), self._master_rows(name, op.lo, op.hi)))
-                    elif isinstance(op, Transfer) and op.src == p.rank:
-                        buf = self._master_rows(name, op.lo, op.hi)
-                        transfers.append(PeerOp(True, buf, op.dst, 2 * p.tags[name] + 1))
-                        pull.held.append(((-1, -1), buf))     # keeps the send buffer alive
-                        self.stats.pull_send_bytes += buf.numel() * buf.element_size()
-                    elif isinstance(op, Transfer):
-                        rest = rows(p.masters[name], plan.param.shard_dim).shape[1:]
-                        buf = torch.empty((op.hi - op.lo, *rest), dtype=p.working_dtype,
-                                          device=p.masters[name].device)
-                        transfers.append(PeerOp(False, buf, op.src, 2 * p.tags[name] + 1))
-                        pull.held.append(((op.lo, op.hi), buf))
-                        self.stats.pull_recv_bytes += buf.numel() * buf.element_size()
-                stage = bool(transfers) and host_staged(transfers[0].tensor.device)
-                pull.works = batch_isend_irecv(transfers, stage=stage)
+            else:   # the masters stay as they are until the step's pulls finish: copied from at the wait
+                pull.held = [((op.lo, op.hi), self._master_rows(name, op.lo, op.hi))
+                             for op in self.ops[name] if isinstance(op, LocalCopy)]
             self._pulls[name] = pull
+        device = next(iter(p.masters.values())).device if p.masters else torch.device("cpu")
+        sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device)
+        self.stats.pull_send_bytes += sent
+        self.stats.pull_recv_bytes += received
 
     def post_gather(self, bucket: GatherBucket) -> None:
         """Start one all-gather (also the overlapped update's prefetch of the next step's pull)."""
@@ -161,8 +159,6 @@ class PullParameter:
                 self._complete(name, pull)
 
     def _complete(self, name: str, pull: _Pull) -> None:
-        for work in pull.works:
-            work.wait()
         pull.done = True
         if pull.gather is not None:                    # every rank needs the whole parameter
             pull.gather.complete()
@@ -173,16 +169,17 @@ class PullParameter:
         rank = self.params.rank
         plan = self.params.program.pull_plans[name]
         dest = rows(self.params.working[name].data, plan.param.shard_dim)
+        held = pull.held + [(span, t) for _, span, t in self.peers.held(name)]
         offset = 0
         for (lo, hi), tiles in zip(plan.needs[rank], plan.assembly[rank]):
             for a, b in tiles:
-                src = lookup(pull.held, a, b, name)
-                dest.narrow(0, offset + a - lo, b - a).copy_(src)
+                dest.narrow(0, offset + a - lo, b - a).copy_(lookup(held, a, b, name))   # casts a local copy
             offset += hi - lo
         pull.held = []
-        pull.gather = None
+        self.peers.consumed(name)
 
     def finish(self) -> None:
         """Complete every pull still in flight (sends, and parameters no forward waited for)."""
         for name in self.params.order:
             self.wait(name)
+        self.peers.wait_all()

@@ -4,8 +4,8 @@ The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradB
 model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
 ``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
-sends the plan's transfers to the optimizer owners (one batch in model order, tag ``2i+2``) and does
-the local adds. Owners get the summed fp32 gradient of their optimizer shard (the reduced rows
+sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message per
+peer, tags ``2k+2``) and does the local adds. Owners get the summed fp32 gradient of their optimizer shard (the reduced rows
 themselves when they are the whole shard). A rank whose pipeline ran no micro-batch pushes zeros, so
 every rank takes part and nothing hangs.
 """
@@ -17,7 +17,7 @@ import torch
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
-from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
+from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
 
 
@@ -50,6 +50,9 @@ class PushGradient:
                       for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, row_shapes, groups, self._contribution,
                                    device, bucket_bytes)
+        # fp32 rows; the small transfers to one peer in one message
+        transfers = plan_transfers((program.push_plans[n] for n in params.order), params.rank)
+        self.peers = PeerTransfers(params.rank, transfers, 4, None, parity=2)
 
     def _sole_local_adds(self) -> dict[str, LocalAdd]:
         """Parameters whose owned segment is one local add and nothing received: the reduced rows
@@ -174,35 +177,22 @@ class PushGradient:
         for name in p.order:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)
-        transfers, recvs = [], []
-        for name in p.order:              # 2. transfers to the owners, one batch in model order
-            dim = p.program.push_plans[name].param.shard_dim
-            tag = 2 * p.tags[name] + 2
-            for op in self.ops[name]:
-                if not isinstance(op, Transfer):
-                    continue
-                if op.src == p.rank:
-                    buf = lookup([(r, t) for r, t in held[name]], op.lo, op.hi, name).contiguous()
-                    transfers.append(PeerOp(True, buf, op.dst, tag))
-                    recvs.append((None, None, None, buf))
-                    self.stats.push_send_bytes += buf.numel() * 4
-                else:
-                    rest = rows(out[name], dim).shape[1:]
-                    buf = torch.empty((op.hi - op.lo, *rest), dtype=torch.float32, device=out[name].device)
-                    transfers.append(PeerOp(False, buf, op.src, tag))
-                    recvs.append((name, op.lo, op.hi, buf))
-                    self.stats.push_recv_bytes += buf.numel() * 4
-        stage = bool(transfers) and host_staged(transfers[0].tensor.device)
-        works = batch_isend_irecv(transfers, stage=stage)
+        # 2. transfers to the owners (the small ones coalesced per peer)
+        device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
+        sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device)
+        self.stats.push_send_bytes += sent
+        self.stats.push_recv_bytes += received
         for name in p.order:              # 3. local adds (overlap with the transfers)
             for op in self.ops[name]:
                 if isinstance(op, LocalAdd) and name not in self._sole_add:
                     self._add(out, name, op.lo, op.hi, lookup(held[name], op.lo, op.hi, name))
-        for work in works:
-            work.wait()
-        for name, lo, hi, buf in recvs:
-            if name is not None:
-                self._add(out, name, lo, hi, buf)
+        for name in p.order:              # the received rows, added in the plan's order
+            arrived = {(peer, span): t for peer, span, t in self.peers.held(name)}
+            for op in self.ops[name]:
+                if isinstance(op, Transfer) and op.dst == p.rank:
+                    self._add(out, name, op.lo, op.hi, arrived[(op.src, (op.lo, op.hi))])
+        self.peers.wait_all()             # the sends
+        self.peers.release()
         return out
 
     def _add(self, out: dict, name: str, lo: int, hi: int, reduced: torch.Tensor) -> None:

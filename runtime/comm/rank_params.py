@@ -4,7 +4,7 @@
 overlapped update (``runtime/comm/overlapped_update``) share: the Program, this rank's fp32 optimizer
 shards (the masters), the working tensors its graph holds, their ``ParamShard``, and the model order
 of the parameters (``Program.pull_plans`` order, which is ``list(hgraph.params)``), which fixes the
-order of every message and the tag of each parameter. ``SyncStats`` counts the bytes of one step.
+order of every message. ``SyncStats`` counts the bytes of one step.
 
 Work is layout "rows first": the shard dimension is moved to dimension 0 (``rows``), so a range of
 rows is a ``narrow(0, ...)``; received and reduced rows are held as ``((lo, hi), rows)`` pairs in
@@ -79,12 +79,6 @@ class RankParams:
     def order(self) -> list[str]:
         """Every parameter in model order."""
         return list(self.program.pull_plans)
-
-    @cached_property
-    def tags(self) -> dict[str, int]:
-        """Position of each parameter in model order: its point-to-point tags are ``2i+1`` (pull) and
-        ``2i+2`` (push); pipeline activations use tag 0."""
-        return {name: i for i, name in enumerate(self.order)}
 
     def segment(self, param: Any) -> Range:
         """This rank's optimizer segment (rows) of ``param``."""

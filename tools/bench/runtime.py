@@ -23,14 +23,16 @@ the median over launches. On a shared, loaded machine read the quartiles and the
    in one all-to-all carrying the loss, shards updated, the next step's parameters gathered in one
    all-to-all before the step returns; DDP's step is one all-reduce and Adam over every parameter.
    Both use the launcher's torch threads per rank (``OMP_NUM_THREADS`` if set).
-3. **Bytes**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
+3. **Bytes and messages**: per strategy, what pull and push move (LNK transfers, all-gather and reduce-scatter
    payloads, all ranks' receipts summed) from the Programs' plans that ParamSync executes op for op,
    against the minima: pull, each rank receives exactly the rows it needs and does not own; push, the
    least a push that sums on the way can move (per row, one message per contributor other than the
    owner) and the owner-receipt figure (each owner receives each foreign row once), which is below
    anything reachable when a row has two contributors besides its owner. On gloo the reduce-scatters
    and the all-gathers run as all-to-alls (faster there, see ``runtime.grad_buckets`` and
-   ``runtime.param_gather``), which move the same bytes.
+   ``runtime.param_gather``), which move the same bytes. And the point-to-point messages of a step
+   (all ranks' sends, gloo's caps) against the plans' transfers: ``runtime.comm.peer_buckets``
+   coalesces the small transfers between two ranks, which were a message each.
 4. **Switch**: host time of ``Executor.rank_state`` (the Program and the rank's state) when the strategy was seen
    before (every step's pull is not included).
 """
@@ -50,7 +52,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hgraph
 from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
+from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.comm.pull import GLOO_PULL_BUCKET_BYTES, pull_transfers
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.launch import spawn
@@ -217,8 +221,21 @@ def bytes_table(model_name: str, strategies: list[str], world: int) -> list[dict
             push_reduce_min += min_reduce_push_bytes(ph.param, ph.contributions, world)
         rows.append({"strategy": text, "pull_bytes": pull, "pull_min_bytes": pull_min,
                      "push_lnk_bytes": push, "push_reduce_scatter_bytes": push_rs, "push_min_bytes": push_min,
-                     "push_reduce_min_bytes": push_reduce_min})
+                     "push_reduce_min_bytes": push_reduce_min, **_messages(prog, world)})
     return rows
+
+
+def _messages(prog, world: int) -> dict:
+    """Point-to-point messages of one step, all ranks' sends (pull and push, gloo's bucket caps),
+    against the plans' transfers (a message each before they were coalesced)."""
+    transfers = messages = 0
+    pushes = [prog.push_plans[n] for n in prog.pull_plans]
+    for rank in range(world):
+        for moves, cap, parity in ((pull_transfers(prog, rank), GLOO_PULL_BUCKET_BYTES, 1),
+                                   (plan_transfers(pushes, rank), None, 2)):
+            transfers += sum(src == rank for _, src, _ in moves)
+            messages += sum(b.send and b.numel > 0 for b in PeerTransfers(rank, moves, 4, cap, parity).buckets())
+    return {"p2p_transfers": transfers, "p2p_messages": messages}
 
 
 def main(argv=None) -> int:
@@ -277,7 +294,8 @@ def main(argv=None) -> int:
         push = r["push_lnk_bytes"] + r["push_reduce_scatter_bytes"]
         print(f"  {r['strategy']:<22} pull {r['pull_bytes']:>9} B (min {r['pull_min_bytes']:>9})  push {push:>9} B = "
               f"LNK {r['push_lnk_bytes']:>9} + reduce-scatter {r['push_reduce_scatter_bytes']:>9} "
-              f"(summing min {r['push_reduce_min_bytes']:>9}; owner-receipt {r['push_min_bytes']:>9})")
+              f"(summing min {r['push_reduce_min_bytes']:>9}; owner-receipt {r['push_min_bytes']:>9}); "
+              f"{r['p2p_messages']} point-to-point messages for {r['p2p_transfers']} transfers")
     print("  push minima: 'summing min' = per row, one message per contributor other than its owner, the least\n"
           "  any push that adds partial gradients can move; 'owner-receipt' = each owner receives each row it\n"
           "  lacks once. The second is reachable only when no row has two contributors besides its owner:\n"
