@@ -174,28 +174,46 @@ class PushGradient:
         own = [(name, lo, hi) for name, ranges in self._own_rows.items() for lo, hi in ranges]
         for (name, lo, hi), t in zip(own, self._fp32_rows(own, grads)):   # rows no reduce-scatter carries
             held[name].append(((lo, hi), t))
+        device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
+        summed = [n for n in p.order if n not in out and n not in self._sole_add]
+        out.update(zip(summed, self._zeros(summed, device)))
         for name in p.order:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)
         # 2. transfers to the owners (the small ones coalesced per peer)
-        device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
         sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device)
         self.stats.push_send_bytes += sent
         self.stats.push_recv_bytes += received
-        for name in p.order:              # 3. local adds (overlap with the transfers)
-            for op in self.ops[name]:
-                if isinstance(op, LocalAdd) and name not in self._sole_add:
-                    self._add(out, name, op.lo, op.hi, lookup(held[name], op.lo, op.hi, name))
-        for name in p.order:              # the received rows, added in the plan's order
-            arrived = {(peer, span): t for peer, span, t in self.peers.held(name)}
-            for op in self.ops[name]:
-                if isinstance(op, Transfer) and op.dst == p.rank:
-                    self._add(out, name, op.lo, op.hi, arrived[(op.src, (op.lo, op.hi))])
+        # 3. local adds (overlap with the transfers), then the received rows, each in the plan's order
+        self._add_in_order(out, {n: [(op.lo, op.hi, lookup(held[n], op.lo, op.hi, n)) for op in self.ops[n]
+                                     if isinstance(op, LocalAdd)] for n in summed})
+        arrived = {}
+        for name in p.order:
+            came = {(peer, span): t for peer, span, t in self.peers.held(name)}
+            arrived[name] = [(op.lo, op.hi, came[(op.src, (op.lo, op.hi))]) for op in self.ops[name]
+                             if isinstance(op, Transfer) and op.dst == p.rank]
+        self._add_in_order(out, arrived)
         self.peers.wait_all()             # the sends
         self.peers.release()
         return out
 
-    def _add(self, out: dict, name: str, lo: int, hi: int, reduced: torch.Tensor) -> None:
-        param = self.params.program.push_plans[name].param
-        base = self.params.segment(param)[0]
-        rows(out[name], param.shard_dim).narrow(0, lo - base, hi - lo).add_(reduced)
+    def _zeros(self, names: list[str], device: torch.device) -> list[torch.Tensor]:
+        """fp32 zeros shaped as the masters of ``names``: views of one buffer (one fill)."""
+        masters = [self.params.masters[n] for n in names]
+        flat = torch.zeros(sum(m.numel() for m in masters), dtype=torch.float32, device=device)
+        return [v.view(m.shape) for v, m in zip(flat.split([m.numel() for m in masters]), masters)]
+
+    def _add_in_order(self, out: dict, adds: Mapping[str, list[tuple[int, int, torch.Tensor]]]) -> None:
+        """Add each parameter's ``(lo, hi, rows)`` into its gradient shard in list order: the j-th adds
+        of all parameters in one ``_foreach_add_`` (different parameters: disjoint memory), so every
+        element sums in the same order as one add after another, in a handful of calls."""
+        for j in range(max((len(a) for a in adds.values()), default=0)):
+            dests, srcs = [], []
+            for name, a in adds.items():
+                if j < len(a):
+                    lo, hi, reduced = a[j]
+                    param = self.params.program.push_plans[name].param
+                    base = self.params.segment(param)[0]
+                    dests.append(rows(out[name], param.shard_dim).narrow(0, lo - base, hi - lo))
+                    srcs.append(reduced)
+            torch._foreach_add_(dests, srcs)
