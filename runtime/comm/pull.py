@@ -7,9 +7,10 @@ model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default),
 coalesced per peer into messages of up to ``bucket_bytes`` (``peer_buckets``; tags ``2k+1``; through
 host memory where the backend needs it, ``p2p``), the fp32 master rows cast to the working dtype as
 they are copied into the send buffers. ``wait(name)`` waits for the messages carrying that parameter's
-rows and assembles them, and the rows this rank owns itself (cast as they are copied), into the working
-tensor (a gathered bucket is written out whole at its first wait; idempotent within a step);
-``finish`` completes the rest (the sends, and the pulls of a pipeline that ran no micro-batch).
+rows, then writes every parameter whose rows are all here (received, and this rank's own, cast as they
+are copied) into its working tensor in one batched copy (a gathered bucket is written out whole at its
+first wait; idempotent within a step); ``finish`` completes the rest (the sends, and the pulls of a
+pipeline that ran no micro-batch).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from hgraph.comm_plan import LocalCopy
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.param_gather import GatherBucket
-from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
+from hgraph.runtime.comm.peer_buckets import PeerBucket, PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
@@ -78,6 +79,15 @@ class PullParameter:
                         for names in self._buckets(gathered, bucket_bytes)]
         self.peers = PeerTransfers(params.rank, pull_transfers(program, params.rank, params.aliased),
                                    params.working_dtype.itemsize, bucket_bytes, parity=1)
+        # the messages each parameter waits for, and the parameters each message carries
+        self._waits_on = {n: list(dict.fromkeys(b for b, _ in entries if b.numel))
+                          for n, entries in self.peers.received.items()}
+        self._carries: dict[PeerBucket, list[str]] = {}
+        for n, buckets in self._waits_on.items():
+            for b in buckets:
+                self._carries.setdefault(b, []).append(n)
+        self._missing: dict[str, int] = {}      # this step: messages a parameter still waits for
+        self._ready: list[str] = []             # this step: parameters whose rows are all here
 
     def _gather_entry(self, name: str) -> tuple:
         """``GatherBucket`` entry of ``name``: rows, master rows, working rows (None if not held)."""
@@ -111,7 +121,7 @@ class PullParameter:
 
     def forget_step(self) -> None:
         """Drop the last step's pulls (their send and receive buffers)."""
-        self._pulls = {}
+        self._pulls, self._missing, self._ready = {}, {}, []
         self.peers.release()
         for bucket in self.gathers:
             bucket.work = bucket.out = None
@@ -122,7 +132,7 @@ class PullParameter:
         ``reuse``: the working tensors already hold the all-gathered parameters (prefetched by the
         last step), so those are not pulled."""
         p = self.params
-        self._pulls = {}
+        self._pulls, self._missing = {}, {}
         bucket_of = {}
         for bucket in self.gathers if not reuse else ():
             self.post_gather(bucket)
@@ -137,7 +147,9 @@ class PullParameter:
             else:   # the masters stay as they are until the step's pulls finish: copied from at the wait
                 pull.held = [((op.lo, op.hi), self._master_rows(name, op.lo, op.hi))
                              for op in self.ops[name] if isinstance(op, LocalCopy)]
+                self._missing[name] = len(self._waits_on.get(name, ()))
             self._pulls[name] = pull
+        self._ready = [n for n, k in self._missing.items() if k == 0]
         device = next(iter(p.masters.values())).device if p.masters else torch.device("cpu")
         sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device)
         self.stats.pull_send_bytes += sent
@@ -159,24 +171,49 @@ class PullParameter:
                 self._complete(name, pull)
 
     def _complete(self, name: str, pull: _Pull) -> None:
-        pull.done = True
         if pull.gather is not None:                    # every rank needs the whole parameter
+            pull.done = True
             pull.gather.complete()
             pull.gather = None
             return
-        if name not in self.params.working:
-            return                                     # an owner that only sent
+        for bucket in self._waits_on.get(name, ()):
+            if bucket.work is not None:                # not waited for yet this step
+                bucket.wait()
+                for n in self._carries[bucket]:
+                    self._missing[n] -= 1
+                    if self._missing[n] == 0:
+                        self._ready.append(n)
+        self._assemble()
+        assert pull.done, f"pull of {name!r}: its rows did not all arrive"
+
+    def _assemble(self) -> None:
+        """Write every parameter whose rows are all here into its working tensor: the rows it received
+        and its local rows (cast as they are copied), all in one ``_foreach_copy_`` per source dtype;
+        then free the received buffers whose rows were all copied out."""
+        ready, self._ready = self._ready, []
         rank = self.params.rank
-        plan = self.params.program.pull_plans[name]
-        dest = rows(self.params.working[name].data, plan.param.shard_dim)
-        held = pull.held + [(span, t) for _, span, t in self.peers.held(name)]
-        offset = 0
-        for (lo, hi), tiles in zip(plan.needs[rank], plan.assembly[rank]):
-            for a, b in tiles:
-                dest.narrow(0, offset + a - lo, b - a).copy_(lookup(held, a, b, name))   # casts a local copy
-            offset += hi - lo
-        pull.held = []
-        self.peers.consumed(name)
+        copies: dict[torch.dtype, tuple[list, list]] = {}
+        for name in ready:
+            pull = self._pulls[name]
+            pull.done = True
+            if name not in self.params.working:
+                continue                               # an owner that only sent
+            plan = self.params.program.pull_plans[name]
+            dest = rows(self.params.working[name].data, plan.param.shard_dim)
+            held = pull.held + [(span, t) for _, span, t in self.peers.held(name)]
+            offset = 0
+            for (lo, hi), tiles in zip(plan.needs[rank], plan.assembly[rank]):
+                for a, b in tiles:
+                    src = lookup(held, a, b, name)
+                    dests, srcs = copies.setdefault(src.dtype, ([], []))
+                    dests.append(dest.narrow(0, offset + a - lo, b - a))
+                    srcs.append(src)
+                offset += hi - lo
+            pull.held = []
+        for dests, srcs in copies.values():
+            torch._foreach_copy_(dests, srcs)
+        for name in ready:
+            self.peers.consumed(name)
 
     def finish(self) -> None:
         """Complete every pull still in flight (sends, and parameters no forward waited for)."""

@@ -13,6 +13,7 @@ rank needs that it does not own) for every LNK plan.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hgraph
 from hgraph.comm_plan import Transfer
@@ -67,10 +68,18 @@ def _worker(rank, world, cases):
         return batch(ops)
 
     dist.batch_isend_irecv = counted
+
+    class KernelOps(TorchDispatchMode):       # aten ops that are not views: kernel launches on a GPU
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            KernelOps.count += func.namespace == "aten" and not func.is_view
+            return func(*args, **(kwargs or {}))
+
     out = []
-    for model_name, strategy, dtype, idle in cases:
+    for model_name, strategy, dtype, idle, *overrides in cases:
         torch.manual_seed(0)
-        model = llama.build(model_name)
+        model = llama.build(model_name, **(overrides[0] if overrides else {}))
         compiled = hgraph.compile(model, dtype=dtype)
         prog = compiled.instantiate(strategy)
         full = {n: _ints(tuple(p.shape), i) for i, (n, p) in enumerate(compiled.hgraph.params.items())}
@@ -81,29 +90,38 @@ def _worker(rank, world, cases):
         working = {n: torch.zeros(s.shard_shape, dtype=wdtype) for n, s in rp.params.items()}
         sync = ParamSync(prog, rank, opt.params, working, rp.params, groups, wdtype)
         posted.clear()
-        sync.begin_step()
-        sync.finish_pulls()
+        KernelOps.count = 0
+        with KernelOps():
+            sync.begin_step()
+            sync.finish_pulls()
         pulled_ok = all(torch.equal(working[n], s.take(full[n]).to(wdtype)) for n, s in rp.params.items())
         grads = {}
         for n, s in rp.params.items():
             g_full = _ints(tuple(full[n].shape), _grad_seed(prog, rp, n))
             grads[n] = None if rp.pipeline == idle else s.take(g_full).to(wdtype)
-        shards = sync.push(grads)
+        with KernelOps():
+            shards = sync.push(grads)
         sync.end_step()
+        linked = [(plan, dtype_bytes)             # the point-to-point plans (an all-gather's are not)
+                  for plans, dtype_bytes in ((prog.pull_plans, wdtype.itemsize), (prog.push_plans, 4))
+                  for plan in plans.values() if not getattr(plan, "is_all_gather", False)]
         transfers = [plan.param.slice_bytes(op.lo, op.hi, dtype_bytes)            # bytes of each transfer
-                     for plans, dtype_bytes in ((prog.pull_plans, wdtype.itemsize), (prog.push_plans, 4))
-                     for plan in plans.values() for op in plan.for_rank(rank) if isinstance(op, Transfer)]
+                     for plan, dtype_bytes in linked for op in plan.for_rank(rank) if isinstance(op, Transfer)]
         out.append({"pulled_ok": pulled_ok, "shards": shards, "layouts": opt.layouts,
-                    "messages": len(posted), "transfers": len(transfers),
+                    "messages": len(posted), "transfers": len(transfers), "kernel_ops": KernelOps.count,
                     "large": sum(nbytes >= ALONE_BYTES for nbytes in transfers),
                     "pull_recv": sync.stats.pull_recv_bytes,
                     "push_recv": sync.stats.push_recv_bytes + sync.stats.push_reduce_scatter_bytes})
     return out
 
 
+# one strategy at two depths: the pull and the push launch as many kernels for either
+DEPTHS = [("tiny", "1xTP1PP2+1xTP2PP1", "bf16", None, {"num_layers": layers}) for layers in (2, 8)]
+
+
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_worker, 4, args=(CASES,), timeout_s=240)
+    return spawn(_worker, 4, args=(CASES + DEPTHS,), timeout_s=240)
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
@@ -136,6 +154,15 @@ def test_a_rank_sends_and_receives_one_message_per_peer_for_all_parameters(resul
         assert r[case]["messages"] <= 2 * 2 * 3 + r[case]["large"], (r[case]["messages"], r[case]["large"])
         many += r[case]["transfers"] > 2 * 2 * 3 + r[case]["large"]
     assert many > 0 or "4xTP1PP1" in CASES[case][1]     # plain data parallelism has no transfers
+
+
+def test_the_pull_and_the_push_launch_as_many_kernels_for_a_deeper_model(results):
+    """Their copies, casts, zero-fills and adds are batched over parameters (``_foreach_*``), so a
+    model with four times the layers costs a GPU no more launches: one per parameter would."""
+    for r in results:
+        shallow, deep = r[len(CASES):]
+        assert deep["transfers"] > shallow["transfers"] + 20
+        assert deep["kernel_ops"] == shallow["kernel_ops"], (shallow["kernel_ops"], deep["kernel_ops"])
 
 
 @pytest.mark.parametrize("case", range(len(CASES)))
