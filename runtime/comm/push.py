@@ -92,18 +92,20 @@ class PushGradient:
     def _fp32_rows(self, wanted: list[tuple[str, int, int]], grads: Mapping[str, Optional[torch.Tensor]]
                    ) -> list[torch.Tensor]:
         """The fp32 rows ``(name, lo, hi)`` of this rank's gradients (zeros where it has none), as views
-        of one buffer filled by one cast-and-copy."""
+        of one buffer filled by one cast-and-copy. Each is laid out as the parameter is (the rows along
+        its shard dimension) and viewed rows first, so a shard made of all its rows is contiguous again
+        for the optimizer's fused kernel (which otherwise copied every shard cut along dim > 0)."""
         p = self.params
-        shapes = []
+        layouts = []                      # (shard dim, the rows' shape as the parameter lays them out)
         for name, lo, hi in wanted:
-            shape = list(rows(p.working[name], p.program.push_plans[name].param.shard_dim).shape)
-            shape[0] = hi - lo
-            shapes.append(shape)
-        sizes = [int(torch.Size(s).numel()) for s in shapes]
+            dim = p.program.push_plans[name].param.shard_dim
+            rest = list(rows(p.working[name], dim).shape[1:])
+            layouts.append((dim, rest[:dim] + [hi - lo] + rest[dim:]))
+        sizes = [int(torch.Size(s).numel()) for _, s in layouts]
         complete = all(grads.get(name) is not None for name, _, _ in wanted)
         device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
         flat = (torch.empty if complete else torch.zeros)(sum(sizes), dtype=torch.float32, device=device)
-        views = [v.view(s) for v, s in zip(flat.split(sizes), shapes)]
+        views = [v.view(s).movedim(dim, 0) for v, (dim, s) in zip(flat.split(sizes), layouts)]
         dests, srcs = [], []
         for (name, lo, hi), view in zip(wanted, views):
             if grads.get(name) is not None:

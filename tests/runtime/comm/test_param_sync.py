@@ -217,3 +217,26 @@ def test_pull_outside_a_step_is_a_clear_error():
     sync = ParamSync(prog, 0, opt.params, {}, rp.params, CommContext.single().groups)
     with pytest.raises(hgraph.HGraphError, match="outside a training step"):
         sync.pull_issue("norm.weight")
+
+
+def test_one_rank_in_bf16_hands_the_optimizer_contiguous_gradient_shards():
+    """torch's fused Adam needs contiguous tensors: a gradient of a parameter sharded along dim 1
+    (``o_proj``, ``down_proj``) that came back as a strided view was copied by the optimizer, every
+    step. The push lays the fp32 rows out as the parameter is. No process group: one rank."""
+    from hgraph.runtime.comm.process_groups import GroupCache
+    compiled = hgraph.compile(llama.build("tiny"), dtype="bf16")
+    prog = compiled.instantiate("1xTP1PP1")
+    full = {n: _ints(tuple(p.shape), i) for i, (n, p) in enumerate(compiled.hgraph.params.items())}
+    opt = ShardedAdam(list(full.items()), shard_dims_of(compiled), 0, 1)
+    rp = prog.rank(0)
+    working = {n: torch.zeros(s.shard_shape, dtype=torch.bfloat16) for n, s in rp.params.items()}
+    sync = ParamSync(prog, 0, opt.params, working, rp.params, GroupCache(0, 1), torch.bfloat16)
+    sync.begin_step()
+    sync.finish_pulls()
+    grads = {n: g.to(torch.bfloat16) for n, g in full.items()}
+    shards = sync.push(grads)
+    sync.end_step()
+    assert any(opt.layouts[n].dim == 1 for n in shards)
+    for n, g in shards.items():
+        assert g.is_contiguous(), n
+        assert torch.equal(g, full[n]), n
