@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hgraph.comm_plan import ReduceScatter
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import reduce_scatter_single
+from hgraph.runtime.comm.rank_params import laid_out_rows
 
 #: DDP's default bucket cap (``bucket_cap_mb=25``).
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -66,9 +67,11 @@ class GradBuckets:
 
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  row_shapes: Mapping[str, tuple[int, ...]], groups: Any, contribution: Contribution,
-                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 shard_dims: Optional[Mapping[str, int]] = None) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
         self.row_shapes = dict(row_shapes)
+        self.shard_dims = dict(shard_dims or {})     # pieces are laid out as the parameter is
         row_elements = {name: int(torch.Size(shape).numel()) for name, shape in self.row_shapes.items()}
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
@@ -185,15 +188,16 @@ class GradBuckets:
         dests, srcs = [], []
         for j, (name, op) in enumerate(b.ops):
             grad, rest, width = self._grads.get(name), self.row_shapes[name], b.widths[j]
+            dim = self.shard_dims.get(name, 0)
             if grad is None:                              # a missing gradient stays zeros
                 continue
-            if b.even[j]:
-                dests.append(pieces[j].view(k, width, *rest))
+            if b.even[j]:                                 # every member's piece at once: (k, width, *rest)
+                dests.append(pieces[j].view(k, *rest[:dim], width, *rest[dim:]).movedim(dim + 1, 1))
                 srcs.append(self.contribution(name, grad, op.lo, op.hi).unflatten(0, (k, width)))
                 continue
             for i, (_, plo, phi) in enumerate(op.pieces):
                 if phi > plo:
-                    dests.append(pieces[j][i].view(width, *rest).narrow(0, 0, phi - plo))
+                    dests.append(laid_out_rows(pieces[j][i], width, rest, dim).narrow(0, 0, phi - plo))
                     srcs.append(self.contribution(name, grad, plo, phi))
         if dests:
             torch._foreach_copy_(dests, srcs)
@@ -216,7 +220,8 @@ class GradBuckets:
             else:
                 out = received
             for (name, _), piece, width, (plo, phi) in zip(b.ops, out.split(b.split), b.widths, b.mine):
-                rows = piece.view(width, *self.row_shapes[name]).narrow(0, 0, phi - plo)
+                rows = laid_out_rows(piece, width, self.row_shapes[name], self.shard_dims.get(name, 0))
+                rows = rows.narrow(0, 0, phi - plo)
                 held[name].append(((plo, phi), rows))
 
         b.finish = finish

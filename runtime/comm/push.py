@@ -18,13 +18,20 @@ import torch
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
-from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
+from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
 
 
 def groups_needed(program: Any) -> list[tuple[int, ...]]:
     """Every replica group of the push plans (collective group creation needs the same list everywhere)."""
     return sorted({rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters
                    if len(rs.group) > 1})
+
+
+def _cut(span: Range, at: Range) -> list[Range]:
+    """``span`` cut at the two ends of ``at`` (the pieces in order; some may be empty)."""
+    lo, hi = span
+    a, b = min(max(at[0], lo), hi), min(max(at[1], lo), hi)
+    return [(lo, a), (a, b), (b, hi)]
 
 
 class PushGradient:
@@ -48,8 +55,9 @@ class PushGradient:
         self._armed = False
         row_shapes = {n: tuple(rows(params.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
                       for n in params.order}
+        dims = {n: program.push_plans[n].param.shard_dim for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, row_shapes, groups, self._contribution,
-                                   device, bucket_bytes)
+                                   device, bucket_bytes, shard_dims=dims)
         # fp32 rows; the small transfers to one peer in one message
         transfers = plan_transfers((program.push_plans[n] for n in params.order), params.rank)
         self.peers = PeerTransfers(params.rank, transfers, 4, None, parity=2)
@@ -68,12 +76,17 @@ class PushGradient:
 
     def _unreduced_rows(self) -> dict[str, list[Range]]:
         """Per parameter, the rows this rank forwards from its own gradient: its contributions that no
-        reduce-scatter of its carries (all of them when it has no replica)."""
+        reduce-scatter of its carries (all of them when it has no replica), cut where this rank's
+        optimizer segment begins and ends, so that the rows it keeps are a buffer of their own (every
+        transfer lies within one owner's segment)."""
         out = {}
         for name in self.params.order:
+            plan = self.params.program.push_plans[name]
             reduced = [(op.lo, op.hi) for op in self.ops[name] if isinstance(op, ReduceScatter)]
-            contributions = self.params.program.push_plans[name].contributions.get(self.params.rank, ())
-            out[name] = [r for lo, hi in contributions for r in uncovered_ranges(lo, hi, reduced)]
+            contributions = plan.contributions.get(self.params.rank, ())
+            cuts = self.params.segment(plan.param)
+            out[name] = [(a, b) for lo, hi in contributions for r in uncovered_ranges(lo, hi, reduced)
+                         for a, b in _cut(r, cuts) if b > a]
         return out
 
     def _contribution(self, name: str, grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -96,16 +109,15 @@ class PushGradient:
         its shard dimension) and viewed rows first, so a shard made of all its rows is contiguous again
         for the optimizer's fused kernel (which otherwise copied every shard cut along dim > 0)."""
         p = self.params
-        layouts = []                      # (shard dim, the rows' shape as the parameter lays them out)
+        layouts = []                      # (rows, row shape, shard dim)
         for name, lo, hi in wanted:
             dim = p.program.push_plans[name].param.shard_dim
-            rest = list(rows(p.working[name], dim).shape[1:])
-            layouts.append((dim, rest[:dim] + [hi - lo] + rest[dim:]))
-        sizes = [int(torch.Size(s).numel()) for _, s in layouts]
+            layouts.append((hi - lo, rows(p.working[name], dim).shape[1:], dim))
+        sizes = [n * int(torch.Size(rest).numel()) for n, rest, _ in layouts]
         complete = all(grads.get(name) is not None for name, _, _ in wanted)
         device = p.masters[p.order[0]].device if p.order else torch.device("cpu")
         flat = (torch.empty if complete else torch.zeros)(sum(sizes), dtype=torch.float32, device=device)
-        views = [v.view(s).movedim(dim, 0) for v, (dim, s) in zip(flat.split(sizes), layouts)]
+        views = [laid_out_rows(v, *layout) for v, layout in zip(flat.split(sizes), layouts)]
         dests, srcs = [], []
         for (name, lo, hi), view in zip(wanted, views):
             if grads.get(name) is not None:

@@ -28,6 +28,14 @@ def rows(t: torch.Tensor, dim: int) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t.movedim(dim, 0)
 
 
+def laid_out_rows(flat: torch.Tensor, n: int, rest: Sequence[int], dim: int) -> torch.Tensor:
+    """``n`` rows (row shape ``rest``) of a parameter sharded along ``dim`` in the buffer ``flat``,
+    stored as the parameter lays them out (along ``dim``) and viewed rows first: ``movedim(0, dim)``
+    of all ``n`` is then contiguous, as torch's fused optimizer kernels need their tensors."""
+    rest = list(rest)
+    return flat.view(*rest[:dim], n, *rest[dim:]).movedim(dim, 0)
+
+
 def lookup(held: Sequence[tuple[Range, torch.Tensor]], lo: int, hi: int, name: str) -> torch.Tensor:
     """Rows ``[lo, hi)`` from the one held buffer that contains them."""
     for (a, b), t in held:
