@@ -4,10 +4,11 @@ The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradB
 model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
 ``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
-sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message per
-peer, tags ``2k+2``) and does the local adds. Owners get the summed fp32 gradient of their optimizer shard (the reduced rows
-themselves when they are the whole shard). A rank whose pipeline ran no micro-batch pushes zeros, so
-every rank takes part and nothing hangs.
+sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
+per peer, tags ``2k+2``) and does the local adds. Owners get the summed fp32 gradient of their
+optimizer shard (the reduced rows themselves when they are the whole shard), laid out as the
+parameter is, so that torch's fused Adam takes it without a copy. A rank whose pipeline ran no
+micro-batch pushes zeros, so every rank takes part and nothing hangs.
 """
 from __future__ import annotations
 
