@@ -72,7 +72,8 @@ class GradBuckets:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
         self.row_shapes = dict(row_shapes)
         self.shard_dims = dict(shard_dims or {})     # pieces are laid out as the parameter is
-        row_elements = {name: int(torch.Size(shape).numel()) for name, shape in self.row_shapes.items()}
+        self._row_elements = row_elements = {name: int(torch.Size(shape).numel())
+                                             for name, shape in self.row_shapes.items()}
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
         for name in reversed(order):
@@ -195,9 +196,10 @@ class GradBuckets:
                 dests.append(pieces[j].view(k, *rest[:dim], width, *rest[dim:]).movedim(dim + 1, 1))
                 srcs.append(self.contribution(name, grad, op.lo, op.hi).unflatten(0, (k, width)))
                 continue
-            for i, (_, plo, phi) in enumerate(op.pieces):
+            for i, (_, plo, phi) in enumerate(op.pieces):   # a piece's rows first, its padding after
                 if phi > plo:
-                    dests.append(laid_out_rows(pieces[j][i], width, rest, dim).narrow(0, 0, phi - plo))
+                    dests.append(laid_out_rows(pieces[j][i].narrow(0, 0, (phi - plo) * self._row_elements[name]),
+                                               phi - plo, rest, dim))
                     srcs.append(self.contribution(name, grad, plo, phi))
         if dests:
             torch._foreach_copy_(dests, srcs)
@@ -219,9 +221,9 @@ class GradBuckets:
                     self.carried = sums.narrow(0, b.elements, extra)
             else:
                 out = received
-            for (name, _), piece, width, (plo, phi) in zip(b.ops, out.split(b.split), b.widths, b.mine):
-                rows = laid_out_rows(piece, width, self.row_shapes[name], self.shard_dims.get(name, 0))
-                rows = rows.narrow(0, 0, phi - plo)
+            for (name, _), piece, (plo, phi) in zip(b.ops, out.split(b.split), b.mine):
+                rows = laid_out_rows(piece.narrow(0, 0, (phi - plo) * self._row_elements[name]), phi - plo,
+                                     self.row_shapes[name], self.shard_dims.get(name, 0))
                 held[name].append(((plo, phi), rows))
 
         b.finish = finish

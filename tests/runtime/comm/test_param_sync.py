@@ -118,18 +118,21 @@ def _worker(rank, world, cases):
 
 # one strategy at two depths: the pull and the push launch as many kernels for either
 DEPTHS = [("tiny", "1xTP1PP2+1xTP2PP1", "bf16", None, {"num_layers": layers}) for layers in (2, 8)]
+# an MLP width 4 ranks do not divide: down_proj (sharded along dim 1) reduce-scattered in uneven pieces
+UNEVEN = [("tiny", "4xTP1PP1", "bf16", None, {"intermediate_size": 174})]
+ALL = CASES + DEPTHS + UNEVEN
 
 
 @pytest.fixture(scope="module")
 def results():
-    return spawn(_worker, 4, args=(CASES + DEPTHS,), timeout_s=240)
+    return spawn(_worker, 4, args=(ALL,), timeout_s=240)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(ALL)))
 def test_pull_and_push_are_exact(results, case):
-    model_name, strategy, dtype, idle = CASES[case]
+    model_name, strategy, dtype, idle, *overrides = ALL[case]
     torch.manual_seed(0)
-    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    compiled = hgraph.compile(llama.build(model_name, **(overrides[0] if overrides else {})), dtype=dtype)
     prog = compiled.instantiate(strategy)
     assert all(r[case]["pulled_ok"] for r in results)
     summed_over_tp = 0
@@ -161,7 +164,7 @@ def test_the_pull_and_the_push_launch_as_many_kernels_for_a_deeper_model(results
     """Their copies, casts, zero-fills and adds are batched over parameters (``_foreach_*``), so a
     model with four times the layers costs a GPU no more launches: one per parameter would."""
     for r in results:
-        shallow, deep = r[len(CASES):]
+        shallow, deep = r[len(CASES):len(CASES) + len(DEPTHS)]
         assert deep["transfers"] > shallow["transfers"] + 20
         assert deep["kernel_ops"] == shallow["kernel_ops"], (shallow["kernel_ops"], deep["kernel_ops"])
 
@@ -220,11 +223,11 @@ def test_pull_outside_a_step_is_a_clear_error():
         sync.pull_issue("norm.weight")
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
+@pytest.mark.parametrize("case", range(len(ALL)))
 def test_the_push_hands_the_optimizer_contiguous_gradient_shards(results, case):
     """torch's fused Adam needs contiguous tensors: a reduce-scatter's rows of a parameter sharded
     along dim 1 came back as a strided view and were copied by the optimizer every step. The pieces
-    are laid out as the parameter is (the tiny model's dimensions divide evenly over 4 ranks)."""
+    are laid out as the parameter is, a piece narrower than its bucket's width too."""
     assert all(r[case]["strided"] == [] for r in results), [r[case]["strided"] for r in results]
 
 
