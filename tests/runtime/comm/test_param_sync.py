@@ -26,11 +26,12 @@ from hgraph.runtime.engine.executor import shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
 
+# (model, strategy, working dtype, pipeline without micro-batches, model overrides)
 CASES = [
-    ("tiny", "1xTP2PP1+2xTP1PP1", "fp32", None),
-    ("tiny-tied", "1xTP1PP2+1xTP2PP1", "bf16", 1),      # pipeline 1 runs no micro-batch
-    ("tiny", "1xTP2PP2", "fp32", None),
-    ("tiny", "4xTP1PP1", "bf16", 2),                     # all-gather pull, plain reduce-scatter push
+    ("tiny", "1xTP2PP1+2xTP1PP1", "fp32", None, {}),
+    ("tiny-tied", "1xTP1PP2+1xTP2PP1", "bf16", 1, {}),      # pipeline 1 runs no micro-batch
+    ("tiny", "1xTP2PP2", "fp32", None, {}),
+    ("tiny", "4xTP1PP1", "bf16", 2, {}),                     # all-gather pull, plain reduce-scatter push
 ]
 
 
@@ -77,9 +78,9 @@ def _worker(rank, world, cases):
             return func(*args, **(kwargs or {}))
 
     out = []
-    for model_name, strategy, dtype, idle, *overrides in cases:
+    for model_name, strategy, dtype, idle, overrides in cases:
         torch.manual_seed(0)
-        model = llama.build(model_name, **(overrides[0] if overrides else {}))
+        model = llama.build(model_name, **overrides)
         compiled = hgraph.compile(model, dtype=dtype)
         prog = compiled.instantiate(strategy)
         full = {n: _ints(tuple(p.shape), i) for i, (n, p) in enumerate(compiled.hgraph.params.items())}
@@ -117,10 +118,17 @@ def _worker(rank, world, cases):
 
 
 # one strategy at two depths: the pull and the push launch as many kernels for either
-DEPTHS = [("tiny", "1xTP1PP2+1xTP2PP1", "bf16", None, {"num_layers": layers}) for layers in (2, 8)]
+DEPTHS = [("tiny", "1xTP1PP2+1xTP2PP1", "bf16", None, {"num_layers": layers}) for layers in (2, 6)]
 # an MLP width 4 ranks do not divide: down_proj (sharded along dim 1) reduce-scattered in uneven pieces
-UNEVEN = [("tiny", "4xTP1PP1", "bf16", None, {"intermediate_size": 174})]
+# (padded: more bytes than the bound, so not among CASES)
+UNEVEN = [("tiny", "4xTP1PP1", "bf16", None, {"num_layers": 2, "intermediate_size": 174})]
 ALL = CASES + DEPTHS + UNEVEN
+
+
+def _compiled(case):
+    model_name, _, dtype, _, overrides = ALL[case]
+    torch.manual_seed(0)
+    return hgraph.compile(llama.build(model_name, **overrides), dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +138,8 @@ def results():
 
 @pytest.mark.parametrize("case", range(len(ALL)))
 def test_pull_and_push_are_exact(results, case):
-    model_name, strategy, dtype, idle, *overrides = ALL[case]
-    torch.manual_seed(0)
-    compiled = hgraph.compile(llama.build(model_name, **(overrides[0] if overrides else {})), dtype=dtype)
+    _, strategy, dtype, idle, _ = ALL[case]
+    compiled = _compiled(case)
     prog = compiled.instantiate(strategy)
     assert all(r[case]["pulled_ok"] for r in results)
     summed_over_tp = 0
@@ -162,7 +169,7 @@ def test_a_rank_sends_and_receives_one_message_per_peer_for_all_parameters(resul
 
 def test_the_pull_and_the_push_launch_as_many_kernels_for_a_deeper_model(results):
     """Their copies, casts, zero-fills and adds are batched over parameters (``_foreach_*``), so a
-    model with four times the layers costs a GPU no more launches: one per parameter would."""
+    model with three times the layers costs a GPU no more launches: one per parameter would."""
     for r in results:
         shallow, deep = r[len(CASES):len(CASES) + len(DEPTHS)]
         assert deep["transfers"] > shallow["transfers"] + 20
@@ -171,9 +178,8 @@ def test_the_pull_and_the_push_launch_as_many_kernels_for_a_deeper_model(results
 
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_pull_moves_the_minimum_bytes(results, case):
-    model_name, strategy, dtype, _ = CASES[case]
-    torch.manual_seed(0)
-    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    strategy = CASES[case][1]
+    compiled = _compiled(case)
     prog = compiled.instantiate(strategy)
     for rank, r in enumerate(results):
         minimum = 0
@@ -188,9 +194,8 @@ def test_pull_moves_the_minimum_bytes(results, case):
 def test_push_moves_the_least_bytes_a_summing_push_can(results, case):
     """What the ranks received in the push (transfers + reduce-scatter payloads) is the reduction
     bound: per row, one message per contributor that is not its owner."""
-    model_name, strategy, dtype, _ = CASES[case]
-    torch.manual_seed(0)
-    compiled = hgraph.compile(llama.build(model_name), dtype=dtype)
+    strategy = CASES[case][1]
+    compiled = _compiled(case)
     prog = compiled.instantiate(strategy)
     bound = sum(min_reduce_push_bytes(p.param, p.contributions, 4) for p in prog.push_plans.values())
     assert sum(r[case]["push_recv"] for r in results) == bound > 0
