@@ -10,6 +10,10 @@ G_pst, which the push sums over the TP group. A pipeline that ran no micro-batch
 (zeros). Owners must end with the slice of the sum of those gradients over the ranks holding the
 parameter. Pull bytes received over point-to-point equal the minimum (rows a
 rank needs that it does not own) for every LNK plan.
+
+What a step costs the host is checked too: the point-to-point messages a rank posts (coalesced per
+peer), the kernel-launching ops of its pull and push (the same for a deeper model), and that every
+gradient shard reaches the optimizer contiguous.
 """
 import pytest
 import torch
