@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hgraph.comm_plan import ReduceScatter
+from hgraph.comm_plan import ParamLayout, ReduceScatter
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import reduce_scatter_single
 from hgraph.runtime.comm.rank_params import laid_out_rows
@@ -66,14 +66,10 @@ class GradBuckets:
     """The bucketed reduce-scatters of one rank for one Program (reset every step by ``reset``)."""
 
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
-                 row_shapes: Mapping[str, tuple[int, ...]], groups: Any, contribution: Contribution,
-                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 shard_dims: Optional[Mapping[str, int]] = None) -> None:
+                 layouts: Mapping[str, ParamLayout], groups: Any, contribution: Contribution,
+                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
-        self.row_shapes = dict(row_shapes)
-        self.shard_dims = dict(shard_dims or {})     # pieces are laid out as the parameter is
-        self._row_elements = row_elements = {name: int(torch.Size(shape).numel())
-                                             for name, shape in self.row_shapes.items()}
+        self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
         for name in reversed(order):
@@ -85,7 +81,7 @@ class GradBuckets:
             current: Optional[_Bucket] = None
             for name, op in ops:
                 rows = max(phi - plo for _, plo, phi in op.pieces)
-                elements = rows * row_elements[name]
+                elements = rows * self.layouts[name].row_elements
                 if current is None or (current.ops and (current.elements + elements) * 4 * len(group) > bucket_bytes):
                     current = _Bucket(group, [])
                     buckets.append(current)
@@ -188,8 +184,8 @@ class GradBuckets:
         pieces = buf.narrow(1, 0, b.elements).split(b.split, dim=1)
         dests, srcs = [], []
         for j, (name, op) in enumerate(b.ops):
-            grad, rest, width = self._grads.get(name), self.row_shapes[name], b.widths[j]
-            dim = self.shard_dims.get(name, 0)
+            grad, layout, width = self._grads.get(name), self.layouts[name], b.widths[j]
+            rest, dim = layout.row_shape, layout.shard_dim
             if grad is None:                              # a missing gradient stays zeros
                 continue
             if b.even[j]:                                 # every member's piece at once: (k, width, *rest)
@@ -198,7 +194,7 @@ class GradBuckets:
                 continue
             for i, (_, plo, phi) in enumerate(op.pieces):   # a piece's rows first, its padding after
                 if phi > plo:
-                    dests.append(laid_out_rows(pieces[j][i].narrow(0, 0, (phi - plo) * self._row_elements[name]),
+                    dests.append(laid_out_rows(pieces[j][i].narrow(0, 0, (phi - plo) * layout.row_elements),
                                                phi - plo, rest, dim))
                     srcs.append(self.contribution(name, grad, plo, phi))
         if dests:
@@ -222,8 +218,9 @@ class GradBuckets:
             else:
                 out = received
             for (name, _), piece, (plo, phi) in zip(b.ops, out.split(b.split), b.mine):
-                rows = laid_out_rows(piece.narrow(0, 0, (phi - plo) * self._row_elements[name]), phi - plo,
-                                     self.row_shapes[name], self.shard_dims.get(name, 0))
+                layout = self.layouts[name]
+                rows = laid_out_rows(piece.narrow(0, 0, (phi - plo) * layout.row_elements), phi - plo,
+                                     layout.row_shape, layout.shard_dim)
                 held[name].append(((plo, phi), rows))
 
         b.finish = finish

@@ -144,9 +144,9 @@ class PeerTransfers:
                 received += nbytes
         if dests:
             torch._foreach_copy_(dests, srcs)
+        stage = bool(self.rounds) and host_staged(device)
         for round_ in self.rounds:
             ops = [PeerOp(b.send, b.flat, b.peer, b.tag) for b in round_]
-            stage = host_staged(device)
             for bucket, work in zip(round_, batch_isend_irecv(ops, stage=stage)):
                 bucket.work = work
         return sent, received

@@ -40,11 +40,14 @@ DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
 GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
-def pull_transfers(program: Any, rank: int, aliased: frozenset = frozenset()) -> list:
-    """The point-to-point transfers of ``rank``'s pull (``peer_buckets.plan_transfers``): those of the
-    parameters not all-gathered and not ``aliased``."""
-    return plan_transfers((plan for name, plan in program.pull_plans.items()
-                           if not plan.is_all_gather and name not in aliased), rank)
+def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
+                  aliased: frozenset = frozenset()) -> PeerTransfers:
+    """The point-to-point messages of ``rank``'s pull: the transfers of the parameters not all-gathered
+    and not ``aliased``, in the working dtype (``dtype_bytes``), small ones to one peer coalesced up to
+    ``bucket_bytes``."""
+    transfers = plan_transfers((plan for name, plan in program.pull_plans.items()
+                                if not plan.is_all_gather and name not in aliased), rank)
+    return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
 
 
 @dataclass
@@ -77,8 +80,8 @@ class PullParameter:
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], params.rank, params.world_size,
                                      params.working_dtype, all_to_all=all_to_all)
                         for names in self._buckets(gathered, bucket_bytes)]
-        self.peers = PeerTransfers(params.rank, pull_transfers(program, params.rank, params.aliased),
-                                   params.working_dtype.itemsize, bucket_bytes, parity=1)
+        self.peers = pull_messages(program, params.rank, params.working_dtype.itemsize, bucket_bytes,
+                                   params.aliased)
         # the messages each parameter waits for, and the parameters each message carries
         self._waits_on = {n: list(dict.fromkeys(b for b, _ in entries if b.numel))
                           for n, entries in self.peers.received.items()}

@@ -35,6 +35,13 @@ def _cut(span: Range, at: Range) -> list[Range]:
     return [(lo, a), (a, b), (b, hi)]
 
 
+def push_messages(program: Any, rank: int) -> PeerTransfers:
+    """The point-to-point messages of ``rank``'s push: its transfers to and from the optimizer owners
+    (fp32 rows), the small ones to one peer in one message."""
+    transfers = plan_transfers((program.push_plans[n] for n in program.pull_plans), rank)   # model order
+    return PeerTransfers(rank, transfers, 4, None, parity=2)
+
+
 class PushGradient:
     """The push of one rank for one Program.
 
@@ -54,14 +61,10 @@ class PushGradient:
         self._own_rows = self._unreduced_rows()
         self.in_backward = in_backward
         self._armed = False
-        row_shapes = {n: tuple(rows(params.masters[n], program.push_plans[n].param.shard_dim).shape[1:])
-                      for n in params.order}
-        dims = {n: program.push_plans[n].param.shard_dim for n in params.order}
-        self.buckets = GradBuckets(params.rank, params.order, self.ops, row_shapes, groups, self._contribution,
-                                   device, bucket_bytes, shard_dims=dims)
-        # fp32 rows; the small transfers to one peer in one message
-        transfers = plan_transfers((program.push_plans[n] for n in params.order), params.rank)
-        self.peers = PeerTransfers(params.rank, transfers, 4, None, parity=2)
+        layouts = {n: program.push_plans[n].param for n in params.order}
+        self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
+                                   device, bucket_bytes)
+        self.peers = push_messages(program, params.rank)
 
     def _sole_local_adds(self) -> dict[str, LocalAdd]:
         """Parameters whose owned segment is one local add and nothing received: the reduced rows

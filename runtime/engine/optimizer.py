@@ -157,8 +157,7 @@ class ShardedAdam:
         if self.max_grad_norm is not None:
             total_norm = self.global_grad_norm(grads)
             clip_coef = torch.clamp(self.max_grad_norm / (total_norm + 1e-6), max=1.0)
-            names = list(grads)
-            grads = dict(zip(names, torch._foreach_mul([grads[n] for n in names], clip_coef)))
+            grads = dict(zip(grads, torch._foreach_mul(list(grads.values()), clip_coef)))
         if grads:
             (self._fused_update if self.impl == FUSED else self._update)(grads)
         return total_norm

@@ -52,9 +52,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hgraph
 from hgraph.passes.lnk.plans import min_pull_bytes, min_push_bytes, min_reduce_push_bytes
-from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.process_groups import GroupCache
-from hgraph.runtime.comm.pull import GLOO_PULL_BUCKET_BYTES, pull_transfers
+from hgraph.runtime.comm.pull import GLOO_PULL_BUCKET_BYTES, pull_messages
+from hgraph.runtime.comm.push import push_messages
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.launch import spawn
@@ -229,12 +229,11 @@ def _messages(prog, world: int) -> dict:
     """Point-to-point messages of one step, all ranks' sends (pull and push, gloo's bucket caps),
     against the plans' transfers (a message each before they were coalesced)."""
     transfers = messages = 0
-    pushes = [prog.push_plans[n] for n in prog.pull_plans]
     for rank in range(world):
-        for moves, cap, parity in ((pull_transfers(prog, rank), GLOO_PULL_BUCKET_BYTES, 1),
-                                   (plan_transfers(pushes, rank), None, 2)):
-            transfers += sum(src == rank for _, src, _ in moves)
-            messages += sum(b.send and b.numel > 0 for b in PeerTransfers(rank, moves, 4, cap, parity).buckets())
+        for peers in (pull_messages(prog, rank, 4, GLOO_PULL_BUCKET_BYTES), push_messages(prog, rank)):
+            sends = [b for b in peers.buckets() if b.send]
+            transfers += sum(len(b.rows) for b in sends)
+            messages += sum(b.numel > 0 for b in sends)
     return {"p2p_transfers": transfers, "p2p_messages": messages}
 
 
