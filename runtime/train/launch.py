@@ -240,6 +240,8 @@ def process_context(start_method: Optional[str] = None) -> Any:
 #: dynamo (imported by the first ``FakeTensorMode``: the meta-device model build and the memory model).
 RANK_MODULES = ("torch", "torch.distributed", "torch._dynamo", __name__, "hgraph.runtime.train.trainer",
                 *COMPILER_MODULES)
+#: Imported last by the fork server: the server ends at once with its launcher, skipping teardown.
+FORK_SERVER_EXIT = "hgraph.runtime.process.fork_server"
 #: Optional libraries a rank needs when the caller already uses them (Hugging Face models).
 CALLER_LIBRARIES = {"transformers": ("transformers", "transformers.modeling_utils")}
 
@@ -251,7 +253,8 @@ def forkserver_preload(libraries: Sequence[str] = ()) -> list[str]:
     same cores."""
     extra = [m for lib, modules in CALLER_LIBRARIES.items() if lib in sys.modules or lib in libraries
              for m in modules]
-    return list(RANK_MODULES) + extra
+    # last: its exit handler must be registered after every other module's, so that it runs first
+    return list(RANK_MODULES) + extra + [FORK_SERVER_EXIT]
 
 
 def start_rank_server(libraries: Sequence[str] = ()) -> None:
