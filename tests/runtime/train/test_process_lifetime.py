@@ -1,6 +1,7 @@
 """Every process a run starts dies with it: ``hgraph train``'s launcher alone (as ``kill PID`` or a
 scheduler does) sent SIGINT, SIGTERM or SIGKILL, mid-run or while its ranks start, leaves no rank,
-planner, fork server or resource tracker behind; SIGINT and SIGTERM end it with one line and exit
+planner, fork server or resource tracker behind (after SIGKILL within a second, with no step finished
+and no checkpoint begun after the one in flight); SIGINT and SIGTERM end it with one line and exit
 code 128 + the signal, and without a leaked-semaphore warning; with a checkpoint folder SIGTERM
 first saves a checkpoint, and says where. A rank that stops answering (SIGSTOP) is named by rank and
 host within the heartbeat timeout, and the run ends.
@@ -38,6 +39,9 @@ DESCENDANTS = 5
 PATIENCE_S = 120
 #: "Within a few seconds": the processes of a run killed by a signal end within this.
 GONE_WITHIN_S = 20
+#: After SIGKILL of its launcher (or torchrun's agent) every process of a run is gone within this:
+#: nothing there runs any code of its own, the kernel's parent-death signals end them.
+KILLED_GONE_WITHIN_S = 1.0
 
 
 def _stat(pid):
@@ -104,23 +108,43 @@ class Run:
             time.sleep(0.05)
         raise AssertionError(f"the run did not get there in {PATIENCE_S} s: {self.out.read_text()[-2000:]}")
 
-    def kill(self, signum):
+    def kill(self, signum, within=GONE_WITHIN_S):
+        """Sends ``signum`` to the launcher alone (as `kill PID`); every process seen must be gone
+        ``within`` seconds of it. Returns the launcher's exit code and stderr."""
         self.seen.update(_descendants(self.proc.pid))
-        os.kill(self.proc.pid, signum)          # the launcher alone, as `kill PID`
+        os.kill(self.proc.pid, signum)
+        deadline = time.monotonic() + within
         rc = self.proc.wait(timeout=PATIENCE_S)
-        deadline = time.monotonic() + GONE_WITHIN_S
         while _alive(self.seen) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.02)
         left = _alive(self.seen)
         for pid in left:                        # never leave them to the next test
             os.kill(pid, signal.SIGKILL)
-        assert not left, f"alive {GONE_WITHIN_S} s after {signal.Signals(signum).name}: " + \
+        assert not left, f"alive {within:g} s after {signal.Signals(signum).name}: " + \
             "; ".join(f"{pid} {_command_line(pid)}" for pid in left)
         return rc, self.err.read_text()
 
 
 def _training(out, seen):
     return "step    1" in out and len(seen) >= DESCENDANTS
+
+
+def _last_step(out):
+    """The last step line's step (-1: none yet)."""
+    return max((int(m) for m in re.findall(r"^step +(\d+) ", out, re.M)), default=-1)
+
+
+def _saved_steps(folder):
+    """The steps of every checkpoint folder begun under ``folder``, complete or not."""
+    return sorted(int(p.name.split("-")[1]) for p in folder.glob("step-*")) if folder.is_dir() else []
+
+
+def _assert_stopped_at(run, k, ck):
+    """Nothing of the run went on after the kill at step line ``k``: at most the step then in flight
+    (k + 1) finished, and no checkpoint after it was begun."""
+    out = run.out.read_text()
+    assert _last_step(out) <= k + 1, f"killed after step {k}, trained on: {out[-800:]}"
+    assert all(s <= k + 2 for s in _saved_steps(ck)), f"killed after step {k}: checkpoints {_saved_steps(ck)}"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -157,6 +181,19 @@ def test_sigkill_of_the_launcher_while_its_ranks_start_leaves_no_process(tmp_pat
 
 
 
+def test_sigkill_of_the_launcher_mid_run_stops_training_and_saving_at_once(tmp_path):
+    """Killed at step k with a checkpoint after every step: no step after k + 1, no checkpoint begun
+    after it, and every process of the run gone within a second (the fork server used to run its
+    interpreter's teardown first, for seconds, while the ranks it takes along trained and saved on)."""
+    ck = tmp_path / "ck"
+    run = Run(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "1")
+    run.wait_for(lambda out, seen: _last_step(out) >= 2 and len(seen) >= DESCENDANTS)
+    k = _last_step(run.out.read_text())
+    rc, _ = run.kill(signal.SIGKILL, within=KILLED_GONE_WITHIN_S)
+    assert rc == -signal.SIGKILL
+    _assert_stopped_at(run, k, ck)
+
+
 def test_a_rank_that_stops_answering_mid_step_is_named_by_rank_and_host_and_the_run_ends(tmp_path):
     """Rank 1 is SIGSTOPped in step 2 (alive, its sockets open: rank 0's collective would wait for it
     until the collective timeout): rank 0's heartbeat names it within the heartbeat timeout, and the
@@ -178,7 +215,11 @@ def test_sigkill_of_a_torchrun_agent_leaves_no_worker_or_planner(tmp_path):
     world = TRAIN.index("--world-size")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--monitor-interval", "0.1", "-m", "hgraph.tools.cli", *TRAIN[3:world], *TRAIN[world + 2:]]
-    run = Run(tmp_path, command=command)
-    run.wait_for(lambda out, seen: len(seen) >= 3)      # the 2 workers and rank 0's planner have started
-    rc, _ = run.kill(signal.SIGKILL)
+    ck = tmp_path / "ck"
+    run = Run(tmp_path, "--checkpoint-dir", str(ck), "--checkpoint-every", "1", command=command)
+    # the 2 workers and rank 0's planner have started, and train
+    run.wait_for(lambda out, seen: _last_step(out) >= 1 and len(seen) >= 3)
+    k = _last_step(run.out.read_text())
+    rc, _ = run.kill(signal.SIGKILL, within=KILLED_GONE_WITHIN_S)
     assert rc == -signal.SIGKILL
+    _assert_stopped_at(run, k, ck)
