@@ -35,6 +35,11 @@ def attempt_prefix(env: LauncherEnv) -> str:
 
 def attempt_store(env: LauncherEnv, timeout_s: float) -> Any:
     """This attempt's view of the run's store; connecting waits up to ``timeout_s``."""
+    return dist.PrefixStore(attempt_prefix(env), run_store(env, timeout_s))
+
+
+def run_store(env: LauncherEnv, timeout_s: float) -> Any:
+    """The run's store itself, shared by every attempt (what an attempt leaves for the next one)."""
     try:
         tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                             is_master=not env.agent_store and env.rank == 0, timeout=timedelta(seconds=timeout_s),
@@ -45,7 +50,7 @@ def attempt_store(env: LauncherEnv, timeout_s: float) -> Any:
         raise RendezvousTimeout(f"rendezvous (store): {env.where()} could not reach the run's store on "
                                 f"{env.master_addr}:{env.master_port}, hosted by {host}, within {timeout_s:g} s "
                                 f"({first})") from exc
-    return dist.PrefixStore(attempt_prefix(env), tcp)
+    return tcp
 
 
 def meet(store: Any, env: LauncherEnv, timeout_s: float, phase: str = "process group") -> None:

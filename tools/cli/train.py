@@ -54,6 +54,7 @@ launcher takes its ranks along.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -61,7 +62,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import ZOO_CONFIGS
@@ -78,7 +79,9 @@ from hgraph.runtime.train.devices import (backend_for, default_world_size, descr
                                          resolve_device)
 from hgraph.runtime.train.exit_signal import EXIT_CODE
 from hgraph.runtime.train.launch import SpawnError, Stopped
-from hgraph.runtime.train.launcher_env import LauncherEnv, launcher_cluster, read_launcher_env
+from hgraph.runtime.train.launcher_env import LauncherEnv, default_timeout, launcher_cluster, read_launcher_env
+from hgraph.runtime.process.lifetime import end_process
+from hgraph.runtime.train.run_folders import Refused, RunFolders
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir
 from hgraph.runtime.train.lr_schedule import builtin_default
 from hgraph.runtime.train.step_modes import parse_schedule
@@ -254,21 +257,40 @@ def run(args: argparse.Namespace, outcome: Optional[dict] = None) -> int:
     line; bad input exit 2, a failed run exit 1, so that the launcher may restart it). ``outcome``
     (``hgraph.train``) receives this process's result, run folder and metrics file."""
     env = read_launcher_env()
-    if env is None:
-        return _run(args, None, outcome)
-    try:
-        return _run(args, env, outcome)
-    except HGraphError as exc:
-        raise HGraphError(f"{env.where()}: {exc}") from None
-    except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
-        return 1
+    with contextlib.ExitStack() as held:          # the run's folders, held to its end (run_folders)
+        if env is None:
+            return _run(args, None, outcome, held)
+        try:
+            return _run(args, env, outcome, held)
+        except Refused:              # every rank said the same line already
+            return 2
+        except HGraphError as exc:
+            raise HGraphError(f"{env.where()}: {exc}") from None
+        except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
+            return 1
 
 
-def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict] = None) -> int:
+def _held_folders(config: TrainConfig, env: Optional[LauncherEnv]) -> RunFolders:
+    """The run's hold on its folders (``runtime.train.run_folders``): a holder silent for the heartbeat
+    timeout is gone; a launched rank waits for rank 0's verdict as long as for its peers."""
+    cluster = config.cluster
+    timeout = cluster.timeout if cluster.timeout is not None else default_timeout(env)
+
+    def line(kind: str) -> Callable[[str], None]:
+        return lambda text: print(f"hgraph train: {kind}{text}", file=sys.stderr, flush=True)
+    return RunFolders(env, cluster.heartbeat_timeout, timeout, say=line("error: "), warn=line("warning: "),
+                      on_lost=end_process)
+
+
+def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict],
+         held: contextlib.ExitStack) -> int:
     config, _ = config_from_args(args)
     log, data = config.logging, config.data
+    # one run per folder: taken before anything reads a checkpoint or writes into a folder
+    folders = held.enter_context(_held_folders(config, env))
+    folders.hold([("checkpoint folder", config.checkpointing.checkpoint_dir), ("run folder", log.run_dir)], "start")
     planned = config.planner_driven
     speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
     finished = finished_before_restart(config, env)
@@ -288,6 +310,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
             run_dir = Path(log.run_dir)
         else:       # a restart continues in its checkpoint's run folder
             run_dir = restart_run_dir(point, env) or default_run_dir()
+            folders.hold([("run folder", run_dir)], "run folder")
         if speaker:
             run_dir.mkdir(parents=True, exist_ok=True)
         if metrics is None:       # every rank knows that there are metrics (their figures are collective)
@@ -318,7 +341,9 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
             config = config.with_values(**builtin_default(opt.lr, data.steps, opt.warmup_steps, opt.min_lr))
         if data.eval_data is not None and data_dir is not None:
             config = ready_data(config, record_model(config).model, data_dir)
-    log_steps = planned and not log.json
+    # rank 0 prints each step's line as it finishes (flushed), in every mode: a failed or stopped
+    # run's log keeps the steps it did; with --json stdout is the one object at the end
+    log_steps = not log.json
     config = config.with_values(
         metrics=metrics, docs=docs, run_dir=str(run_dir) if run_dir is not None else None,
         resume_from=str(point.folder) if point is not None else None,
@@ -327,7 +352,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
         progress_bars=functools.partial(Progress, enabled=log_steps and resolve_mode(log.progress)))
     if run_dir is not None and speaker:
         write_run_record(run_dir, config)
-    if log_steps and speaker:
+    if log_steps and planned and speaker:
         source = data.data or "built-in long-tail documents"
         c = config.cluster
         where = (describe(c.device, c.world_size, backend_for(c.device, c.backend, c.world_size))
@@ -374,13 +399,6 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
         return 0
     extra = {e["step"]: e for e in result.get("step_extra", [])}
-    if not planned:
-        for s in steps:
-            ev = extra.get(s["step"], {}).get("eval_loss")
-            mfu = f"  MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else ""
-            skipped = "  (skipped: non-finite loss)" if s["skipped"] else ""
-            print(f"step {s['step']:>4}  {s['strategy']:<28} loss {s['loss']:.6f}  tokens {s['tokens']:>6}  "
-                  f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}" + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
     print(f"sequence parallelism: {result.get('sequence_parallel', 'on')}")
     if result.get("long_documents", {}).get("mode", "error") != "error":

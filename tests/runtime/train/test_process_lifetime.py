@@ -10,6 +10,7 @@ Each test starts a small planner-driven run (two ranks, a planner process) as a 
 the launcher's descendants from ``/proc`` (pid and start time, so a reused pid is not mistaken for a
 survivor) before the signal, and waits for every one of them to be gone.
 """
+import json
 import os
 import re
 import signal
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="re
 TRAIN = [sys.executable, "-m", "hgraph.tools.cli", "train", "--model", "tiny", "--world-size", "2", "--steps",
          "500", "--tokens-per-iter", "64", "--strategies", "2xTP1PP1;1xTP2PP1", "--profile", "analytic",
          "--plan-ahead", "1", "--progress", "off", "--no-plots", "--timeout", "60"]
+#: The same run on a fixed schedule: no planner, and its step lines printed by the ranks' code as well.
+FIXED = [*TRAIN[:TRAIN.index("--strategies")], "--strategy-schedule", "2xTP1PP1;1xTP2PP1",
+         *TRAIN[TRAIN.index("--progress"):]]
 #: The launcher's descendants: the fork server, the resource tracker, two ranks and the planner.
 DESCENDANTS = 5
 #: Bound on waiting for a run to reach a point, or for its processes to end (a hang fails, not waits).
@@ -93,7 +97,8 @@ class Run:
     def __init__(self, tmp_path, *extra, command=TRAIN):
         self.out, self.err = tmp_path / "stdout", tmp_path / "stderr"
         with open(self.out, "w") as out, open(self.err, "w") as err:
-            self.proc = subprocess.Popen([*command, "--run-dir", str(tmp_path / "run"), *extra], stdout=out,
+            self.run_dir = tmp_path / "run"
+            self.proc = subprocess.Popen([*command, "--run-dir", str(self.run_dir), *extra], stdout=out,
                                          stderr=err, start_new_session=True)
         self.seen = {}
 
@@ -147,15 +152,29 @@ def _assert_stopped_at(run, k, ck):
     assert all(s <= k + 2 for s in _saved_steps(ck)), f"killed after step {k}: checkpoints {_saved_steps(ck)}"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line(tmp_path, signum):
-    run = Run(tmp_path)
-    run.wait_for(_training)
+def _metrics_steps(run):
+    path = run.run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("signum, command, processes", [(signal.SIGINT, TRAIN, DESCENDANTS),
+                                                        (signal.SIGTERM, FIXED, DESCENDANTS - 1)],
+                         ids=["SIGINT-planner", "SIGTERM-schedule"])
+def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line_after_its_step_lines(
+        tmp_path, signum, command, processes):
+    """Also: the step lines, stdout a file, were written as the steps finished, so the stopped run's
+    log holds every step of its metrics (the last may have been cut between the two), with a fixed
+    schedule too (whose lines used to be printed only at the end of the run, so none were)."""
+    run = Run(tmp_path, command=command)
+    run.wait_for(lambda out, seen: len(_metrics_steps(run)) >= 3 and len(seen) >= processes)
     rc, err = run.kill(signum)
     name = signal.Signals(signum).name
     assert rc == 128 + signum, err
     assert err.strip().splitlines()[-1] == f"hgraph train: stopped by {name}", err
     assert "leaked" not in err and "Traceback" not in err, err
+    done = _metrics_steps(run)
+    printed = [int(k) for k in re.findall(r"^step +(\d+) ", run.out.read_text(), re.M)]
+    assert printed == list(range(len(printed))) and len(printed) >= max(3, len(done) - 1), (printed, done)
 
 
 def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path):
