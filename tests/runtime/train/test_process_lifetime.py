@@ -25,8 +25,10 @@ from tests.runtime.fault_injection import sigstop_worker
 from tests.runtime.reference_training import write_random_documents
 
 from hgraph.runtime.checkpoint.shards import complete_steps
+from hgraph.runtime.process.run_lock import RunLock
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError, spawn
+from hgraph.tools.cli import main
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
 
@@ -177,10 +179,26 @@ def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line_afte
     assert printed == list(range(len(printed))) and len(printed) >= max(3, len(done) - 1), (printed, done)
 
 
-def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path):
+def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path, capsys):
+    """Also one run per folder: while it trains, a second run on its checkpoint folder, and one on its
+    run folder, are each refused with one line naming it (exit 2), before starting any process, and
+    it goes on untouched; once it has ended, its folders are free again."""
     ck = tmp_path / "ck"
     run = Run(tmp_path, "--checkpoint-dir", str(ck))      # saves only at the end, or on SIGTERM
     run.wait_for(_training)
+    for where, folders in [("checkpoint folder", ["--run-dir", str(tmp_path / "other-run"), "--checkpoint-dir", str(ck)]),
+                           ("run folder", ["--run-dir", str(run.run_dir)])]:
+        assert main([*TRAIN[3:], *folders, "--steps", "2"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {where} ") and \
+            f"is in use by another run: PID {run.proc.pid} on {socket.gethostname()} (heartbeat " in err[0], err
+        # no rank, no planner: at most its ranks' fork server (started first) and resource tracker
+        started = set(_descendants(os.getpid())) - set(_descendants(run.proc.pid)) - {run.proc.pid}
+        assert all(re.search(r"multiprocessing\.(forkserver|resource_tracker) import main", _command_line(pid))
+                   and _stat(pid)[0] == os.getpid() for pid in started), [_command_line(p) for p in started]
+    assert not (tmp_path / "other-run").exists()               # refused before it wrote anything
+    last = _last_step(run.out.read_text())
+    run.wait_for(lambda out, seen: _last_step(out) > last)      # the first run trains on
     rc, err = run.kill(signal.SIGTERM)                    # passed on to the ranks, which agree on a step
     assert rc == 143, err
     said = re.fullmatch(r"hgraph train: stopped by SIGTERM after step (\d+) of 500; checkpoint (\S+) saved; "
@@ -188,6 +206,11 @@ def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_e
     assert said, err
     assert complete_steps(ck) == [int(said[1])] and Path(said[2]) == ck / f"step-{int(said[1]):08d}"
     assert "leaked" not in err and "Traceback" not in err, err
+    assert [json.loads(line)["step"] for line in (run.run_dir / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(int(said[1])))
+    warned = []                                                # released: the next run takes them silently
+    RunLock([("checkpoint folder", ck), ("run folder", run.run_dir)], 60, warn=warned.append).acquire().release()
+    assert warned == []
 
 
 def test_sigkill_of_the_launcher_while_its_ranks_start_leaves_no_process(tmp_path):
