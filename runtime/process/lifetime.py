@@ -13,7 +13,8 @@ hands every child a copy of that pipe's write end, so as long as any child lives
 the launcher die, and nothing tells the children either (seen: SIGKILL of the launcher left ranks,
 planner and server training on). The child closes its copy, after arming the signal against the
 server (which cannot have exited yet: the copy kept it alive), so the launcher's death ends the server
-and the server's ends the child.
+and the server's ends the child, at once (the server skips its interpreter's teardown:
+``hgraph.runtime.process.fork_server``).
 
 ``end_process(message)`` ends this process at once from any thread, for a watchdog whose main thread
 is blocked in a collective no exception reaches: one line on stderr and, under ``spawn``, a note the

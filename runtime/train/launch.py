@@ -27,7 +27,7 @@ is imported come from the first launch with ``"forkserver"``.
 ``sys.path`` (a script, a test file imported by path) are re-imported from their file in the child.
 
 Lifetime: every rank dies with the caller (``hgraph.runtime.process.lifetime``), so ``kill -9`` of the
-launcher ends the run. SIGTERM to the caller (the main thread's, while ``spawn`` runs) either stops
+launcher ends the run at once (the fork server too: ``hgraph.runtime.process.fork_server``). SIGTERM to the caller (the main thread's, while ``spawn`` runs) either stops
 the run at once (``Stopped``) or, with ``forward_sigterm``, is passed on to every rank, which decide
 how to end (a training run saves a checkpoint and returns, ``hgraph.runtime.train.exit_signal``).
 Ranks that must be ended get SIGINT first (they report and run their exit handlers), SIGKILL after
