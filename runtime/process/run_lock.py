@@ -12,9 +12,9 @@ Who holds a folder, as a starting run sees it:
 * the ``flock`` is refused: a live holder (on this node, or anywhere where ``flock`` is global);
 * else the record names a holder on this host: it is gone (it would hold the ``flock``), unless
   ``flock`` is unsupported here, when its PID must be alive and its heartbeat fresh;
-* else (another host) it lives while its heartbeat is younger than ``stale_after_s`` (the run's
-  heartbeat timeout; compared with this host's clock, so the hosts' clocks must agree to well
-  within it, as NTP keeps them);
+* else (another host) it lives while its heartbeat is younger than the heartbeat timeout (the
+  starting run's ``stale_after_s`` or the holder's own, whichever is longer; compared with this
+  host's clock, so the hosts' clocks must agree to well within it, as NTP keeps them);
 * an earlier attempt of the same launch (a launcher's restart, which starts only after that attempt
   ended) is taken over silently; any other holder that is gone is taken over with one warning.
 
@@ -33,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -61,6 +61,7 @@ class Holder:
     heartbeat: float           # time.time() of its last beat
     run: str = ""              # its launch (a launcher's run id), "" for a local run
     attempt: int = 0           # the launcher's restart count
+    timeout: float = 0.0       # its heartbeat timeout: it beats well within it
 
     def text(self, now: float) -> str:
         return f"PID {self.pid} on {self.host} (heartbeat {max(0.0, now - self.heartbeat):.1f} s ago)"
@@ -98,15 +99,20 @@ class FolderLock:
         if not text:
             return None
         try:
-            return Holder(**json.loads(text))
-        except (ValueError, TypeError):
+            record = json.loads(text)
+            return Holder(**{f.name: record[f.name] for f in fields(Holder) if f.name in record})
+        except (ValueError, TypeError, AttributeError):
             return None
 
     def acquire(self, stale_after_s: float, run: str = "", attempt: int = 0,
                 warn: Optional[Callable[[str], None]] = None) -> None:
         """Take the folder or raise ``FolderInUse`` (see the module's docstring)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise HGraphError(f"{self.what} {self.folder}: cannot create its lock file {self.path} "
+                              f"({exc.strerror or exc}); the run needs a folder it can write") from None
         try:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,18 +123,21 @@ class FolderLock:
                 else:
                     self._refuse(self.read(), time.time())
             holder, now = self.read(), time.time()
-            me = Holder(socket.gethostname(), os.getpid(), now, now, run, attempt)
+            me = Holder(socket.gethostname(), os.getpid(), now, now, run, attempt, stale_after_s)
             if holder is not None and (holder.host, holder.pid) != (me.host, me.pid):
+                # stale past either run's timeout: the holder beats well within its own
+                fresh = now - holder.heartbeat <= max(stale_after_s, holder.timeout)
                 if holder.host == me.host:
-                    alive = not self.flocked and _pid_alive(holder.pid) and now - holder.heartbeat <= stale_after_s
+                    alive = not self.flocked and _pid_alive(holder.pid) and fresh
                 else:
-                    alive = now - holder.heartbeat <= stale_after_s
+                    alive = fresh
                 earlier_attempt = bool(run) and holder.run == run and holder.attempt < attempt
                 if alive and not earlier_attempt:
                     self._refuse(holder, now)
                 if not earlier_attempt and warn is not None:
+                    timeout = max(stale_after_s, holder.timeout)
                     why = ("which ended without releasing it" if holder.host == me.host and not alive else
-                           f"whose heartbeat stopped more than {stale_after_s:g} s ago (the heartbeat timeout)")
+                           f"whose heartbeat stopped more than {timeout:g} s ago (the heartbeat timeout)")
                     warn(f"{self.what} {self.folder}: taking it over from the run of {holder.text(now)}, {why}")
             self._write(me)
         except BaseException:

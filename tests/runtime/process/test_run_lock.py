@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from hgraph.errors import HGraphError
 from hgraph.runtime.process.run_lock import LOCK_FILE, RECORD_BYTES, FolderInUse, FolderLock, RunLock
 
 STALE_S = 60.0
@@ -84,6 +85,17 @@ def test_a_stale_heartbeat_is_taken_over_with_one_warning(tmp_path):
     assert len(warned) == 1, warned
     assert warned[0].startswith(f"checkpoint folder {folder}: taking it over from the run of PID 4242 on node-b")
     assert f"heartbeat stopped more than {STALE_S:g} s ago" in warned[0]
+
+
+def test_the_holders_own_longer_timeout_keeps_it_fresh_and_a_folder_that_cannot_be_written_is_one_line(tmp_path):
+    folder = tmp_path / "ck"
+    _record(folder, heartbeat=time.time() - 2 * STALE_S, timeout=4 * STALE_S)   # beats every STALE_S
+    with pytest.raises(FolderInUse, match="PID 4242 on node-b"):
+        RunLock([("checkpoint folder", folder)], STALE_S).acquire()
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(HGraphError, match=r"^run folder \S+a-file/run: cannot create its lock file \S+ \(.+\); the run "
+                                          r"needs a folder it can write$"):
+        RunLock([("run folder", tmp_path / "a-file" / "run")], STALE_S).acquire()
 
 
 def test_an_earlier_attempt_of_the_same_launch_is_taken_over_silently(tmp_path):
