@@ -28,6 +28,7 @@ from hgraph.runtime.checkpoint.shards import complete_steps
 from hgraph.runtime.process.run_lock import RunLock
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError, spawn
+from hgraph.tools import cli
 from hgraph.tools.cli import main
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads the process tree in /proc")
@@ -179,10 +180,13 @@ def test_sigint_or_sigterm_of_the_launcher_ends_every_process_with_one_line_afte
     assert printed == list(range(len(printed))) and len(printed) >= max(3, len(done) - 1), (printed, done)
 
 
-def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path, capsys):
+def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_ends_every_process(tmp_path, capsys,
+                                                                                                    monkeypatch):
     """Also one run per folder: while it trains, a second run on its checkpoint folder, and one on its
     run folder, are each refused with one line naming it (exit 2), before starting any process, and
     it goes on untouched; once it has ended, its folders are free again."""
+    # the refused runs run here; their ranks' fork server, started first by design, is not what is tested
+    monkeypatch.setattr(cli, "start_early", lambda argv: None)
     ck = tmp_path / "ck"
     run = Run(tmp_path, "--checkpoint-dir", str(ck))      # saves only at the end, or on SIGTERM
     run.wait_for(_training)
@@ -192,10 +196,8 @@ def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_e
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {where} ") and \
             f"is in use by another run: PID {run.proc.pid} on {socket.gethostname()} (heartbeat " in err[0], err
-        # no rank, no planner: at most its ranks' fork server (started first) and resource tracker
         started = set(_descendants(os.getpid())) - set(_descendants(run.proc.pid)) - {run.proc.pid}
-        assert all(re.search(r"multiprocessing\.(forkserver|resource_tracker) import main", _command_line(pid))
-                   and _stat(pid)[0] == os.getpid() for pid in started), [_command_line(p) for p in started]
+        assert not started, [_command_line(p) for p in started]        # no rank, no planner
     assert not (tmp_path / "other-run").exists()               # refused before it wrote anything
     last = _last_step(run.out.read_text())
     run.wait_for(lambda out, seen: _last_step(out) > last)      # the first run trains on
