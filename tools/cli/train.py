@@ -292,7 +292,10 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
     log, data = config.logging, config.data
     # one run per folder: taken before anything reads a checkpoint or writes into a folder
     folders = held.enter_context(_held_folders(config, env))
-    folders.hold([("checkpoint folder", config.checkpointing.checkpoint_dir), ("run folder", log.run_dir)], "start")
+    ckpt_dir = config.checkpointing.checkpoint_dir
+    if config.checkpointing.resume and ckpt_dir is not None and not Path(ckpt_dir).is_dir():
+        ckpt_dir = None                # not made here: the resume says that it does not exist
+    folders.hold([("checkpoint folder", ckpt_dir), ("run folder", log.run_dir)], "start")
     planned = config.planner_driven
     speaker = env is None or env.rank == 0       # global rank 0 prints and writes the run folder
     finished = finished_before_restart(config, env)
