@@ -28,14 +28,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(port, folder, restart=0):
+def _launch(port, folder, restart=0, agent_store=True):
     """Every rank of one attempt calls ``hold`` on ``folder``; returns per rank (outcome, lines said,
     the lock it holds) and the seconds it took."""
     said, out = [[] for _ in range(WORLD)], [None] * WORLD
 
     def rank(r):
-        env = LauncherEnv("torchrun", WORLD, r, r, WORLD, 0, "127.0.0.1", port, restart_count=restart,
-                          agent_store=True, host="nodeA")
+        env = LauncherEnv("torchrun" if agent_store else "slurm", WORLD, r, r, WORLD, 0, "127.0.0.1", port,
+                          restart_count=restart, agent_store=agent_store, host="nodeA")
         folders = RunFolders(env, 60.0, TIMEOUT_S, say=said[r].append, warn=said[r].append, on_lost=said[r].append)
         try:
             folders.hold([("checkpoint folder", folder), ("run folder", None)], "start")
@@ -67,6 +67,15 @@ def test_rank_0_takes_the_folders_and_the_others_are_told(tmp_path, agent_store)
     out, said, _ = _launch(port, tmp_path / "ck")
     assert out == ["held", "told", "told"] and said == [[], [], []]
     assert (tmp_path / "ck" / LOCK_FILE).read_text().strip() == ""      # released at the end
+
+
+def test_under_srun_rank_0_hosts_the_store_and_a_refusal_still_reaches_every_rank(tmp_path):
+    folder = tmp_path / "ck"
+    with RunLock([("checkpoint folder", folder)], 60.0):
+        out, said, took = _launch(_free_port(), folder, agent_store=False)
+    line = out[0].removeprefix("refused: ")
+    assert line.startswith(f"checkpoint folder {folder} is in use by another run: PID ")
+    assert out == [f"refused: {line}"] * WORLD and said == [[line]] * WORLD and took < TIMEOUT_S / 4
 
 
 def test_a_refused_run_ends_on_every_rank_with_the_same_line_and_its_restart_does_not_try_again(tmp_path,
