@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.distributed as dist
 
+from hgraph.errors import HGraphError
 from hgraph.runtime.process.run_lock import FolderInUse, RunLock
 from hgraph.runtime.train.launcher_env import LauncherEnv
 from hgraph.runtime.train.rendezvous import RendezvousTimeout, attempt_prefix, run_store
@@ -82,7 +83,7 @@ class RunFolders:
         if self.env.rank == 0:
             try:
                 self._take(wanted)
-            except FolderInUse as exc:
+            except HGraphError as exc:         # held by another run, or cannot be written
                 raw.set(REFUSED_KEY, str(exc))
                 store.set(key, "refused " + str(exc))
                 self._refuse(store, str(exc), phase)
