@@ -4,7 +4,7 @@ with the same line, said before any rank may exit, and without waiting out the r
 restart of a refused run (torchrun keeps its store) refuses at once without trying the lock again.
 The ranks are threads of this process on a real TCP store on loopback, as torchrun's agent hosts it;
 the first run's hold is a lock taken in this process (a flock is per open file: it refuses rank 0 as
-another process's would)."""
+another process's would). Last, the command itself as one rank of a refused torchrun run."""
 import socket
 import threading
 import time
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from hgraph.runtime.process.run_lock import LOCK_FILE, RunLock
 from hgraph.runtime.train.launcher_env import LauncherEnv
 from hgraph.runtime.train.run_folders import Refused, RunFolders
+from hgraph.tools.cli import main
 
 WORLD = 3
 #: The rendezvous timeout: a refused run must end long before it.
@@ -96,3 +97,22 @@ def test_a_refused_run_ends_on_every_rank_with_the_same_line_and_its_restart_doe
         assert (folder / LOCK_FILE).read_text().strip() == "" != record.strip()    # nobody took it
     finally:
         first.release()
+
+
+def test_the_command_on_a_rank_of_a_refused_launched_run_says_the_line_alone_and_exits_2(tmp_path, agent_store,
+                                                                                          monkeypatch, capsys):
+    """``hgraph train`` as rank 1 of a torchrun run whose rank 0 was refused: rank 0's line, without
+    the rank prefix other errors get (every rank says the same), exit code 2."""
+    port, store = agent_store
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                        "TORCHELASTIC_USE_AGENT_STORE": "True"}.items():
+        monkeypatch.setenv(name, value)
+    line = f"checkpoint folder {tmp_path / 'ck'} is in use by another run: PID 4242 on node-b (heartbeat 1.0 s ago)"
+    store.set("hgraph/attempt-0/folders/start", "refused " + line)      # what rank 0 published, and said
+    store.set("hgraph/attempt-0/folders-said/start/0", "1")
+    argv = ["train", "--model", "tiny", "--steps", "2", "--tokens-per-iter", "64", "--strategy-schedule", "2xTP1PP1",
+            "--checkpoint-dir", str(tmp_path / "ck"), "--progress", "off"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"hgraph train: error: {line}"]
+    assert not (tmp_path / "ck").exists()           # rank 1 takes nothing and writes nothing
