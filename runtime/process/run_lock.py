@@ -42,7 +42,7 @@ from hgraph.errors import HGraphError
 #: The lock file inside a held folder.
 LOCK_FILE = ".hgraph.lock"
 #: The record's fixed length: written with one pwrite, so a reader sees the old record or the new one.
-RECORD_BYTES = 512
+RECORD_BYTES = 1024
 #: How often the holder's heartbeat is refreshed, as a fraction of the stale age (and at most).
 REFRESH_FRACTION, MAX_REFRESH_S = 0.25, 10.0
 
@@ -117,10 +117,8 @@ class FolderLock:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 self.flocked = True
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    pass             # no flock on this filesystem: the record alone decides
-                else:
+            except OSError as exc:          # else no flock on this filesystem: the record alone decides
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     self._refuse(self.read(), time.time())
             holder, now = self.read(), time.time()
             me = Holder(socket.gethostname(), os.getpid(), now, now, run, attempt, stale_after_s)
