@@ -259,19 +259,18 @@ def run(args: argparse.Namespace, outcome: Optional[dict] = None) -> int:
     line; bad input exit 2, a failed run exit 1, so that the launcher may restart it). ``outcome``
     (``hgraph.train``) receives this process's result, run folder and metrics file."""
     env = read_launcher_env()
-    with contextlib.ExitStack() as held:          # the run's folders, held to its end (run_folders)
-        if env is None:
-            return _run(args, None, outcome, held)
-        try:
-            return _run(args, env, outcome, held)
-        except Refused:              # every rank said the same line already
-            return 2
-        except HGraphError as exc:
-            raise HGraphError(f"{env.where()}: {exc}") from None
-        except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
-            return 1
+    if env is None:
+        return _run(args, None, outcome)
+    try:
+        return _run(args, env, outcome)
+    except Refused:              # every rank said the same line already
+        return 2
+    except HGraphError as exc:
+        raise HGraphError(f"{env.where()}: {exc}") from None
+    except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
+        return 1
 
 
 def _held_folders(config: TrainConfig, env: Optional[LauncherEnv]) -> RunFolders:
@@ -286,8 +285,13 @@ def _held_folders(config: TrainConfig, env: Optional[LauncherEnv]) -> RunFolders
                       on_lost=end_process)
 
 
-def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict],
-         held: contextlib.ExitStack) -> int:
+def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict] = None) -> int:
+    with contextlib.ExitStack() as held:          # the run's folders, held to its end (run_folders)
+        return _run_holding(args, env, outcome, held)
+
+
+def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional[dict],
+                 held: contextlib.ExitStack) -> int:
     config, _ = config_from_args(args)
     log, data = config.logging, config.data
     # one run per folder: taken before anything reads a checkpoint or writes into a folder
