@@ -50,8 +50,8 @@ checked here, before any process starts. With a checkpoint folder, SIGTERM (a sc
 finishes the step, saves a checkpoint, says where and exits with code 143 (``--no-exit-signal-handler``:
 it stops at once). Every process a run starts ends with it: Ctrl-C exits 130, SIGTERM 143, a killed
 launcher takes its ranks along. Step lines are printed as the steps finish, in every mode. One run per
-folder: the run holds its checkpoint and run folders from its start to its end
-(``hgraph.runtime.train.run_folders``); a second run on either is one line naming the holder, exit 2.
+folder: the run holds its checkpoint and run folders from its start to its end (a lock file in each);
+a second run on either is one line naming the holder, exit 2.
 """
 from __future__ import annotations
 
