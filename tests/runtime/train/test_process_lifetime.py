@@ -4,9 +4,11 @@ planner, fork server or resource tracker behind (after SIGKILL within a second, 
 and no checkpoint begun after the one in flight); SIGINT and SIGTERM end it with one line and exit
 code 128 + the signal, and without a leaked-semaphore warning; with a checkpoint folder SIGTERM
 first saves a checkpoint, and says where. A rank that stops answering (SIGSTOP) is named by rank and
-host within the heartbeat timeout, and the run ends.
+host within the heartbeat timeout, and the run ends. A stopped run's log holds the step lines of the
+steps it finished; while a run lives, a second run on its folders is refused (one run per folder).
 
-Each test starts a small planner-driven run (two ranks, a planner process) as a subprocess, records
+Each test starts a small run (two ranks; planner-driven, with a planner process, or on a fixed
+schedule) as a subprocess, records
 the launcher's descendants from ``/proc`` (pid and start time, so a reused pid is not mistaken for a
 survivor) before the signal, and waits for every one of them to be gone.
 """
