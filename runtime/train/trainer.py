@@ -43,7 +43,7 @@ import torch.distributed as dist
 import hgraph
 from hgraph import ops
 from hgraph.compiled import CompiledModule
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
@@ -493,7 +493,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
         summary = Trainer(config, rank, world_size,
                           planner_channel=planner_channel if rank == 0 else None).run(exit_signal)
     except HGraphError as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc), "failed": isinstance(exc, RunFailed)}
     finally:
         if exit_signal is not None:
             exit_signal.close()
@@ -549,7 +549,7 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
             results = spawn(train_worker, cluster.world_size, backend=backend,
                             args=(config, channel), timeout_s=total,
                             forward_sigterm=saves_on_sigterm(config))
-    error = next((r["error"] for r in results if "error" in r), None)
-    if error is not None:
-        raise HGraphError(error)
+    error = next((r for r in results if "error" in r), None)
+    if error is not None:       # bad input (exit 2) or a run that failed (exit 1), said once
+        raise (RunFailed if error.get("failed") else HGraphError)(error["error"])
     return results[0]

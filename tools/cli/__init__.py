@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.tools.cli.rank_server import start_early
 
 # name -> module under hgraph.tools that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
@@ -88,9 +88,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
-    except HGraphError as exc:
+    except HGraphError as exc:      # bad input: 2; a run that started and failed: 1
         sys.stderr.write(f"hgraph {args.command}: error: {exc}\n")
-        return 2
+        return 1 if isinstance(exc, RunFailed) else 2
     except BrokenPipeError:
         return 0
 

@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
@@ -227,6 +227,8 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     print(f"summary: {s.steps} steps, {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s; "
           f"{s.distinct_strategies} distinct strategies: {used}")
     loss = (f"loss {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.first_loss is not None else "no finite loss")
+    if s.skipped_steps:
+        loss += f"; {s.skipped_steps} steps skipped (non-finite loss)"
     extra = []
     if s.mean_balance is not None:
         extra.append(f"mean balance (max/mean busy) {s.mean_balance:.2f}")
@@ -258,8 +260,8 @@ def run(args: argparse.Namespace, outcome: Optional[dict] = None) -> int:
         return _run(args, None, outcome)
     try:
         return _run(args, env, outcome)
-    except HGraphError as exc:
-        raise HGraphError(f"{env.where()}: {exc}") from None
+    except HGraphError as exc:      # the same kind: bad input exits 2, a failed run 1
+        raise (RunFailed if isinstance(exc, RunFailed) else HGraphError)(f"{env.where()}: {exc}") from None
     except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
@@ -355,9 +357,10 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
                              f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
                              "from it\n")
         return EXIT_CODE
-    if result.get("rank", 0) != 0:
-        return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
+    if result.get("rank", 0) != 0:                        # under torchrun only rank 0 reports
+        _check_trained(steps)
+        return 0
     plots = None
     if run_dir is not None and metrics is not None and log.plots:
         records = read_metrics(metrics)
@@ -372,6 +375,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
+        _check_trained(steps)
         return 0
     extra = {e["step"]: e for e in result.get("step_extra", [])}
     if not planned:
@@ -401,7 +405,18 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
         _print_summary(records, run_dir, plots)
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
+    skipped = sum(bool(s["skipped"]) for s in steps)
+    if skipped and plots is None:       # the summary counts them otherwise
+        print(f"skipped: {skipped} of {len(steps)} steps (non-finite loss, --skip-nonfinite)")
+    _check_trained(steps)
     return 0
+
+
+def _check_trained(steps: list) -> None:
+    """A run whose every step was skipped (non-finite loss) trained nothing: it failed (exit 1)."""
+    if steps and all(s["skipped"] for s in steps):
+        raise RunFailed(f"every one of the {len(steps)} steps was skipped (non-finite loss): nothing was trained; "
+                        "check the initial weights and the data, or lower the learning rate")
 
 
 def _resume_hint(config: TrainConfig) -> str:

@@ -120,6 +120,7 @@ class RunSummary:
     planner_wait_s: Optional[float] = None
     switch_s: Optional[float] = None
     cache_hit_rate: Optional[float] = None
+    skipped_steps: int = 0          # steps whose update was skipped for a non-finite loss
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -146,7 +147,8 @@ def summarize(records: Sequence[dict]) -> RunSummary:
         mean_balance=sum(bal) / len(bal) if bal else None,
         est_within_10pct=sum(abs(e - m) <= 0.1 * m for e, m in pairs) / len(pairs) if pairs else None,
         planner_wait_s=sum(waits) if waits else None, switch_s=sum(switches) if switches else None,
-        cache_hit_rate=hit_rate)
+        cache_hit_rate=hit_rate,
+        skipped_steps=sum(1 for r in records if r.get("skipped") or not _finite(r.get("loss"))))
 
 
 def _cumulative_hit_rate(records: Sequence[dict]) -> Optional[float]:
