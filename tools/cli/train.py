@@ -71,6 +71,7 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.data.token_store import write_documents
+from hgraph.runtime.planner.cost.runtime_memory import bytes_text, least_state_bytes
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
@@ -129,6 +130,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
     ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
     device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
+    if isinstance(device_memory, float):        # before any process starts, not after the planner's setup
+        check_device_memory(device_memory, cfg.model, cfg.model_args, cfg.world_size, cfg.dtype)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                                    host_memory_budget=parse_bytes(cfg.host_memory_budget, "--host-memory-budget"),
                                    device_memory=device_memory), cfg
@@ -177,6 +180,19 @@ def device_memory_option(text, data, device: str = "cpu", ranks_here: int = 1):
             return gpu_memory_per_rank(ranks_here)
         return "auto" if data is None else None
     return parse_bytes(text, "--device-memory")
+
+
+def check_device_memory(limit: float, model: str, model_args: dict, world_size: int, dtype: str) -> None:
+    """``--device-memory`` smaller than the model states any rank must hold is one line, printed in the
+    unit given (the model built on the meta device: nothing allocated)."""
+    built = record_model(TrainConfig.from_values(model=model, model_args=model_args)).model
+    parameters = sum(p.numel() for p in built.parameters())
+    least = least_state_bytes(parameters, world_size, 2 if dtype == "bf16" else 4)
+    if limit < least:
+        raise HGraphError(f"--device-memory {bytes_text(limit)}: too small for any strategy; every rank of "
+                          f"{world_size} holds at least {bytes_text(least)} of model states ({parameters:,} "
+                          f"parameters: its share of the fp32 masters, Adam moments, {dtype} weights and "
+                          f"gradients); give at least that plus the activations, or none for no limit")
 
 
 def parse_bytes(text, option: str):
