@@ -73,6 +73,7 @@ from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.cost.runtime_memory import bytes_text, least_state_bytes
 from hgraph.runtime.planner.service.iteration import parse_candidates
+from hgraph.runtime.process.writable import probe_writable
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
 from hgraph.runtime.train.devices import (backend_for, default_world_size, describe, gpu_memory_per_rank,
@@ -306,6 +307,8 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
             run_dir = Path(log.run_dir)
         else:       # a restart continues in its checkpoint's run folder
             run_dir = restart_run_dir(point, env) or default_run_dir()
+    probe_folders(config, run_dir, env)      # an unwritable folder: one line now, not at the first save
+    if run_dir is not None:
         if speaker:
             run_dir.mkdir(parents=True, exist_ok=True)
         if metrics is None:       # every rank knows that there are metrics (their figures are collective)
@@ -433,6 +436,21 @@ def _check_trained(steps: list) -> None:
     if steps and all(s["skipped"] for s in steps):
         raise RunFailed(f"every one of the {len(steps)} steps was skipped (non-finite loss): nothing was trained; "
                         "check the initial weights and the data, or lower the learning rate")
+
+
+def probe_folders(config: TrainConfig, run_dir: Optional[Path], env: Optional[LauncherEnv]) -> None:
+    """The folders this node writes, probed before any rank starts (``runtime/process/writable.py``):
+    by a local run's launcher, or by each node's local rank 0 under a launcher (every node writes
+    checkpoint shards; global rank 0 the run folder, the metrics and the final state)."""
+    if env is not None and env.local_rank != 0:
+        return
+    ckpts, log = config.checkpointing, config.logging
+    folders = [("--checkpoint-dir", ckpts.checkpoint_dir)]
+    if env is None or env.rank == 0:
+        folders += [("--run-dir", run_dir),
+                    ("--metrics", Path(log.metrics).parent if log.metrics else None),
+                    ("--save-final", Path(ckpts.save_final).parent if ckpts.save_final else None)]
+    probe_writable(folders)
 
 
 def _resume_hint(config: TrainConfig) -> str:
