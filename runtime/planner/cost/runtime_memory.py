@@ -225,7 +225,18 @@ def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, 
                        alpha=MASTER_AND_ADAM_BYTES / per_param, framework_gap_bytes=0, safety_margin_bytes=0,
                        gpu_memory_bytes=int(device_memory), other_coeff=other,
                        embedding_bytes_per_param=embedding_mats * per_param,
-                       scheme_states=tuple(sorted(dict(states or {}).items())))
+                       scheme_states=tuple(sorted(dict(states or {}).items())),
+                       loss_transient=loss_transient_terms(cfg.vocab_size, [tp for tp, _ in A], dtype))
+
+
+def loss_transient_terms(vocab: int, tps: Iterable[int], dtype: Any = None) -> tuple[tuple[int, float, int], ...]:
+    """``MemoryModel.loss_transient`` of ``loss_transient_bytes``: per TP degree, the bytes per loss
+    token (it is linear up to one chunk) and the chunk's tokens."""
+    out = []
+    for tp in sorted(set(tps)):
+        chunk = chunk_tokens(-(-vocab // tp))
+        out.append((tp, loss_transient_bytes(vocab, chunk, tp, dtype) / chunk, chunk))
+    return tuple(out)
 
 
 def least_state_bytes(parameters: int, world_size: int, working_bytes: int = 4) -> float:
@@ -291,7 +302,8 @@ def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, co
     mem = cost.memory
     widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.seq == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)
-               + mem.activation_bytes_per_token(model_shape, widest) * context) + 1
+               + mem.activation_bytes_per_token(model_shape, widest) * context
+               + mem.transient_bytes(widest, context)) + 1
 
 
 def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: Optional[float],
