@@ -457,7 +457,7 @@ class Executor:
         if not math.isfinite(loss):
             if not self.skip_nonfinite:
                 raise RunFailed(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
-                                  "lower the learning rate, check the data, or ask to skip such steps")
+                                "lower the learning rate, check the data, or ask to skip such steps")
             skipped = True
         elif grad_shards is not None:
             total = self.optimizer.step(grad_shards)
