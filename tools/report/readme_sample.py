@@ -40,6 +40,10 @@ _STRATEGY = re.compile(r"\b(\d+x)?(TP\d+PP\d+(CP\d+)?(UL\d+)?)(\+\d+x(TP\d+PP\d+
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?([eE][-+]?\d+)?")
 # words that differ from step to step, not between formats: a cache hit or miss
 _SAME = {"hit": "hit/miss", "miss": "hit/miss"}
+# wordings of one field that differ from run to run (``selection.auto_candidates``' source): where the
+# best homogeneous strategy stands among the candidates, and a --max-candidates cap
+_ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), " best-homogeneous "),
+                 (re.compile(r", at most \d+"), ""))
 
 
 def line_kind(line: str) -> Optional[str]:
@@ -51,6 +55,8 @@ def line_shape(line: str, run_dir: Optional[str] = None) -> tuple[Optional[str],
     """``(kind, field words)`` of a printed line: its words without numbers, strategies, schemes and
     the run folder (``run_dir``; the README writes it ``DIR``)."""
     text = line.replace(run_dir or "DIR", " ")
+    for pattern, same in _ALTERNATIVES:
+        text = pattern.sub(same, text)
     text = _NUMBER.sub(" ", _STRATEGY.sub(" ", text))
     words = re.findall(r"[A-Za-z][A-Za-z_/'-]*[A-Za-z]|[A-Za-z]", text)
     return line_kind(line), frozenset(_SAME.get(w, w) for w in words)
