@@ -1,10 +1,13 @@
 """A loss that has not moved after the warmup while the learning rate is above zero gets one warning
 naming the likely causes (``runtime/train/loss_health.py``): the watch as a unit, then once end to end
-(``--lr 1e6`` saturates the softmax of ``llama:tiny``: the loss stays at ln(512) = 6.2383)."""
+in one rank (``--lr 1e6`` saturates the softmax of ``llama:tiny``: the loss stays at ln(512) = 6.2383)."""
+import functools
 import math
 
+import hgraph.runtime.train.trainer as trainer_module
+from hgraph.runtime.data.builtin import synthetic_documents
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.loss_health import FLAT_WINDOW, FlatLossWatch
-from hgraph.tools.cli import main
 
 
 def _feed(watch, losses, lrs=None, start=0):
@@ -48,13 +51,17 @@ def test_a_diverged_loss_or_a_resume_inside_the_window_ends_the_watch():
     assert _feed(FlatLossWatch(1e-3, 0), [5.0] * FLAT_WINDOW, start=20) == []
 
 
-def test_a_run_with_a_saturated_softmax_warns_once(tmp_path, capfd):
-    """Rank 0 warns (its stderr: a spawned process's, hence ``capfd``)."""
-    from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
-    write_jsonl(tmp_path / "docs.jsonl", synthetic_documents(120, 512, 16, seed=0))
-    rc = main(["train", "--model", "tiny", "--data", str(tmp_path / "docs.jsonl"), "--world-size", "1",
-               "--strategy-schedule", "1xTP1PP1", "--steps", str(FLAT_WINDOW + 1), "--tokens-per-iter", "16",
-               "--lr", "1e6", "--json"])
-    assert rc == 0
-    err = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
-    assert len(err) == 1 and err[0].startswith("hgraph train: warning: the loss has not moved over steps 1-50")
+def test_a_run_with_a_saturated_softmax_warns_once(monkeypatch, capsys):
+    """The trainer's rank 0 feeds the watch every step and warns once: one in-process rank (no spawn),
+    the window shortened to 3 steps so that the run stays short (``--lr 1e6`` saturates the softmax of
+    ``llama:tiny`` from step 1 on: the loss stays at ln(512))."""
+    monkeypatch.setattr(trainer_module, "FlatLossWatch", functools.partial(FlatLossWatch, window=3))
+    docs = synthetic_documents(40, 512, 16, seed=0)
+    config = TrainConfig.from_values(model="tiny", world_size=1, strategy_schedule="1xTP1PP1", steps=6,
+                                     tokens_per_iter=16, docs=docs, lr=1e6, long="truncate")
+    summary = trainer_module.Trainer(config, 0, 1, None).run()
+    losses = [s.loss for s in summary.steps]
+    assert all(abs(loss - math.log(512)) < 1e-3 for loss in losses[1:])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [warnings[0]] and warnings[0].startswith(
+        "hgraph train: warning: the loss has not moved over steps 1-3 after the warmup: 6.2383")
