@@ -57,7 +57,7 @@ def test_a_run_with_a_saturated_softmax_warns_once(monkeypatch, capsys):
     ``llama:tiny`` from step 1 on: the loss stays at ln(512))."""
     monkeypatch.setattr(trainer_module, "FlatLossWatch", functools.partial(FlatLossWatch, window=3))
     docs = synthetic_documents(40, 512, 16, seed=0)
-    config = TrainConfig.from_values(model="tiny", world_size=1, strategy_schedule="1xTP1PP1", steps=6,
+    config = TrainConfig.from_values(model="tiny", world_size=1, strategy_schedule="1xTP1PP1", steps=4,
                                      tokens_per_iter=16, docs=docs, lr=1e6, long="truncate")
     summary = trainer_module.Trainer(config, 0, 1, None).run()
     losses = [s.loss for s in summary.steps]
