@@ -1,4 +1,5 @@
-"""Errors that carry a message meant for the user (the CLI prints it as one line, exit code 2)."""
+"""Errors that carry a message meant for the user: the CLI prints it as one line, with exit code 2
+for bad input (``HGraphError``) and 1 for a run that started and failed (``RunFailed``)."""
 
 
 class HGraphError(Exception):
@@ -6,6 +7,11 @@ class HGraphError(Exception):
 
     The message says what is wrong, where, and what is allowed.
     """
+
+
+class RunFailed(HGraphError):
+    """A run that started well and failed: a non-finite loss, every step skipped (exit code 1, so that
+    a launcher may restart it; bad input, which a restart cannot mend, is exit code 2)."""
 
 
 class StrategyError(HGraphError, ValueError):

@@ -13,7 +13,6 @@ any number of steps can be trained. With outlier delay (``--outlier-queues``) th
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -21,6 +20,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.jsonl import jsonl_values
 
 
 @dataclass(frozen=True)
@@ -63,20 +63,8 @@ class MiniBatch:
 def read_jsonl(path: Union[str, Path], vocab_size: Optional[int] = None) -> list[Document]:
     """The documents of a JSONL file; a malformed line raises HGraphError naming the file and line."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise HGraphError(f"data file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
     docs: list[Document] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path.name}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HGraphError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno}); each line must "
-                              "be an object with 'input_ids'") from None
+    for where, obj in jsonl_values(path, expect="each line must be an object with 'input_ids'"):
         ids = obj.get("input_ids") if isinstance(obj, dict) else None
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise HGraphError(f"{where}: expected an object with 'input_ids' as a list of ints")

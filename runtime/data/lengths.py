@@ -1,74 +1,68 @@
 """Reading document lengths and cutting them into mini-batches (``docs/architecture.md``, data order)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.jsonl import jsonl_values, not_utf8
 
 
-def _parse_line(text: str, path: str, lineno: int) -> int:
-    if text.startswith("{"):
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise HGraphError(f"{path}: line {lineno}: malformed JSON ({exc.msg})") from None
-        ids = obj.get("input_ids") if isinstance(obj, dict) else None
-        if not isinstance(ids, list):
-            raise HGraphError(f"{path}: line {lineno}: JSON object has no 'input_ids' list")
-        return len(ids)
+LENGTH_LINES = "one integer per line ('#' starts a comment line), or JSONL objects with 'input_ids'"
+
+
+def _plain_length(text: str, name: str, lineno: int) -> int:
     try:
         value = int(text)
     except ValueError:
         shown = text if len(text) <= 40 else text[:37] + "..."
-        raise HGraphError(
-            f"{path}: line {lineno}: {shown!r} is not a length (expected one integer per line, "
-            "or JSONL objects with 'input_ids')") from None
+        raise HGraphError(f"{name}:{lineno}: {shown!r} is not a length (expected {LENGTH_LINES})") from None
     if value < 1:
-        raise HGraphError(f"{path}: line {lineno}: length {value} must be a positive integer")
+        raise HGraphError(f"{name}:{lineno}: length {value} must be a positive integer")
     return value
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
-    """Document lengths of a file: one integer per line, or JSONL objects with ``input_ids``.
+    """Document lengths of a file: one integer per line (lines starting with ``#`` are comments), or
+    JSONL objects with ``input_ids`` (read by ``jsonl.jsonl_values``).
 
     Blank lines are skipped (line numbers in errors count them). An empty file, a non-numeric or
-    non-positive length, or a malformed JSON line raises HGraphError naming the file and line.
-    Returns an int64 array in file order.
+    non-positive length, a byte that is not UTF-8 or a malformed JSON line raises HGraphError naming
+    the file and line. Returns an int64 array in file order.
     """
     p = Path(path)
     try:
-        handle = p.open("r", encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
         raise HGraphError(f"cannot read lengths file {str(p)!r}: {exc.strerror or exc}") from None
-    with handle:
-        first = handle.readline()
-        if not first.lstrip().startswith("{"):
-            # Fast path for plain integer files (the common case, a million lines).
-            rest = handle.read()
-            text = first + rest
-            lines = text.split("\n")
-            try:
-                values = [int(s) for s in lines if s.strip()]
-            except ValueError:
-                values = None
-            if values is not None:
-                arr = np.asarray(values, dtype=np.int64)
-                if arr.size == 0:
-                    raise HGraphError(f"lengths file {str(p)!r} is empty: expected one length per line")
-                if (arr < 1).any():
-                    bad = int(np.argmax(arr < 1))
-                    lineno = [i for i, s in enumerate(lines, 1) if s.strip()][bad]
-                    raise HGraphError(f"{p}: line {lineno}: length {int(arr[bad])} must be a positive integer")
-                return arr
-            all_lines = lines
-        else:
-            all_lines = [first.rstrip("\n")] + handle.read().split("\n")
-    out = [_parse_line(s.strip(), str(p), i) for i, s in enumerate(all_lines, 1) if s.strip()]
+    first = next((line for line in data.splitlines() if line.strip() and not line.lstrip().startswith(b"#")), b"")
+    if first.lstrip().startswith(b"{"):
+        out = []
+        for where, obj in jsonl_values(p, expect="each line must be an object with 'input_ids'"):
+            ids = obj.get("input_ids") if isinstance(obj, dict) else None
+            if not isinstance(ids, list):
+                raise HGraphError(f"{where}: JSON object has no 'input_ids' list")
+            out.append(len(ids))
+    else:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line_start = data.rfind(b"\n", 0, exc.start) + 1
+            raise not_utf8(p.name, data.count(b"\n", 0, exc.start) + 1, data[line_start:], exc.start - line_start,
+                           line_start, f"expected {LENGTH_LINES}") from None
+        lines = text.split("\n")
+        try:      # the fast path of a plain integer file (the common case, a million lines)
+            out = [int(s) for s in lines if s.strip() and not s.lstrip().startswith("#")]
+        except ValueError:
+            out = [_plain_length(s.strip(), p.name, i) for i, s in enumerate(lines, 1)
+                   if s.strip() and not s.lstrip().startswith("#")]
+        if any(v < 1 for v in out):
+            bad = next(i for i, s in enumerate(lines, 1)
+                       if s.strip() and not s.lstrip().startswith("#") and int(s) < 1)
+            _plain_length(lines[bad - 1].strip(), p.name, bad)
     if not out:
-        raise HGraphError(f"lengths file {str(p)!r} is empty: expected one length per line")
+        raise HGraphError(f"lengths file {str(p)!r} is empty: expected {LENGTH_LINES}")
     return np.asarray(out, dtype=np.int64)
 
 

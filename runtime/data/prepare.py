@@ -25,6 +25,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.corpus import SourceSpec, format_data_spec, parse_data_spec
+from hgraph.runtime.data.jsonl import jsonl_values
 from hgraph.runtime.data.sources import Record, TextTokenizer, input_kind, input_size, load_tokenizer, records
 from hgraph.runtime.data.token_store import TokenStoreWriter, is_store
 
@@ -190,15 +191,11 @@ def needs_tokenizer(path: str, text_key: str = "text") -> bool:
     kind = input_kind(p)
     if kind != "jsonl":
         return True
-    with open(p, "rb") as f:
-        for line in f:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    return False              # read_jsonl names the line
-                return isinstance(obj, dict) and "input_ids" not in obj
-    return False
+    try:
+        first = next(jsonl_values(p), None)
+    except HGraphError:
+        return False              # read_jsonl names the line
+    return first is not None and isinstance(first[1], dict) and "input_ids" not in first[1]
 
 
 def _cache_key(path: Path, tokenizer: str, text_key: str) -> str:

@@ -18,13 +18,13 @@ encoded without special tokens; ``append_eos`` adds the tokenizer's end-of-docum
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.jsonl import jsonl_values
 
 BATCH_ROWS = 1024
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[EOS]", "<|eot_id|>")
@@ -75,21 +75,9 @@ def _record_from(obj: Any, where: str, text_key: str) -> Record:
 
 
 def _jsonl(path: Path, text_key: str, progress: Any) -> Iterator[Record]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            if progress is not None:
-                progress(len(raw))
-            line = raw.strip()
-            if not line:
-                continue
-            where = f"{path.name}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
-                raise HGraphError(f"{where}: malformed JSON ({msg}); each line must be an object with "
-                                  f"{text_key!r} or 'input_ids'") from None
-            yield _record_from(obj, where, text_key)
+    expect = f"each line must be an object with {text_key!r} or 'input_ids'"
+    for where, obj in jsonl_values(path, expect=expect, progress=progress):
+        yield _record_from(obj, where, text_key)
 
 
 def _column_records(rows: Any, columns: list[str], name: str, text_key: str,

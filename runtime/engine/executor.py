@@ -56,7 +56,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from hgraph.compiled import CompiledModule
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.param_sync import ParamSync
@@ -456,8 +456,8 @@ class Executor:
         norm = None
         if not math.isfinite(loss):
             if not self.skip_nonfinite:
-                raise HGraphError(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
-                                  "lower the learning rate, check the data, or ask to skip such steps")
+                raise RunFailed(f"step {step}: the loss is {loss} (not finite) with strategy {program.strategy}; "
+                                "lower the learning rate, check the data, or ask to skip such steps")
             skipped = True
         elif grad_shards is not None:
             total = self.optimizer.step(grad_shards)

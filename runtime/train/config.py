@@ -146,6 +146,8 @@ class LoggingConfig:
     track_memory: bool = False                 # peak activation bytes per rank (on with a memory budget)
     tensorboard: Optional[str] = None          # a folder: every step's scalars as TensorBoard events
     wandb: Optional[str] = None                # a wandb project: the same scalars, offline (when installed)
+    flat_loss_threshold: float = 1e-3          # warn once when the loss moves less (relative) after the
+    #                                            warmup (loss_health); 0: no warning
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "cluster": ClusterConfig,

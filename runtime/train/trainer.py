@@ -43,7 +43,7 @@ import torch.distributed as dist
 import hgraph
 from hgraph import ops
 from hgraph.compiled import CompiledModule
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
@@ -66,6 +66,7 @@ from hgraph.runtime.train.launch import init_from_env, local_backend, process_co
 from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.process.lifetime import end_process
 from hgraph.runtime.process.run_log import run_log
+from hgraph.runtime.train.loss_health import FlatLossWatch
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
@@ -189,6 +190,7 @@ class Trainer:
         self.order = DataOrder(self.corpus, shuffle=config.data.shuffle, seed=config.model.seed)
         self.eval_docs = self.eval_documents()
         self.schedule = schedule_of(config)
+        self.loss_watch = FlatLossWatch(config.logging.flat_loss_threshold, self.schedule.warmup_steps)
         self.fingerprint = data_fingerprint(self.docs)
         self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order)   # None: fresh
         if self.resumed is not None:
@@ -357,6 +359,9 @@ class Trainer:
                     extra["eval_loss"] = self.evaluate(result.strategy)
                 self.step_extra[batch.step] = extra
                 self._report(result, batch, delay_state, metrics, bar, loggers)
+                flat = self.loss_watch.observe(batch.step, result.loss, lr) if self.rank == 0 else None
+                if flat is not None:
+                    log.warning("hgraph train: warning: %s", flat)
                 saved = self._checkpoint(checkpoints, batch, delay_state)
                 # the last step saves anyway; the same test on every rank keeps the collective matched
                 if exit_signal is not None and batch.step + 1 < cfg.data.steps and exit_signal.agreed(self.device):
@@ -493,7 +498,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
         summary = Trainer(config, rank, world_size,
                           planner_channel=planner_channel if rank == 0 else None).run(exit_signal)
     except HGraphError as exc:
-        return {"error": str(exc)}
+        return {"error": str(exc), "failed": isinstance(exc, RunFailed)}
     finally:
         if exit_signal is not None:
             exit_signal.close()
@@ -549,7 +554,7 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
             results = spawn(train_worker, cluster.world_size, backend=backend,
                             args=(config, channel), timeout_s=total,
                             forward_sigterm=saves_on_sigterm(config))
-    error = next((r["error"] for r in results if "error" in r), None)
-    if error is not None:
-        raise HGraphError(error)
+    error = next((r for r in results if "error" in r), None)
+    if error is not None:       # bad input (exit 2) or a run that failed (exit 1), said once
+        raise (RunFailed if error.get("failed") else HGraphError)(error["error"])
     return results[0]

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.tools.cli.rank_server import start_early
 
 # name -> module under hgraph.tools that defines ``add_parser(subparsers)`` and ``run(args) -> int``.
@@ -36,7 +36,15 @@ SUBCOMMANDS: dict[str, str] = {
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports bad usage as one line and exit code 2, and shows help as plain text: the
-    subcommands' descriptions are their module docstrings, whose reST literals and roles it drops."""
+    subcommands' descriptions are their module docstrings, whose reST literals and roles it drops.
+
+    A value that starts with a minus and a digit (``--device-memory -5G``, ``--lr -1e-3``) is a value,
+    as in Python 3.13's argparse, so that the option's own check names what is allowed (no flag of
+    hgraph looks like a negative number)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> None:  # noqa: D401 - argparse API
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -88,9 +96,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         return int(run(args) or 0)
-    except HGraphError as exc:
+    except HGraphError as exc:      # bad input: 2; a run that started and failed: 1
         sys.stderr.write(f"hgraph {args.command}: error: {exc}\n")
-        return 2
+        return 1 if isinstance(exc, RunFailed) else 2
     except BrokenPipeError:
         return 0
 

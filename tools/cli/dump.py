@@ -34,6 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="report: which parameters TP shards under the strategy and why the others are whole")
     p.add_argument("--dtype", default="fp32", help="working precision of the propagation phase (fp32|bf16)")
     p.add_argument("-o", "--output", default=None, help="write to this file instead of stdout")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object: the json format (every subcommand's --json; --format json is the same)")
     return p
 
 
@@ -52,6 +54,10 @@ def model_args_option(text):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json:
+        if args.format not in ("text", "json"):
+            raise HGraphError(f"--json prints the json format; it excludes --format {args.format}")
+        args.format = "json"
     if args.run_dir is not None:
         if args.model is not None or args.strategy is not None:
             raise HGraphError("--run-dir takes the model and strategies from the run: give no MODEL or --strategy")

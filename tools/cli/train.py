@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
 from hgraph.runtime.checkpoint.shards import latest
@@ -74,7 +74,9 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.data.token_store import write_documents
+from hgraph.runtime.planner.cost.runtime_memory import bytes_text, least_state_bytes
 from hgraph.runtime.planner.service.iteration import parse_candidates
+from hgraph.runtime.process.writable import probe_writable
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
 from hgraph.runtime.train.devices import (backend_for, default_world_size, describe, gpu_memory_per_rank,
@@ -134,6 +136,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
     # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
     ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
     device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
+    if isinstance(device_memory, float):        # before any process starts, not after the planner's setup
+        check_device_memory(device_memory, cfg.model, cfg.model_args, cfg.world_size, cfg.dtype)
     return TrainConfig.from_values(cfg.values, memory_budget=parse_bytes(cfg.memory_budget, "--memory-budget"),
                                    host_memory_budget=parse_bytes(cfg.host_memory_budget, "--host-memory-budget"),
                                    device_memory=device_memory), cfg
@@ -184,6 +188,19 @@ def device_memory_option(text, data, device: str = "cpu", ranks_here: int = 1):
     return parse_bytes(text, "--device-memory")
 
 
+def check_device_memory(limit: float, model: str, model_args: dict, world_size: int, dtype: str) -> None:
+    """``--device-memory`` smaller than the model states any rank must hold is one line, printed in the
+    unit given (the model built on the meta device: nothing allocated)."""
+    built = record_model(TrainConfig.from_values(model=model, model_args=model_args)).model
+    parameters = sum(p.numel() for p in built.parameters())
+    least = least_state_bytes(parameters, world_size, 2 if dtype == "bf16" else 4)
+    if limit < least:
+        raise HGraphError(f"--device-memory {bytes_text(limit)}: too small for any strategy; every rank of "
+                          f"{world_size} holds at least {bytes_text(least)} of model states ({parameters:,} "
+                          f"parameters: its share of the fp32 masters, Adam moments, {dtype} weights and "
+                          f"gradients); give at least that plus the activations, or none for no limit")
+
+
 def parse_bytes(text, option: str):
     """``123``, ``1.5e6``, ``512K``, ``64M``, ``2G`` (powers of 1024) -> bytes; None stays None."""
     if text is None:
@@ -232,6 +249,8 @@ def _print_summary(records: list, run_dir: Path, plots) -> None:
     print(f"summary: {s.steps} steps, {s.steps_per_s:.2f} steps/s, {s.tokens_per_s:.0f} tokens/s; "
           f"{s.distinct_strategies} distinct strategies: {used}")
     loss = (f"loss {s.first_loss:.4f} -> {s.last_loss:.4f}" if s.first_loss is not None else "no finite loss")
+    if s.skipped_steps:
+        loss += f"; {s.skipped_steps} steps skipped (non-finite loss)"
     extra = []
     if s.mean_balance is not None:
         extra.append(f"mean balance (max/mean busy) {s.mean_balance:.2f}")
@@ -265,8 +284,8 @@ def run(args: argparse.Namespace, outcome: Optional[dict] = None) -> int:
         return _run(args, env, outcome)
     except Refused:              # every rank said the same line already
         return 2
-    except HGraphError as exc:
-        raise HGraphError(f"{env.where()}: {exc}") from None
+    except HGraphError as exc:      # the same kind: bad input exits 2, a failed run 1
+        raise (RunFailed if isinstance(exc, RunFailed) else HGraphError)(f"{env.where()}: {exc}") from None
     except Exception as exc:     # noqa: BLE001 - a failed collective, a lost peer: one line, not a traceback
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         sys.stderr.write(f"hgraph train: error: {env.where()}: {type(exc).__name__}: {first}\n")
@@ -320,6 +339,8 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
         else:       # a restart continues in its checkpoint's run folder
             run_dir = restart_run_dir(point, env) or default_run_dir()
             folders.hold([("run folder", run_dir)], "run folder")
+    probe_folders(config, run_dir, env)      # an unwritable folder: one line now, not at the first save
+    if run_dir is not None:
         if speaker:
             run_dir.mkdir(parents=True, exist_ok=True)
         if metrics is None:       # every rank knows that there are metrics (their figures are collective)
@@ -389,9 +410,10 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
                              f"{data.steps}; checkpoint {stopped['checkpoint']} saved; --resume continues "
                              "from it\n")
         return EXIT_CODE
-    if result.get("rank", 0) != 0:
-        return 0                                          # under torchrun only rank 0 reports
     steps = result["steps"]
+    if result.get("rank", 0) != 0:                        # under torchrun only rank 0 reports
+        _check_trained(steps)
+        return 0
     plots = None
     if run_dir is not None and metrics is not None and log.plots:
         records = read_metrics(metrics)
@@ -406,6 +428,7 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
                           "plots": [str(f) for f in plots.files] if plots is not None else []}))
+        _check_trained(steps)
         return 0
     extra = {e["step"]: e for e in result.get("step_extra", [])}
     print(f"dropout: {result.get('dropout', 'none')}")
@@ -428,7 +451,33 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
         _print_summary(records, run_dir, plots)
     elif run_dir is not None:
         print(f"run dir: {run_dir} (metrics.jsonl)")
+    skipped = sum(bool(s["skipped"]) for s in steps)
+    if skipped and plots is None:       # the summary counts them otherwise
+        print(f"skipped: {skipped} of {len(steps)} steps (non-finite loss, --skip-nonfinite)")
+    _check_trained(steps)
     return 0
+
+
+def _check_trained(steps: list) -> None:
+    """A run whose every step was skipped (non-finite loss) trained nothing: it failed (exit 1)."""
+    if steps and all(s["skipped"] for s in steps):
+        raise RunFailed(f"every one of the {len(steps)} steps was skipped (non-finite loss): nothing was trained; "
+                        "check the initial weights and the data, or lower the learning rate")
+
+
+def probe_folders(config: TrainConfig, run_dir: Optional[Path], env: Optional[LauncherEnv]) -> None:
+    """The folders this node writes, probed before any rank starts (``runtime/process/writable.py``):
+    by a local run's launcher, or by each node's local rank 0 under a launcher (every node writes
+    checkpoint shards; global rank 0 the run folder, the metrics and the final state)."""
+    if env is not None and env.local_rank != 0:
+        return
+    ckpts, log = config.checkpointing, config.logging
+    folders = [("--checkpoint-dir", ckpts.checkpoint_dir)]
+    if env is None or env.rank == 0:
+        folders += [("--run-dir", run_dir),
+                    ("--metrics", Path(log.metrics).parent if log.metrics else None),
+                    ("--save-final", Path(ckpts.save_final).parent if ckpts.save_final else None)]
+    probe_writable(folders)
 
 
 def _resume_hint(config: TrainConfig) -> str:

@@ -243,6 +243,10 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("logging", "wandb", "str", None, "log the same scalars to this wandb project, offline (wandb sync "
        "uploads them); skipped with a note when wandb is not installed", optional=True,
        metavar="PROJECT"),
+    _k("logging", "flat-loss-threshold", "float", 1e-3, "warn once when the loss moves less than this, "
+       "relative to where it started, over the 50 steps after the warmup while the learning rate is above "
+       "zero (learning rate too high or too low, saturated softmax); a fine-tune may set it lower, 0 turns "
+       "the warning off", minimum=0.0, metavar="X"),
 )
 
 KEYS: dict[tuple[str, str], ConfigKey] = {(k.section, k.name): k for k in SCHEMA}

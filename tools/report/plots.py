@@ -28,7 +28,6 @@ process's global backend is never changed.
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.jsonl import jsonl_values
 
 METRICS_FILE = "metrics.jsonl"
 FORMATS = ("png", "svg")
@@ -60,21 +60,10 @@ def read_metrics(path: Union[str, Path]) -> list[dict]:
     """The step records of a metrics file; HGraphError (one line, naming file and line) when the file
     is missing, empty or a line is not a step record."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HGraphError(f"metrics file {str(path)!r} does not exist (is this a run folder?)") from None
-    except OSError as exc:
-        raise HGraphError(f"metrics file {str(path)!r} cannot be read: {exc.strerror or exc}") from None
+    if not path.exists():
+        raise HGraphError(f"metrics file {str(path)!r} does not exist (is this a run folder?)")
     records = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path.name}:{lineno}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise HGraphError(f"{where}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    for where, rec in jsonl_values(path, expect="each line must be one step's JSON object"):
         if not isinstance(rec, dict):
             raise HGraphError(f"{where}: expected one JSON object per step")
         for name, kind in REQUIRED.items():
@@ -131,6 +120,7 @@ class RunSummary:
     planner_wait_s: Optional[float] = None
     switch_s: Optional[float] = None
     cache_hit_rate: Optional[float] = None
+    skipped_steps: int = 0          # steps whose update was skipped for a non-finite loss
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -157,7 +147,8 @@ def summarize(records: Sequence[dict]) -> RunSummary:
         mean_balance=sum(bal) / len(bal) if bal else None,
         est_within_10pct=sum(abs(e - m) <= 0.1 * m for e, m in pairs) / len(pairs) if pairs else None,
         planner_wait_s=sum(waits) if waits else None, switch_s=sum(switches) if switches else None,
-        cache_hit_rate=hit_rate)
+        cache_hit_rate=hit_rate,
+        skipped_steps=sum(1 for r in records if r.get("skipped") or not _finite(r.get("loss"))))
 
 
 def _cumulative_hit_rate(records: Sequence[dict]) -> Optional[float]:

@@ -17,6 +17,7 @@ import torch
 
 import hgraph
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.jsonl import jsonl_values
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.strategy import Strategy
 from hgraph.tools.report.run_record import read_run_record
@@ -27,18 +28,13 @@ EXTENSIONS = {"text": "txt", "python": "py", "dot": "dot", "svg": "svg", "html":
 def strategies_used(metrics_path: Path) -> dict[str, list[int]]:
     """``{strategy: [steps]}`` in the order first used (HGraphError naming the file when unusable)."""
     used: dict[str, list[int]] = {}
-    try:
-        lines = metrics_path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        raise HGraphError(f"{metrics_path} does not exist: the run wrote no metrics") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+    if not metrics_path.exists():
+        raise HGraphError(f"{metrics_path} does not exist: the run wrote no metrics")
+    for where, record in jsonl_values(metrics_path, expect="each line must be one step's JSON object"):
         try:
-            record = json.loads(line)
             used.setdefault(str(record["strategy"]), []).append(int(record["step"]))
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            raise HGraphError(f"{metrics_path}:{n}: not a metrics line with 'strategy' and 'step'") from None
+        except (KeyError, TypeError, ValueError):
+            raise HGraphError(f"{where}: not a metrics line with 'strategy' and 'step'") from None
     if not used:
         raise HGraphError(f"{metrics_path} has no steps")
     return used

@@ -79,6 +79,10 @@ class MemoryModel:
     # pipeline (any CP), used instead of B.1's terms for the schemes listed: optimizer segments
     # (1/N) plus one working layout with its gradients; the optimizer step's transient must fit too.
     scheme_states: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
+    # The chunked loss's transient logits (``runtime_memory.loss_transient_bytes``), allocated on top of
+    # the saved activations while the loss runs: ``(tp, bytes per loss token, chunk tokens)``; it grows
+    # with the tokens up to one chunk, then stays. Empty: not counted (App. B.1's models).
+    loss_transient: tuple[tuple[int, float, int], ...] = ()
 
     def activation_A(self, tp: int) -> float | None:
         return dict(self.activation_coeff).get(tp)
@@ -118,13 +122,30 @@ class MemoryModel:
             return 0.0
         return max(float(free), 0.0)
 
+    def transient_bytes(self, scheme: Scheme, tokens: int) -> float:
+        """The loss's transient bytes on a rank of ``scheme`` for a micro-batch of ``tokens`` (a CP or
+        Ulysses rank computes the loss of its ``tokens / degree``)."""
+        per, chunk = self._transient(scheme)
+        return per * min(tokens / scheme.seq, chunk)
+
+    def _transient(self, scheme: Scheme) -> tuple[float, int]:
+        for tp, per, chunk in self.loss_transient:
+            if tp == scheme.tp:
+                return per, chunk
+        return 0.0, 0
+
     def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
-        """Longest packed micro-batch (tokens) that fits with every activation on the device; 0 when
-        even the model states do not fit."""
+        """Longest packed micro-batch (tokens) that fits with every activation on the device and the
+        loss's transient logits beside them; 0 when even the model states do not fit."""
         per_token = self.activation_bytes_per_token(model, scheme)
         if per_token is None:
             return 0
-        return max(int(self.activation_room(model, scheme, world_size) // per_token), 0)
+        room = self.activation_room(model, scheme, world_size)
+        per, chunk = self._transient(scheme)
+        full = chunk * scheme.seq                 # the micro-batch length from which the transient stays
+        if per and (per_token + per / scheme.seq) * full >= room:
+            return max(int(room // (per_token + per / scheme.seq)), 0)
+        return max(int((room - per * chunk) // per_token), 0)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +159,9 @@ class MemoryModel:
                if self.other_coeff else {}),
             **({"embedding_bytes_per_param": self.embedding_bytes_per_param}
                if self.embedding_bytes_per_param != EMBEDDING_BYTES_PER_PARAM else {}),
+            **({"loss_transient": [{"tp": tp, "bytes_per_token": per, "chunk_tokens": chunk}
+                                   for tp, per, chunk in self.loss_transient]}
+               if self.loss_transient else {}),
             **({"model_state_bytes": [{"tp": tp, "pp": pp, "world_size": n, "resident": res, "step_transient": tr}
                                       for (tp, pp, n), (res, tr) in self.scheme_states]}
                if self.scheme_states else {}),
@@ -435,8 +459,10 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
                 (_tp_key(k, where), float(v)) for k, v in mem.get("other_activation_bytes_per_token", {}).items())),
             embedding_bytes_per_param=float(mem.get("embedding_bytes_per_param", EMBEDDING_BYTES_PER_PARAM)),
             scheme_states=_counted_states(mem.get("model_state_bytes", []), where),
+            loss_transient=tuple(sorted((int(t["tp"]), float(t["bytes_per_token"]), int(t["chunk_tokens"]))
+                                        for t in mem.get("loss_transient", []))),
         )
-    except (TypeError, ValueError, AttributeError) as exc:
+    except (TypeError, ValueError, AttributeError, KeyError) as exc:
         raise HGraphError(f"{where}: malformed value ({exc})") from None
     cp_conf = entry.get("context_parallel", {})
     ul_conf = entry.get("ulysses", {})

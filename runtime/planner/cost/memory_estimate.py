@@ -15,7 +15,8 @@ last stage also holds the head's and the loss's (``other_coeff``: the head's inp
 loss being made chunk by chunk; the embedding saves only token ids); under sequence parallelism
 (TP > 1) what the norms save is a TP rank's token slice (``runtime_memory``). The last stage's figure
 also holds the chunked loss's transient logits of one chunk (``runtime_memory.loss_transient_bytes``:
-not per token, at most a few times 64 MiB; the planner's MaxLen, per token, leaves it out). CP ranks
+growing with the tokens up to one chunk, at most a few times 64 MiB; the planner's MaxLen counts it
+beside the activations: ``MemoryModel.transient_bytes``). CP ranks
 see ``tokens / CP`` each. The planner's MaxLen takes B.1's bound of a scheme instead (all layers of the
 model for one micro-batch plus the head, on the first stage), which
 is at least every stage's figure here. They are measured for zoo Llama models; for other models the

@@ -14,6 +14,13 @@ and 2 layers; the model-state constant ``B`` and ``alpha`` are *derived* from th
 (16 bytes per parameter under mixed-precision Adam, 12 of them sharded), as in the analytic prior.
 Only TP=1 schemes can be measured in one process; TP/CP > 1 needs the multi-process runtime.
 
+A check closes the measurement: the whole model (all its layers) is timed at the longest length with
+the same threads and set beside what the profile predicts for it (``whole_model_check``). On a CPU
+shared with other processes, intra-op threads wait for each other at every op (a thread that is
+descheduled holds the others): ``llama:tiny``'s layers timed 40-430 ms each with 2 threads on a loaded
+2-core machine, against ~2-8 ms with 1, so ``hgraph profile`` times with the threads one rank of a
+local run has, and the check says when the figures still disagree.
+
 The host link (what activation offload copies over, ``schedule.offload``) is measured on the
 profiled device: device to pinned host memory and back on CUDA, a memcpy on CPU
 (``measure_host_link``); the analytic prior assumes an A800 node's PCIe Gen4 (~25 GB/s).
@@ -117,6 +124,30 @@ def dual_layer_timings(build: Callable[[int], Any], lengths: Sequence[int], voca
     return LayerTimings(list(lengths), layer, rest)
 
 
+def whole_model_check(build: Callable[[int], Any], layers: int, timings: LayerTimings, vocab: int, *,
+                      repeats: int = 10, warmup: int = 2, threads: int | None = None) -> dict[str, Any]:
+    """The ``layers``-layer model timed (fastest of ``repeats``) at the longest profiled length, beside
+    the profile's prediction ``layers * layer(l) + rest(l)``: ``{"length", "layers", "measured_ms",
+    "predicted_ms", "ratio"}`` (predicted / measured)."""
+    i = max(range(len(timings.lengths)), key=timings.lengths.__getitem__)
+    length = timings.lengths[i]
+    torch.manual_seed(0)
+    model = build(layers)
+    ids = torch.randint(0, vocab, (1, length))
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        for _ in range(warmup):
+            fwd_bwd_ms(model, ids)
+        measured = min(fwd_bwd_ms(model, ids) for _ in range(repeats))
+    finally:
+        torch.set_num_threads(before)
+    predicted = layers * timings.layer_ms[i] + timings.rest_ms[i]
+    return {"length": length, "layers": layers, "measured_ms": measured, "predicted_ms": predicted,
+            "ratio": predicted / measured if measured > 0 else float("inf")}
+
+
 def measure_host_link(device: Any = "cpu", nbytes: int = 64 * 2 ** 20, repeats: int = 5) -> dict[str, Any]:
     """The host link's bandwidth on ``device`` (bytes/s), as activation offload uses it: on CUDA a
     device tensor copied to pinned host memory and back (fastest of ``repeats`` each way; the slower
@@ -180,6 +211,7 @@ def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, l
         points[str(s)] = [[float(l), float(t)] for l, t in pts]
         profiled[(s.tp, s.pp, s.cp)] = fit_coefficients(pts)
     A = measure_activation_coeff(build, hidden, vocab)
+    check = whole_model_check(build, layers, timings, vocab, repeats=repeats, warmup=warmup, threads=threads)
     base = profiled.get((1, 1, 1)) or next(iter(profiled.values()))
     a, b, c = base
     util = int(math.ceil(c * UTIL_EFFICIENCY / ((1 - UTIL_EFFICIENCY) * b))) if b > 0 else max(lengths)
@@ -193,7 +225,7 @@ def profile_cost_model(name: str, build: Callable[[int], Any], *, hidden: int, l
     )
     raw = {"method": "dual-layer (Data-Centric Parallel paper): 1- and 2-layer models, forward+backward, fastest of interleaved repeats",
            "device": device, "lengths": list(map(int, lengths)), "repeats": repeats, "threads": threads,
-           "layer_ms": timings.layer_ms, "rest_ms": timings.rest_ms, "points": points,
+           "layer_ms": timings.layer_ms, "rest_ms": timings.rest_ms, "points": points, "check": check,
            "memory_source": "A measured by counting saved tensors (1 vs 2 layers); B and alpha derived from the "
                             "parameter count (16 bytes/parameter, 12 sharded)"}
     cost = CostModel(name=name, model=ModelShape(hidden, layers, vocab), profiled=profiled,

@@ -225,7 +225,26 @@ def runtime_memory_model(cfg: Any, device_memory: float, tps: Iterable[int], *, 
                        alpha=MASTER_AND_ADAM_BYTES / per_param, framework_gap_bytes=0, safety_margin_bytes=0,
                        gpu_memory_bytes=int(device_memory), other_coeff=other,
                        embedding_bytes_per_param=embedding_mats * per_param,
-                       scheme_states=tuple(sorted(dict(states or {}).items())))
+                       scheme_states=tuple(sorted(dict(states or {}).items())),
+                       loss_transient=loss_transient_terms(cfg.vocab_size, [tp for tp, _ in A], dtype))
+
+
+def loss_transient_terms(vocab: int, tps: Iterable[int], dtype: Any = None) -> tuple[tuple[int, float, int], ...]:
+    """``MemoryModel.loss_transient`` of ``loss_transient_bytes``: per TP degree, the bytes per loss
+    token (it is linear up to one chunk) and the chunk's tokens."""
+    out = []
+    for tp in sorted(set(tps)):
+        chunk = chunk_tokens(-(-vocab // tp))
+        out.append((tp, loss_transient_bytes(vocab, chunk, tp, dtype) / chunk, chunk))
+    return tuple(out)
+
+
+def least_state_bytes(parameters: int, world_size: int, working_bytes: int = 4) -> float:
+    """A lower bound of the model states on the fullest rank of any strategy of ``world_size`` ranks:
+    its ``1/N`` of the fp32 masters and Adam moments, and at least ``1/N`` of the working weights and
+    gradients (a pipeline's ranks hold every parameter between them, and the fullest at least their
+    mean). A device smaller than this holds no scheme at all, whatever the profile says."""
+    return parameters * (MASTER_AND_ADAM_BYTES + 2 * working_bytes) / world_size
 
 
 def is_runtime_model(cost: CostModel, model: Any) -> bool:
@@ -283,7 +302,8 @@ def default_device_memory(cost: CostModel, model_shape: Any, world_size: int, co
     mem = cost.memory
     widest = Scheme(max(s.tp for s in cost.schemes if s.pp == 1 and s.seq == 1), 1, 1)
     return int(mem.state_bytes(model_shape, widest, world_size)
-               + mem.activation_bytes_per_token(model_shape, widest) * context) + 1
+               + mem.activation_bytes_per_token(model_shape, widest) * context
+               + mem.transient_bytes(widest, context)) + 1
 
 
 def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: Optional[float],
@@ -297,7 +317,7 @@ def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: 
     for i, l in enumerate(lengths):
         if l > largest:
             best = max(pool, key=cost.max_len, default=None)
-            limit = f"--device-memory {_mib(device_memory)}" if device_memory is not None else \
+            limit = f"--device-memory {bytes_text(device_memory)}" if device_memory is not None else \
                 f"profile {cost.name!r}"
             raise HGraphError(
                 f"document {offset + i} has {l} tokens, more than any scheme holds under {limit} "
@@ -310,5 +330,13 @@ def max_len_table(cost: CostModel) -> str:
     return ", ".join(f"{s}<={cost.max_len(s)}" for s in cost.schemes if s.pp == 1 and s.seq == 1)
 
 
-def _mib(nbytes: Optional[float]) -> str:
-    return "none" if nbytes is None else f"{nbytes / 2 ** 20:.1f}M"
+def bytes_text(nbytes: Optional[float]) -> str:
+    """A byte size as ``--device-memory`` takes it, in the largest unit that leaves a number of at
+    least 1 (``1K``, ``512M``, ``1.5G``, ``12.86M``; 4 significant digits): a size given as ``1K`` is
+    printed ``1K``, not ``0.0M``."""
+    if nbytes is None:
+        return "none"
+    for unit, scale in (("G", 2 ** 30), ("M", 2 ** 20), ("K", 2 ** 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.4g}{unit}"
+    return f"{nbytes:.4g}"

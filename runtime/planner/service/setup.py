@@ -24,7 +24,7 @@ from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.engine.offload import rank_host_budget
 from hgraph.runtime.planner.schedule.offload import host_link_bytes_per_s
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget, with_offload
-from hgraph.runtime.planner.cost.runtime_memory import max_len_table
+from hgraph.runtime.planner.cost.runtime_memory import bytes_text, max_len_table
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, measured_ulysses_degrees, model_cost_model,
                                                       parse_candidates)
 from hgraph.runtime.planner.service.plan_ahead import PlanConsumer, PlannerChannel, PlannerProcess
@@ -117,7 +117,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
         log.info(f"planner: {len(planner.candidates)} candidates ({planner.source}): "
               f"{', '.join(map(str, planner.candidates))}; cost model {c.name}; "
               f"set up in {time.perf_counter() - t0:.1f} s"
-              + (f"; device memory {planner.device_memory / 2 ** 20:.1f} MiB per rank, MaxLen "
+              + (f"; device memory {bytes_text(planner.device_memory)} per rank, MaxLen "
                  f"{max_len_table(c)}" if planner.device_memory is not None else "")
               + (f"; offload {setup.offload}, host budget {c.host_budget_bytes / 2 ** 30:.1f} GiB per rank, "
                  f"host link {host_link_bytes_per_s(c) / 1e9:.1f} GB/s" if setup.offload != "off" else "")

@@ -18,8 +18,8 @@ def test_plain_and_jsonl(tmp_path):
 
 
 @pytest.mark.parametrize("text,match", [
-    ("", "empty"), ("\n\n", "empty"), ("5\nabc\n", "line 2"), ("5\n\n0\n", "line 3"),
-    ('{"input_ids": [1]}\n{"x": 1}\n', "line 2.*input_ids"), ('{"input_ids": [1]}\n{oops\n', "line 2.*JSON"),
+    ("", "empty"), ("\n\n", "empty"), ("5\nabc\n", r"bad\.txt:2:"), ("5\n\n0\n", r"bad\.txt:3:"),
+    ('{"input_ids": [1]}\n{"x": 1}\n', r"bad\.txt:2:.*input_ids"), ('{"input_ids": [1]}\n{oops\n', r"bad\.txt:2:.*JSON"),
 ])
 def test_bad_files(tmp_path, text, match):
     p = tmp_path / "bad.txt"

@@ -86,12 +86,26 @@ def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
 def test_non_finite_loss_names_the_step_or_is_skipped(data, tmp_path, capsys):
     rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3", "--lr", "1e30"))
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].startswith("hgraph train: error: step 1: the loss is nan")
+    assert rc == 1 and err[-1].startswith("hgraph train: error: step 1: the loss is nan")   # a failed run: 1
     rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "3", "--lr", "1e30",
                      "--skip-nonfinite", "--json"))
     assert rc == 0
     steps = json.loads(capsys.readouterr().out)["steps"]
     assert [s["skipped"] for s in steps] == [False, True, True]
+
+
+def test_a_run_whose_every_step_was_skipped_failed(data, tmp_path, capsys):
+    """Weights that are NaN from the start: every step skipped, counted, and the run exits 1."""
+    torch.manual_seed(0)
+    state = llama.build("tiny").state_dict()
+    next(iter(state.values())).fill_(float("nan"))
+    torch.save(state, tmp_path / "nan.pt")
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "2",
+                     "--skip-nonfinite", "--init-from", str(tmp_path / "nan.pt")))
+    out, err = capsys.readouterr()
+    assert rc == 1
+    assert "skipped: 2 of 2 steps (non-finite loss, --skip-nonfinite)" in out.splitlines()
+    assert err.strip().splitlines()[-1].startswith("hgraph train: error: every one of the 2 steps was skipped")
 
 
 @pytest.mark.parametrize("lines, extra, match", [

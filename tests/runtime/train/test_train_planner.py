@@ -1,6 +1,7 @@
 """Planner-driven training: every iteration's strategy and dispatch come from ``plan_iteration``;
 the loss never depends on the plan, so a 4-rank fp32 run equals single-process PyTorch."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 from hgraph.tools.cli.train import builtin_documents
 from hgraph.tools.report.plots import PLOT_NAMES
+from hgraph.tools.report.readme_sample import readme_sample, shapes
 
 # a long tail: many short documents and a few long ones, so the candidates' plans differ
 LENGTHS = [90, 5, 9, 7, 11, 3, 6, 60, 10, 4, 12, 2, 40, 8, 3, 17, 5, 70, 6, 9]
@@ -111,12 +113,20 @@ def test_bad_planner_options_are_one_line_and_exit_code_2(data, tmp_path, capsys
     assert err[-1].startswith("hgraph train: error: ") and match in err[-1], err[-1]
 
 
-def test_default_run_shortened_writes_metrics_and_plots(tmp_path, capsys):
+def test_default_run_shortened_writes_metrics_and_plots(tmp_path, capfd):
+    """The default run, shortened; its printed lines (rank 0's step lines too, hence ``capfd``) have the
+    shape of the README's sample (``tools/report/readme_sample.py``): a format change that the sample
+    does not follow fails here."""
     run_dir = tmp_path / "run"
     assert main(["train", "--steps", "3", "--tokens-per-iter", "2048", "--run-dir", str(run_dir),
-                 "--max-candidates", "2"]) == 0
-    out = capsys.readouterr().out
+                 "--max-candidates", "2", "--progress", "off"]) == 0
+    out = capfd.readouterr().out
     assert "summary: 3 steps" in out and "loss " in out and str(run_dir) in out
+    sample = shapes(readme_sample((Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")))
+    printed = shapes(out.splitlines(), str(run_dir))
+    assert set(printed) == set(sample)
+    for kind, words in printed.items():
+        assert words == sample[kind], (kind, sorted(words ^ sample[kind]))
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [0, 1, 2]
     assert all(m["tokens"] <= 2048 and m["pipelines"] and "est_latency_ms" in m for m in lines)

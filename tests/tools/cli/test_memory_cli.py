@@ -108,3 +108,22 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.parametrize("strategy", ["2xTP2PP1", "4xTP1PP1"])
+def test_max_len_and_the_peak_agree(capsys, strategy):
+    """The MaxLen printed under a limit is the longest micro-batch whose peak the table shows under it:
+    the planner counts the chunked loss's transient logits too (it printed TP2PP1 <= 1024 tokens under
+    --device-memory auto while the same table's TP2PP1 peak at 1024 tokens was 19.86 MiB over 12.86)."""
+    code, out, err = run(capsys, "--model", "tiny", "--strategy", strategy, "--device-memory", "auto", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    (scheme, max_len), = doc["max_len"].items()
+    limit = doc["device_memory"]
+    for tokens, fits in ((max_len, True), (max_len + 8, False)):
+        if tokens > 1024:
+            continue                        # the widest scheme holds the whole context by construction
+        code, out, err = run(capsys, "--model", "tiny", "--strategy", strategy, "--device-memory", str(int(limit)),
+                             "--tokens", str(tokens), "--json")
+        peaks = [r["peak"] for r in json.loads(out)["ranks"]]
+        assert (max(peaks) <= limit) == fits, (scheme, tokens, max(peaks), limit)

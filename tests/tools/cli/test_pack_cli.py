@@ -65,7 +65,7 @@ def test_errors(tmp_path, capsys):
     assert main(["pack", "--lengths", str(empty)] + args) == 2
     assert "empty" in capsys.readouterr().err
     assert main(["pack", "--lengths", str(bad)] + args) == 2
-    assert "line 2" in capsys.readouterr().err
+    assert "bad.txt:2: " in capsys.readouterr().err
     assert main(["pack", "--lengths", str(long)] + args) == 2
     err = capsys.readouterr().err
     assert "99999" in err and "1000" in err and err.count("\n") == 1

@@ -77,7 +77,7 @@ def test_human_output_and_auto(capsys, lengths_file):
 
 @pytest.mark.parametrize("content,args,match", [
     ("", [], "empty"),
-    ("12\nx7\n", [], "line 2"),
+    ("12\nx7\n", [], r"l\.txt:2: "),
     ("12\n", ["--profile", "gpt-x"], "unknown profile 'gpt-x'"),
     ("12\n", ["--world-size", "1", "--profile", "llama-32b"], "no scheme of profile 'llama-32b' fits 1 GPUs"),
     ("100\n900000\n", ["--max-len", "1000000", "--world-size", "8", "--iters", "2"], "document 1 has 900000 tokens.*largest MaxLen"),

@@ -82,7 +82,31 @@ def test_the_ulysses_only_and_cp_only_baselines(lengths_file, capsys):
     assert main(base) == 0
     text = capsys.readouterr().out
     assert "  flexsp " in text and "  megatron-cp " in text
-    assert f"speedup of hgraph over: flexsp {out['speedups']['flexsp']:.2f}x, megatron-cp" in text
+    assert f"speedup of hgraph over (tokens/s): flexsp {out['speedups']['flexsp']:.2f}x, megatron-cp" in text
     assert main(base[:-1] + ["flexsp,megatron-cp", "--max-cp", "1"]) == 0     # nothing left to run
     text = capsys.readouterr().out
     assert "flexsp       skipped: the cost model has no Ulysses scheme" in text and "megatron-cp  skipped" in text
+
+
+def test_a_system_that_delays_documents_is_compared_by_tokens_per_second(lengths_file, capsys):
+    """WLB's outlier delay trains some documents in extra iterations at the end: its mean iteration can
+    be shorter than hgraph's while hgraph is faster; the table shows each system's iterations and total
+    time, says why WLB ran more, and the speedups are of tokens/s (the same tokens in all)."""
+    argv = ["simulate", "--lengths", str(lengths_file), "--profile", "llama-7b", "--world-size", "8",
+            "--max-len", "16384", "--tokens-per-iter", "50000", "--iters", "2", "--systems", "hgraph,wlb"]
+    assert main(argv + ["--json"]) == 0
+    out = json.loads(capsys.readouterr().out)["systems"]
+    wlb, hg = out["wlb"], out["hgraph"]
+    extra = wlb["iterations"] - 2
+    assert extra > 0 and wlb["notes"]["extra_flush_iterations"] == extra and hg["iterations"] == 2
+    tokens = [sum(r["latency_ms"]) / 1e3 * r["throughput_tokens_per_s"] for r in (wlb, hg)]
+    assert tokens[0] == pytest.approx(tokens[1])                      # the same tokens
+    assert main(argv) == 0
+    text = capsys.readouterr().out.splitlines()
+    row = next(line for line in text if line.startswith("  wlb "))
+    assert row.split()[1] == str(2 + extra) and float(row.split()[4]) == pytest.approx(sum(wlb["latency_ms"]) / 1e3,
+                                                                                      abs=0.006)
+    assert (f"  wlb: {2 + extra} iterations for the 2 mini-batches: its outlier delay holds documents back and "
+            f"trains them in {extra} more at the end, so its mean iteration is lighter; compare tokens/s (the same "
+            "tokens in all)") in text
+    assert any(line.startswith("speedup of hgraph over (tokens/s): wlb ") for line in text)

@@ -164,3 +164,15 @@ def test_summary_without_optional_fields():
     # the trainer's running counters: 2 hits of 5 lookups at the last line
     counted = [{**_record(k, full=False), "cache_hits": k, "cache_misses": 3} for k in range(3)]
     assert plots.summarize(counted).cache_hit_rate == pytest.approx(2 / 5)
+
+
+def test_summary_counts_the_skipped_non_finite_steps(tmp_path, capsys):
+    records = [_record(k, full=False) for k in range(4)]
+    records[1].update(skipped=True, loss=float("nan"))
+    records[2].update(skipped=True)
+    s = plots.summarize(records)
+    assert s.skipped_steps == 2 and s.first_loss == 6.0 and s.as_dict()["skipped_steps"] == 2
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    from hgraph.tools.cli import main
+    assert main(["report", str(tmp_path), "--formats", "svg"]) == 0
+    assert "; 2 steps skipped (non-finite loss)" in capsys.readouterr().out

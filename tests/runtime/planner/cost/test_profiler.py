@@ -1,5 +1,6 @@
 """``hgraph profile``: dual-layer profiling of a tiny zoo model, written and loaded back."""
 import json
+import re
 
 import pytest
 
@@ -61,3 +62,25 @@ def test_the_host_link_is_measured_on_the_device_it_serves():
     link = measure_host_link("cpu", nbytes=2 ** 20, repeats=2)
     assert link["bytes_per_s"] == min(link["to_host_bytes_per_s"], link["to_device_bytes_per_s"]) > 0
     assert "memcpy" in link["source"]
+
+
+def test_the_profile_times_with_a_rank_s_threads_and_checks_itself_on_the_whole_model(capsys, monkeypatch):
+    """With torch's default threads on a loaded 2-core machine a tiny layer timed 40-430 ms (the threads
+    wait for each other), 100x a layer's time in the run: the profile times with the threads a rank of
+    a local run has, and checks its figures against the whole model timed the same way."""
+    import os
+    from hgraph.tools.cli.profile import rank_threads
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert rank_threads() == max(1, (os.cpu_count() or 1) // 4)
+    assert main(["profile", "--model", "llama:tiny", "--lengths", "32,64,128", "--repeats", "2", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)["llama:tiny"]["profiling"]
+    assert raw["threads"] == rank_threads()
+    check = raw["check"]
+    assert check["length"] == 128 and check["layers"] == 4 and check["measured_ms"] > 0
+    assert check["predicted_ms"] == pytest.approx(4 * raw["layer_ms"][2] + raw["rest_ms"][2])
+    assert main(["profile", "--model", "llama:tiny", "--lengths", "32,64,128", "--repeats", "2"]) == 0
+    text = capsys.readouterr().out
+    assert f"{rank_threads()} threads)" in text.splitlines()[0]
+    line = next(line for line in text.splitlines() if line.startswith("  check: the whole 4-layer model at l=128"))
+    ratio = float(re.search(r"ms \(([0-9.]+)x\)", line).group(1))
+    assert ("they disagree" in line) == (not 0.8 <= ratio <= 1.25)

@@ -1,0 +1,62 @@
+"""An unwritable run or checkpoint folder is one line and exit code 2 at the start of ``hgraph train``,
+before any rank starts (``runtime/process/writable.py``), not an ``OSError`` at the first save; under a
+launcher each node's local rank 0 probes the folders its node writes."""
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from hgraph.errors import HGraphError
+from hgraph.runtime.process.writable import probe_writable
+from hgraph.runtime.train.config import TrainConfig
+from hgraph.tools.cli import main
+from hgraph.tools.cli.train import probe_folders
+
+
+def test_a_writable_folder_is_created_and_left_clean(tmp_path):
+    probe_writable([("--run-dir", tmp_path / "a" / "b"), ("--checkpoint-dir", None)])
+    assert (tmp_path / "a" / "b").is_dir() and list((tmp_path / "a" / "b").iterdir()) == []
+
+
+def test_a_folder_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(HGraphError, match=r"^--checkpoint-dir '.*file/ck' cannot be written \(Not a directory"):
+        probe_writable([("--checkpoint-dir", tmp_path / "file" / "ck")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_a_read_only_folder_is_one_line(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(HGraphError, match=r"--checkpoint-dir '.*ro' cannot be written \(Permission denied"):
+            probe_writable([("--checkpoint-dir", ro)])
+    finally:
+        ro.chmod(0o700)
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--run-dir", "--save-final", "--metrics"])
+def test_train_refuses_an_unwritable_folder_before_any_rank(tmp_path, capsys, flag):
+    (tmp_path / "file").write_text("x")
+    data = tmp_path / "docs.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3]}\n')
+    target = str(tmp_path / "file" / ("out.pt" if flag in ("--save-final", "--metrics") else "dir"))
+    argv = ["train", "--model", "tiny", "--data", str(data), "--world-size", "1", "--strategy-schedule", "1xTP1PP1",
+            "--steps", "1", "--tokens-per-iter", "30", flag, target]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {flag} ") and "cannot be written" in err[0]
+
+
+def test_under_a_launcher_each_node_s_local_rank_0_probes_what_its_node_writes(tmp_path):
+    (tmp_path / "file").write_text("x")
+    bad = str(tmp_path / "file" / "x")
+    config = TrainConfig.from_values(checkpoint_dir=bad, save_final=bad + "/f.pt")
+    probe_folders(config, None, SimpleNamespace(rank=5, local_rank=1))          # not this rank's job
+    with pytest.raises(HGraphError, match="--checkpoint-dir"):                    # every node writes shards
+        probe_folders(config, None, SimpleNamespace(rank=4, local_rank=0))
+    only_rank0 = TrainConfig.from_values(save_final=bad + "/f.pt")
+    probe_folders(only_rank0, tmp_path / "run", SimpleNamespace(rank=4, local_rank=0))
+    with pytest.raises(HGraphError, match="--save-final"):
+        probe_folders(only_rank0, tmp_path / "run", SimpleNamespace(rank=0, local_rank=0))
