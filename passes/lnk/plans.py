@@ -175,24 +175,14 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
     held: dict[int, list[Range]] = defaultdict(list)
     scatters: list[ReduceScatter] = []
     for group in groups:
-        ranges = layout[group[0]]
         if len(group) == 1:
-            held[group[0]].extend(ranges)
+            held[group[0]].extend(layout[group[0]])
             continue
-        sent_load: dict[int, int] = defaultdict(int)
-        for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
-            runs, direct = _scatter_runs(lo, hi, len(group), size, world_size)
-            if direct is not None:          # each member sends its own rows to the owners
-                for m in group:
-                    held[m].append(direct)
-            for run_lo, run_hi, pieces in runs:
-                member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
-                for (plo, phi), m in zip(pieces, member_of):
-                    sent_load[m] += sum(b - a for a, b, o in owner_chunks(plo, phi, size, world_size) if o != m)
-                    held[m].append((plo, phi))
-                scatters.append(ReduceScatter(
-                    group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
-                    (run_hi - run_lo) * row_bytes))
+        group_scatters, group_held = replica_group_push(size, row_bytes, world_size, gpus_per_node,
+                                                        layout[group[0]], group, weights)
+        scatters.extend(group_scatters)
+        for m, ranges in group_held.items():
+            held[m].extend(ranges)
 
     slices = mutual_slices(optimizer_segments(size, world_size), *layout.values(), *held.values())
     transfers: list[Transfer] = []
@@ -205,6 +195,37 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
                 else:
                     transfers.append(Transfer(rank, owner, run_lo, run_hi, (run_hi - run_lo) * row_bytes))
     return tuple(slices), tuple(sorted(scatters)), tuple(sorted(transfers)), tuple(sorted(adds))
+
+
+@functools.lru_cache(maxsize=1024)
+def replica_group_push(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
+                       ranges: tuple[Range, ...], group: tuple[int, ...], weights: LinkWeights
+                       ) -> tuple[tuple[ReduceScatter, ...], Mapping[int, tuple[Range, ...]]]:
+    """The reduce-scatters of one replica ``group`` (two or more ranks contributing the same
+    ``ranges``) and the rows each member holds after them (its reduced pieces, and the rows left to
+    direct sends), which it forwards to their owners.
+
+    A group's outcome depends on nothing outside it (the members' send loads are the group's own), so
+    the push of the world (``push_plan``) and one rank's part of it (``passes/lnk/rank_plans``) both
+    build on this, and the layers of a model (same size, same ranges, same group) share it.
+    """
+    held: dict[int, list[Range]] = defaultdict(list)
+    scatters: list[ReduceScatter] = []
+    sent_load: dict[int, int] = defaultdict(int)
+    for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
+        runs, direct = _scatter_runs(lo, hi, len(group), size, world_size)
+        if direct is not None:          # each member sends its own rows to the owners
+            for m in group:
+                held[m].append(direct)
+        for run_lo, run_hi, pieces in runs:
+            member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
+            for (plo, phi), m in zip(pieces, member_of):
+                sent_load[m] += sum(b - a for a, b, o in owner_chunks(plo, phi, size, world_size) if o != m)
+                held[m].append((plo, phi))
+            scatters.append(ReduceScatter(
+                group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
+                (run_hi - run_lo) * row_bytes))
+    return tuple(scatters), MappingProxyType({m: tuple(v) for m, v in held.items()})
 
 
 def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
