@@ -45,7 +45,7 @@ import numpy as np
 
 from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PullPlan, PushPlan, ReduceScatter, Traffic,
                               Transfer, merge_ranges, uncovered_ranges)
-from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces
+from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces_matrix
 from hgraph.passes.lnk.mutual_slices import mutual_slices, normalise_ranges, slices_within
 from hgraph.shard_rule import PlanError, Range, optimizer_segments, owner_chunks, owner_of, require_positive_int
 
@@ -251,17 +251,19 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
                       gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
-    """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``)."""
-    chunks = [list(owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
-
-    def link_cost(p: int, m: int) -> int:
-        return sum((b - a) * (weights.intra if o // gpus_per_node == m // gpus_per_node else weights.inter)
-                   for a, b, o in chunks[p] if o != m)
-
-    def sent_rows(p: int, m: int) -> int:
-        return sum(b - a for a, b, o in chunks[p] if o != m)
-
-    return assign_pieces(group, len(pieces), link_cost, sent_rows, sent_load)
+    """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``): the cost matrices
+    of the run are built a piece's owner chunk at a time, over every member at once."""
+    k = len(group)
+    ranks = np.asarray(group, dtype=np.int64)
+    nodes = ranks // gpus_per_node
+    link = np.zeros((k, k), dtype=np.int64)
+    sent = np.zeros((k, k), dtype=np.int64)
+    for p, (plo, phi) in enumerate(pieces):
+        for a, b, o in owner_chunks(plo, phi, size, world_size):
+            away = ranks != o
+            sent[p] += (b - a) * away
+            link[p] += (b - a) * np.where(away, np.where(nodes == o // gpus_per_node, weights.intra, weights.inter), 0)
+    return assign_pieces_matrix(group, link, sent, sent_load)
 
 
 def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
