@@ -252,14 +252,21 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
                       gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
     """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``): the cost matrices
-    of the run are built a piece's owner chunk at a time, over every member at once."""
+    of the run are built a piece's owner chunk at a time, over every member at once.
+
+    When the ``i``-th member owns all of the ``i``-th piece (every rank of the world reducing a whole
+    parameter onto the optimizer layout) each keeps its own: that costs nothing, and every other
+    matching costs more, so it is the one optimum, found without a ``k x k`` matrix."""
+    chunks = [list(owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
+    if all(o == m for m, piece in zip(group, chunks) for _, _, o in piece):
+        return list(group)
     k = len(group)
     ranks = np.asarray(group, dtype=np.int64)
     nodes = ranks // gpus_per_node
     link = np.zeros((k, k), dtype=np.int64)
     sent = np.zeros((k, k), dtype=np.int64)
-    for p, (plo, phi) in enumerate(pieces):
-        for a, b, o in owner_chunks(plo, phi, size, world_size):
+    for p, piece in enumerate(chunks):
+        for a, b, o in piece:
             away = ranks != o
             sent[p] += (b - a) * away
             link[p] += (b - a) * np.where(away, np.where(nodes == o // gpus_per_node, weights.intra, weights.inter), 0)
