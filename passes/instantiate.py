@@ -225,7 +225,8 @@ class StrategyLayout:
         self._params = {pr: layouts.params(*pr) for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
-        self.work: Optional[WorkCount] = None                # set to count what a rank's build visits
+        # set to a list to count what each rank's build visits: (parameter, rank, WorkCount) per plan made
+        self.work_log: Optional[list[tuple[str, int, WorkCount]]] = None
 
     def _ranks_of(self, pr: ParamRole) -> list[int]:
         scheme, stage, t = pr
@@ -263,10 +264,13 @@ class StrategyLayout:
         key = (layout.shape, layout.shard_dim, needs, contributions, rank, world_size)
         ops = self._ops.get(key)
         if ops is None:
-            pull = rank_pull_ops(layout, needs, role, rank, world_size, self.roles, self.wbytes, self.work)
+            work = WorkCount() if self.work_log is not None else None
+            pull = rank_pull_ops(layout, needs, role, rank, world_size, self.roles, self.wbytes, work)
             push = rank_push_ops(layout, contributions, role, rank, world_size, self.cluster.gpus_per_node,
-                                 self.roles, work=self.work)
+                                 self.roles, work=work)
             ops = self._ops[key] = (pull, push)
+            if work is not None:
+                self.work_log.append((name, rank, work))
         return ops
 
     def rank_program(self, rank: int, describe: Callable) -> RankProgram:

@@ -35,7 +35,8 @@ RoleLayout = tuple[tuple[Hashable, tuple[Range, ...]], ...]
 
 @dataclass
 class WorkCount:
-    """What one rank's plans visited: ranks (peers and group members looked at) and ops made."""
+    """What one rank's plans of one parameter visited: ranks (owners, peers and group members looked
+    at), ops made, and the replica groups whose outcome was computed or read."""
 
     ranks: int = 0
     ops: int = 0
@@ -72,6 +73,8 @@ def rank_pull_ops(param: ParamLayout, needs: RoleLayout, role: Hashable, rank: i
     own = dict(needs).get(role)
     for lo, hi in merge_ranges(own or ()):
         for a, b, owner in owner_chunks(lo, hi, size, world_size):
+            if work is not None:
+                work.ranks += 1
             if owner == rank:
                 copies.append(LocalCopy(rank, a, b))
             else:
