@@ -147,10 +147,28 @@ class RankProgram:
     pipeline: int
     role: RoleProgram
     bindings: Mapping[str, tuple[int, ...]]
-    pull_by_param: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
-    push_by_param: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    # () -> (pull_by_param, push_by_param): planned on first use, so that walking every rank for its
+    # bindings (the groups of a strategy) plans nothing
+    plan_lnk: Optional[Callable[[], tuple[Mapping[str, tuple[Any, ...]], Mapping[str, tuple[Any, ...]]]]] = \
+        field(default=None, repr=False)
     describe: Optional[Callable[["RankProgram"], list[SubgraphInfo]]] = field(default=None, repr=False)
     _subgraphs: Optional[list[SubgraphInfo]] = field(default=None, repr=False)
+    _lnk: Optional[tuple[Mapping, Mapping]] = field(default=None, repr=False)
+
+    def _lnk_ops(self) -> tuple[Mapping, Mapping]:
+        if self._lnk is None:
+            self._lnk = self.plan_lnk() if self.plan_lnk else ({}, {})
+        return self._lnk
+
+    @property
+    def pull_by_param(self) -> Mapping[str, tuple[Any, ...]]:
+        """Parameter -> this rank's ops of its pull plan (parameters it takes no part in left out)."""
+        return self._lnk_ops()[0]
+
+    @property
+    def push_by_param(self) -> Mapping[str, tuple[Any, ...]]:
+        """Parameter -> this rank's ops of its push plan (parameters it takes no part in left out)."""
+        return self._lnk_ops()[1]
 
     @property
     def pull_ops(self) -> list[Any]:

@@ -277,15 +277,19 @@ class StrategyLayout:
         c = self.strategy.coord(rank)
         scheme = self.strategy.pipelines[c.pipeline]
         role = self.layouts.role_program(RankRole(scheme, c.stage, c.tp_rank, c.cp_rank), self.options, self.sp)
-        param_role = (scheme, c.stage, c.tp_rank)
+        plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
+        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe)
+
+    def rank_plans(self, rank: int, role: ParamRole) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """``rank``'s pull and push ops of every parameter it takes part in (model order)."""
         pulls, pushes = {}, {}
         for name in self.order:
-            pull, push = self.rank_lnk_ops(name, rank, param_role, self.cluster.world_size)
+            pull, push = self.rank_lnk_ops(name, rank, role, self.cluster.world_size)
             if pull:
                 pulls[name] = pull
             if push:
                 pushes[name] = push
-        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), pulls, pushes, describe)
+        return pulls, pushes
 
     # ---- the world's plans (every rank): the reference, and what callers asking for all of it read ----
 
