@@ -25,12 +25,22 @@ import argparse
 import importlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
+
+import torch
+
+import hgraph
+from hgraph.compiled import COMPILER_MODULES
+from hgraph.errors import HGraphError, StrategyError
+from hgraph.frontends.zoo import llama
+from hgraph.runtime.process.lifetime import die_with_parent
+from hgraph.strategy import Cluster, Scheme
 
 #: (key, header, format) of the table, in order; a measurement is a dict holding these keys.
 COLUMNS: list[tuple[str, str, str]] = [
@@ -62,8 +72,6 @@ class Case:
 
 def largest_tp(compiled: Any, gpus_per_node: int) -> int:
     """The largest power-of-two TP degree within a node that the model's heads and hidden size allow."""
-    from hgraph.errors import StrategyError
-    from hgraph.strategy import Scheme
     tp = 1
     while tp * 2 <= gpus_per_node:
         try:
@@ -101,7 +109,6 @@ class PeakRSS:
             with open("/proc/self/statm") as f:
                 return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         except OSError:                       # no procfs: the high-water mark (kilobytes on Linux)
-            import resource
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def _run(self) -> None:
@@ -152,12 +159,6 @@ def rank_groups(rp: Any) -> set[tuple[int, ...]]:
 
 def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int) -> dict:
     """One row, in this process: compile ``model`` on meta, then time and size rank ``rank``'s Program."""
-    import torch
-
-    import hgraph
-    from hgraph.compiled import COMPILER_MODULES
-    from hgraph.frontends.zoo import llama
-    from hgraph.strategy import Cluster
     for name in COMPILER_MODULES:        # imported once per process, not per strategy: not counted
         importlib.import_module(name)
     with torch.device("meta"):
@@ -189,10 +190,6 @@ def run_isolated(case: Case, rank: int, gpus_per_node: int, timeout_s: float) ->
 
 
 def cases(models: list[str], worlds: list[int], gpus_per_node: int) -> list[Case]:
-    import torch
-
-    import hgraph
-    from hgraph.frontends.zoo import llama
     out = []
     for model in models:
         with torch.device("meta"):
@@ -231,7 +228,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     if args.measure:
-        from hgraph.runtime.process.lifetime import die_with_parent
         model, world, strategy, rank, gpn, parent = args.measure
         die_with_parent(int(parent))
         print(json.dumps(measure(model, int(world), strategy, int(rank), int(gpn))))
@@ -243,7 +239,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError:
         print(f"cluster_scale: --worlds {args.worlds!r}: expected GPU counts separated by commas", file=sys.stderr)
         return 2
-    from hgraph.errors import HGraphError
     try:
         todo = cases(models, worlds, args.gpus_per_node)
     except HGraphError as e:
