@@ -266,16 +266,24 @@ class Strategy:
         if self.num_ranks != cluster.world_size:
             raise StrategyError(
                 f"strategy {self} uses {self.num_ranks} ranks but the world size is {cluster.world_size}")
-        for i, p in enumerate(self.pipelines):
-            for s in range(p.pp):
-                for c in range(p.seq):
-                    group = self.tp_group(i, s, c)
-                    nodes = {r // cluster.gpus_per_node for r in group}
-                    if len(nodes) > 1:
-                        raise StrategyError(
-                            f"strategy {self}: the TP group of pipeline {i} ({p}) stage {s} spans ranks "
-                            f"{group[0]}-{group[-1]}, crossing a node boundary of {cluster.gpus_per_node} "
-                            "GPUs per node; TP groups must stay inside one node")
+        first = 0
+        for count, p in self.groups():
+            # pipeline j of a run starts at first + j * p.num_ranks: where its TP groups fall in a node
+            # repeats every gpus_per_node pipelines, so those are all that need a look
+            for i in range(first, first + min(count, cluster.gpus_per_node)):
+                self._check_tp_in_node(i, p, cluster)
+            first += count
+
+    def _check_tp_in_node(self, i: int, p: Scheme, cluster: "Cluster") -> None:
+        """Every TP group of pipeline ``i`` (scheme ``p``) lies inside one node."""
+        for s in range(p.pp):
+            for c in range(p.seq):
+                group = self.tp_group(i, s, c)
+                if group[0] // cluster.gpus_per_node != group[-1] // cluster.gpus_per_node:
+                    raise StrategyError(
+                        f"strategy {self}: the TP group of pipeline {i} ({p}) stage {s} spans ranks "
+                        f"{group[0]}-{group[-1]}, crossing a node boundary of {cluster.gpus_per_node} "
+                        "GPUs per node; TP groups must stay inside one node")
 
 
 def parse_strategy_list(text: str, world_size: int, option: str, *, alternatives: str = "") -> list[Strategy]:
