@@ -8,8 +8,9 @@ so one rank of 12,288 costs what that rank exchanges, not the world.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -261,10 +262,11 @@ class Program:
 
     def rank(self, r: int) -> RankProgram:
         """Rank ``r``'s program (built on first use; only its own role, bindings and ops)."""
+        r = operator.index(r)
         rp = self._ranks.get(r)
         if rp is None:
-            if not isinstance(r, int) or not 0 <= r < self.cluster.world_size:
-                raise IndexError(f"rank {r!r} is outside the world of {self.cluster.world_size} ranks")
+            if not 0 <= r < self.cluster.world_size:
+                raise IndexError(f"rank {r} is outside the world of {self.cluster.world_size} ranks")
             rp = self._ranks[r] = self._build_rank(r)
         return rp
 
