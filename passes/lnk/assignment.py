@@ -11,7 +11,12 @@ min-cost perfect matching with a lexicographic cost:
    for earlier reduce-scatters of its group (greedy across reduce-scatters, exact within one);
 3. ties: keep piece ``i`` on the ``i``-th member, so identical layouts map pieces in rank order.
 
-The three terms are folded into one integer cost and solved by scipy's ``linear_sum_assignment``
+When every member has sent the same so far (the first reduce-scatter of a group, which is the only
+one of a large group), a piece costs the same on every member but the few that own its rows or sit on
+their nodes (``assign_pieces_sparse``): the matching is then a maximum-weight matching over those
+edges and the identities, solved sparse (scipy's ``min_weight_full_bipartite_matching``, LAPJVsp), so
+a group of 7,680 replicas needs no 7,680 x 7,680 matrix. Otherwise the three terms are folded into
+one integer cost and solved by scipy's ``linear_sum_assignment``
 (Jonker-Volgenant, in C: a group of 1,536 replicas, one per pipeline at 12,288 GPUs, takes ~30 ms where
 a min-cost flow in Python took minutes). Its float64 arithmetic is exact while every sum of costs stays
 below 2**53, which is checked; a larger cost is solved as a min-cost flow with networkx (exact
@@ -25,6 +30,8 @@ from typing import Callable, Mapping, Sequence
 import networkx as nx
 import numpy as np
 from scipy.optimize import linear_sum_assignment
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import min_weight_full_bipartite_matching
 
 #: float64 represents every integer up to this exactly: sums of costs below it are exact.
 _EXACT_FLOAT = 2 ** 53
@@ -80,6 +87,59 @@ def assign_pieces_matrix(members: Sequence[int], link: np.ndarray, sent: np.ndar
     cost = link * balance_scale + extra * tie_scale + (1 - np.eye(k, dtype=np.int64))
     pieces, chosen = linear_sum_assignment(cost.astype(np.float64))
     return [members[j] for j in chosen[np.argsort(pieces)]]
+
+
+def assign_pieces_sparse(members: Sequence[int], default: Sequence[tuple[int, int]],
+                         special: Sequence[Mapping[int, tuple[int, int]]], load: int) -> list[int]:
+    """``assign_pieces`` when every member already sends ``load`` rows and piece ``p`` costs
+    ``default[p] = (link, sent)`` on every member except those of ``special[p]`` (member position ->
+    ``(link, sent)``, each no more than the default: its owners and their node mates).
+
+    The cost of a matching is then a constant (every piece at its default) minus the gains of the
+    special edges it uses, plus one per piece off its identity member: a maximum-weight matching over
+    the special and identity edges (gain, +1 on an identity), the other pieces placed on the members
+    left in order (any such place costs the default). The objective is ``assign_pieces_matrix``'s, with
+    the same scales.
+    """
+    k = len(members)
+    if len(default) != k or len(special) != k:
+        raise ValueError(f"{k} members need {k} default costs and special maps")
+    if k == 1:
+        return [members[0]]
+    extra = lambda sent: sent * (2 * load + sent)                      # noqa: E731
+    tie_scale = k + 1
+    balance_scale = (sum(max([extra(s) for _, s in special[p].values()] +
+                             ([extra(default[p][1])] if len(special[p]) < k else [])) for p in range(k))
+                     + 1) * tie_scale
+    gains: dict[tuple[int, int], int] = {}
+    for p in range(k):
+        d_link, d_sent = default[p]
+        base = d_link * balance_scale + extra(d_sent) * tie_scale
+        for j, (link, sent) in special[p].items():
+            gains[p, j] = base - (link * balance_scale + extra(sent) * tie_scale)
+        gains[p, p] = gains.get((p, p), 0) + 1                          # identity: one less tie cost
+    top = max(gains.values()) + 1
+    if top * 2 * k >= _EXACT_FLOAT:
+        link = np.array([[special[p].get(j, default[p])[0] for j in range(k)] for p in range(k)], dtype=np.int64)
+        sent = np.array([[special[p].get(j, default[p])[1] for j in range(k)] for p in range(k)], dtype=np.int64)
+        return assign_pieces_matrix(members, link, sent, {m: load for m in members})
+    # maximum-weight matching as a full matching of the doubled graph: piece p may stay unmatched
+    # (column k + p), member j too (row k + j), and for every edge (p, j) the two dummies pair up
+    rows, cols, cost = [], [], []
+    for (p, j), g in gains.items():
+        rows += [p, k + j]
+        cols += [j, k + p]
+        cost += [top - g, top]
+    rows += list(range(k)) + list(range(k, 2 * k))
+    cols += list(range(k, 2 * k)) + list(range(k))
+    cost += [top] * (2 * k)
+    graph = csr_matrix((np.asarray(cost, dtype=np.float64), (rows, cols)), shape=(2 * k, 2 * k))
+    graph.sum_duplicates()
+    matched_rows, matched_cols = min_weight_full_bipartite_matching(graph)
+    col_of = dict(zip(matched_rows.tolist(), matched_cols.tolist()))
+    member_of: list[int | None] = [col_of[p] if col_of[p] < k else None for p in range(k)]
+    free = iter(sorted(set(range(k)) - {j for j in member_of if j is not None}))
+    return [members[j if j is not None else next(free)] for j in member_of]
 
 
 def _extra(load: np.ndarray, sent: np.ndarray) -> np.ndarray:

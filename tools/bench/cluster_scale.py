@@ -1,20 +1,22 @@
 """Compile at cluster scale: what one rank's Program costs, and what that rank exchanges.
 
     python -m hgraph.tools.bench.cluster_scale [--quick] [--models 70b,32b] [--worlds 64,1024,12288]
-                                              [--gpus-per-node 8] [--rank R] [--json]
+                                              [--gpus-per-node 8] [--rank R] [--dtype D] [--json]
 
 For each zoo Llama (built on the meta device), world size and strategy (a homogeneous one and a
 heterogeneous one, derived from the largest TP degree the model's heads allow within a node), one
-process per row compiles the model, then builds one rank's Program: ``build_program(S, cluster)``,
-``program.rank(r)`` (its LNK ops, bindings) and ``program.rank(r).graph_module``. It prints the CPU
-time of the plans and of the graph, the memory that build added to the process (peak RSS over the
-RSS before it, sampled), and per step what the rank exchanges in the optimizer layout of the world
-(G = world): Pull and Push peers and bytes, and the process groups it belongs to (its TP / CP /
-Ulysses groups and the replica groups of its reduce-scatters; the PP neighbours are point-to-point).
+process per row compiles the model (working dtype ``--dtype``, bf16 by default), then builds one
+rank's Program: ``build_program(S, cluster)``, ``program.rank(r)`` (its LNK ops, bindings) and
+``program.rank(r).graph_module``. It prints the CPU time of the plans and of the graph, the memory
+that build added to the process (peak RSS over the RSS before it, sampled), and per step what the
+rank exchanges in the optimizer layout of the world (G = world): Pull and Push peers and bytes
+(point-to-point sent and received, and its reduce-scatters' input), and the process groups it
+belongs to (its TP / CP / Ulysses groups and the replica groups of its reduce-scatters; the PP
+neighbours are point-to-point).
 
 ``--quick`` runs the zoo's tiny Llama at 16 and 64 GPUs (a smoke test); ``--in-process`` measures
-every row in this process instead of one child each (faster, memory figures less clean). Columns are declared once
-(``COLUMNS``); a measurement that fills another key only needs a column for it.
+every row in this process instead of one child each (faster, memory figures less clean). Columns
+are declared once (``COLUMNS``); a measurement that fills another key only needs a column for it.
 
 Goal (issue "cluster scale"): 70B, one rank's Program <= 3 s CPU at 1,024 GPUs and <= 5 s at 12,288,
 <= 300 MB added.
@@ -157,12 +159,13 @@ def rank_groups(rp: Any) -> set[tuple[int, ...]]:
     return groups
 
 
-def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int) -> dict:
-    """One row, in this process: compile ``model`` on meta, then time and size rank ``rank``'s Program."""
+def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int, dtype: str = "bfloat16") -> dict:
+    """One row, in this process: compile ``model`` on meta (working ``dtype``), then time and size rank
+    ``rank``'s Program."""
     for name in COMPILER_MODULES:        # imported once per process, not per strategy: not counted
         importlib.import_module(name)
     with torch.device("meta"):
-        compiled = hgraph.compile(llama.build(model))
+        compiled = hgraph.compile(llama.build(model), dtype=getattr(torch, dtype))
     compiled.symbolic_shapes()            # once per model, before any strategy
     with PeakRSS() as rss:
         before = PeakRSS.now()
@@ -178,10 +181,10 @@ def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int
             **exchanges(rp)}
 
 
-def run_isolated(case: Case, rank: int, gpus_per_node: int, timeout_s: float) -> dict:
+def run_isolated(case: Case, rank: int, gpus_per_node: int, dtype: str, timeout_s: float) -> dict:
     """``measure`` in a child process of its own (its memory is its own; it dies with this one)."""
     argv = [sys.executable, "-m", "hgraph.tools.bench.cluster_scale", "--measure", case.model, str(case.world),
-            case.strategy, str(rank), str(gpus_per_node), str(os.getpid())]
+            case.strategy, str(rank), str(gpus_per_node), dtype, str(os.getpid())]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"{case.model} at {case.world} GPUs, {case.strategy}: "
@@ -224,13 +227,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--in-process", action="store_true",
                     help="measure every row in this process (faster; a row's memory then counts on what "
                          "earlier rows left)")
-    ap.add_argument("--measure", nargs=6, help=argparse.SUPPRESS)   # a row's child process
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                    help="the working dtype Pull casts to (default bfloat16)")
+    ap.add_argument("--measure", nargs=7, help=argparse.SUPPRESS)   # a row's child process
     args = ap.parse_args(argv)
 
     if args.measure:
-        model, world, strategy, rank, gpn, parent = args.measure
+        model, world, strategy, rank, gpn, dtype, parent = args.measure
         die_with_parent(int(parent))
-        print(json.dumps(measure(model, int(world), strategy, int(rank), int(gpn))))
+        print(json.dumps(measure(model, int(world), strategy, int(rank), int(gpn), dtype)))
         return 0
 
     try:
@@ -252,10 +257,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = []
     for case in todo:
         if args.in_process:
-            rows.append({**measure(case.model, case.world, case.strategy, args.rank, args.gpus_per_node),
-                         "kind": case.kind})
+            rows.append({**measure(case.model, case.world, case.strategy, args.rank, args.gpus_per_node,
+                                   args.dtype), "kind": case.kind})
         else:
-            rows.append(run_isolated(case, args.rank, args.gpus_per_node, args.timeout))
+            rows.append(run_isolated(case, args.rank, args.gpus_per_node, args.dtype, args.timeout))
         if not args.json:
             print(f"{case.model} {case.world:>6} GPUs {case.kind:<13} {case.strategy}: "
                   f"{rows[-1]['cpu_s']:.2f} s, +{rows[-1]['added_mb']:.0f} MB", file=sys.stderr)
