@@ -142,6 +142,85 @@ def assign_pieces_sparse(members: Sequence[int], default: Sequence[tuple[int, in
     return [members[j if j is not None else next(free)] for j in member_of]
 
 
+def assign_pieces_by_load(members: Sequence[int], default: Sequence[tuple[int, int]],
+                          special: Sequence[Mapping[int, tuple[int, int]]],
+                          loads: Mapping[int, int]) -> list[int] | None:
+    """``assign_pieces_sparse`` when the members' loads differ: a piece's default cost on a member then
+    grows with the member's load (``2 x load x rows``), the same for every member of one load. Solved
+    as a min-cost flow (ortools, exact integers) where a piece reaches a member either by a direct arc
+    (the member owns some of its rows, shares a node with an owner, or is its identity) or through
+    the node of its row count and the node of the member's load: ``O(k)`` arcs, not ``k^2``. A route
+    through the two nodes costs at least what the same pair costs directly, so the optimum is the
+    matching's. Returns None when ortools is missing or the costs pass its range (the caller solves
+    it dense).
+    """
+    try:
+        from ortools.graph.python import min_cost_flow
+    except ImportError:
+        return None
+    k = len(members)
+    load = [loads.get(m, 0) for m in members]
+    extra = lambda sent, l: sent * (2 * l + sent)                      # noqa: E731
+    tie_scale = k + 1
+    by_load = sorted(range(k), key=lambda j: -load[j])
+    top = []
+    for p in range(k):
+        worst = [extra(s_, load[j]) for j, (_, s_) in special[p].items()]
+        if len(special[p]) < k:      # the most loaded member that takes the piece at its default cost
+            j = next(j for j in by_load if j not in special[p])
+            worst.append(extra(default[p][1], load[j]))
+        top.append(max(worst))
+    balance_scale = (sum(top) + 1) * tie_scale
+
+    def cost(link: int, sent: int, j: int, p: int) -> int:
+        return link * balance_scale + extra(sent, load[j]) * tie_scale + (p != j)
+
+    direct = {(p, j): cost(*special[p][j], j, p) for p in range(k) for j in special[p]}
+    for p in range(k):
+        direct.setdefault((p, p), cost(*default[p], p, p))
+    rows = sorted({default[p][1] for p in range(k)})
+    levels = sorted(set(load))
+    hub = {r: 2 * k + i for i, r in enumerate(rows)}
+    level = {l_: 2 * k + len(rows) + i for i, l_ in enumerate(levels)}
+    arcs: list[tuple[int, int, int, int]] = []      # tail, head, capacity, cost
+    arcs += [(p, k + j, 1, c) for (p, j), c in direct.items()]
+    arcs += [(p, hub[default[p][1]], 1, default[p][0] * balance_scale + default[p][1] ** 2 * tie_scale + 1)
+             for p in range(k)]
+    arcs += [(hub[r], level[l_], k, 2 * l_ * r * tie_scale) for r in rows for l_ in levels]
+    arcs += [(level[load[j]], k + j, 1, 0) for j in range(k)]
+    if max(c for *_, c in arcs) * (2 * k + len(rows) + len(levels)) * 4 >= 2 ** 62:
+        return None
+    flow = min_cost_flow.SimpleMinCostFlow()
+    tails, heads, caps, costs = (np.asarray(x, dtype=np.int64) for x in zip(*arcs))
+    flow.add_arcs_with_capacity_and_unit_cost(tails, heads, caps, costs)
+    flow.set_nodes_supplies(np.arange(2 * k), np.asarray([1] * k + [-1] * k, dtype=np.int64))
+    if flow.solve() != flow.OPTIMAL:
+        return None
+    used = flow.flows(np.arange(len(arcs))).tolist()
+    member_of: list[int | None] = [None] * k
+    routed: dict[int, list[int]] = {r: [] for r in rows}     # pieces through each row-count node
+    to_level: dict[tuple[int, int], int] = {}
+    takers: dict[int, list[int]] = {l_: [] for l_ in levels}
+    for (tail, head, _, _), f in zip(arcs, used):
+        if not f:
+            continue
+        if tail < k and head < 2 * k:
+            member_of[tail] = head - k
+        elif tail < k:
+            routed[default[tail][1]].append(tail)
+        elif head < 2 * k:
+            takers[load[head - k]].append(head - k)
+        else:
+            to_level[tail, head] = f
+    # every piece routed through a load level takes a member of that level at the same cost: in order
+    for r in rows:
+        pieces = iter(sorted(routed[r]))
+        for l_ in levels:
+            for _ in range(to_level.get((hub[r], level[l_]), 0)):
+                member_of[next(pieces)] = takers[l_].pop(0)
+    return [members[j] for j in member_of]
+
+
 def _extra(load: np.ndarray, sent: np.ndarray) -> np.ndarray:
     """The increase of a member's squared send load when it takes a piece: ``(l + s)^2 - l^2``."""
     return sent * (2 * load[None, :] + sent)

@@ -45,7 +45,8 @@ import numpy as np
 
 from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PullPlan, PushPlan, ReduceScatter, Traffic,
                               Transfer, merge_ranges, uncovered_ranges)
-from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces_matrix, assign_pieces_sparse
+from hgraph.passes.lnk.assignment import (LinkWeights, assign_pieces_by_load, assign_pieces_matrix,
+                                          assign_pieces_sparse)
 from hgraph.passes.lnk.mutual_slices import mutual_slices, normalise_ranges, slices_within
 from hgraph.shard_rule import PlanError, Range, optimizer_segments, owner_chunks, owner_of, require_positive_int
 
@@ -260,8 +261,12 @@ def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int
     chunks = [list(owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
     if all(o == m for m, piece in zip(group, chunks) for _, _, o in piece):
         return list(group)
+    default, special = _special_costs(group, chunks, gpus_per_node, weights)
     if len({sent_load.get(m, 0) for m in group}) == 1:     # equal loads: only owners and node mates differ
-        return _choose_receivers_sparse(group, chunks, gpus_per_node, weights, sent_load.get(group[0], 0))
+        return assign_pieces_sparse(group, default, special, sent_load.get(group[0], 0))
+    member_of = assign_pieces_by_load(group, default, special, sent_load)
+    if member_of is not None:
+        return member_of
     k = len(group)
     ranks = np.asarray(group, dtype=np.int64)
     nodes = ranks // gpus_per_node
@@ -275,11 +280,12 @@ def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int
     return assign_pieces_matrix(group, link, sent, sent_load)
 
 
-def _choose_receivers_sparse(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, int, int]]],
-                             gpus_per_node: int, weights: LinkWeights, load: int) -> list[int]:
-    """``_choose_receivers`` when every member sends ``load`` rows so far: a piece costs its default
-    (every row sent inter-node) except on the members owning some of its rows or sharing a node with
-    an owner, which are found through the members of each node."""
+def _special_costs(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, int, int]]],
+                   gpus_per_node: int, weights: LinkWeights
+                   ) -> tuple[list[tuple[int, int]], list[dict[int, tuple[int, int]]]]:
+    """Per piece, its ``(link, sent)`` on a member that owns none of its rows and shares no node with
+    their owners (every row sent inter-node), and on each other member (by position), found through
+    the members of each node."""
     on_node: dict[int, list[int]] = defaultdict(list)
     for j, m in enumerate(group):
         on_node[m // gpus_per_node].append(j)
@@ -295,7 +301,13 @@ def _choose_receivers_sparse(group: tuple[int, ...], chunks: Sequence[Sequence[t
                             for a, b, o in piece if o != m),
                         sum(b - a for a, b, o in piece if o != m))
         special.append(costs)
-    return assign_pieces_sparse(group, default, special, load)
+    return default, special
+
+
+def _choose_receivers_sparse(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, int, int]]],
+                             gpus_per_node: int, weights: LinkWeights, load: int) -> list[int]:
+    """``_choose_receivers`` when every member sends ``load`` rows so far (``assign_pieces_sparse``)."""
+    return assign_pieces_sparse(group, *_special_costs(group, chunks, gpus_per_node, weights), load)
 
 
 def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,

@@ -5,8 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces_matrix
-from hgraph.passes.lnk.plans import _choose_receivers, _choose_receivers_sparse
+from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces_by_load, assign_pieces_matrix
+from hgraph.passes.lnk.plans import _choose_receivers, _choose_receivers_sparse, _special_costs
 
 
 def _costs(group, chunks, gpn, w):
@@ -61,3 +61,33 @@ def test_a_large_first_reduce_scatter_takes_the_sparse_path():
     assert sorted(member_of) == list(group)
     owners = set(group)
     assert all(m == p for p, m in enumerate(member_of) if p in owners)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_choice_by_load_costs_what_the_dense_one_costs(seed):
+    """Loads that differ (a later reduce-scatter of a group): the min-cost flow over load levels finds
+    a matching of the dense optimum's lexicographic cost."""
+    rng = random.Random(100 + seed)
+    gpn = rng.choice([2, 4, 8])
+    world = rng.choice([8, 16, 32])
+    k = rng.randint(2, 8)
+    group = tuple(sorted(rng.sample(range(world), k)))
+    chunks = []
+    for _ in range(k):
+        owners = rng.sample(range(world), rng.choice([0, 1, 1, 1, 2]))
+        chunks.append([(0, rng.randint(1, 3), o) for o in owners])
+    w = LinkWeights(intra=rng.choice([0, 1, 2]), inter=8)
+    loads = {m: rng.choice([0, 2, 3]) for m in group}
+    link, sent = _costs(group, chunks, gpn, w)
+    default, special = _special_costs(group, chunks, gpn, w)
+    by_load = assign_pieces_by_load(group, default, special, loads)
+    dense = assign_pieces_matrix(group, link, sent, loads)
+
+    def lex(member_of):
+        pos = {m: j for j, m in enumerate(group)}
+        js = [pos[m] for m in member_of]
+        assert sorted(js) == list(range(k))
+        return (sum(int(link[p, j]) for p, j in enumerate(js)),
+                sum(int(sent[p, j]) * (2 * loads[group[j]] + int(sent[p, j])) for p, j in enumerate(js)),
+                sum(p != j for p, j in enumerate(js)))
+    assert lex(by_load) == lex(dense)
