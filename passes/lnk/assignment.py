@@ -11,16 +11,21 @@ min-cost perfect matching with a lexicographic cost:
    for earlier reduce-scatters of its group (greedy across reduce-scatters, exact within one);
 3. ties: keep piece ``i`` on the ``i``-th member, so identical layouts map pieces in rank order.
 
-When every member has sent the same so far (the first reduce-scatter of a group, which is the only
-one of a large group), a piece costs the same on every member but the few that own its rows or sit on
-their nodes (``assign_pieces_sparse``): the matching is then a maximum-weight matching over those
-edges and the identities, solved sparse (scipy's ``min_weight_full_bipartite_matching``, LAPJVsp), so
-a group of 7,680 replicas needs no 7,680 x 7,680 matrix. Otherwise the three terms are folded into
-one integer cost and solved by scipy's ``linear_sum_assignment``
-(Jonker-Volgenant, in C: a group of 1,536 replicas, one per pipeline at 12,288 GPUs, takes ~30 ms where
-a min-cost flow in Python took minutes). Its float64 arithmetic is exact while every sum of costs stays
-below 2**53, which is checked; a larger cost is solved as a min-cost flow with networkx (exact
-integers). Both give an optimum of the same cost; among equal optima each has its own choice.
+A piece costs the same on every member except the few that own some of its rows or share a node
+with an owner, up to the member's load. So the plans solve it without a ``k x k`` matrix (a group at
+12,288 GPUs holds up to thousands of replicas):
+
+* equal loads (a group's first reduce-scatter, the only one of most large groups):
+  ``assign_pieces_sparse``, a maximum-weight matching over those few edges and the identities
+  (scipy's ``min_weight_full_bipartite_matching``, LAPJVsp; float64, exact below 2**53, checked);
+* loads that differ: ``assign_pieces_by_load``, a min-cost flow in exact integers (ortools) whose
+  default arcs go through a node per row count and a node per load level, ``O(k)`` arcs;
+* otherwise, and for arbitrary costs (``assign_pieces``): the three terms folded into one integer
+  cost, ``assign_pieces_matrix``, scipy's dense ``linear_sum_assignment`` (Jonker-Volgenant) while
+  float64 sums stay exact, else a min-cost flow with networkx.
+
+Each finds an optimum of the same cost (tests compare them on random instances); among equal optima
+each has its own choice, and the world's plan and one rank's part call the same one.
 """
 from __future__ import annotations
 

@@ -304,12 +304,6 @@ def _special_costs(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, 
     return default, special
 
 
-def _choose_receivers_sparse(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, int, int]]],
-                             gpus_per_node: int, weights: LinkWeights, load: int) -> list[int]:
-    """``_choose_receivers`` when every member sends ``load`` rows so far (``assign_pieces_sparse``)."""
-    return assign_pieces_sparse(group, *_special_costs(group, chunks, gpus_per_node, weights), load)
-
-
 def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
                    *, grad_dtype_bytes: int | None = None) -> dict[int, int]:
     """The least bytes each owner must receive: rows of its segment that another rank contributes

@@ -5,8 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces_by_load, assign_pieces_matrix
-from hgraph.passes.lnk.plans import _choose_receivers, _choose_receivers_sparse, _special_costs
+from hgraph.passes.lnk.assignment import (LinkWeights, assign_pieces_by_load, assign_pieces_matrix,
+                                          assign_pieces_sparse)
+from hgraph.passes.lnk.plans import _choose_receivers, _special_costs
 
 
 def _costs(group, chunks, gpn, w):
@@ -45,7 +46,7 @@ def test_sparse_choice_costs_what_the_dense_one_costs(seed):
     w = LinkWeights(intra=rng.choice([0, 1, 2]), inter=8)
     load = rng.choice([0, 3])
     link, sent = _costs(group, chunks, gpn, w)
-    sparse = _choose_receivers_sparse(group, chunks, gpn, w, load)
+    sparse = assign_pieces_sparse(group, *_special_costs(group, chunks, gpn, w), load)
     dense = assign_pieces_matrix(group, link, sent, {m: load for m in group})
     assert _lex_cost(group, sparse, link, sent, load) == _lex_cost(group, dense, link, sent, load)
 
