@@ -112,9 +112,11 @@ class CompiledModule(nn.Module):
         return prog
 
     def build_program(self, strategy: Union[Strategy, str], cluster: Cluster) -> Program:
-        """A new Program of ``strategy`` on ``cluster``: the instantiation passes run on every call."""
+        """A new Program of ``strategy`` on ``cluster``, whose ranks are built when asked
+        (``Program.rank``); the role graphs are shared with this module's other Programs."""
         from hgraph.passes.instantiate import instantiate
-        return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes())
+        return instantiate(self._hgraph, Strategy.of(strategy), cluster, self.options, self.symbolic_shapes(),
+                           self._param_layouts())
 
     def sequence_parallel_status(self) -> str:
         """What TP>1 strategies do about sequence parallelism: ``"on"``, ``"off (disabled)"`` or ``"off: "``

@@ -3,10 +3,13 @@
 Ranks that play the same role (same scheme, stage, TP rank and CP rank, in different pipelines)
 share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
 rank's ``bindings`` (a group name such as ``"tp"`` or ``"pp_next"`` -> ranks), which the runtime
-resolves when it runs the graph. This keeps instantiation for 64+ ranks cheap.
+resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
+so one rank of 12,288 costs what that rank exchanges, not the world.
 """
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -94,7 +97,7 @@ class RoleProgram:
     """The graph shared by all ranks of one role, with the parameter shards it holds.
 
     The graph is built on first use (``graph_module``): a process only ever runs its own rank's
-    graph, so a Program for 64 ranks plans every rank but compiles only what is asked for.
+    graph. A role's graph does not depend on the strategy, so Programs of one compiled model share it.
     ``recv_specs`` / ``send_specs``: (dims, dtype) of the activations received from the previous
     stage / sent to the next one, dims using ``"B"``/``"T"`` for the micro-batch's shape.
     """
@@ -133,16 +136,50 @@ class RoleProgram:
 
 @dataclass
 class RankProgram:
-    """One rank's program: its role's graph plus the ranks it talks to."""
+    """One rank's program: its role's graph, the ranks it talks to and its LNK ops.
+
+    ``pull_by_param`` / ``push_by_param``: the ops of each parameter's pull / push plan that involve
+    this rank (``plan.for_rank(rank)``), for every parameter it exchanges (an owner sends rows of
+    parameters it does not hold), model order; ``pull_ops`` / ``push_ops`` flatten them over the
+    parameters the rank holds.
+    """
 
     rank: int
     pipeline: int
     role: RoleProgram
     bindings: Mapping[str, tuple[int, ...]]
-    pull_ops: list[Any] = field(default_factory=list)      # LNK ops of the pull plans involving this rank
-    push_ops: list[Any] = field(default_factory=list)
+    # () -> (pull_by_param, push_by_param): planned on first use, so that walking every rank for its
+    # bindings (the groups of a strategy) plans nothing
+    plan_lnk: Optional[Callable[[], tuple[Mapping[str, tuple[Any, ...]], Mapping[str, tuple[Any, ...]]]]] = \
+        field(default=None, repr=False)
     describe: Optional[Callable[["RankProgram"], list[SubgraphInfo]]] = field(default=None, repr=False)
     _subgraphs: Optional[list[SubgraphInfo]] = field(default=None, repr=False)
+    _lnk: Optional[tuple[Mapping, Mapping]] = field(default=None, repr=False)
+
+    def _lnk_ops(self) -> tuple[Mapping, Mapping]:
+        if self._lnk is None:
+            self._lnk = self.plan_lnk() if self.plan_lnk else ({}, {})
+        return self._lnk
+
+    @property
+    def pull_by_param(self) -> Mapping[str, tuple[Any, ...]]:
+        """Parameter -> this rank's ops of its pull plan (parameters it takes no part in left out)."""
+        return self._lnk_ops()[0]
+
+    @property
+    def push_by_param(self) -> Mapping[str, tuple[Any, ...]]:
+        """Parameter -> this rank's ops of its push plan (parameters it takes no part in left out)."""
+        return self._lnk_ops()[1]
+
+    @property
+    def pull_ops(self) -> list[Any]:
+        """LNK ops of the pull plans of the parameters this rank holds, model order."""
+        return [op for name in self.params for op in self.pull_by_param.get(name, ())]
+
+    @property
+    def push_ops(self) -> list[Any]:
+        """LNK ops of the push plans of the parameters this rank holds, model order."""
+        return [op for name in self.params for op in self.push_by_param.get(name, ())]
 
     @property
     def subgraphs(self) -> list[SubgraphInfo]:
@@ -193,27 +230,71 @@ class RankProgram:
         return self.set_working_params({n: s.take(full[n].detach()) for n, s in self.params.items()}, **kwargs)
 
 
-@dataclass
 class Program:
-    """Everything needed to run one iteration of a strategy on every rank."""
+    """Everything needed to run one iteration of a strategy: one rank's part, or every rank's.
 
-    strategy: Strategy
-    cluster: Cluster
-    ranks: list[RankProgram]
-    stage_blocks: dict[int, tuple[tuple[str, ...], ...]]   # pp degree -> blocks of each stage
-    pull_plans: dict[str, Any]
-    push_plans: dict[str, Any]
-    compile_seconds: float = 0.0
-    # whether the TP>1 pipelines run Megatron sequence parallelism, and why not when it was only the
-    # default (the compile option ``sequence_parallel=None``) and the model does not allow it
-    sequence_parallel: bool = False
-    sequence_parallel_note: str = ""
+    A rank's part is built when asked (``rank(r)``): its role's graph on first use, its bindings and
+    its LNK ops, in time and memory that follow what the rank exchanges, not the world size. ``ranks``
+    builds every rank (dumps, tools); ``pull_plans`` / ``push_plans`` map each parameter (model order)
+    to the plan of the whole world, each planned when first read.
+    """
+
+    def __init__(self, strategy: Strategy, cluster: Cluster, stage_blocks: dict[int, tuple[tuple[str, ...], ...]],
+                 build_rank: Callable[[int], RankProgram], pull_plans: Mapping[str, Any],
+                 push_plans: Mapping[str, Any], *, sequence_parallel: bool = False,
+                 sequence_parallel_note: str = "") -> None:
+        self.strategy = strategy
+        self.cluster = cluster
+        self.stage_blocks = stage_blocks          # pp degree -> blocks of each stage
+        self.pull_plans = pull_plans
+        self.push_plans = push_plans
+        self.compile_seconds = 0.0
+        # whether the TP>1 pipelines run Megatron sequence parallelism, and why not when it was only the
+        # default (the compile option ``sequence_parallel=None``) and the model does not allow it
+        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel_note = sequence_parallel_note
+        self.planner: Any = None                  # what builds the ranks (the compiler's per-strategy layout)
+        self._build_rank = build_rank
+        self._ranks: dict[int, RankProgram] = {}
+
+    def __repr__(self) -> str:
+        return f"Program({str(self.strategy)!r}, {self.cluster.world_size} ranks, {len(self._ranks)} built)"
 
     def rank(self, r: int) -> RankProgram:
-        return self.ranks[r]
+        """Rank ``r``'s program (built on first use; only its own role, bindings and ops)."""
+        r = operator.index(r)
+        rp = self._ranks.get(r)
+        if rp is None:
+            if not 0 <= r < self.cluster.world_size:
+                raise IndexError(f"rank {r} is outside the world of {self.cluster.world_size} ranks")
+            rp = self._ranks[r] = self._build_rank(r)
+        return rp
+
+    @property
+    def ranks(self) -> "RankList":
+        """Every rank's program, built as they are read (a caller that walks them all asks for the world)."""
+        return RankList(self)
 
     def roles(self) -> list[RoleProgram]:
+        """The distinct roles of every rank (builds every rank)."""
         seen: dict[int, RoleProgram] = {}
         for rp in self.ranks:
             seen.setdefault(id(rp.role), rp.role)
         return list(seen.values())
+
+
+class RankList(Sequence):
+    """``Program.ranks``: a sequence of every rank's program, each built when it is read."""
+
+    def __init__(self, program: Program) -> None:
+        self._program = program
+
+    def __len__(self) -> int:
+        return self._program.cluster.world_size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._program.rank(r) for r in range(len(self))[i]]
+        if i < 0:
+            i += len(self)
+        return self._program.rank(i)

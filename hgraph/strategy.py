@@ -16,6 +16,8 @@ ring spans them. ``RankCoord.cp_rank`` is a rank's place in the whole sequence g
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import re
 from dataclasses import dataclass
 from functools import cached_property
@@ -198,31 +200,36 @@ class Strategy:
     # ---- layout ----------------------------------------------------------------------------
     @property
     def num_ranks(self) -> int:
-        return sum(p.num_ranks for p in self.pipelines)
+        return self._starts[-1]
 
     @property
     def tp_max(self) -> int:
         return max(p.tp for p in self.pipelines)
 
+    @cached_property
+    def _starts(self) -> tuple[int, ...]:
+        # the first rank of every pipeline, and the world size last: rank arithmetic in O(1) (a rank's
+        # build asks for its peers' coordinates; 12,288 GPUs hold thousands of pipelines)
+        return tuple(itertools.accumulate((p.num_ranks for p in self.pipelines), initial=0))
+
+    def pipeline_start(self, i: int) -> int:
+        """The first rank of pipeline ``i``."""
+        return self._starts[i]
+
     def pipeline_ranks(self, i: int) -> list[int]:
-        start = sum(p.num_ranks for p in self.pipelines[:i])
+        start = self._starts[i]
         return list(range(start, start + self.pipelines[i].num_ranks))
 
     def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
         p = self.pipelines[pipeline]
-        base = self.pipeline_ranks(pipeline)[0]
-        return base + (stage * p.seq + cp_rank) * p.tp + tp_rank
+        return self._starts[pipeline] + (stage * p.seq + cp_rank) * p.tp + tp_rank
 
     def coord(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.num_ranks:
             raise StrategyError(f"rank {rank} is outside strategy {self} of {self.num_ranks} ranks")
-        base = 0
-        for i, p in enumerate(self.pipelines):
-            if rank < base + p.num_ranks:
-                local = rank - base
-                return RankCoord(rank, i, local // (p.tp * p.seq), local % p.tp, (local // p.tp) % p.seq)
-            base += p.num_ranks
-        raise AssertionError("unreachable")
+        i = bisect.bisect_right(self._starts, rank) - 1
+        p, local = self.pipelines[i], rank - self._starts[i]
+        return RankCoord(rank, i, local // (p.tp * p.seq), local % p.tp, (local // p.tp) % p.seq)
 
     def coords(self) -> Iterator[RankCoord]:
         for r in range(self.num_ranks):
@@ -259,16 +266,24 @@ class Strategy:
         if self.num_ranks != cluster.world_size:
             raise StrategyError(
                 f"strategy {self} uses {self.num_ranks} ranks but the world size is {cluster.world_size}")
-        for i, p in enumerate(self.pipelines):
-            for s in range(p.pp):
-                for c in range(p.seq):
-                    group = self.tp_group(i, s, c)
-                    nodes = {r // cluster.gpus_per_node for r in group}
-                    if len(nodes) > 1:
-                        raise StrategyError(
-                            f"strategy {self}: the TP group of pipeline {i} ({p}) stage {s} spans ranks "
-                            f"{group[0]}-{group[-1]}, crossing a node boundary of {cluster.gpus_per_node} "
-                            "GPUs per node; TP groups must stay inside one node")
+        first = 0
+        for count, p in self.groups():
+            # pipeline j of a run starts at first + j * p.num_ranks: where its TP groups fall in a node
+            # repeats every gpus_per_node pipelines, so those are all that need a look
+            for i in range(first, first + min(count, cluster.gpus_per_node)):
+                self._check_tp_in_node(i, p, cluster)
+            first += count
+
+    def _check_tp_in_node(self, i: int, p: Scheme, cluster: "Cluster") -> None:
+        """Every TP group of pipeline ``i`` (scheme ``p``) lies inside one node."""
+        for s in range(p.pp):
+            for c in range(p.seq):
+                group = self.tp_group(i, s, c)
+                if group[0] // cluster.gpus_per_node != group[-1] // cluster.gpus_per_node:
+                    raise StrategyError(
+                        f"strategy {self}: the TP group of pipeline {i} ({p}) stage {s} spans ranks "
+                        f"{group[0]}-{group[-1]}, crossing a node boundary of {cluster.gpus_per_node} "
+                        "GPUs per node; TP groups must stay inside one node")
 
 
 def parse_strategy_list(text: str, world_size: int, option: str, *, alternatives: str = "") -> list[Strategy]:

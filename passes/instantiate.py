@@ -3,32 +3,36 @@
 Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
 ``bindings`` say which ranks its ``"tp"``, ``"cp"`` (the CP ring through it), ``"ul"`` (its Ulysses
 all-to-all group), ``"pp_prev"`` and ``"pp_next"`` groups are.
-The LNK plans (who sends which mutual slice to whom) are computed once per parameter for the whole
-strategy from the shards every rank holds.
+A rank's LNK ops (who sends which rows to whom) are planned for that rank alone, from the parameter
+layout described per role (``StrategyLayout``, ``passes/lnk/rank_plans``); the plans of the whole
+world are planned per parameter only when read (``Program.pull_plans``).
 """
 from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from hgraph import ops
-from hgraph.comm_plan import ParamLayout
+from hgraph.comm_plan import ParamLayout, PullPlan, PushPlan
 from hgraph.errors import StrategyError
 from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
 from hgraph.passes.lnk.plans import pull_plan, push_plan
+from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
 from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
+from hgraph.shard_rule import Range
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
@@ -119,9 +123,10 @@ def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
     return b
 
 
-def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str, info: Any,
-                        sp_partial: bool = False):
-    """Ranges each rank contributes to the gradient of ``name`` so every pipeline counts each element once.
+def _contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any,
+                  sp_partial: bool = False) -> tuple[Range, ...]:
+    """The ranges a rank contributes to the gradient of a parameter, so every pipeline counts each
+    element once (empty: nothing).
 
     A parameter replicated across a TP group gets identical gradients on its TP ranks (its inputs are
     replicated), so the range is split among them; TP-sharded slices, CP ranks (different tokens), a
@@ -129,23 +134,11 @@ def _push_contributions(strategy: Strategy, ranks: list[RankProgram], name: str,
     under sequence parallelism, one used only on token-sliced values (``sp_partial``: each TP rank's
     gradient covers its tokens) contribute what they hold.
     """
-    contrib: dict[int, list[tuple[int, int]]] = {}
-    for rp in ranks:
-        shard = rp.params.get(name)
-        if shard is None:
-            continue
-        if shard.tp_sharded or rp.scheme.tp == 1 or info.tp_partial or sp_partial:
-            contrib[rp.rank] = list(shard.ranges)
-        else:
-            (lo, hi), = shard.ranges
-            tp = rp.scheme.tp
-            a, b = lo + (hi - lo) * rp.tp_rank // tp, lo + (hi - lo) * (rp.tp_rank + 1) // tp
-            if b > a:
-                contrib[rp.rank] = [(a, b)]
-    groups: dict[tuple, list[int]] = {}
-    for r, rngs in contrib.items():
-        groups.setdefault(tuple(rngs), []).append(r)
-    return contrib, [tuple(g) for g in groups.values() if len(g) > 1]
+    if shard.tp_sharded or scheme.tp == 1 or info.tp_partial or sp_partial:
+        return tuple(shard.ranges)
+    (lo, hi), = shard.ranges
+    a, b = lo + (hi - lo) * tp_rank // scheme.tp, lo + (hi - lo) * (tp_rank + 1) // scheme.tp
+    return ((a, b),) if b > a else ()
 
 
 def stage_params(hg: Any, stage_blocks) -> list[set[str]]:
@@ -169,11 +162,13 @@ class ParamLayouts:
 
     def __init__(self, hg: Any, shapes: dict) -> None:
         self.hg = hg
+        self.shapes = shapes
         numel = {n: int(torch.Size(p.shape).numel()) for n, p in hg.params.items()}
         self._costs = block_param_costs(hg.gm, numel)
         self._planner = TPShardPlanner(hg, shapes)
         self._stage_blocks: dict[int, tuple[tuple[str, ...], ...]] = {}
         self._held: dict[int, list[set[str]]] = {}
+        self._roles: dict[RankRole, RoleProgram] = {}
 
     def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
         """The repeated blocks of each of ``pp`` stages."""
@@ -188,53 +183,175 @@ class ParamLayouts:
         held = self._held[scheme.pp][stage]
         return {n: self._planner.shard(n, scheme.tp, tp_rank) for n in self.hg.params if n in held}
 
+    def role_program(self, role: RankRole, options: CompileOptions, sp: Any) -> RoleProgram:
+        """The program of ``role`` (its graph built on first use), one per role for every strategy: a
+        role's graph depends on its scheme, stage, TP and CP rank, not on the pipelines beside it."""
+        prog = self._roles.get(role)
+        if prog is None:
+            params = self.params(role.scheme, role.stage, role.tp_rank)
+            blocks = self.stage_blocks(role.scheme.pp)
+            build = functools.partial(build_role_module, self.hg, role, blocks, self.shapes, options, params, sp)
+            prog = self._roles[role] = RoleProgram(role, params, tuple(blocks[role.stage]), build)
+        return prog
+
+
+#: A role as far as parameters go: (scheme, stage, TP rank); its CP ranks hold the same shards.
+ParamRole = tuple[Scheme, int, int]
+
+
+class StrategyLayout:
+    """One strategy's parameter layout described per role, and one rank's plans from it.
+
+    ``rank_program(r)`` builds rank ``r``'s program: its role (graph shared per model and role through
+    ``ParamLayouts``), bindings and LNK ops, visiting only the ranks it exchanges with and the groups it
+    reduces with (``passes/lnk/rank_plans``); ``pull_plan(name)`` / ``push_plan(name)`` plan the whole
+    world (the reference the rank's ops equal, and what a caller asking for every rank reads).
+    """
+
+    def __init__(self, hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions, shapes: dict,
+                 layouts: ParamLayouts, sp: Any) -> None:
+        self.hg, self.strategy, self.cluster, self.options = hg, strategy, cluster, options
+        self.shapes, self.layouts, self.sp = shapes, layouts, sp
+        self.order = list(hg.params)   # model order: every rank walks the plans in this order
+        self.wbytes = (options.working_dtype or torch.float32).itemsize
+        # the pipelines of each scheme, as runs of consecutive indices (no walk over the pipelines)
+        self._runs: dict[Scheme, list[range]] = {}
+        first = 0
+        for count, scheme in strategy.groups():
+            self._runs.setdefault(scheme, []).append(range(first, first + count))
+            first += count
+        self.param_roles: list[ParamRole] = [(p, stage, t) for p in self._runs for stage in range(p.pp)
+                                             for t in range(p.tp)]
+        self._params = {pr: layouts.params(*pr) for pr in self.param_roles}
+        self.roles = RoleRanks(self._ranks_of)
+        self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
+        # set to a list to count what each rank's build visits: (parameter, rank, WorkCount) per plan made
+        self.work_log: Optional[list[tuple[str, int, WorkCount]]] = None
+
+    def _ranks_of(self, pr: ParamRole) -> list[int]:
+        scheme, stage, t = pr
+        return [self.strategy.rank_of(i, stage, t, c) for run in self._runs[scheme] for i in run
+                for c in range(scheme.seq)]
+
+    def param_layout(self, name: str) -> ParamLayout:
+        info = self.hg.params[name]
+        shape = tuple(info.shape)
+        return ParamLayout(name, shape, info.shard_dim if shape else 0)
+
+    def needs(self, name: str) -> RoleLayout:
+        """The rows of ``name`` each role needs in the working dtype."""
+        return tuple((pr, tuple(self._params[pr][name].ranges)) for pr in self.param_roles
+                     if name in self._params[pr])
+
+    def contributions(self, name: str) -> RoleLayout:
+        """The gradient rows of ``name`` each role contributes (roles contributing nothing left out)."""
+        info = self.hg.params[name]
+        sp_partial = self.sp is not None and name in self.sp.partial_grads
+        out = []
+        for pr in self.param_roles:
+            shard = self._params[pr].get(name)
+            if shard is not None:
+                ranges = _contribution(shard, pr[0], pr[2], info, sp_partial)
+                if ranges:
+                    out.append((pr, ranges))
+        return tuple(out)
+
+    def rank_lnk_ops(self, name: str, rank: int, role: ParamRole, world_size: int) -> tuple[tuple, tuple]:
+        """The pull and push ops of ``rank`` for parameter ``name`` against the optimizer layout of
+        ``world_size`` even segments: the one place a rank's LNK ops are made."""
+        layout = self.param_layout(name)
+        needs, contributions = self.needs(name), self.contributions(name)
+        key = (layout.shape, layout.shard_dim, needs, contributions, rank, world_size)
+        ops = self._ops.get(key)
+        if ops is None:
+            work = WorkCount() if self.work_log is not None else None
+            pull = rank_pull_ops(layout, needs, role, rank, world_size, self.roles, self.wbytes, work)
+            push = rank_push_ops(layout, contributions, role, rank, world_size, self.cluster.gpus_per_node,
+                                 self.roles, work=work)
+            ops = self._ops[key] = (pull, push)
+            if work is not None:
+                self.work_log.append((name, rank, work))
+        return ops
+
+    def rank_program(self, rank: int, describe: Callable) -> RankProgram:
+        c = self.strategy.coord(rank)
+        scheme = self.strategy.pipelines[c.pipeline]
+        role = self.layouts.role_program(RankRole(scheme, c.stage, c.tp_rank, c.cp_rank), self.options, self.sp)
+        plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
+        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe)
+
+    def rank_plans(self, rank: int, role: ParamRole) -> tuple[dict[str, tuple], dict[str, tuple]]:
+        """``rank``'s pull and push ops of every parameter it takes part in (model order)."""
+        pulls, pushes = {}, {}
+        for name in self.order:
+            pull, push = self.rank_lnk_ops(name, rank, role, self.cluster.world_size)
+            if pull:
+                pulls[name] = pull
+            if push:
+                pushes[name] = push
+        return pulls, pushes
+
+    # ---- the world's plans (every rank): the reference, and what callers asking for all of it read ----
+
+    def _expand(self, layout: RoleLayout) -> dict[int, tuple[Range, ...]]:
+        return {r: ranges for pr, ranges in layout for r in self.roles.of(pr)}
+
+    def pull_plan(self, name: str) -> PullPlan:
+        return pull_plan(self.param_layout(name), self._expand(self.needs(name)), self.cluster.world_size,
+                         self.cluster.gpus_per_node, working_dtype_bytes=self.wbytes)
+
+    def push_plan(self, name: str) -> PushPlan:
+        contributions = self.contributions(name)
+        groups = [members for _, roles in push_groups(contributions, self.roles)
+                  if len(members := tuple(sorted(r for pr in roles for r in self.roles.of(pr)))) > 1]
+        return push_plan(self.param_layout(name), self._expand(contributions), self.cluster.world_size,
+                         self.cluster.gpus_per_node, replica_groups=groups)
+
+
+class PlansByParam(Mapping):
+    """Parameter name (model order) -> its plan for the whole world, planned on first read."""
+
+    def __init__(self, order: list[str], plan: Callable[[str], Any]) -> None:
+        self._order, self._plan, self._plans = order, plan, {}
+
+    def __getitem__(self, name: str) -> Any:
+        plan = self._plans.get(name)
+        if plan is None:
+            if name not in self._order:
+                raise KeyError(name)
+            plan = self._plans[name] = self._plan(name)
+        return plan
+
+    def __iter__(self):
+        return iter(self._order)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._order
+
 
 def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions,
-                shapes: dict) -> Program:
-    """Plan ``hg`` for ``strategy`` on ``cluster``: every rank's role, shards, peers and LNK plans.
+                shapes: dict, layouts: Optional[ParamLayouts] = None) -> Program:
+    """Plan ``hg`` for ``strategy`` on ``cluster``: a Program whose ranks are built when asked.
 
-    Each role's graph is compiled on first use (``RankProgram.graph_module``).
+    What is done here does not grow with the world: the checks, the stage split, the role layout.
+    ``Program.rank(r)`` then builds that rank's role, bindings and LNK ops; its role's graph is
+    compiled on first use (``RankProgram.graph_module``) and shared by the Programs of ``layouts``
+    (one per compiled model; a new one when not given).
     """
     t0 = time.perf_counter()
     validate_for_model(strategy, cluster, hg)
-    layouts = ParamLayouts(hg, shapes)
+    layouts = layouts or ParamLayouts(hg, shapes)
     stage_blocks = {pp: layouts.stage_blocks(pp) for pp in sorted({p.pp for p in strategy.pipelines})}
-    order = list(hg.params)   # model order: every rank walks the plans in this order
-
     sp, sp_note = _sequence_parallel(hg, shapes, options, strategy)
-    roles: dict[RankRole, RoleProgram] = {}
-    ranks: list[RankProgram] = []
-    for c in strategy.coords():
-        scheme = strategy.pipelines[c.pipeline]
-        role = RankRole(scheme, c.stage, c.tp_rank, c.cp_rank)
-        if role not in roles:
-            params = layouts.params(scheme, c.stage, c.tp_rank)
-            blocks = stage_blocks[scheme.pp]
-            build = functools.partial(build_role_module, hg, role, blocks, shapes, options, params, sp)
-            roles[role] = RoleProgram(role, params, tuple(blocks[c.stage]), build)
-        ranks.append(RankProgram(c.rank, c.pipeline, roles[role], _bindings(strategy, c.rank)))
-
-    wbytes = (options.working_dtype or torch.float32).itemsize
-    pulls, pushes = {}, {}
-    for name in order:
-        info = hg.params[name]
-        shape = tuple(info.shape)
-        layout = ParamLayout(name, shape, info.shard_dim if shape else 0)
-        needs = {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
-        pulls[name] = pull_plan(layout, needs, cluster.world_size, cluster.gpus_per_node,
-                                working_dtype_bytes=wbytes)
-        contrib, groups = _push_contributions(strategy, ranks, name, info,
-                                              sp is not None and name in sp.partial_grads)
-        pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
-                                 replica_groups=groups)
-    describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes, shapes=shapes,
-                                 dtype=options.working_dtype or torch.float32)
-    for rp in ranks:
-        rp.pull_ops = [op for name in rp.params for op in pulls[name].for_rank(rp.rank)]
-        rp.push_ops = [op for name in rp.params for op in pushes[name].for_rank(rp.rank)]
-        rp.describe = describe
-    prog = Program(strategy, cluster, ranks, stage_blocks, pulls, pushes,
+    plan = StrategyLayout(hg, strategy, cluster, options, shapes, layouts, sp)
+    describe = functools.partial(describe_subgraphs, shapes=shapes, dtype=options.working_dtype or torch.float32)
+    prog = Program(strategy, cluster, stage_blocks, functools.partial(plan.rank_program, describe=describe),
+                   PlansByParam(plan.order, plan.pull_plan), PlansByParam(plan.order, plan.push_plan),
                    sequence_parallel=sp is not None, sequence_parallel_note=sp_note)
+    prog.planner = plan
     prog.compile_seconds = time.perf_counter() - t0
     return prog
 
@@ -281,8 +398,7 @@ def _bytes_per_token(node: fx.Node, shapes: dict, dtype: torch.dtype) -> int:
     return numel * dt.itemsize
 
 
-def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
-                       dtype: torch.dtype) -> list[SubgraphInfo]:
+def describe_subgraphs(rp: RankProgram, shapes: dict, dtype: torch.dtype) -> list[SubgraphInfo]:
     """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved.
 
     Pull / push bytes are what the LNK plan moves for this rank (sent + received); comm_activation
@@ -298,8 +414,8 @@ def describe_subgraphs(rp: RankProgram, pulls: dict, pushes: dict, shapes: dict,
         m = get_meta(nodes[0])
         names = tuple(n.name for n in nodes)
         if m.slot in (SlotKind.PULL_PARAMETER, SlotKind.PUSH_GRADIENT):
-            plan = (pulls if m.slot == SlotKind.PULL_PARAMETER else pushes)[m.param]
-            peers, nbytes = _peers_and_bytes(plan.for_rank(rp.rank), rp.rank)
+            ops = (rp.pull_by_param if m.slot == SlotKind.PULL_PARAMETER else rp.push_by_param).get(m.param, ())
+            peers, nbytes = _peers_and_bytes(ops, rp.rank)
             out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:
             key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next", "ul_a2a": "ul"}.get(

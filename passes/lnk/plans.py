@@ -45,7 +45,8 @@ import numpy as np
 
 from hgraph.comm_plan import (LocalAdd, LocalCopy, ParamLayout, PullPlan, PushPlan, ReduceScatter, Traffic,
                               Transfer, merge_ranges, uncovered_ranges)
-from hgraph.passes.lnk.assignment import LinkWeights, assign_pieces
+from hgraph.passes.lnk.assignment import (LinkWeights, assign_pieces_by_load, assign_pieces_matrix,
+                                          assign_pieces_sparse)
 from hgraph.passes.lnk.mutual_slices import mutual_slices, normalise_ranges, slices_within
 from hgraph.shard_rule import PlanError, Range, optimizer_segments, owner_chunks, owner_of, require_positive_int
 
@@ -175,24 +176,14 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
     held: dict[int, list[Range]] = defaultdict(list)
     scatters: list[ReduceScatter] = []
     for group in groups:
-        ranges = layout[group[0]]
         if len(group) == 1:
-            held[group[0]].extend(ranges)
+            held[group[0]].extend(layout[group[0]])
             continue
-        sent_load: dict[int, int] = defaultdict(int)
-        for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
-            runs, direct = _scatter_runs(lo, hi, len(group), size, world_size)
-            if direct is not None:          # each member sends its own rows to the owners
-                for m in group:
-                    held[m].append(direct)
-            for run_lo, run_hi, pieces in runs:
-                member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
-                for (plo, phi), m in zip(pieces, member_of):
-                    sent_load[m] += sum(b - a for a, b, o in owner_chunks(plo, phi, size, world_size) if o != m)
-                    held[m].append((plo, phi))
-                scatters.append(ReduceScatter(
-                    group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
-                    (run_hi - run_lo) * row_bytes))
+        group_scatters, group_held = replica_group_push(size, row_bytes, world_size, gpus_per_node,
+                                                        layout[group[0]], group, weights)
+        scatters.extend(group_scatters)
+        for m, ranges in group_held.items():
+            held[m].extend(ranges)
 
     slices = mutual_slices(optimizer_segments(size, world_size), *layout.values(), *held.values())
     transfers: list[Transfer] = []
@@ -205,6 +196,37 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
                 else:
                     transfers.append(Transfer(rank, owner, run_lo, run_hi, (run_hi - run_lo) * row_bytes))
     return tuple(slices), tuple(sorted(scatters)), tuple(sorted(transfers)), tuple(sorted(adds))
+
+
+@functools.lru_cache(maxsize=1024)
+def replica_group_push(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
+                       ranges: tuple[Range, ...], group: tuple[int, ...], weights: LinkWeights
+                       ) -> tuple[tuple[ReduceScatter, ...], Mapping[int, tuple[Range, ...]]]:
+    """The reduce-scatters of one replica ``group`` (two or more ranks contributing the same
+    ``ranges``) and the rows each member holds after them (its reduced pieces, and the rows left to
+    direct sends), which it forwards to their owners.
+
+    A group's outcome depends on nothing outside it (the members' send loads are the group's own), so
+    the push of the world (``push_plan``) and one rank's part of it (``passes/lnk/rank_plans``) both
+    build on this, and the layers of a model (same size, same ranges, same group) share it.
+    """
+    held: dict[int, list[Range]] = defaultdict(list)
+    scatters: list[ReduceScatter] = []
+    sent_load: dict[int, int] = defaultdict(int)
+    for lo, hi in sorted(ranges, key=lambda r: (r[0] - r[1], r[0])):   # largest first for balance
+        runs, direct = _scatter_runs(lo, hi, len(group), size, world_size)
+        if direct is not None:          # each member sends its own rows to the owners
+            for m in group:
+                held[m].append(direct)
+        for run_lo, run_hi, pieces in runs:
+            member_of = _choose_receivers(group, pieces, size, world_size, gpus_per_node, weights, sent_load)
+            for (plo, phi), m in zip(pieces, member_of):
+                sent_load[m] += sum(b - a for a, b, o in owner_chunks(plo, phi, size, world_size) if o != m)
+                held[m].append((plo, phi))
+            scatters.append(ReduceScatter(
+                group, run_lo, run_hi, tuple(sorted((m, *pieces[p]) for p, m in enumerate(member_of))),
+                (run_hi - run_lo) * row_bytes))
+    return tuple(scatters), MappingProxyType({m: tuple(v) for m, v in held.items()})
 
 
 def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
@@ -230,17 +252,56 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,
                       gpus_per_node: int, weights: LinkWeights, sent_load: Mapping[int, int]) -> list[int]:
-    """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``)."""
+    """Which member keeps each reduce-scatter piece (see ``passes/lnk/assignment``): the cost matrices
+    of the run are built a piece's owner chunk at a time, over every member at once.
+
+    When the ``i``-th member owns all of the ``i``-th piece (every rank of the world reducing a whole
+    parameter onto the optimizer layout) each keeps its own: that costs nothing, and every other
+    matching costs more, so it is the one optimum, found without a ``k x k`` matrix."""
     chunks = [list(owner_chunks(plo, phi, size, world_size)) for plo, phi in pieces]
+    if all(o == m for m, piece in zip(group, chunks) for _, _, o in piece):
+        return list(group)
+    default, special = _special_costs(group, chunks, gpus_per_node, weights)
+    if len({sent_load.get(m, 0) for m in group}) == 1:     # equal loads: only owners and node mates differ
+        return assign_pieces_sparse(group, default, special, sent_load.get(group[0], 0))
+    member_of = assign_pieces_by_load(group, default, special, sent_load)
+    if member_of is not None:
+        return member_of
+    k = len(group)
+    ranks = np.asarray(group, dtype=np.int64)
+    nodes = ranks // gpus_per_node
+    link = np.zeros((k, k), dtype=np.int64)
+    sent = np.zeros((k, k), dtype=np.int64)
+    for p, piece in enumerate(chunks):
+        for a, b, o in piece:
+            away = ranks != o
+            sent[p] += (b - a) * away
+            link[p] += (b - a) * np.where(away, np.where(nodes == o // gpus_per_node, weights.intra, weights.inter), 0)
+    return assign_pieces_matrix(group, link, sent, sent_load)
 
-    def link_cost(p: int, m: int) -> int:
-        return sum((b - a) * (weights.intra if o // gpus_per_node == m // gpus_per_node else weights.inter)
-                   for a, b, o in chunks[p] if o != m)
 
-    def sent_rows(p: int, m: int) -> int:
-        return sum(b - a for a, b, o in chunks[p] if o != m)
-
-    return assign_pieces(group, len(pieces), link_cost, sent_rows, sent_load)
+def _special_costs(group: tuple[int, ...], chunks: Sequence[Sequence[tuple[int, int, int]]],
+                   gpus_per_node: int, weights: LinkWeights
+                   ) -> tuple[list[tuple[int, int]], list[dict[int, tuple[int, int]]]]:
+    """Per piece, its ``(link, sent)`` on a member that owns none of its rows and shares no node with
+    their owners (every row sent inter-node), and on each other member (by position), found through
+    the members of each node."""
+    on_node: dict[int, list[int]] = defaultdict(list)
+    for j, m in enumerate(group):
+        on_node[m // gpus_per_node].append(j)
+    default, special = [], []
+    for piece in chunks:
+        rows = sum(b - a for a, b, _ in piece)
+        default.append((rows * weights.inter, rows))
+        near = {j for _, _, o in piece for j in on_node.get(o // gpus_per_node, ())}
+        costs = {}
+        for j in sorted(near):
+            m = group[j]
+            costs[j] = (sum((b - a) * (weights.intra if o // gpus_per_node == m // gpus_per_node else weights.inter)
+                            for a, b, o in piece if o != m),
+                        sum(b - a for a, b, o in piece if o != m))
+        special.append(costs)
+    return default, special
 
 
 def min_push_bytes(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,

@@ -139,10 +139,11 @@ def test_every_rank_holds_only_its_stage(compiled):
 
 def test_param_shards_are_the_programs_without_building_it(compiled, tied):
     for comp, text in ((compiled, STRATEGIES_8[1]), (tied, "1xTP2PP2+2xTP2PP1")):
+        built = {id(r) for r in comp._param_layouts()._roles.values() if r.built}   # by earlier tests
         prog = comp.build_program(text, Cluster(8))
         for rp in prog.ranks:
             assert comp.param_shards(rp.scheme)[(rp.stage, rp.tp_rank)] == rp.params
-        assert not any(rp.role.built for rp in prog.ranks)
+        assert not any(rp.role.built for rp in prog.ranks if id(rp.role) not in built)
     with pytest.raises(StrategyError, match="TP=3"):
         compiled.param_shards("TP3PP1")
 

@@ -1,0 +1,41 @@
+"""The cluster-scale bench runs small (``--quick``) and its figures agree with the Program it built."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+import hgraph
+from hgraph import Cluster
+from hgraph.frontends.zoo import llama
+from hgraph.tools.bench.cluster_scale import exchanges, main, strategies
+
+
+def test_quick_rows_cover_both_strategies_and_count_what_the_rank_exchanges(capsys):
+    assert main(["--quick", "--in-process", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert sorted((r["gpus"], r["kind"]) for r in rows) == [(16, "heterogeneous"), (16, "homogeneous"),
+                                                            (64, "heterogeneous"), (64, "homogeneous")]
+    for r in rows:
+        assert r["cpu_s"] >= r["plans_s"] > 0 and r["added_mb"] >= 0
+        assert 0 < r["pull_peers"] < r["gpus"] and 0 < r["push_peers"] < r["gpus"] and r["groups"] >= 1
+
+
+def test_exchanges_and_groups_of_one_rank():
+    with torch.device("meta"):
+        compiled = hgraph.compile(llama.build("tiny"))
+    prog = compiled.build_program("2xTP2PP1", Cluster(4))
+    got = exchanges(prog.rank(1))
+    # rank 1: TP group {0, 1}; replica groups of its reduce-scatters: {1, 3} (its TP rank in both pipelines)
+    # and the world's for the parameters every rank contributes whole
+    groups = {tuple(g) for g in ([op.group for ops in prog.rank(1).push_by_param.values() for op in ops
+                                  if hasattr(op, "group")] + [(0, 1)])}
+    assert got["groups"] == len(groups) and (0, 1) in groups and (1, 3) in groups
+    assert got["pull_peers"] == 3 and got["push_peers"] == 3
+
+
+def test_strategies_fill_the_world_and_bad_input_is_exit_2(capsys):
+    assert strategies(8, 64) == [("homogeneous", "8xTP8PP1"), ("heterogeneous", "2xTP8PP2+2xTP4PP2+8xTP2PP1")]
+    assert main(["--worlds", "64,x", "--models", "tiny"]) == 2
+    assert "--worlds" in capsys.readouterr().err
+    assert main(["--models", "nope", "--worlds", "16"]) == 2
