@@ -23,7 +23,7 @@ from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
-from hgraph.passes.lnk.plans import pull_plan, push_plan
+from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
@@ -221,12 +221,13 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
         shape = tuple(info.shape)
         layout = ParamLayout(name, shape, info.shard_dim if shape else 0)
         needs = {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
-        pulls[name] = pull_plan(layout, needs, cluster.world_size, cluster.gpus_per_node,
-                                working_dtype_bytes=wbytes)
+        # the optimizer's shard groups (``--shard-group``; the world: today's plans exactly)
+        pulls[name] = shard_group_pull_plan(layout, needs, cluster.world_size, cluster.gpus_per_node,
+                                            cluster.shard_group, working_dtype_bytes=wbytes)
         contrib, groups = _push_contributions(strategy, ranks, name, info,
                                               sp is not None and name in sp.partial_grads)
-        pushes[name] = push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
-                                 replica_groups=groups)
+        pushes[name] = shard_group_push_plan(layout, contrib, cluster.world_size, cluster.gpus_per_node,
+                                             cluster.shard_group, replica_groups=groups)
     describe = functools.partial(describe_subgraphs, pulls=pulls, pushes=pushes, shapes=shapes,
                                  dtype=options.working_dtype or torch.float32)
     for rp in ranks:
