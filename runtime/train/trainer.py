@@ -47,7 +47,7 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
-from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.comm.process_groups import GroupCache, shard_groups_of
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
@@ -56,6 +56,8 @@ from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
+from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
+from hgraph.shard_rule import shard_group_ranks
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
@@ -158,7 +160,10 @@ def check_weights(config: TrainConfig) -> str:
 
 
 def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> ShardedAdam:
+                   device: Optional[torch.device] = None, shard_group: Optional[int] = None,
+                   group: Any = None) -> ShardedAdam:
+    """The run's sharded optimizer; ``shard_group``: its states sharded over groups of that many ranks
+    (None: the world), ``group`` the process group of this rank's shard group."""
     opt = config.optimizer
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
@@ -167,7 +172,8 @@ def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, wor
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, **kwargs)
+               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, shard_group=shard_group,
+               group=group, **kwargs)
 
 
 class Trainer:
@@ -190,7 +196,15 @@ class Trainer:
         self.eval_docs = self.eval_documents()
         self.schedule = schedule_of(config)
         self.fingerprint = data_fingerprint(self.docs)
-        self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order)   # None: fresh
+        # --shard-group: the optimizer states sharded over groups of G ranks (auto: chosen and said here)
+        self.shard_group, why = resolve_shard_group(
+            config.optimizer.shard_group, world_size, config.cluster.gpus_per_node,
+            sum(p.numel() for p in self.model.parameters()), config.cluster.device_memory)
+        if why and rank == 0 and config.log_steps:
+            log.info("hgraph: --shard-group auto: G = %d, %s", self.shard_group, why)
+        shard_group = self.shard_group if self.shard_group < world_size else None
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order,
+                                   shard_group)   # None: fresh
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
@@ -220,7 +234,10 @@ class Trainer:
                 progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
                 run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
                                                                     self.order.copy())])
-        self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device)
+        if shard_group is not None:        # collective: every rank creates every shard group and set of replicas
+            groups.ensure(shard_groups_of(world_size, shard_group))
+        self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device, shard_group,
+                                        groups.get(shard_group_ranks(rank, shard_group)) if shard_group else None)
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
         else:
@@ -232,7 +249,8 @@ class Trainer:
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 cluster=Cluster(world_size, config.cluster.gpus_per_node), seed=config.model.seed,
+                                 cluster=Cluster(world_size, config.cluster.gpus_per_node, shard_group=shard_group),
+                                 seed=config.model.seed,
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,

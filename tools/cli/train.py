@@ -71,6 +71,7 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.data.token_store import write_documents
+from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import ready_data
@@ -126,6 +127,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
         parse_candidates(strategies, cfg.world_size)
+    key, src = BY_DEST["shard_group"], cfg.sources["shard_group"]
+    parse_shard_group(cfg.shard_group, cfg.world_size,      # fails here, before any process starts
+                      key.flag if src in ("command line", "default") else f"{src}: [{key.section}] {key.name}")
     # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
     ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
     device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)

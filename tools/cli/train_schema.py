@@ -167,6 +167,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
        optional=True, minimum=0.0),
     _k("optimizer", "decay-steps", "int", None, "steps of the decay (default: to the end of the run after "
        "the warmup; wsd: the last 10% of the steps)", optional=True, minimum=1, metavar="D"),
+    _k("optimizer", "shard-group", "str", "world", "the optimizer states (fp32 masters, Adam's moments) are "
+       "sharded over each group of G consecutive ranks and replicated across the groups: a rank pulls and "
+       "pushes inside its group, then sums its gradient shards across the groups (G = a node: a rank's "
+       "peers no longer grow with the world, for N/G copies of the states); world: over all ranks (the "
+       "default: the memory every run had); auto: the smallest node multiple whose states fit half the "
+       "device memory (said at the start)", metavar="G|world|auto"),
     _k("optimizer", "optimizer-impl", "str", "fused", "the update: fused (torch's fused Adam kernel on "
        "each rank's flat buffers) or exact (torch.optim.Adam's single-tensor arithmetic, bitwise, also "
        "after a resume on another number of ranks; fused rounds up to an ulp apart)",
