@@ -86,7 +86,7 @@ def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_
     shape = tuple(full_shape) or (1,)
     metas = []
     for r in range(group_size or world_size):
-        lo, hi = shard_bounds(shape[dim], r, world_size)
+        lo, hi = shard_bounds(shape[dim], r, group_size or world_size)
         if hi > lo:
             offsets, sizes = [0] * len(shape), list(shape)
             offsets[dim], sizes[dim] = lo, hi - lo
