@@ -108,6 +108,10 @@ def test_non_finite_loss_names_the_step_or_is_skipped(data, tmp_path, capsys):
     (['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}'], ("--tokens-per-iter", "5"),
      "document 0 has 8 tokens, more than --tokens-per-iter 5"),
     (['{"input_ids": [1]}', '{"input_ids": [2]}'], (), "step 0: the mini-batch .* is empty of targets"),
+    (['{"input_ids": [1, 2]}'], ("--shard-group", "3", "--world-size", "4", "--strategy-schedule", "4xTP1PP1"),
+     "--shard-group '3': does not divide the world size 4; allowed: an integer dividing the world size 4, "
+     "world or auto"),
+    (['{"input_ids": [1, 2]}'], ("--shard-group", "node"), "--shard-group 'node': not a number; allowed"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, match):
     path = tmp_path / "docs.jsonl"
