@@ -225,7 +225,8 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             log.info("hgraph: the model's dropout is disabled (%s)", self.dropout)
-        self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
+        self.planner_setup = (planner_setup_of(config, self.compiled, self.device, shard_group)
+                              if config.planner_driven else None)
         planner = None
         if self.planner_setup is not None:
             planner = start_planner(
@@ -483,7 +484,8 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device) -> PlannerSetup:
+def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device,
+                     shard_group: Optional[int] = None) -> PlannerSetup:
     """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
     device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()
@@ -496,7 +498,7 @@ def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torc
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
         profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
         device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
-        compiled_step=compile_wanted(config.model.compile, device))
+        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
