@@ -306,7 +306,7 @@ class ShardedAdam:
         """This rank's shards of parameters and moments, steps and hyper-parameters (copies)."""
         def copy(d: dict) -> dict:
             return {k: v.clone() for k, v in d.items()}
-        return {"rank": self.rank, "world_size": self.world_size, "shard_group": self.group_size,
+        return {"rank": self.rank, "world_size": self.world_size, "shard_group": self.shard_group,
                 "shard_dims": {n: lay.dim for n, lay in self.layouts.items()},
                 "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                           "weight_decay": self.weight_decay,

@@ -54,9 +54,12 @@ WORLDS = (1024, 12288)
 GROUPS = ("8", "64", "world")
 
 
-def strategies_for(world: int) -> tuple[str, str]:
-    """A homogeneous strategy (TP8 pipelines) and a heterogeneous one (half TP8PP1, half TP4PP4)."""
-    return f"{world // 8}xTP8PP1", f"{world // 16}xTP8PP1+{world // 32}xTP4PP4"
+def strategies_for(world: int, heads: int) -> tuple[str, str]:
+    """A homogeneous strategy (pipelines of the widest TP up to 8 dividing the model's ``heads``) and a
+    heterogeneous one (half of the ranks in those, half in PP4 pipelines of half that TP)."""
+    tp = next(t for t in (8, 4, 2, 1) if heads % t == 0)
+    half = max(tp // 2, 1)
+    return f"{world // tp}xTP{tp}PP1", f"{world // (2 * tp)}xTP{tp}PP1+{world // (8 * half)}xTP{half}PP4"
 
 
 @dataclass
@@ -246,14 +249,14 @@ def compile_meta(model: str) -> Any:
 
 
 def run(models=MODELS, worlds=WORLDS, groups=GROUPS, ranks=(0, -1), max_plan_ranks: int = 512,
-        gpus_per_node: int = 8, strategies=None) -> list[Fanout]:
+        gpus_per_node: int = 8, strategies=None, each=None) -> list[Fanout]:
     """Every row of the table: per model, world size, strategy, shard group and counted rank (a
-    negative rank counts from the end)."""
+    negative rank counts from the end); ``each(row)`` is called as each row is done."""
     out = []
     for model in models:
         compiled = compile_meta(model)
         for world in worlds:
-            for text in strategies or strategies_for(world):
+            for text in strategies or strategies_for(world, int(compiled.hgraph.model_config.num_heads)):
                 strategy = Strategy.parse(text)
                 for g in groups:
                     size = world if g == "world" else int(g)
@@ -261,21 +264,27 @@ def run(models=MODELS, worlds=WORLDS, groups=GROUPS, ranks=(0, -1), max_plan_ran
                     for rank in ranks:
                         out.append(fanout(compiled, strategy, cluster, rank % world, model=model,
                                           max_plan_ranks=max_plan_ranks))
+                        if each is not None:
+                            each(out[-1])
     return out
 
 
+HEAD = (f"{'model':>5} {'world':>6} {'strategy':<26} {'G':>6} {'rank':>6} | {'pull peers':>10} {'msgs':>6} "
+        f"{'MB':>9} | {'push peers':>10} {'msgs':>6} {'MB':>9} | {'groups':>6} {'s':>6}")
+NOTE = "~: rank arithmetic (the world's plans are not built): Pull exact, Push an upper bound"
+
+
+def line(f: Fanout) -> str:
+    """One row of the table."""
+    est = "~" if f.estimated else " "
+    msgs = lambda m: "-" if m is None else str(m)  # noqa: E731
+    return (f"{f.model:>5} {f.world:>6} {f.strategy:<26} {f.shard_group:>6} {f.rank:>6} | {est}{f.pull_peers:>9} "
+            f"{msgs(f.pull_msgs):>6} {f.pull_bytes / 1e6:>9.1f} | {est}{f.push_peers:>9} "
+            f"{msgs(f.push_msgs):>6} {f.push_bytes / 1e6:>9.1f} | {f.groups:>6} {f.seconds:>6.1f}")
+
+
 def table(rows: list[Fanout]) -> str:
-    head = (f"{'model':>5} {'world':>6} {'strategy':<26} {'G':>6} {'rank':>6} | {'pull peers':>10} {'msgs':>6} {'MB':>9} | "
-            f"{'push peers':>10} {'msgs':>6} {'MB':>9} | {'groups':>6} {'s':>6}")
-    lines = [head, "-" * len(head)]
-    for f in rows:
-        est = "~" if f.estimated else " "
-        msgs = lambda m: "-" if m is None else str(m)  # noqa: E731
-        lines.append(f"{f.model:>5} {f.world:>6} {f.strategy:<26} {f.shard_group:>6} {f.rank:>6} | {est}{f.pull_peers:>9} "
-                     f"{msgs(f.pull_msgs):>6} {f.pull_bytes / 1e6:>9.1f} | {est}{f.push_peers:>9} "
-                     f"{msgs(f.push_msgs):>6} {f.push_bytes / 1e6:>9.1f} | {f.groups:>6} {f.seconds:>6.1f}")
-    lines.append("~: rank arithmetic (the world's plans are not built): Pull exact, Push an upper bound")
-    return "\n".join(lines)
+    return "\n".join([HEAD, "-" * len(HEAD), *map(line, rows), NOTE])
 
 
 def main(argv=None) -> int:
@@ -291,9 +300,13 @@ def main(argv=None) -> int:
                    help="G = world larger than this is estimated by rank arithmetic")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if not args.json:
+        print(HEAD + "\n" + "-" * len(HEAD), flush=True)
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.groups.split(","),
-               [int(r) for r in args.ranks.split(",")], args.max_plan_ranks, strategies=args.strategies.split(";") if args.strategies else None)
-    print(json.dumps({"rows": [asdict(r) for r in rows]}) if args.json else table(rows))
+               [int(r) for r in args.ranks.split(",")], args.max_plan_ranks,
+               strategies=args.strategies.split(";") if args.strategies else None,
+               each=None if args.json else (lambda f: print(line(f), flush=True)))
+    print(json.dumps({"rows": [asdict(r) for r in rows]}) if args.json else NOTE)
     return 0
 
 
