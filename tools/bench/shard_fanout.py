@@ -15,7 +15,9 @@ Per rank and step (the ranks counted: ``--ranks``, default the first and the las
 heterogeneous strategies sit in different schemes):
 
 * ``pull_peers`` / ``push_peers``: distinct ranks it exchanges with (point-to-point, all-gather,
-  reduce-scatter and, with G < N, the all-reduce of its shards across the groups);
+  reduce-scatter); with G < N the push adds one all-reduce of its shards among its ``replicas``
+  (``N / G`` ranks, one per group: a collective whose ring or tree gives each rank 2-3 direct
+  neighbours, counted apart);
 * ``pull_msgs`` / ``push_msgs``: point-to-point messages (coalesced per peer as ``peer_buckets``
   cuts them) plus collectives (all-gather buckets, reduce-scatter buckets, the all-reduce);
 * ``pull_bytes`` / ``push_bytes``: bytes it receives (working dtype for Pull, fp32 for Push; a
@@ -75,6 +77,7 @@ class Fanout:
     push_peers: int
     push_msgs: Optional[int]
     push_bytes: int
+    replicas: int
     groups: int
     estimated: bool
     seconds: float
@@ -140,13 +143,13 @@ def fanout(compiled: Any, strategy: Strategy, cluster: Cluster, rank: int = 0, *
         groups |= {g for g in (members, replicas) if len(g) > 1}
         if push_msgs is not None:
             push_msgs += 1                          # the all-reduce of the shards across the groups
-        push_peers |= set(replicas) - {rank}
         shard_bytes = sum(math.prod(_layout(compiled, n).row_shape or (1,)) * 4
                           * (lambda b: b[1] - b[0])(group_shard_bounds(_layout(compiled, n).size, rank, size))
                           for n in compiled.hgraph.params)
         push_bytes += 2 * (len(replicas) - 1) * shard_bytes // len(replicas)     # ring all-reduce
     return Fanout(model, str(strategy), world, size, rank, len(pull_peers), pull_msgs, pull_bytes,
-                  len(push_peers), push_msgs, push_bytes, len(groups), estimated, time.perf_counter() - t0)
+                  len(push_peers), push_msgs, push_bytes, len(replicas), len(groups), estimated,
+                  time.perf_counter() - t0)
 
 
 def _from_plans(compiled, layouts, ranks, strategy, cluster, rank, wbytes):
@@ -270,7 +273,7 @@ def run(models=MODELS, worlds=WORLDS, groups=GROUPS, ranks=(0, -1), max_plan_ran
 
 
 HEAD = (f"{'model':>5} {'world':>6} {'strategy':<26} {'G':>6} {'rank':>6} | {'pull peers':>10} {'msgs':>6} "
-        f"{'MB':>9} | {'push peers':>10} {'msgs':>6} {'MB':>9} | {'groups':>6} {'s':>6}")
+        f"{'MB':>9} | {'push peers':>10} {'msgs':>6} {'MB':>9} {'replicas':>8} | {'groups':>6} {'s':>6}")
 NOTE = "~: rank arithmetic (the world's plans are not built): Pull exact, Push an upper bound"
 
 
@@ -280,7 +283,7 @@ def line(f: Fanout) -> str:
     msgs = lambda m: "-" if m is None else str(m)  # noqa: E731
     return (f"{f.model:>5} {f.world:>6} {f.strategy:<26} {f.shard_group:>6} {f.rank:>6} | {est}{f.pull_peers:>9} "
             f"{msgs(f.pull_msgs):>6} {f.pull_bytes / 1e6:>9.1f} | {est}{f.push_peers:>9} "
-            f"{msgs(f.push_msgs):>6} {f.push_bytes / 1e6:>9.1f} | {f.groups:>6} {f.seconds:>6.1f}")
+            f"{msgs(f.push_msgs):>6} {f.push_bytes / 1e6:>9.1f} {f.replicas:>8} | {f.groups:>6} {f.seconds:>6.1f}")
 
 
 def table(rows: list[Fanout]) -> str:

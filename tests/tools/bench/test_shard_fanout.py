@@ -25,8 +25,9 @@ def test_with_a_node_per_group_the_peers_do_not_grow_with_the_world(tiny, text):
         # a group's plans do not depend on the world; only the replicas across the groups do
         assert (small.pull_peers, small.pull_msgs, small.pull_bytes) == (large.pull_peers, large.pull_msgs,
                                                                           large.pull_bytes)
-        assert large.push_peers - small.push_peers == 64 // 4 - 16 // 4
-        assert large.pull_peers <= 3 and small.groups == large.groups
+        assert (small.push_peers, small.push_msgs) == (large.push_peers, large.push_msgs)
+        assert (small.replicas, large.replicas) == (16 // 4, 64 // 4)      # one all-reduce among them
+        assert large.pull_peers <= 3 and large.push_peers <= 3 and small.groups == large.groups
     world = fanout(tiny, Strategy.parse(text.format(n=32, h=16, q=16)), Cluster(64, 4), 0)
     assert world.pull_peers > rows[64, 0].pull_peers       # the world layout gathers across the world
 
@@ -52,7 +53,7 @@ def test_peers_stay_in_the_group_and_the_replicas(tiny):
                                                                             rank, 2)
         assert pull_peers | push_peers <= set(shard_group_ranks(rank, 4)) - {rank}
         got = fanout(tiny, strategy, cluster, rank)
-        assert got.push_peers == len(push_peers | set(replica_ranks(rank, 4, 16)) - {rank})
+        assert got.push_peers == len(push_peers) and got.replicas == len(replica_ranks(rank, 4, 16)) == 4
 
 
 def test_main_prints_the_table(capsys):
