@@ -69,6 +69,7 @@ class PushGradient:
         self._sole_add = self._sole_local_adds()
         self._own_rows = self._unreduced_rows()
         self.in_backward = in_backward
+        self.bucket_bytes = bucket_bytes
         self._armed = False
         layouts = {n: program.push_plans[n].param for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
@@ -226,19 +227,29 @@ class PushGradient:
         self.peers.wait_all()             # the sends
         self.peers.release()
         if self.replica_group is not None:
-            out = self._sum_across_groups(out)
+            self._sum_across_groups(out)
         return out
 
-    def _sum_across_groups(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _sum_across_groups(self, out: Mapping[str, torch.Tensor]) -> None:
         """Each shard summed over the rank's replicas (one per shard group; an owner whose group
-        contributed nothing adds its zeros): one all-reduce of every shard side by side, each shard
-        then a view of the sum laid out as its master (contiguous, for the fused optimizer)."""
-        p = self.params
-        masters = [p.masters[n] for n in p.order]
-        flat = torch.cat([out[n].reshape(-1) for n in p.order]) if p.order else torch.zeros(0)
-        dist.all_reduce(flat, group=self.replica_group)
-        self.stats.push_replica_bytes += flat.numel() * flat.element_size()
-        return {n: v.view(m.shape) for n, v, m in zip(p.order, flat.split([m.numel() for m in masters]), masters)}
+        contributed nothing adds its zeros), in place: all-reduces of up to ``bucket_bytes`` of shards
+        side by side (model order: every replica holds the same shapes, so cuts the same buckets),
+        each copied back into its shards, so the shards keep their layout and the step holds one
+        bucket more, not a second copy of its gradients."""
+        names = [n for n in self.params.order if out[n].numel()]
+        cap = max(self.bucket_bytes // 4, 1)
+        start = 0
+        while start < len(names):
+            end, size = start, 0
+            while end < len(names) and (end == start or size + out[names[end]].numel() <= cap):
+                size += out[names[end]].numel()
+                end += 1
+            shards = [out[n] for n in names[start:end]]
+            flat = torch.cat([s.reshape(-1) for s in shards])
+            dist.all_reduce(flat, group=self.replica_group)
+            self.stats.push_replica_bytes += flat.numel() * flat.element_size()
+            torch._foreach_copy_(shards, [v.view(s.shape) for v, s in zip(flat.split([s.numel() for s in shards]), shards)])
+            start = end
 
     def _zeros(self, names: list[str], device: torch.device) -> list[torch.Tensor]:
         """fp32 zeros shaped as the masters of ``names``: views of one buffer (one fill)."""
