@@ -101,6 +101,7 @@ class TrainSummary:
     step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
     sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
     stopped: Optional[dict] = None    # stopped by a signal: {"signal", "step" (steps done), "checkpoint"}
+    shard_group: dict = field(default_factory=dict)   # {"size": G, "auto": why ``auto`` chose it, or ""}
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -196,12 +197,10 @@ class Trainer:
         self.eval_docs = self.eval_documents()
         self.schedule = schedule_of(config)
         self.fingerprint = data_fingerprint(self.docs)
-        # --shard-group: the optimizer states sharded over groups of G ranks (auto: chosen and said here)
-        self.shard_group, why = resolve_shard_group(
+        # --shard-group: the optimizer states sharded over groups of G ranks (auto: why, in the summary)
+        self.shard_group, self.shard_group_why = resolve_shard_group(
             config.optimizer.shard_group, world_size, config.cluster.gpus_per_node,
             sum(p.numel() for p in self.model.parameters()), config.cluster.device_memory)
-        if why and rank == 0 and config.log_steps:
-            log.info("hgraph: --shard-group auto: G = %d, %s", self.shard_group, why)
         shard_group = self.shard_group if self.shard_group < world_size else None
         self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order,
                                    shard_group)   # None: fresh
@@ -410,7 +409,8 @@ class Trainer:
         return TrainSummary(results, self.executor.programs.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
-                            sequence_parallel=self.sequence_parallel, stopped=stopped)
+                            sequence_parallel=self.sequence_parallel, stopped=stopped,
+                            shard_group={"size": self.shard_group, "auto": self.shard_group_why})
 
     def _end_on_silence(self, silent: list[Silent]) -> None:
         """A peer stopped answering (heartbeat thread): this rank's collectives would wait for it until
@@ -523,7 +523,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
             "candidates": summary.candidates, "dropout": summary.dropout,
             "sequence_parallel": summary.sequence_parallel,
             "long_documents": summary.long_documents, "step_extra": summary.step_extra,
-            "stopped": summary.stopped}
+            "stopped": summary.stopped, "shard_group": summary.shard_group}
 
 
 def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:

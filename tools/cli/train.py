@@ -372,6 +372,7 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
                           "long_documents": result.get("long_documents", {}),
                           "dropout": result.get("dropout", "none"),
                           "sequence_parallel": result.get("sequence_parallel", "on"),
+                          "shard_group": result.get("shard_group", {}),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
@@ -387,6 +388,10 @@ def _run(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: Optional
                   f"{1e3 * s['time_s']:.1f} ms{mfu}{skipped}" + (f"  eval_loss {ev:.6f}" if ev is not None else ""))
     print(f"dropout: {result.get('dropout', 'none')}")
     print(f"sequence parallelism: {result.get('sequence_parallel', 'on')}")
+    group = result.get("shard_group") or {}
+    if group:
+        why = f" (--shard-group auto: {group['auto']})" if group.get("auto") else ""
+        print(f"optimizer states: sharded over groups of {group['size']} ranks{why}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())
     evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]

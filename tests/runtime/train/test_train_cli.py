@@ -74,6 +74,14 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
     assert_trained_like([s["loss"] for s in steps], torch.load(final), _reference(data, 3, 30))
 
 
+def test_shard_group_auto_says_what_it_chose(data, capsys):
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "1",
+                     "--shard-group", "auto"))
+    assert rc == 0
+    assert ("optimizer states: sharded over groups of 1 ranks (--shard-group auto: the world (1 ranks) is "
+            "within one node)") in capsys.readouterr().out
+
+
 def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
     rc = main(_train(data, "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1", "--steps", "3",
                      "--dtype", "bf16", "--json"))
