@@ -12,9 +12,9 @@ import functools
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Iterable, Mapping, Optional, Sequence, Union
 
-from hgraph.shard_rule import PlanError, Range, optimizer_segments, require_positive_int
+from hgraph.shard_rule import PlanError, Range, optimizer_segments, require_positive_int, shard_group_ranks
 
 # ---- ranges ------------------------------------------------------------------------------------
 
@@ -216,19 +216,33 @@ class PullPlan(_TransferFigures):
     assembly: Mapping[int, tuple[tuple[Range, ...], ...]]
     is_all_gather: bool
     _traffic: Traffic = field(repr=False, compare=False)
+    #: ranks over which the optimizer shards the parameter (``hgraph.shard_rule.shard_group_ranks``;
+    #: ``None``: the world): ops never leave a shard group, and an all-gather gathers inside each
+    shard_group: Optional[int] = None
+
+    @property
+    def group_size(self) -> int:
+        """The size of a shard group (the world when the optimizer shards over all ranks)."""
+        return self.shard_group or self.world_size
 
     @property
     def all_gather_ranks(self) -> tuple[int, ...]:
-        """Rank order of the all-gather (chunk ``i`` comes from rank ``i``); empty unless ``is_all_gather``."""
-        return tuple(range(self.world_size)) if self.is_all_gather else ()
+        """Rank order of the all-gather of rank 0's shard group (chunk ``i`` comes from its ``i``-th
+        rank; another group's is ``all_gather_group``); empty unless ``is_all_gather``."""
+        return self.all_gather_group(0)
+
+    def all_gather_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` all-gathers with, in chunk order (its shard group); empty unless
+        ``is_all_gather``."""
+        return shard_group_ranks(rank, self.group_size) if self.is_all_gather else ()
 
     @property
     def all_gather_segments(self) -> tuple[Range, ...]:
-        """Rows contributed by each rank of ``all_gather_ranks`` (uneven by one row when N does not
+        """Rows contributed by each rank of an all-gather's group (uneven by one row when G does not
         divide S: the executor pads chunks to the largest for an equal-size all-gather)."""
         if not self.is_all_gather:
             return ()
-        return tuple(optimizer_segments(self.param.size, self.world_size))
+        return tuple(optimizer_segments(self.param.size, self.group_size))
 
     def for_rank(self, rank: int) -> tuple[PullOp, ...]:
         """Ops involving ``rank``: its transfers (sends and receives) in global order, then its copies."""
@@ -285,6 +299,14 @@ class PushPlan(_TransferFigures):
     local_adds: tuple[LocalAdd, ...]
     is_plain_reduce_scatter: bool
     _traffic: Traffic = field(repr=False, compare=False)
+    #: as ``PullPlan.shard_group``: each group's owners end with the sum of their group's contributions,
+    #: and the runtime then sums each shard across the groups (``hgraph.shard_rule.replica_ranks``)
+    shard_group: Optional[int] = None
+
+    @property
+    def group_size(self) -> int:
+        """The size of a shard group (the world when the optimizer shards over all ranks)."""
+        return self.shard_group or self.world_size
 
     def for_rank(self, rank: int) -> tuple[PushOp, ...]:
         """Ops involving ``rank``: its reduce-scatters, transfers (global order), then its local adds."""

@@ -5,7 +5,8 @@ A dimension of ``size`` rows split over ``parts`` ranks gives rank ``i`` the hal
 dimension in rank order, and may be empty when ``size < parts``.
 
 The rule places the fp32 master parameters and optimizer states on all N ranks (the same for every
-strategy), cuts a tensor into TP segments, and slices a sequence's tokens under sequence parallelism.
+strategy), or on each group of G consecutive ranks (``--shard-group``: sharded inside a group,
+replicated across the ``N / G`` groups; ``group_shard_bounds``), cuts a tensor into TP segments, and slices a sequence's tokens under sequence parallelism.
 The compiler's LNK plans and the runtime's optimizer, collectives, weight sources and checkpoints all
 read it from here, so they cannot drift apart. ``ShardLayout`` is one rank's shard of one parameter.
 """
@@ -46,6 +47,24 @@ def optimizer_segments(size: int, world_size: int) -> list[Range]:
     """The optimization layout: ``result[r]`` is the range of the shard dimension owned by rank ``r``;
     the same for every strategy."""
     return even_segments(size, world_size)
+
+
+def shard_group_ranks(rank: int, group_size: int) -> tuple[int, ...]:
+    """The shard group of ``rank``: the ``group_size`` consecutive ranks that shard the optimizer
+    states among them (a group of the world's ``N / G``; ``group_size = N``: the world)."""
+    base = rank - rank % group_size
+    return tuple(range(base, base + group_size))
+
+
+def replica_ranks(rank: int, group_size: int, world_size: int) -> tuple[int, ...]:
+    """The ranks holding the same optimizer shards as ``rank``: one per shard group, at its place."""
+    return tuple(range(rank % group_size, world_size, group_size))
+
+
+def group_shard_bounds(size: int, rank: int, group_size: int) -> Range:
+    """The rows of a dimension of ``size`` that ``rank`` owns when the optimizer shards over groups
+    of ``group_size`` consecutive ranks (``shard_bounds`` of its place in its group)."""
+    return shard_bounds(size, rank % group_size, group_size)
 
 
 def owner_of(size: int, parts: int, row: int) -> int:

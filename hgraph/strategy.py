@@ -21,7 +21,7 @@ import itertools
 import re
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 from hgraph.errors import StrategyError
 
@@ -313,12 +313,26 @@ class Cluster:
     world_size: int
     gpus_per_node: int = 8
     memory_bytes: int = 80 * 2**30
+    #: the optimizer states are sharded over groups of this many consecutive ranks and replicated
+    #: across the groups (``--shard-group``; ``None``: over the whole world)
+    shard_group: Optional[int] = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "gpus_per_node", "memory_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise StrategyError(f"cluster {name} must be a positive integer, got {v!r}")
+        g = self.shard_group
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1 or self.world_size % g):
+            raise StrategyError(f"cluster shard_group must be a positive integer dividing the world size "
+                                f"{self.world_size}, got {g!r}")
+        if g == self.world_size:
+            object.__setattr__(self, "shard_group", None)     # one spelling of "the world"
+
+    @property
+    def group_size(self) -> int:
+        """Ranks sharing one copy of the optimizer states (``shard_group``, or the world)."""
+        return self.shard_group or self.world_size
 
     def __str__(self) -> str:
         return f"{self.world_size} ranks, {self.gpus_per_node} per node, {self.memory_bytes / 2**30:g} GiB each"

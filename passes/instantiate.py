@@ -9,6 +9,7 @@ world are planned per parameter only when read (``Program.pull_plans``).
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import time
 from collections.abc import Mapping
@@ -25,8 +26,8 @@ from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
-from hgraph.passes.lnk.plans import pull_plan, push_plan
 from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
+from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
@@ -280,11 +281,42 @@ class StrategyLayout:
         plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
         return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe)
 
+    def group_lnk_ops(self, name: str, rank: int) -> tuple[tuple, tuple]:
+        """The pull and push ops of ``rank`` for parameter ``name`` when the optimizer shards inside
+        groups of ``G`` ranks (``--shard-group``): its shard group's plans (``passes/lnk/shard_groups``,
+        over the group's members only), so the work is the group's, not the world's."""
+        size = self.cluster.group_size
+        g = rank // size
+        lo, hi = g * size, (g + 1) * size
+        layout = self.param_layout(name)
+        needs, contributions = self.needs(name), self.contributions(name)
+        key = (layout.shape, layout.shard_dim, needs, contributions, "group", g)
+        plans = self._ops.get(key)
+        if plans is None:
+            group_needs = {r: ranges for pr, ranges in needs for r in self._ranks_in(pr, lo, hi)}
+            group_contrib = {r: ranges for pr, ranges in contributions for r in self._ranks_in(pr, lo, hi)}
+            replicas = [part for _, roles in push_groups(contributions, self.roles)
+                        if sum(len(self.roles.of(pr)) for pr in roles) > 1
+                        and (part := tuple(sorted(r for pr in roles for r in self._ranks_in(pr, lo, hi))))]
+            pull = shard_group_pull_plan(layout, group_needs, self.cluster.world_size, self.cluster.gpus_per_node,
+                                         size, working_dtype_bytes=self.wbytes, groups=[g])
+            push = shard_group_push_plan(layout, group_contrib, self.cluster.world_size,
+                                         self.cluster.gpus_per_node, size, replica_groups=replicas, groups=[g])
+            plans = self._ops[key] = (pull, push)
+        return plans[0].for_rank(rank), plans[1].for_rank(rank)
+
+    def _ranks_in(self, pr: ParamRole, lo: int, hi: int) -> tuple[int, ...]:
+        """The ranks of ``pr`` in ``[lo, hi)`` (a shard group), from its sorted ranks."""
+        ranks = self.roles.of(pr)
+        return ranks[bisect.bisect_left(ranks, lo):bisect.bisect_left(ranks, hi)]
+
     def rank_plans(self, rank: int, role: ParamRole) -> tuple[dict[str, tuple], dict[str, tuple]]:
         """``rank``'s pull and push ops of every parameter it takes part in (model order)."""
         pulls, pushes = {}, {}
+        grouped = self.cluster.shard_group is not None
         for name in self.order:
-            pull, push = self.rank_lnk_ops(name, rank, role, self.cluster.world_size)
+            pull, push = (self.group_lnk_ops(name, rank) if grouped
+                          else self.rank_lnk_ops(name, rank, role, self.cluster.world_size))
             if pull:
                 pulls[name] = pull
             if push:
@@ -297,15 +329,17 @@ class StrategyLayout:
         return {r: ranges for pr, ranges in layout for r in self.roles.of(pr)}
 
     def pull_plan(self, name: str) -> PullPlan:
-        return pull_plan(self.param_layout(name), self._expand(self.needs(name)), self.cluster.world_size,
-                         self.cluster.gpus_per_node, working_dtype_bytes=self.wbytes)
+        return shard_group_pull_plan(self.param_layout(name), self._expand(self.needs(name)),
+                                     self.cluster.world_size, self.cluster.gpus_per_node, self.cluster.shard_group,
+                                     working_dtype_bytes=self.wbytes)
 
     def push_plan(self, name: str) -> PushPlan:
         contributions = self.contributions(name)
         groups = [members for _, roles in push_groups(contributions, self.roles)
                   if len(members := tuple(sorted(r for pr in roles for r in self.roles.of(pr)))) > 1]
-        return push_plan(self.param_layout(name), self._expand(contributions), self.cluster.world_size,
-                         self.cluster.gpus_per_node, replica_groups=groups)
+        return shard_group_push_plan(self.param_layout(name), self._expand(contributions),
+                                     self.cluster.world_size, self.cluster.gpus_per_node, self.cluster.shard_group,
+                                     replica_groups=groups)
 
 
 class PlansByParam(Mapping):

@@ -129,7 +129,7 @@ def replica_groups_from(contributions: Mapping[int, Sequence[Range]]) -> list[tu
 def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], world_size: int,
               gpus_per_node: int, replica_groups: Sequence[Sequence[int]] | None = None, *,
               grad_dtype_bytes: int | None = None, weights: LinkWeights = LinkWeights(),
-              coalesce: bool = True) -> PushPlan:
+              coalesce: bool = True, cover: bool = True) -> PushPlan:
     """Plan Push Gradient for ``param``.
 
     ``contributions[rank]``: the disjoint row ranges on which ``rank`` holds a partial gradient (in
@@ -138,6 +138,8 @@ def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], 
     holding identical ranges (e.g. the same TP rank of ``D`` pipelines); they reduce-scatter first.
     Contributors in no group act alone; ``None`` groups identical layouts (``replica_groups_from``).
     ``weights`` price a row sent intra- vs inter-node when choosing which member keeps which piece.
+    ``cover=False``: the contributions may leave rows out (a shard group's part of the world,
+    ``passes/lnk/shard_groups``); their owners receive nothing for them.
     """
     _check_world(world_size, gpus_per_node)
     gbytes = param.dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
@@ -150,7 +152,7 @@ def push_plan(param: ParamLayout, contributions: Mapping[int, Sequence[Range]], 
             raise PlanError(f"rank {rank} contributes overlapping ranges {list(norm[rank])}: "
                             "a rank's gradient ranges must be disjoint")
     covered = merge_ranges(r for rs in layout.values() for r in rs)
-    if covered and covered != [(0, size)]:
+    if cover and covered and covered != [(0, size)]:
         raise PlanError(f"parameter {param.name!r}: gradient contributions cover rows {covered} but the "
                         f"optimizer needs all rows [0, {size})")
     groups = _check_groups(replica_groups, layout, world_size) if replica_groups is not None \

@@ -75,15 +75,18 @@ def _distributed(group: Any) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Any):
+def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Any,
+             group_size: Optional[int] = None):
     """This rank's piece as a chunk of the full tensor: a ShardedTensor whose global metadata lists
-    every rank's rows (computed here, no collective), or the tensor itself on one rank."""
+    every rank's rows (computed here, no collective), or the tensor itself on one rank. With shard
+    groups of ``group_size`` ranks the first group's ranks write the chunks (every group holds the
+    same states; the others write none), so the checkpoint has the same entries whatever G is."""
     if not _distributed(group):
         return local.reshape(full_shape)
     shape = tuple(full_shape) or (1,)
     metas = []
-    for r in range(world_size):
-        lo, hi = shard_bounds(shape[dim], r, world_size)
+    for r in range(group_size or world_size):
+        lo, hi = shard_bounds(shape[dim], r, group_size or world_size)
         if hi > lo:
             offsets, sizes = [0] * len(shape), list(shape)
             offsets[dim], sizes[dim] = lo, hi - lo
@@ -108,7 +111,8 @@ def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, An
     model, optim = {}, {}
     for name, layout in optimizer.layouts.items():
         def chunk(t):
-            return _chunked(t, layout.full_shape, layout.dim, rank, world_size, group)
+            return _chunked(t, layout.full_shape, layout.dim, rank, world_size, group,
+                            getattr(optimizer, "group_size", world_size))
         model[name] = chunk(state["params"][name])
         optim[name] = {key: chunk(state[key][name]) for key in _MOMENTS}
         optim[name]["step"] = torch.tensor(float(state["steps"][name]))

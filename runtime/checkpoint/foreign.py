@@ -121,7 +121,8 @@ class ForeignCheckpoint:
         hyper = {"lr": optimizer.lr, "betas": optimizer.betas, "eps": optimizer.eps,
                  "weight_decay": optimizer.weight_decay, "decoupled_weight_decay": optimizer.decoupled_weight_decay,
                  "max_grad_norm": optimizer.max_grad_norm}
+        group_size = getattr(optimizer, "group_size", optimizer.world_size)   # its place in its shard group
         state, _ = dcp_format.load_optimizer_state(
-            self.folder, optimizer.rank, optimizer.world_size, {n: lay.dim for n, lay in layouts.items()},
+            self.folder, optimizer.rank % group_size, group_size, {n: lay.dim for n, lay in layouts.items()},
             hyper, names, what=WHAT)
-        return state
+        return {**state, "rank": optimizer.rank, "world_size": optimizer.world_size, "shard_group": group_size}

@@ -151,6 +151,10 @@ def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: 
 
     ``save`` calls it on every rank before rank 0 writes the manifest.
     """
+    if getattr(optimizer, "shard_group", None) is not None:
+        raise HGraphError("checkpoint: per-rank shard files (format 1) hold the layout over the whole world; "
+                          f"this optimizer shards over groups of {optimizer.shard_group} ranks: save with "
+                          "save (DCP), which takes any shard group")
     buf = io.BytesIO()
     full_shapes = {n: list(lay.full_shape) for n, lay in optimizer.layouts.items()}
     torch.save({"format": FORMAT_VERSION, "step": step, "rank": rank, "world_size": world_size,
@@ -273,7 +277,8 @@ def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, 
         folder.mkdir(parents=True, exist_ok=True)
     _barrier(world_size, group)
     layout = {"shard_dims": {n: lay.dim for n, lay in optimizer.layouts.items()},
-              "hyper": optimizer.state_dict()["hyper"]}
+              "hyper": optimizer.state_dict()["hyper"],
+              "shard_group": getattr(optimizer, "group_size", world_size)}
     future = dcp_format.save(folder, optimizer, rank, world_size, capture_rng(),
                              async_group if async_group is not None else group, asynchronous=asynchronous)
 
@@ -418,8 +423,11 @@ def _resolve(path: PathLike, step: Optional[int]) -> tuple[Path, Optional[Path]]
 
 
 def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[int] = None,
-         fallback: bool = False, verify: bool = True) -> Checkpoint:
+         fallback: bool = False, verify: bool = True, shard_group: Optional[int] = None) -> Checkpoint:
     """Load a checkpoint for ``rank`` of ``world_size`` (re-sharding when the saved world size differs).
+
+    ``shard_group``: the reader's optimizer shards over groups of that many ranks (``--shard-group``;
+    None: the world): the rank reads the rows of its place in its group, whatever layout wrote them.
 
     ``path``: a checkpoint root (the newest complete checkpoint, or ``step``) or one step folder.
     ``verify``: check each shard file read against the manifest's SHA-256 (size is always checked).
@@ -428,13 +436,15 @@ def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[i
     """
     if not 0 <= rank < world_size:
         raise HGraphError(f"checkpoint: rank {rank} is outside world size {world_size}")
+    if shard_group is not None and (shard_group < 1 or world_size % shard_group):
+        raise HGraphError(f"checkpoint: shard group {shard_group} does not divide world size {world_size}")
     root, folder = _resolve(path, step)
     if folder is None:
         folder = latest(root)
         if folder is None:
             raise HGraphError(f"no complete checkpoint in {str(root)!r}")
     try:
-        return _load_folder(folder, rank, world_size, verify)
+        loaded = _load_folder(folder, rank % (shard_group or world_size), shard_group or world_size, verify)
     except HGraphError as exc:
         if not fallback:
             raise
@@ -444,7 +454,27 @@ def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[i
             raise HGraphError(f"{exc}; no older complete checkpoint to fall back to") from None
         warnings.warn(f"{exc}; falling back to the checkpoint of step {older[-1]}", RuntimeWarning,
                       stacklevel=2)
-        return load(step_dir(root, older[-1]), rank, world_size, fallback=True, verify=verify)
+        return load(step_dir(root, older[-1]), rank, world_size, fallback=True, verify=verify,
+                    shard_group=shard_group)
+    return _as_rank(loaded, folder, rank, world_size, shard_group or world_size)
+
+
+def _as_rank(loaded: Checkpoint, folder: Path, rank: int, world_size: int, group_size: int) -> Checkpoint:
+    """A checkpoint read at its layout's place (``rank % G`` of ``G``) as what ``rank`` of
+    ``world_size`` loads: its own RNG states and the state of its optimizer."""
+    if group_size == world_size:
+        return loaded
+    manifest = read_manifest(folder)
+    saved_n = manifest["world_size"]
+    saved_g = manifest.get("optimizer", {}).get("shard_group", saved_n)
+    if rank < saved_n:
+        loaded.rng = (dcp_format.read_rng(folder, rank) if is_dcp(manifest)
+                      else _read_shard(folder, manifest["shards"][rank], False)["rng"])
+    else:
+        loaded.rng = None
+    loaded.optimizer = {**loaded.optimizer, "rank": rank, "world_size": world_size, "shard_group": group_size}
+    loaded.resharded = (saved_n, saved_g) != (world_size, group_size)
+    return loaded
 
 
 def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Checkpoint:
@@ -484,11 +514,12 @@ def _load_dcp(folder: Path, manifest: Mapping[str, Any], rank: int, world_size: 
     hyper = {**layout["hyper"], "betas": tuple(layout["hyper"]["betas"])}     # JSON keeps a tuple as a list
     state, shapes = dcp_format.load_optimizer_state(folder, rank, world_size, layout["shard_dims"], hyper)
     saved_n = manifest["world_size"]
+    saved_g = layout.get("shard_group", saved_n)
     return Checkpoint(path=folder, step=manifest["step"], saved_world_size=saved_n, optimizer=state,
                       data_position=manifest.get("data_position", {}), delay_queues=manifest.get("delay_queues", {}),
                       planner_state=manifest.get("planner_state", {}), run=manifest.get("run", {}),
                       rng=dcp_format.read_rng(folder, rank) if rank < saved_n else None,
-                      resharded=saved_n != world_size, full_shapes=shapes)
+                      resharded=(saved_n, saved_g) != (world_size, world_size), full_shapes=shapes)
 
 
 def _shapes(shard: Mapping[str, Any]) -> dict:

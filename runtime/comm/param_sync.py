@@ -9,7 +9,9 @@ through a step. It composes three parts over one ``RankParams`` (``runtime/comm/
   tensor, ``finish_pulls`` the rest.
 * **Push** (``runtime/comm/push``): the bucketed reduce-scatters among replica groups, issued during
   the step's last backward from the gradient hooks (``arm_push``) and flushed by ``flush_pushes``;
-  ``push`` then sends the rows to the optimizer owners and returns this rank's gradient shards.
+  ``push`` then sends the rows to the optimizer owners and returns this rank's gradient shards
+  (under ``--shard-group``: the pulls and pushes stay inside the rank's shard group, and ``push``
+  sums the shards across the groups in one all-reduce among the rank's replicas).
   ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
   over micro-batches, and the push sends it once.
 * **Overlapped update** (``runtime/comm/overlapped_update``; ``can_overlap_update``: plain data
@@ -42,8 +44,8 @@ class ParamSync:
     """Pull/Push of one rank for one Program.
 
     ``masters``, ``working``, ``shards``, ``working_dtype``, ``aliased``: see ``RankParams``;
-    ``groups``: a ``GroupCache`` holding every replica group of the push plans (``groups_needed``);
-    ``update``: the optimizer's step on some shards, for the overlapped update.
+    ``groups``: a ``GroupCache`` holding every replica group of the push plans and, under
+    ``--shard-group``, the rank's shard group and replicas (``groups_needed``); ``update``: the optimizer's step on some shards, for the overlapped update.
     """
 
     groups_needed = staticmethod(groups_needed)
@@ -60,7 +62,10 @@ class ParamSync:
         self._active = False
         device = next(iter(masters.values())).device if masters else torch.device("cpu")
         gloo = self.params.world_size > 1 and dist.get_backend() == "gloo"
-        self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo)
+        shard_group = self.params.shard_group       # the all-gathers run inside it
+        gather_group = groups.get(shard_group) if len(shard_group) < self.params.world_size else None
+        self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo,
+                                   gather_group=gather_group)
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
                                    in_backward=overlap_push and device.type == "cpu")
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update

@@ -23,6 +23,15 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from hgraph.errors import HGraphError
+from hgraph.shard_rule import replica_ranks, shard_group_ranks
+
+
+def shard_groups_of(world_size: int, group_size: int) -> list[tuple[int, ...]]:
+    """Every shard group (``--shard-group``: the all-gathers of a pull) and every set of replicas (the
+    sum of a gradient shard across the groups) of more than one rank, in one order for every rank."""
+    groups = [shard_group_ranks(r, group_size) for r in range(0, world_size, group_size)]
+    groups += [replica_ranks(r, group_size, world_size) for r in range(group_size)]
+    return sorted({g for g in groups if len(g) > 1})
 
 
 def group_key(ranks: Sequence[int]) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 Every rank walks *all* parameters in model order, owners included for parameters they do not use,
 and posts its part of each plan at once (``post``): the parameters every rank needs whole
-(``is_all_gather``) travel in all-gathers of up to ``bucket_bytes`` each (``param_gather.GatherBucket``,
+(``is_all_gather``) travel in all-gathers (inside the rank's shard group) of up to ``bucket_bytes`` each (``param_gather.GatherBucket``,
 model order, as DDP buckets; on gloo run as all-to-alls, one bucket by default), the others' transfers
 coalesced per peer into messages of up to ``bucket_bytes`` (``peer_buckets``; tags ``2k+1``; through
 host memory where the backend needs it, ``p2p``), the fp32 master rows cast to the working dtype as
@@ -64,11 +64,12 @@ class PullParameter:
 
     ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather and of a
     point-to-point message (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else
-    ``DEFAULT_PULL_BUCKET_BYTES``).
+    ``DEFAULT_PULL_BUCKET_BYTES``); ``gather_group``: the process group of this rank's shard group,
+    which the all-gathers run in (``None``: the world's).
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
-                 all_to_all: bool = False) -> None:
+                 all_to_all: bool = False, gather_group: Any = None) -> None:
         self.params = params
         self.stats = stats
         program = params.program
@@ -77,8 +78,9 @@ class PullParameter:
         if bucket_bytes is None:
             bucket_bytes = GLOO_PULL_BUCKET_BYTES if all_to_all else DEFAULT_PULL_BUCKET_BYTES
         gathered = [n for n in params.order if program.pull_plans[n].is_all_gather and n not in params.aliased]
-        self.gathers = [GatherBucket([self._gather_entry(n) for n in names], params.rank, params.world_size,
-                                     params.working_dtype, all_to_all=all_to_all)
+        place = params.shard_group.index(params.rank)
+        self.gathers = [GatherBucket([self._gather_entry(n) for n in names], place, params.group_size,
+                                     params.working_dtype, all_to_all=all_to_all, group=gather_group)
                         for names in self._buckets(gathered, bucket_bytes)]
         self.peers = pull_messages(program, params.rank, params.working_dtype.itemsize, bucket_bytes,
                                    params.aliased)
@@ -102,7 +104,7 @@ class PullParameter:
     def _buckets(self, names: list[str], cap: int) -> list[list[str]]:
         """``names`` (model order) cut into all-gathers of at most ``cap`` bytes (at least one parameter
         each); every rank cuts the same buckets (widths and dtypes are the same everywhere)."""
-        world_size = self.params.world_size
+        world_size = self.params.group_size      # an all-gather runs in the shard group
         buckets: list[list[str]] = []
         size = 0
         for name in names:
@@ -161,8 +163,8 @@ class PullParameter:
     def post_gather(self, bucket: GatherBucket) -> None:
         """Start one all-gather (also the overlapped update's prefetch of the next step's pull)."""
         bucket.post()
-        if self.params.world_size > 1:
-            self.stats.pull_all_gather_bytes += (self.params.world_size - 1) * bucket.send_bytes
+        if self.params.group_size > 1:
+            self.stats.pull_all_gather_bytes += (self.params.group_size - 1) * bucket.send_bytes
 
     def wait(self, name: str) -> None:
         """Wait for parameter ``name``'s pull and write it into the working tensor (once per step)."""

@@ -5,7 +5,9 @@ model order, up to ``bucket_bytes``). On CPU each is issued while the step's las
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
 ``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
-per peer, tags ``2k+2``) and does the local adds. Owners get the summed fp32 gradient of their
+per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
+rank's shard group, and the owners' shards are then summed across the groups (one all-reduce among
+the rank's replicas, ``_sum_across_groups``). Owners get the summed fp32 gradient of their
 optimizer shard (the reduced rows themselves when they are the whole shard), laid out as the
 parameter is, so that torch's fused Adam takes it without a copy. A rank whose pipeline ran no
 micro-batch pushes zeros, so every rank takes part and nothing hangs.
@@ -15,17 +17,24 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
+from hgraph.runtime.comm.process_groups import shard_groups_of
 
 
 def groups_needed(program: Any) -> list[tuple[int, ...]]:
-    """Every replica group of the push plans (collective group creation needs the same list everywhere)."""
-    return sorted({rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters
-                   if len(rs.group) > 1})
+    """Every replica group of the push plans and, when the optimizer shards within groups
+    (``--shard-group``), every shard group (its all-gathers) and every set of replicas (the sum
+    across the groups): collective group creation needs the same list everywhere."""
+    needed = {rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters if len(rs.group) > 1}
+    cluster = program.cluster
+    if cluster.shard_group is not None:
+        needed |= set(shard_groups_of(cluster.world_size, cluster.group_size))
+    return sorted(g for g in needed if len(g) > 1)
 
 
 def _cut(span: Range, at: Range) -> list[Range]:
@@ -60,11 +69,15 @@ class PushGradient:
         self._sole_add = self._sole_local_adds()
         self._own_rows = self._unreduced_rows()
         self.in_backward = in_backward
+        self.bucket_bytes = bucket_bytes
         self._armed = False
         layouts = {n: program.push_plans[n].param for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
                                    device, bucket_bytes)
         self.peers = push_messages(program, params.rank)
+        # the ranks holding this rank's shards in the other shard groups (--shard-group): the shards
+        # are summed across them after the push inside the group
+        self.replica_group = groups.get(params.replicas) if len(params.replicas) > 1 else None
 
     def _sole_local_adds(self) -> dict[str, LocalAdd]:
         """Parameters whose owned segment is one local add and nothing received: the reduced rows
@@ -213,7 +226,30 @@ class PushGradient:
         self._add_in_order(out, arrived)
         self.peers.wait_all()             # the sends
         self.peers.release()
+        if self.replica_group is not None:
+            self._sum_across_groups(out)
         return out
+
+    def _sum_across_groups(self, out: Mapping[str, torch.Tensor]) -> None:
+        """Each shard summed over the rank's replicas (one per shard group; an owner whose group
+        contributed nothing adds its zeros), in place: all-reduces of up to ``bucket_bytes`` of shards
+        side by side (model order: every replica holds the same shapes, so cuts the same buckets),
+        each copied back into its shards, so the shards keep their layout and the step holds one
+        bucket more, not a second copy of its gradients."""
+        names = [n for n in self.params.order if out[n].numel()]
+        cap = max(self.bucket_bytes // 4, 1)
+        start = 0
+        while start < len(names):
+            end, size = start, 0
+            while end < len(names) and (end == start or size + out[names[end]].numel() <= cap):
+                size += out[names[end]].numel()
+                end += 1
+            shards = [out[n] for n in names[start:end]]
+            flat = torch.cat([s.reshape(-1) for s in shards])
+            dist.all_reduce(flat, group=self.replica_group)
+            self.stats.push_replica_bytes += flat.numel() * flat.element_size()
+            torch._foreach_copy_(shards, [v.view(s.shape) for v, s in zip(flat.split([s.numel() for s in shards]), shards)])
+            start = end
 
     def _zeros(self, names: list[str], device: torch.device) -> list[torch.Tensor]:
         """fp32 zeros shaped as the masters of ``names``: views of one buffer (one fill)."""

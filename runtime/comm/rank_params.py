@@ -2,7 +2,8 @@
 
 ``RankParams`` holds what the pull (``runtime/comm/pull``), the push (``runtime/comm/push``) and the
 overlapped update (``runtime/comm/overlapped_update``) share: the Program, this rank's fp32 optimizer
-shards (the masters), the working tensors its graph holds, their ``ParamShard``, and the model order
+shards (the masters; sharded over the rank's shard group, ``group_size`` ranks, and replicated across
+the groups), the working tensors its graph holds, their ``ParamShard``, and the model order
 of the parameters (``Program.pull_plans`` order, which is ``list(hgraph.params)``), which fixes the
 order of every message. ``SyncStats`` counts the bytes of one step.
 
@@ -18,7 +19,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hgraph.shard_rule import shard_bounds
+from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 
 Range = tuple[int, int]
 
@@ -54,6 +55,7 @@ class SyncStats:
     push_recv_bytes: int = 0
     push_send_bytes: int = 0
     push_reduce_scatter_bytes: int = 0
+    push_replica_bytes: int = 0          # the shards all-reduced across the shard groups (--shard-group)
 
     def reset(self) -> None:
         """Zero every counter (a step begins; the pull and the push count into the same object)."""
@@ -83,6 +85,21 @@ class RankParams:
     def world_size(self) -> int:
         return self.program.cluster.world_size
 
+    @property
+    def group_size(self) -> int:
+        """Ranks over which the optimizer shards (``--shard-group``; the world by default)."""
+        return self.program.cluster.group_size
+
+    @property
+    def shard_group(self) -> tuple[int, ...]:
+        """The ranks sharing this rank's copy of the optimizer states (its Pull and Push stay inside)."""
+        return shard_group_ranks(self.rank, self.group_size)
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """The ranks holding the same optimizer shards as this one, one per shard group."""
+        return replica_ranks(self.rank, self.group_size, self.world_size)
+
     @cached_property
     def order(self) -> list[str]:
         """Every parameter in model order."""
@@ -90,4 +107,4 @@ class RankParams:
 
     def segment(self, param: Any) -> Range:
         """This rank's optimizer segment (rows) of ``param``."""
-        return shard_bounds(param.size, self.rank, self.world_size)
+        return group_shard_bounds(param.size, self.rank, self.group_size)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -31,7 +31,7 @@ from hgraph.errors import StrategyError
 from hgraph.program import ParamShard
 from hgraph.runtime.engine.executor import shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
-from hgraph.shard_rule import shard_bounds
+from hgraph.shard_rule import group_shard_bounds
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 MASTER_BYTES = 4          # fp32 master segment, per element
@@ -69,13 +69,15 @@ def param_dims(compiled: CompiledModule) -> dict[str, tuple[tuple[int, ...], int
     return {name: (tuple(int(d) for d in info.shape), dims[name]) for name, info in compiled.hgraph.params.items()}
 
 
-def optimizer_elements(dims: Mapping[str, tuple[tuple[int, ...], int]], rank: int, world_size: int) -> int:
+def optimizer_elements(dims: Mapping[str, tuple[tuple[int, ...], int]], rank: int, world_size: int,
+                       group_size: Optional[int] = None) -> int:
     """Elements of every parameter's segment that ``rank`` of ``world_size`` owns (``ShardLayout``:
-    a 0-d parameter is one element along dim 0)."""
+    a 0-d parameter is one element along dim 0); ``group_size``: the states sharded over groups of
+    that many ranks (``--shard-group``; None: the world)."""
     total = 0
     for shape, dim in dims.values():
         shape = shape or (1,)
-        lo, hi = shard_bounds(shape[dim], rank, world_size)
+        lo, hi = group_shard_bounds(shape[dim], rank, group_size or world_size)
         total += math.prod(shape) // shape[dim] * (hi - lo) if shape[dim] else 0
     return total
 
@@ -106,21 +108,22 @@ def rank_states(compiled: CompiledModule, strategy: Strategy, cluster: Cluster, 
     aliased = _aliased(cluster.world_size, dtype)
     out = []
     for c in strategy.coords():
-        opt = optimizer_elements(dims, c.rank, cluster.world_size)
+        opt = optimizer_elements(dims, c.rank, cluster.world_size, cluster.group_size)
         wp, wg = working_bytes(shards[strategy.pipelines[c.pipeline]][(c.stage, c.tp_rank)], dtype, aliased)
         out.append(RankStates(opt * MASTER_BYTES, opt * MOMENT_BYTES, wp, wg, opt * STEP_TRANSIENT_BYTES))
     return out
 
 
 def scheme_states(compiled: CompiledModule, schemes: Iterable[Scheme], world_size: int, dtype: torch.dtype, *,
-                  skip_refused: bool = False) -> dict[tuple[int, int], tuple[int, int]]:
+                  skip_refused: bool = False, group_size: Optional[int] = None) -> dict[tuple[int, int], tuple[int, int]]:
     """Per ``(tp, pp)``: ``(resident, step transient)`` bytes of the fullest rank a pipeline of that
     scheme can have on ``world_size`` ranks (any of its ranks may sit at any world rank, so the largest
     optimizer segment plus the largest working layout; CP does not change either). The planner's
     model states (``MemoryModel.scheme_states``). A scheme the model refuses (TP not dividing its
-    heads, PP above its layers) is a ``StrategyError``, or left out with ``skip_refused``."""
+    heads, PP above its layers) is a ``StrategyError``, or left out with ``skip_refused``. ``group_size``:
+    the optimizer states sharded over groups of that many ranks (None: the world)."""
     dims = param_dims(compiled)
-    opt = max(optimizer_elements(dims, r, world_size) for r in range(world_size))
+    opt = max(optimizer_elements(dims, r, world_size, group_size) for r in range(group_size or world_size))
     aliased = _aliased(world_size, dtype)
     out: dict[tuple[int, int], tuple[int, int]] = {}
     for p in schemes:

@@ -1,9 +1,11 @@
-"""Sharded Adam/AdamW: fp32 master parameters and optimizer states split evenly over all N ranks.
+"""Sharded Adam/AdamW: fp32 master parameters and optimizer states split evenly over all N ranks
+(or over each group of G consecutive ranks and replicated across the groups: ``shard_group``).
 
 This is the *optimization phase* of Hydraulis §5.2: the layout is the same for every parallel
 strategy. Parameter ``name`` is cut along its shard dimension ``d`` (size ``S``); rank ``r`` owns
 ``[floor(r*S/N), floor((r+1)*S/N))`` (``hgraph.shard_rule.shard_bounds``, the rule the LNK plans read
-too). A rank may own an empty shard when ``S < N``.
+too; with shard groups of G ranks, ``r`` is the rank's place in its group and ``N`` is G,
+``group_shard_bounds``). A rank may own an empty shard when ``S < N``.
 
 A rank's fp32 masters and both moments live in three flat buffers (one each, the shards of every
 parameter side by side; ``params[name]`` etc. are views into them). Two implementations of the update:
@@ -17,8 +19,9 @@ parameter side by side; ``params[name]`` etc. are views into them). Two implemen
   decay, or decoupled decay for AdamW), each op on all shards at once (``torch._foreach_*``): every
   element gets the same fp32 arithmetic as the unsharded optimizer, bitwise, on any number of ranks.
 
-Optional clipping by the global gradient norm sums the squared shard norms of all ranks (one
-all-reduce) and scales like ``torch.nn.utils.clip_grad_norm_``.
+Optional clipping by the global gradient norm sums the squared shard norms of all ranks of the shard
+group (one all-reduce: each shard counted once, not once per group) and scales like
+``torch.nn.utils.clip_grad_norm_``.
 ``step`` with clipping and ``full_state_dict`` are collective: every rank calls them.
 
 The parameters given may live on the meta device (a model built without allocating it,
@@ -34,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.shard_rule import ShardLayout, shard_bounds
+from hgraph.shard_rule import ShardLayout, group_shard_bounds, shard_bounds
 
 FUSED, EXACT = "fused", "exact"
 IMPLS = (FUSED, EXACT)
@@ -47,9 +50,11 @@ class ShardedAdam:
     """Adam (``decoupled_weight_decay=False``) or AdamW on this rank's shards of every parameter.
 
     ``named_parameters``: the full model's parameters (``model.named_parameters()`` or a dict), in the
-    same order on every rank; ``shard_dims``: shard dimension per name (default 0); ``group``: the
-    process group of all N ranks (default: the default group). Each rank keeps fp32 copies of its
-    shards only.
+    same order on every rank; ``shard_dims``: shard dimension per name (default 0); ``shard_group``:
+    the shards are cut over groups of this many consecutive ranks and replicated across the groups
+    (``--shard-group``; ``None``: over all N ranks); ``group``: the process group of this rank's shard
+    group (default: the default group, which is it without ``shard_group``). Each rank keeps fp32
+    copies of its shards only.
     """
 
     #: ``step`` may take disjoint parts of the gradients one after another within one training step
@@ -63,9 +68,16 @@ class ShardedAdam:
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = False,
                  max_grad_norm: Optional[float] = None,
                  group: Optional[dist.ProcessGroup] = None,
-                 device: Optional[torch.device] = None, impl: str = FUSED) -> None:
+                 device: Optional[torch.device] = None, impl: str = FUSED,
+                 shard_group: Optional[int] = None) -> None:
         if not 0 <= rank < world_size:
             raise HGraphError(f"ShardedAdam: rank {rank} is outside world size {world_size}")
+        if shard_group is not None and (shard_group < 1 or world_size % shard_group):
+            raise HGraphError(f"ShardedAdam: shard group {shard_group} does not divide world size {world_size}")
+        # the layout: this rank's place in its shard group of ``group_size`` ranks
+        self.shard_group = None if shard_group == world_size else shard_group
+        self.group_size = shard_group or world_size
+        self.group_rank = rank % self.group_size
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
             raise HGraphError(f"ShardedAdam: invalid hyper-parameters lr={lr}, betas={betas}, "
                               f"eps={eps}, weight_decay={weight_decay}")
@@ -119,7 +131,7 @@ class ShardedAdam:
                               f"for shape {list(shape)}")
         dim %= ndim
         size = shape[dim] if shape else 1
-        lo, hi = shard_bounds(size, self.rank, self.world_size)
+        lo, hi = group_shard_bounds(size, self.rank, self.group_size)
         return ShardLayout(name, shape, dim, lo, hi)
 
     # ---- the update ------------------------------------------------------------------------------
@@ -138,11 +150,13 @@ class ShardedAdam:
     def global_grad_norm(self, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The 2-norm of all gradients of all ranks (collective: one all-reduce). The shards' norms
         come from one multi-tensor call (on CUDA a few kernels per step, where a norm, a cast, a
-        square and an add per shard launched four each), summed squared in float64."""
+        square and an add per shard launched four each), summed squared in float64. With shard
+        groups the sum runs inside this rank's group, which holds every shard once (every group
+        holds the same gradients after the push, so each computes the same norm)."""
         shards = list(grads.values())
         local = (torch.stack(torch._foreach_norm(shards, 2)).double().square().sum() if shards
                  else torch.zeros((), dtype=torch.float64, device=self.flat_params.device))
-        if self.world_size > 1:
+        if self.group_size > 1:
             dist.all_reduce(local, group=self.group)
         return local.sqrt().to(torch.float32)
 
@@ -222,11 +236,14 @@ class ShardedAdam:
     # ---- state ------------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The fp32 parameters gathered to full tensors, keyed by name (collective).
+        """The fp32 parameters gathered to full tensors, keyed by name (collective in this rank's shard
+        group: every group holds them all).
 
         With ``rank0_only`` only rank 0 receives them; the other ranks get ``{}``.
         """
         out = {}
+        if rank0_only and self.rank >= self.group_size:
+            return out                    # another shard group than rank 0's: nothing to take part in
         for name, layout in self.layouts.items():
             full = self._gather_full(layout, self.params[name], rank0_only)
             if full is not None:
@@ -236,14 +253,14 @@ class ShardedAdam:
     def _gather_full(self, layout: ShardLayout, shard: torch.Tensor,
                      rank0_only: bool) -> Optional[torch.Tensor]:
         size = layout.full_shape[layout.dim] if layout.full_shape else 1
-        if self.world_size == 1:
+        if self.group_size == 1:
             return shard.reshape(layout.full_shape).clone()
-        width = math.ceil(size / self.world_size)  # the widest shard: pad every shard to it
+        width = math.ceil(size / self.group_size)  # the widest shard: pad every shard to it
         padded = list(layout.shard_shape)
         padded[layout.dim] = width
         inp = shard.new_zeros(padded)
         inp.narrow(layout.dim, 0, shard.shape[layout.dim]).copy_(shard)
-        pieces = [torch.empty_like(inp) for _ in range(self.world_size)]
+        pieces = [torch.empty_like(inp) for _ in range(self.group_size)]
         if rank0_only:
             dist.gather(inp, pieces if self.rank == 0 else None, dst=0, group=self.group)
             if self.rank != 0:
@@ -252,7 +269,7 @@ class ShardedAdam:
             dist.all_gather(pieces, inp, group=self.group)
         parts = []
         for r, piece in enumerate(pieces):
-            lo, hi = shard_bounds(size, r, self.world_size)
+            lo, hi = shard_bounds(size, r, self.group_size)
             parts.append(piece.narrow(layout.dim, 0, hi - lo))
         return torch.cat(parts, dim=layout.dim).reshape(layout.full_shape)
 
@@ -289,7 +306,7 @@ class ShardedAdam:
         """This rank's shards of parameters and moments, steps and hyper-parameters (copies)."""
         def copy(d: dict) -> dict:
             return {k: v.clone() for k, v in d.items()}
-        return {"rank": self.rank, "world_size": self.world_size,
+        return {"rank": self.rank, "world_size": self.world_size, "shard_group": self.shard_group,
                 "shard_dims": {n: lay.dim for n, lay in self.layouts.items()},
                 "hyper": {"lr": self.lr, "betas": self.betas, "eps": self.eps,
                           "weight_decay": self.weight_decay,
@@ -301,10 +318,12 @@ class ShardedAdam:
     @torch.no_grad()
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict`` written by the same rank of a run with the same world size."""
-        if (state["rank"], state["world_size"]) != (self.rank, self.world_size):
+        saved_group = state.get("shard_group") or state["world_size"]
+        if (state["rank"] % saved_group, saved_group) != (self.group_rank, self.group_size):
             raise HGraphError(f"ShardedAdam.load_state_dict: state of rank {state['rank']} of "
-                              f"{state['world_size']} cannot load into rank {self.rank} of "
-                              f"{self.world_size}; use load_full_state_dict to re-shard")
+                              f"{state['world_size']} (shard group {saved_group}) cannot load into rank "
+                              f"{self.rank} of {self.world_size} (shard group {self.group_size}); use "
+                              "load_full_state_dict to re-shard")
         if set(state["params"]) != set(self.layouts):
             raise HGraphError("ShardedAdam.load_state_dict: parameter names differ: "
                               f"{sorted(set(state['params']) ^ set(self.layouts))}")

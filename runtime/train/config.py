@@ -97,6 +97,8 @@ class OptimizerConfig:
     grad_clip: Optional[float] = None
     skip_nonfinite: bool = False
     optimizer_impl: str = "fused"              # fused | exact (engine/optimizer)
+    shard_group: Union[int, str] = "world"     # G dividing the world | world | auto: the states are sharded
+    #                                            over groups of G ranks (planner/cost/shard_group)
 
 
 @dataclass(frozen=True)

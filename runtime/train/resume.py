@@ -21,11 +21,12 @@ from hgraph.runtime.train.lr_schedule import schedule_of
 
 
 def load_resume(config: TrainConfig, rank: int, world_size: int, fingerprint: str, docs: Sequence[Document] = (),
-                order: Any = None) -> Any:
+                order: Any = None, shard_group: Any = None) -> Any:
     """This rank's part of the checkpoint to resume (``checkpoint.Checkpoint``; resharded when the
     world size changed), or None for a fresh run; checks that it fits the run (``check_resume``).
     ``docs`` and ``order`` (the run's documents and ``DataOrder``) place a foreign DCP checkpoint in
-    the data (``foreign_resume``)."""
+    the data (``foreign_resume``); ``shard_group``: the run's optimizer shards over groups of that many
+    ranks (None: the world), read from any layout the checkpoint was written at."""
     ckpts = config.checkpointing
     if not ckpts.resume:
         return None
@@ -35,7 +36,7 @@ def load_resume(config: TrainConfig, rank: int, world_size: int, fingerprint: st
     if foreign.is_foreign(Path(folder)):
         loaded = foreign_resume(Path(folder), config, world_size, fingerprint, docs, order)
     else:
-        loaded = ckpt.load(folder, rank, world_size)
+        loaded = ckpt.load(folder, rank, world_size, shard_group=shard_group)
     check_resume(loaded.step, loaded.path, loaded.run, loaded.data_position, model=config.model.model,
                  model_args=dict(config.model.model_args), fingerprint=fingerprint, total_steps=config.data.steps)
     return loaded

@@ -47,7 +47,7 @@ from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
-from hgraph.runtime.comm.process_groups import GroupCache
+from hgraph.runtime.comm.process_groups import GroupCache, shard_groups_of
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
@@ -56,6 +56,8 @@ from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
 from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
+from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
+from hgraph.shard_rule import shard_group_ranks
 from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.data_setup import model_limits, ready_data
@@ -100,6 +102,7 @@ class TrainSummary:
     step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
     sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
     stopped: Optional[dict] = None    # stopped by a signal: {"signal", "step" (steps done), "checkpoint"}
+    shard_group: dict = field(default_factory=dict)   # {"size": G, "auto": why ``auto`` chose it, or ""}
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -159,7 +162,10 @@ def check_weights(config: TrainConfig) -> str:
 
 
 def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
-                   device: Optional[torch.device] = None) -> ShardedAdam:
+                   device: Optional[torch.device] = None, shard_group: Optional[int] = None,
+                   group: Any = None) -> ShardedAdam:
+    """The run's sharded optimizer; ``shard_group``: its states sharded over groups of that many ranks
+    (None: the world), ``group`` the process group of this rank's shard group."""
     opt = config.optimizer
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
@@ -168,7 +174,8 @@ def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, wor
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, **kwargs)
+               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, shard_group=shard_group,
+               group=group, **kwargs)
 
 
 class Trainer:
@@ -192,7 +199,13 @@ class Trainer:
         self.schedule = schedule_of(config)
         self.loss_watch = FlatLossWatch(config.logging.flat_loss_threshold, self.schedule.warmup_steps)
         self.fingerprint = data_fingerprint(self.docs)
-        self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order)   # None: fresh
+        # --shard-group: the optimizer states sharded over groups of G ranks (auto: why, in the summary)
+        self.shard_group, self.shard_group_why = resolve_shard_group(
+            config.optimizer.shard_group, world_size, config.cluster.gpus_per_node,
+            sum(p.numel() for p in self.model.parameters()), config.cluster.device_memory)
+        shard_group = self.shard_group if self.shard_group < world_size else None
+        self.resumed = load_resume(config, rank, world_size, self.fingerprint, self.docs, self.order,
+                                   shard_group)   # None: fresh
         if self.resumed is not None:
             self.order.check_state(self.resumed.data_position, str(self.resumed.path))
         groups = groups if groups is not None else GroupCache(rank, world_size)
@@ -213,7 +226,8 @@ class Trainer:
         self.peak_tflops = device_peak_tflops(self.device, config.cluster.peak_tflops)
         if config.model.dropout == "off" and self.dropout.startswith("off") and rank == 0 and config.log_steps:
             log.info("hgraph: the model's dropout is disabled (%s)", self.dropout)
-        self.planner_setup = planner_setup_of(config, self.compiled, self.device) if config.planner_driven else None
+        self.planner_setup = (planner_setup_of(config, self.compiled, self.device, shard_group)
+                              if config.planner_driven else None)
         planner = None
         if self.planner_setup is not None:
             planner = start_planner(
@@ -222,7 +236,10 @@ class Trainer:
                 progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
                 run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
                                                                     self.order.copy())])
-        self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device)
+        if shard_group is not None:        # collective: every rank creates every shard group and set of replicas
+            groups.ensure(shard_groups_of(world_size, shard_group))
+        self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device, shard_group,
+                                        groups.get(shard_group_ranks(rank, shard_group)) if shard_group else None)
         if self.resumed is not None:
             restore_state(self.resumed, self.optimizer)
         else:
@@ -234,7 +251,8 @@ class Trainer:
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),
                                  cp_sharding=config.planner.cp_sharding, track_memory=config.logging.track_memory,
-                                 cluster=Cluster(world_size, config.cluster.gpus_per_node), seed=config.model.seed,
+                                 cluster=Cluster(world_size, config.cluster.gpus_per_node, shard_group=shard_group),
+                                 seed=config.model.seed,
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,
@@ -396,7 +414,8 @@ class Trainer:
         return TrainSummary(results, self.executor.programs.info(), final, planned, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
-                            sequence_parallel=self.sequence_parallel, stopped=stopped)
+                            sequence_parallel=self.sequence_parallel, stopped=stopped,
+                            shard_group={"size": self.shard_group, "auto": self.shard_group_why})
 
     def _end_on_silence(self, silent: list[Silent]) -> None:
         """A peer stopped answering (heartbeat thread): this rank's collectives would wait for it until
@@ -470,7 +489,8 @@ class Trainer:
         return out
 
 
-def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device) -> PlannerSetup:
+def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device,
+                     shard_group: Optional[int] = None) -> PlannerSetup:
     """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
     device (a measured profile times the model there, in the run's working dtype)."""
     plan, counts = config.planner, compiled.hgraph.slot_counts()
@@ -483,7 +503,7 @@ def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torc
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
         profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
         device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
-        compiled_step=compile_wanted(config.model.compile, device))
+        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
@@ -508,7 +528,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
             "candidates": summary.candidates, "dropout": summary.dropout,
             "sequence_parallel": summary.sequence_parallel,
             "long_documents": summary.long_documents, "step_extra": summary.step_extra,
-            "stopped": summary.stopped}
+            "stopped": summary.stopped, "shard_group": summary.shard_group}
 
 
 def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:

@@ -75,6 +75,7 @@ from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.stored import LongReport
 from hgraph.runtime.data.token_store import write_documents
 from hgraph.runtime.planner.cost.runtime_memory import bytes_text, least_state_bytes
+from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.runtime.planner.service.iteration import parse_candidates
 from hgraph.runtime.process.writable import probe_writable
 from hgraph.runtime.train.config import TrainConfig
@@ -133,6 +134,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, ResolvedCon
                           "--strategies auto only, not to a given strategy list or schedule")
     if schedule is None and strategies.strip() != "auto":
         parse_candidates(strategies, cfg.world_size)
+    key, src = BY_DEST["shard_group"], cfg.sources["shard_group"]
+    parse_shard_group(cfg.shard_group, cfg.world_size,      # fails here, before any process starts
+                      key.flag if src in ("command line", "default") else f"{src}: [{key.section}] {key.name}")
     # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
     ranks_here = cfg.world_size if env is None else cfg.gpus_per_node
     device_memory = device_memory_option(cfg.device_memory, cfg.data, cfg.device, ranks_here)
@@ -424,6 +428,7 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
                           "long_documents": result.get("long_documents", {}),
                           "dropout": result.get("dropout", "none"),
                           "sequence_parallel": result.get("sequence_parallel", "on"),
+                          "shard_group": result.get("shard_group", {}),
                           "checkpoints": result.get("checkpoints", []), "resumed_from": result.get("resumed_from"),
                           "save_final": config.checkpointing.save_final, "metrics": metrics,
                           "run_dir": str(run_dir) if run_dir is not None else None,
@@ -433,6 +438,10 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
     extra = {e["step"]: e for e in result.get("step_extra", [])}
     print(f"dropout: {result.get('dropout', 'none')}")
     print(f"sequence parallelism: {result.get('sequence_parallel', 'on')}")
+    group = result.get("shard_group") or {}
+    if group:
+        why = f" (--shard-group auto: {group['auto']})" if group.get("auto") else ""
+        print(f"optimizer states: sharded over groups of {group['size']} ranks{why}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())
     evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]

@@ -41,7 +41,8 @@ class ConfigKey:
 
     ``kind``: int, float, str, bool, path, table (a TOML table / JSON object) or pair (two floats);
     ``optional``: None is a valid value (the default unless given); ``choices``: allowed values;
-    ``minimum``: smallest allowed number.
+    ``minimum``: smallest allowed number; ``integers``: a str key that also takes a TOML integer
+    (kept as its text, e.g. ``shard-group = 8``).
     """
 
     section: str
@@ -53,6 +54,7 @@ class ConfigKey:
     minimum: Optional[float] = None
     optional: bool = False
     metavar: Optional[str] = None
+    integers: bool = False
 
     @property
     def dest(self) -> str:
@@ -167,6 +169,12 @@ SCHEMA: tuple[ConfigKey, ...] = (
        optional=True, minimum=0.0),
     _k("optimizer", "decay-steps", "int", None, "steps of the decay (default: to the end of the run after "
        "the warmup; wsd: the last 10% of the steps)", optional=True, minimum=1, metavar="D"),
+    _k("optimizer", "shard-group", "str", "world", "the optimizer states (fp32 masters, Adam's moments) are "
+       "sharded over each group of G consecutive ranks and replicated across the groups: a rank pulls and "
+       "pushes inside its group, then sums its gradient shards across the groups (G = a node: a rank's "
+       "peers no longer grow with the world, for N/G copies of the states); world: over all ranks (the "
+       "default: the memory every run had); auto: the smallest node multiple whose states fit half the "
+       "device memory (said at the start)", metavar="G|world|auto", integers=True),
     _k("optimizer", "optimizer-impl", "str", "fused", "the update: fused (torch's fused Adam kernel on "
        "each rank's flat buffers) or exact (torch.optim.Adam's single-tensor arithmetic, bitwise, also "
        "after a resume on another number of ranks; fused rounds up to an ulp apart)",
@@ -291,6 +299,8 @@ def _validate(key: ConfigKey, value: Any, source: str) -> Any:
             raise bad
         value = float(value)
     elif key.kind in ("str", "path"):
+        if key.integers and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
         if not isinstance(value, str) or not value:
             raise bad
     elif key.kind == "table":

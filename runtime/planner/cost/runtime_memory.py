@@ -255,17 +255,18 @@ def is_runtime_model(cost: CostModel, model: Any) -> bool:
 
 
 def counted_states(cost: CostModel, model: Any, *, working_bytes: int = 4,
-                   compiled: Any = None) -> dict[tuple[int, int, int], tuple[int, int]]:
+                   compiled: Any = None, group_size: Optional[int] = None) -> dict[tuple[int, int, int], tuple[int, int]]:
     """``MemoryModel.scheme_states`` of every <TP, PP> of ``cost`` on its world size: the bytes the
     fullest rank of such a pipeline holds in this runtime (``engine.model_states.scheme_states``:
     optimizer segments, one working layout and its gradients; the step's transient). Counted from
     the layouts of ``compiled`` (default: ``model`` traced here), nothing allocated; a <TP, PP> the
-    model refuses is left to the formula."""
+    model refuses is left to the formula. ``group_size``: the run shards its optimizer states over groups
+    of that many ranks (``--shard-group``; None: the world)."""
     compiled = compiled if compiled is not None else hgraph.compile(model)
     n = cost.world_size
     schemes = [Scheme(tp, pp) for tp, pp in sorted({(tp, pp) for tp, pp, _ in cost.profiled}) if tp * pp <= n]
     dtype = torch.bfloat16 if working_bytes == 2 else torch.float32
-    states = scheme_states(compiled, schemes, n, dtype, skip_refused=True)
+    states = scheme_states(compiled, schemes, n, dtype, skip_refused=True, group_size=group_size)
     return {(tp, pp, n): v for (tp, pp), v in states.items()}
 
 

@@ -73,15 +73,17 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
 
 
 def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,
-                       compiled: Any = None, compiled_step: bool = False) -> tuple[Any, float | None]:
+                       compiled: Any = None, compiled_step: bool = False,
+                       shard_group: int | None = None) -> tuple[Any, float | None]:
     """``cost`` under ``device_memory`` (bytes, ``"auto"`` or None) and the limit in bytes; the model
     states the runtime's ranks hold are counted once, from ``compiled`` when given; ``compiled_step``:
-    the activations a ``--compile`` step keeps."""
+    the activations a ``--compile`` step keeps; ``shard_group``: the optimizer states are sharded over
+    groups of that many ranks (None: the world)."""
     if device_memory is None:
         return cost, None
     # the TP>1 schemes' activations: a token slice between TP regions under sequence parallelism
     sp = compiled.sequence_parallel_status() == "on" if compiled is not None else True
-    states = counted_states(cost, model, working_bytes=working_bytes, compiled=compiled) \
+    states = counted_states(cost, model, working_bytes=working_bytes, compiled=compiled, group_size=shard_group) \
         if is_runtime_model(cost, model) else None
     if device_memory == "auto":
         sized = with_device_memory(cost, model, float(2 ** 50), working_bytes=working_bytes, states=states,
@@ -185,7 +187,7 @@ class IterationPlanner:
                working_bytes: int = 4, max_candidates: int | None = None,
                compiled: Any = None, method: str = "fast", time_limit_s: float = 10.0,
                activation_budget_bytes: float | None = None, device: Any = None, dtype: Any = None,
-               compiled_step: bool = False) -> "IterationPlanner":
+               compiled_step: bool = False, shard_group: int | None = None) -> "IterationPlanner":
         """``strategies``: ``auto`` (``auto_candidates`` for the lengths of ``documents``) or
         ``"S1;S2"``. The candidate set is computed on rank 0 and broadcast. ``profile`` ``measure``
         calibrates on every rank (collective). ``device_memory``: bytes per rank that bound every
@@ -196,14 +198,16 @@ class IterationPlanner:
         ``activation_budget_bytes``: the planner's micro-batch times include the recomputation this
         budget forces (``with_activation_budget``; the candidates are chosen without it); ``device``,
         ``dtype``: where and in what ``measure`` times the model (the run's); ``compiled_step``: the run
-        compiles its graphs (the activations it keeps bound MaxLen)."""
+        compiles its graphs (the activations it keeps bound MaxLen); ``shard_group``: its optimizer
+        states are sharded over groups of that many ranks (None: the world), which the model states
+        count."""
         if profile == MEASURE:
             cost = measured_cost_model(model, rank, world_size, groups, gpus_per_node, tp_slots, progress,
                                        device=device, dtype=dtype)
         else:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
         cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled,
-                                                           compiled_step), rank)
+                                                           compiled_step, shard_group), rank)
         lengths = doc_lengths(documents).tolist()
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)

@@ -68,6 +68,7 @@ class PlannerSetup:
     device: Optional[torch.device] = None      # where and in what a measured profile times the model:
     dtype: Optional[torch.dtype] = None        # the run's device and working dtype
     compiled_step: bool = False                # the run compiles its graphs (what they keep bounds MaxLen)
+    shard_group: Optional[int] = None          # the optimizer states sharded over groups of G ranks (--shard-group)
 
 
 class Progress(Protocol):
@@ -106,7 +107,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
             working_bytes=setup.working_bytes, max_candidates=setup.max_candidates,
             compiled=compiled, method=setup.method, time_limit_s=setup.time_limit_s,
             activation_budget_bytes=setup.memory_budget, device=setup.device, dtype=setup.dtype,
-            compiled_step=setup.compiled_step)
+            compiled_step=setup.compiled_step, shard_group=setup.shard_group)
     finally:
         bar.close()
     if setup.offload != "off":

@@ -35,9 +35,9 @@ def _model() -> torch.nn.Module:
     return build("tiny")
 
 
-def _optimizer(model, rank, world_size, group=None) -> ShardedAdam:
+def _optimizer(model, rank, world_size, group=None, shard_group=None) -> ShardedAdam:
     return ShardedAdam(model.named_parameters(), SHARD_DIMS, rank, world_size, lr=1e-2, weight_decay=0.01,
-                       group=group)
+                       group=group, shard_group=shard_group)
 
 
 def _adam_steps(opt: ShardedAdam, first: int, count: int) -> None:
@@ -108,6 +108,23 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             out[f"full{n}"] = opt_n.full_state_dict()
             out[f"resharded{n}"] = ck_n.resharded
         dist.barrier()
+
+    # Hierarchical sharding: the states over pairs of ranks, replicated across the two pairs. The
+    # checkpoint of the world layout (step 4) loads into pairs, and one written by pairs loads into
+    # the world layout: the same DCP entries whatever the shard group.
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]       # every rank takes part in new_group
+    ck_g = checkpoint.load(root, rank, world_size, step=4, shard_group=2)
+    opt_g = _optimizer(_model(), rank, world_size, group=pairs[rank // 2], shard_group=2)
+    opt_g.load_state_dict(ck_g.optimizer)
+    out["loaded_g2"], out["resharded_g2"] = _state(opt_g), ck_g.resharded
+    _adam_steps(opt_g, 4, 2)
+    out["continued_g2"] = _state(opt_g)
+    checkpoint.save(f"{root}-g2", 6, opt_g, rank=rank, world_size=world_size, data_position={"next_doc": 50})
+    ck_w = checkpoint.load(f"{root}-g2", rank, world_size)
+    opt_w = _optimizer(_model(), rank, world_size)
+    opt_w.load_state_dict(ck_w.optimizer)
+    out["loaded_from_g2"], out["resharded_from_g2"] = _state(opt_w), ck_w.resharded
+    out["full_g2"] = opt_g.full_state_dict()
     return out
 
 
@@ -180,6 +197,30 @@ def test_resharded_load_gives_bitwise_equal_full_tensors(run, n):
     gathered = results[0][f"full{n}"]
     for name in saved[0]["shard_dims"]:
         assert torch.equal(gathered[name], _full(saved, "params", name))
+
+
+def test_a_checkpoint_written_at_one_shard_group_resumes_at_another(run):
+    """World layout -> pairs (G = 2) and pairs -> world layout: every pair holds the whole state
+    bitwise, training on in pairs equals training on in the world layout, and the pairs' checkpoint
+    reads back into the world layout bitwise."""
+    _, results = run
+    saved = [r["state4"] for r in results]
+    for pair in ((0, 1), (2, 3)):
+        loaded = [results[r]["loaded_g2"] for r in pair]
+        continued = [results[r]["continued_g2"] for r in pair]
+        for name in saved[0]["shard_dims"]:
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(_full(loaded, key, name), _full(saved, key, name)), (pair, key, name)
+                assert torch.equal(_full(continued, key, name),
+                                   _full([r["original_continued"] for r in results], key, name)), (pair, key, name)
+    assert all(r["resharded_g2"] and r["resharded_from_g2"] for r in results)
+    back = [r["loaded_from_g2"] for r in results]
+    for name in saved[0]["shard_dims"]:
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(back, key, name), _full([results[0]["continued_g2"], results[1]["continued_g2"]],
+                                                             key, name)), (key, name)
+        assert torch.equal(results[2]["full_g2"][name], _full(back, "params", name))
+        assert back[0]["steps"][name] == 6.0
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_step(run):

@@ -57,10 +57,16 @@ CASES_4 = [
     # generation: test_compiled_regions)
     ("tiny", "1xTP2PP1+2xTP1PP1;1xTP1PP2CP2", {"num_layers": 2},
      {"compile": "on", "compile_backend": "aot_eager"}),
+    # hierarchical sharding: the states sharded over pairs of ranks and replicated across the two pairs
+    # (pulls and pushes inside a pair, the shards summed across the pairs); global-norm clipping must
+    # count each shard once, not once per pair
+    ("tiny", "4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {"shard_group": 2, "grad_clip": 0.5}),
 ]
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
     ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {}),
+    # hierarchical sharding over two groups of 4 (a TP4 pipeline fills a group; a TP2PP2 one spans two)
+    ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {"shard_group": 4}),
 ]
 
 
@@ -80,6 +86,10 @@ def _config(model, schedule, world, overrides, options):
                                    lr=LR, model_args=dict(overrides), save_final="unused", **options)
 
 
+def _op_ranks(op):
+    return getattr(op, "group", None) or tuple(getattr(op, k) for k in ("src", "dst", "rank") if hasattr(op, k))
+
+
 def _worker(rank, world, cases):
     groups = GroupCache(rank, world)
     out = []
@@ -97,6 +107,11 @@ def _worker(rank, world, cases):
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "recomputed": [bool(s.recompute_layers) for s in steps],
+                    "replica_bytes": [s.bytes["push_replica_bytes"] for s in steps],
+                    # every rank the pulls and pushes of this rank's Programs exchange with
+                    "peers": sorted({r for st in states for ops in (*st.sync.pulls.ops.values(),
+                                                                   *st.sync.pushes.ops.values())
+                                     for op in ops for r in _op_ranks(op)} - {rank}),
                     "final": final if rank == 0 else None, "cache": trainer.executor.programs.info()})
     return out
 
@@ -144,9 +159,28 @@ def test_plain_data_parallel_steps_update_while_reducing_and_reuse_the_prefetche
         assert case["prefetched"] == [False, True, False, False]
 
 
-def test_eight_ranks_three_schemes_match_single_process_adam(results8):
-    _check(results8[0][0], *CASES_8[0])
-    assert results8[0][0]["cache"]["hits"] >= 1       # the schedule came back to its first strategy
+@pytest.mark.parametrize("case", range(len(CASES_8)))
+def test_eight_ranks_three_schemes_match_single_process_adam(results8, case):
+    _check(results8[0][case], *CASES_8[case])
+    assert results8[0][case]["cache"]["hits"] >= 1       # the schedule came back to its first strategy
+
+
+def test_hierarchical_sharding_pulls_and_pushes_inside_the_group_and_sums_across_the_groups(results4, results8):
+    """The shard-group cases (their equivalence is checked above): a rank's Pull and Push peers are the
+    ranks of its group only, and every step sums its shards across the groups; the world layout
+    exchanges with ranks of the other half and sums nothing across."""
+    for results, cases in ((results4, CASES_4), (results8, CASES_8)):
+        for case, (_, _, _, options) in enumerate(cases):
+            size = options.get("shard_group")
+            for rank, r in enumerate(results):
+                if size is None:
+                    assert r[case]["replica_bytes"] == [0] * STEPS
+                    continue
+                group = set(range(rank - rank % size, rank - rank % size + size)) - {rank}
+                assert r[case]["peers"] and set(r[case]["peers"]) <= group, (case, rank, r[case]["peers"])
+                assert all(b > 0 for b in r[case]["replica_bytes"])
+    world_peers = set(results8[0][0]["peers"])
+    assert world_peers - set(range(4)), "the world layout's rank 0 exchanges beyond its half"
 
 
 def test_only_the_last_strategys_working_parameters_hold_memory(results4, results8):

@@ -25,9 +25,10 @@ def meta():
     return model, hgraph.compile(model)
 
 
-def _optimizer(model, compiled, rank, world):
+def _optimizer(model, compiled, rank, world, shard_group=None):
     full = dict(model.named_parameters())
-    return ShardedAdam([(n, full[n]) for n in compiled.hgraph.params], shard_dims_of(compiled), rank, world)
+    return ShardedAdam([(n, full[n]) for n in compiled.hgraph.params], shard_dims_of(compiled), rank, world,
+                       shard_group=shard_group)
 
 
 def _working(shards, dtype):
@@ -76,6 +77,21 @@ def test_one_rank_run_allocates_what_the_planner_counts(dtype):
     working_bytes = 2 if dtype == "bf16" else 4
     cost = with_device_memory(model_cost_model("analytic", model, 1), model, 64 * MiB, working_bytes=working_bytes)
     assert cost.memory.state_bytes(cost.model, Scheme(1, 1), 1) == held.resident
+
+
+def test_shard_groups_hold_and_count_the_states_of_their_group(meta):
+    """With the states sharded over groups of G ranks, a rank holds (and the planner counts) what rank
+    ``r % G`` of a G-rank world holds: G/N more than over the whole world."""
+    model, compiled = meta
+    strategy = Strategy.parse("1xTP2PP2+2xTP1PP1")
+    counted = rank_states(compiled, strategy, Cluster(6, shard_group=3), torch.float32)
+    for r in range(6):
+        held = allocated_bytes(_optimizer(model, compiled, r, 6, shard_group=3), {})
+        alone = allocated_bytes(_optimizer(model, compiled, r % 3, 3), {})
+        assert counted[r].masters == held.masters == alone.masters
+    states = scheme_states(compiled, [Scheme(2, 1)], 6, torch.float32, group_size=3)
+    assert states == scheme_states(compiled, [Scheme(2, 1)], 3, torch.float32)
+    assert states[(2, 1)][1] > scheme_states(compiled, [Scheme(2, 1)], 6, torch.float32)[(2, 1)][1]
 
 
 @pytest.mark.parametrize("world", [3, 4])

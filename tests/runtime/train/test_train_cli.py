@@ -74,6 +74,14 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
     assert_trained_like([s["loss"] for s in steps], torch.load(final), _reference(data, 3, 30))
 
 
+def test_shard_group_auto_says_what_it_chose(data, capsys):
+    rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "1",
+                     "--shard-group", "auto"))
+    assert rc == 0
+    assert ("optimizer states: sharded over groups of 1 ranks (--shard-group auto: the world (1 ranks) is "
+            "within one node)") in capsys.readouterr().out
+
+
 def test_bf16_working_precision_trains_close_to_fp32(data, capsys):
     rc = main(_train(data, "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1", "--steps", "3",
                      "--dtype", "bf16", "--json"))
@@ -122,6 +130,10 @@ def test_a_run_whose_every_step_was_skipped_failed(data, tmp_path, capsys):
     (['{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8]}'], ("--tokens-per-iter", "5"),
      "document 0 has 8 tokens, more than --tokens-per-iter 5"),
     (['{"input_ids": [1]}', '{"input_ids": [2]}'], (), "step 0: the mini-batch .* is empty of targets"),
+    (['{"input_ids": [1, 2]}'], ("--shard-group", "3", "--world-size", "4", "--strategy-schedule", "4xTP1PP1"),
+     "--shard-group '3': does not divide the world size 4; allowed: an integer dividing the world size 4, "
+     "world or auto"),
+    (['{"input_ids": [1, 2]}'], ("--shard-group", "node"), "--shard-group 'node': not a number; allowed"),
 ])
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, lines, extra, match):
     path = tmp_path / "docs.jsonl"

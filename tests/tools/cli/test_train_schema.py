@@ -83,6 +83,14 @@ def test_bool_flag_can_turn_off_a_file_setting(tmp_path):
     assert cfg.resume is False and cfg.plots is False
 
 
+def test_shard_group_takes_a_toml_integer_or_a_word(tmp_path):
+    path = _write(tmp_path, '[optimizer]\nshard-group = 8\n')
+    assert rc.resolve(_parser().parse_args(["--config", str(path)])).shard_group == "8"
+    assert rc.resolve(_parser().parse_args(["--shard-group", "auto"])).shard_group == "auto"
+    with pytest.raises(HGraphError, match=r"shard-group = True: expected a string"):
+        rc.resolve(argparse.Namespace(), _write(tmp_path, '[optimizer]\nshard-group = true\n'))
+
+
 def test_none_unsets_optional_keys(tmp_path):
     path = _write(tmp_path, '[optimizer]\ngrad-clip = "none"\nweight-decay = 0.1\n')
     cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--weight-decay", "none"]))
