@@ -100,6 +100,7 @@ class StepMode:
 
     def close(self) -> None:
         """The run is over (or failed): stop what the mode started."""
+        self.executor.close()
 
 
 class FixedSchedule(StepMode):
@@ -111,6 +112,11 @@ class FixedSchedule(StepMode):
 
     def step(self, batch: MiniBatch) -> StepResult:
         strategy = self.schedule[batch.step % len(self.schedule)]
+        # the next --plan-ahead steps' strategies are known: the ones not built yet build during this step
+        last = self.config.data.steps
+        self.executor.build_ahead([self.schedule[k % len(self.schedule)]
+                                   for k in range(batch.step + 1, min(batch.step + 1 + self.config.planner.plan_ahead,
+                                                                      last))])
         mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
@@ -133,16 +139,17 @@ class PlannerDriven(StepMode):
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
         planned = self.planner.plan(batch)
+        ex.build_ahead(planned.upcoming)        # the next steps' new strategies build during this one
         result = ex.step(planned.plan.strategy, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
-        if ex.rank == 0 and result.cache_hit:   # a compiling step says nothing about later ones
+        # a compiling step says nothing about later ones, nor one that first allocates its working tensors
+        if ex.rank == 0 and result.cache_hit and not result.built_ahead:
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
             "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
-            "switch_s": result.switch_s, "cache_hit": result.cache_hit,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
 
@@ -153,6 +160,7 @@ class PlannerDriven(StepMode):
         return [str(s) for s in self.planner.candidates]
 
     def close(self) -> None:
+        super().close()
         if self.planner.ahead is not None:
             self.planner.ahead.stop()
 

@@ -57,7 +57,10 @@ CASES_4 = [
     # generation: test_compiled_regions)
     ("tiny", "1xTP2PP1+2xTP1PP1;1xTP1PP2CP2", {"num_layers": 2},
      {"compile": "on", "compile_backend": "aot_eager"}),
+    # the second case again without building the next strategies ahead (--plan-ahead 0): the same numbers
+    ("tiny-tied", "1xTP1PP2+1xTP2PP1;4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {"plan_ahead": 0}),
 ]
+AHEAD, NOT_AHEAD = 1, len(CASES_4) - 1     # the CASES_4 entries above: one schedule with and without
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
     ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {}),
@@ -97,6 +100,7 @@ def _worker(rank, world, cases):
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "recomputed": [bool(s.recompute_layers) for s in steps],
+                    "builds": [(s.cache_hit, s.built_ahead, s.switch_s, s.build_s, s.build_lead_s) for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.executor.programs.info()})
     return out
 
@@ -158,6 +162,36 @@ def test_only_the_last_strategys_working_parameters_hold_memory(results4, result
             for case, (_, schedule, _, _) in zip(r, cases):
                 assert case["states"] == len(set(schedule.split(";")))
                 assert case["holding"] == 1
+
+
+def test_each_new_strategy_is_built_ahead_and_its_first_step_only_looks_it_up(results4):
+    """A fixed schedule's next strategies are known: each one's rank state (its graph, Pull/Push plans)
+    is prepared on the build-ahead thread while the steps before it run. Its first step finds it
+    built: the build began before that step did (``build_lead_s``), and the step's switch is the
+    lookup, not the build. Without building ahead (``plan_ahead`` 0) the first step builds it."""
+    for r in results4:
+        for case, ahead in ((r[AHEAD], True), (r[NOT_AHEAD], False)):
+            seen = set()
+            for k, (strategy, (hit, built_ahead, switch_s, build_s, lead_s)) in enumerate(
+                    zip(case["strategies"], case["builds"])):
+                assert hit           # a fixed schedule's Programs are built before its first step
+                if strategy in seen:
+                    assert not built_ahead and build_s is None and lead_s is None
+                elif k > 0 and ahead:
+                    assert built_ahead and build_s > 0 and lead_s > 0, (k, strategy)
+                    assert switch_s < build_s
+                else:
+                    assert not built_ahead and lead_s is None
+                seen.add(strategy)
+            assert len(seen) == 4
+
+
+def test_building_ahead_changes_no_number(results4):
+    """The same schedule with and without building ahead: the same losses and parameters, bitwise."""
+    a, b = results4[0][AHEAD], results4[0][NOT_AHEAD]
+    assert a["losses"] == b["losses"]
+    assert a["final"].keys() == b["final"].keys()
+    assert all(torch.equal(a["final"][k], b["final"][k]) for k in a["final"])
 
 
 def test_the_padding_case_trains_on_its_padding_token(results4):
