@@ -33,13 +33,19 @@ are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes 
 sequence (``grad_buckets``, ``param_gather``).
 
 The executor owns its ``ProgramCache`` (``hgraph.runtime.engine.program_cache``): per strategy the
-Program, built on the strategy's first step, and this rank's ``RankState`` for it (working tensors
-installed in the rank's graph, process groups created, the ``ParamSync``). Switching back to a
-strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``).
+Program and this rank's ``RankState`` for it (the rank's graph with its working tensors, the
+``ParamSync``, then the process groups). When the step mode knows the next steps' strategies it
+calls ``build_ahead``: a strategy not built yet is built on a background thread while this rank runs
+the steps before it, and its state prepared there (host work only: no collective, no working
+memory); its first step looks it up and creates its process groups (``_ready_state``). Otherwise the
+Program is built on the strategy's first step. Switching back to a strategy seen before costs a dict
+lookup, and no optimizer state moves (its layout does not depend on the strategy); the step's result
+says whether the Program was a hit (``StepResult.cache_hit``), how long the lookup took
+(``switch_s``) and, on a Program's first step, its build (``build_s``, ``built_ahead``).
 Only one Program's working parameters and gradients hold memory at a time: a switch frees the
-storage of the last Program's (``ParamSync.release_working``) and re-allocates the next one's, so a
-rank's peak does not grow with the number of strategies a run has used.
+storage of the last Program's (``ParamSync.release_working``) before it allocates the next one's
+(``acquire_working``), and a state prepared ahead holds none, so a rank's peak does not grow with the
+number of strategies a run has used or builds ahead.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
@@ -307,8 +313,12 @@ class Executor:
     def _state_of(self, entry: CachedProgram[RankState]) -> RankState:
         """The entry's rank state, built on the Program's first use, or readied there if it was
         prepared ahead (collectively: every rank calls it for the same Program)."""
-        if entry.state is None:
+        if entry.state is None:      # not prepared ahead: its preparation counts in its build
+            t0, c0 = time.perf_counter(), time.thread_time()
             entry.state = self._prepare_state(entry.program)
+            if entry.build is not None:
+                entry.build = replace(entry.build, build_s=entry.build.build_s + time.perf_counter() - t0,
+                                      cpu_s=entry.build.cpu_s + time.thread_time() - c0)
         if not entry.state.ready:
             self._ready_state(entry.state)
         return entry.state
