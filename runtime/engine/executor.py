@@ -277,10 +277,10 @@ class Executor:
 
     # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
     def prepare(self, strategies: Sequence[Strategy]) -> None:
-        """Build the Programs of ``strategies`` now (not counted as lookups), so a strategy that cannot
-        be built fails before any step."""
+        """Build the Programs of ``strategies`` now (misses), so a strategy that cannot be built fails
+        before any step."""
         for strategy in dict.fromkeys(strategies):
-            self.programs.find(strategy, count=False)
+            self.programs.find(strategy)
 
     def build_ahead(self, strategies: Sequence[Union[Strategy, str]]) -> None:
         """The strategies of the next steps, in order: those without a Program are built on the
