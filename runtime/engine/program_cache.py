@@ -18,6 +18,11 @@ wait for an unfinished ahead build); the build itself is timed apart (``CachedPr
 whose layout does not depend on the strategy. ``info()`` has the figures the metrics and the run's
 summary report.
 
+Nothing is evicted: a run's strategies are few (its candidates, or its schedule), and what an entry
+holds while another strategy runs is host structures (the Program, this rank's graph and plans): its
+working tensors are freed at the switch and allocated again when it runs (``ParamSync``), and a state
+prepared ahead has none. An entry dropped with the cache frees what it held.
+
 The executor owns the cache: it is the only one that looks Programs up, so it alone counts hits
 and misses; others read the counts. A Program built elsewhere (e.g. by ``CompiledModule.instantiate``)
 that the executor is asked to run is kept under its strategy too (``adopt``), without counting.
