@@ -175,6 +175,7 @@ class IterationPlanner:
         self.source, self.method, self.time_limit_s = source, method, time_limit_s
         self.device_memory = device_memory          # bytes per rank bounding MaxLen (None: the profile's)
         self.ahead = None
+        self._first_ahead = True         # the next plan taken from ``ahead`` is the run's first
         self.correction = StepCorrection()
         self.warnings: list[str] = []
 
@@ -244,7 +245,10 @@ class IterationPlanner:
         if plan is None:
             plan = selection.plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
                                   method=self.method, index=batch.step, time_limit_s=self.time_limit_s)
-        upcoming = self.ahead.upcoming() if self.ahead is not None else []
+        # the first step waits for the next one's plan too, so that its strategy builds during this
+        # step (later steps find the planner ahead of them)
+        upcoming = self.ahead.upcoming(wait_for=int(self._first_ahead)) if self.ahead is not None else []
+        self._first_ahead = False
         return (scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait,
                 upcoming)
 

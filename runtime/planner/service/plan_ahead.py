@@ -136,32 +136,25 @@ class PlanConsumer:
         self.channel = channel
         self.lost: Optional[str] = None
         self._delivered: collections.deque = collections.deque()    # read by ``upcoming``, not consumed
+        self._remaining = 0            # plans the planner has still to give (``setup``'s batches, less those taken)
 
     def setup(self, cost: Any, candidates: Sequence[Any], method: str, time_limit_s: float,
               batches: Sequence[tuple[int, list[int]]]) -> None:
         self.channel.jobs.put(("setup", cost, list(candidates), method, time_limit_s, list(batches)))
+        self._remaining = len(batches)
 
     def get(self, step: int) -> tuple[Any, float]:
         """The plan of ``step`` and the seconds waited for it; ``PlannerLost`` if the planner is gone."""
         if self.lost is not None:
             raise PlannerLost(self.lost)
         t0 = time.perf_counter()
-        while not self._delivered:
-            try:
-                self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
-                break
-            except queue_mod.Empty:
-                if self._gone():
-                    try:      # a plan may have been put just before the process ended
-                        self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
-                        break
-                    except queue_mod.Empty:
-                        self.lost = f"planner process {self.channel.pid} exited before the plan of step {step}"
-                        raise PlannerLost(self.lost) from None
+        if not self._delivered:
+            self._receive(step)
         kind, got, payload = self._delivered.popleft()
         wait = time.perf_counter() - t0
         if kind == "plan":
             self.channel.credits.release()      # the planner may make one more
+            self._remaining -= 1
         if kind == "error":
             self.lost = f"planner process failed at step {got}: {payload}"
             raise PlannerLost(self.lost)
@@ -170,9 +163,10 @@ class PlanConsumer:
             raise PlannerLost(self.lost)
         return payload, wait
 
-    def upcoming(self) -> list[Any]:
-        """The strategies of the plans delivered for the next steps, in step order (read now, without
-        waiting; they stay for ``get``). Empty once the planner is lost or failed."""
+    def upcoming(self, wait_for: int = 0) -> list[Any]:
+        """The strategies of the plans delivered for the next steps, in step order (they stay for
+        ``get``); read now, or after waiting until ``wait_for`` of them are there (fewer if the run has
+        fewer steps left). Empty once the planner is lost or failed."""
         if self.lost is not None:
             return []
         while True:
@@ -180,12 +174,35 @@ class PlanConsumer:
                 self._delivered.append(self.channel.plans.get_nowait())
             except (queue_mod.Empty, OSError, ValueError):
                 break
+        try:
+            while (len(self._delivered) < min(wait_for, self._remaining)
+                   and not (self._delivered and self._delivered[-1][0] == "error")):
+                self._receive(None)
+        except PlannerLost:
+            return []
         out = []
         for kind, _, payload in self._delivered:
             if kind != "plan":
                 break
             out.append(payload.strategy)
         return out
+
+    def _receive(self, step: Optional[int]) -> None:
+        """Wait for the planner's next message into the delivered ones; ``PlannerLost`` (naming
+        ``step``, else the next one) once the process is gone."""
+        while True:
+            try:
+                self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
+                return
+            except queue_mod.Empty:
+                if self._gone():
+                    try:      # a plan may have been put just before the process ended
+                        self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
+                        return
+                    except queue_mod.Empty:
+                        what = f"step {step}" if step is not None else "a coming step"
+                        self.lost = f"planner process {self.channel.pid} exited before the plan of {what}"
+                        raise PlannerLost(self.lost) from None
 
     def _gone(self) -> bool:
         try:
