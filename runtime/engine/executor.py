@@ -359,8 +359,9 @@ class Executor:
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased), update=update)
         # the working tensors hold no memory until the Program runs (``_activate``): a Program prepared
-        # ahead costs none (their views were taken above; on CPU the empty tensors' pages were never
-        # touched, so they never became resident)
+        # ahead costs none. They had storage only while the views above were taken (a strided view of
+        # an empty storage is refused): on CPU pages never touched, which never became resident; on a
+        # GPU the caching allocator lends the bytes for that moment (not measured yet)
         sync.release_working()
         graph, memory = gm, None
         if self.track_memory:

@@ -117,10 +117,9 @@ class FixedSchedule(StepMode):
     def step(self, batch: MiniBatch) -> StepResult:
         strategy = self.schedule[batch.step % len(self.schedule)]
         # the next --plan-ahead steps' strategies are known: the ones not built yet build during this step
-        last = self.config.data.steps
-        self.executor.build_ahead([self.schedule[k % len(self.schedule)]
-                                   for k in range(batch.step + 1, min(batch.step + 1 + self.config.planner.plan_ahead,
-                                                                      last))])
+        last = min(batch.step + 1 + self.config.planner.plan_ahead, self.config.data.steps)
+        coming = (self.schedule[k % len(self.schedule)] for k in range(batch.step + 1, last))
+        self.executor.build_ahead([s for s in coming if s != strategy])
         mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
@@ -143,7 +142,8 @@ class PlannerDriven(StepMode):
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
         planned = self.planner.plan(batch)
-        ex.build_ahead(planned.upcoming)        # the next steps' new strategies build during this one
+        # the next steps' new strategies build during this one (this one's, if new, is built by its step)
+        ex.build_ahead([s for s in planned.upcoming if s != planned.plan.strategy])
         result = ex.step(planned.plan.strategy, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
         # a compiling step says nothing about later ones, nor one that first allocates its working tensors
