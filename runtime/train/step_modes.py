@@ -5,10 +5,6 @@ The training loop (``hgraph.runtime.train.trainer``) hands every mini-batch to i
 and runs the executor's step of that strategy (the executor finds or builds its Program; collective:
 every rank calls it with the same mini-batch):
 
-Before a step runs, the mode hands the executor the strategies of the next steps it knows (a fixed
-schedule's next ``plan_ahead``, the planner's delivered plans): the new ones are built ahead, during
-the step (``Executor.build_ahead``).
-
 * ``FixedSchedule`` (``planner.strategy_schedule``): step ``k`` runs ``S_(k mod n)``; the documents
   are dispatched and packed by a simple built-in rule (``dispatch_and_pack``): longest first (ties
   by file order), each goes to the pipeline with the least tokens per rank after adding it (LPT
@@ -21,6 +17,11 @@ the step (``Executor.build_ahead``).
 * ``SpAccumulation`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.sp_accumulation``): a
   homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
   accumulation.
+
+Before a step runs, a mode hands the executor the strategies of the next steps it knows (a fixed
+schedule's next ``plan_ahead``, the plans the planner process has delivered; not the step's own):
+the new ones are built ahead, during the step (``Executor.build_ahead``). DCP-inter chooses each
+step's strategy with its batch, so it builds nothing ahead.
 
 A mode keeps, per step, what it adds to the metrics line (``planned``: the planner's figures, which
 the step line also shows; ``balance``: DCP-inter's), says what a checkpoint stores of the strategy
