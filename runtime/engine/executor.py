@@ -277,10 +277,11 @@ class Executor:
 
     # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
     def prepare(self, strategies: Sequence[Strategy]) -> None:
-        """Build the Programs of ``strategies`` now (misses), so a strategy that cannot be built fails
-        before any step."""
-        for strategy in dict.fromkeys(strategies):
-            self.programs.find(strategy)
+        """Build the Programs of ``strategies`` now (misses) and create their process groups
+        (collective: every rank calls it with the same strategies), so a strategy that cannot be built
+        fails before any step, and no first step of one creates groups."""
+        programs = [self.programs.find(strategy)[0].program for strategy in dict.fromkeys(strategies)]
+        self.groups.ensure(sorted({g for program in programs for g in _program_groups(program)}))
 
     def build_ahead(self, strategies: Sequence[Union[Strategy, str]]) -> None:
         """The strategies of the next steps, in order: those without a Program are built on the
@@ -379,9 +380,7 @@ class Executor:
         """The main thread's part of a state before its first step: the process groups its Program
         needs (collective: the same list on every rank) and, with ``--compile``, its compiled regions."""
         program = state.program
-        groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
-                  if k in ("tp", "cp", "ul") and len(g) > 1}
-        self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
+        self.groups.ensure(_program_groups(program))
         if state.memory is not None:
             bind_stage_group(state.memory, program, state.rank_program, self.groups)
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
@@ -656,6 +655,13 @@ class Executor:
         value = torch.full((1,), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
+
+
+def _program_groups(program: Program) -> list[tuple[int, ...]]:
+    """The process groups ``program``'s ranks talk in: its TP, CP and Ulysses groups and the replica
+    groups of its push plans."""
+    groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
+    return sorted(groups | set(ParamSync.groups_needed(program)))
 
 
 def _strategy(strategy: Union[Strategy, str]) -> Strategy:
