@@ -65,6 +65,11 @@ class AheadBuilds:
     def pending(self, key: Hashable) -> bool:
         return key in self._pending
 
+    def finished(self) -> dict[Hashable, Any]:
+        """The results of the builds done and not yet taken, by key (failed ones left out)."""
+        return {key: f.result()[0] for key, f in self._pending.items() if f.done() and not f.cancelled()
+                and f.exception() is None}
+
     def take(self, key: Hashable) -> tuple[Any, BuildTiming]:
         """The result of ``key``'s build and its timing, waiting for it to finish (its error raised here)."""
         return self._pending.pop(key).result()

@@ -123,8 +123,9 @@ class ProgramCache(Generic[StateT]):
         return entry
 
     def states(self) -> dict[Strategy, StateT]:
-        """This rank's states, per strategy (those built so far)."""
-        return {s: e.state for s, e in self._entries.items() if e.state is not None}
+        """This rank's states, per strategy (those built so far, prepared ahead ones included)."""
+        built = {s: e.state for s, e in self._entries.items() if e.state is not None}
+        return {**built, **{s: state for s, (_, state) in self._ahead.finished().items() if s not in built}}
 
     def close(self) -> None:
         """Drop the builds not started (the run is over)."""

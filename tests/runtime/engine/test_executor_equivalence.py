@@ -88,15 +88,21 @@ def _worker(rank, world, cases):
     out = []
     for model, schedule, overrides, options in cases:
         trainer = Trainer(_config(model, schedule, world, overrides, options), rank, world, groups)
-        steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
+
+        def holding_states():
+            # a state holds memory through its working tensors, or through its last step's gradients
+            # (kept by the reductions) and transfer buffers; states prepared ahead are counted too
+            return [any(w.untyped_storage().nbytes() for w in st.working.values())
+                    or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
+                    for st in trainer.executor.programs.states().values()]
+        steps, held = [], []
+        for b in _batches(overrides.get("vocab_size", 512)):
+            steps.append(trainer.step(b))
+            held.append(sum(holding_states()))
         final = trainer.final_state_dict()
-        states = trainer.executor.programs.states().values()
-        # a state holds memory through its working tensors, or through its last step's gradients
-        # (kept by the reductions) and transfer buffers
-        holding = [any(w.untyped_storage().nbytes() for w in st.working.values())
-                   or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
-                   for st in states]
-        out.append({"states": len(holding), "holding": sum(holding), "losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+        holding = holding_states()
+        out.append({"states": len(holding), "holding": sum(holding), "held": held, "losses": [s.loss for s in steps],
+                    "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "recomputed": [bool(s.recompute_layers) for s in steps],
@@ -161,7 +167,7 @@ def test_only_the_last_strategys_working_parameters_hold_memory(results4, result
         for r in results:
             for case, (_, schedule, _, _) in zip(r, cases):
                 assert case["states"] == len(set(schedule.split(";")))
-                assert case["holding"] == 1
+                assert case["holding"] == 1 and case["held"] == [1] * STEPS    # after every step too
 
 
 def test_each_new_strategy_is_built_ahead_and_its_first_step_only_looks_it_up(results4):

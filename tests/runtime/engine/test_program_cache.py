@@ -55,6 +55,10 @@ def test_a_strategy_built_ahead_is_built_on_the_background_thread_and_found_as_a
     b = Strategy.parse("2xTP1PP1")
     program = cache.find(b, count=False)[0].program
     assert cache.build_ahead(b, prepare)
+    deadline = time.monotonic() + 60
+    while b not in cache.states() and time.monotonic() < deadline:     # a finished build's state is listed
+        time.sleep(0.01)
+    assert cache.states()[b] == "state of 2xTP1PP1"
     entry, hit = cache.find(b)
     assert hit and entry.ahead and entry.program is program and entry.state == "state of 2xTP1PP1"
     bad = Strategy.parse("1xTP2PP1CP2")      # 4 ranks on a cluster of 2
