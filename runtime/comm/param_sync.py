@@ -27,6 +27,7 @@ global order.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -80,9 +81,13 @@ class ParamSync:
         self._overlap = False             # this step runs the overlapped update
         self.pull_reused = False          # this step's all-gathers were prefetched by the last one
         if self.pushes.in_backward and self._buckets.buckets:
+            # the hooks hold this object weakly: a tensor's hooks and the object holding the tensor would
+            # form a cycle through torch's C++ side that the garbage collector does not free (a finished
+            # run would keep its optimizer, through ``update``, in a process that trains again)
+            ready = weakref.WeakMethod(self._grad_ready)
             for name, w in working.items():
                 if isinstance(w, torch.Tensor) and w.requires_grad and w.is_leaf and name not in aliased:
-                    w.register_post_accumulate_grad_hook(lambda p, n=name: self._grad_ready(n, p))
+                    w.register_post_accumulate_grad_hook(lambda p, n=name: _call_alive(ready, n, p))
 
     @property
     def updates_in_backward(self) -> int:
@@ -192,3 +197,10 @@ class ParamSync:
         """Mark the step finished (every pull must have completed)."""
         self.finish_pulls()
         self._active = False
+
+
+def _call_alive(method: weakref.WeakMethod, *args: Any) -> None:
+    """``method(*args)`` while its object lives (a gradient hook outliving its ``ParamSync`` does nothing)."""
+    bound = method()
+    if bound is not None:
+        bound(*args)

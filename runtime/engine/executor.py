@@ -33,13 +33,19 @@ are all-to-alls: one exchange with each peer, where DDP's ring all-reduce takes 
 sequence (``grad_buckets``, ``param_gather``).
 
 The executor owns its ``ProgramCache`` (``hgraph.runtime.engine.program_cache``): per strategy the
-Program, built on the strategy's first step, and this rank's ``RankState`` for it (working tensors
-installed in the rank's graph, process groups created, the ``ParamSync``). Switching back to a
-strategy seen before costs a dict lookup, and no optimizer state moves (its layout does not depend
-on the strategy); the step's result says whether the Program was a hit (``StepResult.cache_hit``).
+Program and this rank's ``RankState`` for it (the rank's graph with its working tensors, the
+``ParamSync``, then the process groups). When the step mode knows the next steps' strategies it
+calls ``build_ahead``: a strategy not built yet is built on a background thread while this rank runs
+the steps before it, and its state prepared there (host work only: no collective, no working
+memory); its first step looks it up and creates its process groups (``_ready_state``). Otherwise the
+Program is built on the strategy's first step. Switching back to a strategy seen before costs a dict
+lookup, and no optimizer state moves (its layout does not depend on the strategy); the step's result
+says whether the Program was a hit (``StepResult.cache_hit``), how long the lookup took
+(``switch_s``) and, on a Program's first step, its build (``build_s``, ``built_ahead``).
 Only one Program's working parameters and gradients hold memory at a time: a switch frees the
-storage of the last Program's (``ParamSync.release_working``) and re-allocates the next one's, so a
-rank's peak does not grow with the number of strategies a run has used.
+storage of the last Program's (``ParamSync.release_working``) before it allocates the next one's
+(``acquire_working``), and a state prepared ahead holds none, so a rank's peak does not grow with the
+number of strategies a run has used or builds ahead.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
@@ -66,7 +72,7 @@ from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backen
                                                     compile_wanted)
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import (ActivationMeter, LayerChoice, OffloadPolicy, SequenceLayout, StageMemory,
-                                          stage_memory)
+                                          bind_stage_group, stage_memory)
 from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
                                            rank_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
@@ -113,6 +119,9 @@ class StepResult:
     mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
     cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
     switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
+    built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
+    build_s: Optional[float] = None   # on the Program's first step: its build's seconds (ahead: off this step)
+    build_lead_s: Optional[float] = None   # built ahead: how long before this step its build began
 
 
 class RankLostError(RuntimeError):
@@ -136,6 +145,7 @@ class RankState:
     comm: CommContext                      # the Program's fixed communication state
     sync: ParamSync
     memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
+    ready: bool = False                    # groups created (and regions compiled): ``Executor._ready_state``
 
 
 def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
@@ -267,10 +277,23 @@ class Executor:
 
     # ---- Programs and this rank's state for each (kept in the program cache) --------------------------
     def prepare(self, strategies: Sequence[Strategy]) -> None:
-        """Build the Programs of ``strategies`` now (misses), so a strategy that cannot be built fails
-        before any step."""
-        for strategy in dict.fromkeys(strategies):
-            self.programs.find(strategy)
+        """Build the Programs of ``strategies`` now (misses) and create their process groups
+        (collective: every rank calls it with the same strategies), so a strategy that cannot be built
+        fails before any step, and no first step of one creates groups."""
+        programs = [self.programs.find(strategy)[0].program for strategy in dict.fromkeys(strategies)]
+        self.groups.ensure(sorted({g for program in programs for g in _program_groups(program)}))
+
+    def build_ahead(self, strategies: Sequence[Union[Strategy, str]]) -> None:
+        """The strategies of the next steps, in order: those without a Program are built on the
+        build-ahead thread, with this rank's state prepared (host work: no collective, no working
+        memory), while this rank runs its steps; the first step of each only looks it up and creates
+        its process groups. A strategy whose build fails raises at that step, as an inline build would."""
+        for strategy in strategies:
+            self.programs.build_ahead(_strategy(strategy), self._prepare_state)
+
+    def close(self) -> None:
+        """The run is over: builds not started are dropped."""
+        self.programs.close()
 
     def program(self, strategy: Union[Strategy, str]) -> Program:
         """The Program of ``strategy`` (built if new; not counted as a hit or a miss)."""
@@ -289,20 +312,27 @@ class Executor:
         return self.programs.find(_strategy(strategy), count=count)
 
     def _state_of(self, entry: CachedProgram[RankState]) -> RankState:
-        """The entry's rank state, built (collectively) on the Program's first use."""
-        if entry.state is None:
-            entry.state = self._build_state(entry.program)
+        """The entry's rank state, built on the Program's first use, or readied there if it was
+        prepared ahead (collectively: every rank calls it for the same Program)."""
+        if entry.state is None:      # not prepared ahead: its preparation counts in its build
+            t0, c0 = time.perf_counter(), time.thread_time()
+            entry.state = self._prepare_state(entry.program)
+            if entry.build is not None:
+                entry.build = replace(entry.build, build_s=entry.build.build_s + time.perf_counter() - t0,
+                                      cpu_s=entry.build.cpu_s + time.thread_time() - c0)
+        if not entry.state.ready:
+            self._ready_state(entry.state)
         return entry.state
 
-    def _build_state(self, program: Program) -> RankState:
-        """This rank's state for ``program``: working tensors in its graph, groups, the ``ParamSync``."""
+    def _prepare_state(self, program: Program) -> RankState:
+        """This rank's state for ``program``, host work only (the build-ahead thread runs it): its copy
+        of the rank's graph with working parameters that hold no memory yet (``_activate`` allocates
+        them), the ``ParamSync`` over them, the activation accounting. No collective: the process
+        groups are created by ``_ready_state``."""
         if program.cluster.world_size != self.world_size:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
                               f"but this run has {self.world_size}")
         rp = program.rank(self.rank)
-        groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items()
-                  if k in ("tp", "cp", "ul") and len(g) > 1}
-        self.groups.ensure(sorted(groups | set(ParamSync.groups_needed(program))))
         # the executor's own copy of the rank's graph holds its working parameters; the Program's
         # (which the compiled module caches and may hand to others) keeps the compiler's
         source = rp.graph_module
@@ -321,7 +351,7 @@ class Executor:
                 param = nn.Parameter(master.view(shard.shard_shape))
                 aliased.add(name)
             else:
-                param = nn.Parameter(torch.zeros(shard.shard_shape, dtype=self.working_dtype, device=self.device))
+                param = nn.Parameter(torch.empty(shard.shard_shape, dtype=self.working_dtype, device=self.device))
             setattr(mod, leaf, param)
             working[name] = param
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -329,21 +359,34 @@ class Executor:
         update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
                          self.working_dtype, frozenset(aliased), update=update)
+        # the working tensors hold no memory until the Program runs (``_activate``): a Program prepared
+        # ahead costs none. They had storage only while the views above were taken (a strided view of
+        # an empty storage is refused): on CPU pages never touched, which never became resident; on a
+        # GPU the caching allocator lends the bytes for that moment (not measured yet)
+        sync.release_working()
         graph, memory = gm, None
         if self.track_memory:
             budget = self.memory_budget(rp.scheme) if callable(self.memory_budget) else self.memory_budget
-            graph, memory = stage_memory(gm, working, program, rp, self.groups, budget, self.device,
+            graph, memory = stage_memory(gm, working, program, rp, budget, self.device,
                                          self._offload_policy(program, rp))
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
                            activation_meter=memory.meter if memory is not None else None,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
                            vocab_parallel_loss=self.vocab_parallel_loss)
-        state = RankState(program, rp, graph, working, comm, sync, memory)
+        return RankState(program, rp, graph, working, comm, sync, memory)
+
+    def _ready_state(self, state: RankState) -> None:
+        """The main thread's part of a state before its first step: the process groups its Program
+        needs (collective: the same list on every rank) and, with ``--compile``, its compiled regions."""
+        program = state.program
+        self.groups.ensure(_program_groups(program))
+        if state.memory is not None:
+            bind_stage_group(state.memory, program, state.rank_program, self.groups)
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
             state.graph, _ = compile_regions(state.graph, self.compile_backend, self.compile_strict,
                                              self.region_compiles)
-        return state
+        state.ready = True
 
     def _offload_policy(self, program: Program, rp: RankProgram
                         ) -> Optional[Callable[[ActivationMeter], OffloadPolicy]]:
@@ -372,6 +415,7 @@ class Executor:
         t0 = time.perf_counter()
         entry, hit = self._entry(strategy)
         switch_s = time.perf_counter() - t0
+        first_use = entry.state is None or not entry.state.ready
         try:
             result = self._step(entry, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
@@ -382,6 +426,10 @@ class Executor:
                 raise
             raise RankLostError(step, lost, self.rank, exc) from exc
         result.cache_hit, result.switch_s = hit, switch_s
+        if first_use and entry.build is not None:
+            result.built_ahead, result.build_s = entry.ahead, entry.build.build_s
+            if entry.ahead:
+                result.build_lead_s = t0 - entry.build.started_at
         return result
 
     def _activate(self, state: RankState) -> None:
@@ -607,6 +655,13 @@ class Executor:
         value = torch.full((1,), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
         work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
         return value, work
+
+
+def _program_groups(program: Program) -> list[tuple[int, ...]]:
+    """The process groups ``program``'s ranks talk in: its TP, CP and Ulysses groups and the replica
+    groups of its push plans."""
+    groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
+    return sorted(groups | set(ParamSync.groups_needed(program)))
 
 
 def _strategy(strategy: Union[Strategy, str]) -> Strategy:

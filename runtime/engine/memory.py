@@ -389,29 +389,36 @@ class StageMemory:
 
 
 def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], program: Program,
-                 rank_program: RankProgram, groups: GroupCache, budget: Optional[float],
-                 device: Optional[torch.device],
+                 rank_program: RankProgram, budget: Optional[float], device: Optional[torch.device],
                  offload: Optional[Callable[[ActivationMeter], OffloadPolicy]] = None,
                  ) -> tuple[fx.GraphModule, StageMemory]:
     """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
     with a budget or an offload, ``graph`` with its blocks outlined for recomputation and offload
     (the same computation; the original graph is kept for a budget-less executor sharing the
-    program). ``offload``: makes the rank's ``OffloadPolicy`` over its meter (None: no offload)."""
-    rp = rank_program
+    program). ``offload``: makes the rank's ``OffloadPolicy`` over its meter (None: no offload).
+    Host work only: the stage's group, over which its ranks agree, is bound by ``bind_stage_group``
+    (collective) before the first step."""
     meter = ActivationMeter(working.values())
     policy = offload(meter) if offload is not None else None
     layers: list[int] = []
-    group = None
     if budget is not None or policy is not None:
         outlined = outline_blocks(graph)
         if outlined is not graph:
             layers = [layer for layer, _ in block_ranges(graph.graph)]
             graph = outlined
-        stages: dict[tuple[int, int], list[int]] = {}
-        for r in program.ranks:
-            stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
-        groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
-        stage_ranks = sorted(stages[(rp.pipeline, rp.stage)])
-        if len(stage_ranks) > 1:
-            group = (groups.get(stage_ranks),)
-    return graph, StageMemory(meter, layers, budget, group, device, policy)
+    return graph, StageMemory(meter, layers, budget, None, device, policy)
+
+
+def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankProgram, groups: GroupCache) -> None:
+    """Give ``memory`` the group of its stage's TP x CP ranks (when it agrees over one: with a budget
+    or an offload), creating every stage group of ``program`` that is missing. Collective: every rank
+    calls it for the same Program."""
+    if memory.budget is None and memory.offload is None:
+        return
+    stages: dict[tuple[int, int], list[int]] = {}
+    for r in program.ranks:
+        stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
+    groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
+    stage_ranks = sorted(stages[(rank_program.pipeline, rank_program.stage)])
+    if len(stage_ranks) > 1:
+        memory.group = (groups.get(stage_ranks),)

@@ -111,7 +111,8 @@ class PlannerConfig:
     profile: str = "measure"                   # cost model: measure | analytic | NAME | FILE
     method: str = "fast"                       # dispatch method: fast | greedy | cpsat
     time_limit: float = 10.0                   # seconds per CP-SAT solve (method cpsat)
-    plan_ahead: int = 2                        # plans computed ahead in the planner process (0: inline)
+    plan_ahead: int = 2                        # plans computed ahead in the planner process (0: inline),
+                                               # and steps whose new strategies are built ahead
     outlier_queues: int = 0                    # WLB outlier-delay queues of the data stream (0: no delay)
     microbatch_tokens: Optional[int] = None
     memory_budget: Optional[float] = None      # activation bytes per rank: dynamic recomputation (DCP-intra)

@@ -70,12 +70,16 @@ class MetricsWriter:
 
 def metrics_line(r: StepResult, cache: Any) -> dict:
     """The step's own figures and the cache's hits and misses so far (with ``--compile``: the
-    compilations of rank 0's graph regions so far, ``region_compiles``)."""
+    compilations of rank 0's graph regions so far, ``region_compiles``). ``switch_s``: the step's
+    lookup of its Program (with the build on a miss); ``build_s``: on a Program's first step, how long
+    its build took (``built_ahead``: on the build-ahead thread, during earlier steps), else None."""
     compiles = {} if r.compiles is None else {"region_compiles": r.compiles}
     return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
             "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
-            "pull_prefetched": r.pull_prefetched, "cache_hits": cache.hits,
+            "pull_prefetched": r.pull_prefetched, "cache_hit": r.cache_hit, "switch_s": r.switch_s,
+            "built_ahead": r.built_ahead, "build_s": r.build_s, "build_lead_s": r.build_lead_s,
+            "cache_hits": cache.hits,
             "cache_misses": cache.misses, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
@@ -116,7 +120,7 @@ def format_step_line(r: StepResult, planned: Optional[dict] = None, extra: Optio
     (on a device with a known peak), cache hit (the planner's fields only in planner-driven mode), the
     validation loss when measured."""
     est = f"est {planned['est_latency_ms']:8.2f} ms  " if planned else ""
-    hit = ("  cache hit" if planned["cache_hit"] else "  cache miss") if planned else ""
+    hit = ("  built ahead" if r.built_ahead else "  cache hit" if r.cache_hit else "  cache miss") if planned else ""
     tps = r.tokens / r.time_s if r.time_s > 0 else 0.0
     util = f"  MFU {100 * mfu:5.1f}%" if mfu is not None else ""
     return (f"step {r.step:>4}  {r.strategy:<28} {est}measured {1e3 * r.time_s:8.1f} ms  loss {r.loss:.6f}  "

@@ -18,6 +18,11 @@ every rank calls it with the same mini-batch):
   homogeneous schedule whose sequence-parallel size is chosen per mini-batch, balanced by gradient
   accumulation.
 
+Before a step runs, a mode hands the executor the strategies of the next steps it knows (a fixed
+schedule's next ``plan_ahead``, the plans the planner process has delivered; not the step's own):
+the new ones are built ahead, during the step (``Executor.build_ahead``). DCP-inter chooses each
+step's strategy with its batch, so it builds nothing ahead.
+
 A mode keeps, per step, what it adds to the metrics line (``planned``: the planner's figures, which
 the step line also shows; ``balance``: DCP-inter's), says what a checkpoint stores of the strategy
 choice (``checkpoint_state``) and which candidates it chose among (``candidates``).
@@ -100,6 +105,7 @@ class StepMode:
 
     def close(self) -> None:
         """The run is over (or failed): stop what the mode started."""
+        self.executor.close()
 
 
 class FixedSchedule(StepMode):
@@ -111,6 +117,10 @@ class FixedSchedule(StepMode):
 
     def step(self, batch: MiniBatch) -> StepResult:
         strategy = self.schedule[batch.step % len(self.schedule)]
+        # the next --plan-ahead steps' strategies are known: the ones not built yet build during this step
+        last = min(batch.step + 1 + self.config.planner.plan_ahead, self.config.data.steps)
+        coming = (self.schedule[k % len(self.schedule)] for k in range(batch.step + 1, last))
+        self.executor.build_ahead([s for s in coming if s != strategy])
         mbs = packed(dispatch_and_pack(strategy, batch.docs, self.config.planner.microbatch_tokens))
         # a plain data-parallel step pulls the next step's parameters only if that step runs the same
         # strategy (with a planner the next strategy is not known yet: the executor's default)
@@ -133,16 +143,18 @@ class PlannerDriven(StepMode):
     def step(self, batch: MiniBatch) -> StepResult:
         ex = self.executor
         planned = self.planner.plan(batch)
+        # the next steps' new strategies build during this one (this one's, if new, is built by its step)
+        ex.build_ahead([s for s in planned.upcoming if s != planned.plan.strategy])
         result = ex.step(planned.plan.strategy, planned.microbatches, batch.num_targets, batch.step)
         busy = all_gather_floats(result.compute_s, ex.world_size, ex.device)
-        if ex.rank == 0 and result.cache_hit:   # a compiling step says nothing about later ones
+        # a compiling step says nothing about later ones, nor one that first allocates its working tensors
+        if ex.rank == 0 and result.cache_hit and not result.built_ahead:
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
         self.planned[batch.step] = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
             "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
-            "switch_s": result.switch_s, "cache_hit": result.cache_hit,
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
         return result
 
@@ -153,6 +165,7 @@ class PlannerDriven(StepMode):
         return [str(s) for s in self.planner.candidates]
 
     def close(self) -> None:
+        super().close()
         if self.planner.ahead is not None:
             self.planner.ahead.stop()
 

@@ -23,8 +23,9 @@ data position, up to ``steps`` in all. With a checkpoint folder, SIGTERM stops t
 step all ranks agree on, with a checkpoint (``hgraph.runtime.train.exit_signal``).
 
 The executor's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``) keeps per strategy the
-Program and this rank's state for it (working tensors, process groups), counting hits, misses and
-the host time of a switch; the trainer reads its figures. ``train_worker`` runs one rank;
+Program and this rank's state for it (working tensors, process groups), counting hits, misses, the
+host time of a switch and of each build (the step modes have the next steps' strategies built ahead,
+off the steps' critical path); the trainer reads its figures. ``train_worker`` runs one rank;
 ``run_training`` a whole run (local processes, or this process as a ``torchrun`` rank).
 """
 from __future__ import annotations
@@ -259,7 +260,7 @@ class Trainer:
                                  layer_ms=offload_prices(config, self.model, world_size, planner))
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
-        # planner-driven: a strategy is instantiated when first chosen (a cache miss, in its switch_s)
+        # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
         dcp_cost = sp_accumulation_cost(config, schedule, self.model, world_size)
         self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode

@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
           f"{_fmt_opt(None if summary.est_within_10pct is None else 100 * summary.est_within_10pct, '.0f', '%')}; "
           f"planner wait {_fmt_opt(summary.planner_wait_s, '.3f', ' s')}; graph cache hits "
           f"{_fmt_opt(None if summary.cache_hit_rate is None else 100 * summary.cache_hit_rate, '.0f', '%')}"
-          + (f"; {summary.skipped_steps} steps skipped (non-finite loss)" if summary.skipped_steps else ""))
+          + (f"; {summary.skipped_steps} steps skipped (non-finite loss)" if summary.skipped_steps else "")
+          + (f"; builds {summary.build_s:.2f} s ({summary.built_ahead} ahead)" if summary.build_s is not None else ""))
     for p in result.files:
         print(f"wrote {p}")
     for name, reason in result.skipped.items():

@@ -449,8 +449,8 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
         print(f"validation: eval_loss {evals[0][1]:.4f} (step {evals[0][0]}) -> {evals[-1][1]:.4f} "
               f"(step {evals[-1][0]}) in {len(evals)} evaluations")
     c = result["cache"]
-    print(f"graph cache: {c['hits']} hits, {c['misses']} misses, switch on a hit "
-          f"<= {c['max_hit_switch_ms']:.3f} ms")
+    print(f"graph cache: {c['hits']} hits ({c['ahead']} built ahead), {c['misses']} misses, switch on a hit "
+          f"<= {c['max_hit_switch_ms']:.3f} ms; builds {c['build_s']:.2f} s in all, <= {c['max_build_s']:.2f} s each")
     saved = result.get("checkpoints", [])
     if saved:
         print(f"checkpoints: {', '.join(Path(c['path']).name for c in saved)} in "

@@ -194,7 +194,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat: one solve per "
        "candidate strategy not pruned by its bound)", minimum=1e-3, metavar="S"),
     _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
-       "0: plan inline)", minimum=0, metavar="Q"),
+       "0: plan inline); the ranks build the new strategies of the known next steps (a fixed "
+       "schedule's next Q) while the current one runs", minimum=0, metavar="Q"),
     _k("planner", "outlier-queues", "int", 0, "WLB outlier-delay queues of the data stream: long "
        "documents wait until a group of their length class (one per rank) gathers (0: no delay; all are "
        "trained by the run's last step)", minimum=0, metavar="K"),

@@ -9,7 +9,7 @@ One JSON object per line, one line per step. Fields read (the trainer writes the
   ``{"scheme", "est_latency_ms", "measured_latency_ms"}``; the step estimate defaults to the slowest
   pipeline's), ``rank_busy_s`` (per rank, seconds of work in the step), ``planner_wait_s`` (time the
   trainer waited for the plan), ``switch_s`` (strategy switch time), ``cache_hit`` (bool; else the running ``cache_hits`` /
-  ``cache_misses`` counters), ``skipped``.
+  ``cache_misses`` counters), ``build_s`` and ``built_ahead`` (a Program's build, on its first step), ``skipped``.
 
 Figures (``write_plots``), each as ``NAME.png`` and ``NAME.svg``:
 
@@ -121,6 +121,8 @@ class RunSummary:
     switch_s: Optional[float] = None
     cache_hit_rate: Optional[float] = None
     skipped_steps: int = 0          # steps whose update was skipped for a non-finite loss
+    build_s: Optional[float] = None          # the Programs' builds (``build_s`` of their first steps)
+    built_ahead: Optional[int] = None        # how many of those were built ahead
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -137,6 +139,7 @@ def summarize(records: Sequence[dict]) -> RunSummary:
     waits = [float(r["planner_wait_s"]) for r in records if _finite(r.get("planner_wait_s"))]
     switches = [float(r["switch_s"]) for r in records if _finite(r.get("switch_s"))]
     hits = [bool(r["cache_hit"]) for r in records if "cache_hit" in r]
+    builds = [r for r in records if _finite(r.get("build_s"))]
     hit_rate = sum(hits) / len(hits) if hits else _cumulative_hit_rate(records)
     counts = Counter(r["strategy"] for r in records)
     return RunSummary(
@@ -148,7 +151,9 @@ def summarize(records: Sequence[dict]) -> RunSummary:
         est_within_10pct=sum(abs(e - m) <= 0.1 * m for e, m in pairs) / len(pairs) if pairs else None,
         planner_wait_s=sum(waits) if waits else None, switch_s=sum(switches) if switches else None,
         cache_hit_rate=hit_rate,
-        skipped_steps=sum(1 for r in records if r.get("skipped") or not _finite(r.get("loss"))))
+        skipped_steps=sum(1 for r in records if r.get("skipped") or not _finite(r.get("loss"))),
+        build_s=sum(float(r["build_s"]) for r in builds) if builds else None,
+        built_ahead=sum(bool(r.get("built_ahead")) for r in builds) if builds else None)
 
 
 def _cumulative_hit_rate(records: Sequence[dict]) -> Optional[float]:

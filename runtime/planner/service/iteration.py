@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -161,6 +161,7 @@ class PlannedStep:
     model_est_ms: float = 0.0
     source: str = "inline"
     queue_wait_s: float = 0.0                   # rank 0 blocked on the planner process (0 inline)
+    upcoming: list = field(default_factory=list)   # the strategies of the next steps' plans known now
 
 
 class IterationPlanner:
@@ -176,6 +177,7 @@ class IterationPlanner:
         self.source, self.method, self.time_limit_s = source, method, time_limit_s
         self.device_memory = device_memory          # bytes per rank bounding MaxLen (None: the profile's)
         self.ahead = None
+        self._first_ahead = True         # the next plan taken from ``ahead`` is the run's first
         self.correction = StepCorrection()
         self.warnings: list[str] = []
 
@@ -233,7 +235,7 @@ class IterationPlanner:
                        [(b.step, [len(d) for d in b.docs]) for b in batches])
         self.ahead = consumer
 
-    def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float]:
+    def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float, list]:
         plan, source, queue_wait = None, "inline", 0.0
         if self.ahead is not None:
             try:
@@ -247,14 +249,22 @@ class IterationPlanner:
         if plan is None:
             plan = selection.plan_iteration([len(d) for d in batch.docs], self.candidates, self.cost,
                                   method=self.method, index=batch.step, time_limit_s=self.time_limit_s)
-        return scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait
+        # the first step waits for the next one's plan too, so that its strategy builds during this
+        # step (later steps find the planner ahead of them)
+        upcoming = self.ahead.upcoming(wait_for=int(self._first_ahead)) if self.ahead is not None else []
+        self._first_ahead = False
+        return (scaled_plan(plan, self.correction.factor), source, float(plan.est_latency_ms), queue_wait,
+                upcoming)
 
     def plan(self, batch: MiniBatch) -> PlannedStep:
-        """The plan of ``batch`` (the same on every rank) and its packed micro-batches per pipeline."""
+        """The plan of ``batch`` (the same on every rank) and its packed micro-batches per pipeline,
+        with the strategies of the next steps' plans that the planner process has delivered (the
+        same on every rank too: the ranks build them ahead)."""
         t0 = time.perf_counter()
-        plan, source, model_est, queue_wait = _on_rank0(lambda: self._plan_on_rank0(batch), self.rank)
+        plan, source, model_est, queue_wait, upcoming = _on_rank0(lambda: self._plan_on_rank0(batch), self.rank)
         wait = time.perf_counter() - t0
-        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait, model_est, source, queue_wait)
+        return PlannedStep(plan, microbatches_of_plan(plan, batch.docs), wait, model_est, source, queue_wait,
+                           upcoming)
 
     def observe(self, model_est_ms: float, measured_ms: float) -> None:
         """A measured step (rank 0): feeds the online correction of later estimates."""

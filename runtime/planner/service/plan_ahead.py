@@ -18,8 +18,12 @@ The channel (``PlannerChannel``, picklable into the ranks at their start) has th
 * ``jobs``: rank 0 -> planner, one ``("setup", cost, candidates, method, batches)`` message once the
   cost model and candidates are known (they are measured by the ranks, after the planner started),
   then ``("stop",)``; ``batches`` are ``(step, [document lengths])`` in training order.
-* ``plans``: planner -> rank 0, ``("plan", step, Plan)`` or ``("error", step, message)``; a queue of
-  at most ``depth`` plans, so the planner runs at most ``depth`` iterations ahead.
+* ``plans``: planner -> rank 0, ``("plan", step, Plan)`` or ``("error", step, message)``, in step order.
+* ``credits``: a semaphore of ``depth``: the planner takes one before it delivers a plan, rank 0 gives
+  one back when it consumes a plan (``get``), so at most ``depth`` plans are made and not yet
+  consumed: the planner runs at most ``depth`` iterations ahead. Rank 0 may read delivered plans
+  before their step (``upcoming``: the strategies of the next steps, which the ranks build ahead)
+  without letting the planner run further.
 * ``alive``: the read end of a pipe whose only write end the planner holds: it reads EOF once the
   planner process is gone, however it ended (killed, crashed), with no polling of process ids.
 
@@ -29,6 +33,7 @@ planning inline.
 """
 from __future__ import annotations
 
+import collections
 import multiprocessing as mp
 import queue as queue_mod
 import signal
@@ -52,14 +57,15 @@ class PlannerChannel:
 
     jobs: Any
     plans: Any
+    credits: Any
     alive: Any
     pid: int
     depth: int
 
 
-def _serve(jobs, plans, alive_w) -> None:
+def _serve(jobs, plans, credits, alive_w) -> None:
     """Planner process body: wait for the setup, then plan every batch in order into ``plans``
-    (blocking while it holds ``depth`` unconsumed plans)."""
+    (blocking while ``depth`` of its plans are not consumed)."""
     tie_to_starter()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -76,6 +82,7 @@ def _serve(jobs, plans, alive_w) -> None:
         except BaseException as exc:  # noqa: BLE001 - the consumer reports it and plans inline
             plans.put(("error", step, f"{type(exc).__name__}: {exc}"))
             return
+        credits.acquire()
         plans.put(("plan", step, plan))
         try:
             if jobs.get_nowait()[0] == "stop":
@@ -96,13 +103,13 @@ class PlannerProcess:
         # never a fork of the caller, which may hold threads: a fresh interpreter ("spawn"), or the
         # launcher's forkserver context, whose server has torch and hgraph imported already
         ctx = context if context is not None else mp.get_context("spawn")
-        jobs, plans = ctx.Queue(), ctx.Queue(maxsize=depth)
+        jobs, plans, credits = ctx.Queue(), ctx.Queue(), ctx.Semaphore(depth)
         alive_r, alive_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve, args=(jobs, plans, alive_w), daemon=True,
+        self.process = ctx.Process(target=_serve, args=(jobs, plans, credits, alive_w), daemon=True,
                                    name="hgraph-planner")
         self.process.start()
         alive_w.close()                   # only the planner holds the write end now
-        self.channel = PlannerChannel(jobs, plans, alive_r, self.process.pid, depth)
+        self.channel = PlannerChannel(jobs, plans, credits, alive_r, self.process.pid, depth)
 
     def close(self) -> None:
         """Stop the planner (it may be blocked on a full queue; it ignores SIGTERM) and release the queues."""
@@ -122,34 +129,32 @@ class PlannerProcess:
 
 
 class PlanConsumer:
-    """Rank 0's side: send the job once, then take plans in step order."""
+    """Rank 0's side: send the job once, then take plans in step order (``upcoming`` reads the ones
+    already delivered, without consuming them)."""
 
     def __init__(self, channel: PlannerChannel) -> None:
         self.channel = channel
         self.lost: Optional[str] = None
+        self._delivered: collections.deque = collections.deque()    # read by ``upcoming``, not consumed
+        self._remaining = 0            # plans the planner has still to give (``setup``'s batches, less those taken)
 
     def setup(self, cost: Any, candidates: Sequence[Any], method: str, time_limit_s: float,
               batches: Sequence[tuple[int, list[int]]]) -> None:
         self.channel.jobs.put(("setup", cost, list(candidates), method, time_limit_s, list(batches)))
+        self._remaining = len(batches)
 
     def get(self, step: int) -> tuple[Any, float]:
         """The plan of ``step`` and the seconds waited for it; ``PlannerLost`` if the planner is gone."""
         if self.lost is not None:
             raise PlannerLost(self.lost)
         t0 = time.perf_counter()
-        while True:
-            try:
-                kind, got, payload = self.channel.plans.get(timeout=_POLL_S)
-                break
-            except queue_mod.Empty:
-                if self._gone():
-                    try:      # a plan may have been put just before the process ended
-                        kind, got, payload = self.channel.plans.get(timeout=_POLL_S)
-                        break
-                    except queue_mod.Empty:
-                        self.lost = f"planner process {self.channel.pid} exited before the plan of step {step}"
-                        raise PlannerLost(self.lost) from None
+        if not self._delivered:
+            self._receive(step)
+        kind, got, payload = self._delivered.popleft()
         wait = time.perf_counter() - t0
+        if kind == "plan":
+            self.channel.credits.release()      # the planner may make one more
+            self._remaining -= 1
         if kind == "error":
             self.lost = f"planner process failed at step {got}: {payload}"
             raise PlannerLost(self.lost)
@@ -157,6 +162,47 @@ class PlanConsumer:
             self.lost = f"planner process sent the plan of step {got} where step {step} was expected"
             raise PlannerLost(self.lost)
         return payload, wait
+
+    def upcoming(self, wait_for: int = 0) -> list[Any]:
+        """The strategies of the plans delivered for the next steps, in step order (they stay for
+        ``get``); read now, or after waiting until ``wait_for`` of them are there (fewer if the run has
+        fewer steps left). Empty once the planner is lost or failed."""
+        if self.lost is not None:
+            return []
+        while True:
+            try:
+                self._delivered.append(self.channel.plans.get_nowait())
+            except (queue_mod.Empty, OSError, ValueError):
+                break
+        try:
+            while (len(self._delivered) < min(wait_for, self._remaining)
+                   and not (self._delivered and self._delivered[-1][0] == "error")):
+                self._receive(None)
+        except PlannerLost:
+            return []
+        out = []
+        for kind, _, payload in self._delivered:
+            if kind != "plan":
+                break
+            out.append(payload.strategy)
+        return out
+
+    def _receive(self, step: Optional[int]) -> None:
+        """Wait for the planner's next message into the delivered ones; ``PlannerLost`` (naming
+        ``step``, else the next one) once the process is gone."""
+        while True:
+            try:
+                self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
+                return
+            except queue_mod.Empty:
+                if self._gone():
+                    try:      # a plan may have been put just before the process ended
+                        self._delivered.append(self.channel.plans.get(timeout=_POLL_S))
+                        return
+                    except queue_mod.Empty:
+                        what = f"step {step}" if step is not None else "a coming step"
+                        self.lost = f"planner process {self.channel.pid} exited before the plan of {what}"
+                        raise PlannerLost(self.lost) from None
 
     def _gone(self) -> bool:
         try:

@@ -61,7 +61,10 @@ CASES_4 = [
     # (pulls and pushes inside a pair, the shards summed across the pairs); global-norm clipping must
     # count each shard once, not once per pair
     ("tiny", "4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {"shard_group": 2, "grad_clip": 0.5}),
+    # the second case again without building the next strategies ahead (--plan-ahead 0): the same numbers
+    ("tiny-tied", "1xTP1PP2+1xTP2PP1;4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {"plan_ahead": 0}),
 ]
+AHEAD, NOT_AHEAD = 1, len(CASES_4) - 1     # the CASES_4 entries above: one schedule with and without
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
     ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {}),
@@ -95,15 +98,21 @@ def _worker(rank, world, cases):
     out = []
     for model, schedule, overrides, options in cases:
         trainer = Trainer(_config(model, schedule, world, overrides, options), rank, world, groups)
-        steps = [trainer.step(b) for b in _batches(overrides.get("vocab_size", 512))]
+
+        def holding_states():
+            # a state holds memory through its working tensors, or through its last step's gradients
+            # (kept by the reductions) and transfer buffers; states prepared ahead are counted too
+            return [any(w.untyped_storage().nbytes() for w in st.working.values())
+                    or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
+                    for st in trainer.executor.programs.states().values()]
+        steps, held = [], []
+        for b in _batches(overrides.get("vocab_size", 512)):
+            steps.append(trainer.step(b))
+            held.append(sum(holding_states()))
         final = trainer.final_state_dict()
-        states = trainer.executor.programs.states().values()
-        # a state holds memory through its working tensors, or through its last step's gradients
-        # (kept by the reductions) and transfer buffers
-        holding = [any(w.untyped_storage().nbytes() for w in st.working.values())
-                   or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
-                   for st in states]
-        out.append({"states": len(holding), "holding": sum(holding), "losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
+        holding = holding_states()
+        out.append({"states": len(holding), "holding": sum(holding), "held": held, "losses": [s.loss for s in steps],
+                    "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
                     "prefetched": [s.pull_prefetched for s in steps],
                     "recomputed": [bool(s.recompute_layers) for s in steps],
@@ -112,6 +121,7 @@ def _worker(rank, world, cases):
                     "peers": sorted({r for st in states for ops in (*st.sync.pulls.ops.values(),
                                                                    *st.sync.pushes.ops.values())
                                      for op in ops for r in _op_ranks(op)} - {rank}),
+                    "builds": [(s.cache_hit, s.built_ahead, s.switch_s, s.build_s, s.build_lead_s) for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.executor.programs.info()})
     return out
 
@@ -191,7 +201,38 @@ def test_only_the_last_strategys_working_parameters_hold_memory(results4, result
         for r in results:
             for case, (_, schedule, _, _) in zip(r, cases):
                 assert case["states"] == len(set(schedule.split(";")))
-                assert case["holding"] == 1
+                assert case["holding"] == 1 and case["held"] == [1] * STEPS    # after every step too
+
+
+def test_each_new_strategy_is_built_ahead_and_its_first_step_only_looks_it_up(results4):
+    """A fixed schedule's next strategies are known: each one's rank state (its graph, Pull/Push plans)
+    is prepared on the build-ahead thread while the steps before it run. Its first step finds it
+    built: the build began before that step did (``build_lead_s``), and the step's switch is the
+    lookup, not the build. Without building ahead (``plan_ahead`` 0) the first step builds it."""
+    for r in results4:
+        for index, case in enumerate(r):
+            ahead = index != NOT_AHEAD
+            seen = set()
+            for k, (strategy, (hit, built_ahead, switch_s, build_s, lead_s)) in enumerate(
+                    zip(case["strategies"], case["builds"])):
+                assert hit           # a fixed schedule's Programs are built before its first step
+                if strategy in seen:
+                    assert not built_ahead and build_s is None and lead_s is None
+                elif k > 0 and ahead:
+                    assert built_ahead and build_s > 0 and lead_s > 0, (k, strategy)
+                    assert switch_s < build_s
+                else:
+                    assert not built_ahead and lead_s is None
+                seen.add(strategy)
+        assert len(set(r[AHEAD]["strategies"])) == 4
+
+
+def test_building_ahead_changes_no_number(results4):
+    """The same schedule with and without building ahead: the same losses and parameters, bitwise."""
+    a, b = results4[0][AHEAD], results4[0][NOT_AHEAD]
+    assert a["losses"] == b["losses"]
+    assert a["final"].keys() == b["final"].keys()
+    assert all(torch.equal(a["final"][k], b["final"][k]) for k in a["final"])
 
 
 def test_the_padding_case_trains_on_its_padding_token(results4):

@@ -1,4 +1,9 @@
 """The executor's one cache of per-strategy Programs and this rank's state for each."""
+import threading
+import time
+
+import pytest
+
 import hgraph
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
@@ -23,8 +28,44 @@ def test_a_strategy_is_built_once_and_its_state_kept_with_it():
     entry.state = "state of a"
     assert cache.find(a, count=False)[0].state == "state of a" and cache.states() == {a: "state of a"}
     info = cache.info()
-    assert set(info) == {"hits", "misses", "programs", "max_hit_switch_ms", "compile_s"}
-    assert info["programs"] == 2 and info["hits"] == 2
+    assert set(info) == {"hits", "misses", "programs", "ahead", "max_hit_switch_ms", "build_s", "max_build_s"}
+    assert info["programs"] == 2 and info["hits"] == 2 and info["ahead"] == 0 and info["build_s"] > 0
+
+
+def test_a_strategy_built_ahead_is_built_on_the_background_thread_and_found_as_a_hit():
+    """``build_ahead`` builds the Program and prepares the state off the calling thread; the lookup
+    takes the result (a hit, timed apart from the build). A failing build raises at its lookup."""
+    compiled = hgraph.compile(llama.build("tiny", num_layers=2))
+    cache = ProgramCache(compiled, Cluster(2))
+    a = Strategy.parse("1xTP2PP1")
+    threads = []
+
+    def prepare(program):
+        threads.append(threading.current_thread())
+        return f"state of {program.strategy}"
+    assert cache.build_ahead(a, prepare)
+    assert not cache.build_ahead(a, prepare)           # already being built: not twice
+    entry, hit = cache.find(a)
+    assert hit and entry.ahead and entry.build.ahead and entry.state == "state of 1xTP2PP1"
+    assert threads and threads[0] is not threading.main_thread()
+    assert entry.build.build_s > 0 and entry.build.started_at < time.perf_counter()
+    assert not cache.build_ahead(a, prepare)           # built
+    assert (cache.hits, cache.misses) == (1, 0) and cache.info()["ahead"] == 1
+    # a Program built before any step (``Executor.prepare``): only the state is prepared ahead
+    b = Strategy.parse("2xTP1PP1")
+    program = cache.find(b, count=False)[0].program
+    assert cache.build_ahead(b, prepare)
+    deadline = time.monotonic() + 60
+    while b not in cache.states() and time.monotonic() < deadline:     # a finished build's state is listed
+        time.sleep(0.01)
+    assert cache.states()[b] == "state of 2xTP1PP1"
+    entry, hit = cache.find(b)
+    assert hit and entry.ahead and entry.program is program and entry.state == "state of 2xTP1PP1"
+    bad = Strategy.parse("1xTP2PP1CP2")      # 4 ranks on a cluster of 2
+    cache.build_ahead(bad, prepare)
+    with pytest.raises(Exception):
+        cache.find(bad)
+    cache.close()
 
 
 def test_a_program_built_elsewhere_is_kept_under_its_strategy_without_counting():

@@ -60,6 +60,14 @@ def test_planned_run_on_4_ranks_equals_pytorch_and_trains_each_document_once(dat
         assert len(m["rank_busy_s"]) == 4 and m["planner_wait_s"] >= 0 and m["switch_s"] >= 0
         assert isinstance(m["cache_hit"], bool)
     assert lines[0]["cache_hit"] is False                      # the first strategy is always compiled
+    assert lines[0]["build_s"] > 0 and not lines[0]["built_ahead"]
+    seen = set()
+    for m in lines:            # a strategy a delivered plan named was built before its step, which only looked it up
+        first = m["strategy"] not in seen
+        seen.add(m["strategy"])
+        assert (m["build_s"] is not None) == first
+        if m["built_ahead"]:
+            assert first and m["cache_hit"] and m["build_lead_s"] > 0 and m["switch_s"] < m["build_s"]
     assert [p["est_latency_ms"] for p in result["planned"]] == [m["est_latency_ms"] for m in lines]
 
 

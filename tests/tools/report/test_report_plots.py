@@ -25,7 +25,7 @@ def _record(k: int, full: bool = True) -> dict:
         rec.update({"pipelines": [{"scheme": "TP1PP1", "est_latency_ms": est, "measured_latency_ms": meas_ms},
                                   {"scheme": "TP1PP1", "est_latency_ms": est / 2, "measured_latency_ms": 50.0}],
                     "rank_busy_s": [0.1, 0.1, 0.05, 0.15], "planner_wait_s": 0.002, "switch_s": 1e-4,
-                    "cache_hit": k >= 3})
+                    "cache_hit": k >= 3, "built_ahead": k in (1, 2), "build_s": 0.25 if k < 3 else None})
     return rec
 
 
@@ -83,6 +83,7 @@ def test_summary_figures(full_run, capsys):
     assert s["mean_balance"] == pytest.approx(0.15 / 0.1)
     assert s["planner_wait_s"] == pytest.approx(12 * 0.002)
     assert s["cache_hit_rate"] == pytest.approx(9 / 12)
+    assert s["build_s"] == pytest.approx(3 * 0.25) and s["built_ahead"] == 2     # the three strategies' builds
     total = sum((100 + 10 * (k % 4)) / 1e3 for k in range(12))
     assert s["steps_per_s"] == pytest.approx(12 / total)
     assert s["first_loss"] == 6.0 and s["last_loss"] == pytest.approx(4.9)

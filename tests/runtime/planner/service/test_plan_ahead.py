@@ -53,6 +53,27 @@ def test_plans_arrive_in_order_equal_to_inline_planning_and_at_most_depth_ahead(
             assert wait >= 0.0
 
 
+def test_the_next_steps_strategies_are_read_ahead_without_the_planner_running_further(cost):
+    """``upcoming`` reads the plans delivered for the next steps (what the ranks build ahead); they
+    stay for ``get``, and the planner still makes at most ``depth`` plans not yet consumed."""
+    candidates = parse_candidates(CANDIDATES, 4)
+    batches = _batches(6, seed=1)
+    refs = [plan_iteration(lengths, candidates, cost, method="fast", index=step) for step, lengths in batches]
+    with PlannerProcess(depth=2) as proc:
+        consumer = PlanConsumer(proc.channel)
+        consumer.setup(cost, candidates, "fast", 10.0, batches)
+        assert [str(s) for s in consumer.upcoming(wait_for=2)] == [str(r.strategy) for r in refs[:2]]
+        time.sleep(0.5)             # room for a third plan if the bound did not hold
+        assert [str(s) for s in consumer.upcoming()] == [str(r.strategy) for r in refs[:2]]
+        assert proc.channel.plans.qsize() == 0
+        for step in range(len(batches)):
+            plan, _ = consumer.get(step)
+            assert plan.index == step
+            # waiting for two: the planner delivers them (fewer at the end of the batches)
+            want = [str(r.strategy) for r in refs[step + 1:step + 3]]
+            assert [str(s) for s in consumer.upcoming(wait_for=2)] == want
+
+
 def test_a_killed_planner_is_reported_at_once_naming_the_step(cost):
     with PlannerProcess(depth=1) as proc:
         consumer = PlanConsumer(proc.channel)
@@ -140,6 +161,6 @@ def test_inline_planning_uses_the_runs_method_and_time_limit(cost, monkeypatch):
     monkeypatch.setattr(selection, "plan_iteration", spy)
     planner = IterationPlanner(cost, parse_candidates(CANDIDATES, 4), 0, method="cpsat", time_limit_s=0.25)
     batch = MiniBatch(3, tuple(Document(i, (1,) * n) for i, n in enumerate([40, 7, 90, 12])))
-    plan, source, _, _ = planner._plan_on_rank0(batch)
-    assert source == "inline" and seen["method"] == "cpsat" and seen["time_limit_s"] == 0.25
+    plan, source, _, _, upcoming = planner._plan_on_rank0(batch)
+    assert source == "inline" and upcoming == [] and seen["method"] == "cpsat" and seen["time_limit_s"] == 0.25
     assert sorted(plan.documents()) == [0, 1, 2, 3]
