@@ -111,6 +111,7 @@ def _worker(rank, world, cases):
             held.append(sum(holding_states()))
         final = trainer.final_state_dict()
         holding = holding_states()
+        states = trainer.executor.programs.states().values()
         out.append({"states": len(holding), "holding": sum(holding), "held": held, "losses": [s.loss for s in steps],
                     "strategies": [s.strategy for s in steps],
                     "overlapped": [s.overlapped_update for s in steps],
