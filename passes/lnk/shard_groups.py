@@ -14,7 +14,7 @@ ops translated back. So
   group contributed nothing adding exact zeros.
 
 A rank therefore talks to at most ``G - 1`` peers in Pull and Push plus its ``N / G - 1`` replicas
-in one all-reduce: with G a node, its point-to-point peers do not grow with the world.
+in the all-reduces: with G a node, its point-to-point peers do not grow with the world.
 
 The plans of all groups are merged into one ``PullPlan`` / ``PushPlan`` in world ranks with
 ``shard_group = G`` (``for_rank`` and the byte figures as before); ``G = N`` is exactly today's

@@ -11,7 +11,7 @@ through a step. It composes three parts over one ``RankParams`` (``runtime/comm/
   the step's last backward from the gradient hooks (``arm_push``) and flushed by ``flush_pushes``;
   ``push`` then sends the rows to the optimizer owners and returns this rank's gradient shards
   (under ``--shard-group``: the pulls and pushes stay inside the rank's shard group, and ``push``
-  sums the shards across the groups in one all-reduce among the rank's replicas).
+  sums the shards across the groups in bucketed all-reduces among the rank's replicas).
   ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
   over micro-batches, and the push sends it once.
 * **Overlapped update** (``runtime/comm/overlapped_update``; ``can_overlap_update``: plain data
@@ -46,7 +46,8 @@ class ParamSync:
 
     ``masters``, ``working``, ``shards``, ``working_dtype``, ``aliased``: see ``RankParams``;
     ``groups``: a ``GroupCache`` holding every replica group of the push plans and, under
-    ``--shard-group``, the rank's shard group and replicas (``groups_needed``); ``update``: the optimizer's step on some shards, for the overlapped update.
+    ``--shard-group``, the rank's shard group and replicas (``groups_needed``); ``update``: the
+    optimizer's step on some shards, for the overlapped update.
     """
 
     groups_needed = staticmethod(groups_needed)

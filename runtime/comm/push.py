@@ -6,8 +6,8 @@ runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad
 ``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
 per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
-rank's shard group, and the owners' shards are then summed across the groups (one all-reduce among
-the rank's replicas, ``_sum_across_groups``). Owners get the summed fp32 gradient of their
+rank's shard group, and the owners' shards are then summed across the groups (all-reduces among the
+rank's replicas, in buckets, ``_sum_across_groups``). Owners get the summed fp32 gradient of their
 optimizer shard (the reduced rows themselves when they are the whole shard), laid out as the
 parameter is, so that torch's fused Adam takes it without a copy. A rank whose pipeline ran no
 micro-batch pushes zeros, so every rank takes part and nothing hangs.

@@ -2,7 +2,8 @@
 
 The fp32 masters and Adam's moments are sharded over each group of ``G`` consecutive ranks and
 replicated across the ``N / G`` groups (``hgraph.shard_rule.shard_group_ranks``): a rank's Pull and
-Push stay inside its group, and each gradient shard is summed across the groups in one all-reduce.
+Push stay inside its group, and each gradient shard is summed across the groups by all-reduces
+among its replicas.
 A smaller G bounds the peers a rank talks to (G = a node: its point-to-point peers no longer grow
 with the world) at the price of ``N / G`` copies of the model states.
 
