@@ -146,7 +146,8 @@ class CompiledModule(nn.Module):
         scheme = Scheme.parse(scheme) if isinstance(scheme, str) else scheme
         validate_scheme_for_model(scheme, self._hgraph)
         layouts = self._param_layouts()
-        return {(stage, t): layouts.params(scheme, stage, t) for stage in range(scheme.pp) for t in range(scheme.tp)}
+        return {(stage, t): dict(layouts.params(scheme, stage, t)) for stage in range(scheme.pp)
+                for t in range(scheme.tp)}
 
     def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
         """The repeated blocks (layers) of each stage of a ``pp``-stage pipeline, as Programs split it."""

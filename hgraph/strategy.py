@@ -212,10 +212,6 @@ class Strategy:
         # build asks for its peers' coordinates; 12,288 GPUs hold thousands of pipelines)
         return tuple(itertools.accumulate((p.num_ranks for p in self.pipelines), initial=0))
 
-    def pipeline_start(self, i: int) -> int:
-        """The first rank of pipeline ``i``."""
-        return self._starts[i]
-
     def pipeline_ranks(self, i: int) -> list[int]:
         start = self._starts[i]
         return list(range(start, start + self.pipelines[i].num_ranks))

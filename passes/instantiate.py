@@ -170,6 +170,7 @@ class ParamLayouts:
         self._stage_blocks: dict[int, tuple[tuple[str, ...], ...]] = {}
         self._held: dict[int, list[set[str]]] = {}
         self._roles: dict[RankRole, RoleProgram] = {}
+        self._params: dict[tuple[int, int, int, int], dict[str, ParamShard]] = {}
 
     def stage_blocks(self, pp: int) -> tuple[tuple[str, ...], ...]:
         """The repeated blocks of each of ``pp`` stages."""
@@ -179,10 +180,16 @@ class ParamLayouts:
         return self._stage_blocks[pp]
 
     def params(self, scheme: Scheme, stage: int, tp_rank: int) -> dict[str, ParamShard]:
-        """The shards of the rank at ``stage`` and ``tp_rank`` of a ``scheme`` pipeline, in model order."""
-        self.stage_blocks(scheme.pp)
-        held = self._held[scheme.pp][stage]
-        return {n: self._planner.shard(n, scheme.tp, tp_rank) for n in self.hg.params if n in held}
+        """The shards of the rank at ``stage`` and ``tp_rank`` of a ``scheme`` pipeline, in model order
+        (kept: callers must not change the dict)."""
+        key = (scheme.pp, scheme.tp, stage, tp_rank)
+        shards = self._params.get(key)
+        if shards is None:      # once per model and placement: every strategy using it reads this one
+            self.stage_blocks(scheme.pp)
+            held = self._held[scheme.pp][stage]
+            shards = self._params[key] = {n: self._planner.shard(n, scheme.tp, tp_rank)
+                                          for n in self.hg.params if n in held}
+        return shards
 
     def role_program(self, role: RankRole, options: CompileOptions, sp: Any) -> RoleProgram:
         """The program of ``role`` (its graph built on first use), one per role for every strategy: a

@@ -16,8 +16,9 @@ The result is exactly ``plan.for_rank(rank)`` of the world's plan (coalesced pla
 the same order; tests compare the two. The work is the rank's peers and the groups it reduces with or
 receives from, never the world (``WorkCount``).
 
-``rank_lnk_ops`` is the one place that turns a parameter's role layout into a rank's ops; the optimizer
-layout it plans against (every rank of ``world_size`` owning one even segment) is its input.
+``passes.instantiate.StrategyLayout.rank_lnk_ops`` is the one place that calls these for a rank and a
+parameter; the optimizer layout they plan against (every rank of ``world_size`` owning one even
+segment, ``hgraph.shard_rule.optimizer_segments``) is its input.
 """
 from __future__ import annotations
 
