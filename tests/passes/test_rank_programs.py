@@ -118,3 +118,19 @@ def test_one_rank_visits_only_its_peers_and_groups(compiled_models, text):
             assert work.ops == len(ops), (rank, name)
         assert sum(w.ranks for _, w in made) < 512 * len(made)
     assert not prog.pull_plans._plans and not prog.push_plans._plans, "no plan of the whole world was made"
+
+
+@pytest.mark.parametrize("seed, world, group", [(4, 64, 8), (5, 128, 16), (7, 256, 8)])
+def test_shard_grouped_ranks_equal_the_worlds_group_plans(compiled_models, seed, world, group):
+    """Under ``--shard-group G`` a rank's ops come from its own shard group's plans only
+    (``StrategyLayout.group_lnk_ops``): they equal the world's plans over every group, and never leave
+    the group."""
+    rng = random.Random(seed)
+    strategy = random_strategy(rng, world)
+    prog = compiled_models("tiny", tuple(sorted(WIDE.items()))).build_program(strategy,
+                                                                              Cluster(world, 8, shard_group=group))
+    for r in sorted({0, group - 1, group, world - 1, *rng.sample(range(world), 6)}):
+        rp = prog.rank(r)
+        base = r - r % group
+        assert _peers(r, rp.pull_ops + rp.push_ops) <= set(range(base, base + group)) - {r}
+        assert_rank_equals_world(prog, r)
