@@ -40,9 +40,9 @@ _STRATEGY = re.compile(r"\b(\d+x)?(TP\d+PP\d+(CP\d+)?(UL\d+)?)(\+\d+x(TP\d+PP\d+
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?([eE][-+]?\d+)?")
 # words that differ from step to step, not between formats: a cache hit or miss
 _SAME = {"hit": "hit/miss", "miss": "hit/miss"}
-# wordings of one field that differ from run to run (``selection.auto_candidates``' source): where the
-# best homogeneous strategy stands among the candidates, and a --max-candidates cap
-_ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), " best-homogeneous "),
+# clauses that come and go from run to run (``selection.auto_candidates``' source): whether and where the
+# best homogeneous strategy joins the candidates, and a --max-candidates cap
+_ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), ""),
                  (re.compile(r", at most \d+"), ""))
 
 
