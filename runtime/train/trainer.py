@@ -416,7 +416,8 @@ class Trainer:
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
                             [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
                             sequence_parallel=self.sequence_parallel, stopped=stopped,
-                            shard_group={"size": self.shard_group, "auto": self.shard_group_why})
+                            shard_group={"size": self.shard_group, "auto": self.shard_group_why,
+                                         "world": self.shard_group >= self.world_size})
 
     def _end_on_silence(self, silent: list[Silent]) -> None:
         """A peer stopped answering (heartbeat thread): this rank's collectives would wait for it until

@@ -441,7 +441,8 @@ def _run_holding(args: argparse.Namespace, env: Optional[LauncherEnv], outcome: 
     group = result.get("shard_group") or {}
     if group:
         why = f" (--shard-group auto: {group['auto']})" if group.get("auto") else ""
-        print(f"optimizer states: sharded over groups of {group['size']} ranks{why}")
+        over = f"the world ({group['size']} ranks)" if group.get("world") else f"groups of {group['size']} ranks"
+        print(f"optimizer states: sharded over {over}{why}")
     if result.get("long_documents", {}).get("mode", "error") != "error":
         print(LongReport(**result["long_documents"]).summary())
     evals = [(k, e["eval_loss"]) for k, e in sorted(extra.items()) if "eval_loss" in e]

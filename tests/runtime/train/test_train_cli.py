@@ -78,7 +78,7 @@ def test_shard_group_auto_says_what_it_chose(data, capsys):
     rc = main(_train(data, "--world-size", "1", "--strategy-schedule", "1xTP1PP1", "--steps", "1",
                      "--shard-group", "auto"))
     assert rc == 0
-    assert ("optimizer states: sharded over groups of 1 ranks (--shard-group auto: the world (1 ranks) is "
+    assert ("optimizer states: sharded over the world (1 ranks) (--shard-group auto: the world (1 ranks) is "
             "within one node)") in capsys.readouterr().out
 
 
