@@ -31,6 +31,7 @@ KINDS = (
     ("step", r"step +\d+ "),
     ("dropout", r"dropout: "),
     ("sequence parallelism", r"sequence parallelism: "),
+    ("optimizer states", r"optimizer states: "),
     ("graph cache", r"graph cache: "),
     ("summary", r"summary: "),
     ("summary figures", r" +loss "),
