@@ -9,8 +9,8 @@ transfers between this rank and one peer, in model order, are coalesced into buc
 (``torch._foreach_copy_``). A transfer of ``ALONE_BYTES`` or more is bandwidth-bound: it travels
 alone, sent from the source itself where that is contiguous and of the message's dtype, so sending
 copies no more memory than a message per transfer did. Sender and receiver cut the same buckets:
-both walk the same transfers (the Program's plans are the same on every rank) in model order, with
-the same shapes.
+both walk the same transfers (each rank's ops hold every transfer between it and its peer, as the
+world's plan does) in model order, with the same shapes.
 
 Bucket ``k`` of every peer is posted in round ``k`` (one ``batch_isend_irecv``), so the rows of the
 first parameters arrive first and the forward can start while the rest travel; its tag is
@@ -46,13 +46,13 @@ class Rows:
         return int(torch.Size(self.shape).numel())
 
 
-def plan_transfers(plans: Iterable[Any], rank: int) -> list[tuple[Rows, int, int]]:
-    """The transfers ``rank`` sends or receives in ``plans`` (pull or push plans, model order) as
-    ``(rows, src, dst)``, ordered by rows within a parameter."""
+def plan_transfers(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tuple[Rows, int, int]]:
+    """The transfers among a rank's ops (``(ParamLayout, that rank's pull or push ops of it)`` pairs,
+    model order) as ``(rows, src, dst)``, ordered by rows within a parameter."""
     out = []
-    for plan in plans:
-        ops = sorted((op for op in plan.for_rank(rank) if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
-        out += [(Rows(plan.param.name, op.lo, op.hi, (op.hi - op.lo, *plan.param.row_shape)), op.src, op.dst)
+    for param, rank_ops in ops_by_param:
+        ops = sorted((op for op in rank_ops if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
+        out += [(Rows(param.name, op.lo, op.hi, (op.hi - op.lo, *param.row_shape)), op.src, op.dst)
                 for op in ops]
     return out
 
