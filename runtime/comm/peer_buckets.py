@@ -19,7 +19,8 @@ tags, matches a pair's messages in the order both sides post them, which is the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -41,9 +42,10 @@ class Rows:
     hi: int
     shape: tuple[int, ...]
 
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
+    numel: int = field(init=False, compare=False, repr=False)     # elements (a rank holds many: kept)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
 def plan_transfers(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tuple[Rows, int, int]]:
@@ -52,8 +54,8 @@ def plan_transfers(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tu
     out = []
     for param, rank_ops in ops_by_param:
         ops = sorted((op for op in rank_ops if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
-        out += [(Rows(param.name, op.lo, op.hi, (op.hi - op.lo, *param.row_shape)), op.src, op.dst)
-                for op in ops]
+        name, rest = param.name, param.row_shape
+        out += [(Rows(name, op.lo, op.hi, (op.hi - op.lo, *rest)), op.src, op.dst) for op in ops]
     return out
 
 
@@ -107,12 +109,12 @@ class PeerTransfers:
             if alone or last is None or (cap_bytes is not None and last.numel * element_size + nbytes > cap_bytes):
                 buckets.append(PeerBucket(peer, send, 2 * len(buckets) + parity, alone))
             buckets[-1].add(r)
-        self._buckets = [b for _, bs in sorted(per_peer.items()) for b in bs]
-        n_rounds = max((len(b) for b in per_peer.values()), default=0)
+        ordered = [bs for _, bs in sorted(per_peer.items())]
+        self._buckets = [b for bs in ordered for b in bs]
+        n_rounds = max((len(b) for b in ordered), default=0)
         # round k: bucket k of every peer and direction (sorted, so every rank posts in one order);
         # a bucket of empty transfers sends nothing
-        self.rounds = [[bs[k] for _, bs in sorted(per_peer.items()) if k < len(bs) and bs[k].numel]
-                       for k in range(n_rounds)]
+        self.rounds = [[bs[k] for bs in ordered if k < len(bs) and bs[k].numel] for k in range(n_rounds)]
         self.received: dict[str, list[tuple[PeerBucket, int]]] = {}    # name -> (bucket, index in it)
         for bucket in self.buckets():
             if not bucket.send:
