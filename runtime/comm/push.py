@@ -33,9 +33,13 @@ def groups_needed(program: Any) -> list[tuple[int, ...]]:
 
     The replica groups come from the layout per role (``Program.replica_groups``), so no rank plans the
     world for them; the list still names every group of the world, as ``dist.new_group`` is called by
-    every rank for every group, in one order (a rank could create only its own groups with
-    ``use_local_synchronization=True``, if every member created its groups in an order the others
-    share: not done yet)."""
+    every rank for every group, in one order. (Member-only creation, not done yet: a rank would create
+    only its own groups, its bindings' and those of its own reduce-scatters, shard group and
+    replicas, with ``use_local_synchronization=True``, each rank in sorted order. That cannot
+    deadlock: the smallest group still being created has every member at it, since a member still
+    at a smaller group would make that one the smallest. It would cost a rank its own groups instead
+    of the world's list: 3,100 groups for the 70B heterogeneous strategy at 12,288 GPUs,
+    ``tools/bench/cluster_scale``.)"""
     needed = set(program.replica_groups())
     cluster = program.cluster
     if cluster.shard_group is not None:
