@@ -333,6 +333,11 @@ class Program:
         world plans' ``is_all_gather`` / ``is_plain_reduce_scatter``)."""
         return self.planner.param_exchange(name)
 
+    def binding_groups(self) -> list[tuple[int, ...]]:
+        """Every TP, CP and Ulysses group of more than one rank (every rank's ``"tp"``, ``"cp"`` and
+        ``"ul"`` bindings), sorted, without building the ranks' programs."""
+        return self.planner.binding_groups()
+
     def replica_groups(self) -> list[tuple[int, ...]]:
         """Every group of more than one rank that a reduce-scatter of the world's push plans runs in,
         sorted (the groups of ``push_plans[n].reduce_scatters``, from the layout per role: no plan

@@ -365,6 +365,13 @@ class StrategyLayout:
                     of[r] = i
         return all(len(set(of[lo:lo + group_size])) == 1 for lo in range(0, world, group_size))
 
+    def binding_groups(self) -> list[tuple[int, ...]]:
+        """Every TP, CP and Ulysses group of more than one rank (the ``"tp"`` / ``"cp"`` / ``"ul"``
+        bindings of every rank), sorted, by rank arithmetic: no rank's program is built."""
+        out = {tuple(g) for r in range(self.cluster.world_size) for k, g in _bindings(self.strategy, r).items()
+               if k in ("tp", "cp", "ul") and len(g) > 1}
+        return sorted(out)
+
     def replica_groups(self) -> list[tuple[int, ...]]:
         """Every group (of more than one rank) that a reduce-scatter of the world's push plans runs in,
         sorted: ``{rs.group for every push plan, rs in plan.reduce_scatters}``, from the role layout (the

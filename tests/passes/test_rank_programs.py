@@ -6,7 +6,7 @@ the reference). Their ops must be the same, op for op and in order, on every str
 suites train and on random strategies of 64 to 512 ranks; and building one rank must visit no more
 ranks than its own peers and groups. What a rank's runtime reads of the world besides its ops
 (``Program.exchange``: all-gather? plain reduce-scatter?; ``Program.replica_groups``; the rank's
-``contributions``) must equal the world plans' as well.
+``contributions``; ``Program.binding_groups``) must equal the world plans' (and every rank's) as well.
 """
 import random
 
@@ -86,6 +86,8 @@ def assert_facts_equal_world(prog, ranks=()):
     world_groups = sorted({rs.group for plan in prog.push_plans.values() for rs in plan.reduce_scatters
                            if len(rs.group) > 1})
     assert prog.replica_groups() == world_groups
+    assert prog.binding_groups() == sorted({tuple(g) for rp in prog.ranks for k, g in rp.bindings.items()
+                                            if k in ("tp", "cp", "ul") and len(g) > 1})
     return gathered, plain
 
 

@@ -1,11 +1,12 @@
 """One rank's Pull/Push bookkeeping reads only that rank's part of the Program, never the world's plans.
 
 A training rank builds its ``RankParams``, ``PullParameter`` and ``PushGradient`` (the state that needs
-no process group), the list of process groups every rank creates (``groups_needed``) and whether the
-overlapped update applies (``is_plain_data_parallel``). All of that must come from the rank's own ops
-(``Program.rank``) and the facts read off the layout per role (``Program.exchange``,
-``Program.replica_groups``): ``Program.pull_plans`` / ``push_plans`` plan the whole world, which at
-1,024 ranks of a 70B model takes minutes. Once built, the bookkeeping must equal what the world's plans
+no process group), the list of process groups every rank creates (``groups_needed``, the executor's
+``_program_groups``) and whether the overlapped update applies (``is_plain_data_parallel``). All of
+that must come from the rank's own ops (``Program.rank``) and the facts read off the layout per role
+(``Program.exchange``, ``replica_groups``, ``binding_groups``), building no other rank's program and
+never reading ``Program.pull_plans`` / ``push_plans``: they plan the whole world, which at 1,024
+ranks of a 70B model takes minutes. Once built, the bookkeeping must equal what the world's plans
 give (the ops, the tiles a pull assembles from, the point-to-point messages, the group list), so that
 every rank still posts the same messages and collectives as before. No process is started: tensors
 live on the meta device and the process groups are never asked for.
@@ -23,6 +24,7 @@ from hgraph.runtime.comm.process_groups import shard_groups_of
 from hgraph.runtime.comm.pull import PullParameter, pull_messages
 from hgraph.runtime.comm.push import PushGradient, groups_needed, push_messages
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
+from hgraph.runtime.engine.executor import _program_groups
 from hgraph.shard_rule import group_shard_bounds
 
 # a 4-layer model whose heads allow TP8, for worlds of 64 to 512 ranks (as tests/passes/test_rank_programs)
@@ -92,9 +94,11 @@ def test_one_ranks_state_plans_no_world(compiled, text, world, group):
     ranks = (0, 77 % world, world - 1)
     states = {r: rank_state(prog, r) for r in ranks}
     needed = groups_needed(prog)
+    created = _program_groups(prog)         # what the executor creates: bindings' groups too
     plain_dp = is_plain_data_parallel(prog)
     built = {r: (pull_messages(prog, r, 2, 1 << 20), push_messages(prog, r)) for r in ranks}
     assert not prog.pull_plans._plans and not prog.push_plans._plans, "a rank's state planned the world"
+    assert set(prog._ranks) == set(ranks), "another rank's program was built"
 
     # what was built equals what the world's plans give (read only now)
     pulls, pushes = [prog.pull_plans[n] for n in prog.param_names], [prog.push_plans[n] for n in prog.param_names]
@@ -102,6 +106,8 @@ def test_one_ranks_state_plans_no_world(compiled, text, world, group):
     if group is not None:
         world_groups |= set(shard_groups_of(world, group))
     assert needed == sorted(g for g in world_groups if len(g) > 1)
+    bindings = {tuple(g) for rp in prog.ranks for k, g in rp.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
+    assert created == sorted(bindings | set(needed))
     assert plain_dp == (group is None and all(p.is_all_gather for p in pulls)
                         and all(p.is_plain_reduce_scatter for p in pushes))
     assert plain_dp == (text == "64xTP1PP1" and group is None)
