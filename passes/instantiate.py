@@ -126,7 +126,7 @@ def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
     return b
 
 
-def _contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any,
+def push_contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any,
                   sp_partial: bool = False) -> tuple[Range, ...]:
     """The ranges a rank contributes to the gradient of a parameter, so every pipeline counts each
     element once (empty: nothing).
@@ -267,7 +267,7 @@ class StrategyLayout:
         for pr in self.param_roles:
             shard = self._params[pr].get(name)
             if shard is not None:
-                ranges = _contribution(shard, pr[0], pr[2], info, sp_partial)
+                ranges = push_contribution(shard, pr[0], pr[2], info, sp_partial)
                 if ranges:
                     out.append((pr, ranges))
         return tuple(out)
@@ -307,7 +307,7 @@ class StrategyLayout:
         for name in self.order:
             shard = shards.get(name)
             if shard is not None:
-                ranges = _contribution(shard, pr[0], pr[2], info[name], name in partial)
+                ranges = push_contribution(shard, pr[0], pr[2], info[name], name in partial)
                 if ranges:
                     out[name] = tuple(normalise_ranges(ranges))
         return out

@@ -200,7 +200,9 @@ def _push_ops(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
     return tuple(slices), tuple(sorted(scatters)), tuple(sorted(transfers)), tuple(sorted(adds))
 
 
-@functools.lru_cache(maxsize=1024)
+# a strategy's rank touches a few dozen (layout, group) pairs; a group at 12,288 GPUs holds thousands of
+# pieces, so the cache is kept small enough not to pile up strategies' worth of them
+@functools.lru_cache(maxsize=128)
 def replica_group_push(size: int, row_bytes: int, world_size: int, gpus_per_node: int,
                        ranges: tuple[Range, ...], group: tuple[int, ...], weights: LinkWeights
                        ) -> tuple[tuple[ReduceScatter, ...], Mapping[int, tuple[Range, ...]]]:

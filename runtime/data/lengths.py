@@ -1,6 +1,7 @@
 """Reading document lengths and cutting them into mini-batches (``docs/architecture.md``, data order)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.data.jsonl import jsonl_values, not_utf8
 
 
+_FIRST_CHAR = re.compile(rb"^[ \t\r\f\v]*([^#\s])", re.M)
 LENGTH_LINES = "one integer per line ('#' starts a comment line), or JSONL objects with 'input_ids'"
 
 
@@ -36,8 +38,8 @@ def read_lengths(path: str | Path) -> np.ndarray:
         data = p.read_bytes()
     except OSError as exc:
         raise HGraphError(f"cannot read lengths file {str(p)!r}: {exc.strerror or exc}") from None
-    first = next((line for line in data.splitlines() if line.strip() and not line.lstrip().startswith(b"#")), b"")
-    if first.lstrip().startswith(b"{"):
+    first = _FIRST_CHAR.search(data)        # of the first line that is neither blank nor a comment
+    if first is not None and first.group(1) == b"{":
         out = []
         for where, obj in jsonl_values(p, expect="each line must be an object with 'input_ids'"):
             ids = obj.get("input_ids") if isinstance(obj, dict) else None

@@ -111,8 +111,8 @@ class FolderLock:
             self.folder.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise HGraphError(f"{self.what} {self.folder}: cannot create its lock file {self.path} "
-                              f"({exc.strerror or exc}); the run needs a folder it can write") from None
+            raise HGraphError(f"{self.what} {str(self.folder)!r} cannot be written ({exc.strerror or exc}: "
+                              f"its lock file {self.path}); give a folder this run may write") from None
         try:
             try:
                 fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,7 +1,8 @@
 """Compile at cluster scale: what one rank's Program costs, and what that rank exchanges.
 
     python -m hgraph.tools.bench.cluster_scale [--quick] [--models 70b,32b] [--worlds 64,1024,12288]
-                                              [--gpus-per-node 8] [--rank R] [--dtype D] [--json]
+                                              [--shard-groups 8,64,world] [--gpus-per-node 8] [--rank R]
+                                              [--dtype D] [--json]
 
 For each zoo Llama (built on the meta device), world size and strategy (a homogeneous one and a
 heterogeneous one, derived from the largest TP degree the model's heads allow within a node), one
@@ -12,10 +13,13 @@ that build added to the process (peak RSS over the RSS before it, sampled), the 
 rank's runtime state that needs no process group (``runtime s``: its Pull/Push bookkeeping over meta
 tensors, as ``ParamSync`` builds it, and the list of the world's process groups every rank creates,
 ``world groups``), and per step what the
-rank exchanges in the optimizer layout of the world (G = world): Pull and Push peers and bytes
-(point-to-point sent and received, and its reduce-scatters' input), and the process groups it
-belongs to (its TP / CP / Ulysses groups and the replica groups of its reduce-scatters; the PP
-neighbours are point-to-point).
+rank exchanges at each shard group G of the optimizer states (``--shard-group``; G = world is one copy
+sharded over all ranks): Pull and Push peers and bytes (point-to-point sent and received, and its
+reduce-scatters' input; with G < world the Push adds the all-reduce of its fp32 shards among its
+``replicas``, one per group, counted as a ring moves it), and the process groups it belongs to (its
+TP / CP / Ulysses groups, the replica groups of its reduce-scatters and, with G < world, its shard
+group and its replicas; the PP neighbours are point-to-point). ``shard_fanout`` adds the message
+counts of the same exchanges.
 
 ``--quick`` runs the zoo's tiny Llama at 16 and 64 GPUs (a smoke test); ``--in-process`` measures
 every row in this process instead of one child each (faster, memory figures less clean). Columns
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import resource
 import subprocess
@@ -49,7 +54,7 @@ from hgraph.runtime.comm.push import PushGradient
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
 from hgraph.runtime.engine.executor import _program_groups
 from hgraph.runtime.process.lifetime import die_with_parent
-from hgraph.shard_rule import group_shard_bounds
+from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme
 
 #: (key, header, format) of the table, in order; a measurement is a dict holding these keys.
@@ -58,6 +63,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("gpus", "GPUs", "{:,}"),
     ("kind", "strategy", "{}"),
     ("rank", "rank", "{}"),
+    ("shard_group", "G", "{}"),
     ("plans_s", "plans s", "{:.2f}"),
     ("graph_s", "graph s", "{:.2f}"),
     ("cpu_s", "total s", "{:.2f}"),
@@ -68,6 +74,7 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("pull_mb", "Pull MB", "{:,.1f}"),
     ("push_peers", "Push peers", "{:,}"),
     ("push_mb", "Push MB", "{:,.1f}"),
+    ("replicas", "replicas", "{:,}"),
     ("groups", "groups", "{}"),
 ]
 
@@ -80,6 +87,7 @@ class Case:
     world: int
     kind: str           # "homogeneous" / "heterogeneous"
     strategy: str
+    shard_group: Optional[int] = None     # None: the world
 
 
 def largest_tp(compiled: Any, gpus_per_node: int) -> int:
@@ -199,9 +207,27 @@ def runtime_setup(program: Any, rank: int, dtype: torch.dtype) -> dict:
     return {"runtime_s": time.process_time() - t0, "world_groups": len(groups)}
 
 
-def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int, dtype: str = "bfloat16") -> dict:
+def across_groups(compiled: Any, rank: int, cluster: Cluster) -> dict:
+    """What the Push adds when the optimizer shards inside groups of G < world ranks: the all-reduce of
+    the rank's fp32 shards among its replicas (a ring moves ``2 (R-1)/R`` of them), and its groups."""
+    size, world = cluster.group_size, cluster.world_size
+    replicas = replica_ranks(rank, size, world)
+    shard_bytes = 0
+    for info in compiled.hgraph.params.values():
+        shape = tuple(int(d) for d in info.shape)
+        lo, hi = group_shard_bounds(shape[info.shard_dim] if shape else 1, rank, size)
+        row = math.prod(shape) // shape[info.shard_dim] if shape else 1
+        shard_bytes += (hi - lo) * row * 4
+    ring = 2 * (len(replicas) - 1) * shard_bytes // len(replicas)
+    return {"replicas": len(replicas), "ring_mb": ring / 2**20,
+            "groups": {g for g in (shard_group_ranks(rank, size), replicas) if len(g) > 1}}
+
+
+def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int, dtype: str = "bfloat16",
+            shard_group: Optional[int] = None) -> dict:
     """One row, in this process: compile ``model`` on meta (working ``dtype``), then time and size rank
-    ``rank``'s Program."""
+    ``rank``'s Program with the optimizer states sharded over groups of ``shard_group`` ranks (None:
+    the world)."""
     for name in COMPILER_MODULES:        # imported once per process, not per strategy: not counted
         importlib.import_module(name)
     with torch.device("meta"):
@@ -210,37 +236,61 @@ def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int
     with PeakRSS() as rss:
         before = PeakRSS.now()
         t0 = time.process_time()
-        program = compiled.build_program(strategy, Cluster(world, gpus_per_node))
+        cluster = Cluster(world, gpus_per_node, shard_group=shard_group)
+        program = compiled.build_program(strategy, cluster)
         rp = program.rank(rank)
         rp.pull_by_param                  # its LNK ops are planned on first use
         t1 = time.process_time()
         rp.graph_module
         t2 = time.process_time()
-    setup = runtime_setup(program, rank, getattr(torch, dtype))
-    return {"model": model, "gpus": world, "strategy": strategy, "rank": rank, "plans_s": t1 - t0,
-            "graph_s": t2 - t1, "cpu_s": t2 - t0, "added_mb": max(0, rss.peak - before) / 2**20,
-            **setup, **exchanges(rp)}
+    row = {"model": model, "gpus": world, "strategy": strategy, "rank": rank,
+           "shard_group": "world" if cluster.shard_group is None else cluster.shard_group, "plans_s": t1 - t0,
+           "graph_s": t2 - t1, "cpu_s": t2 - t0, "added_mb": max(0, rss.peak - before) / 2**20,
+           **runtime_setup(program, rank, getattr(torch, dtype)), **exchanges(rp)}
+    if cluster.shard_group is not None:
+        extra = across_groups(compiled, rank, cluster)
+        row["push_mb"] += extra["ring_mb"]
+        row["replicas"] = extra["replicas"]
+        row["groups"] = len(rank_groups(rp) | extra["groups"])
+    return row
 
 
 def run_isolated(case: Case, rank: int, gpus_per_node: int, dtype: str, timeout_s: float) -> dict:
     """``measure`` in a child process of its own (its memory is its own; it dies with this one)."""
     argv = [sys.executable, "-m", "hgraph.tools.bench.cluster_scale", "--measure", case.model, str(case.world),
-            case.strategy, str(rank), str(gpus_per_node), dtype, str(os.getpid())]
+            case.strategy, str(rank), str(gpus_per_node), dtype, str(case.shard_group or 0), str(os.getpid())]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
-        raise RuntimeError(f"{case.model} at {case.world} GPUs, {case.strategy}: "
+        raise RuntimeError(f"{case.model} at {case.world} GPUs, {case.strategy}, G {case.shard_group or 'world'}: "
                            f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "kind": case.kind}
 
 
-def cases(models: list[str], worlds: list[int], gpus_per_node: int) -> list[Case]:
+def cases(models: list[str], worlds: list[int], gpus_per_node: int,
+          shard_groups: tuple[Optional[int], ...] = (None,)) -> list[Case]:
+    """Each model, world and strategy at each shard group that divides the world and is smaller than it
+    (None: the world, always)."""
     out = []
     for model in models:
         with torch.device("meta"):
             compiled = hgraph.compile(llama.build(model))
         tp = largest_tp(compiled, gpus_per_node)
-        out += [Case(model, w, kind, s) for w in worlds for kind, s in strategies(tp, w)]
+        out += [Case(model, w, kind, s, g) for w in worlds for kind, s in strategies(tp, w)
+                for g in shard_groups if g is None or (g < w and w % g == 0)]
     return out
+
+
+def _shard_groups(text: str) -> tuple[Optional[int], ...]:
+    """``8,64,world`` -> (8, 64, None); a positive integer or ``world``."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item == "world":
+            out.append(None)
+        elif item.isdigit() and int(item) > 0:
+            out.append(int(item))
+        else:
+            raise ValueError(item)
+    return tuple(out)
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]] = COLUMNS) -> str:
@@ -261,6 +311,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny Llama at 16 and 64 GPUs (smoke test)")
     ap.add_argument("--models", default="70b,32b", help="zoo Llama configs, comma-separated (default 70b,32b)")
     ap.add_argument("--worlds", default="64,1024,12288", help="GPU counts, comma-separated")
+    ap.add_argument("--shard-groups", default="8,64,world",
+                    help="optimizer shard groups G, comma-separated: positive integers or world (default "
+                         "8,64,world; a G that does not divide a world, or is not smaller, is skipped)")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--rank", type=int, default=0, help="the rank whose Program is built (default 0)")
     ap.add_argument("--timeout", type=float, default=600, help="seconds one row may take")
@@ -270,13 +323,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "earlier rows left)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the working dtype Pull casts to (default bfloat16)")
-    ap.add_argument("--measure", nargs=7, help=argparse.SUPPRESS)   # a row's child process
+    ap.add_argument("--measure", nargs=8, help=argparse.SUPPRESS)   # a row's child process
     args = ap.parse_args(argv)
 
     if args.measure:
-        model, world, strategy, rank, gpn, dtype, parent = args.measure
+        model, world, strategy, rank, gpn, dtype, group, parent = args.measure
         die_with_parent(int(parent))
-        print(json.dumps(measure(model, int(world), strategy, int(rank), int(gpn), dtype)))
+        print(json.dumps(measure(model, int(world), strategy, int(rank), int(gpn), dtype, int(group) or None)))
         return 0
 
     try:
@@ -286,7 +339,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"cluster_scale: --worlds {args.worlds!r}: expected GPU counts separated by commas", file=sys.stderr)
         return 2
     try:
-        todo = cases(models, worlds, args.gpus_per_node)
+        groups = _shard_groups(args.shard_groups)
+    except ValueError as e:
+        print(f"cluster_scale: --shard-groups {args.shard_groups!r}: {e} is not a positive integer or world",
+              file=sys.stderr)
+        return 2
+    try:
+        todo = cases(models, worlds, args.gpus_per_node, groups)
     except HGraphError as e:
         print(f"cluster_scale: {e}", file=sys.stderr)
         return 2
@@ -299,11 +358,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     for case in todo:
         if args.in_process:
             rows.append({**measure(case.model, case.world, case.strategy, args.rank, args.gpus_per_node,
-                                   args.dtype), "kind": case.kind})
+                                   args.dtype, case.shard_group), "kind": case.kind})
         else:
             rows.append(run_isolated(case, args.rank, args.gpus_per_node, args.dtype, args.timeout))
         if not args.json:
-            print(f"{case.model} {case.world:>6} GPUs {case.kind:<13} {case.strategy}: "
+            print(f"{case.model} {case.world:>6} GPUs {case.kind:<13} G {case.shard_group or 'world'} {case.strategy}: "
                   f"{rows[-1]['cpu_s']:.2f} s, +{rows[-1]['added_mb']:.0f} MB", file=sys.stderr)
     if args.json:
         print(json.dumps({"rows": rows}))

@@ -42,7 +42,7 @@ import torch
 import hgraph
 from hgraph.comm_plan import ParamLayout, ReduceScatter, Transfer, merge_ranges
 from hgraph.frontends.zoo import build
-from hgraph.passes.instantiate import _bindings, _contribution
+from hgraph.passes.instantiate import _bindings, push_contribution
 from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.sequence_parallel import model_sequence_parallel
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
@@ -105,20 +105,18 @@ class RankLayouts:
         return {rp.rank: list(rp.params[name].ranges) for rp in ranks if name in rp.params}
 
     def contributions(self, ranks: list[SimpleNamespace], name: str):
-        """The gradient rows each of ``ranks`` contributes (``instantiate._contribution``, as the plans
-        take them) and the replica groups among them (ranks contributing identical rows)."""
+        """The gradient rows each of ``ranks`` contributes, and the replica groups (identical rows)."""
         info = self.compiled.hgraph.params[name]
         contrib: dict[int, list] = {}
         for rp in ranks:
             shard = rp.params.get(name)
-            if shard is not None:
-                ranges = _contribution(shard, rp.scheme, rp.tp_rank, info, name in self.sp_partial)
-                if ranges:
-                    contrib[rp.rank] = list(ranges)
-        groups: dict[tuple, list[int]] = {}
+            ranges = push_contribution(shard, rp.scheme, rp.tp_rank, info, name in self.sp_partial) if shard else ()
+            if ranges:
+                contrib[rp.rank] = list(ranges)
+        same: dict[tuple, list[int]] = {}
         for r, ranges in contrib.items():
-            groups.setdefault(tuple(ranges), []).append(r)
-        return contrib, [tuple(g) for g in groups.values() if len(g) > 1]
+            same.setdefault(tuple(ranges), []).append(r)
+        return contrib, [tuple(g) for g in same.values() if len(g) > 1]
 
 
 def _layout(compiled: Any, name: str) -> ParamLayout:

@@ -38,11 +38,13 @@ KINDS = (
 )
 _STRATEGY = re.compile(r"\b(\d+x)?(TP\d+PP\d+(CP\d+)?(UL\d+)?)(\+\d+x(TP\d+PP\d+(CP\d+)?(UL\d+)?))*\b")
 _NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?([eE][-+]?\d+)?")
-# words that differ from step to step, not between formats: a cache hit or miss
+# words that differ from step to step, not between formats: a cache hit or miss (or a Program built
+# ahead of its step, which the step line says instead: "built ahead")
 _SAME = {"hit": "hit/miss", "miss": "hit/miss"}
-# wordings of one field that differ from run to run (``selection.auto_candidates``' source): where the
-# best homogeneous strategy stands among the candidates, and a --max-candidates cap
-_ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), " best-homogeneous "),
+_BUILT_AHEAD = re.compile(r"\bbuilt ahead\b")
+# clauses that come and go from run to run (``selection.auto_candidates``' source): whether and where the
+# best homogeneous strategy joins the candidates, and a --max-candidates cap
+_ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), ""),
                  (re.compile(r", at most \d+"), ""))
 
 
@@ -54,7 +56,7 @@ def line_kind(line: str) -> Optional[str]:
 def line_shape(line: str, run_dir: Optional[str] = None) -> tuple[Optional[str], frozenset]:
     """``(kind, field words)`` of a printed line: its words without numbers, strategies, schemes and
     the run folder (``run_dir``; the README writes it ``DIR``)."""
-    text = line.replace(run_dir or "DIR", " ")
+    text = _BUILT_AHEAD.sub("cache hit", line.replace(run_dir or "DIR", " "))
     for pattern, same in _ALTERNATIVES:
         text = pattern.sub(same, text)
     text = _NUMBER.sub(" ", _STRATEGY.sub(" ", text))

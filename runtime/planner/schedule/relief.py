@@ -30,7 +30,9 @@ def relieved_fits(cost: Any, scheme: Any, tokens: int) -> bool:
     """Whether a micro-batch of ``tokens`` fits a rank of ``scheme`` with its layers relieved as the
     engine relieves them under ``cost.relief_budget(scheme)`` (``--offload on`` without a budget:
     every layer offloaded within the host budget)."""
-    room = cost.memory.activation_room(cost.model, scheme, cost.world_size)
+    # the chunked loss's transient logits sit beside the activations while the loss runs
+    room = cost.memory.activation_room(cost.model, scheme, cost.world_size) \
+        - cost.memory.transient_bytes(scheme, tokens)
     budget = cost.relief_budget(scheme)
     limit = room if budget is None else min(room, budget)
     if limit <= 0:

@@ -93,8 +93,8 @@ def test_the_holders_own_longer_timeout_keeps_it_fresh_and_a_folder_that_cannot_
     with pytest.raises(FolderInUse, match="PID 4242 on node-b"):
         RunLock([("checkpoint folder", folder)], STALE_S).acquire()
     (tmp_path / "a-file").write_text("")
-    with pytest.raises(HGraphError, match=r"^run folder \S+a-file/run: cannot create its lock file \S+ \(.+\); the run "
-                                          r"needs a folder it can write$"):
+    with pytest.raises(HGraphError, match=r"^run folder '\S+a-file/run' cannot be written \(.+: its lock file \S+\); "
+                                          r"give a folder this run may write$"):
         RunLock([("run folder", tmp_path / "a-file" / "run")], STALE_S).acquire()
 
 

@@ -46,7 +46,9 @@ def test_train_refuses_an_unwritable_folder_before_any_rank(tmp_path, capsys, fl
             "--steps", "1", "--tokens-per-iter", "30", flag, target]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {flag} ") and "cannot be written" in err[0]
+    # the run's lock (runtime/process/run_lock) is the first to write into the checkpoint and run folders
+    named = {"--checkpoint-dir": "checkpoint folder", "--run-dir": "run folder"}.get(flag, flag)
+    assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {named} ") and "cannot be written" in err[0]
 
 
 def test_under_a_launcher_each_node_s_local_rank_0_probes_what_its_node_writes(tmp_path):

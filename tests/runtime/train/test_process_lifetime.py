@@ -194,11 +194,12 @@ def test_sigterm_of_the_launcher_with_a_checkpoint_folder_saves_says_where_and_e
     run.wait_for(_training)
     for where, folders in [("checkpoint folder", ["--run-dir", str(tmp_path / "other-run"), "--checkpoint-dir", str(ck)]),
                            ("run folder", ["--run-dir", str(run.run_dir)])]:
+        before = set(_descendants(os.getpid()))      # a fork server an earlier test left is not this one's
         assert main([*TRAIN[3:], *folders, "--steps", "2"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {where} ") and \
             f"is in use by another run: PID {run.proc.pid} on {socket.gethostname()} (heartbeat " in err[0], err
-        started = set(_descendants(os.getpid())) - set(_descendants(run.proc.pid)) - {run.proc.pid}
+        started = set(_descendants(os.getpid())) - before - set(_descendants(run.proc.pid)) - {run.proc.pid}
         assert not started, [_command_line(p) for p in started]        # no rank, no planner
     assert not (tmp_path / "other-run").exists()               # refused before it wrote anything
     last = _last_step(run.out.read_text())

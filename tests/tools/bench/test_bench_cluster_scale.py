@@ -14,12 +14,21 @@ from hgraph.tools.bench.cluster_scale import exchanges, main, runtime_setup, str
 def test_quick_rows_cover_both_strategies_and_count_what_the_rank_exchanges(capsys):
     assert main(["--quick", "--in-process", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert sorted((r["gpus"], r["kind"]) for r in rows) == [(16, "heterogeneous"), (16, "homogeneous"),
-                                                            (64, "heterogeneous"), (64, "homogeneous")]
+    assert sorted((r["gpus"], r["kind"], str(r["shard_group"])) for r in rows) == [
+        (g, k, s) for g in (16, 64) for k in ("heterogeneous", "homogeneous") for s in ("8", "world")]
     for r in rows:
         assert r["cpu_s"] >= r["plans_s"] > 0 and r["added_mb"] >= 0
         assert 0 < r["pull_peers"] < r["gpus"] and 0 < r["push_peers"] < r["gpus"] and r["groups"] >= 1
         assert r["runtime_s"] > 0 and r["world_groups"] >= r["groups"]
+    # with the optimizer sharded inside a node (G = 8) a rank's Pull and Push peers stay inside its group
+    # whatever the world; it adds one all-reduce among its replicas (one per group)
+    for r in rows:
+        if r["shard_group"] == 8:
+            assert r["pull_peers"] <= 7 and r["push_peers"] <= 7 and r["replicas"] == r["gpus"] // 8
+    by = {(r["kind"], r["gpus"], str(r["shard_group"])): r for r in rows}
+    for kind in ("homogeneous", "heterogeneous"):
+        assert by[kind, 16, "8"]["pull_peers"] == by[kind, 64, "8"]["pull_peers"]
+        assert by[kind, 64, "world"]["pull_peers"] > by[kind, 16, "world"]["pull_peers"]
 
 
 def test_exchanges_and_groups_of_one_rank():
@@ -40,6 +49,8 @@ def test_strategies_fill_the_world_and_bad_input_is_exit_2(capsys):
     assert main(["--worlds", "64,x", "--models", "tiny"]) == 2
     assert "--worlds" in capsys.readouterr().err
     assert main(["--models", "nope", "--worlds", "16"]) == 2
+    assert main(["--quick", "--shard-groups", "8,half"]) == 2
+    assert "--shard-groups" in capsys.readouterr().err
 
 
 def test_runtime_setup_lists_the_worlds_groups_without_its_plans():

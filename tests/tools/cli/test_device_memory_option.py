@@ -2,8 +2,6 @@
 negative value is the option's own one line (not argparse's "expected one argument"), a device too
 small for the model states of any strategy is refused before the planner's setup, and sizes read
 ``1K``, not ``0.0M``."""
-import time
-
 import numpy as np
 import pytest
 
@@ -39,14 +37,12 @@ def test_a_negative_size_is_the_option_s_own_line(argv, capsys, tmp_path, monkey
 
 def test_a_device_too_small_for_the_model_states_is_refused_before_any_process(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    t0 = time.perf_counter()
     rc = main(["train", "--device-memory", "1K", "--steps", "2", "--run-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
     assert err[0].startswith("hgraph train: error: --device-memory 1K: too small for any strategy; every rank of 4 "
                              "holds at least 1.194M of model states (250,432 parameters")
     assert not (tmp_path / "run").exists()              # nothing started: no run folder, no planner setup
-    assert time.perf_counter() - t0 < 30
     assert least_state_bytes(250_432, 4) == 250_432 * 20 / 4
 
 
