@@ -16,7 +16,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.fx as fx
 
+from hgraph.comm_plan import ParamLayout
 from hgraph.meta import SlotKind
+from hgraph.shard_rule import Range, optimizer_segments, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 
@@ -82,6 +84,35 @@ class ParamShard:
 
 
 @dataclass(frozen=True)
+class ParamExchange:
+    """What one parameter's Pull and Push are across the world, without their ops.
+
+    Known from the parameter layout described per role (``Program.exchange``), so a rank reads it
+    without planning any other rank: ``is_all_gather`` and ``is_plain_reduce_scatter`` equal the
+    world plans' (``PullPlan.is_all_gather``, ``PushPlan.is_plain_reduce_scatter``), and so do
+    ``all_gather_group`` and ``all_gather_segments``. ``group_size``: the ranks the optimizer shards
+    the parameter over (``--shard-group``; the world by default).
+    """
+
+    param: ParamLayout
+    is_all_gather: bool
+    is_plain_reduce_scatter: bool
+    group_size: int
+    #: bytes per element the pull moves (the working dtype's: ``PullPlan.working_dtype_bytes``)
+    working_dtype_bytes: int = 4
+
+    def all_gather_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks ``rank`` all-gathers with, in chunk order (its shard group); empty unless
+        ``is_all_gather``."""
+        return shard_group_ranks(rank, self.group_size) if self.is_all_gather else ()
+
+    @property
+    def all_gather_segments(self) -> tuple[Range, ...]:
+        """Rows contributed by each rank of an all-gather's group; empty unless ``is_all_gather``."""
+        return tuple(optimizer_segments(self.param.size, self.group_size)) if self.is_all_gather else ()
+
+
+@dataclass(frozen=True)
 class SubgraphInfo:
     """One filled slot of a rank's program (for dumps and tests)."""
 
@@ -141,7 +172,8 @@ class RankProgram:
     ``pull_by_param`` / ``push_by_param``: the ops of each parameter's pull / push plan that involve
     this rank (``plan.for_rank(rank)``), for every parameter it exchanges (an owner sends rows of
     parameters it does not hold), model order; ``pull_ops`` / ``push_ops`` flatten them over the
-    parameters the rank holds.
+    parameters the rank holds. ``contributions``: the gradient rows this rank pushes of each
+    parameter (``push_plan.contributions[rank]``; parameters it contributes nothing to left out).
     """
 
     rank: int
@@ -153,8 +185,11 @@ class RankProgram:
     plan_lnk: Optional[Callable[[], tuple[Mapping[str, tuple[Any, ...]], Mapping[str, tuple[Any, ...]]]]] = \
         field(default=None, repr=False)
     describe: Optional[Callable[["RankProgram"], list[SubgraphInfo]]] = field(default=None, repr=False)
+    # () -> {parameter: gradient rows this rank contributes}: from its role's shards, on first use
+    plan_contributions: Optional[Callable[[], Mapping[str, tuple[Range, ...]]]] = field(default=None, repr=False)
     _subgraphs: Optional[list[SubgraphInfo]] = field(default=None, repr=False)
     _lnk: Optional[tuple[Mapping, Mapping]] = field(default=None, repr=False)
+    _contributions: Optional[Mapping[str, tuple[Range, ...]]] = field(default=None, repr=False)
 
     def _lnk_ops(self) -> tuple[Mapping, Mapping]:
         if self._lnk is None:
@@ -170,6 +205,14 @@ class RankProgram:
     def push_by_param(self) -> Mapping[str, tuple[Any, ...]]:
         """Parameter -> this rank's ops of its push plan (parameters it takes no part in left out)."""
         return self._lnk_ops()[1]
+
+    @property
+    def contributions(self) -> Mapping[str, tuple[Range, ...]]:
+        """Parameter -> the gradient rows this rank contributes to its push (its push plan's
+        ``contributions[rank]``; parameters it contributes nothing to left out)."""
+        if self._contributions is None:
+            self._contributions = self.plan_contributions() if self.plan_contributions else {}
+        return self._contributions
 
     @property
     def pull_ops(self) -> list[Any]:
@@ -237,12 +280,18 @@ class Program:
     its LNK ops, in time and memory that follow what the rank exchanges, not the world size. ``ranks``
     builds every rank (dumps, tools); ``pull_plans`` / ``push_plans`` map each parameter (model order)
     to the plan of the whole world, each planned when first read.
+
+    What a rank's runtime needs beyond its own ops comes without planning the world: the parameters
+    in model order (``param_names``), their layouts (``param_layout``), what each one's pull and push
+    are (``exchange``: all-gather? plain reduce-scatter?) and the groups the world's push
+    reduce-scatters run in (``replica_groups``), all from ``planner`` (the compiler's per-strategy
+    layout, described per role: ``passes.instantiate.StrategyLayout``).
     """
 
     def __init__(self, strategy: Strategy, cluster: Cluster, stage_blocks: dict[int, tuple[tuple[str, ...], ...]],
                  build_rank: Callable[[int], RankProgram], pull_plans: Mapping[str, Any],
                  push_plans: Mapping[str, Any], *, sequence_parallel: bool = False,
-                 sequence_parallel_note: str = "") -> None:
+                 sequence_parallel_note: str = "", planner: Any = None) -> None:
         self.strategy = strategy
         self.cluster = cluster
         self.stage_blocks = stage_blocks          # pp degree -> blocks of each stage
@@ -253,7 +302,7 @@ class Program:
         # default (the compile option ``sequence_parallel=None``) and the model does not allow it
         self.sequence_parallel = sequence_parallel
         self.sequence_parallel_note = sequence_parallel_note
-        self.planner: Any = None                  # what builds the ranks (the compiler's per-strategy layout)
+        self.planner: Any = planner               # what builds the ranks (the compiler's per-strategy layout)
         self._build_rank = build_rank
         self._ranks: dict[int, RankProgram] = {}
 
@@ -269,6 +318,31 @@ class Program:
                 raise IndexError(f"rank {r} is outside the world of {self.cluster.world_size} ranks")
             rp = self._ranks[r] = self._build_rank(r)
         return rp
+
+    @property
+    def param_names(self) -> list[str]:
+        """Every parameter, in model order (the order every rank walks the plans in)."""
+        return list(self.pull_plans)
+
+    def param_layout(self, name: str) -> ParamLayout:
+        """The shape and shard dimension of parameter ``name`` (no plan made)."""
+        return self.planner.param_layout(name)
+
+    def exchange(self, name: str) -> ParamExchange:
+        """What parameter ``name``'s pull and push are across the world (no plan made; equal to the
+        world plans' ``is_all_gather`` / ``is_plain_reduce_scatter``)."""
+        return self.planner.param_exchange(name)
+
+    def binding_groups(self) -> list[tuple[int, ...]]:
+        """Every TP, CP and Ulysses group of more than one rank (every rank's ``"tp"``, ``"cp"`` and
+        ``"ul"`` bindings), sorted, without building the ranks' programs."""
+        return self.planner.binding_groups()
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        """Every group of more than one rank that a reduce-scatter of the world's push plans runs in,
+        sorted (the groups of ``push_plans[n].reduce_scatters``, from the layout per role: no plan
+        made)."""
+        return self.planner.replica_groups()
 
     @property
     def ranks(self) -> "RankList":

@@ -26,13 +26,15 @@ from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
+from hgraph.passes.lnk.mutual_slices import normalise_ranges
+from hgraph.passes.lnk.plans import reduce_scatters_range
 from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
 from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
-from hgraph.program import ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
+from hgraph.program import ParamExchange, ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
 from hgraph.shard_rule import Range
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -214,6 +216,9 @@ class StrategyLayout:
     ``ParamLayouts``), bindings and LNK ops, visiting only the ranks it exchanges with and the groups it
     reduces with (``passes/lnk/rank_plans``); ``pull_plan(name)`` / ``push_plan(name)`` plan the whole
     world (the reference the rank's ops equal, and what a caller asking for every rank reads).
+    ``param_exchange(name)`` (is the pull an all-gather, the push a plain reduce-scatter?) and
+    ``replica_groups()`` (the groups of the world's reduce-scatters) are read off the role layout by
+    rank arithmetic, without planning: what a rank's runtime needs of the world.
     """
 
     def __init__(self, hg: Any, strategy: Strategy, cluster: Cluster, options: CompileOptions, shapes: dict,
@@ -233,6 +238,9 @@ class StrategyLayout:
         self._params = {pr: layouts.params(*pr) for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
+        self._exchanges: dict[str, ParamExchange] = {}
+        self._kinds: dict[tuple, tuple[bool, bool]] = {}      # layers of one layout share their kinds
+        self._replica_groups: Optional[list[tuple[int, ...]]] = None
         # set to a list to count what each rank's build visits: (parameter, rank, WorkCount) per plan made
         self.work_log: Optional[list[tuple[str, int, WorkCount]]] = None
 
@@ -286,7 +294,113 @@ class StrategyLayout:
         scheme = self.strategy.pipelines[c.pipeline]
         role = self.layouts.role_program(RankRole(scheme, c.stage, c.tp_rank, c.cp_rank), self.options, self.sp)
         plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
-        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe)
+        contributions = functools.partial(self.role_contributions, (scheme, c.stage, c.tp_rank))
+        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe,
+                           contributions)
+
+    def role_contributions(self, pr: ParamRole) -> dict[str, tuple[Range, ...]]:
+        """The gradient rows a rank of role ``pr`` contributes of each parameter (model order; those it
+        contributes nothing to left out): its push plans' ``contributions[rank]``."""
+        info, shards = self.hg.params, self._params[pr]
+        partial = self.sp.partial_grads if self.sp is not None else ()
+        out = {}
+        for name in self.order:
+            shard = shards.get(name)
+            if shard is not None:
+                ranges = push_contribution(shard, pr[0], pr[2], info[name], name in partial)
+                if ranges:
+                    out[name] = tuple(normalise_ranges(ranges))
+        return out
+
+    # ---- what a rank needs to know of the world, without planning it ----
+
+    def param_exchange(self, name: str) -> ParamExchange:
+        """Whether ``name``'s pull is an all-gather and its push a plain reduce-scatter, exactly as the
+        world's plans say (``pull_plan(name).is_all_gather``, ``push_plan(name).is_plain_reduce_scatter``),
+        from the role layout: O(roles), and O(ranks) only where replica groups holding the whole
+        parameter split a shard group."""
+        ex = self._exchanges.get(name)
+        if ex is None:
+            layout = self.param_layout(name)
+            needs, contributions = self.needs(name), self.contributions(name)
+            key = (layout.size, needs, contributions)
+            kinds = self._kinds.get(key)
+            if kinds is None:
+                kinds = self._kinds[key] = (self._all_gather(layout.size, needs),
+                                            self._plain_reduce_scatter(layout.size, contributions))
+            ex = self._exchanges[name] = ParamExchange(layout, *kinds, self.cluster.group_size, self.wbytes)
+        return ex
+
+    def _whole_everywhere(self, size: int, layout: RoleLayout) -> bool:
+        """Every rank of the world holds exactly the rows ``[0, size)`` (the roles partition the world;
+        empty ranges do not count)."""
+        whole = ((0, size),)
+        return (size > 0 and len(layout) == len(self.param_roles)
+                and all(tuple(sorted(r for r in normalise_ranges(ranges) if r[0] < r[1])) == whole
+                        for _, ranges in layout))
+
+    def _all_gather(self, size: int, needs: RoleLayout) -> bool:
+        """``pull_plan.is_all_gather``: every rank needs the whole parameter, as one range (the same
+        inside every shard group)."""
+        whole = ((0, size),)
+        return (size > 0 and len(needs) == len(self.param_roles)
+                and all(tuple(normalise_ranges(ranges)) == whole for _, ranges in needs))
+
+    def _plain_reduce_scatter(self, size: int, contributions: RoleLayout) -> bool:
+        """``push_plan.is_plain_reduce_scatter``: every rank contributes the whole parameter and every
+        shard group (the world by default) is one replica group, which then reduce-scatters onto the
+        optimizer segments with nothing left to send."""
+        if not self._whole_everywhere(size, contributions):
+            return False
+        groups = push_groups(contributions, self.roles)
+        group_size, world = self.cluster.group_size, self.cluster.world_size
+        if len(groups) == 1 or group_size == 1:
+            return True
+        # replica groups that all hold the whole parameter (their ranges differ only in empty ones):
+        # plain where no shard group has ranks of two of them
+        of = [0] * world
+        for i, (_, roles) in enumerate(groups):
+            for pr in roles:
+                for r in self.roles.of(pr):
+                    of[r] = i
+        return all(len(set(of[lo:lo + group_size])) == 1 for lo in range(0, world, group_size))
+
+    def binding_groups(self) -> list[tuple[int, ...]]:
+        """Every TP, CP and Ulysses group of more than one rank (the ``"tp"`` / ``"cp"`` / ``"ul"``
+        bindings of every rank), sorted, by rank arithmetic: no rank's program is built."""
+        out = {tuple(g) for r in range(self.cluster.world_size) for k, g in _bindings(self.strategy, r).items()
+               if k in ("tp", "cp", "ul") and len(g) > 1}
+        return sorted(out)
+
+    def replica_groups(self) -> list[tuple[int, ...]]:
+        """Every group (of more than one rank) that a reduce-scatter of the world's push plans runs in,
+        sorted: ``{rs.group for every push plan, rs in plan.reduce_scatters}``, from the role layout (the
+        replica groups of each distinct contribution layout, cut at the shard groups' edges, and kept
+        where one of their ranges spans as many optimizer segments as they have members), in
+        O(roles x their ranks) integers."""
+        if self._replica_groups is None:
+            group_size, world = self.cluster.group_size, self.cluster.world_size
+            members_of: dict[tuple, tuple[int, ...]] = {}
+            out: set[tuple[int, ...]] = set()
+            seen: set[tuple] = set()
+            for name in self.order:
+                size = self.param_layout(name).size
+                contributions = self.contributions(name)
+                if (size, contributions) in seen:
+                    continue
+                seen.add((size, contributions))
+                for ranges, roles in push_groups(contributions, self.roles):
+                    ranges = tuple(sorted(r for r in normalise_ranges(ranges) if r[0] < r[1]))
+                    members = members_of.get(roles)
+                    if members is None:
+                        members = members_of[roles] = tuple(sorted(r for pr in roles for r in self.roles.of(pr)))
+                    if not ranges or len(members) < 2:
+                        continue
+                    parts = [members] if group_size == world else _cut_at(members, group_size)
+                    out.update(part for part in parts if len(part) > 1 and any(
+                        reduce_scatters_range(lo, hi, len(part), size, group_size) for lo, hi in ranges))
+            self._replica_groups = sorted(out)
+        return list(self._replica_groups)
 
     def group_lnk_ops(self, name: str, rank: int) -> tuple[tuple, tuple]:
         """The pull and push ops of ``rank`` for parameter ``name`` when the optimizer shards inside
@@ -349,6 +463,17 @@ class StrategyLayout:
                                      replica_groups=groups)
 
 
+def _cut_at(ranks: tuple[int, ...], group_size: int) -> list[tuple[int, ...]]:
+    """Sorted ``ranks`` cut into their parts in each shard group of ``group_size`` consecutive ranks."""
+    parts: list[list[int]] = []
+    for r in ranks:
+        if parts and parts[-1][0] // group_size == r // group_size:
+            parts[-1].append(r)
+        else:
+            parts.append([r])
+    return [tuple(p) for p in parts]
+
+
 class PlansByParam(Mapping):
     """Parameter name (model order) -> its plan for the whole world, planned on first read."""
 
@@ -391,8 +516,7 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
     describe = functools.partial(describe_subgraphs, shapes=shapes, dtype=options.working_dtype or torch.float32)
     prog = Program(strategy, cluster, stage_blocks, functools.partial(plan.rank_program, describe=describe),
                    PlansByParam(plan.order, plan.pull_plan), PlansByParam(plan.order, plan.push_plan),
-                   sequence_parallel=sp is not None, sequence_parallel_note=sp_note)
-    prog.planner = plan
+                   sequence_parallel=sp is not None, sequence_parallel_note=sp_note, planner=plan)
     prog.compile_seconds = time.perf_counter() - t0
     return prog
 

@@ -29,7 +29,7 @@ tokens on the rank, the CP rank's under CP; uneven when TP does not divide it).
 It also tells, per parameter, whose gradient becomes a per-TP-rank partial sum: a replicated
 parameter whose every use reaches the loss only through sliced values (norm weights, a row-parallel
 bias added after the reduce-scatter, GPT-2's position embedding). Its TP ranks' gradients must then be
-summed like CP ranks' (``instantiate._push_contributions``), not split among them.
+summed like CP ranks' (``instantiate.push_contribution``), not split among them.
 """
 from __future__ import annotations
 

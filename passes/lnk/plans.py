@@ -245,13 +245,24 @@ def _scatter_runs(lo: int, hi: int, k: int, size: int, world_size: int
     every member straight to their owner: ``k - 1`` messages per row when the owner is a member, ``k``
     otherwise, never more than a reduce-scatter and a forward, and no padding.
     """
-    # segments cut to the range; an empty segment inside it stays a (zero-row) piece, so a group of all
-    # ranks over the whole parameter is one reduce-scatter onto the optimizer layout
-    blocks = [(max(a, lo), min(b, hi)) for a, b in optimizer_segments(size, world_size)
-              if (a < hi and lo < b) or (a == b and lo <= a < hi)]
+    blocks = _scatter_blocks(lo, hi, size, world_size)
     full = len(blocks) // k * k
     runs = [(blocks[i][0], blocks[i + k - 1][1], blocks[i:i + k]) for i in range(0, full, k)]
     return runs, ((blocks[full][0], hi) if full < len(blocks) else None)
+
+
+def _scatter_blocks(lo: int, hi: int, size: int, world_size: int) -> list[Range]:
+    """The optimizer segments cut to ``[lo, hi)``; an empty segment inside it stays a (zero-row) piece,
+    so a group of all ranks over the whole parameter is one reduce-scatter onto the optimizer layout."""
+    return [(max(a, lo), min(b, hi)) for a, b in optimizer_segments(size, world_size)
+            if (a < hi and lo < b) or (a == b and lo <= a < hi)]
+
+
+@functools.lru_cache(maxsize=4096)
+def reduce_scatters_range(lo: int, hi: int, k: int, size: int, world_size: int) -> bool:
+    """Whether a replica group of ``k`` ranks contributing rows ``[lo, hi)`` reduce-scatters some of them
+    (``replica_group_push`` makes a ``ReduceScatter`` for the range): it spans ``k`` segments or more."""
+    return len(_scatter_blocks(lo, hi, size, world_size)) >= k
 
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,

@@ -32,9 +32,10 @@ def is_plain_data_parallel(program: Any) -> bool:
     """Every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
     reduce-scatter over all ranks onto the optimizer segments: the reduced piece a rank receives
     IS its optimizer shard's gradient, so it can update it on arrival (not with shard groups: the
-    shards are summed across the groups after the reductions)."""
-    return program.cluster.shard_group is None and all(program.pull_plans[n].is_all_gather and program.push_plans[n].is_plain_reduce_scatter
-               for n in program.pull_plans)
+    shards are summed across the groups after the reductions). Read from ``Program.exchange``: no plan
+    of the world is made."""
+    return program.cluster.shard_group is None and all(
+        (ex := program.exchange(n)).is_all_gather and ex.is_plain_reduce_scatter for n in program.param_names)
 
 
 class OverlappedUpdate:

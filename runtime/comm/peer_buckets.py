@@ -9,8 +9,8 @@ transfers between this rank and one peer, in model order, are coalesced into buc
 (``torch._foreach_copy_``). A transfer of ``ALONE_BYTES`` or more is bandwidth-bound: it travels
 alone, sent from the source itself where that is contiguous and of the message's dtype, so sending
 copies no more memory than a message per transfer did. Sender and receiver cut the same buckets:
-both walk the same transfers (the Program's plans are the same on every rank) in model order, with
-the same shapes.
+both walk the same transfers (each rank's ops hold every transfer between it and its peer, as the
+world's plan does) in model order, with the same shapes.
 
 Bucket ``k`` of every peer is posted in round ``k`` (one ``batch_isend_irecv``), so the rows of the
 first parameters arrive first and the forward can start while the rest travel; its tag is
@@ -19,7 +19,8 @@ tags, matches a pair's messages in the order both sides post them, which is the 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -41,19 +42,20 @@ class Rows:
     hi: int
     shape: tuple[int, ...]
 
-    @property
-    def numel(self) -> int:
-        return int(torch.Size(self.shape).numel())
+    numel: int = field(init=False, compare=False, repr=False)     # elements (a rank holds many: kept)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "numel", math.prod(self.shape))
 
 
-def plan_transfers(plans: Iterable[Any], rank: int) -> list[tuple[Rows, int, int]]:
-    """The transfers ``rank`` sends or receives in ``plans`` (pull or push plans, model order) as
-    ``(rows, src, dst)``, ordered by rows within a parameter."""
+def plan_transfers(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tuple[Rows, int, int]]:
+    """The transfers among a rank's ops (``(ParamLayout, that rank's pull or push ops of it)`` pairs,
+    model order) as ``(rows, src, dst)``, ordered by rows within a parameter."""
     out = []
-    for plan in plans:
-        ops = sorted((op for op in plan.for_rank(rank) if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
-        out += [(Rows(plan.param.name, op.lo, op.hi, (op.hi - op.lo, *plan.param.row_shape)), op.src, op.dst)
-                for op in ops]
+    for param, rank_ops in ops_by_param:
+        ops = sorted((op for op in rank_ops if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
+        name, rest = param.name, param.row_shape
+        out += [(Rows(name, op.lo, op.hi, (op.hi - op.lo, *rest)), op.src, op.dst) for op in ops]
     return out
 
 
@@ -107,12 +109,12 @@ class PeerTransfers:
             if alone or last is None or (cap_bytes is not None and last.numel * element_size + nbytes > cap_bytes):
                 buckets.append(PeerBucket(peer, send, 2 * len(buckets) + parity, alone))
             buckets[-1].add(r)
-        self._buckets = [b for _, bs in sorted(per_peer.items()) for b in bs]
-        n_rounds = max((len(b) for b in per_peer.values()), default=0)
+        ordered = [bs for _, bs in sorted(per_peer.items())]
+        self._buckets = [b for bs in ordered for b in bs]
+        n_rounds = max((len(b) for b in ordered), default=0)
         # round k: bucket k of every peer and direction (sorted, so every rank posts in one order);
         # a bucket of empty transfers sends nothing
-        self.rounds = [[bs[k] for _, bs in sorted(per_peer.items()) if k < len(bs) and bs[k].numel]
-                       for k in range(n_rounds)]
+        self.rounds = [[bs[k] for bs in ordered if k < len(bs) and bs[k].numel] for k in range(n_rounds)]
         self.received: dict[str, list[tuple[PeerBucket, int]]] = {}    # name -> (bucket, index in it)
         for bucket in self.buckets():
             if not bucket.send:

@@ -15,16 +15,16 @@ pipeline that ran no micro-batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
-from hgraph.comm_plan import LocalCopy
+from hgraph.comm_plan import LocalCopy, Transfer
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.peer_buckets import PeerBucket, PeerTransfers, plan_transfers
-from hgraph.runtime.comm.rank_params import RankParams, SyncStats, lookup, rows
+from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
 #: early and the forward starts while the later ones are still travelling. Measured with the DP4
@@ -44,10 +44,20 @@ def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optio
                   aliased: frozenset = frozenset()) -> PeerTransfers:
     """The point-to-point messages of ``rank``'s pull: the transfers of the parameters not all-gathered
     and not ``aliased``, in the working dtype (``dtype_bytes``), small ones to one peer coalesced up to
-    ``bucket_bytes``."""
-    transfers = plan_transfers((plan for name, plan in program.pull_plans.items()
-                                if not plan.is_all_gather and name not in aliased), rank)
+    ``bucket_bytes``. Reads ``rank``'s own ops only (``Program.rank``), never the world's plans."""
+    ops = program.rank(rank).pull_by_param
+    exchanges = (program.exchange(name) for name in program.param_names if name not in aliased)
+    transfers = plan_transfers((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
     return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
+
+
+def assembly(needs: Sequence[tuple[int, int]], ops: Sequence[Any], rank: int) -> tuple[tuple[Range, ...], ...]:
+    """Per range of ``needs`` (a rank's rows of a parameter, in its working tensor's order), the
+    sub-ranges that tile it, each inside one of the rank's local copies or received transfers
+    (``PullPlan.assembly[rank]``, from the rank's own ``ops``)."""
+    held = sorted((op.lo, op.hi) for op in ops
+                  if (isinstance(op, LocalCopy) and op.rank == rank) or (isinstance(op, Transfer) and op.dst == rank))
+    return tuple(tuple((max(lo, a), min(hi, b)) for a, b in held if a < hi and lo < b) for lo, hi in needs)
 
 
 @dataclass
@@ -73,11 +83,16 @@ class PullParameter:
         self.params = params
         self.stats = stats
         program = params.program
-        self.ops = {n: program.pull_plans[n].for_rank(params.rank) for n in params.order}
+        by_param = params.rank_program.pull_by_param
+        self.ops = {n: by_param.get(n, ()) for n in params.order}
+        # the rows of each parameter this rank holds, each with the tiles it is assembled from
+        self._tiles = {n: tuple(zip(params.shards[n].ranges, assembly(params.shards[n].ranges, self.ops[n],
+                                                                      params.rank)))
+                       for n in params.order if n in params.working and not params.exchange(n).is_all_gather}
         self._pulls: dict[str, _Pull] = {}
         if bucket_bytes is None:
             bucket_bytes = GLOO_PULL_BUCKET_BYTES if all_to_all else DEFAULT_PULL_BUCKET_BYTES
-        gathered = [n for n in params.order if program.pull_plans[n].is_all_gather and n not in params.aliased]
+        gathered = [n for n in params.order if params.exchange(n).is_all_gather and n not in params.aliased]
         place = params.shard_group.index(params.rank)
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], place, params.group_size,
                                      params.working_dtype, all_to_all=all_to_all, group=gather_group)
@@ -96,7 +111,7 @@ class PullParameter:
 
     def _gather_entry(self, name: str) -> tuple:
         """``GatherBucket`` entry of ``name``: rows, master rows, working rows (None if not held)."""
-        param = self.params.program.pull_plans[name].param
+        param = self.params.layout(name)
         w = self.params.working.get(name)
         return (name, param.size, rows(self.params.masters[name], param.shard_dim),
                 None if w is None else rows(w.data, param.shard_dim))
@@ -108,9 +123,9 @@ class PullParameter:
         buckets: list[list[str]] = []
         size = 0
         for name in names:
-            plan = self.params.program.pull_plans[name]
-            width = -(-plan.param.size // world_size)
-            nbytes = world_size * plan.param.slice_bytes(0, width, plan.working_dtype_bytes)
+            ex = self.params.exchange(name)
+            width = -(-ex.param.size // world_size)
+            nbytes = world_size * ex.param.slice_bytes(0, width, ex.working_dtype_bytes)
             if not buckets or size + nbytes > cap:
                 buckets.append([])
                 size = 0
@@ -120,7 +135,7 @@ class PullParameter:
 
     def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of this rank's fp32 master of ``name`` (a view, rows first)."""
-        param = self.params.program.pull_plans[name].param
+        param = self.params.layout(name)
         base = self.params.segment(param)[0]
         return rows(self.params.masters[name], param.shard_dim).narrow(0, lo - base, hi - lo)
 
@@ -143,11 +158,11 @@ class PullParameter:
             self.post_gather(bucket)
             bucket_of.update((n, bucket) for n in bucket.names)
         for name in p.order:
-            plan = p.program.pull_plans[name]
+            gathered = p.exchange(name).is_all_gather
             pull = _Pull()
-            if name in p.aliased or (reuse and plan.is_all_gather):
+            if name in p.aliased or (reuse and gathered):
                 pull.done = True
-            elif plan.is_all_gather:
+            elif gathered:
                 pull.gather = bucket_of[name]
             else:   # the masters stay as they are until the step's pulls finish: copied from at the wait
                 pull.held = [((op.lo, op.hi), self._master_rows(name, op.lo, op.hi))
@@ -196,18 +211,16 @@ class PullParameter:
         and its local rows (cast as they are copied), all in one ``_foreach_copy_`` per source dtype;
         then free the received buffers whose rows were all copied out."""
         ready, self._ready = self._ready, []
-        rank = self.params.rank
         copies: dict[torch.dtype, tuple[list, list]] = {}
         for name in ready:
             pull = self._pulls[name]
             pull.done = True
             if name not in self.params.working:
                 continue                               # an owner that only sent
-            plan = self.params.program.pull_plans[name]
-            dest = rows(self.params.working[name].data, plan.param.shard_dim)
+            dest = rows(self.params.working[name].data, self.params.layout(name).shard_dim)
             held = pull.held + [(span, t) for _, span, t in self.peers.held(name)]
             offset = 0
-            for (lo, hi), tiles in zip(plan.needs[rank], plan.assembly[rank]):
+            for (lo, hi), tiles in self._tiles[name]:
                 for a, b in tiles:
                     src = lookup(held, a, b, name)
                     dests, srcs = copies.setdefault(src.dtype, ([], []))

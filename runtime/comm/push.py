@@ -29,8 +29,18 @@ from hgraph.runtime.comm.process_groups import shard_groups_of
 def groups_needed(program: Any) -> list[tuple[int, ...]]:
     """Every replica group of the push plans and, when the optimizer shards within groups
     (``--shard-group``), every shard group (its all-gathers) and every set of replicas (the sum
-    across the groups): collective group creation needs the same list everywhere."""
-    needed = {rs.group for plan in program.push_plans.values() for rs in plan.reduce_scatters if len(rs.group) > 1}
+    across the groups): collective group creation needs the same list everywhere.
+
+    The replica groups come from the layout per role (``Program.replica_groups``), so no rank plans the
+    world for them; the list still names every group of the world, as ``dist.new_group`` is called by
+    every rank for every group, in one order. (Member-only creation, not done yet: a rank would create
+    only its own groups, its bindings' and those of its own reduce-scatters, shard group and
+    replicas, with ``use_local_synchronization=True``, each rank in sorted order. That cannot
+    deadlock: the smallest group still being created has every member at it, since a member still
+    at a smaller group would make that one the smallest. It would cost a rank its own groups instead
+    of the world's list: 3,100 groups for the 70B heterogeneous strategy at 12,288 GPUs,
+    ``tools/bench/cluster_scale``.)"""
+    needed = set(program.replica_groups())
     cluster = program.cluster
     if cluster.shard_group is not None:
         needed |= set(shard_groups_of(cluster.world_size, cluster.group_size))
@@ -46,8 +56,9 @@ def _cut(span: Range, at: Range) -> list[Range]:
 
 def push_messages(program: Any, rank: int) -> PeerTransfers:
     """The point-to-point messages of ``rank``'s push: its transfers to and from the optimizer owners
-    (fp32 rows), the small ones to one peer in one message."""
-    transfers = plan_transfers((program.push_plans[n] for n in program.pull_plans), rank)   # model order
+    (fp32 rows), the small ones to one peer in one message. Reads ``rank``'s own ops only."""
+    ops = program.rank(rank).push_by_param
+    transfers = plan_transfers((program.param_layout(n), ops.get(n, ())) for n in program.param_names)  # model order
     return PeerTransfers(rank, transfers, 4, None, parity=2)
 
 
@@ -65,13 +76,14 @@ class PushGradient:
         self.params = params
         self.stats = stats
         program = params.program
-        self.ops = {n: program.push_plans[n].for_rank(params.rank) for n in params.order}
+        by_param = params.rank_program.push_by_param
+        self.ops = {n: by_param.get(n, ()) for n in params.order}
         self._sole_add = self._sole_local_adds()
         self._own_rows = self._unreduced_rows()
         self.in_backward = in_backward
         self.bucket_bytes = bucket_bytes
         self._armed = False
-        layouts = {n: program.push_plans[n].param for n in params.order}
+        layouts = {n: params.layout(n) for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
                                    device, bucket_bytes)
         self.peers = push_messages(program, params.rank)
@@ -84,7 +96,7 @@ class PushGradient:
         themselves are the gradient shard (no zeros + add)."""
         out = {}
         for name in self.params.order:
-            seg = self.params.segment(self.params.program.push_plans[name].param)
+            seg = self.params.segment(self.params.layout(name))
             adds = [op for op in self.ops[name] if isinstance(op, LocalAdd)]
             recvs = [op for op in self.ops[name] if isinstance(op, Transfer) and op.dst == self.params.rank]
             if len(adds) == 1 and not recvs and (adds[0].lo, adds[0].hi) == seg and seg[1] > seg[0]:
@@ -97,11 +109,11 @@ class PushGradient:
         optimizer segment begins and ends, so that the rows it keeps are a buffer of their own (every
         transfer lies within one owner's segment)."""
         out = {}
+        mine = self.params.rank_program.contributions
         for name in self.params.order:
-            plan = self.params.program.push_plans[name]
             reduced = [(op.lo, op.hi) for op in self.ops[name] if isinstance(op, ReduceScatter)]
-            contributions = plan.contributions.get(self.params.rank, ())
-            cuts = self.params.segment(plan.param)
+            contributions = mine.get(name, ())
+            cuts = self.params.segment(self.params.layout(name))
             out[name] = [(a, b) for lo, hi in contributions for r in uncovered_ranges(lo, hi, reduced)
                          for a, b in _cut(r, cuts) if b > a]
         return out
@@ -111,7 +123,7 @@ class PushGradient:
         dtype: callers copy them into fp32 buffers with one ``_foreach_copy_``, which casts as it copies
         (one fused kernel on CUDA, where a ``.float()`` per parameter launched one each)."""
         p = self.params
-        dim = p.program.push_plans[name].param.shard_dim
+        dim = p.layout(name).shard_dim
         offset = 0
         for a, b in p.shards[name].ranges:
             if a <= lo and hi <= b:
@@ -128,7 +140,7 @@ class PushGradient:
         p = self.params
         layouts = []                      # (rows, row shape, shard dim)
         for name, lo, hi in wanted:
-            dim = p.program.push_plans[name].param.shard_dim
+            dim = p.layout(name).shard_dim
             layouts.append((hi - lo, rows(p.working[name], dim).shape[1:], dim))
         sizes = [n * int(torch.Size(rest).numel()) for n, rest, _ in layouts]
         complete = all(grads.get(name) is not None for name, _, _ in wanted)
@@ -179,7 +191,7 @@ class PushGradient:
         if add is None:
             return torch.zeros_like(master, dtype=torch.float32)
         reduced = lookup(held[name], add.lo, add.hi, name)
-        dim = self.params.program.push_plans[name].param.shard_dim
+        dim = self.params.layout(name).shard_dim
         return reduced.reshape(master.shape) if master.dim() <= 1 else reduced.movedim(0, dim)
 
     # ---- the push to the owners ----------------------------------------------------------------
@@ -266,7 +278,7 @@ class PushGradient:
             for name, a in adds.items():
                 if j < len(a):
                     lo, hi, reduced = a[j]
-                    param = self.params.program.push_plans[name].param
+                    param = self.params.layout(name)
                     base = self.params.segment(param)[0]
                     dests.append(rows(out[name], param.shard_dim).narrow(0, lo - base, hi - lo))
                     srcs.append(reduced)

@@ -4,8 +4,13 @@
 overlapped update (``runtime/comm/overlapped_update``) share: the Program, this rank's fp32 optimizer
 shards (the masters; sharded over the rank's shard group, ``group_size`` ranks, and replicated across
 the groups), the working tensors its graph holds, their ``ParamShard``, and the model order
-of the parameters (``Program.pull_plans`` order, which is ``list(hgraph.params)``), which fixes the
+of the parameters (``Program.param_names``, which is ``list(hgraph.params)``), which fixes the
 order of every message. ``SyncStats`` counts the bytes of one step.
+
+A rank reads only its own part of the Program: its LNK ops (``rank_program``, ``Program.rank``), the
+parameters' layouts and what each one's pull and push are across the world (``exchange``:
+``Program.exchange``), never the world's plans (``Program.pull_plans``), whose cost grows with the
+world.
 
 Work is layout "rows first": the shard dimension is moved to dimension 0 (``rows``), so a range of
 rows is a ``narrow(0, ...)``; received and reduced rows are held as ``((lo, hi), rows)`` pairs in
@@ -103,7 +108,25 @@ class RankParams:
     @cached_property
     def order(self) -> list[str]:
         """Every parameter in model order."""
-        return list(self.program.pull_plans)
+        return self.program.param_names
+
+    @cached_property
+    def rank_program(self) -> Any:
+        """This rank's part of the Program (``RankProgram``: its LNK ops, its contributions)."""
+        return self.program.rank(self.rank)
+
+    @cached_property
+    def _exchanges(self) -> dict[str, Any]:
+        return {name: self.program.exchange(name) for name in self.order}
+
+    def exchange(self, name: str) -> Any:
+        """What ``name``'s pull and push are across the world (``ParamExchange``: its layout, whether
+        the pull is an all-gather and the push a plain reduce-scatter)."""
+        return self._exchanges[name]
+
+    def layout(self, name: str) -> Any:
+        """``name``'s ``ParamLayout`` (shape, shard dimension)."""
+        return self._exchanges[name].param
 
     def segment(self, param: Any) -> Range:
         """This rank's optimizer segment (rows) of ``param``."""

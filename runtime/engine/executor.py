@@ -659,9 +659,8 @@ class Executor:
 
 def _program_groups(program: Program) -> list[tuple[int, ...]]:
     """The process groups ``program``'s ranks talk in: its TP, CP and Ulysses groups and the replica
-    groups of its push plans."""
-    groups = {tuple(g) for r in program.ranks for k, g in r.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
-    return sorted(groups | set(ParamSync.groups_needed(program)))
+    groups of its push plans (from the layout: no other rank's program is built)."""
+    return sorted(set(program.binding_groups()) | set(ParamSync.groups_needed(program)))
 
 
 def _strategy(strategy: Union[Strategy, str]) -> Strategy:

@@ -416,8 +416,9 @@ def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankPr
     if memory.budget is None and memory.offload is None:
         return
     stages: dict[tuple[int, int], list[int]] = {}
-    for r in program.ranks:
-        stages.setdefault((r.pipeline, r.stage), []).append(r.rank)
+    for r in range(program.cluster.world_size):     # by rank arithmetic: no rank's program built
+        c = program.strategy.coord(r)
+        stages.setdefault((c.pipeline, c.stage), []).append(r)
     groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
     stage_ranks = sorted(stages[(rank_program.pipeline, rank_program.stage)])
     if len(stage_ranks) > 1:

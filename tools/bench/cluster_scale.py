@@ -9,7 +9,10 @@ heterogeneous one, derived from the largest TP degree the model's heads allow wi
 process per row compiles the model (working dtype ``--dtype``, bf16 by default), then builds one
 rank's Program: ``build_program(S, cluster)``, ``program.rank(r)`` (its LNK ops, bindings) and
 ``program.rank(r).graph_module``. It prints the CPU time of the plans and of the graph, the memory
-that build added to the process (peak RSS over the RSS before it, sampled), and per step what the
+that build added to the process (peak RSS over the RSS before it, sampled), the CPU time of the
+rank's runtime state that needs no process group (``runtime s``: its Pull/Push bookkeeping over meta
+tensors, as ``ParamSync`` builds it, and the list of the world's process groups every rank creates,
+``world groups``), and per step what the
 rank exchanges at each shard group G of the optimizer states (``--shard-group``; G = world is one copy
 sharded over all ranks): Pull and Push peers and bytes (point-to-point sent and received, and its
 reduce-scatters' input; with G < world the Push adds the all-reduce of its fp32 shards among its
@@ -46,6 +49,10 @@ import hgraph
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError, StrategyError
 from hgraph.frontends.zoo import llama
+from hgraph.runtime.comm.pull import PullParameter
+from hgraph.runtime.comm.push import PushGradient
+from hgraph.runtime.comm.rank_params import RankParams, SyncStats
+from hgraph.runtime.engine.executor import _program_groups
 from hgraph.runtime.process.lifetime import die_with_parent
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme
@@ -61,6 +68,8 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("graph_s", "graph s", "{:.2f}"),
     ("cpu_s", "total s", "{:.2f}"),
     ("added_mb", "added MB", "{:,.0f}"),
+    ("runtime_s", "runtime s", "{:.2f}"),
+    ("world_groups", "world groups", "{:,}"),
     ("pull_peers", "Pull peers", "{:,}"),
     ("pull_mb", "Pull MB", "{:,.1f}"),
     ("push_peers", "Push peers", "{:,}"),
@@ -168,6 +177,36 @@ def rank_groups(rp: Any) -> set[tuple[int, ...]]:
     return groups
 
 
+class _NoGroups:
+    """Stands for the ``GroupCache`` where no process group exists: building the state asks for none."""
+
+    def get(self, ranks: Any) -> None:
+        return None
+
+
+def runtime_setup(program: Any, rank: int, dtype: torch.dtype) -> dict:
+    """Build what rank ``rank``'s runtime makes of ``program`` before any collective: its Pull and Push
+    bookkeeping (``RankParams``, ``PullParameter``, ``PushGradient``, over meta tensors) and the list
+    of process groups every rank creates (the executor's ``_program_groups``); returns its CPU
+    seconds and the number of those groups."""
+    t0 = time.process_time()
+    rp = program.rank(rank)
+    masters = {}
+    for name in program.param_names:
+        layout = program.param_layout(name)
+        lo, hi = group_shard_bounds(layout.size, rank, program.cluster.group_size)
+        shape = list(layout.shape) or [1]
+        shape[layout.shard_dim if layout.shape else 0] = hi - lo
+        masters[name] = torch.empty(shape, device="meta")
+    working = {n: torch.empty(s.shard_shape, dtype=dtype, device="meta") for n, s in rp.params.items()}
+    params = RankParams(program, rank, masters, working, rp.params, dtype, frozenset())
+    stats = SyncStats()
+    PullParameter(params, stats)
+    PushGradient(params, stats, _NoGroups(), torch.device("meta"))
+    groups = _program_groups(program)
+    return {"runtime_s": time.process_time() - t0, "world_groups": len(groups)}
+
+
 def across_groups(compiled: Any, rank: int, cluster: Cluster) -> dict:
     """What the Push adds when the optimizer shards inside groups of G < world ranks: the all-reduce of
     the rank's fp32 shards among its replicas (a ring moves ``2 (R-1)/R`` of them), and its groups."""
@@ -207,7 +246,7 @@ def measure(model: str, world: int, strategy: str, rank: int, gpus_per_node: int
     row = {"model": model, "gpus": world, "strategy": strategy, "rank": rank,
            "shard_group": "world" if cluster.shard_group is None else cluster.shard_group, "plans_s": t1 - t0,
            "graph_s": t2 - t1, "cpu_s": t2 - t0, "added_mb": max(0, rss.peak - before) / 2**20,
-           **exchanges(rp)}
+           **runtime_setup(program, rank, getattr(torch, dtype)), **exchanges(rp)}
     if cluster.shard_group is not None:
         extra = across_groups(compiled, rank, cluster)
         row["push_mb"] += extra["ring_mb"]

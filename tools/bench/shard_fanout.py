@@ -188,7 +188,7 @@ def _from_plans(compiled, layouts, ranks, strategy, cluster, rank, wbytes):
                 gather_buckets, bucket = gather_buckets + 1, 0
             bucket += nbytes
     p2p = [p for p in pulls if not p.is_all_gather]
-    pull_msgs = len(list(PeerTransfers(rank, plan_transfers(p2p, rank), wbytes, DEFAULT_PULL_BUCKET_BYTES, 1).buckets()))
+    pull_msgs = len(list(PeerTransfers(rank, plan_transfers((p.param, p.for_rank(rank)) for p in p2p), wbytes, DEFAULT_PULL_BUCKET_BYTES, 1).buckets()))
     for plan in p2p:
         for op in plan.for_rank(rank):
             if isinstance(op, Transfer):
@@ -210,7 +210,7 @@ def _from_plans(compiled, layouts, ranks, strategy, cluster, rank, wbytes):
             elif isinstance(op, Transfer):
                 push_peers.add(op.dst if op.src == rank else op.src)
                 push_bytes += op.bytes if op.dst == rank else 0
-    push_msgs = (len(list(PeerTransfers(rank, plan_transfers(pushes, rank), 4, None, 2).buckets()))
+    push_msgs = (len(list(PeerTransfers(rank, plan_transfers((p.param, p.for_rank(rank)) for p in pushes), 4, None, 2).buckets()))
                  + sum(c for c, _ in rs_buckets.values()))
     return (pull_peers, pull_msgs + gather_buckets, pull_bytes, push_peers, push_msgs, push_bytes, rs_groups, False)
 

@@ -8,7 +8,7 @@ import torch
 import hgraph
 from hgraph import Cluster
 from hgraph.frontends.zoo import llama
-from hgraph.tools.bench.cluster_scale import exchanges, main, strategies
+from hgraph.tools.bench.cluster_scale import exchanges, main, runtime_setup, strategies
 
 
 def test_quick_rows_cover_both_strategies_and_count_what_the_rank_exchanges(capsys):
@@ -19,6 +19,7 @@ def test_quick_rows_cover_both_strategies_and_count_what_the_rank_exchanges(caps
     for r in rows:
         assert r["cpu_s"] >= r["plans_s"] > 0 and r["added_mb"] >= 0
         assert 0 < r["pull_peers"] < r["gpus"] and 0 < r["push_peers"] < r["gpus"] and r["groups"] >= 1
+        assert r["runtime_s"] > 0 and r["world_groups"] >= r["groups"]
     # with the optimizer sharded inside a node (G = 8) a rank's Pull and Push peers stay inside its group
     # whatever the world; it adds one all-reduce among its replicas (one per group)
     for r in rows:
@@ -50,3 +51,16 @@ def test_strategies_fill_the_world_and_bad_input_is_exit_2(capsys):
     assert main(["--models", "nope", "--worlds", "16"]) == 2
     assert main(["--quick", "--shard-groups", "8,half"]) == 2
     assert "--shard-groups" in capsys.readouterr().err
+
+
+def test_runtime_setup_lists_the_worlds_groups_without_its_plans():
+    """The runtime's side of one rank (its Pull/Push bookkeeping and the groups every rank creates)
+    plans nothing of the world: ``pull_plans`` / ``push_plans`` stay unplanned."""
+    with torch.device("meta"):
+        compiled = hgraph.compile(llama.build("tiny"))
+    prog = compiled.build_program("1xTP2PP2+1xTP2PP1+2xTP1PP1", Cluster(8))
+    got = runtime_setup(prog, 5, torch.bfloat16)
+    assert not prog.pull_plans._plans and not prog.push_plans._plans
+    tp = {(0, 1), (2, 3), (4, 5)}
+    replicas = {rs.group for plan in prog.push_plans.values() for rs in plan.reduce_scatters if len(rs.group) > 1}
+    assert got["world_groups"] == len(tp | replicas)
