@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import resource
 import subprocess
@@ -53,8 +52,9 @@ from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
 from hgraph.runtime.engine.executor import _program_groups
+from hgraph.runtime.engine.model_states import optimizer_elements
 from hgraph.runtime.process.lifetime import die_with_parent
-from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
+from hgraph.shard_rule import ShardLayout, group_shard_bounds, replica_ranks, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme
 
 #: (key, header, format) of the table, in order; a measurement is a dict holding these keys.
@@ -184,25 +184,32 @@ class _NoGroups:
         return None
 
 
-def runtime_setup(program: Any, rank: int, dtype: torch.dtype) -> dict:
-    """Build what rank ``rank``'s runtime makes of ``program`` before any collective: its Pull and Push
-    bookkeeping (``RankParams``, ``PullParameter``, ``PushGradient``, over meta tensors) and the list
-    of process groups every rank creates (the executor's ``_program_groups``); returns its CPU
-    seconds and the number of those groups."""
-    t0 = time.process_time()
+def meta_rank_state(program: Any, rank: int, dtype: torch.dtype,
+                    all_to_all: bool = False) -> tuple[RankParams, PullParameter, PushGradient]:
+    """Rank ``rank``'s Pull and Push bookkeeping of ``program`` as the executor builds it before any
+    collective (``RankParams``, ``PullParameter``, ``PushGradient``), over meta tensors: its fp32
+    master shards (the optimizer layout, ``ShardLayout``) and its working shards in ``dtype``."""
     rp = program.rank(rank)
     masters = {}
     for name in program.param_names:
         layout = program.param_layout(name)
         lo, hi = group_shard_bounds(layout.size, rank, program.cluster.group_size)
-        shape = list(layout.shape) or [1]
-        shape[layout.shard_dim if layout.shape else 0] = hi - lo
-        masters[name] = torch.empty(shape, device="meta")
+        shard = ShardLayout(name, layout.shape, layout.shard_dim if layout.shape else 0, lo, hi)
+        masters[name] = torch.empty(shard.shard_shape, device="meta")
     working = {n: torch.empty(s.shard_shape, dtype=dtype, device="meta") for n, s in rp.params.items()}
     params = RankParams(program, rank, masters, working, rp.params, dtype, frozenset())
     stats = SyncStats()
-    PullParameter(params, stats)
-    PushGradient(params, stats, _NoGroups(), torch.device("meta"))
+    pull = PullParameter(params, stats, all_to_all=all_to_all)
+    push = PushGradient(params, stats, _NoGroups(), torch.device("meta"))
+    return params, pull, push
+
+
+def runtime_setup(program: Any, rank: int, dtype: torch.dtype) -> dict:
+    """Build what rank ``rank``'s runtime makes of ``program`` before any collective: its Pull and Push
+    bookkeeping (``meta_rank_state``) and the list of process groups every rank creates (the
+    executor's ``_program_groups``); returns its CPU seconds and the number of those groups."""
+    t0 = time.process_time()
+    meta_rank_state(program, rank, dtype)
     groups = _program_groups(program)
     return {"runtime_s": time.process_time() - t0, "world_groups": len(groups)}
 
@@ -212,12 +219,8 @@ def across_groups(compiled: Any, rank: int, cluster: Cluster) -> dict:
     the rank's fp32 shards among its replicas (a ring moves ``2 (R-1)/R`` of them), and its groups."""
     size, world = cluster.group_size, cluster.world_size
     replicas = replica_ranks(rank, size, world)
-    shard_bytes = 0
-    for info in compiled.hgraph.params.values():
-        shape = tuple(int(d) for d in info.shape)
-        lo, hi = group_shard_bounds(shape[info.shard_dim] if shape else 1, rank, size)
-        row = math.prod(shape) // shape[info.shard_dim] if shape else 1
-        shard_bytes += (hi - lo) * row * 4
+    dims = {n: (tuple(int(d) for d in p.shape), p.shard_dim if p.shape else 0) for n, p in compiled.hgraph.params.items()}
+    shard_bytes = 4 * optimizer_elements(dims, rank, world, size)       # fp32 shards
     ring = 2 * (len(replicas) - 1) * shard_bytes // len(replicas)
     return {"replicas": len(replicas), "ring_mb": ring / 2**20,
             "groups": {g for g in (shard_group_ranks(rank, size), replicas) if len(g) > 1}}

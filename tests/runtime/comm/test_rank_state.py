@@ -21,11 +21,10 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.overlapped_update import is_plain_data_parallel
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, Rows
 from hgraph.runtime.comm.process_groups import shard_groups_of
-from hgraph.runtime.comm.pull import PullParameter, pull_messages
-from hgraph.runtime.comm.push import PushGradient, groups_needed, push_messages
-from hgraph.runtime.comm.rank_params import RankParams, SyncStats
+from hgraph.runtime.comm.pull import pull_messages
+from hgraph.runtime.comm.push import groups_needed, push_messages
 from hgraph.runtime.engine.executor import _program_groups
-from hgraph.shard_rule import group_shard_bounds
+from hgraph.tools.bench.cluster_scale import meta_rank_state
 
 # a 4-layer model whose heads allow TP8, for worlds of 64 to 512 ranks (as tests/passes/test_rank_programs)
 WIDE = dict(num_layers=4, num_heads=8, num_kv_heads=8, hidden_size=128, intermediate_size=256)
@@ -38,31 +37,10 @@ def compiled():
         return hgraph.compile(llama.build("tiny", **WIDE))
 
 
-class NoGroups:
-    """Stands for the ``GroupCache``: building the state must not need a process group."""
-
-    def get(self, ranks):
-        return None
-
-
 def rank_state(prog, rank, dtype=torch.bfloat16):
     """This rank's RankParams, PullParameter and PushGradient over meta tensors (as the executor builds
-    them, without process groups)."""
-    rp = prog.rank(rank)
-    masters, working = {}, {}
-    for name in prog.param_names:
-        layout = prog.param_layout(name)
-        lo, hi = group_shard_bounds(layout.size, rank, prog.cluster.group_size)
-        shape = list(layout.shape) or [1]
-        shape[layout.shard_dim if layout.shape else 0] = hi - lo
-        masters[name] = torch.empty(shape, device="meta")
-    for name, shard in rp.params.items():
-        working[name] = torch.empty(shard.shard_shape, dtype=dtype, device="meta")
-    params = RankParams(prog, rank, masters, working, rp.params, dtype, frozenset())
-    stats = SyncStats()
-    pull = PullParameter(params, stats, all_to_all=True)
-    push = PushGradient(params, stats, NoGroups(), torch.device("meta"))
-    return params, pull, push
+    them, without process groups; the runtime bench's ``meta_rank_state``)."""
+    return meta_rank_state(prog, rank, dtype, all_to_all=True)
 
 
 def world_transfers(plans, rank, skip=lambda plan: False):
