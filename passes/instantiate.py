@@ -318,8 +318,8 @@ class StrategyLayout:
     def param_exchange(self, name: str) -> ParamExchange:
         """Whether ``name``'s pull is an all-gather and its push a plain reduce-scatter, exactly as the
         world's plans say (``pull_plan(name).is_all_gather``, ``push_plan(name).is_plain_reduce_scatter``),
-        from the role layout: O(roles), and O(ranks) only where replica groups holding the whole
-        parameter split a shard group."""
+        from the role layout: O(roles), and O(a pipeline's ranks) where replica groups holding the
+        whole parameter may split a shard group (``groups_keep_to_shard_groups``)."""
         ex = self._exchanges.get(name)
         if ex is None:
             layout = self.param_layout(name)
@@ -354,17 +354,13 @@ class StrategyLayout:
         if not self._whole_everywhere(size, contributions):
             return False
         groups = push_groups(contributions, self.roles)
-        group_size, world = self.cluster.group_size, self.cluster.world_size
+        group_size = self.cluster.group_size
         if len(groups) == 1 or group_size == 1:
             return True
         # replica groups that all hold the whole parameter (their ranges differ only in empty ones):
         # plain where no shard group has ranks of two of them
-        of = [0] * world
-        for i, (_, roles) in enumerate(groups):
-            for pr in roles:
-                for r in self.roles.of(pr):
-                    of[r] = i
-        return all(len(set(of[lo:lo + group_size])) == 1 for lo in range(0, world, group_size))
+        return groups_keep_to_shard_groups(self.strategy, {pr: i for i, (_, roles) in enumerate(groups)
+                                                           for pr in roles}, group_size)
 
     def binding_groups(self) -> list[tuple[int, ...]]:
         """Every TP, CP and Ulysses group of more than one rank (the ``"tp"`` / ``"cp"`` / ``"ul"``
@@ -537,6 +533,26 @@ class StrategyLayout:
         return shard_group_push_plan(self.param_layout(name), self._expand(contributions),
                                      self.cluster.world_size, self.cluster.gpus_per_node, self.cluster.shard_group,
                                      replica_groups=groups)
+
+
+def groups_keep_to_shard_groups(strategy: Strategy, group_of: Mapping[ParamRole, Any], group_size: int) -> bool:
+    """Whether no shard group (``group_size`` consecutive ranks) holds ranks of two groups, a rank's
+    group being ``group_of`` its role. Found from the ranks where the group changes, without listing
+    the world: inside a pipeline they follow from its scheme (O(its ranks), once per run of equal
+    pipelines), and a run repeats them every pipeline; each such rank must start a shard group."""
+    start, last = 0, None
+    for count, p in strategy.groups():
+        span = p.num_ranks
+        local = [group_of[(p, i // (p.tp * p.seq), i % p.tp)] for i in range(span)]
+        changes = [i for i in range(1, span) if local[i] != local[i - 1]]
+        if changes and ((count > 1 and span % group_size) or any((start + i) % group_size for i in changes)):
+            return False
+        if local[0] != local[-1] and count > 1 and ((start + span) % group_size or (count > 2 and span % group_size)):
+            return False       # between two pipelines of the run
+        if last is not None and last != local[0] and start % group_size:
+            return False       # between two runs
+        last, start = local[-1], start + count * span
+    return True
 
 
 def _cut_at(ranks: tuple[int, ...], group_size: int) -> list[tuple[int, ...]]:
