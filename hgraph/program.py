@@ -294,9 +294,10 @@ class Program:
 
     What a rank's runtime needs beyond its own ops comes without planning the world: the parameters
     in model order (``param_names``), their layouts (``param_layout``), what each one's pull and push
-    are (``exchange``: all-gather? plain reduce-scatter?) and the groups the world's push
-    reduce-scatters run in (``replica_groups``), all from ``planner`` (the compiler's per-strategy
-    layout, described per role: ``passes.instantiate.StrategyLayout``).
+    are (``exchange``: all-gather? plain reduce-scatter?) and the process groups the rank is in
+    (``binding_rounds``, ``replica_rounds``: its own, never the world's list), all from ``planner``
+    (the compiler's per-strategy layout, described per role: ``passes.instantiate.StrategyLayout``).
+    ``binding_groups`` / ``replica_groups`` list the world's groups (dumps, tests).
     """
 
     def __init__(self, strategy: Strategy, cluster: Cluster, stage_blocks: dict[int, tuple[tuple[str, ...], ...]],

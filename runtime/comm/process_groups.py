@@ -8,7 +8,7 @@ the members'), so what it does grows with its own groups, not with the world's.
 
 **Rounds.** Member-only creation needs more than one shared order. torch names a group created with
 local synchronisation by a hash of its ranks salted with the number of process groups the calling
-process holds (``_hash_ranks_to_str`` salts with ``len(_world.pg_names)`` in torch 2.6 to 2.13), and
+process holds (``_hash_ranks_to_str`` salts with ``len(_world.pg_names)``: torch 2.13, as since 2.1), and
 the members rendezvous under that name: members that hold different numbers of groups wait on
 different store keys for ever. Creating each rank's groups in one sorted order is not enough (ranks 0,
 1 and 2 creating (0, 1), (0, 2), (1, 2): rank 0 reaches (0, 2) holding two groups, rank 2 holding
@@ -28,7 +28,8 @@ Contracts:
 
 * ``create(rounds)``: every rank calls it with the same round keys in the same order, each with its
   own part (``hgraph.program.GroupRound``). Every process group a process creates must come from a
-  cache's ``create`` / ``ensure`` (the count above includes every group of the process).
+  cache's ``create`` / ``ensure``, or be one every rank creates and holds (a group of the whole world,
+  as the asynchronous checkpoint's): the count above includes every group of the process.
 * ``ensure(groups)``: the same list of groups on every rank (e.g. a caller's world list): the missing
   ones are packed into rounds of disjoint groups, in sorted order, the same on every rank.
 * ``get(ranks)`` returns a group created before; a group never created is an error (made on the spot
@@ -36,6 +37,8 @@ Contracts:
   returns ``None`` and the comm ops treat it as the identity. The group of all ranks is
   ``dist.group.WORLD``.
 * ``stats()`` reports hits, misses (groups this rank created), pads and the number of cached groups.
+* A rank set created again (by another cache of the process) is another group under another name
+  (the salt differs), with a communicator of its own: keep one cache per process.
 
 NCCL: member-only creation needs NCCL communicators made lazily (no ``device_id`` bound at
 ``init_process_group``: with one bound, torch splits new communicators from the world's, which
