@@ -471,7 +471,8 @@ class StrategyLayout:
         for run in self._runs[scheme]:
             first = self.strategy.rank_of(run.start, 0)      # a run's pipelines are consecutive spans
             for k in range(max(0, (lo - first) // span), min(len(run), -(-(hi - first) // span))):
-                out += [r for c in range(scheme.seq) if lo <= (r := self.strategy.rank_of(run.start + k, stage, t, c)) < hi]
+                ranks = (self.strategy.rank_of(run.start + k, stage, t, c) for c in range(scheme.seq))
+                out += [r for r in ranks if lo <= r < hi]
         return out
 
     def group_lnk_ops(self, name: str, rank: int) -> tuple[tuple, tuple]:
