@@ -113,6 +113,17 @@ class ParamExchange:
 
 
 @dataclass(frozen=True)
+class GroupRound:
+    """One partition of the world's ranks into process groups, as one rank sees it: ``key`` names the
+    partition (the same on every rank, and for no other partition), ``part`` is this rank's group in
+    it (the rank alone when it is in none). The runtime creates groups a round at a time, every rank
+    its own part (``runtime/comm/process_groups``)."""
+
+    key: Any
+    part: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class SubgraphInfo:
     """One filled slot of a rank's program (for dumps and tests)."""
 
@@ -283,9 +294,10 @@ class Program:
 
     What a rank's runtime needs beyond its own ops comes without planning the world: the parameters
     in model order (``param_names``), their layouts (``param_layout``), what each one's pull and push
-    are (``exchange``: all-gather? plain reduce-scatter?) and the groups the world's push
-    reduce-scatters run in (``replica_groups``), all from ``planner`` (the compiler's per-strategy
-    layout, described per role: ``passes.instantiate.StrategyLayout``).
+    are (``exchange``: all-gather? plain reduce-scatter?) and the process groups the rank is in
+    (``binding_rounds``, ``replica_rounds``: its own, never the world's list), all from ``planner``
+    (the compiler's per-strategy layout, described per role: ``passes.instantiate.StrategyLayout``).
+    ``binding_groups`` / ``replica_groups`` list the world's groups (dumps, tests).
     """
 
     def __init__(self, strategy: Strategy, cluster: Cluster, stage_blocks: dict[int, tuple[tuple[str, ...], ...]],
@@ -343,6 +355,17 @@ class Program:
         sorted (the groups of ``push_plans[n].reduce_scatters``, from the layout per role: no plan
         made)."""
         return self.planner.replica_groups()
+
+    def binding_rounds(self, rank: int) -> list[GroupRound]:
+        """``rank``'s TP, CP and Ulysses groups as creation rounds (a partition of the world each; none
+        where every rank of the strategy is alone in it), by rank arithmetic on its own coordinates."""
+        return self.planner.binding_rounds(rank)
+
+    def replica_rounds(self, rank: int) -> list[GroupRound]:
+        """The groups ``rank``'s own push reduce-scatters run in, as creation rounds: one per distinct
+        partition the world's push layouts make (its part: its replica group, or itself alone), read
+        off the layout per role; the union of every rank's parts is ``replica_groups()``."""
+        return self.planner.replica_rounds(rank)
 
     @property
     def ranks(self) -> "RankList":

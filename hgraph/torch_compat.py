@@ -38,6 +38,8 @@ FLOOR_KEYWORDS: dict[str, frozenset[str]] = {
     "torch.load": frozenset({"map_location", "weights_only", "mmap"}),
     "torch.utils.checkpoint.checkpoint": frozenset({"use_reentrant", "context_fn"}),
     "torch.random.fork_rng": frozenset({"devices"}),
+    # member-only group creation (runtime/comm/process_groups; the keyword is torch 2.1's)
+    "torch.distributed.new_group": frozenset({"use_local_synchronization", "backend"}),
 }
 # attributes hgraph reads that appeared late (all present in torch 2.6)
 FLOOR_ATTRIBUTES = ("torch.export.Dim.DYNAMIC", "torch.compiler.set_stance", "torch.compiler.list_backends",

@@ -27,14 +27,15 @@ from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
 from hgraph.passes.lnk.mutual_slices import normalise_ranges
-from hgraph.passes.lnk.plans import reduce_scatters_range
+from hgraph.passes.lnk.plans import reduce_scatters_range, scatter_block_count
 from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
 from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
-from hgraph.program import ParamExchange, ParamShard, Program, RankProgram, RankRole, RoleProgram, SubgraphInfo
+from hgraph.program import (GroupRound, ParamExchange, ParamShard, Program, RankProgram, RankRole, RoleProgram,
+                            SubgraphInfo)
 from hgraph.shard_rule import Range
 from hgraph.strategy import Cluster, Scheme, Strategy
 
@@ -317,8 +318,8 @@ class StrategyLayout:
     def param_exchange(self, name: str) -> ParamExchange:
         """Whether ``name``'s pull is an all-gather and its push a plain reduce-scatter, exactly as the
         world's plans say (``pull_plan(name).is_all_gather``, ``push_plan(name).is_plain_reduce_scatter``),
-        from the role layout: O(roles), and O(ranks) only where replica groups holding the whole
-        parameter split a shard group."""
+        from the role layout: O(roles), and O(a pipeline's ranks) where replica groups holding the
+        whole parameter may split a shard group (``groups_keep_to_shard_groups``)."""
         ex = self._exchanges.get(name)
         if ex is None:
             layout = self.param_layout(name)
@@ -353,17 +354,13 @@ class StrategyLayout:
         if not self._whole_everywhere(size, contributions):
             return False
         groups = push_groups(contributions, self.roles)
-        group_size, world = self.cluster.group_size, self.cluster.world_size
+        group_size = self.cluster.group_size
         if len(groups) == 1 or group_size == 1:
             return True
         # replica groups that all hold the whole parameter (their ranges differ only in empty ones):
         # plain where no shard group has ranks of two of them
-        of = [0] * world
-        for i, (_, roles) in enumerate(groups):
-            for pr in roles:
-                for r in self.roles.of(pr):
-                    of[r] = i
-        return all(len(set(of[lo:lo + group_size])) == 1 for lo in range(0, world, group_size))
+        return groups_keep_to_shard_groups(self.strategy, {pr: i for i, (_, roles) in enumerate(groups)
+                                                           for pr in roles}, group_size)
 
     def binding_groups(self) -> list[tuple[int, ...]]:
         """Every TP, CP and Ulysses group of more than one rank (the ``"tp"`` / ``"cp"`` / ``"ul"``
@@ -401,6 +398,82 @@ class StrategyLayout:
                         reduce_scatters_range(lo, hi, len(part), size, group_size) for lo, hi in ranges))
             self._replica_groups = sorted(out)
         return list(self._replica_groups)
+
+    # ---- the process groups one rank creates, as rounds (``hgraph.program.GroupRound``) ----
+
+    def binding_rounds(self, rank: int) -> list[GroupRound]:
+        """``rank``'s ``"tp"``, ``"cp"`` and ``"ul"`` groups as creation rounds, from its coordinates: a
+        kind whose groups are all single ranks makes no round. The TP groups are consecutive blocks, so
+        their key is the blocks' sizes (equal TP layouts of two strategies are one partition)."""
+        runs = self.strategy.groups()
+        bound = _bindings(self.strategy, rank)
+        out = []
+        if any(p.tp > 1 for _, p in runs):
+            blocks: list[list[int]] = []        # [TP degree, blocks of it] in rank order, merged
+            for count, p in runs:
+                if blocks and blocks[-1][0] == p.tp:
+                    blocks[-1][1] += count * p.pp * p.seq
+                else:
+                    blocks.append([p.tp, count * p.pp * p.seq])
+            out.append(GroupRound(("tp", tuple(map(tuple, blocks))), bound["tp"]))
+        for kind, degree in (("cp", lambda p: p.cp), ("ul", lambda p: p.ul)):
+            if any(degree(p) > 1 for _, p in runs):
+                out.append(GroupRound((kind, str(self.strategy)), bound[kind]))
+        return out
+
+    def replica_rounds(self, rank: int) -> list[GroupRound]:
+        """The groups ``rank``'s push reduce-scatters run in, as creation rounds: one per distinct
+        partition that the distinct contribution layouts make (the parts of ``replica_groups``: each
+        replica group's ranks cut at the shard groups, kept where a range spans as many optimizer
+        segments as the part has ranks), in model order. A partition is keyed by its replica groups'
+        roles and the largest part kept, which every rank computes alike in O(roles); this rank's part
+        is found among its own group's ranks (in its shard group only, under ``--shard-group``)."""
+        c = self.strategy.coord(rank)
+        mine: ParamRole = (self.strategy.pipelines[c.pipeline], c.stage, c.tp_rank)
+        group_size = self.cluster.group_size
+        lo = rank - rank % group_size
+        rounds: dict[tuple, tuple[int, ...]] = {}
+        seen: set[tuple] = set()
+        for name in self.order:
+            size = self.param_layout(name).size
+            contributions = self.contributions(name)
+            if (size, contributions) in seen:
+                continue
+            seen.add((size, contributions))
+            partition, part = [], (rank,)
+            for ranges, roles in push_groups(contributions, self.roles):
+                ranges = tuple(r for r in normalise_ranges(ranges) if r[0] < r[1])
+                n = sum(self._role_count(pr) for pr in roles)
+                if not ranges or n < 2:
+                    continue
+                most = min(n, group_size, max(scatter_block_count(a, b, size, group_size) for a, b in ranges))
+                if most < 2:
+                    continue
+                partition.append((roles, most))      # its parts of 2 to ``most`` ranks reduce-scatter
+                if mine in roles:
+                    members = tuple(sorted(r for pr in roles for r in self._role_ranks_in(pr, lo, lo + group_size)))
+                    if 2 <= len(members) <= most:
+                        part = members
+            if partition:
+                rounds.setdefault(("replica groups", str(self.strategy), group_size, frozenset(partition)), part)
+        return [GroupRound(key, part) for key, part in rounds.items()]
+
+    def _role_count(self, pr: ParamRole) -> int:
+        """How many ranks play role ``pr`` (its scheme's pipelines times their sequence ranks)."""
+        return sum(len(run) for run in self._runs[pr[0]]) * pr[0].seq
+
+    def _role_ranks_in(self, pr: ParamRole, lo: int, hi: int) -> list[int]:
+        """The ranks of role ``pr`` in ``[lo, hi)``, by rank arithmetic over the pipelines meeting it."""
+        if lo == 0 and hi >= self.cluster.world_size:
+            return list(self.roles.of(pr))
+        scheme, stage, t = pr
+        span, out = scheme.num_ranks, []
+        for run in self._runs[scheme]:
+            first = self.strategy.rank_of(run.start, 0)      # a run's pipelines are consecutive spans
+            for k in range(max(0, (lo - first) // span), min(len(run), -(-(hi - first) // span))):
+                ranks = (self.strategy.rank_of(run.start + k, stage, t, c) for c in range(scheme.seq))
+                out += [r for r in ranks if lo <= r < hi]
+        return out
 
     def group_lnk_ops(self, name: str, rank: int) -> tuple[tuple, tuple]:
         """The pull and push ops of ``rank`` for parameter ``name`` when the optimizer shards inside
@@ -461,6 +534,26 @@ class StrategyLayout:
         return shard_group_push_plan(self.param_layout(name), self._expand(contributions),
                                      self.cluster.world_size, self.cluster.gpus_per_node, self.cluster.shard_group,
                                      replica_groups=groups)
+
+
+def groups_keep_to_shard_groups(strategy: Strategy, group_of: Mapping[ParamRole, Any], group_size: int) -> bool:
+    """Whether no shard group (``group_size`` consecutive ranks) holds ranks of two groups, a rank's
+    group being ``group_of`` its role. Found from the ranks where the group changes, without listing
+    the world: inside a pipeline they follow from its scheme (O(its ranks), once per run of equal
+    pipelines), and a run repeats them every pipeline; each such rank must start a shard group."""
+    start, last = 0, None
+    for count, p in strategy.groups():
+        span = p.num_ranks
+        local = [group_of[(p, i // (p.tp * p.seq), i % p.tp)] for i in range(span)]
+        changes = [i for i in range(1, span) if local[i] != local[i - 1]]
+        if changes and ((count > 1 and span % group_size) or any((start + i) % group_size for i in changes)):
+            return False
+        if local[0] != local[-1] and count > 1 and ((start + span) % group_size or (count > 2 and span % group_size)):
+            return False       # between two pipelines of the run
+        if last is not None and last != local[0] and start % group_size:
+            return False       # between two runs
+        last, start = local[-1], start + count * span
+    return True
 
 
 def _cut_at(ranks: tuple[int, ...], group_size: int) -> list[tuple[int, ...]]:

@@ -258,11 +258,21 @@ def _scatter_blocks(lo: int, hi: int, size: int, world_size: int) -> list[Range]
             if (a < hi and lo < b) or (a == b and lo <= a < hi)]
 
 
-@functools.lru_cache(maxsize=4096)
+def scatter_block_count(lo: int, hi: int, size: int, world_size: int) -> int:
+    """``len(_scatter_blocks(lo, hi, size, world_size))`` by arithmetic, in O(1): segment ``r`` starts
+    at ``a_r = floor(r S / N)`` and counts when ``a_r < hi`` (a prefix of the ranks) and
+    ``a_{r+1} > lo`` or ``a_r >= lo`` (a suffix)."""
+    if size == 0:
+        return 0
+    below = min(world_size, -(-hi * world_size // size))                 # ranks with a_r < hi
+    first = max(0, min(-(-lo * world_size // size), -(-(lo + 1) * world_size // size) - 1))
+    return max(0, below - first)
+
+
 def reduce_scatters_range(lo: int, hi: int, k: int, size: int, world_size: int) -> bool:
     """Whether a replica group of ``k`` ranks contributing rows ``[lo, hi)`` reduce-scatters some of them
     (``replica_group_push`` makes a ``ReduceScatter`` for the range): it spans ``k`` segments or more."""
-    return len(_scatter_blocks(lo, hi, size, world_size)) >= k
+    return scatter_block_count(lo, hi, size, world_size) >= k
 
 
 def _choose_receivers(group: tuple[int, ...], pieces: Sequence[Range], size: int, world_size: int,

@@ -45,8 +45,8 @@ class ParamSync:
     """Pull/Push of one rank for one Program.
 
     ``masters``, ``working``, ``shards``, ``working_dtype``, ``aliased``: see ``RankParams``;
-    ``groups``: a ``GroupCache`` holding every replica group of the push plans and, under
-    ``--shard-group``, the rank's shard group and replicas (``groups_needed``); ``update``: the
+    ``groups``: a ``GroupCache`` holding the rank's replica groups and, under ``--shard-group``, its
+    shard group and replicas (``groups_needed(program, rank)``); ``update``: the
     optimizer's step on some shards, for the overlapped update.
     """
 

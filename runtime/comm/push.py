@@ -20,31 +20,25 @@ import torch
 import torch.distributed as dist
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
+from hgraph.program import GroupRound
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
-from hgraph.runtime.comm.process_groups import shard_groups_of
+from hgraph.runtime.comm.process_groups import shard_rounds
 
 
-def groups_needed(program: Any) -> list[tuple[int, ...]]:
-    """Every replica group of the push plans and, when the optimizer shards within groups
-    (``--shard-group``), every shard group (its all-gathers) and every set of replicas (the sum
-    across the groups): collective group creation needs the same list everywhere.
-
-    The replica groups come from the layout per role (``Program.replica_groups``), so no rank plans the
-    world for them; the list still names every group of the world, as ``dist.new_group`` is called by
-    every rank for every group, in one order. (Member-only creation, not done yet: a rank would create
-    only its own groups, its bindings' and those of its own reduce-scatters, shard group and
-    replicas, with ``use_local_synchronization=True``, each rank in sorted order. That cannot
-    deadlock: the smallest group still being created has every member at it, since a member still
-    at a smaller group would make that one the smallest. It would cost a rank its own groups instead
-    of the world's list: 3,100 groups for the 70B heterogeneous strategy at 12,288 GPUs,
-    ``tools/bench/cluster_scale``.)"""
-    needed = set(program.replica_groups())
+def groups_needed(program: Any, rank: int) -> list[GroupRound]:
+    """The process groups ``rank``'s push talks in, as creation rounds (``GroupCache.create``, every
+    rank its own part of each): the replica groups of its reduce-scatters (``Program.replica_rounds``,
+    read off the layout per role) and, when the optimizer shards within groups (``--shard-group``),
+    its shard group (its pull's all-gathers) and its replicas (the sum across the groups). A rank
+    computes only its own groups, never the world's list (``tools/bench/cluster_scale``: 70B, 12,288
+    GPUs, a few groups per rank where the world's list held thousands)."""
+    rounds = list(program.replica_rounds(rank))
     cluster = program.cluster
     if cluster.shard_group is not None:
-        needed |= set(shard_groups_of(cluster.world_size, cluster.group_size))
-    return sorted(g for g in needed if len(g) > 1)
+        rounds += shard_rounds(rank, cluster.world_size, cluster.group_size)
+    return rounds
 
 
 def _cut(span: Range, at: Range) -> list[Range]:
@@ -65,7 +59,7 @@ def push_messages(program: Any, rank: int) -> PeerTransfers:
 class PushGradient:
     """The push of one rank for one Program.
 
-    ``groups``: a ``GroupCache`` holding every replica group of the push plans (``groups_needed``);
+    ``groups``: a ``GroupCache`` holding this rank's groups of ``groups_needed``;
     ``in_backward``: issue the reductions from backward's hooks (CPU: NCCL keeps them at the end, as
     all communicators share one stream order and pipelines of different schemes finish gradients in
     different orders).

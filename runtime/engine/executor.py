@@ -82,7 +82,7 @@ from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose
                                               per_sequence_plan)
 from hgraph.runtime.kernels.dropout import TokenKeys
 from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
-from hgraph.program import Program, RankProgram
+from hgraph.program import GroupRound, Program, RankProgram
 from hgraph.strategy import Cluster, Scheme, Strategy
 from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
 
@@ -281,7 +281,7 @@ class Executor:
         (collective: every rank calls it with the same strategies), so a strategy that cannot be built
         fails before any step, and no first step of one creates groups."""
         programs = [self.programs.find(strategy)[0].program for strategy in dict.fromkeys(strategies)]
-        self.groups.ensure(sorted({g for program in programs for g in _program_groups(program)}))
+        self.groups.create([rnd for program in programs for rnd in program_rounds(program, self.rank)])
 
     def build_ahead(self, strategies: Sequence[Union[Strategy, str]]) -> None:
         """The strategies of the next steps, in order: those without a Program are built on the
@@ -378,9 +378,10 @@ class Executor:
 
     def _ready_state(self, state: RankState) -> None:
         """The main thread's part of a state before its first step: the process groups its Program
-        needs (collective: the same list on every rank) and, with ``--compile``, its compiled regions."""
+        needs (collective: every rank creates its own part of the same rounds) and, with ``--compile``,
+        its compiled regions."""
         program = state.program
-        self.groups.ensure(_program_groups(program))
+        self.groups.create(program_rounds(program, self.rank))
         if state.memory is not None:
             bind_stage_group(state.memory, program, state.rank_program, self.groups)
         if self.compile:      # after recompute's outlining: its blocks' regions are compiled inside them
@@ -657,10 +658,12 @@ class Executor:
         return value, work
 
 
-def _program_groups(program: Program) -> list[tuple[int, ...]]:
-    """The process groups ``program``'s ranks talk in: its TP, CP and Ulysses groups and the replica
-    groups of its push plans (from the layout: no other rank's program is built)."""
-    return sorted(set(program.binding_groups()) | set(ParamSync.groups_needed(program)))
+def program_rounds(program: Program, rank: int) -> list[GroupRound]:
+    """The process groups ``rank`` talks in under ``program``, as creation rounds (``GroupCache.create``:
+    the same keys on every rank, each rank its own part): its TP, CP and Ulysses groups, the replica
+    groups of its reduce-scatters and, under ``--shard-group``, its shard group and replicas. From its
+    own coordinates and the layout per role: no other rank's program is built, no world list made."""
+    return program.binding_rounds(rank) + ParamSync.groups_needed(program, rank)
 
 
 def _strategy(strategy: Union[Strategy, str]) -> Strategy:

@@ -30,7 +30,7 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hgraph.program import Program, RankProgram
+from hgraph.program import GroupRound, Program, RankProgram
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.activation_model import (FORWARD_FRACTION, LayerRoles, choose_layer_roles,
@@ -410,16 +410,13 @@ def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], pro
 
 
 def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankProgram, groups: GroupCache) -> None:
-    """Give ``memory`` the group of its stage's TP x CP ranks (when it agrees over one: with a budget
-    or an offload), creating every stage group of ``program`` that is missing. Collective: every rank
-    calls it for the same Program."""
-    if memory.budget is None and memory.offload is None:
-        return
-    stages: dict[tuple[int, int], list[int]] = {}
-    for r in range(program.cluster.world_size):     # by rank arithmetic: no rank's program built
-        c = program.strategy.coord(r)
-        stages.setdefault((c.pipeline, c.stage), []).append(r)
-    groups.ensure([g for g in stages.values() if len(g) > 1])   # collective: the same list everywhere
-    stage_ranks = sorted(stages[(rank_program.pipeline, rank_program.stage)])
-    if len(stage_ranks) > 1:
+    """Create the group of this rank's stage (its TP x CP ranks) as one round of every rank (its part
+    computed from its own coordinates, whether or not ``memory`` needs it, so the rounds stay the same
+    on every rank) and give it to ``memory`` when it agrees over it (with a budget or an offload).
+    Collective: every rank calls it for the same Program."""
+    strategy = program.strategy
+    stage_ranks = tuple(strategy.stage_ranks(rank_program.pipeline, rank_program.stage))
+    if any(p.tp * p.seq > 1 for _, p in strategy.groups()):
+        groups.create([GroupRound(("stage", str(strategy)), stage_ranks)])
+    if (memory.budget is not None or memory.offload is not None) and len(stage_ranks) > 1:
         memory.group = (groups.get(stage_ranks),)

@@ -48,7 +48,7 @@ from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
-from hgraph.runtime.comm.process_groups import GroupCache, shard_groups_of
+from hgraph.runtime.comm.process_groups import GroupCache, shard_rounds
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
@@ -237,8 +237,8 @@ class Trainer:
                 progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
                 run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
                                                                     self.order.copy())])
-        if shard_group is not None:        # collective: every rank creates every shard group and set of replicas
-            groups.ensure(shard_groups_of(world_size, shard_group))
+        if shard_group is not None:        # collective: every rank creates its shard group and its replicas
+            groups.create(shard_rounds(rank, world_size, shard_group))
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device, shard_group,
                                         groups.get(shard_group_ranks(rank, shard_group)) if shard_group else None)
         if self.resumed is not None:

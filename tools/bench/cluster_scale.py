@@ -11,8 +11,10 @@ rank's Program: ``build_program(S, cluster)``, ``program.rank(r)`` (its LNK ops,
 ``program.rank(r).graph_module``. It prints the CPU time of the plans and of the graph, the memory
 that build added to the process (peak RSS over the RSS before it, sampled), the CPU time of the
 rank's runtime state that needs no process group (``runtime s``: its Pull/Push bookkeeping over meta
-tensors, as ``ParamSync`` builds it, and the list of the world's process groups every rank creates,
-``world groups``), and per step what the
+tensors, as ``ParamSync`` builds it, and its list of process groups), the process groups the rank
+creates (``groups created``: each an NCCL communicator; ``new_group calls``: pads included, one per
+creation round, ``runtime/comm/process_groups``; ``groups ms``: the CPU time of that list), and per
+step what the
 rank exchanges at each shard group G of the optimizer states (``--shard-group``; G = world is one copy
 sharded over all ranks): Pull and Push peers and bytes (point-to-point sent and received, and its
 reduce-scatters' input; with G < world the Push adds the all-reduce of its fp32 shards among its
@@ -51,7 +53,7 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
-from hgraph.runtime.engine.executor import _program_groups
+from hgraph.runtime.engine.executor import program_rounds
 from hgraph.runtime.engine.model_states import optimizer_elements
 from hgraph.runtime.process.lifetime import die_with_parent
 from hgraph.shard_rule import ShardLayout, group_shard_bounds, replica_ranks, shard_group_ranks
@@ -69,7 +71,9 @@ COLUMNS: list[tuple[str, str, str]] = [
     ("cpu_s", "total s", "{:.2f}"),
     ("added_mb", "added MB", "{:,.0f}"),
     ("runtime_s", "runtime s", "{:.2f}"),
-    ("world_groups", "world groups", "{:,}"),
+    ("rank_groups", "groups created", "{:,}"),
+    ("group_calls", "new_group calls", "{:,}"),
+    ("groups_ms", "groups ms", "{:.1f}"),
     ("pull_peers", "Pull peers", "{:,}"),
     ("pull_mb", "Pull MB", "{:,.1f}"),
     ("push_peers", "Push peers", "{:,}"),
@@ -206,12 +210,26 @@ def meta_rank_state(program: Any, rank: int, dtype: torch.dtype,
 
 def runtime_setup(program: Any, rank: int, dtype: torch.dtype) -> dict:
     """Build what rank ``rank``'s runtime makes of ``program`` before any collective: its Pull and Push
-    bookkeeping (``meta_rank_state``) and the list of process groups every rank creates (the
-    executor's ``_program_groups``); returns its CPU seconds and the number of those groups."""
+    bookkeeping (``meta_rank_state``) and the process groups it creates (``rank_group_rounds``);
+    returns the CPU seconds of both together, and the groups' figures."""
     t0 = time.process_time()
     meta_rank_state(program, rank, dtype)
-    groups = _program_groups(program)
-    return {"runtime_s": time.process_time() - t0, "world_groups": len(groups)}
+    groups = rank_group_rounds(program, rank)
+    return {"runtime_s": time.process_time() - t0, **groups}
+
+
+def rank_group_rounds(program: Any, rank: int) -> dict:
+    """The process groups rank ``rank`` creates for ``program`` (the executor's ``program_rounds``: one
+    ``new_group`` per round, its own part, or a single-rank pad where its part is itself or a group it
+    already holds; each group of more than one rank and fewer than the world an NCCL communicator of
+    its own), its ``new_group`` calls (a round whose one part is the world makes none), and the CPU
+    milliseconds of computing that list."""
+    t0 = time.process_time()
+    rounds = program_rounds(program, rank)
+    ms = (time.process_time() - t0) * 1e3
+    world = program.cluster.world_size
+    created = {r.part for r in rounds if 1 < len(r.part) < world}
+    return {"rank_groups": len(created), "group_calls": sum(len(r.part) < world for r in rounds), "groups_ms": ms}
 
 
 def across_groups(compiled: Any, rank: int, cluster: Cluster) -> dict:

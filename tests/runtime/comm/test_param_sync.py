@@ -89,7 +89,7 @@ def _worker(rank, world, cases):
         prog = compiled.instantiate(strategy)
         full = {n: _ints(tuple(p.shape), i) for i, (n, p) in enumerate(compiled.hgraph.params.items())}
         opt = ShardedAdam(list(full.items()), shard_dims_of(compiled), rank, world)
-        groups.ensure(ParamSync.groups_needed(prog))
+        groups.create(ParamSync.groups_needed(prog, rank))
         rp = prog.rank(rank)
         wdtype = compiled.options.working_dtype
         working = {n: torch.zeros(s.shard_shape, dtype=wdtype) for n, s in rp.params.items()}

@@ -1,4 +1,11 @@
-"""GroupCache on 4 gloo processes: collective ensure, cached get, singletons, lazy creation."""
+"""GroupCache on 4 gloo processes: member-only creation in rounds (``create``), ``ensure`` of a shared
+list, cached get, singletons, and a group never created refused.
+
+The overlapping triangle (0, 1), (0, 2), (1, 2) is what member-only creation in one sorted order cannot
+make in torch: rank 0 reaches (0, 2) holding one more process group than rank 2, so the two compute
+different group names and wait on different store keys for ever. In rounds (one partition each, every
+rank one ``new_group`` call, a pad when its part is itself or a group it holds) the members agree.
+"""
 import random
 
 import pytest
@@ -6,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.program import GroupRound
 from hgraph.runtime.comm.process_groups import GroupCache, group_key
 from hgraph.runtime.train.launch import spawn
 
@@ -37,10 +45,21 @@ def _worker(rank, world_size):
         out["non_member"] = "no error"
     except HGraphError as e:
         out["non_member"] = str(e)
-    # lazy creation: only the members ask for (1, 2)
-    if rank in (1, 2):
-        out["lazy_sum"] = _group_sum(cache, [2, 1], rank)
-        out["lazy_stats"] = vars(cache.stats()).copy()
+    # a group never created is refused (made by its members alone it could hang)
+    try:
+        cache.get([0, 3] if rank in (0, 3) else [1, 2])
+        out["missing"] = "no error"
+    except HGraphError as e:
+        out["missing"] = str(e)
+    # rounds: the four triples of the four ranks (new groups, each rank in three, alone in one), then a
+    # round of pairs every rank holds from ensure (pads), then the first rounds again (skipped)
+    triples = [[(0, 1, 2), (3,)], [(0, 1, 3), (2,)], [(0, 2, 3), (1,)], [(1, 2, 3), (0,)], [(0, 1), (2, 3)]]
+    rounds = [GroupRound(("triples", i), next(p for p in parts if rank in p)) for i, parts in enumerate(triples)]
+    before = vars(cache.stats()).copy()
+    cache.create(rounds)
+    cache.create(rounds[:2])
+    out["rounds"] = {k: v - before[k] for k, v in vars(cache.stats()).items()}
+    out["round_sums"] = {p.part: _group_sum(cache, p.part, rank) for p in rounds if len(p.part) > 1}
     dist.barrier()
     return out
 
@@ -52,17 +71,17 @@ def results():
 
 def test_ensure_creates_each_group_once_on_every_rank(results):
     for rank, out in enumerate(results):
-        # (0,1), (0,2), (1,3), (2,3): singletons and the world need no new group
-        assert out["after_ensure"]["misses"] == 4
-        assert out["after_ensure"]["groups"] == 2  # each rank is in two of the four pairs
-        assert out["after_second_ensure"]["misses"] == 4
+        # (0,1), (0,2), (1,3), (2,3) in two rounds of disjoint pairs: each rank creates its two, no pad;
+        # singletons and the world need no new group
+        assert out["after_ensure"] == {"hits": 0, "misses": 2, "groups": 2, "pads": 0}
+        assert out["after_second_ensure"]["misses"] == 2
 
 
 def test_cached_groups_reduce_over_their_members(results):
     for rank, out in enumerate(results):
         expected = {g: float(sum(r + 1 for r in g)) for g in out["sums"]}
         assert out["sums"] == expected
-        assert out["after_get"]["hits"] == 2 and out["after_get"]["misses"] == 4
+        assert out["after_get"]["hits"] == 2 and out["after_get"]["misses"] == 2
 
 
 def test_single_rank_and_world_groups(results):
@@ -74,11 +93,19 @@ def test_non_member_lookup_is_an_error(results):
         assert f"rank {rank} is not a member" in out["non_member"]
 
 
-def test_lazy_get_creates_with_members_only(results):
-    for rank in (1, 2):
-        assert results[rank]["lazy_sum"] == 5.0
-        assert results[rank]["lazy_stats"]["misses"] == 5
-    assert "lazy_sum" not in results[0] and "lazy_sum" not in results[3]
+def test_a_group_never_created_is_refused(results):
+    for rank, out in enumerate(results):
+        assert "has not created it" in out["missing"], out["missing"]
+
+
+def test_rounds_create_overlapping_groups_member_only(results):
+    """Each rank makes one new_group call per new round: its part, or a pad where its part is itself or
+    a group it holds; a round seen before makes none. The groups then reduce over their members. (In
+    one sorted order instead, rank 0 would reach (0, 1, 3) holding one group more than rank 3: a hang.)"""
+    for rank, out in enumerate(results):
+        assert out["rounds"]["misses"] == 3 and out["rounds"]["pads"] == 2, (rank, out["rounds"])
+        triples = [g for g in [(0, 1, 2), (0, 1, 3), (0, 2, 3), (1, 2, 3), (0, 1), (2, 3)] if rank in g]
+        assert out["round_sums"] == {g: float(sum(r + 1 for r in g)) for g in triples}, rank
 
 
 def test_bad_rank_lists_without_processes():

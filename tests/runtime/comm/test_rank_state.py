@@ -1,10 +1,10 @@
 """One rank's Pull/Push bookkeeping reads only that rank's part of the Program, never the world's plans.
 
 A training rank builds its ``RankParams``, ``PullParameter`` and ``PushGradient`` (the state that needs
-no process group), the list of process groups every rank creates (``groups_needed``, the executor's
-``_program_groups``) and whether the overlapped update applies (``is_plain_data_parallel``). All of
+no process group), the process groups it creates (``groups_needed``, the executor's ``program_rounds``)
+and whether the overlapped update applies (``is_plain_data_parallel``). All of
 that must come from the rank's own ops (``Program.rank``) and the facts read off the layout per role
-(``Program.exchange``, ``replica_groups``, ``binding_groups``), building no other rank's program and
+(``Program.exchange``, ``replica_rounds``, ``binding_rounds``), building no other rank's program and
 never reading ``Program.pull_plans`` / ``push_plans``: they plan the whole world, which at 1,024
 ranks of a 70B model takes minutes. Once built, the bookkeeping must equal what the world's plans
 give (the ops, the tiles a pull assembles from, the point-to-point messages, the group list), so that
@@ -23,7 +23,7 @@ from hgraph.runtime.comm.peer_buckets import PeerTransfers, Rows
 from hgraph.runtime.comm.process_groups import shard_groups_of
 from hgraph.runtime.comm.pull import pull_messages
 from hgraph.runtime.comm.push import groups_needed, push_messages
-from hgraph.runtime.engine.executor import _program_groups
+from hgraph.runtime.engine.executor import program_rounds
 from hgraph.tools.bench.cluster_scale import meta_rank_state
 
 # a 4-layer model whose heads allow TP8, for worlds of 64 to 512 ranks (as tests/passes/test_rank_programs)
@@ -71,8 +71,8 @@ def test_one_ranks_state_plans_no_world(compiled, text, world, group):
     prog = compiled.build_program(strategy, Cluster(world, 8, shard_group=group))
     ranks = (0, 77 % world, world - 1)
     states = {r: rank_state(prog, r) for r in ranks}
-    needed = groups_needed(prog)
-    created = _program_groups(prog)         # what the executor creates: bindings' groups too
+    needed = {r: {rnd.part for rnd in groups_needed(prog, r) if len(rnd.part) > 1} for r in ranks}
+    created = {r: {rnd.part for rnd in program_rounds(prog, r) if len(rnd.part) > 1} for r in ranks}  # bindings' too
     plain_dp = is_plain_data_parallel(prog)
     built = {r: (pull_messages(prog, r, 2, 1 << 20), push_messages(prog, r)) for r in ranks}
     assert not prog.pull_plans._plans and not prog.push_plans._plans, "a rank's state planned the world"
@@ -83,9 +83,10 @@ def test_one_ranks_state_plans_no_world(compiled, text, world, group):
     world_groups = {rs.group for plan in pushes for rs in plan.reduce_scatters if len(rs.group) > 1}
     if group is not None:
         world_groups |= set(shard_groups_of(world, group))
-    assert needed == sorted(g for g in world_groups if len(g) > 1)
     bindings = {tuple(g) for rp in prog.ranks for k, g in rp.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
-    assert created == sorted(bindings | set(needed))
+    for r in ranks:     # each rank's groups: the world's that it is in
+        assert needed[r] == {g for g in world_groups if r in g}
+        assert created[r] == {g for g in bindings | world_groups if r in g}
     assert plain_dp == (group is None and all(p.is_all_gather for p in pulls)
                         and all(p.is_plain_reduce_scatter for p in pushes))
     assert plain_dp == (text == "64xTP1PP1" and group is None)
