@@ -94,6 +94,15 @@ def doc_lengths(docs: Sequence[Document]) -> np.ndarray:
 SCAN_CHUNK = 1 << 22
 
 
+def longest_length(docs: Sequence[Document]) -> int:
+    """The longest document's length; a stored sequence's lengths are read in chunks in their own dtype
+    (every rank of an outlier-delayed run asks, and an int64 copy would cost 8 bytes a document)."""
+    lengths = getattr(docs, "lengths", None)
+    if lengths is None:
+        return int(doc_lengths(docs).max())
+    return max(int(np.max(lengths[start:start + SCAN_CHUNK])) for start in range(0, len(lengths), SCAN_CHUNK))
+
+
 def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optional[int]) -> None:
     """Every document must fit a mini-batch and the model: one line naming the first that does not."""
     if tokens_per_iter < 1:

@@ -33,3 +33,14 @@ def test_the_scan_names_the_first_long_document_in_a_chunks_memory(store, monkey
     tracemalloc.stop()
     assert peak < 8 * CHUNK + 64 * 1024, peak       # a chunk's mask, not 9 bytes for each of 200,000 documents
     assert limit_long(store, 500, None, "error")[0] is store
+
+
+def test_the_longest_document_is_found_in_a_chunks_memory(store, monkeypatch):
+    """What an outlier-delayed stream asks of the corpus on every rank (its queues' thresholds)."""
+    monkeypatch.setattr(documents, "SCAN_CHUNK", CHUNK)
+    tracemalloc.start()
+    longest = documents.longest_length(store)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert longest == 500 and peak < 64 * 1024, peak
+    assert documents.longest_length(list(store)[:10]) == int(store.lengths[:10].max())
