@@ -167,6 +167,8 @@ def test_run_dir_dumps_each_strategy_used_once_with_its_steps(capsys, run_dir, t
     assert code == 0 and sorted(p.name for p in (tmp_path / "svg").iterdir()) == [
         "1xTP2PP1+2xTP1PP1.svg", "2xTP1PP2.svg", "4xTP1PP1.svg"]
     ET.parse(tmp_path / "svg" / "2xTP1PP2.svg")
+    code, out, _ = run(capsys, "dump", "--run-dir", str(run_dir), "--format", "json", "--shard-group", "2")
+    assert code == 0 and all(s["dump"]["shard_group"] == 2 for s in json.loads(out)["strategies"])
 
 
 @pytest.mark.parametrize("setup, argv, message", [
