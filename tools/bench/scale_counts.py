@@ -28,6 +28,7 @@ the data loader's per-rank index and the checkpoint manifest (DCP's ``.metadata`
 from __future__ import annotations
 
 import gc
+import math
 import os
 import pickle
 import tempfile
@@ -234,9 +235,10 @@ def _build_metadata(plans: list[SavePlan]) -> tuple[Metadata, float]:
     storage = {}
     for r, plan in enumerate(global_plans):
         path, at = dcp_format.rank_file_name(r), 0
-        for item in plan.items:
-            storage[item.index] = _StorageInfo(path, at, 4096)
-            at += 4096
+        for item in plan.items:     # a tensor's fp32 elements (DCP adds a small archive around them)
+            length = 4 * math.prod(item.tensor_data.chunk.sizes) if item.tensor_data is not None else 1024
+            storage[item.index] = _StorageInfo(path, at, length)
+            at += length
     md.storage_data = storage
     return md, time.process_time() - t0
 
