@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -234,10 +234,11 @@ class IterationPlanner:
         return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source=source,
                    method=method, time_limit_s=time_limit_s, device_memory=limit)
 
-    def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
-        """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""
+    def plan_ahead(self, consumer: Any, batches: Iterable[MiniBatch]) -> None:
+        """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches
+        (read from ``batches`` as the planner needs them)."""
         consumer.setup(self.cost, self.candidates, self.method, self.time_limit_s,
-                       [(b.step, [len(d) for d in b.docs]) for b in batches])
+                       ((b.step, [len(d) for d in b.docs]) for b in batches))
         self.ahead = consumer
 
     def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float, list]:
