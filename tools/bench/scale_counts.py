@@ -28,9 +28,11 @@ the data loader's per-rank index and the checkpoint manifest (DCP's ``.metadata`
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
 import pickle
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -387,8 +389,6 @@ def counts_tables(result: dict) -> str:
 def report(models: list[str], worlds: list[int], shard_groups: tuple[Optional[int], ...], gpus_per_node: int,
            data_docs: int, as_json: bool) -> int:
     """``cluster_scale --counts``: the tables (or one JSON object) on stdout, progress on stderr."""
-    import json
-    import sys
     result = counts(models, worlds, shard_groups, gpus_per_node, data_docs,
                     progress=None if as_json else (lambda text: print(text, file=sys.stderr, flush=True)))
     print(json.dumps(result) if as_json else counts_tables(result))
