@@ -161,11 +161,12 @@ class CompiledModule(nn.Module):
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None,
-             model: Optional[str] = None) -> str:
+             model: Optional[str] = None, cluster: Optional[Cluster] = None) -> str:
         """Render the instantiated programs (all ranks, or one) in ``format``; write to ``path`` if given.
-        ``model`` names the model in graph titles (default: its class name)."""
+        ``model`` names the model in graph titles (default: its class name); ``cluster`` (instead of
+        ``world_size`` and ``gpus_per_node``): its optimizer shard group sets the Pull / Push plans."""
         from hgraph.tools.report.dump import render_program
-        prog = self.instantiate(strategy, world_size=world_size, gpus_per_node=gpus_per_node)
+        prog = self.instantiate(strategy, cluster, world_size=world_size, gpus_per_node=gpus_per_node)
         text = render_program(prog, fmt=format, rank=rank, model=model or type(self._orig_mod).__name__)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:

@@ -48,7 +48,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -108,6 +108,7 @@ def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, An
     """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
     and RNG states."""
     state = optimizer.state_dict()
+    shared = writes_shared(rank)
     model, optim = {}, {}
     for name, layout in optimizer.layouts.items():
         def chunk(t):
@@ -115,11 +116,22 @@ def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, An
                             getattr(optimizer, "group_size", world_size))
         model[name] = chunk(state["params"][name])
         optim[name] = {key: chunk(state[key][name]) for key in _MOMENTS}
-        optim[name]["step"] = torch.tensor(float(state["steps"][name]))
+        if shared:
+            optim[name]["step"] = torch.tensor(float(state["steps"][name]))
     buf = io.BytesIO()
     torch.save(dict(rng), buf)              # one bytes entry: DCP would split a dict into entries
-    return {"model": model, "optim": {"state": optim, "param_groups": [adam_group(state["hyper"], optimizer.layouts)]},
-            "rng": {f"rank-{rank:05d}": buf.getvalue()}}
+    out = {"model": model, "optim": {"state": optim}, "rng": {f"rank-{rank:05d}": buf.getvalue()}}
+    if shared:
+        out["optim"]["param_groups"] = [adam_group(state["hyper"], optimizer.layouts)]
+    return out
+
+
+def writes_shared(rank: int) -> bool:
+    """Whether ``rank`` writes the entries every rank holds alike (the step counts, Adam's parameter
+    group): rank 0 only. DCP's default plan has every rank add its plain entries and the coordinator
+    drop the duplicates, so rank 0 would gather them from every rank at each save: with 723
+    parameters, 1.4 GB of plans at 12,288 ranks (``python -m hgraph.tools.bench.cluster_scale --counts``)."""
+    return rank == 0
 
 
 def adam_group(hyper: Mapping[str, Any], names) -> dict:
@@ -167,13 +179,21 @@ def save(folder: Path, optimizer: Any, rank: int, world_size: int, rng: Mapping[
     return None
 
 
-def tensor_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor entry of a DCP checkpoint and its full shape (its metadata only)."""
+def read_metadata(folder: Path) -> Any:
+    """The checkpoint's ``.metadata`` (DCP's ``Metadata``), read once for all a load asks: it lists a
+    chunk per parameter, moment and writing rank, so at G = world it grows with the world (70B at 1,024
+    ranks: 319 MB), and every rank reads it on resume."""
     try:
-        meta = dcp.FileSystemReader(str(folder)).read_metadata()
+        return dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a missing or corrupt .metadata
         raise HGraphError(f"DCP checkpoint {str(folder)!r}: cannot read {METADATA}: {type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def tensor_shapes(folder: Path, metadata: Any = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor entry of a DCP checkpoint and its full shape (its metadata only; ``metadata``: the
+    one already read)."""
+    meta = metadata if metadata is not None else read_metadata(folder)
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
@@ -291,6 +311,14 @@ class RowsReader(dcp.FileSystemReader):
     def __init__(self, path: Any) -> None:
         super().__init__(path)
         self.reads: list[tuple[str, int]] = []       # (entry, bytes) per read: a region, or a chunk whole
+        self.known_metadata: Any = None              # the .metadata read already (``read_metadata``)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if self.known_metadata is None:
+            return super().read_metadata(*args, **kwargs)
+        self.known_metadata.storage_meta = self.known_metadata.storage_meta or StorageMeta()
+        self.known_metadata.storage_meta.load_id = self.load_id
+        return self.known_metadata
 
     def read_data(self, plan: LoadPlan, planner: Any):
         others = []
@@ -369,28 +397,31 @@ class RowsReader(dcp.FileSystemReader):
         return torch.frombuffer(raw, dtype=dtype).reshape(lengths) if raw else torch.empty(lengths, dtype=dtype)
 
 
-def _load(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None) -> None:
+def _load(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:
+    reader = RowsReader(str(folder))
+    reader.known_metadata = metadata
     try:
         with warnings.catch_warnings():      # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(flat, storage_reader=RowsReader(str(folder)), no_dist=True,
-                     planner=RowsPlanner(rows) if rows else None)
+            dcp.load(flat, storage_reader=reader, no_dist=True, planner=RowsPlanner(rows) if rows else None)
     except Exception as exc:  # noqa: BLE001 - DCP wraps file errors in CheckpointException
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise HGraphError(f"DCP checkpoint {str(folder)!r} cannot be read: {first}") from None
 
 
-def read_rng(folder: Path, rank: int) -> Optional[dict]:
-    """The RNG states saved by ``rank`` (None when the checkpoint has none for it)."""
+def read_rng(folder: Path, rank: int, metadata: Any = None) -> Optional[dict]:
+    """The RNG states saved by ``rank`` (None when the checkpoint has none for it); ``metadata``: the
+    checkpoint's, read already."""
     key = f"rng.rank-{rank:05d}"
-    try:
-        meta = dcp.FileSystemReader(str(folder)).read_metadata()
-    except Exception:  # noqa: BLE001
-        return None
-    if key not in meta.state_dict_metadata:
+    if metadata is None:
+        try:
+            metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        except Exception:  # noqa: BLE001
+            return None
+    if key not in metadata.state_dict_metadata:
         return None
     flat = {key: b""}
-    _load(flat, folder)                      # DCP puts the saved object in place of the placeholder
+    _load(flat, folder, metadata=metadata)     # DCP puts the saved object in place of the placeholder
     return torch.load(io.BytesIO(flat[key]), weights_only=True)
 
 
@@ -411,12 +442,14 @@ class EntryNames:
 
 def load_optimizer_state(folder: Path, rank: int, world_size: int, shard_dims: Mapping[str, int],
                          hyper: Mapping[str, Any], names: EntryNames = EntryNames(),
-                         what: str = "DCP checkpoint") -> tuple[dict, dict]:
+                         what: str = "DCP checkpoint", metadata: Any = None) -> tuple[dict, dict]:
     """This rank's ``ShardedAdam.state_dict()`` cut from the DCP checkpoint (any saved world size),
     and every parameter's full shape: one ``dcp.load`` that asks only for this rank's rows of every
     master and moment (``RowsPlanner``) and every step count. A missing entry is an HGraphError
-    naming it (``what`` starts the message)."""
-    shapes = tensor_shapes(folder)
+    naming it (``what`` starts the message); ``metadata``: the checkpoint's, read already (else read
+    here, once)."""
+    metadata = metadata if metadata is not None else read_metadata(folder)
+    shapes = tensor_shapes(folder, metadata)
     out: dict[str, Any] = {"rank": rank, "world_size": world_size, "shard_dims": dict(shard_dims),
                            "hyper": dict(hyper), "steps": {}, "params": {}, "exp_avg": {}, "exp_avg_sq": {}}
     full_shapes, flat, rows = {}, {}, {}
@@ -445,7 +478,7 @@ def load_optimizer_state(folder: Path, rank: int, world_size: int, shard_dims: M
             raise HGraphError(f"{what} {str(folder)!r}: entry {step_key!r} has shape {list(entry(step_key))}, "
                               "a step count is one number")
         flat[step_key] = torch.zeros(entry(step_key))
-    _load(flat, folder, rows)
+    _load(flat, folder, rows, metadata)
     for name, dim in shard_dims.items():
         shape = full_shapes[name]
         for target, key in (("params", names.weights(name)), ("exp_avg", names.state(name, "exp_avg")),

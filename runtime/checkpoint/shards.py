@@ -444,7 +444,7 @@ def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[i
         if folder is None:
             raise HGraphError(f"no complete checkpoint in {str(root)!r}")
     try:
-        loaded = _load_folder(folder, rank % (shard_group or world_size), shard_group or world_size, verify)
+        loaded = _load_folder(folder, rank % (shard_group or world_size), shard_group or world_size, verify, rank)
     except HGraphError as exc:
         if not fallback:
             raise
@@ -467,9 +467,10 @@ def _as_rank(loaded: Checkpoint, folder: Path, rank: int, world_size: int, group
     manifest = read_manifest(folder)
     saved_n = manifest["world_size"]
     saved_g = manifest.get("optimizer", {}).get("shard_group", saved_n)
-    if rank < saved_n:
-        loaded.rng = (dcp_format.read_rng(folder, rank) if is_dcp(manifest)
-                      else _read_shard(folder, manifest["shards"][rank], False)["rng"])
+    if is_dcp(manifest):
+        pass                                 # the DCP read took this rank's RNG states (``_load_dcp``)
+    elif rank < saved_n:
+        loaded.rng = _read_shard(folder, manifest["shards"][rank], False)["rng"]
     else:
         loaded.rng = None
     loaded.optimizer = {**loaded.optimizer, "rank": rank, "world_size": world_size, "shard_group": group_size}
@@ -477,12 +478,14 @@ def _as_rank(loaded: Checkpoint, folder: Path, rank: int, world_size: int, group
     return loaded
 
 
-def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Checkpoint:
+def _load_folder(folder: Path, rank: int, world_size: int, verify: bool, rng_rank: Optional[int] = None) -> Checkpoint:
+    """The checkpoint as rank ``rank`` of ``world_size`` reads it (``rng_rank``: whose RNG states a DCP
+    checkpoint gives, default ``rank``)."""
     manifest = read_manifest(folder)
     saved_n = manifest["world_size"]
     entries = manifest["shards"]
     if is_dcp(manifest):
-        return _load_dcp(folder, manifest, rank, world_size, verify)
+        return _load_dcp(folder, manifest, rank, world_size, verify, rank if rng_rank is None else rng_rank)
     if len(entries) != saved_n:
         raise HGraphError(f"checkpoint manifest {str(folder / MANIFEST)!r} lists {len(entries)} shard files "
                           f"for world size {saved_n}")
@@ -507,18 +510,23 @@ def _load_folder(folder: Path, rank: int, world_size: int, verify: bool) -> Chec
     return Checkpoint(optimizer=state, rng=rng, resharded=True, full_shapes=_shapes(shard_of(0)), **common)
 
 
-def _load_dcp(folder: Path, manifest: Mapping[str, Any], rank: int, world_size: int, verify: bool) -> Checkpoint:
+def _load_dcp(folder: Path, manifest: Mapping[str, Any], rank: int, world_size: int, verify: bool,
+              rng_rank: int) -> Checkpoint:
+    """Rank ``rank`` of ``world_size``'s rows and rank ``rng_rank``'s RNG states, the ``.metadata``
+    read once for both."""
     for entry in manifest["shards"]:
         _check_file(folder, entry, verify)
     layout = manifest["optimizer"]
     hyper = {**layout["hyper"], "betas": tuple(layout["hyper"]["betas"])}     # JSON keeps a tuple as a list
-    state, shapes = dcp_format.load_optimizer_state(folder, rank, world_size, layout["shard_dims"], hyper)
+    metadata = dcp_format.read_metadata(folder)
+    state, shapes = dcp_format.load_optimizer_state(folder, rank, world_size, layout["shard_dims"], hyper,
+                                                    metadata=metadata)
     saved_n = manifest["world_size"]
     saved_g = layout.get("shard_group", saved_n)
     return Checkpoint(path=folder, step=manifest["step"], saved_world_size=saved_n, optimizer=state,
                       data_position=manifest.get("data_position", {}), delay_queues=manifest.get("delay_queues", {}),
                       planner_state=manifest.get("planner_state", {}), run=manifest.get("run", {}),
-                      rng=dcp_format.read_rng(folder, rank) if rank < saved_n else None,
+                      rng=dcp_format.read_rng(folder, rng_rank, metadata) if rng_rank < saved_n else None,
                       resharded=(saved_n, saved_g) != (world_size, world_size), full_shapes=shapes)
 
 

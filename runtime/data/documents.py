@@ -88,15 +88,32 @@ def doc_lengths(docs: Sequence[Document]) -> np.ndarray:
     return np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
 
 
+#: documents whose lengths one pass of ``check_lengths`` compares at once: every rank scans the whole
+#: corpus at its start, so its memory is this many (a few tens of MB), not the corpus' (an int64 copy of
+#: every length and a mask, 9 bytes a document: 22 GB for a 2T-token corpus)
+SCAN_CHUNK = 1 << 22
+
+
+def longest_length(docs: Sequence[Document]) -> int:
+    """The longest document's length; a stored sequence's lengths are read in chunks in their own dtype
+    (every rank of an outlier-delayed run asks, and an int64 copy would cost 8 bytes a document)."""
+    lengths = getattr(docs, "lengths", None)
+    if lengths is None:
+        return int(doc_lengths(docs).max())
+    return max(int(np.max(lengths[start:start + SCAN_CHUNK])) for start in range(0, len(lengths), SCAN_CHUNK))
+
+
 def check_lengths(docs: Sequence[Document], tokens_per_iter: int, max_len: Optional[int]) -> None:
     """Every document must fit a mini-batch and the model: one line naming the first that does not."""
     if tokens_per_iter < 1:
         raise HGraphError(f"--tokens-per-iter must be >= 1, got {tokens_per_iter}")
-    lengths = doc_lengths(docs)
+    lengths = getattr(docs, "lengths", None)       # a store's: scanned in its own dtype, chunk by chunk
+    lengths = doc_lengths(docs) if lengths is None else lengths
     limit = min(tokens_per_iter, max_len) if max_len is not None else tokens_per_iter
-    over = np.flatnonzero(lengths > limit)
-    if over.size:
-        i = int(over[0])
+    over = next((start + int(hits[0]) for start in range(0, len(lengths), SCAN_CHUNK)
+                 if (hits := np.flatnonzero(np.asarray(lengths[start:start + SCAN_CHUNK]) > limit)).size), None)
+    if over is not None:
+        i = over
         n = int(lengths[i])
         if max_len is not None and n > max_len:
             raise HGraphError(f"document {i} has {n} tokens, longer than the {max_len} the model supports "

@@ -37,7 +37,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional, Sequence
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths, mini_batches
+from hgraph.runtime.data.documents import Document, MiniBatch, longest_length, mini_batches
 from hgraph.runtime.data.wlb_packing import DocLatency, StreamDoc, WLBPacker
 
 _STATE_VERSION = 1
@@ -82,7 +82,7 @@ class DelayedMiniBatches:
         if num_queues < 1:
             raise HGraphError(f"--outlier-queues must be >= 1 for a delayed stream, got {num_queues}")
         self.docs, self.budget, self.steps = docs, int(tokens_per_iter), int(steps)
-        longest = int(doc_lengths(docs).max())
+        longest = longest_length(docs)
         # WLBPacker holds the queues and releases them (Alg. 1); latency only matters to its packing,
         # which this stream does not use.
         self.wlb = WLBPacker(DocLatency(1.0, 0.0), max(1, int(release)), longest,
@@ -250,5 +250,5 @@ def run_mini_batches(docs: Sequence[Document], config, world_size: int,
 def release_size(docs: Sequence[Document], tokens_per_iter: int, world_size: int) -> int:
     """Outliers a full queue releases at once: WLB releases one per micro-batch, each able to hold the
     longest document; a step here holds ``tokens_per_iter // longest`` such, shared by the ranks."""
-    longest = int(doc_lengths(docs).max())
+    longest = longest_length(docs)
     return max(1, min(int(world_size), int(tokens_per_iter) // longest))

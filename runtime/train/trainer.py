@@ -235,8 +235,8 @@ class Trainer:
                 self.planner_setup, rank=rank, world_size=world_size, model=self.model, compiled=self.compiled,
                 docs=self.docs, groups=groups, channel=planner_channel, resumed=self.resumed,
                 progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
-                run_batches=lambda: [b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
-                                                                    self.order.copy())])
+                run_batches=lambda: (b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
+                                                                    self.order.copy())))
         if shard_group is not None:        # collective: every rank creates its shard group and its replicas
             groups.create(shard_rounds(rank, world_size, shard_group))
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device, shard_group,

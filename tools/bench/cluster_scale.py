@@ -23,6 +23,9 @@ TP / CP / Ulysses groups, the replica groups of its reduce-scatters and, with G 
 group and its replicas; the PP neighbours are point-to-point). ``shard_fanout`` adds the message
 counts of the same exchanges.
 
+``--counts`` prints instead the other costs that grow with the cluster: the plan broadcast, the data
+index and the checkpoint manifest (``scale_counts``).
+
 ``--quick`` runs the zoo's tiny Llama at 16 and 64 GPUs (a smoke test); ``--in-process`` measures
 every row in this process instead of one child each (faster, memory figures less clean). Columns
 are declared once (``COLUMNS``); a measurement that fills another key only needs a column for it.
@@ -58,6 +61,7 @@ from hgraph.runtime.engine.model_states import optimizer_elements
 from hgraph.runtime.process.lifetime import die_with_parent
 from hgraph.shard_rule import ShardLayout, group_shard_bounds, replica_ranks, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme
+from hgraph.tools.bench import scale_counts
 
 #: (key, header, format) of the table, in order; a measurement is a dict holding these keys.
 COLUMNS: list[tuple[str, str, str]] = [
@@ -345,6 +349,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                     help="the working dtype Pull casts to (default bfloat16)")
     ap.add_argument("--measure", nargs=8, help=argparse.SUPPRESS)   # a row's child process
+    ap.add_argument("--counts", action="store_true",
+                    help="instead: the plan broadcast, the data index and the checkpoint manifest at each world "
+                         "and shard group (scale_counts)")
+    ap.add_argument("--data-docs", type=int, default=10_000_000,
+                    help="--counts: documents of the token store the data index is measured on, and half as many "
+                         "(default 10,000,000: both past the length scan's chunk)")
     args = ap.parse_args(argv)
 
     if args.measure:
@@ -370,6 +380,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except HGraphError as e:
         print(f"cluster_scale: {e}", file=sys.stderr)
         return 2
+    if args.counts:
+        return scale_counts.report(models, worlds, groups, args.gpus_per_node, args.data_docs, args.json)
     bad = [w for w in worlds if not 0 <= args.rank < w]
     if bad or not todo:
         print(f"cluster_scale: rank {args.rank} must lie in every world ({worlds}) and each world must hold a "

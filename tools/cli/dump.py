@@ -10,8 +10,9 @@ import torch
 import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.strategy import Cluster, Strategy
-from hgraph.tools.cli.common_options import add_gpus_per_node, add_world_size
+from hgraph.tools.cli.common_options import add_gpus_per_node, add_shard_group, add_world_size, shard_group_cluster
 from hgraph.tools.report.dump import FORMATS
 from hgraph.tools.report.run_dump import dump_run
 
@@ -29,6 +30,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                         "strategies from its metrics.jsonl); -o names a folder, one file per strategy")
     add_world_size(p, help="number of ranks (default: what the strategy uses)")
     add_gpus_per_node(p)
+    add_shard_group(p)
     p.add_argument("--rank", type=int, default=None, help="only this rank (default: all)")
     p.add_argument("--format", choices=FORMATS + ("report",), default="text",
                    help="report: which parameters TP shards under the strategy and why the others are whole")
@@ -67,14 +69,17 @@ def run(args: argparse.Namespace) -> int:
 
     strategy = Strategy.parse(args.strategy)
     cluster = Cluster(args.world_size or strategy.num_ranks, args.gpus_per_node)
+    parse_shard_group(args.shard_group, cluster.world_size)       # a bad value fails before the model is built
     with torch.device("meta"):
         model = resolve_model_spec(args.model, model_args_option(args.model_args))
+    # the Pull / Push plans of the optimizer's shard groups (auto: without a memory budget, a node)
+    cluster, _ = shard_group_cluster(args.shard_group, cluster.world_size, cluster.gpus_per_node,
+                                     sum(p.numel() for p in model.parameters()))
     compiled = hgraph.compile(model, dtype=args.dtype)
     if args.format == "report":
         text = compiled.sharding_report(strategy).text()
     else:
-        text = compiled.dump(strategy, world_size=cluster.world_size, gpus_per_node=cluster.gpus_per_node,
-                             rank=args.rank, format=args.format, model=args.model)
+        text = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=args.model)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)

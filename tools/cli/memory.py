@@ -1,7 +1,8 @@
 """``hgraph memory``: every rank's memory under a strategy, before anything runs.
 
 Per rank (ranks with the same figures on one row): the fp32 master and Adam moment segments it owns
-(1/N of the model), its working weights and gradients in the strategy's layout, the optimizer step's
+(1/N of the model, or 1/G with ``--shard-group G``: sharded within groups of G ranks, as ``hgraph train``
+shards them), its working weights and gradients in the strategy's layout, the optimizer step's
 transient, the activations of its pipeline stage for micro-batches of ``--tokens`` tokens, and the
 peak against ``--device-memory`` (which ranks exceed it). The model is built on the meta device and
 activations are counted on fake tensors: nothing is allocated, so ``llama:70b`` on 64 ranks prints in
@@ -22,10 +23,12 @@ from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.engine.compiled_regions import compile_wanted
 from hgraph.runtime.engine.offload import rank_host_budget
 from hgraph.runtime.planner.cost.memory_estimate import MemoryEstimate, estimate_memory
+from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.cli.dump import model_args_option
-from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
+from hgraph.tools.cli.common_options import (DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_shard_group,
+                                             add_world_size, shard_group_cluster, shard_group_text)
 from hgraph.tools.cli.train import parse_bytes
 
 
@@ -53,6 +56,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-memory-budget", default=None, metavar="BYTES",
                    help="host bytes of offloaded activations per rank (default: half this host's RAM over the "
                         "ranks of a node, as hgraph train); reports the ranks that exceed it")
+    add_shard_group(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -69,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise HGraphError(f"--gpus-per-node must be a positive integer, got {args.gpus_per_node}")
     cluster = Cluster(args.world_size or strategy.num_ranks, args.gpus_per_node)
     strategy.validate(cluster)                 # rank count and node boundaries, before the model is built
+    parse_shard_group(args.shard_group, cluster.world_size)       # a bad value fails before the model is built
     if args.tokens is not None and args.tokens < 1:
         raise HGraphError(f"--tokens must be a positive integer, got {args.tokens}")
     limit_arg = args.device_memory
@@ -76,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         limit_arg = parse_bytes(limit_arg, "--device-memory")
     with torch.device("meta"):
         model = resolve_model_spec(_spec(args.model), model_args_option(args.model_args))
+    cluster, why = shard_group_cluster(args.shard_group, cluster.world_size, cluster.gpus_per_node,
+                                       sum(p.numel() for p in model.parameters()), limit_arg)
     cfg = getattr(model, "config", None)
     tokens = args.tokens or int(getattr(cfg, "max_seq_len", 0) or getattr(cfg, "max_position_embeddings", 0) or 0)
     if not tokens:
@@ -90,10 +97,11 @@ def run(args: argparse.Namespace) -> int:
     estimate = estimate_memory(compiled, strategy, cluster, tokens, device_memory=limit, cost=cost,
                                compiled_step=compiled_step, offload=args.offload == "on", host_memory=host)
     if args.json:
-        json.dump({"model": _spec(args.model), **estimate.to_json()}, sys.stdout)
+        json.dump({"model": _spec(args.model), **estimate.to_json(), "shard_group": cluster.group_size,
+                   "shard_group_auto": why or None}, sys.stdout)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(format_estimate(estimate, _spec(args.model)))
+        sys.stdout.write(format_estimate(estimate, _spec(args.model)) + shard_group_text(cluster, why) + "\n")
     return 0
 
 
@@ -108,7 +116,8 @@ def _bounded(model, compiled, cluster: Cluster, device_memory, dtype: str, compi
             raise HGraphError("--device-memory auto is sized from the memory model of a zoo Llama-style model; "
                               "give BYTES for this model") from None
         return None, float(device_memory)
-    return bounded_cost_model(cost, model, device_memory, 2 if dtype == "bf16" else 4, compiled, compiled_step)
+    return bounded_cost_model(cost, model, device_memory, 2 if dtype == "bf16" else 4, compiled, compiled_step,
+                              cluster.shard_group)
 
 
 def size_text(n: Optional[float]) -> str:

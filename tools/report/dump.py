@@ -16,6 +16,7 @@ import torch.fx as fx
 from hgraph.errors import HGraphError
 from hgraph.meta import SlotKind, get_meta
 from hgraph.program import Program, RankProgram
+from hgraph.shard_rule import replica_ranks, shard_group_ranks
 from hgraph.tools.render.graph import REdge, RGraph, RNode, render_dot
 from hgraph.tools.render.html import render_html
 from hgraph.tools.render.svg import render_svg
@@ -49,11 +50,12 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
     return {
         "strategy": str(program.strategy),
         "world_size": program.cluster.world_size,
+        "shard_group": program.cluster.group_size,
         "sequence_parallel": program.sequence_parallel,
         "sequence_parallel_note": program.sequence_parallel_note or None,
         "ranks": [{
             "rank": rp.rank, "pipeline": rp.pipeline, "scheme": str(rp.scheme), "stage": rp.stage,
-            "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank,
+            "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank, "optimizer": optimizer_layout(program, rp),
             **dict(zip(("cp_shard", "ul_rank"), rp.scheme.seq_place(rp.cp_rank))),
             "blocks": list(rp.role.blocks),
             "params": [{"name": s.name, "full_shape": list(s.full_shape), "shard_shape": list(s.shard_shape),
@@ -64,6 +66,29 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
                           for sg in rp.subgraphs],
         } for rp in ranks],
     }
+
+
+def _peers(rp: RankProgram, kind: SlotKind) -> list[int]:
+    return sorted({p for sg in rp.subgraphs if sg.kind == kind for p in sg.peers} - {rp.rank})
+
+
+def optimizer_layout(program: Program, rp: RankProgram) -> dict[str, Any]:
+    """Where rank ``rp``'s optimizer shards live (``--shard-group``): its shard group, the ranks holding
+    the same shards in the other groups (its Push sums its shards with theirs), and the peers its Pull
+    and Push plans exchange with (inside the group)."""
+    g, n = program.cluster.group_size, program.cluster.world_size
+    return {"shard_group": list(shard_group_ranks(rp.rank, g)), "replicas": list(replica_ranks(rp.rank, g, n)),
+            "pull_peers": _peers(rp, SlotKind.PULL_PARAMETER), "push_peers": _peers(rp, SlotKind.PUSH_GRADIENT)}
+
+
+def optimizer_layout_text(program: Program, rp: RankProgram) -> str:
+    lay = optimizer_layout(program, rp)
+    g, n = program.cluster.group_size, program.cluster.world_size
+    group = lay["shard_group"]
+    where = (f"sharded over the world ({n} ranks)" if g == n else
+             f"sharded over ranks {group[0]}-{group[-1]} (G {g}), its shards summed across the {n // g} "
+             f"groups with ranks {lay['replicas']}")
+    return (f"optimizer states: {where}; pull peers {lay['pull_peers']}, push peers {lay['push_peers']}")
 
 
 # ---- text -----------------------------------------------------------------------------------------
@@ -97,6 +122,7 @@ def rank_text(program: Program, rp: RankProgram) -> str:
     lines.append("   subgraphs: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
     lines.append(f"   pull bytes {sum(sg.bytes for sg in rp.subgraphs if sg.kind == SlotKind.PULL_PARAMETER)}, "
                  f"push bytes {sum(sg.bytes for sg in rp.subgraphs if sg.kind == SlotKind.PUSH_GRADIENT)}")
+    lines.append("   " + optimizer_layout_text(program, rp))
     lines.append("   program:")
     for n in rp.graph_module.graph.nodes:
         m = get_meta(n)

@@ -19,7 +19,8 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.jsonl import jsonl_values
 from hgraph.frontends.zoo import resolve_model_spec
-from hgraph.strategy import Strategy
+from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
+from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.report.run_record import read_run_record
 
 EXTENSIONS = {"text": "txt", "python": "py", "dot": "dot", "svg": "svg", "html": "html", "json": "json"}
@@ -54,11 +55,14 @@ def dump_run(args: argparse.Namespace) -> int:
     with torch.device("meta"):
         model = resolve_model_spec(spec, record.get("model_args") or {})
     compiled = hgraph.compile(model, dtype=args.dtype if args.dtype != "fp32" else record.get("dtype", "fp32"))
+    # the run's world with the optimizer shard group given (--shard-group; run.json does not keep it)
+    g, _ = resolve_shard_group(getattr(args, "shard_group", None), world, per_node,
+                               sum(p.numel() for p in model.parameters()), None)
+    cluster = Cluster(world, per_node, shard_group=g if g < world else None)
     texts = {}
     for text in used:
         strategy = Strategy.parse(text)
-        texts[text] = compiled.dump(strategy, world_size=world, gpus_per_node=per_node, rank=args.rank,
-                                    format=args.format, model=spec)
+        texts[text] = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=spec)
     if args.output is not None:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)

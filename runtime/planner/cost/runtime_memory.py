@@ -45,6 +45,7 @@ import contextlib
 import dataclasses
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -315,15 +316,16 @@ def check_documents_fit(lengths: Sequence[int], cost: CostModel, device_memory: 
     for s in pool:
         cost.max_len(s)      # a given scheme the profile lacks (or that does not fit) is that error
     largest = max((cost.max_len(s) for s in pool), default=0)
-    for i, l in enumerate(lengths):
-        if l > largest:
-            best = max(pool, key=cost.max_len, default=None)
-            limit = f"--device-memory {bytes_text(device_memory)}" if device_memory is not None else \
-                f"profile {cost.name!r}"
-            raise HGraphError(
-                f"document {offset + i} has {l} tokens, more than any scheme holds under {limit} "
-                f"(largest MaxLen {largest} tokens" + (f", {best}" if best is not None else "")
-                + "); give more device memory or truncate the data")
+    over = np.flatnonzero(np.asarray(lengths, dtype=np.int64) > largest)     # one pass, not a Python loop
+    if over.size:
+        i = int(over[0])
+        best = max(pool, key=cost.max_len, default=None)
+        limit = f"--device-memory {bytes_text(device_memory)}" if device_memory is not None else \
+            f"profile {cost.name!r}"
+        raise HGraphError(
+            f"document {offset + i} has {int(lengths[i])} tokens, more than any scheme holds under {limit} "
+            f"(largest MaxLen {largest} tokens" + (f", {best}" if best is not None else "")
+            + "); give more device memory or truncate the data")
 
 
 def max_len_table(cost: CostModel) -> str:

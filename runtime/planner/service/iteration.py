@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -210,29 +210,35 @@ class IterationPlanner:
             cost = model_cost_model(profile, model, world_size, gpus_per_node)
         cost, limit = _on_rank0(lambda: bounded_cost_model(cost, model, device_memory, working_bytes, compiled,
                                                            compiled_step, shard_group), rank)
-        lengths = doc_lengths(documents).tolist()
+        # the corpus' lengths are read on rank 0 only, as an array: every rank holding them as a Python
+        # list cost ~36 bytes a document (72 GB per rank for a 2T-token corpus)
         if strategies.strip() != "auto":
             candidates = parse_candidates(strategies, world_size)
-            _on_rank0(lambda: check_documents_fit(lengths, cost, limit, [p for s in candidates for p in s.pipelines]),
-                      rank)
+            _on_rank0(lambda: check_documents_fit(doc_lengths(documents), cost, limit,
+                                                  [p for s in candidates for p in s.pipelines]), rank)
             return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source="given",
                        method=method, time_limit_s=time_limit_s, device_memory=limit)
-        _on_rank0(lambda: check_documents_fit(lengths, cost, limit), rank)
-        # the longest document is what a candidate must hold (not the model's context, which may
-        # be longer than any scheme's MaxLen under a device memory limit)
-        context = int(getattr(getattr(model, "config", None), "max_seq_len", 0) or max(lengths))
-        max_len = min(context, max(lengths))
+        _on_rank0(lambda: check_documents_fit(doc_lengths(documents), cost, limit), rank)
         if progress is not None:
             progress("proposal")
-        candidates, source = _on_rank0(lambda: selection.auto_candidates(
-            lengths, cost, world_size, max_len, tokens_per_iter, max_candidates=max_candidates), rank)
+
+        def propose() -> tuple:
+            lengths = doc_lengths(documents)
+            # the longest document is what a candidate must hold (not the model's context, which may
+            # be longer than any scheme's MaxLen under a device memory limit)
+            longest = int(lengths.max())
+            max_len = min(int(getattr(getattr(model, "config", None), "max_seq_len", 0) or longest), longest)
+            return selection.auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter,
+                                             max_candidates=max_candidates)
+        candidates, source = _on_rank0(propose, rank)
         return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source=source,
                    method=method, time_limit_s=time_limit_s, device_memory=limit)
 
-    def plan_ahead(self, consumer: Any, batches: Sequence[MiniBatch]) -> None:
-        """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches."""
+    def plan_ahead(self, consumer: Any, batches: Iterable[MiniBatch]) -> None:
+        """Rank 0: hand the planner process the cost model, candidates and the coming mini-batches
+        (read from ``batches`` as the planner needs them)."""
         consumer.setup(self.cost, self.candidates, self.method, self.time_limit_s,
-                       [(b.step, [len(d) for d in b.docs]) for b in batches])
+                       ((b.step, [len(d) for d in b.docs]) for b in batches))
         self.ahead = consumer
 
     def _plan_on_rank0(self, batch: MiniBatch) -> tuple[Any, str, float, float, list]:

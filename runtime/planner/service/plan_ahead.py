@@ -15,9 +15,12 @@ stopped by its owner when the ranks are done.
 
 The channel (``PlannerChannel``, picklable into the ranks at their start) has three parts:
 
-* ``jobs``: rank 0 -> planner, one ``("setup", cost, candidates, method, batches)`` message once the
-  cost model and candidates are known (they are measured by the ranks, after the planner started),
-  then ``("stop",)``; ``batches`` are ``(step, [document lengths])`` in training order.
+* ``jobs``: rank 0 -> planner, one ``("setup", cost, candidates, method, time_limit_s)`` message once
+  the cost model and candidates are known (they are measured by the ranks, after the planner started),
+  then the mini-batches to plan as ``("batch", step, [document lengths])`` in training order, fed a few
+  ahead of the plans taken (``FEED_AHEAD`` past ``depth``: the run's mini-batches are read as it goes,
+  never all at its start: a long run at cluster scale has millions of steps of thousands of documents),
+  ``("end",)`` after the last, or ``("stop",)``.
 * ``plans``: planner -> rank 0, ``("plan", step, Plan)`` or ``("error", step, message)``, in step order.
 * ``credits``: a semaphore of ``depth``: the planner takes one before it delivers a plan, rank 0 gives
   one back when it consumes a plan (``get``), so at most ``depth`` plans are made and not yet
@@ -39,12 +42,14 @@ import queue as queue_mod
 import signal
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.process.lifetime import tie_to_starter
 
 _POLL_S = 0.02
+#: mini-batches rank 0 sends the planner beyond the ``depth`` plans it may make ahead
+FEED_AHEAD = 2
 
 
 class PlannerLost(RuntimeError):
@@ -72,9 +77,13 @@ def _serve(jobs, plans, credits, alive_w) -> None:
     msg = jobs.get()
     if msg[0] != "setup":
         return
-    _, cost, candidates, method, time_limit_s, batches = msg
+    _, cost, candidates, method, time_limit_s = msg
     previous = None
-    for step, lengths in batches:
+    while True:
+        msg = jobs.get()
+        if msg[0] != "batch":              # "end" after the last mini-batch, or "stop"
+            break
+        _, step, lengths = msg
         try:
             plan = plan_iteration(lengths, candidates, cost, method=method, index=step, time_limit_s=time_limit_s,
                                   previous=previous)
@@ -84,11 +93,6 @@ def _serve(jobs, plans, credits, alive_w) -> None:
             return
         credits.acquire()
         plans.put(("plan", step, plan))
-        try:
-            if jobs.get_nowait()[0] == "stop":
-                return
-        except queue_mod.Empty:
-            pass
     plans.close()
     plans.join_thread()           # everything delivered before the process (and ``alive``) ends
     del alive_w
@@ -136,12 +140,29 @@ class PlanConsumer:
         self.channel = channel
         self.lost: Optional[str] = None
         self._delivered: collections.deque = collections.deque()    # read by ``upcoming``, not consumed
-        self._remaining = 0            # plans the planner has still to give (``setup``'s batches, less those taken)
+        self._remaining = 0            # plans the planner has still to give (batches sent, less plans taken)
+        self._batches: Optional[Iterator[tuple[int, list[int]]]] = None   # not sent yet
 
     def setup(self, cost: Any, candidates: Sequence[Any], method: str, time_limit_s: float,
-              batches: Sequence[tuple[int, list[int]]]) -> None:
-        self.channel.jobs.put(("setup", cost, list(candidates), method, time_limit_s, list(batches)))
-        self._remaining = len(batches)
+              batches: Iterable[tuple[int, list[int]]]) -> None:
+        """Send the planner its setup and the first mini-batches (``(step, lengths)`` in training order,
+        read from ``batches`` as plans are taken)."""
+        self.channel.jobs.put(("setup", cost, list(candidates), method, time_limit_s))
+        self._batches = iter(batches)
+        self._feed()
+
+    def _feed(self) -> None:
+        """Keep ``depth + FEED_AHEAD`` mini-batches sent and not yet planned-and-taken; ``("end",)`` once
+        the run has no more."""
+        while self._batches is not None and self._remaining < self.channel.depth + FEED_AHEAD:
+            batch = next(self._batches, None)
+            if batch is None:
+                self._batches = None
+                self.channel.jobs.put(("end",))
+                return
+            step, lengths = batch
+            self.channel.jobs.put(("batch", step, list(lengths)))
+            self._remaining += 1
 
     def get(self, step: int) -> tuple[Any, float]:
         """The plan of ``step`` and the seconds waited for it; ``PlannerLost`` if the planner is gone."""
@@ -155,6 +176,7 @@ class PlanConsumer:
         if kind == "plan":
             self.channel.credits.release()      # the planner may make one more
             self._remaining -= 1
+            self._feed()
         if kind == "error":
             self.lost = f"planner process failed at step {got}: {payload}"
             raise PlannerLost(self.lost)

@@ -128,7 +128,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
         # kept with the run: what the planner believed, and ``--profile FILE`` skips the measuring next time
         setup.profile_path.write_text(json.dumps(planner.cost.to_profile_dict(), indent=1) + "\n", encoding="utf-8")
     if channel is not None and rank == 0:
-        planner.plan_ahead(PlanConsumer(channel), list(run_batches()))   # a resumed run: the steps it has left
+        planner.plan_ahead(PlanConsumer(channel), run_batches())   # a resumed run: the steps it has left
     return planner
 
 

@@ -112,6 +112,7 @@ def test_large_model_is_dumped_without_allocating_weights(capsys):
     (["dump", "llama:tiny", "--strategy", "2xTP1PP1", "--world-size", "3"], "world size is 3"),
     (["dump", "llama:tiny", "--strategy", "1xTP1PP1", "--model-args", "{bad"], "--model-args"),
     (["dump", "llama:tiny", "--strategy", "1xTP1PP1", "--rank", "4"], "rank 4"),
+    (["dump", "llama:tiny", "--strategy", "2xTP1PP1", "--shard-group", "3"], "--shard-group '3': does not divide"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -166,6 +167,8 @@ def test_run_dir_dumps_each_strategy_used_once_with_its_steps(capsys, run_dir, t
     assert code == 0 and sorted(p.name for p in (tmp_path / "svg").iterdir()) == [
         "1xTP2PP1+2xTP1PP1.svg", "2xTP1PP2.svg", "4xTP1PP1.svg"]
     ET.parse(tmp_path / "svg" / "2xTP1PP2.svg")
+    code, out, _ = run(capsys, "dump", "--run-dir", str(run_dir), "--format", "json", "--shard-group", "2")
+    assert code == 0 and all(s["dump"]["shard_group"] == 2 for s in json.loads(out)["strategies"])
 
 
 @pytest.mark.parametrize("setup, argv, message", [
@@ -192,3 +195,30 @@ def test_training_records_the_run_for_dump(tmp_path, capsys):
     record = read_run_record(tmp_path)
     assert record["model"] == "llama:tiny" and record["model_args"] == {"num_layers": 2}
     assert record["world_size"] == 2 and record["strategies"] == "auto" and record["profile"] == "measure"
+
+
+def test_shard_group_dumps_the_pull_and_push_plans_of_the_group(capsys):
+    """``--shard-group 4`` on 8 ranks: every rank's Pull and Push exchange inside its group of 4 (the
+    Program of that cluster's plans), where the world's layout has ranks pulling across it; the text
+    names the group and the replicas the shards are summed with."""
+    strategy = "1xTP2PP2+2xTP2PP1"
+    docs = {}
+    for g in ("4", "world"):
+        code, out, err = run(capsys, "dump", "llama:tiny", "--strategy", strategy, "--shard-group", g, "--json")
+        assert code == 0, err
+        docs[g] = json.loads(out)
+    assert (docs["4"]["shard_group"], docs["world"]["shard_group"]) == (4, 8)
+    for r in docs["4"]["ranks"]:
+        group = set(range(r["rank"] // 4 * 4, r["rank"] // 4 * 4 + 4))
+        lay = r["optimizer"]
+        assert set(lay["shard_group"]) == group and lay["replicas"] == [r["rank"] % 4, r["rank"] % 4 + 4]
+        assert lay["pull_peers"] and set(lay["pull_peers"]) <= group and set(lay["push_peers"]) <= group
+        for sg in r["subgraphs"]:
+            if sg["kind"] in ("pull_parameter", "push_gradient"):
+                assert set(sg["peers"]) <= group, sg
+    assert any(not set(r["optimizer"]["pull_peers"]) <= set(range(r["rank"] // 4 * 4, r["rank"] // 4 * 4 + 4))
+               for r in docs["world"]["ranks"])
+    code, out, err = run(capsys, "dump", "llama:tiny", "--strategy", strategy, "--shard-group", "4", "--rank", "5")
+    assert code == 0, err
+    assert "optimizer states: sharded over ranks 4-7 (G 4), its shards summed across the 2 groups with ranks [1, 5]" \
+        in out

@@ -103,6 +103,9 @@ def test_a_7b_model_on_64_ranks_is_counted_without_allocating_it(capsys):
     (["--model", "tiny", "--strategy", "1xTP3PP1"], "TP=3 does not divide"),
     (["--model", "tiny", "--strategy", "1xTP1PP1", "--tokens", "0"], "--tokens must be a positive integer"),
     (["--model", "tiny", "--strategy", "1xTP1PP1", "--device-memory", "lots"], "--device-memory 'lots'"),
+    (["--model", "tiny", "--strategy", STRATEGY, "--shard-group", "4"], "--shard-group '4': does not divide the "
+                                                                        "world size 6"),
+    (["--model", "tiny", "--strategy", STRATEGY, "--shard-group", "node"], "--shard-group 'node': not a number"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -127,3 +130,23 @@ def test_max_len_and_the_peak_agree(capsys, strategy):
                              "--tokens", str(tokens), "--json")
         peaks = [r["peak"] for r in json.loads(out)["ranks"]]
         assert (max(peaks) <= limit) == fits, (scheme, tokens, max(peaks), limit)
+
+
+def test_shard_group_counts_each_ranks_states_within_its_group(capsys):
+    """``--shard-group 2`` on 6 ranks: each rank's masters and moments are its rows of a group of 2 (the
+    runtime's counts at G = 2, three times what the world's sharding gives a rank), the working weights
+    stay the strategy's; the text says over what the states are sharded, as ``hgraph train`` does."""
+    docs = {}
+    for g in ("2", "world"):
+        code, out, err = run(capsys, "--model", "llama:tiny", "--strategy", STRATEGY, "--shard-group", g, "--json")
+        assert code == 0, err
+        docs[g] = json.loads(out)
+    assert (docs["2"]["shard_group"], docs["world"]["shard_group"]) == (2, 6)
+    counted = rank_states(hgraph.compile(llama.build("tiny")), Strategy.parse(STRATEGY), Cluster(6, shard_group=2),
+                          torch.float32)
+    for r, w, c in zip(docs["2"]["ranks"], docs["world"]["ranks"], counted):
+        assert (r["masters"], r["moments"], r["step_transient"]) == (c.masters, c.moments, c.step_transient)
+        assert (r["working_params"], r["working_grads"]) == (w["working_params"], w["working_grads"])
+    assert sum(r["masters"] for r in docs["2"]["ranks"]) == 3 * sum(r["masters"] for r in docs["world"]["ranks"])
+    code, out, err = run(capsys, "--model", "llama:tiny", "--strategy", STRATEGY, "--shard-group", "2")
+    assert code == 0 and "optimizer states: sharded over groups of 2 ranks (3 copies)" in out, err
