@@ -51,6 +51,25 @@ def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optio
     return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
 
 
+def gather_buckets(program: Any, names: Sequence[str], cap: int) -> list[list[str]]:
+    """``names`` (all-gathered parameters, model order) cut into all-gathers of at most ``cap`` bytes
+    (at least one parameter each); every rank cuts the same buckets (widths and dtypes are the same
+    everywhere), and the collective order (``order/derive``) reads them from here."""
+    group_size = program.cluster.group_size      # an all-gather runs in the shard group
+    buckets: list[list[str]] = []
+    size = 0
+    for name in names:
+        ex = program.exchange(name)
+        width = -(-ex.param.size // group_size)
+        nbytes = group_size * ex.param.slice_bytes(0, width, ex.working_dtype_bytes)
+        if not buckets or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
+
+
 def assembly(needs: Sequence[tuple[int, int]], ops: Sequence[Any], rank: int) -> tuple[tuple[Range, ...], ...]:
     """Per range of ``needs`` (a rank's rows of a parameter, in its working tensor's order), the
     sub-ranges that tile it, each inside one of the rank's local copies or received transfers
@@ -96,7 +115,7 @@ class PullParameter:
         place = params.shard_group.index(params.rank)
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], place, params.group_size,
                                      params.working_dtype, all_to_all=all_to_all, group=gather_group)
-                        for names in self._buckets(gathered, bucket_bytes)]
+                        for names in gather_buckets(program, gathered, bucket_bytes)]
         self.peers = pull_messages(program, params.rank, params.working_dtype.itemsize, bucket_bytes,
                                    params.aliased)
         # the messages each parameter waits for, and the parameters each message carries
@@ -115,23 +134,6 @@ class PullParameter:
         w = self.params.working.get(name)
         return (name, param.size, rows(self.params.masters[name], param.shard_dim),
                 None if w is None else rows(w.data, param.shard_dim))
-
-    def _buckets(self, names: list[str], cap: int) -> list[list[str]]:
-        """``names`` (model order) cut into all-gathers of at most ``cap`` bytes (at least one parameter
-        each); every rank cuts the same buckets (widths and dtypes are the same everywhere)."""
-        world_size = self.params.group_size      # an all-gather runs in the shard group
-        buckets: list[list[str]] = []
-        size = 0
-        for name in names:
-            ex = self.params.exchange(name)
-            width = -(-ex.param.size // world_size)
-            nbytes = world_size * ex.param.slice_bytes(0, width, ex.working_dtype_bytes)
-            if not buckets or size + nbytes > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(name)
-            size += nbytes
-        return buckets
 
     def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of this rank's fp32 master of ``name`` (a view, rows first)."""

@@ -65,6 +65,7 @@ from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError, RunFailed
 from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.param_sync import ParamSync
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
@@ -179,16 +180,6 @@ def token_documents(mb: "MicroBatch") -> torch.Tensor:
     """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
     ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
     return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
-
-
-def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
-    """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
-    return order
 
 
 class ShardedOptimizer(Protocol):
