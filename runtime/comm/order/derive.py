@@ -113,7 +113,9 @@ class StepPlan:
         return self.gloo if self.push_in_backward is None else self.push_in_backward
 
     def describe(self) -> str:
-        return (f"micro-batches per pipeline {list(self.microbatches)} of {self.tokens} tokens"
+        counts = sorted(set(self.microbatches), reverse=True)
+        per = ", ".join(f"{k} on {self.microbatches.count(k)}" for k in counts)
+        return (f"micro-batches per pipeline: {per} pipeline(s), {self.tokens} tokens each"
                 + (", every block recomputed" if self.recompute else "")
                 + f", {self.backend}, push {'in' if self.in_backward else 'after'} the backward"
                 + (", clipping" if self.grad_clip else ""))
