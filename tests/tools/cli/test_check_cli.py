@@ -1,0 +1,32 @@
+"""``hgraph check``: the verdict line, its JSON, exit 1 on a deadlock and 2 on bad input."""
+import json
+
+from hgraph.tools.cli import main
+
+
+def test_deadlock_free_line_and_json(capsys):
+    assert main(["check", "--model", "llama:tiny", "--strategy-schedule", "1xTP2PP1+2xTP1PP1,4xTP1PP1",
+                 "--microbatches", "1"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("deadlock-free: 4 ranks, ") and out.out.endswith(" collectives\n")
+    assert main(["check", "--model", "llama:tiny", "--strategy", "2xTP2PP1", "--shard-group", "2",
+                 "--grad-clip", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] and got["ranks"] == 4 and got["line"] == f"deadlock-free: 4 ranks, {got['collectives']} collectives"
+
+
+def test_cycle_exits_1(capsys):
+    # 1F1B's steady state: the lone pipeline sends meet under the strict reading
+    assert main(["check", "--model", "llama:tiny", "--strategy", "1xTP1PP2+2xTP1PP1", "--microbatches", "2",
+                 "--json"]) == 1
+    got = json.loads(capsys.readouterr().out)
+    assert not got["ok"] and got["line"].startswith("deadlock: rank 0 waits in p2p send 1")
+    assert {w["rank"] for w in got["waits"]} == {0, 1}
+
+
+def test_bad_input_is_one_line(capsys):
+    for argv in (["--strategy", "1xTQ2"], ["--strategy", "1xTP2PP1", "--world-size", "4"],
+                 ["--strategy", "4xTP1PP1", "--shard-group", "3"], ["--strategy", "4xTP1PP1", "--microbatches", "-1"]):
+        assert main(["check", "--model", "llama:tiny", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hgraph check: error: ") and err.count("\n") == 1, err
