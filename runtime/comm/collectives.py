@@ -83,16 +83,21 @@ def _comm_stream_scope(comm: Any, buffers: Sequence[torch.Tensor]) -> Any:
     return torch.cuda.stream(comm.comm_stream)
 
 
-def _issue(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any],
+def _issue(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple,
            finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PendingWork:
+    """Issue through the rank's ``CollectiveIssuer`` (``comm.issuer``): ``op`` is ``(kind, group,
+    tensor, label)`` of a collective or ``("p2p", sends, recvs, label)`` of a send or receive."""
     with _comm_stream_scope(comm, buffers):
-        work = start()
+        if op[0] == "p2p":
+            work = comm.issuer.p2p(op[1], op[2], start, op[3])
+        else:
+            work = comm.issuer.issue(op[0], op[1], op[2], start, op[3])
     return PendingWork([work], tuple(buffers), finish)
 
 
-def _run(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any]) -> None:
+def _run(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple) -> None:
     """Issue and wait at once (communication inside backward)."""
-    _issue(comm, buffers, start).wait(comm)
+    _issue(comm, buffers, start, op).wait(comm)
 
 
 class _Holder:
@@ -119,7 +124,8 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous().clone()
-        _run(ctx.comm, [g], lambda: dist.all_reduce(g, group=ctx.group, async_op=True))
+        _run(ctx.comm, [g], lambda: dist.all_reduce(g, group=ctx.group, async_op=True),
+             ("all_reduce", ctx.group, g, "tp_copy backward"))
         return g, None, None
 
 
@@ -127,8 +133,8 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, group, holder):
         buf = x.detach().contiguous().clone()
-        holder.pending = _issue(comm, [buf],
-                                lambda: dist.all_reduce(buf, group=group, async_op=True))
+        holder.pending = _issue(comm, [buf], lambda: dist.all_reduce(buf, group=group, async_op=True),
+                                ("all_reduce", group, buf, "tp_reduce"))
         return buf
 
     @staticmethod
@@ -175,7 +181,7 @@ class _GatherTP(torch.autograd.Function):
         inp = inp.unsqueeze(0)
         out = x.new_empty([n, *pad_shape])
         holder.pending = _issue(comm, [inp, out], lambda: all_gather_single(
-            out, inp, group=group, async_op=True))
+            out, inp, group=group, async_op=True), ("all_gather", group, inp, "gather"))
         return out
 
     @staticmethod
@@ -184,7 +190,7 @@ class _GatherTP(torch.autograd.Function):
             full = grad.contiguous()
             mine = full.new_empty(full.shape[1:]).unsqueeze(0)
             _run(ctx.comm, [full, mine], lambda: reduce_scatter_single(
-                mine, full, group=ctx.group, async_op=True))
+                mine, full, group=ctx.group, async_op=True), ("reduce_scatter", ctx.group, full, "gather backward"))
             g = mine[0].narrow(ctx.dim, 0, ctx.size)
         else:
             g = grad[ctx.index].narrow(ctx.dim, 0, ctx.size)
@@ -243,7 +249,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, send, comm, group, send_splits, recv_splits, holder):
         recv = send.new_empty(sum(recv_splits))
         holder.pending = _issue(comm, [send, recv], lambda: dist.all_to_all_single(
-            recv, send, list(recv_splits), list(send_splits), group=group, async_op=True))
+            recv, send, list(recv_splits), list(send_splits), group=group, async_op=True),
+            ("all_to_all", group, send, "ulysses"))
         ctx.comm, ctx.group, ctx.splits = comm, group, (send_splits, recv_splits)
         return recv
 
@@ -253,7 +260,8 @@ class _AllToAll(torch.autograd.Function):
         g = grad.contiguous()
         out = g.new_empty(sum(send_splits))
         _run(ctx.comm, [g, out], lambda: dist.all_to_all_single(
-            out, g, list(send_splits), list(recv_splits), group=ctx.group, async_op=True))
+            out, g, list(send_splits), list(recv_splits), group=ctx.group, async_op=True),
+             ("all_to_all", ctx.group, g, "ulysses backward"))
         return out, None, None, None, None, None
 
 
@@ -324,7 +332,8 @@ class _ScatterTokens(torch.autograd.Function):
             buf[i, :hi - lo].copy_(moved[lo:hi])
         out = moved.new_empty((1, padded) + tuple(moved.shape[1:]))
         holder.pending = _issue(comm, [buf, out],
-                                lambda: reduce_scatter_single(out, buf, group=group, async_op=True))
+                                lambda: reduce_scatter_single(out, buf, group=group, async_op=True),
+                                ("reduce_scatter", group, buf, "sp_scatter"))
         ctx.comm, ctx.group, ctx.n, ctx.dim, ctx.bounds, ctx.padded = comm, group, n, dim, bounds, padded
         return out
 
@@ -332,7 +341,8 @@ class _ScatterTokens(torch.autograd.Function):
     def backward(ctx, grad):
         g = grad.contiguous()                       # [1, padded, ...]: zero past this rank's slice
         full = g.new_empty((ctx.n,) + tuple(g.shape[1:]))
-        _run(ctx.comm, [g, full], lambda: all_gather_single(full, g, group=ctx.group, async_op=True))
+        _run(ctx.comm, [g, full], lambda: all_gather_single(full, g, group=ctx.group, async_op=True),
+             ("all_gather", ctx.group, g, "sp_scatter backward"))
         whole = torch.cat([full[i, :hi - lo] for i, (lo, hi) in enumerate(ctx.bounds)], dim=0)
         return whole.movedim(0, ctx.dim), None, None, None, None, None, None
 
@@ -418,7 +428,8 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dst, tag, holder, stage):
         buf = x.detach().contiguous()
-        holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage))
+        holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
+                                ("p2p", (dst,), (), "pp_send"))
         ctx.comm, ctx.dst, ctx.tag, ctx.holder, ctx.stage = comm, dst, tag, holder, stage
         ctx.meta = (x.shape, x.dtype, x.device)
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -428,7 +439,8 @@ class _SendActivation(torch.autograd.Function):
         ctx.holder.pending.wait(ctx.comm)
         shape, dtype, device = ctx.meta
         g = torch.empty(shape, dtype=dtype, device=device)
-        _run(ctx.comm, [g], lambda: p2p.irecv(g, ctx.dst, tag=ctx.tag, stage=ctx.stage))
+        _run(ctx.comm, [g], lambda: p2p.irecv(g, ctx.dst, tag=ctx.tag, stage=ctx.stage),
+             ("p2p", (), (ctx.dst,), "pp_send backward"))
         return g, None, None, None, None, None
 
 
@@ -436,14 +448,16 @@ class _RecvActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, comm, src, shape, dtype, tag, holder, stage):
         buf = torch.empty(shape, dtype=dtype, device=comm.device)
-        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage))
+        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage),
+                                ("p2p", (), (src,), "pp_recv"))
         ctx.comm, ctx.src, ctx.tag, ctx.stage = comm, src, tag, stage
         return buf
 
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous()
-        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage))
+        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage),
+                      ("p2p", (ctx.src,), (), "pp_recv backward"))
         ctx.comm.detach_work(send)
         return None, None, None, None, None, None, None, None
 

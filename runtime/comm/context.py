@@ -27,6 +27,7 @@ from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives
 from hgraph.runtime.comm.collectives import PendingWork
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -60,6 +61,8 @@ class CommContext:
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
+    # the rank's one choke point for what it issues (its order and record), shared by every view
+    issuer: CollectiveIssuer = field(default_factory=CollectiveIssuer, repr=False)
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
     cp_layout: Optional[CPLayout | UlyssesLayout] = None   # its tokens' layout (CP > 1 or UL > 1)
     documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from hgraph.comm_plan import ParamLayout, ReduceScatter
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import reduce_scatter_single
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.rank_params import laid_out_rows
 
 #: DDP's default bucket cap (``bucket_cap_mb=25``).
@@ -67,8 +68,10 @@ class GradBuckets:
 
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  layouts: Mapping[str, ParamLayout], groups: Any, contribution: Contribution,
-                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
+        self.issuer = issuer or CollectiveIssuer()       # the rank's choke point (order, record)
         self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
@@ -204,10 +207,12 @@ class GradBuckets:
             if carry is not None:
                 buf.narrow(1, b.elements, extra).copy_(carry.expand(k, extra))
             received = torch.empty_like(buf)
-            b.work = dist.all_to_all_single(received, buf, group=group, async_op=True)
+            b.work = self.issuer.issue("all_to_all", group, buf, lambda: dist.all_to_all_single(
+                received, buf, group=group, async_op=True), f"push bucket {self._next}")
         else:
             received = buf.new_empty(b.elements)
-            b.work = reduce_scatter_single(received, buf.view(-1), group=group, async_op=True)
+            b.work = self.issuer.issue("reduce_scatter", group, buf, lambda: reduce_scatter_single(
+                received, buf.view(-1), group=group, async_op=True), f"push bucket {self._next}")
 
         def finish(held: dict) -> None:
             if gloo:            # every member's chunk for this rank: their sum

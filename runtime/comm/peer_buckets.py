@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from hgraph.comm_plan import Transfer
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
 
 #: A transfer at least this large is its own message. Below it gloo's per-message latency (tens of us
@@ -125,9 +126,11 @@ class PeerTransfers:
         """Every bucket, by peer and direction."""
         return iter(self._buckets)
 
-    def post(self, source: Callable[[Rows], torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    def post(self, source: Callable[[Rows], torch.Tensor], dtype: torch.dtype, device: torch.device,
+             issuer: Any = None, label: str = "") -> tuple[int, int]:
         """Fill every send buffer from ``source(rows)`` (one cast-and-copy for all) and post every
-        bucket, round by round; returns the bytes (sent, received)."""
+        bucket, round by round, each round one ``batch_isend_irecv`` through ``issuer`` (the rank's
+        ``CollectiveIssuer``; labelled ``LABEL round K``); returns the bytes (sent, received)."""
         dests, srcs = [], []
         sent = received = 0
         for bucket in self.buckets():
@@ -147,9 +150,12 @@ class PeerTransfers:
         if dests:
             torch._foreach_copy_(dests, srcs)
         stage = bool(self.rounds) and host_staged(device)
-        for round_ in self.rounds:
+        issuer = issuer or CollectiveIssuer()
+        for k, round_ in enumerate(self.rounds):
             ops = [PeerOp(b.send, b.flat, b.peer, b.tag) for b in round_]
-            for bucket, work in zip(round_, batch_isend_irecv(ops, stage=stage)):
+            works = issuer.p2p([b.peer for b in round_ if b.send], [b.peer for b in round_ if not b.send],
+                               lambda: batch_isend_irecv(ops, stage=stage), f"{label} round {k}".strip())
+            for bucket, work in zip(round_, works):
                 bucket.work = work
         return sent, received
 

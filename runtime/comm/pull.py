@@ -22,6 +22,7 @@ import torch
 from hgraph.comm_plan import LocalCopy, Transfer
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.peer_buckets import PeerBucket, PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
@@ -94,12 +95,13 @@ class PullParameter:
     ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather and of a
     point-to-point message (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else
     ``DEFAULT_PULL_BUCKET_BYTES``); ``gather_group``: the process group of this rank's shard group,
-    which the all-gathers run in (``None``: the world's).
+    which the all-gathers run in (``None``: the world's); ``issuer``: the rank's ``CollectiveIssuer``.
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
-                 all_to_all: bool = False, gather_group: Any = None) -> None:
+                 all_to_all: bool = False, gather_group: Any = None, issuer: Optional[CollectiveIssuer] = None) -> None:
         self.params = params
+        self.issuer = issuer or CollectiveIssuer()
         self.stats = stats
         program = params.program
         by_param = params.rank_program.pull_by_param
@@ -114,8 +116,9 @@ class PullParameter:
         gathered = [n for n in params.order if params.exchange(n).is_all_gather and n not in params.aliased]
         place = params.shard_group.index(params.rank)
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], place, params.group_size,
-                                     params.working_dtype, all_to_all=all_to_all, group=gather_group)
-                        for names in gather_buckets(program, gathered, bucket_bytes)]
+                                     params.working_dtype, all_to_all=all_to_all, group=gather_group,
+                                     issuer=self.issuer, label=f"pull gather {k}")
+                        for k, names in enumerate(gather_buckets(program, gathered, bucket_bytes))]
         self.peers = pull_messages(program, params.rank, params.working_dtype.itemsize, bucket_bytes,
                                    params.aliased)
         # the messages each parameter waits for, and the parameters each message carries
@@ -173,7 +176,8 @@ class PullParameter:
             self._pulls[name] = pull
         self._ready = [n for n, k in self._missing.items() if k == 0]
         device = next(iter(p.masters.values())).device if p.masters else torch.device("cpu")
-        sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device)
+        sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device,
+                                         self.issuer, "pull")
         self.stats.pull_send_bytes += sent
         self.stats.pull_recv_bytes += received
 

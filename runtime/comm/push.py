@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
 from hgraph.runtime.comm.process_groups import shard_groups_of
@@ -72,8 +73,10 @@ class PushGradient:
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, groups: Any, device: torch.device,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.params = params
+        self.issuer = issuer or CollectiveIssuer()
         self.stats = stats
         program = params.program
         by_param = params.rank_program.push_by_param
@@ -85,7 +88,7 @@ class PushGradient:
         self._armed = False
         layouts = {n: params.layout(n) for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
-                                   device, bucket_bytes)
+                                   device, bucket_bytes, issuer=self.issuer)
         self.peers = push_messages(program, params.rank)
         # the ranks holding this rank's shards in the other shard groups (--shard-group): the shards
         # are summed across them after the push inside the group
@@ -224,7 +227,8 @@ class PushGradient:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)
         # 2. transfers to the owners (the small ones coalesced per peer)
-        sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device)
+        sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device,
+                                         self.issuer, "push")
         self.stats.push_send_bytes += sent
         self.stats.push_recv_bytes += received
         # 3. local adds (overlap with the transfers), then the received rows, each in the plan's order
@@ -250,7 +254,7 @@ class PushGradient:
         bucket more, not a second copy of its gradients."""
         names = [n for n in self.params.order if out[n].numel()]
         cap = max(self.bucket_bytes // 4, 1)
-        start = 0
+        start, k = 0, 0
         while start < len(names):
             end, size = start, 0
             while end < len(names) and (end == start or size + out[names[end]].numel() <= cap):
@@ -258,7 +262,10 @@ class PushGradient:
                 end += 1
             shards = [out[n] for n in names[start:end]]
             flat = torch.cat([s.reshape(-1) for s in shards])
-            dist.all_reduce(flat, group=self.replica_group)
+            self.issuer.run("all_reduce", self.replica_group, flat,
+                            lambda: dist.all_reduce(flat, group=self.replica_group, async_op=True),
+                            f"replica sum {k}")
+            k += 1
             self.stats.push_replica_bytes += flat.numel() * flat.element_size()
             torch._foreach_copy_(shards, [v.view(s.shape) for v, s in zip(flat.split([s.numel() for s in shards]), shards)])
             start = end

@@ -48,6 +48,7 @@ from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache, shard_groups_of
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
@@ -248,6 +249,10 @@ class Trainer:
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
         vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
+        # the rank's one choke point for its steps' collectives: their order (strict: one in flight) and
+        # record (--verify-collectives)
+        issuer = CollectiveIssuer(rank, world_size, order=config.cluster.collective_order,
+                                  record=config.cluster.verify_collectives, hang_s=config.cluster.heartbeat_timeout)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),
@@ -257,7 +262,8 @@ class Trainer:
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,
-                                 layer_ms=offload_prices(config, self.model, world_size, planner))
+                                 layer_ms=offload_prices(config, self.model, world_size, planner),
+                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives)
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
