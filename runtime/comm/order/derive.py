@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from hgraph import ops
@@ -45,6 +45,7 @@ from hgraph.meta import CommPoint, get_meta
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
+from hgraph.runtime.comm.overlapped_update import is_plain_data_parallel
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
                                       pull_messages)
 from hgraph.runtime.comm.push import push_messages
@@ -85,7 +86,11 @@ class StepPlan:
     on pipeline ``i`` (0: it runs none and pushes zeros); ``recompute``: a memory budget is set and
     every block recomputes (what a first step does: the agreement all-reduce per forward and each
     block's replay in backward); ``backend``; ``push_in_backward`` (None: where the runtime does it,
-    ``ParamSync``: on CPU, i.e. gloo); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss``."""
+    ``ParamSync``: on CPU, i.e. gloo); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
+    fp32); ``overlap_update``: the optimizer update overlapped with the backward (None: where the
+    executor runs it, ``ParamSync.can_overlap_update``: plain data parallelism, the push in the
+    backward, gloo, no clipping), then ``prefetched``: the last step pulled this one's all-gathers, and
+    ``prefetch``: this step pulls the next one's (``derive_steps`` sets both from the schedule)."""
 
     microbatches: tuple[int, ...]
     tokens: int = 32
@@ -93,10 +98,13 @@ class StepPlan:
     backend: str = "nccl"
     push_in_backward: Optional[bool] = None
     grad_clip: bool = False
-    vocab_parallel_loss: bool = True
+    vocab_parallel_loss: Optional[bool] = None
     working_dtype: str = "float32"
     pull_bucket_bytes: Optional[int] = None
     push_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    overlap_update: Optional[bool] = None
+    prefetched: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -107,6 +115,10 @@ class StepPlan:
     @property
     def gloo(self) -> bool:
         return self.backend == "gloo"
+
+    @property
+    def parallel_loss(self) -> bool:
+        return self.working_dtype != "float32" if self.vocab_parallel_loss is None else self.vocab_parallel_loss
 
     @property
     def in_backward(self) -> bool:
@@ -245,7 +257,7 @@ class _RoleSteps:
         key, rows, _ = head
         local = -(-plan.tokens // rp.scheme.seq)
         chunks = math.ceil(local / chunk_tokens(rows))
-        if plan.vocab_parallel_loss:     # max, sum of exp, target log-probability: per chunk; none backward
+        if plan.parallel_loss:     # max, sum of exp, target log-probability: per chunk; none backward
             return [] if backward else [_Event("all_reduce", key, f"loss chunk {c}", "float32")
                                         for c in range(chunks) for _ in range(3)]
         return [_Event("all_gather", key, f"loss chunk {c}" + (" backward" if backward else ""), "float32")
@@ -352,6 +364,10 @@ class StepDeriver:
         cap = plan.pull_bucket_bytes or (GLOO_PULL_BUCKET_BYTES if plan.gloo else DEFAULT_PULL_BUCKET_BYTES)
         self._pull_cap = cap
         self._gathers = gather_buckets(program, self._gathered, cap)
+        world = program.cluster.world_size
+        self.overlap = (plan.overlap_update if plan.overlap_update is not None else
+                        world > 1 and plan.gloo and plan.in_backward and not plan.grad_clip
+                        and is_plain_data_parallel(program))
         self._dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[plan.working_dtype]
 
     def role(self, rp: Any) -> _RoleSteps:
@@ -370,10 +386,13 @@ class StepDeriver:
         shard_group = shard_group_ranks(r, G)
         out: list[Collective] = []
         # 1. the pull
-        if G > 1:
-            kind = "all_to_all" if plan.gloo else "all_gather"
-            out += [Collective(kind, shard_group, dtype=plan.working_dtype, label=f"pull gather {k}")
-                    for k in range(len(self._gathers))]
+        gather_kind = "all_to_all" if plan.gloo else "all_gather"
+
+        def gather(k: int) -> Collective:
+            return Collective(gather_kind, shard_group, dtype=plan.working_dtype, label=f"pull gather {k}")
+
+        if G > 1 and not (self.overlap and plan.prefetched):
+            out += [gather(k) for k in range(len(self._gathers))]
         peers = pull_messages(program, r, self._dtype_bytes, self._pull_cap)
         out += _p2p_rounds(r, peers.rounds, "pull")
         # 2. the micro-batches, with 3. the push buckets issued in the last backward
@@ -392,6 +411,22 @@ class StepDeriver:
         def bucket(j: int) -> Collective:
             return Collective(reduce_kind, buckets[j].group, dtype="float32", label=f"push bucket {j}")
 
+        # the overlapped update (``OverlappedUpdate``): a reduction is taken one behind the newest
+        # during backward and the rest at the end; with ``prefetch``, taking one posts (reverse model
+        # order) every next-step all-gather whose parameters are all updated
+        taken, updated, posted = 0, set(), set()
+
+        def take_until(n: int) -> None:
+            nonlocal taken
+            while taken < n:
+                updated.update(name for name, _ in buckets[taken].ops)
+                taken += 1
+                if plan.prefetch:
+                    for k in reversed(range(len(self._gathers))):
+                        if k not in posted and updated.issuperset(self._gathers[k]):
+                            posted.add(k)
+                            out.append(gather(k))
+
         count = plan.microbatches[rp.pipeline]
         for e in self.role(rp).events(count):
             if e.final:
@@ -403,6 +438,8 @@ class StepDeriver:
                 while issued < len(buckets) and not missing[issued]:
                     out.append(bucket(issued))
                     issued += 1
+                if self.overlap:
+                    take_until(issued - 1)
             elif e.kind in ("send", "recv"):
                 peer = rp.bindings[e.key][0]
                 out.append(Collective.p2p(r, sends=[peer] if e.kind == "send" else [],
@@ -412,6 +449,9 @@ class StepDeriver:
                 if len(group) > 1:
                     out.append(Collective(e.kind, group, e.shape, e.dtype, e.label))
         out += [bucket(j) for j in range(issued, len(buckets))]        # flush
+        if self.overlap:          # the loss rode in the first reduction; no push to owners
+            take_until(len(buckets))
+            return out
         # 4. the step's end
         out.append(Collective("all_reduce", tuple(range(world)), (1,), "float64", "loss"))
         out += _p2p_rounds(r, push_messages(program, r).rounds, "push")
@@ -457,7 +497,10 @@ def derive_steps(steps: Sequence[tuple[Any, StepPlan]]) -> dict[int, list[Collec
     """The sequences of several steps in a row (a schedule that switches Programs): each rank's steps
     concatenated. Every Program must have the same world size."""
     out: dict[int, list[Collective]] = {}
-    for program, plan in steps:
+    for k, (program, plan) in enumerate(steps):
+        # an overlapped update prefetches the next step's all-gathers when it runs the same Program
+        plan = replace(plan, prefetched=k > 0 and steps[k - 1][0] is program,
+                       prefetch=k + 1 < len(steps) and steps[k + 1][0] is program)
         for r, seq in derive_step(program, plan).items():
             out.setdefault(r, []).extend(seq)
     return out

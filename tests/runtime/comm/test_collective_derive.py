@@ -11,6 +11,7 @@ checked to have no other cycle (``_only_pipeline_pairs``), and the test that the
 is an expected failure until the executor batches those messages.
 """
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -51,7 +52,7 @@ SUITE = list(_suite_cases())
 
 def _steps(compiled, strategies, world, shard_group, k, **plan):
     cluster = Cluster(world, shard_group=shard_group)
-    return [(compiled.build_program(s, cluster), representative_plan(s, k=k, **plan)) for s in strategies]
+    return [(compiled.instantiate(s, cluster), representative_plan(s, k=k, **plan)) for s in strategies]
 
 
 def _pipeline_message(op):
@@ -153,7 +154,7 @@ def test_random_strategies_and_schedules(drawn):
     assert world <= 64
     compiled = _compiled("tiny", {})
     cluster = Cluster(world, gpus_per_node=world, shard_group=shard_group)
-    steps = [(compiled.build_program(s, cluster), representative_plan(s, k=k, **plan)) for s, k in zip(strategies, counts)]
+    steps = [(compiled.instantiate(s, cluster), representative_plan(s, k=k, **plan)) for s, k in zip(strategies, counts)]
     verdict = simulate(derive_steps(steps))
     if verdict.ok:
         return
@@ -176,12 +177,15 @@ def test_sequence_follows_the_step():
     # the TP rank's forwards issue its sequence-parallel collectives in node order, backward in reverse
     acts = [c for c in tp_rank if c.group == (0, 1) and c.label.startswith("sp_")]
     assert acts and all(c.kind in ("all_gather", "reduce_scatter") for c in acts)
-    # the vocabulary-parallel loss: three all-reduces over the TP group per chunk, after each forward
-    assert [c.kind for c in tp_rank if c.label.startswith("loss chunk")] == ["all_reduce"] * 6
-    # (the first backward collective is that of the last forward one with a backward: the gather
-    # before the output head)
+    # fp32's loss gathers each chunk's logits over the TP group, forward and backward (two micro-batches)
+    assert [c.kind for c in tp_rank if c.label.startswith("loss chunk")] == ["all_gather"] * 4
+    # the vocabulary-parallel loss (bf16's default): three all-reduces per chunk, none backward
+    bf16 = derive_step(program, replace(plan, working_dtype="bfloat16"))[0]
+    assert [c.kind for c in bf16 if c.label.startswith("loss chunk")] == ["all_reduce"] * 6
+    # (the first graph collective of a backward is that of the last forward one with a backward: the
+    # gather before the output head; only the loss's comes before it)
     forward = [c.label for c in acts if "backward" not in c.label]
-    first_back = next(c.label for c in tp_rank if "backward" in c.label)
+    first_back = next(c.label for c in tp_rank if "backward" in c.label and c.label.startswith("sp_"))
     assert first_back == [f for f in forward if f.startswith("sp_gather")][-1] + " backward"
     # push buckets: issued inside the last backward, in their global order, before the loss
     buckets = [i for i, c in enumerate(tp_rank) if c.label.startswith("push bucket")]
