@@ -30,3 +30,14 @@ def test_bad_input_is_one_line(capsys):
         assert main(["check", "--model", "llama:tiny", *argv]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hgraph check: error: ") and err.count("\n") == 1, err
+
+
+def test_1024_ranks_homogeneous_then_heterogeneous(capsys):
+    """Cluster scale: a homogeneous strategy switching to a heterogeneous one on 1,024 ranks (states
+    sharded per node, so a rank's pull stays in its group; 9 s of CPU here, the optimizer sharded over
+    the world takes minutes: ``tools/bench/collective_check``)."""
+    assert main(["check", "--model", "llama:tiny", "--world-size", "1024", "--shard-group", "8",
+                 "--strategy-schedule", "128xTP4PP2,32xTP4PP2+128xTP2PP1+128xTP1PP2+64xTP2PP2",
+                 "--microbatches", "1", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["ok"] and got["ranks"] == 1024 and got["collectives"] > 20000
