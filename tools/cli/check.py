@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = resolve_model_spec(args.model, model_args_option(args.model_args))
-    compiled = hgraph.compile(model)
+    compiled = hgraph.compile(model, dtype=args.dtype)
     steps = []
     for s in strategies:
         program = compiled.instantiate(s, cluster)      # one Program per strategy: a repeat is the same
