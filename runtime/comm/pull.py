@@ -15,7 +15,7 @@ pipeline that ran no micro-batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -24,7 +24,8 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.param_gather import GatherBucket
-from hgraph.runtime.comm.peer_buckets import PeerBucket, PeerTransfers, plan_transfers
+from hgraph.runtime.comm.peer_buckets import (PeerBucket, PeerTransfers, message_rounds, plan_transfers,
+                                              transfer_sizes)
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
@@ -46,10 +47,22 @@ def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optio
     """The point-to-point messages of ``rank``'s pull: the transfers of the parameters not all-gathered
     and not ``aliased``, in the working dtype (``dtype_bytes``), small ones to one peer coalesced up to
     ``bucket_bytes``. Reads ``rank``'s own ops only (``Program.rank``), never the world's plans."""
+    transfers = plan_transfers(_messaged(program, rank, aliased))
+    return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
+
+
+def pull_message_rounds(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
+                        aliased: frozenset = frozenset()) -> list[list[tuple[int, bool]]]:
+    """The rounds of ``pull_messages`` as ``(peer, send)`` lists, without their buffers' bookkeeping
+    (the collective order, ``order/derive``)."""
+    return message_rounds(rank, transfer_sizes(_messaged(program, rank, aliased)), dtype_bytes, bucket_bytes)
+
+
+def _messaged(program: Any, rank: int, aliased: frozenset) -> Iterator[tuple[Any, Sequence[Any]]]:
+    """``(ParamLayout, rank's pull ops)`` of the parameters not all-gathered and not ``aliased``, model order."""
     ops = program.rank(rank).pull_by_param
     exchanges = (program.exchange(name) for name in program.param_names if name not in aliased)
-    transfers = plan_transfers((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
-    return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
+    return ((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
 
 
 def gather_buckets(program: Any, names: Sequence[str], cap: int) -> list[list[str]]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
-from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
+from hgraph.runtime.comm.peer_buckets import PeerTransfers, message_rounds, plan_transfers, transfer_sizes
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
 from hgraph.runtime.comm.process_groups import shard_groups_of
 
@@ -61,6 +61,13 @@ def push_messages(program: Any, rank: int) -> PeerTransfers:
     ops = program.rank(rank).push_by_param
     transfers = plan_transfers((program.param_layout(n), ops.get(n, ())) for n in program.param_names)  # model order
     return PeerTransfers(rank, transfers, 4, None, parity=2)
+
+
+def push_message_rounds(program: Any, rank: int) -> list[list[tuple[int, bool]]]:
+    """The rounds of ``push_messages`` as ``(peer, send)`` lists (the collective order, ``order/derive``)."""
+    ops = program.rank(rank).push_by_param
+    sizes = transfer_sizes((program.param_layout(n), ops.get(n, ())) for n in program.param_names)
+    return message_rounds(rank, sizes, 4, None)
 
 
 class PushGradient:

@@ -5,7 +5,7 @@ them on that rank (``runtime/engine/executor``):
 
 1. **Pull** (``ParamSync.begin_step``): the all-gather buckets (``pull.gather_buckets``, model order,
    inside the shard group; all-to-alls on gloo), then the point-to-point rounds of the LNK transfers
-   (``pull.pull_messages``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
+   (``pull.pull_message_rounds``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
    collectives in node order (a pipeline receive, TP / sequence-parallel / CP / Ulysses collectives,
    a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
@@ -19,7 +19,7 @@ them on that rank (``runtime/engine/executor``):
    backward, during the last backward a bucket is issued once its gradients are final (a parameter's
    gradient is final after the backward of its first use in node order: ``AccumulateGrad`` runs
    first among ready nodes) and every bucket before it was issued; ``flush`` issues the rest.
-4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_messages``),
+4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_message_rounds``),
    under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
    global-norm clipping the norm's all-reduce inside the shard group.
 
@@ -47,8 +47,8 @@ from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.overlapped_update import is_plain_data_parallel
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
-                                      pull_messages)
-from hgraph.runtime.comm.push import push_messages
+                                      pull_message_rounds)
+from hgraph.runtime.comm.push import push_message_rounds
 from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 
@@ -86,7 +86,9 @@ class StepPlan:
     on pipeline ``i`` (0: it runs none and pushes zeros); ``recompute``: a memory budget is set and
     every block recomputes (what a first step does: the agreement all-reduce per forward and each
     block's replay in backward); ``backend``; ``push_in_backward`` (None: where the runtime does it,
-    ``ParamSync``: on CPU, i.e. gloo); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
+    ``ParamSync``: on CPU, i.e. gloo; a runtime that issues the reductions in the backward on every
+    backend makes this True everywhere and drops the gloo condition of ``overlap_update``, two lines
+    of ``in_backward`` and ``StepDeriver``); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
     fp32); ``overlap_update``: the optimizer update overlapped with the backward (None: where the
     executor runs it, ``ParamSync.can_overlap_update``: plain data parallelism, the push in the
     backward, gloo, no clipping), then ``prefetched``: the last step pulled this one's all-gathers, and
@@ -326,11 +328,11 @@ def _replay_points(rp: Any) -> dict[int, int]:
 
 
 # ---- a rank's sequence -----------------------------------------------------------------------------
-def _p2p_rounds(rank: int, rounds: Iterable[Sequence[Any]], label: str) -> list[Collective]:
+def _p2p_rounds(rank: int, rounds: Iterable[Sequence[tuple[int, bool]]], label: str) -> list[Collective]:
     out = []
     for k, round_ in enumerate(rounds):
-        sends = [b.peer for b in round_ if b.send]
-        recvs = [b.peer for b in round_ if not b.send]
+        sends = [peer for peer, send in round_ if send]
+        recvs = [peer for peer, send in round_ if not send]
         out.append(Collective.p2p(rank, sends, recvs, label=f"{label} round {k}"))
     return out
 
@@ -393,8 +395,7 @@ class StepDeriver:
 
         if G > 1 and not (self.overlap and plan.prefetched):
             out += [gather(k) for k in range(len(self._gathers))]
-        peers = pull_messages(program, r, self._dtype_bytes, self._pull_cap)
-        out += _p2p_rounds(r, peers.rounds, "pull")
+        out += _p2p_rounds(r, pull_message_rounds(program, r, self._dtype_bytes, self._pull_cap), "pull")
         # 2. the micro-batches, with 3. the push buckets issued in the last backward
         ops_by_param = rp.push_by_param
         layouts = {n: program.param_layout(n) for n in self._names}
@@ -454,7 +455,7 @@ class StepDeriver:
             return out
         # 4. the step's end
         out.append(Collective("all_reduce", tuple(range(world)), (1,), "float64", "loss"))
-        out += _p2p_rounds(r, push_messages(program, r).rounds, "push")
+        out += _p2p_rounds(r, push_message_rounds(program, r), "push")
         if G < world:
             out += self._across_groups(r)
         if plan.grad_clip and G > 1:

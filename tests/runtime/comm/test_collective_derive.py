@@ -227,3 +227,19 @@ def test_plan_is_checked():
         derive_step(program, StepPlan((1,)))
     with pytest.raises(ValueError, match="backend"):
         StepPlan((1, 1), backend="mpi")
+
+
+def test_message_rounds_are_the_posted_rounds():
+    """The derivation's rounds (``message_rounds``, no buffers) are the rounds ``PeerTransfers`` posts,
+    pull (several caps) and push, every rank of a heterogeneous world and of shard groups."""
+    from hgraph.runtime.comm.pull import pull_message_rounds, pull_messages
+    from hgraph.runtime.comm.push import push_message_rounds, push_messages
+    compiled = _compiled("tiny", {})
+    for strategy, group in (("2xTP2PP2+8xTP1PP2+2xTP4PP1", None), ("2xTP2PP2+8xTP1PP2+2xTP4PP1", 8)):
+        program = compiled.instantiate(strategy, Cluster(32, gpus_per_node=8, shard_group=group))
+        for r in range(32):
+            for cap in (None, 4096, 256 * 1024):
+                posted = [[(b.peer, b.send) for b in round_] for round_ in pull_messages(program, r, 2, cap).rounds]
+                assert pull_message_rounds(program, r, 2, cap) == posted
+            posted = [[(b.peer, b.send) for b in round_] for round_ in push_messages(program, r).rounds]
+            assert push_message_rounds(program, r) == posted
