@@ -6,10 +6,11 @@ sequence (``runtime/comm/order/derive``) and simulate them (``order/deadlock``).
 pipeline (the last none), NCCL. Without ``--shard-group`` the optimizer shards over the world, so a
 rank's pull exchanges with many peers: the derivation follows what each rank exchanges.
 
-Measured 2026-11-28 on the project's 2 shared cores (other jobs running), ``llama:tiny``:
-``128xTP4PP2`` 11,570 collectives, derive 84.4 s, simulate 3.8 s; ``32xTP4PP2+128xTP2PP1+128xTP1PP2+
-64xTP2PP2`` 16,754 collectives, derive 180.6 s, simulate 5.9 s. With ``--shard-group 8``: 12,223
-collectives, derive 2.3 s, simulate 0.1 s; 16,935 collectives, derive 3.4 s, simulate 0.1 s. All
+Measured 2026-11-28 on the project's 2 shared cores (other jobs running), ``llama:tiny``, fp32:
+``128xTP4PP2`` 11,443 collectives, derive 12.2 s, simulate 3.3 s; ``32xTP4PP2+128xTP2PP1+128xTP1PP2+
+64xTP2PP2`` 16,531 collectives, derive 29.4 s, simulate 2.4 s (84 s and 181 s before the rounds were
+counted without building the messages' buffers' bookkeeping). With ``--shard-group 8``: 12,223
+collectives, derive 2.3 s, simulate 0.2 s; 16,935 collectives, derive 4.9 s, simulate 0.2 s. All
 deadlock-free (one micro-batch a pipeline).
 """
 from __future__ import annotations
