@@ -10,8 +10,9 @@ them on that rank (``runtime/engine/executor``):
    collectives in node order (a pipeline receive, TP / sequence-parallel / CP / Ulysses collectives,
    a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
    a memory budget, and followed on a last stage by the loss's collectives over the TP group of a
-   split vocabulary (three all-reduces per chunk; the chunk's logits all-gathered without
-   ``vocab_parallel_loss``). A backward runs autograd's order: the CPU engine runs the ready node
+   split vocabulary (per chunk of tokens: the logits all-gathered, forward and backward, in fp32;
+   three all-reduces, forward only, with the vocabulary-parallel loss that is training's default
+   below fp32). A backward runs autograd's order: the CPU engine runs the ready node
    created last, which is the reverse of the forward's creation order, so the collectives of the
    nodes' backwards come in reverse node order (the loss's first); a recomputed block replays its
    forward collectives where its backward begins (non-reentrant checkpoint unpacks then).
@@ -21,7 +22,13 @@ them on that rank (``runtime/engine/executor``):
    first among ready nodes) and every bucket before it was issued; ``flush`` issues the rest.
 4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_message_rounds``),
    under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
-   global-norm clipping the norm's all-reduce inside the shard group.
+   global-norm clipping the norm's all-reduce inside the shard group. Under the overlapped update
+   (plain data parallelism) instead: no loss reduction (it rides in the first bucket), and with a
+   prefetch the next step's all-gathers, each posted once a bucket taken one behind the newest
+   completes its parameters (``OverlappedUpdate``), and none at the next step's pull.
+
+The sequences equal what every rank records at run time (``CollectiveIssuer``) in every step of the
+equivalence suites (``tests/runtime/engine/test_executor_equivalence``: kind, group, dtype, peers).
 
 Ranks of one role and micro-batch count issue the same activation collectives up to their groups:
 a role's sequence is derived once (``_RoleSteps``) and each rank maps its binding keys to its groups.
@@ -217,8 +224,8 @@ def _read_graph(rp: Any, plan: StepPlan) -> _RoleGraph:
 
 def _param_rows(rp: Any, node: Any) -> int:
     """The rows of the parameter reaching ``node`` through its slot nodes."""
-    while node is not None and node.op != "get_attr":
-        node = next((a for a in node.args if hasattr(a, "op")), None)
+    while node is not None and node.op != "get_attr":       # past the casts and slot nodes, not ``comm``
+        node = next((a for a in node.args if hasattr(a, "op") and a.op != "placeholder"), None)
     shard = rp.params.get(node.target) if node is not None else None
     return int(shard.shard_shape[0]) if shard is not None and shard.shard_shape else 1
 
