@@ -563,9 +563,11 @@ class Executor:
             if kind == "F":
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
                 choice = memory.before_forward(i, mb, layout) if memory is not None else LayerChoice(None, None)
+                # a backward follows: the activation sends go with its gradient receive (flush_deferred)
+                then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                               documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload)
+                                              offload=choice.offload, defer_sends=then_backward)
                 with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
                       self.issuer.scope(f"mb {i} F")):
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)

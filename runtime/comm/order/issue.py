@@ -31,8 +31,9 @@ nothing grows with the world size (a group's ranks are read once per process gro
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
+import queue
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -95,6 +96,7 @@ class CollectiveIssuer:
         self.sequence: list[Collective] = []
         self._count = 0                    # operations issued this step
         self._last: Optional[tuple] = None   # the arguments of the last one (its record made on demand)
+        self._waiter: Optional[_Waiter] = None   # the strict order's waiting thread (started on first use)
 
     @property
     def strict(self) -> bool:
@@ -135,6 +137,7 @@ class CollectiveIssuer:
         work = start()
         if self.strict and work is not None:
             self._wait_strict([work], args)
+            return _Waited()
         return work
 
     def run(self, kind: str, group: Any, tensor: Optional[torch.Tensor], start: Callable[[], Any],
@@ -153,7 +156,11 @@ class CollectiveIssuer:
         self._note(args)
         works = start()
         if self.strict:
-            self._wait_strict(list(works) if isinstance(works, (list, tuple)) else [works], args)
+            if not isinstance(works, (list, tuple)):
+                self._wait_strict([works], args)
+                return _Waited()
+            self._wait_strict(list({id(w): w for w in works}.values()), args)   # a batch's one work: once
+            return [_Waited() for _ in works]
         return works
 
     def _note(self, args: tuple) -> None:
@@ -184,17 +191,15 @@ class CollectiveIssuer:
 
     # ---- the strict order: wait now, name a hang ---------------------------------------------------
     def _wait_strict(self, works: list, args: tuple) -> None:
-        deadline = time.monotonic() + self.hang_s
-        published = False
-        for work in works:
-            if not _wait_until(work, min(deadline, time.monotonic() + self.publish_s)):
-                if not published:
-                    self._publish(self._make(*args, self._prefix))
-                    published = True
-                if not _wait_until(work, deadline):
-                    raise CollectiveHang(self._hang_line(self._make(*args, self._prefix)))
-        if published:
-            self._publish(None)
+        if self._waiter is None:
+            self._waiter = _Waiter(self.rank)
+        job = self._waiter.submit(works)
+        if job.wait(self.publish_s):
+            return
+        self._publish(self._make(*args, self._prefix))
+        if not job.wait(self.hang_s - self.publish_s):
+            raise CollectiveHang(self._hang_line(self._make(*args, self._prefix)))
+        self._publish(None)
 
     def _store_or_none(self) -> Any:
         if self._store is None and dist.is_available() and dist.is_initialized():
@@ -285,33 +290,64 @@ class CollectiveIssuer:
         return f"stopped after {count} operations, the last {op.describe()}"
 
 
-def _wait_until(work: Any, deadline: float) -> bool:
-    """Wait for ``work`` until ``deadline`` (monotonic); whether it completed. Blocks in the backend's
-    wait where it takes a timeout (gloo), else polls ``is_completed`` (NCCL's wait returns at once)."""
-    inner = getattr(work, "work", None)     # a staged send or receive (``p2p.StagedWork``)
-    if inner is not None and hasattr(inner, "wait"):
-        if not _wait_until(inner, deadline):
-            return False
-        work.wait()                          # copies a received host buffer into its tensor
+class _Waited:
+    """What the strict order returns for a work it waited for: waiting again is a no-op (a second wait
+    on gloo's point-to-point work blocks for a message that never comes)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
         return True
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return _completed(work)
-    try:
-        work.wait(datetime.timedelta(seconds=left))
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        return False
-    pause = 1e-5
-    while not _completed(work):
-        if time.monotonic() >= deadline:
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Job:
+    """Works the waiter thread waits for; ``wait(timeout_s)``: whether they completed (their error raised)."""
+
+    def __init__(self, works: list) -> None:
+        self.works, self.done, self.error = works, threading.Event(), None
+
+    def wait(self, timeout_s: float) -> bool:
+        if not self.done.wait(max(timeout_s, 0.0)):
             return False
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
-    return True
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Waiter:
+    """One thread that waits for the strict order's works, so the rank's own thread can wait with a
+    timeout: a timed wait on gloo's point-to-point work closes its connection (measured on torch 2.13),
+    and NCCL's ``wait`` returns before the operation completed (``is_completed`` then tells)."""
+
+    def __init__(self, rank: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=f"hgraph-collective-waiter-{rank}", daemon=True).start()
+
+    def submit(self, works: list) -> _Job:
+        job = _Job(works)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)     # a backend's finishing copy is not an op of any graph
+        while True:
+            job = self._jobs.get()
+            try:
+                for work in job.works:
+                    work.wait()
+                    pause = 1e-5
+                    while not _completed(work):
+                        time.sleep(pause)
+                        pause = min(2 * pause, 1e-3)
+            except BaseException as exc:     # handed to the rank's thread, which raises it
+                job.error = exc
+            job.done.set()
 
 
 def _completed(work: Any) -> bool:
+    inner = getattr(work, "work", None)      # a staged send or receive (``p2p.StagedWork``)
+    if inner is not None and hasattr(inner, "wait"):
+        work = inner
     done = getattr(work, "is_completed", None)
     return True if done is None else bool(done())
