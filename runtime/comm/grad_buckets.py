@@ -69,8 +69,11 @@ class GradBuckets:
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  layouts: Mapping[str, ParamLayout], groups: Any, contribution: Contribution,
                  device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 issuer: Optional[CollectiveIssuer] = None) -> None:
+                 issuer: Optional[CollectiveIssuer] = None,
+                 after_backward: Callable[[tuple[int, ...]], bool] = lambda group: False) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
+        # a bucket over such a group waits for ``flush`` (its members still wait for this rank's backward)
+        self.after_backward = after_backward
         self.issuer = issuer or CollectiveIssuer()       # the rank's choke point (order, record)
         self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
@@ -136,7 +139,8 @@ class GradBuckets:
         self._grads[name] = grad
         for b in self._bucket_of.get(name, ()):
             b.missing.discard(name)
-        while self._next < len(self.buckets) and not self.buckets[self._next].missing:
+        while (self._next < len(self.buckets) and not self.buckets[self._next].missing
+               and not self.after_backward(self.buckets[self._next].group)):
             self._issue(self.buckets[self._next])
             self._next += 1
 

@@ -236,7 +236,7 @@ class Executor:
         self.rank, self.world_size = rank, world_size
         # the rank's one choke point for its steps' collectives (order, record), handed to every part
         # that issues one; ``verify_collectives``: a Program's first step checks every rank's record
-        self.issuer = issuer or CollectiveIssuer(rank, world_size)
+        self.issuer = issuer or CollectiveIssuer(rank, world_size, device=device)
         self.verify_collectives = verify_collectives
         if verify_collectives:
             self.issuer.record = True

@@ -81,13 +81,15 @@ class CollectiveIssuer:
     """
 
     def __init__(self, rank: Optional[int] = None, world_size: Optional[int] = None, *, order: str = FREE,
-                 record: bool = False, hang_s: float = 60.0, store: Any = None) -> None:
+                 record: bool = False, hang_s: float = 60.0, store: Any = None,
+                 device: Optional[torch.device] = None) -> None:
         if order not in COLLECTIVE_ORDERS:
             raise ValueError(f"collective order {order!r}: expected one of {', '.join(COLLECTIVE_ORDERS)}")
         initialised = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialised else 1)
         self.order, self.record, self.hang_s = order, record, float(hang_s)
+        self.device = torch.device(device or "cpu")     # CUDA: the strict order waits for the device too
         self.publish_s = min(1.0, self.hang_s / 4)
         self._store = store
         self._ranks_of: dict[Any, tuple[int, ...]] = {}   # process group -> its sorted global ranks
@@ -192,7 +194,7 @@ class CollectiveIssuer:
     # ---- the strict order: wait now, name a hang ---------------------------------------------------
     def _wait_strict(self, works: list, args: tuple) -> None:
         if self._waiter is None:
-            self._waiter = _Waiter(self.rank)
+            self._waiter = _Waiter(self.rank, self.device)
         job = self._waiter.submit(works)
         if job.wait(self.publish_s):
             return
@@ -318,10 +320,12 @@ class _Job:
 class _Waiter:
     """One thread that waits for the strict order's works, so the rank's own thread can wait with a
     timeout: a timed wait on gloo's point-to-point work closes its connection (measured on torch 2.13),
-    and NCCL's ``wait`` returns before the operation completed (``is_completed`` then tells)."""
+    and NCCL's ``wait`` only orders the waiting thread's stream after the operation (that stream is
+    then synchronised: the operation has completed on the device)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, device: torch.device) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.device = device
         threading.Thread(target=self._run, name=f"hgraph-collective-waiter-{rank}", daemon=True).start()
 
     def submit(self, works: list) -> _Job:
@@ -336,18 +340,8 @@ class _Waiter:
             try:
                 for work in job.works:
                     work.wait()
-                    pause = 1e-5
-                    while not _completed(work):
-                        time.sleep(pause)
-                        pause = min(2 * pause, 1e-3)
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
             except BaseException as exc:     # handed to the rank's thread, which raises it
                 job.error = exc
             job.done.set()
-
-
-def _completed(work: Any) -> bool:
-    inner = getattr(work, "work", None)      # a staged send or receive (``p2p.StagedWork``)
-    if inner is not None and hasattr(inner, "wait"):
-        work = inner
-    done = getattr(work, "is_completed", None)
-    return True if done is None else bool(done())

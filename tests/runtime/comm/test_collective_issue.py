@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.issue import CollectiveHang, CollectiveIssuer
+from hgraph.runtime.comm.order.verify import check_recorded, verdict_of
 from hgraph.runtime.train.launch import spawn
 
 
@@ -98,9 +99,14 @@ def _three_ranks(rank, world):
             w.wait()
         return [t[0].item() for t in tensors]
 
-    # free: gloo runs each group on its own threads, so the cyclic order completes
-    out["free"] = issue_all(CollectiveIssuer(rank, world), CYCLIC[rank])
-    out["consistent_strict"] = issue_all(CollectiveIssuer(rank, world, order="strict", hang_s=30), CONSISTENT[rank])
+    # free: gloo runs each group on its own threads, so the cyclic order completes; what the ranks
+    # recorded is checked as --verify-collectives checks it
+    recorder = CollectiveIssuer(rank, world, record=True)
+    out["free"] = issue_all(recorder, CYCLIC[rank])
+    out["verified_cyclic"] = check_recorded(recorder.sequence, rank, world)
+    consistent = CollectiveIssuer(rank, world, order="strict", hang_s=30, record=True)
+    out["consistent_strict"] = issue_all(consistent, CONSISTENT[rank])
+    out["verified_consistent"] = check_recorded(consistent.sequence, rank, world)
     # strict: the first operation of every rank waits for a peer that waits in another group
     issuer = CollectiveIssuer(rank, world, order="strict", hang_s=2.0)
     issuer.begin_step(5)
@@ -128,8 +134,6 @@ def three():
 
 
 def test_an_inconsistent_order_runs_free_on_gloo(three):
-    for r in three:
-        assert r["free"] == [3.0, 4.0] or r["free"] == [4.0, 3.0] or r["free"] == [5.0, 4.0] or r["free"]
     assert [sorted(r["free"]) for r in three] == [[3.0, 4.0], [3.0, 5.0], [4.0, 5.0]]
     assert [sorted(r["consistent_strict"]) for r in three] == [[3.0, 4.0], [3.0, 5.0], [4.0, 5.0]]
 
@@ -150,3 +154,30 @@ def test_a_failed_collective_says_where_each_ranks_sequence_stopped(three):
         assert r["stopped"] == "; ".join(
             f"rank {k}: stopped after 1 operations, the last all_reduce on {list(CYCLIC[k][0])} float32[4] "
             "(push bucket 0)" for k in range(3))
+
+
+def test_verify_collectives_gives_every_rank_the_verdict_on_what_the_ranks_recorded(three):
+    """The cyclic order that ran free is a deadlock NCCL could hang in: every rank gets rank 0's
+    verdict naming the cycle; the consistent one is deadlock-free."""
+    assert all(r["verified_consistent"] == (True, "deadlock-free: 3 ranks, 3 collectives") for r in three)
+    verdicts = {r["verified_cyclic"] for r in three}
+    assert len(verdicts) == 1
+    ok, line = verdicts.pop()
+    assert not ok and line.startswith("deadlock: rank 0 waits in all_reduce on [0, 1] float32[4] (op 0)")
+
+
+def _ar(group, label, shape=(4,)):
+    return Collective("all_reduce", group, shape, "float32", label)
+
+
+def test_a_recorded_mismatch_names_the_ranks_and_the_first_differing_operation():
+    """Two members of a group issue its operations in different orders (two push buckets swapped on one
+    rank): the first point of the group's order where they differ, before any deadlock search."""
+    g = (0, 1)
+    ok, line = verdict_of({0: [_ar(g, "push bucket 0", (4,)), _ar(g, "push bucket 1", (8,))],
+                           1: [_ar(g, "push bucket 1", (8,)), _ar(g, "push bucket 0", (4,))]})
+    assert not ok
+    assert line == ("collective order differs in group [0, 1] at its operation 1: rank 0 issues all_reduce on "
+                    "[0, 1] float32[4] (push bucket 0) (its operation 1), rank 1 issues all_reduce on [0, 1] "
+                    "float32[8] (push bucket 1) (its operation 1)")
+    assert verdict_of({0: [_ar(g, "a")], 1: [_ar(g, "a")]}) == (True, "deadlock-free: 2 ranks, 1 collectives")
