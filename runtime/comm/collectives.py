@@ -2,7 +2,8 @@
 
 The graphs call the op vocabulary of ``hgraph.ops``, which calls the rank's ``CommContext``
 (``runtime/comm/context``), which resolves binding keys to ranks and calls the functions here. Every
-function takes that context first (no globals). An issue op starts the collective with
+function takes that context first (no globals), and issues through its ``issuer``, the rank's one
+choke point (``runtime/comm/order/issue``: the record, the strict order). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
@@ -24,7 +25,9 @@ Autograd (all ops are differentiable):
   from this rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back,
   issued on the comm stream and finished by ``comm_wait``; the backward of each is the reversed
   exchange.
-* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
+* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``. On a
+  micro-batch view with ``defer_sends`` (1F1B's steady state: a backward follows the forward) the send
+  waits for that backward's gradient receive and goes with it as one batch (``flush_deferred``).
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
 Backward communication runs inside the autograd engine, so it is issued and completed there

@@ -11,7 +11,8 @@ of a group issue its buckets in the same order, and any two ranks issue the buck
 same relative order (what gloo's per-group matching and NCCL's in-order streams both need).
 
 ``ready(name, grad)``: the parameter's gradient is final (called from its post-accumulate-grad hook
-during the step's last backward); issues every bucket that became issuable. ``flush(grads)`` issues
+during the step's last backward); issues every bucket that became issuable (not one over a group
+``after_backward`` names, nor any after it). Every collective goes through the rank's ``issuer``. ``flush(grads)`` issues
 the rest (a rank whose pipeline ran no micro-batch pushes zeros). ``wait(held)`` completes them in
 order (``complete_next``: one at a time) and hands each member piece to ``held[name]`` as
 ``((lo, hi), rows)``. ``carry(values)`` sends a few fp32 values with the first bucket (the step's

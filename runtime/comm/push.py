@@ -3,7 +3,9 @@
 The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``, reverse
 model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
-``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
+``arm``), in one global bucket order, except from a bucket whose group holds a rank of an earlier
+stage of this rank's pipeline (a tied parameter's: that rank is still waiting for this rank's
+gradient), which waits for the backward's end; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
 per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
 rank's shard group, and the owners' shards are then summed across the groups (all-reduces among the

@@ -22,6 +22,13 @@ state for it (building them on first use), then:
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
 
+Every collective of a step goes through the rank's ``CollectiveIssuer`` (``runtime/comm/order/issue``,
+labelled with the micro-batch and direction it runs in): under ``--collective-order strict`` each
+completes before the next is issued; with ``verify_collectives`` a Program's first step ends with the
+check of every rank's recorded sequence (``order/verify``: ``RunFailed`` naming the first difference or
+the deadlock); a collective that times out raises ``RunFailed`` saying where each rank's sequence
+stopped.
+
 Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
 ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
 global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as

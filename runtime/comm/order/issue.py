@@ -18,7 +18,10 @@ What it adds to issuing:
 * **The strict order** (``order="strict"``, ``--collective-order strict``): every operation completes
   before ``issue`` returns, so no two operations of a rank are in flight, across all its groups: the
   most conservative reading of NCCL (one stream per rank), under which an inconsistent order hangs
-  on gloo too (gloo otherwise runs each group on its own threads).
+  on gloo too (gloo otherwise runs each group on its own threads). One waiter thread per rank waits
+  for the works while the rank's thread waits for it with a timeout (a timed wait on gloo's
+  point-to-point work closes its connection); the caller gets works whose ``wait`` is a no-op (a
+  second wait on gloo's send or receive blocks).
 * **A hang that names itself** (strict): a wait still unfinished after ``publish_s`` writes this
   rank's operation to the run's store (``hgraph/collective/RANK``, beside the heartbeat's keys), and
   one unfinished after ``hang_s`` reads the operations of the ranks it waits for, and of those they
