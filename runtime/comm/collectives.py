@@ -2,7 +2,8 @@
 
 The graphs call the op vocabulary of ``hgraph.ops``, which calls the rank's ``CommContext``
 (``runtime/comm/context``), which resolves binding keys to ranks and calls the functions here. Every
-function takes that context first (no globals). An issue op starts the collective with
+function takes that context first (no globals), and issues through its ``issuer``, the rank's one
+choke point (``runtime/comm/order/issue``: the record, the strict order). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
@@ -24,7 +25,9 @@ Autograd (all ops are differentiable):
   from this rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back,
   issued on the comm stream and finished by ``comm_wait``; the backward of each is the reversed
   exchange.
-* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
+* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``. On a
+  micro-batch view with ``defer_sends`` (1F1B's steady state: a backward follows the forward) the send
+  waits for that backward's gradient receive and goes with it as one batch (``flush_deferred``).
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
 Backward communication runs inside the autograd engine, so it is issued and completed there
@@ -428,8 +431,12 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dst, tag, holder, stage):
         buf = x.detach().contiguous()
-        holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
-                                ("p2p", (dst,), (), "pp_send"))
+        if comm.defer_sends:        # sent with the next backward's gradient receive (``flush_deferred``)
+            comm.in_flight.deferred.append((p2p.PeerOp(True, buf, dst, tag), stage))
+            holder.pending = PendingWork([], (buf,), done=True)
+        else:
+            holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
+                                    ("p2p", (dst,), (), "pp_send"))
         ctx.comm, ctx.dst, ctx.tag, ctx.holder, ctx.stage = comm, dst, tag, holder, stage
         ctx.meta = (x.shape, x.dtype, x.device)
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -439,9 +446,32 @@ class _SendActivation(torch.autograd.Function):
         ctx.holder.pending.wait(ctx.comm)
         shape, dtype, device = ctx.meta
         g = torch.empty(shape, dtype=dtype, device=device)
-        _run(ctx.comm, [g], lambda: p2p.irecv(g, ctx.dst, tag=ctx.tag, stage=ctx.stage),
-             ("p2p", (), (ctx.dst,), "pp_send backward"))
+        recv = p2p.PeerOp(False, g, ctx.dst, ctx.tag)
+        flush_deferred(ctx.comm, recv, ctx.stage).wait(ctx.comm)
         return g, None, None, None, None, None
+
+
+def flush_deferred(comm: Any, recv: Optional[p2p.PeerOp] = None, stage: bool = False) -> PendingWork:
+    """Issue the activation sends a micro-batch deferred (``CommContext.defer_sends``) together with
+    ``recv``, the gradient receive of the backward that follows, as one point-to-point batch (Megatron's
+    send-forward-receive-backward): in 1F1B's steady state a stage sends micro-batch ``i``'s activation
+    while the next stage sends micro-batch ``j``'s gradient, and two blocking sends facing each other
+    deadlock where a rank's operations run one at a time (NCCL's one stream; ``--collective-order
+    strict``). The sends' work is kept for ``wait_all``; returns the receive's (done when none)."""
+    deferred, comm.in_flight.deferred = comm.in_flight.deferred, []
+    sends = [op for op, _ in deferred]
+    stage = stage or any(s for _, s in deferred)
+    transfers = sends + ([recv] if recv is not None else [])
+    if not transfers:
+        return PendingWork([], done=True)
+    tensors = [t.tensor for t in transfers]
+    label = "pp_send" + (" + pp_send backward" if sends and recv is not None else " backward" if recv else "")
+    with _comm_stream_scope(comm, tensors):
+        works = comm.issuer.p2p([t.peer for t in sends], [recv.peer] if recv is not None else [],
+                                lambda: p2p.batch_isend_irecv(transfers, stage=stage), label)
+    if sends:
+        comm.detach_work(PendingWork(list(works[:len(sends)]), tuple(t.tensor for t in sends)))
+    return PendingWork(list(works[len(sends):]), tuple(tensors[len(sends):]))
 
 
 class _RecvActivation(torch.autograd.Function):

@@ -11,7 +11,8 @@ of a group issue its buckets in the same order, and any two ranks issue the buck
 same relative order (what gloo's per-group matching and NCCL's in-order streams both need).
 
 ``ready(name, grad)``: the parameter's gradient is final (called from its post-accumulate-grad hook
-during the step's last backward); issues every bucket that became issuable. ``flush(grads)`` issues
+during the step's last backward); issues every bucket that became issuable (not one over a group
+``after_backward`` names, nor any after it). Every collective goes through the rank's ``issuer``. ``flush(grads)`` issues
 the rest (a rank whose pipeline ran no micro-batch pushes zeros). ``wait(held)`` completes them in
 order (``complete_next``: one at a time) and hands each member piece to ``held[name]`` as
 ``((lo, hi), rows)``. ``carry(values)`` sends a few fp32 values with the first bucket (the step's
@@ -69,8 +70,11 @@ class GradBuckets:
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  layouts: Mapping[str, ParamLayout], groups: Any, contribution: Contribution,
                  device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 issuer: Optional[CollectiveIssuer] = None) -> None:
+                 issuer: Optional[CollectiveIssuer] = None,
+                 after_backward: Callable[[tuple[int, ...]], bool] = lambda group: False) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
+        # a bucket over such a group waits for ``flush`` (its members still wait for this rank's backward)
+        self.after_backward = after_backward
         self.issuer = issuer or CollectiveIssuer()       # the rank's choke point (order, record)
         self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
@@ -136,7 +140,8 @@ class GradBuckets:
         self._grads[name] = grad
         for b in self._bucket_of.get(name, ()):
             b.missing.discard(name)
-        while self._next < len(self.buckets) and not self.buckets[self._next].missing:
+        while (self._next < len(self.buckets) and not self.buckets[self._next].missing
+               and not self.after_backward(self.buckets[self._next].group)):
             self._issue(self.buckets[self._next])
             self._next += 1
 

@@ -3,7 +3,9 @@
 The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``, reverse
 model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
-``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
+``arm``), in one global bucket order, except from a bucket whose group holds a rank of an earlier
+stage of this rank's pipeline (a tied parameter's: that rank is still waiting for this rank's
+gradient), which waits for the backward's end; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
 per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
 rank's shard group, and the owners' shards are then summed across the groups (all-reduces among the
@@ -14,7 +16,8 @@ micro-batch pushes zeros, so every rank takes part and nothing hangs.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import bisect
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +49,18 @@ def groups_needed(program: Any) -> list[tuple[int, ...]]:
     if cluster.shard_group is not None:
         needed |= set(shard_groups_of(cluster.world_size, cluster.group_size))
     return sorted(g for g in needed if len(g) > 1)
+
+
+def spans_earlier_stages(strategy: Any, rank: int) -> Callable[[tuple[int, ...]], bool]:
+    """Whether a group (sorted ranks) holds a rank of an earlier stage of ``rank``'s pipeline (a tied
+    parameter's reduction across stages): that rank reaches the group's reduction only after this rank's
+    last backward has sent it its gradient, so a reduction issued from this rank's backward hooks would
+    wait in front of that send (a deadlock where a rank's operations run one at a time: NCCL's stream,
+    ``--collective-order strict``); such buckets are issued after the backward (``GradBuckets.flush``).
+    Pipelines' ranks are consecutive, earlier stages first: one range, one bisection per group."""
+    c = strategy.coord(rank)
+    lo, hi = strategy.rank_of(c.pipeline, 0), strategy.rank_of(c.pipeline, c.stage)
+    return lambda group: hi > lo and bisect.bisect_left(group, lo) < len(group) and group[bisect.bisect_left(group, lo)] < hi
 
 
 def _cut(span: Range, at: Range) -> list[Range]:
@@ -95,7 +110,8 @@ class PushGradient:
         self._armed = False
         layouts = {n: params.layout(n) for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
-                                   device, bucket_bytes, issuer=self.issuer)
+                                   device, bucket_bytes, issuer=self.issuer,
+                                   after_backward=spans_earlier_stages(program.strategy, params.rank))
         self.peers = push_messages(program, params.rank)
         # the ranks holding this rank's shards in the other shard groups (--shard-group): the shards
         # are summed across them after the push inside the group

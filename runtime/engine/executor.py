@@ -22,6 +22,13 @@ state for it (building them on first use), then:
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
 
+Every collective of a step goes through the rank's ``CollectiveIssuer`` (``runtime/comm/order/issue``,
+labelled with the micro-batch and direction it runs in): under ``--collective-order strict`` each
+completes before the next is issued; with ``verify_collectives`` a Program's first step ends with the
+check of every rank's recorded sequence (``order/verify``: ``RunFailed`` naming the first difference or
+the deadlock); a collective that times out raises ``RunFailed`` saying where each rank's sequence
+stopped.
+
 Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
 ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
 global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
@@ -227,7 +234,7 @@ class Executor:
         self.rank, self.world_size = rank, world_size
         # the rank's one choke point for its steps' collectives (order, record), handed to every part
         # that issues one; ``verify_collectives``: a Program's first step checks every rank's record
-        self.issuer = issuer or CollectiveIssuer(rank, world_size)
+        self.issuer = issuer or CollectiveIssuer(rank, world_size, device=device)
         self.verify_collectives = verify_collectives
         if verify_collectives:
             self.issuer.record = True
@@ -554,9 +561,11 @@ class Executor:
             if kind == "F":
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
                 choice = memory.before_forward(i, mb, layout) if memory is not None else LayerChoice(None, None)
+                # a backward follows: the activation sends go with its gradient receive (flush_deferred)
+                then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                               documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload)
+                                              offload=choice.offload, defer_sends=then_backward)
                 with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
                       self.issuer.scope(f"mb {i} F")):
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)

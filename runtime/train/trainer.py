@@ -252,7 +252,8 @@ class Trainer:
         # the rank's one choke point for its steps' collectives: their order (strict: one in flight) and
         # record (--verify-collectives)
         issuer = CollectiveIssuer(rank, world_size, order=config.cluster.collective_order,
-                                  record=config.cluster.verify_collectives, hang_s=config.cluster.heartbeat_timeout)
+                                  record=config.cluster.verify_collectives, hang_s=config.cluster.heartbeat_timeout,
+                                  device=self.device)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),

@@ -6,12 +6,12 @@ sequence (``runtime/comm/order/derive``) and simulate them (``order/deadlock``).
 pipeline (the last none), NCCL. Without ``--shard-group`` the optimizer shards over the world, so a
 rank's pull exchanges with many peers: the derivation follows what each rank exchanges.
 
-Measured 2026-11-28 on the project's 2 shared cores (other jobs running), ``llama:tiny``, fp32:
-``128xTP4PP2`` 11,443 collectives, derive 12.2 s, simulate 3.3 s; ``32xTP4PP2+128xTP2PP1+128xTP1PP2+
-64xTP2PP2`` 16,531 collectives, derive 29.4 s, simulate 2.4 s (84 s and 181 s before the rounds were
-counted without building the messages' buffers' bookkeeping). With ``--shard-group 8``: 12,223
-collectives, derive 2.3 s, simulate 0.2 s; 16,935 collectives, derive 4.9 s, simulate 0.2 s. All
-deadlock-free (one micro-batch a pipeline).
+Measured 2026-11-28 on the project's 2 shared cores (other jobs running: times vary 2-4x), ``llama:tiny``,
+fp32, optimizer sharded over the world: ``128xTP4PP2`` 10,935 collectives, derive 12-21 s, simulate
+2.6-3.3 s; ``32xTP4PP2+128xTP2PP1+128xTP1PP2+64xTP2PP2`` 16,149 collectives, derive 29-31 s, simulate
+1.7-2.4 s (84 s and 181 s before the rounds were counted without the messages' buffer bookkeeping).
+With ``--shard-group 8``: 11,715 collectives, derive 2.3-8.4 s, simulate 0.1-0.8 s; 16,553
+collectives, derive 3.4-6.5 s, simulate 0.1-0.7 s. All deadlock-free (one micro-batch a pipeline).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ them on that rank (``runtime/engine/executor``):
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
    collectives in node order (a pipeline receive, TP / sequence-parallel / CP / Ulysses collectives,
    a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
-   a memory budget, and followed on a last stage by the loss's collectives over the TP group of a
+   a memory budget (in 1F1B's steady state, a forward followed by a backward sends its activations
+   with that backward's first gradient receive, one batch), and followed on a last stage by the loss's collectives over the TP group of a
    split vocabulary (per chunk of tokens: the logits all-gathered, forward and backward, in fp32;
    three all-reduces, forward only, with the vocabulary-parallel loss that is training's default
    below fp32). A backward runs autograd's order: the CPU engine runs the ready node
@@ -19,7 +20,8 @@ them on that rank (``runtime/engine/executor``):
 3. **Push buckets** (``grad_buckets.GradBuckets``, their one global order): with the push in the
    backward, during the last backward a bucket is issued once its gradients are final (a parameter's
    gradient is final after the backward of its first use in node order: ``AccumulateGrad`` runs
-   first among ready nodes) and every bucket before it was issued; ``flush`` issues the rest.
+   first among ready nodes) and every bucket before it was issued, but not one over a group holding an
+   earlier stage of the rank's pipeline (a tied weight's) nor any after it; ``flush`` issues the rest.
 4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_message_rounds``),
    under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
    global-norm clipping the norm's all-reduce inside the shard group. Under the overlapped update
@@ -55,7 +57,7 @@ from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.overlapped_update import is_plain_data_parallel
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
                                       pull_message_rounds)
-from hgraph.runtime.comm.push import push_message_rounds
+from hgraph.runtime.comm.push import push_message_rounds, spans_earlier_stages
 from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 
@@ -167,6 +169,7 @@ class _Event:
     dtype: str = ""
     shape: tuple[int, ...] = ()
     final: tuple[str, ...] = ()
+    carries: tuple[str, ...] = ()      # a gradient receive: the keys of the deferred sends it carries
 
 
 def _target(node: Any) -> str:
@@ -306,9 +309,28 @@ class _RoleSteps:
         rp = self.rp
         out: list[_Event] = []
         order = one_f_one_b(count, rp.scheme.pp, rp.stage)
+        last_stage = rp.stage == rp.scheme.pp - 1
+        deferred: list[_Event] = []
         for n, (kind, _) in enumerate(order):
-            out += self._forward() if kind == "F" else self._backward(last=n == len(order) - 1)
+            if kind == "F":
+                events = self._forward()
+                # 1F1B's steady state: a forward followed by a backward sends its activations with that
+                # backward's first gradient receive, one batch (``collectives.flush_deferred``)
+                if not last_stage and n + 1 < len(order) and order[n + 1][0] == "B":
+                    deferred += [e for e in events if _is_activation_send(e)]
+                    events = [e for e in events if not _is_activation_send(e)]
+                out += events
+                continue
+            for e in self._backward(last=n == len(order) - 1):
+                if deferred and e.kind == "recv" and e.label.startswith("pp_send"):
+                    e = replace(e, label="pp_send + " + e.label, carries=tuple(d.key for d in deferred))
+                    deferred = []
+                out.append(e)
         return out
+
+
+def _is_activation_send(e: _Event) -> bool:
+    return e.kind == "send" and e.label.startswith("pp_send") and not e.label.endswith("backward")
 
 
 def _replay_points(rp: Any) -> dict[int, int]:
@@ -409,6 +431,9 @@ class StepDeriver:
         buckets = GradBuckets(r, self._names, {n: ops_by_param.get(n, ()) for n in self._names}, layouts,
                               None, None, None, plan.push_bucket_bytes).buckets
         missing = [{name for name, _ in b.ops} for b in buckets]
+        # a bucket over a group holding an earlier stage of this pipeline (a tied weight's) waits for the
+        # backward's end, and every bucket after it (``PushGradient``: that stage waits for our gradient)
+        after_backward = spans_earlier_stages(program.strategy, r)
         where: dict[str, list[int]] = {}
         for j, b in enumerate(buckets):
             for name, _ in b.ops:
@@ -443,15 +468,15 @@ class StepDeriver:
                 for name in e.final:
                     for j in where.get(name, ()):
                         missing[j].discard(name)
-                while issued < len(buckets) and not missing[issued]:
+                while issued < len(buckets) and not missing[issued] and not after_backward(buckets[issued].group):
                     out.append(bucket(issued))
                     issued += 1
                 if self.overlap:
                     take_until(issued - 1)
             elif e.kind in ("send", "recv"):
                 peer = rp.bindings[e.key][0]
-                out.append(Collective.p2p(r, sends=[peer] if e.kind == "send" else [],
-                                          recvs=[peer] if e.kind == "recv" else [], label=e.label))
+                sends = [rp.bindings[k][0] for k in e.carries] + ([peer] if e.kind == "send" else [])
+                out.append(Collective.p2p(r, sends=sends, recvs=[peer] if e.kind == "recv" else [], label=e.label))
             else:
                 group = _group_of(r, e, rp, program)
                 if len(group) > 1:

@@ -18,7 +18,10 @@ What it adds to issuing:
 * **The strict order** (``order="strict"``, ``--collective-order strict``): every operation completes
   before ``issue`` returns, so no two operations of a rank are in flight, across all its groups: the
   most conservative reading of NCCL (one stream per rank), under which an inconsistent order hangs
-  on gloo too (gloo otherwise runs each group on its own threads).
+  on gloo too (gloo otherwise runs each group on its own threads). One waiter thread per rank waits
+  for the works while the rank's thread waits for it with a timeout (a timed wait on gloo's
+  point-to-point work closes its connection); the caller gets works whose ``wait`` is a no-op (a
+  second wait on gloo's send or receive blocks).
 * **A hang that names itself** (strict): a wait still unfinished after ``publish_s`` writes this
   rank's operation to the run's store (``hgraph/collective/RANK``, beside the heartbeat's keys), and
   one unfinished after ``hang_s`` reads the operations of the ranks it waits for, and of those they
@@ -31,8 +34,9 @@ nothing grows with the world size (a group's ranks are read once per process gro
 from __future__ import annotations
 
 import contextlib
-import datetime
 import json
+import queue
+import threading
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -80,13 +84,15 @@ class CollectiveIssuer:
     """
 
     def __init__(self, rank: Optional[int] = None, world_size: Optional[int] = None, *, order: str = FREE,
-                 record: bool = False, hang_s: float = 60.0, store: Any = None) -> None:
+                 record: bool = False, hang_s: float = 60.0, store: Any = None,
+                 device: Optional[torch.device] = None) -> None:
         if order not in COLLECTIVE_ORDERS:
             raise ValueError(f"collective order {order!r}: expected one of {', '.join(COLLECTIVE_ORDERS)}")
         initialised = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if initialised else 0)
         self.world_size = world_size if world_size is not None else (dist.get_world_size() if initialised else 1)
         self.order, self.record, self.hang_s = order, record, float(hang_s)
+        self.device = torch.device(device or "cpu")     # CUDA: the strict order waits for the device too
         self.publish_s = min(1.0, self.hang_s / 4)
         self._store = store
         self._ranks_of: dict[Any, tuple[int, ...]] = {}   # process group -> its sorted global ranks
@@ -95,6 +101,7 @@ class CollectiveIssuer:
         self.sequence: list[Collective] = []
         self._count = 0                    # operations issued this step
         self._last: Optional[tuple] = None   # the arguments of the last one (its record made on demand)
+        self._waiter: Optional[_Waiter] = None   # the strict order's waiting thread (started on first use)
 
     @property
     def strict(self) -> bool:
@@ -135,6 +142,7 @@ class CollectiveIssuer:
         work = start()
         if self.strict and work is not None:
             self._wait_strict([work], args)
+            return _Waited()
         return work
 
     def run(self, kind: str, group: Any, tensor: Optional[torch.Tensor], start: Callable[[], Any],
@@ -153,7 +161,11 @@ class CollectiveIssuer:
         self._note(args)
         works = start()
         if self.strict:
-            self._wait_strict(list(works) if isinstance(works, (list, tuple)) else [works], args)
+            if not isinstance(works, (list, tuple)):
+                self._wait_strict([works], args)
+                return _Waited()
+            self._wait_strict(list({id(w): w for w in works}.values()), args)   # a batch's one work: once
+            return [_Waited() for _ in works]
         return works
 
     def _note(self, args: tuple) -> None:
@@ -184,17 +196,15 @@ class CollectiveIssuer:
 
     # ---- the strict order: wait now, name a hang ---------------------------------------------------
     def _wait_strict(self, works: list, args: tuple) -> None:
-        deadline = time.monotonic() + self.hang_s
-        published = False
-        for work in works:
-            if not _wait_until(work, min(deadline, time.monotonic() + self.publish_s)):
-                if not published:
-                    self._publish(self._make(*args, self._prefix))
-                    published = True
-                if not _wait_until(work, deadline):
-                    raise CollectiveHang(self._hang_line(self._make(*args, self._prefix)))
-        if published:
-            self._publish(None)
+        if self._waiter is None:
+            self._waiter = _Waiter(self.rank, self.device)
+        job = self._waiter.submit(works)
+        if job.wait(self.publish_s):
+            return
+        self._publish(self._make(*args, self._prefix))
+        if not job.wait(self.hang_s - self.publish_s):
+            raise CollectiveHang(self._hang_line(self._make(*args, self._prefix)))
+        self._publish(None)
 
     def _store_or_none(self) -> Any:
         if self._store is None and dist.is_available() and dist.is_initialized():
@@ -285,33 +295,56 @@ class CollectiveIssuer:
         return f"stopped after {count} operations, the last {op.describe()}"
 
 
-def _wait_until(work: Any, deadline: float) -> bool:
-    """Wait for ``work`` until ``deadline`` (monotonic); whether it completed. Blocks in the backend's
-    wait where it takes a timeout (gloo), else polls ``is_completed`` (NCCL's wait returns at once)."""
-    inner = getattr(work, "work", None)     # a staged send or receive (``p2p.StagedWork``)
-    if inner is not None and hasattr(inner, "wait"):
-        if not _wait_until(inner, deadline):
-            return False
-        work.wait()                          # copies a received host buffer into its tensor
+class _Waited:
+    """What the strict order returns for a work it waited for: waiting again is a no-op (a second wait
+    on gloo's point-to-point work blocks for a message that never comes)."""
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
         return True
-    left = deadline - time.monotonic()
-    if left <= 0:
-        return _completed(work)
-    try:
-        work.wait(datetime.timedelta(seconds=left))
-    except RuntimeError as exc:
-        if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
-            raise
-        return False
-    pause = 1e-5
-    while not _completed(work):
-        if time.monotonic() >= deadline:
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _Job:
+    """Works the waiter thread waits for; ``wait(timeout_s)``: whether they completed (their error raised)."""
+
+    def __init__(self, works: list) -> None:
+        self.works, self.done, self.error = works, threading.Event(), None
+
+    def wait(self, timeout_s: float) -> bool:
+        if not self.done.wait(max(timeout_s, 0.0)):
             return False
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-3)
-    return True
+        if self.error is not None:
+            raise self.error
+        return True
 
 
-def _completed(work: Any) -> bool:
-    done = getattr(work, "is_completed", None)
-    return True if done is None else bool(done())
+class _Waiter:
+    """One thread that waits for the strict order's works, so the rank's own thread can wait with a
+    timeout: a timed wait on gloo's point-to-point work closes its connection (measured on torch 2.13),
+    and NCCL's ``wait`` only orders the waiting thread's stream after the operation (that stream is
+    then synchronised: the operation has completed on the device)."""
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.device = device
+        threading.Thread(target=self._run, name=f"hgraph-collective-waiter-{rank}", daemon=True).start()
+
+    def submit(self, works: list) -> _Job:
+        job = _Job(works)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)     # a backend's finishing copy is not an op of any graph
+        while True:
+            job = self._jobs.get()
+            try:
+                for work in job.works:
+                    work.wait()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as exc:     # handed to the rank's thread, which raises it
+                job.error = exc
+            job.done.set()

@@ -3,12 +3,10 @@ one operation of a rank at a time (``order/deadlock``): every strategy and switc
 suites, random strategies and schedules up to 64 ranks, and an order made inconsistent on purpose.
 
 A plan gives each pipeline one micro-batch (the last of several none) or 1F1B's steady state (as many
-as the pipeline's stages). Under the strictest reading (one operation of a rank in flight) 1F1B's
-steady state deadlocks on its lone pipeline messages: a stage sends micro-batch i+1's activation
-while the next stage sends micro-batch i's gradient back, and each send waits for the other's
-receive (Megatron sends and receives such a pair in one batch). The steady-state plans are therefore
-checked to have no other cycle (``_only_pipeline_pairs``), and the test that they are deadlock-free
-is an expected failure until the executor batches those messages.
+as the pipeline's stages). The steady state needs a stage's activation send to go with the next
+backward's gradient receive in one batch, and a tied weight's bucket to wait for the backward's end
+(``collectives.flush_deferred``, ``push.spans_earlier_stages``): without either, the strict reading
+names the cycle (two sends facing each other; a bucket in front of the gradient its peer waits for).
 """
 import random
 from dataclasses import replace
@@ -55,35 +53,11 @@ def _steps(compiled, strategies, world, shard_group, k, **plan):
     return [(compiled.instantiate(s, cluster), representative_plan(s, k=k, **plan)) for s in strategies]
 
 
-def _pipeline_message(op):
-    return op.kind == "p2p" and op.label.startswith(("pp_send", "pp_recv"))
-
-
-def _only_pipeline_pairs(verdict):
-    """The verdict's cycle is 1F1B's pair of lone pipeline messages and nothing else."""
-    return not verdict.ok and bool(verdict.waits) and all(_pipeline_message(op) for _, op, _ in verdict.waits)
-
-
-def _bucket_before_pipeline_gradient(verdict):
-    """The cycle of a push in the backward across pipeline stages: a later stage issues a bucket whose
-    group holds an earlier stage (a tied embedding) before it sends that stage its gradient, which the
-    earlier stage waits for (the order of the issue's goal is not the runtime's yet)."""
-    ops = [op for _, op, _ in verdict.waits]
-    return (not verdict.ok and any(_pipeline_message(op) for op in ops)
-            and any(op.label.startswith("push bucket") for op in ops)
-            and all(_pipeline_message(op) or op.label.startswith("push bucket") for op in ops))
-
-
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 @pytest.mark.parametrize("case", range(len(SUITE)), ids=[c[0] for c in SUITE])
 def test_equivalence_strategies_and_switches_are_deadlock_free(case, backend):
-    """NCCL as the runtime runs it (the push after the backward): deadlock-free. gloo's push inside
-    the backward: deadlock-free but for a tied embedding across stages (``_bucket_before_pipeline_gradient``)."""
     name, compiled, strategies, world, shard_group, plan = SUITE[case]
     verdict = simulate(derive_steps(_steps(compiled, strategies, world, shard_group, 1, backend=backend, **plan)))
-    if backend == "gloo" and not verdict.ok:
-        assert _bucket_before_pipeline_gradient(verdict), f"{name}: {verdict.line()}"
-        return
     assert verdict.ok, f"{name} {[str(s) for s in strategies]}: {verdict.line()}"
     assert verdict.line() == f"deadlock-free: {world} ranks, {verdict.collectives} collectives"
     # each step alone, too: a switch is a Program's step after another's
@@ -92,32 +66,28 @@ def test_equivalence_strategies_and_switches_are_deadlock_free(case, backend):
         assert one.ok, f"{s}: {one.line()}"
 
 
-@pytest.mark.xfail(strict=True, reason="a push bucket of a tied embedding is issued in a later stage's "
-                                       "backward before that stage sends the earlier one its gradient")
-def test_push_in_backward_across_stages_is_deadlock_free():
-    compiled = _compiled("tiny-tied", {})
-    verdict = simulate(derive_steps(_steps(compiled, [Strategy.parse("1xTP1PP2+1xTP2PP1")], 4, None, 1,
-                                           push_in_backward=True)))
-    assert verdict.ok, verdict.line()
-
-
 @pytest.mark.parametrize("case", range(len(SUITE)), ids=[c[0] for c in SUITE])
-def test_steady_state_deadlocks_only_on_pipeline_message_pairs(case):
+def test_steady_state_and_push_in_backward_are_deadlock_free(case):
+    """1F1B's steady state (as many micro-batches as stages) with the push inside the backward, also on
+    NCCL: the deferred activation sends and the tied weights' buckets keep it deadlock-free."""
     name, compiled, strategies, world, shard_group, plan = SUITE[case]
     for s in strategies:
-        verdict = simulate(derive_steps(_steps(compiled, [s], world, shard_group, None, **plan)))
-        if max(p.pp for p in s.pipelines) == 1:
-            assert verdict.ok, f"{s}: {verdict.line()}"
-        else:
-            assert _only_pipeline_pairs(verdict), f"{s}: {verdict.line()}"
+        verdict = simulate(derive_steps(_steps(compiled, [s], world, shard_group, None, push_in_backward=True, **plan)))
+        assert verdict.ok, f"{s}: {verdict.line()}"
 
 
-@pytest.mark.xfail(strict=True, reason="1F1B's lone pipeline sends deadlock under the strict reading "
-                                       "until the executor batches a send with the receive it meets")
-def test_steady_state_pipeline_is_deadlock_free():
-    compiled = _compiled("tiny", {})
-    verdict = simulate(derive_steps(_steps(compiled, [Strategy.parse("1xTP2PP2")], 4, None, None)))
-    assert verdict.ok, verdict.line()
+def test_steady_state_sends_go_with_the_gradient_receive():
+    compiled = _compiled("tiny-tied", {})
+    seqs = derive_steps(_steps(compiled, [Strategy.parse("1xTP1PP2+1xTP2PP1")], 4, None, 2, push_in_backward=True))
+    first = [(c.sends, c.recvs, c.label) for c in seqs[0] if c.kind == "p2p" and c.label.startswith("pp_")]
+    # stage 0, 2 micro-batches: F0 then F1 (its send deferred), B0 (receive + F1's send), B1
+    assert [(s, r) for s, r, _ in first] == [((1,), ()), ((1,), (1,)), ((), (1,))]
+    # the tied embedding's bucket over both stages: stage 1 issues it after its backward's last send
+    last = seqs[1]
+    tied = [i for i, c in enumerate(last) if c.label.startswith("push bucket") and c.group == (0, 1)]
+    sends = [i for i, c in enumerate(last) if c.kind == "p2p" and c.label.startswith("pp_recv")]
+    assert tied and sends and min(tied) > max(sends)
+    assert simulate(seqs).ok
 
 
 # ---- random strategies and schedules ------------------------------------------------------------------
@@ -156,13 +126,7 @@ def test_random_strategies_and_schedules(drawn):
     cluster = Cluster(world, gpus_per_node=world, shard_group=shard_group)
     steps = [(compiled.instantiate(s, cluster), representative_plan(s, k=k, **plan)) for s, k in zip(strategies, counts)]
     verdict = simulate(derive_steps(steps))
-    if verdict.ok:
-        return
-    # only the two known cycles: 1F1B's lone messages (two or more micro-batches), a bucket in the backward
-    steady = any(k is None or k >= 2 for k in counts)
-    in_backward = steps[0][1].in_backward
-    assert ((steady and _only_pipeline_pairs(verdict)) or (in_backward and _bucket_before_pipeline_gradient(verdict))), \
-        f"{[str(s) for s in strategies]} {counts} {plan}: {verdict.line()}"
+    assert verdict.ok, f"{[str(s) for s in strategies]} {counts} {plan}: {verdict.line()}"
 
 
 # ---- what the derivation holds, and an inconsistent order ---------------------------------------------

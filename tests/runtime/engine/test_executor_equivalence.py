@@ -11,6 +11,11 @@ micro-batch has an odd token count), the first case without it.
 
 Processes are spawned once per world size; every schedule runs inside them (one process group).
 
+Every run keeps NCCL's strictest collective order (``--collective-order strict``: each rank completes one
+collective before it issues the next, so an inconsistent order hangs here as it would on NCCL) and checks
+what the ranks issued after each new strategy's first step (``--verify-collectives``); the modules that
+build their runs with ``_config`` (Ulysses, long context) inherit both.
+
 fp32 tolerances: the noise-aware comparison of ``tests/runtime/reference_training.py`` (loss per step
 |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5 wherever the first gradient is not negligible, and
 elsewhere within a fifth of one Adam step, with at most 0.1 % of the elements past the tight bound:
@@ -85,10 +90,14 @@ def _batches(vocab=512):
     return list(mini_batches(docs, TOKENS_PER_ITER, STEPS))
 
 
+#: the collective order every multi-rank equivalence run keeps, and the check of what the ranks issued
+ORDER = {"collective_order": "strict", "verify_collectives": True}
+
+
 def _config(model, schedule, world, overrides, options):
     return TrainConfig.from_values(model=model, world_size=world, strategy_schedule=schedule, steps=STEPS,
                                    tokens_per_iter=TOKENS_PER_ITER, docs=_docs(overrides.get("vocab_size", 512)),
-                                   lr=LR, model_args=dict(overrides), save_final="unused", **options)
+                                   lr=LR, model_args=dict(overrides), save_final="unused", **{**ORDER, **options})
 
 
 def _op_ranks(op):
@@ -128,7 +137,7 @@ def _worker(rank, world, cases):
                                      for op in ops for r in _op_ranks(op)} - {rank}),
                     "builds": [(s.cache_hit, s.built_ahead, s.switch_s, s.build_s, s.build_lead_s) for s in steps],
                     "final": final if rank == 0 else None, "cache": trainer.executor.programs.info(),
-                    "issued": issued})
+                    "order_checks": trainer.executor.order_verdicts, "issued": issued})
     return out
 
 
@@ -197,6 +206,19 @@ def test_hierarchical_sharding_pulls_and_pushes_inside_the_group_and_sums_across
                 assert all(b > 0 for b in r[case]["replica_bytes"])
     world_peers = set(results8[0][0]["peers"])
     assert world_peers - set(range(4)), "the world layout's rank 0 exchanges beyond its half"
+
+
+def test_every_new_strategy_was_checked_deadlock_free_under_the_strict_order(results4, results8):
+    """--verify-collectives checked the collectives every rank recorded in each strategy's first step
+    (the equivalence above ran under --collective-order strict): every rank got the same verdict, for
+    every strategy of the schedule once, and no order could deadlock NCCL."""
+    for results, cases in ((results4, CASES_4), (results8, CASES_8)):
+        for case, (_, schedule, _, _) in enumerate(cases):
+            checks = [r[case]["order_checks"] for r in results]
+            assert all(c == checks[0] for c in checks)
+            assert [s for _, s, _ in checks[0]] == list(dict.fromkeys(str(Strategy.parse(x))
+                                                                     for x in schedule.split(";")))
+            assert all(line.startswith(f"deadlock-free: {len(results)} ranks, ") for _, _, line in checks[0]), checks[0]
 
 
 def test_only_the_last_strategys_working_parameters_hold_memory(results4, results8):
