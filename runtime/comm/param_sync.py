@@ -42,6 +42,18 @@ from hgraph.runtime.comm.push import PushGradient, groups_needed
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
 
 
+def pushes_in_backward(device_type: str) -> bool:
+    """Whether the push's reductions are issued from the backward's hooks on a device of this type (on
+    CPU; elsewhere after the backward). The collective order (``order/derive``) reads it here."""
+    return device_type == "cpu"
+
+
+def overlaps_update_on(gloo: bool) -> bool:
+    """Whether the overlapped update can run on this backend (gloo: the loss rides in the first
+    reduction's all-to-all). The collective order (``order/derive``) reads it here."""
+    return gloo
+
+
 class ParamSync:
     """Pull/Push of one rank for one Program.
 
@@ -72,12 +84,12 @@ class ParamSync:
         self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo,
                                    gather_group=gather_group, issuer=self.issuer)
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
-                                   in_backward=overlap_push and device.type == "cpu", issuer=self.issuer)
+                                   in_backward=overlap_push and pushes_in_backward(device.type), issuer=self.issuer)
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update
         # the optimizer update overlapped with the backward: a property of the Program, the same on
         # every rank, since it changes the order of the step's collectives; gloo only (the loss rides
         # in the first reduction's all-to-all there), and it needs a reduction to carry the loss
-        self.can_overlap_update = (update is not None and self.pushes.in_backward and gloo
+        self.can_overlap_update = (update is not None and self.pushes.in_backward and overlaps_update_on(gloo)
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)
