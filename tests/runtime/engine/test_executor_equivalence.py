@@ -290,11 +290,17 @@ def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
     assert several_docs and uneven and idle and odd_tp2
 
 
+_COMPILED = {}      # (model, overrides, sequence parallelism) -> compiled model: the cases share a few
+
+
 def _derived(model, schedule, world, overrides, options):
     """Every rank's collective sequence of the case's steps, derived from its Programs and each step's
     micro-batch counts (``runtime/comm/order/derive``), as the gloo runtime issues them."""
-    compiled = hgraph.compile(llama.build(model, **overrides),
-                              **{k: options[k] for k in ("sequence_parallel",) if k in options})
+    key = (model, tuple(sorted(overrides.items())), options.get("sequence_parallel"))
+    if key not in _COMPILED:
+        _COMPILED[key] = hgraph.compile(llama.build(model, **overrides),
+                                        **{k: options[k] for k in ("sequence_parallel",) if k in options})
+    compiled = _COMPILED[key]
     strategies = [Strategy.parse(s) for s in schedule.split(";")]
     cluster = Cluster(world, shard_group=options.get("shard_group"))
     steps = []
