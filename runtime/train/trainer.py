@@ -348,8 +348,14 @@ class Trainer:
         return self.executor.evaluate(s, mbs, sum(len(d) - 1 for d in self.eval_docs))
 
     def step(self, batch: MiniBatch) -> StepResult:
-        """One step of ``batch`` in the run's mode (collective)."""
-        return self.mode.step(batch)
+        """One step of ``batch`` in the run's mode (collective); with --verify-collectives rank 0 notes
+        each new strategy's verdict (a failed one has ended the run)."""
+        checked = len(self.executor.order_verdicts)
+        result = self.mode.step(batch)
+        if self.rank == 0 and self.config.log_steps:
+            for step, strategy, line in self.executor.order_verdicts[checked:]:
+                log.info("hgraph: collectives of %s (step %d): %s", strategy, step, line)
+        return result
 
     def run(self, exit_signal: Optional[ExitSignal] = None) -> TrainSummary:
         """The training loop; ``exit_signal``: stop with a checkpoint after the step on which every rank
