@@ -249,11 +249,12 @@ class Trainer:
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
         vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
-        # the rank's one choke point for its steps' collectives: their order (strict: one in flight) and
-        # record (--verify-collectives)
+        # the rank's one choke point for its steps' collectives: their order (strict: one in flight; a hang
+        # named after the heartbeat timeout, and before the collective's own timeout, 60 s unless given,
+        # would end it without the names) and record (--verify-collectives)
+        hang_s = min(config.cluster.heartbeat_timeout, 0.8 * (config.cluster.timeout or 60.0))
         issuer = CollectiveIssuer(rank, world_size, order=config.cluster.collective_order,
-                                  record=config.cluster.verify_collectives, hang_s=config.cluster.heartbeat_timeout,
-                                  device=self.device)
+                                  record=config.cluster.verify_collectives, hang_s=hang_s, device=self.device)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),
