@@ -150,7 +150,8 @@ SCHEMA: tuple[ConfigKey, ...] = (
     _k("cluster", "collective-order", "str", "free", "strict: every rank completes each collective (a "
        "point-to-point batch as one) before it issues the next, across all its groups, the most conservative "
        "reading of NCCL, so an inconsistent order hangs on gloo too; a hang is named (ranks, groups, each "
-       "one's operation) after --heartbeat-timeout; free: collectives of different groups overlap",
+       "one's operation) after --heartbeat-timeout (or 0.8 of --timeout if sooner); free: collectives of "
+       "different groups overlap",
        choices=("free", "strict")),
     _k("cluster", "verify-collectives", "bool", False, "record what each rank issues (group, operation, "
        "shape, dtype) and check every rank's sequence after each new strategy's first step: a group whose "
