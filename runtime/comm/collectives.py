@@ -2,7 +2,8 @@
 
 The graphs call the op vocabulary of ``hgraph.ops``, which calls the rank's ``CommContext``
 (``runtime/comm/context``), which resolves binding keys to ranks and calls the functions here. Every
-function takes that context first (no globals). An issue op starts the collective with
+function takes that context first (no globals), and issues through its ``issuer``, the rank's one
+choke point (``runtime/comm/order/issue``: the record, the strict order). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
@@ -24,7 +25,9 @@ Autograd (all ops are differentiable):
   from this rank's tokens with all its heads to every rank's tokens with ``1/n`` of the heads, and back,
   issued on the comm stream and finished by ``comm_wait``; the backward of each is the reversed
   exchange.
-* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``.
+* ``pp_send`` returns a scalar token; back-propagating the token receives dL/dx from ``dst``. On a
+  micro-batch view with ``defer_sends`` (1F1B's steady state: a backward follows the forward) the send
+  waits for that backward's gradient receive and goes with it as one batch (``flush_deferred``).
 * ``pp_recv`` returns a tensor that requires grad; its backward sends the gradient back to ``src``.
 
 Backward communication runs inside the autograd engine, so it is issued and completed there
@@ -83,16 +86,21 @@ def _comm_stream_scope(comm: Any, buffers: Sequence[torch.Tensor]) -> Any:
     return torch.cuda.stream(comm.comm_stream)
 
 
-def _issue(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any],
+def _issue(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple,
            finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PendingWork:
+    """Issue through the rank's ``CollectiveIssuer`` (``comm.issuer``): ``op`` is ``(kind, group,
+    tensor, label)`` of a collective or ``("p2p", sends, recvs, label)`` of a send or receive."""
     with _comm_stream_scope(comm, buffers):
-        work = start()
+        if op[0] == "p2p":
+            work = comm.issuer.p2p(op[1], op[2], start, op[3])
+        else:
+            work = comm.issuer.issue(op[0], op[1], op[2], start, op[3])
     return PendingWork([work], tuple(buffers), finish)
 
 
-def _run(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any]) -> None:
+def _run(comm: Any, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple) -> None:
     """Issue and wait at once (communication inside backward)."""
-    _issue(comm, buffers, start).wait(comm)
+    _issue(comm, buffers, start, op).wait(comm)
 
 
 class _Holder:
@@ -119,7 +127,8 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous().clone()
-        _run(ctx.comm, [g], lambda: dist.all_reduce(g, group=ctx.group, async_op=True))
+        _run(ctx.comm, [g], lambda: dist.all_reduce(g, group=ctx.group, async_op=True),
+             ("all_reduce", ctx.group, g, "tp_copy backward"))
         return g, None, None
 
 
@@ -127,8 +136,8 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, group, holder):
         buf = x.detach().contiguous().clone()
-        holder.pending = _issue(comm, [buf],
-                                lambda: dist.all_reduce(buf, group=group, async_op=True))
+        holder.pending = _issue(comm, [buf], lambda: dist.all_reduce(buf, group=group, async_op=True),
+                                ("all_reduce", group, buf, "tp_reduce"))
         return buf
 
     @staticmethod
@@ -175,7 +184,7 @@ class _GatherTP(torch.autograd.Function):
         inp = inp.unsqueeze(0)
         out = x.new_empty([n, *pad_shape])
         holder.pending = _issue(comm, [inp, out], lambda: all_gather_single(
-            out, inp, group=group, async_op=True))
+            out, inp, group=group, async_op=True), ("all_gather", group, inp, "gather"))
         return out
 
     @staticmethod
@@ -184,7 +193,7 @@ class _GatherTP(torch.autograd.Function):
             full = grad.contiguous()
             mine = full.new_empty(full.shape[1:]).unsqueeze(0)
             _run(ctx.comm, [full, mine], lambda: reduce_scatter_single(
-                mine, full, group=ctx.group, async_op=True))
+                mine, full, group=ctx.group, async_op=True), ("reduce_scatter", ctx.group, full, "gather backward"))
             g = mine[0].narrow(ctx.dim, 0, ctx.size)
         else:
             g = grad[ctx.index].narrow(ctx.dim, 0, ctx.size)
@@ -243,7 +252,8 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, send, comm, group, send_splits, recv_splits, holder):
         recv = send.new_empty(sum(recv_splits))
         holder.pending = _issue(comm, [send, recv], lambda: dist.all_to_all_single(
-            recv, send, list(recv_splits), list(send_splits), group=group, async_op=True))
+            recv, send, list(recv_splits), list(send_splits), group=group, async_op=True),
+            ("all_to_all", group, send, "ulysses"))
         ctx.comm, ctx.group, ctx.splits = comm, group, (send_splits, recv_splits)
         return recv
 
@@ -253,7 +263,8 @@ class _AllToAll(torch.autograd.Function):
         g = grad.contiguous()
         out = g.new_empty(sum(send_splits))
         _run(ctx.comm, [g, out], lambda: dist.all_to_all_single(
-            out, g, list(send_splits), list(recv_splits), group=ctx.group, async_op=True))
+            out, g, list(send_splits), list(recv_splits), group=ctx.group, async_op=True),
+             ("all_to_all", ctx.group, g, "ulysses backward"))
         return out, None, None, None, None, None
 
 
@@ -324,7 +335,8 @@ class _ScatterTokens(torch.autograd.Function):
             buf[i, :hi - lo].copy_(moved[lo:hi])
         out = moved.new_empty((1, padded) + tuple(moved.shape[1:]))
         holder.pending = _issue(comm, [buf, out],
-                                lambda: reduce_scatter_single(out, buf, group=group, async_op=True))
+                                lambda: reduce_scatter_single(out, buf, group=group, async_op=True),
+                                ("reduce_scatter", group, buf, "sp_scatter"))
         ctx.comm, ctx.group, ctx.n, ctx.dim, ctx.bounds, ctx.padded = comm, group, n, dim, bounds, padded
         return out
 
@@ -332,7 +344,8 @@ class _ScatterTokens(torch.autograd.Function):
     def backward(ctx, grad):
         g = grad.contiguous()                       # [1, padded, ...]: zero past this rank's slice
         full = g.new_empty((ctx.n,) + tuple(g.shape[1:]))
-        _run(ctx.comm, [g, full], lambda: all_gather_single(full, g, group=ctx.group, async_op=True))
+        _run(ctx.comm, [g, full], lambda: all_gather_single(full, g, group=ctx.group, async_op=True),
+             ("all_gather", ctx.group, g, "sp_scatter backward"))
         whole = torch.cat([full[i, :hi - lo] for i, (lo, hi) in enumerate(ctx.bounds)], dim=0)
         return whole.movedim(0, ctx.dim), None, None, None, None, None, None
 
@@ -418,7 +431,12 @@ class _SendActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm, dst, tag, holder, stage):
         buf = x.detach().contiguous()
-        holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage))
+        if comm.defer_sends:        # sent with the next backward's gradient receive (``flush_deferred``)
+            comm.in_flight.deferred.append((p2p.PeerOp(True, buf, dst, tag), stage))
+            holder.pending = PendingWork([], (buf,), done=True)
+        else:
+            holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
+                                    ("p2p", (dst,), (), "pp_send"))
         ctx.comm, ctx.dst, ctx.tag, ctx.holder, ctx.stage = comm, dst, tag, holder, stage
         ctx.meta = (x.shape, x.dtype, x.device)
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -428,22 +446,48 @@ class _SendActivation(torch.autograd.Function):
         ctx.holder.pending.wait(ctx.comm)
         shape, dtype, device = ctx.meta
         g = torch.empty(shape, dtype=dtype, device=device)
-        _run(ctx.comm, [g], lambda: p2p.irecv(g, ctx.dst, tag=ctx.tag, stage=ctx.stage))
+        recv = p2p.PeerOp(False, g, ctx.dst, ctx.tag)
+        flush_deferred(ctx.comm, recv, ctx.stage).wait(ctx.comm)
         return g, None, None, None, None, None
+
+
+def flush_deferred(comm: Any, recv: Optional[p2p.PeerOp] = None, stage: bool = False) -> PendingWork:
+    """Issue the activation sends a micro-batch deferred (``CommContext.defer_sends``) together with
+    ``recv``, the gradient receive of the backward that follows, as one point-to-point batch (Megatron's
+    send-forward-receive-backward): in 1F1B's steady state a stage sends micro-batch ``i``'s activation
+    while the next stage sends micro-batch ``j``'s gradient, and two blocking sends facing each other
+    deadlock where a rank's operations run one at a time (NCCL's one stream; ``--collective-order
+    strict``). The sends' work is kept for ``wait_all``; returns the receive's (done when none)."""
+    deferred, comm.in_flight.deferred = comm.in_flight.deferred, []
+    sends = [op for op, _ in deferred]
+    stage = stage or any(s for _, s in deferred)
+    transfers = sends + ([recv] if recv is not None else [])
+    if not transfers:
+        return PendingWork([], done=True)
+    tensors = [t.tensor for t in transfers]
+    label = "pp_send" + (" + pp_send backward" if sends and recv is not None else " backward" if recv else "")
+    with _comm_stream_scope(comm, tensors):
+        works = comm.issuer.p2p([t.peer for t in sends], [recv.peer] if recv is not None else [],
+                                lambda: p2p.batch_isend_irecv(transfers, stage=stage), label)
+    if sends:
+        comm.detach_work(PendingWork(list(works[:len(sends)]), tuple(t.tensor for t in sends)))
+    return PendingWork(list(works[len(sends):]), tuple(tensors[len(sends):]))
 
 
 class _RecvActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, comm, src, shape, dtype, tag, holder, stage):
         buf = torch.empty(shape, dtype=dtype, device=comm.device)
-        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage))
+        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage),
+                                ("p2p", (), (src,), "pp_recv"))
         ctx.comm, ctx.src, ctx.tag, ctx.stage = comm, src, tag, stage
         return buf
 
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous()
-        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage))
+        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage),
+                      ("p2p", (ctx.src,), (), "pp_recv backward"))
         ctx.comm.detach_work(send)
         return None, None, None, None, None, None, None, None
 

@@ -27,6 +27,7 @@ from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives
 from hgraph.runtime.comm.collectives import PendingWork
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
 from hgraph.runtime.kernels.cp_attention import CPLayout
@@ -43,6 +44,7 @@ class InFlight:
     # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
     pending: dict = field(default_factory=dict)
     detached: list = field(default_factory=list)      # sends issued from backward
+    deferred: list = field(default_factory=list)      # activation sends waiting for the next gradient receive
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,6 +62,8 @@ class CommContext:
     activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
+    # the rank's one choke point for what it issues (its order and record), shared by every view
+    issuer: CollectiveIssuer = field(default_factory=CollectiveIssuer, repr=False)
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
     cp_layout: Optional[CPLayout | UlyssesLayout] = None   # its tokens' layout (CP > 1 or UL > 1)
     documents: Optional[DocumentBounds] = None    # its documents' boundaries (host and device), CP 1
@@ -67,6 +71,7 @@ class CommContext:
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
     offload: Any = None                           # its offloaded blocks (``engine.offload``), or None
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
+    defer_sends: bool = False                     # its activation sends go with the next backward's receive
     in_flight: InFlight = field(default_factory=InFlight, repr=False)
 
     @classmethod
@@ -85,11 +90,13 @@ class CommContext:
 
     def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
                        recompute_layers: Optional[frozenset] = None, evaluating: bool = False,
-                       documents: Optional[DocumentBounds] = None, offload: Any = None) -> "CommContext":
+                       documents: Optional[DocumentBounds] = None, offload: Any = None,
+                       defer_sends: bool = False) -> "CommContext":
         """The context one micro-batch's graph runs with: this context's fixed state and work in
-        flight, with the micro-batch's own values."""
+        flight, with the micro-batch's own values (``defer_sends``: a backward follows its forward,
+        whose gradient receive carries its activation sends, ``collectives.flush_deferred``)."""
         return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
-                       evaluating=evaluating, documents=documents, offload=offload)
+                       evaluating=evaluating, documents=documents, offload=offload, defer_sends=defer_sends)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:
@@ -112,6 +119,7 @@ class CommContext:
 
     def wait_all(self) -> None:
         """Wait for every op still in flight (end of a step)."""
+        collectives.flush_deferred(self)      # none are left in 1F1B: a backward follows every deferring forward
         for _, pending in self.in_flight.pending.values():
             pending.wait(self)
         for pending in self.in_flight.detached:

@@ -11,7 +11,8 @@ of a group issue its buckets in the same order, and any two ranks issue the buck
 same relative order (what gloo's per-group matching and NCCL's in-order streams both need).
 
 ``ready(name, grad)``: the parameter's gradient is final (called from its post-accumulate-grad hook
-during the step's last backward); issues every bucket that became issuable. ``flush(grads)`` issues
+during the step's last backward); issues every bucket that became issuable (not one over a group
+``after_backward`` names, nor any after it). Every collective goes through the rank's ``issuer``. ``flush(grads)`` issues
 the rest (a rank whose pipeline ran no micro-batch pushes zeros). ``wait(held)`` completes them in
 order (``complete_next``: one at a time) and hands each member piece to ``held[name]`` as
 ``((lo, hi), rows)``. ``carry(values)`` sends a few fp32 values with the first bucket (the step's
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from hgraph.comm_plan import ParamLayout, ReduceScatter
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.collectives import reduce_scatter_single
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.rank_params import laid_out_rows
 
 #: DDP's default bucket cap (``bucket_cap_mb=25``).
@@ -67,8 +69,13 @@ class GradBuckets:
 
     def __init__(self, rank: int, order: Sequence[str], push_ops: Mapping[str, Sequence[Any]],
                  layouts: Mapping[str, ParamLayout], groups: Any, contribution: Contribution,
-                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 issuer: Optional[CollectiveIssuer] = None,
+                 after_backward: Callable[[tuple[int, ...]], bool] = lambda group: False) -> None:
         self.rank, self.groups, self.contribution, self.device = rank, groups, contribution, device
+        # a bucket over such a group waits for ``flush`` (its members still wait for this rank's backward)
+        self.after_backward = after_backward
+        self.issuer = issuer or CollectiveIssuer()       # the rank's choke point (order, record)
         self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
@@ -133,7 +140,8 @@ class GradBuckets:
         self._grads[name] = grad
         for b in self._bucket_of.get(name, ()):
             b.missing.discard(name)
-        while self._next < len(self.buckets) and not self.buckets[self._next].missing:
+        while (self._next < len(self.buckets) and not self.buckets[self._next].missing
+               and not self.after_backward(self.buckets[self._next].group)):
             self._issue(self.buckets[self._next])
             self._next += 1
 
@@ -204,10 +212,12 @@ class GradBuckets:
             if carry is not None:
                 buf.narrow(1, b.elements, extra).copy_(carry.expand(k, extra))
             received = torch.empty_like(buf)
-            b.work = dist.all_to_all_single(received, buf, group=group, async_op=True)
+            b.work = self.issuer.issue("all_to_all", group, buf, lambda: dist.all_to_all_single(
+                received, buf, group=group, async_op=True), f"push bucket {self._next}")
         else:
             received = buf.new_empty(b.elements)
-            b.work = reduce_scatter_single(received, buf.view(-1), group=group, async_op=True)
+            b.work = self.issuer.issue("reduce_scatter", group, buf, lambda: reduce_scatter_single(
+                received, buf.view(-1), group=group, async_op=True), f"push bucket {self._next}")
 
         def finish(held: dict) -> None:
             if gloo:            # every member's chunk for this rank: their sum

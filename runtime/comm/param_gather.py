@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.runtime.comm.collectives import all_gather_single
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.shard_rule import shard_bounds
 
 
@@ -29,14 +30,17 @@ class GatherBucket:
     """One all-gather carrying several parameters."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-                 world_size: int, dtype: torch.dtype, all_to_all: bool = False, group: Any = None) -> None:
+                 world_size: int, dtype: torch.dtype, all_to_all: bool = False, group: Any = None,
+                 issuer: Optional[CollectiveIssuer] = None, label: str = "pull gather") -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of
         the parameter and only sends its segment; ``all_to_all``: gather by all-to-all (on gloo: one
         exchange with each peer instead of a ring). ``rank`` and ``world_size`` are this rank's place
         in the gathering ``group`` and its size (``None``: the world; a shard group under
-        ``--shard-group``)."""
+        ``--shard-group``); ``issuer``: the rank's ``CollectiveIssuer``, ``label`` the bucket's name in
+        its record."""
         self.rank, self.world_size, self.dtype, self.group = rank, world_size, dtype, group
+        self.issuer, self.label = issuer or CollectiveIssuer(), label
         self.all_to_all = all_to_all and world_size > 1
         self.names = [name for name, _, _, _ in entries]
         self.sizes, self.widths, self.rests, self.split = [], [], [], []
@@ -90,9 +94,11 @@ class GatherBucket:
         self.out = send.new_empty(self.chunk * self.world_size)
         if self.all_to_all:
             send[1:].copy_(send[0].expand(copies - 1, self.chunk))
-            self.work = dist.all_to_all_single(self.out, send.view(-1), group=self.group, async_op=True)
+            self.work = self.issuer.issue("all_to_all", self.group, send, lambda: dist.all_to_all_single(
+                self.out, send.view(-1), group=self.group, async_op=True), self.label)
         else:
-            self.work = all_gather_single(self.out, send[0], group=self.group, async_op=True)
+            self.work = self.issuer.issue("all_gather", self.group, send[0], lambda: all_gather_single(
+                self.out, send[0], group=self.group, async_op=True), self.label)
 
     @torch.no_grad()
     def complete(self) -> None:

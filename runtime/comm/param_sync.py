@@ -35,10 +35,23 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.overlapped_update import OverlappedUpdate, is_plain_data_parallel
 from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient, groups_needed
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
+
+
+def pushes_in_backward(device_type: str) -> bool:
+    """Whether the push's reductions are issued from the backward's hooks on a device of this type (on
+    CPU; elsewhere after the backward). The collective order (``order/derive``) reads it here."""
+    return device_type == "cpu"
+
+
+def overlaps_update_on(gloo: bool) -> bool:
+    """Whether the overlapped update can run on this backend (gloo: the loss rides in the first
+    reduction's all-to-all). The collective order (``order/derive``) reads it here."""
+    return gloo
 
 
 class ParamSync:
@@ -57,8 +70,10 @@ class ParamSync:
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
-                 overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None) -> None:
+                 overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.program = program
+        self.issuer = issuer or CollectiveIssuer()    # every collective of the pull and push goes through it
         self.params = RankParams(program, rank, masters, working, shards, working_dtype, frozenset(aliased))
         self.stats = SyncStats()          # the last step's bytes, counted by the pull and the push
         self._active = False
@@ -67,14 +82,14 @@ class ParamSync:
         shard_group = self.params.shard_group       # the all-gathers run inside it
         gather_group = groups.get(shard_group) if len(shard_group) < self.params.world_size else None
         self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo,
-                                   gather_group=gather_group)
+                                   gather_group=gather_group, issuer=self.issuer)
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
-                                   in_backward=overlap_push and device.type == "cpu")
+                                   in_backward=overlap_push and pushes_in_backward(device.type), issuer=self.issuer)
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update
         # the optimizer update overlapped with the backward: a property of the Program, the same on
         # every rank, since it changes the order of the step's collectives; gloo only (the loss rides
         # in the first reduction's all-to-all there), and it needs a reduction to carry the loss
-        self.can_overlap_update = (update is not None and self.pushes.in_backward and gloo
+        self.can_overlap_update = (update is not None and self.pushes.in_backward and overlaps_update_on(gloo)
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)

@@ -21,16 +21,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 
 from hgraph.comm_plan import Transfer
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.p2p import PeerOp, batch_isend_irecv, host_staged
 
 #: A transfer at least this large is its own message. Below it gloo's per-message latency (tens of us
 #: on one host) outweighs the time to move the bytes; above it a coalesced copy would cost memory.
 ALONE_BYTES = 64 * 1024
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,58 @@ def plan_transfers(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tu
         name, rest = param.name, param.row_shape
         out += [(Rows(name, op.lo, op.hi, (op.hi - op.lo, *rest)), op.src, op.dst) for op in ops]
     return out
+
+
+def transfer_sizes(ops_by_param: Iterable[tuple[Any, Iterable[Any]]]) -> list[tuple[int, int, int]]:
+    """``plan_transfers`` as ``(elements, src, dst)``, in its order, without a ``Rows`` each."""
+    out = []
+    for param, rank_ops in ops_by_param:
+        row = math.prod(param.row_shape)
+        ops = sorted((op for op in rank_ops if isinstance(op, Transfer)), key=lambda op: (op.lo, op.hi))
+        out += [((op.hi - op.lo) * row, op.src, op.dst) for op in ops]
+    return out
+
+
+def cut_messages(rank: int, sizes: Iterable[tuple[int, int, int]], element_size: int,
+                 cap_bytes: Optional[int]) -> Iterator[tuple[tuple[int, bool], int, bool]]:
+    """Per transfer ``(elements, src, dst)`` of ``rank`` (model order): ``((peer, send), k, alone)``, its
+    message is bucket ``k`` of that peer and direction. A transfer of ``ALONE_BYTES`` or more travels
+    alone; smaller ones join the last bucket until it would pass ``cap_bytes`` (``None``: no limit)."""
+    count: dict[tuple[int, bool], int] = {}
+    open_elements: dict[tuple[int, bool], Optional[int]] = {}     # the last bucket's, None: alone or none
+    for elements, src, dst in sizes:
+        send = src == rank
+        key = (dst if send else src, send)
+        nbytes = elements * element_size
+        alone = nbytes >= ALONE_BYTES
+        last = open_elements.get(key)
+        if alone or last is None or (cap_bytes is not None and last * element_size + nbytes > cap_bytes):
+            count[key] = count.get(key, 0) + 1
+            last = None if alone else 0
+        open_elements[key] = None if alone else last + elements
+        yield key, count[key] - 1, alone
+
+
+def rounds_of(ordered: Sequence[Sequence[T]], sends_something: Callable[[T], bool]) -> list[list[T]]:
+    """Round ``k``: bucket ``k`` of every peer and direction (``ordered`` by peer and direction, so
+    every rank posts in one order); a bucket of empty transfers sends nothing."""
+    n_rounds = max((len(b) for b in ordered), default=0)
+    return [[bs[k] for bs in ordered if k < len(bs) and sends_something(bs[k])] for k in range(n_rounds)]
+
+
+def message_rounds(rank: int, sizes: Iterable[tuple[int, int, int]], element_size: int,
+                   cap_bytes: Optional[int]) -> list[list[tuple[int, bool]]]:
+    """The rounds ``PeerTransfers`` posts for these transfers (``cut_messages``), each a list of
+    ``(peer, send)``, without building its buckets: what a rank's collective order needs."""
+    sizes = list(sizes)
+    elements: dict[tuple[int, bool], list[int]] = {}      # per peer and direction: each bucket's
+    for (key, index, _), (n, _, _) in zip(cut_messages(rank, sizes, element_size, cap_bytes), sizes):
+        buckets = elements.setdefault(key, [])
+        if index == len(buckets):
+            buckets.append(0)
+        buckets[-1] += n
+    ordered = [[(key, n) for n in buckets] for key, buckets in sorted(elements.items())]
+    return [[key for key, _ in round_] for round_ in rounds_of(ordered, lambda bucket: bucket[1] > 0)]
 
 
 class PeerBucket:
@@ -98,23 +153,17 @@ class PeerTransfers:
 
     def __init__(self, rank: int, transfers: Iterable[tuple[Rows, int, int]], element_size: int,
                  cap_bytes: Optional[int], parity: int) -> None:
+        transfers = list(transfers)
         per_peer: dict[tuple[int, bool], list[PeerBucket]] = {}
-        for r, src, dst in transfers:
-            send = src == rank
-            peer = dst if send else src
+        cuts = cut_messages(rank, ((r.numel, src, dst) for r, src, dst in transfers), element_size, cap_bytes)
+        for (r, _, _), ((peer, send), index, alone) in zip(transfers, cuts):
             buckets = per_peer.setdefault((peer, send), [])
-            nbytes = r.numel * element_size
-            alone = nbytes >= ALONE_BYTES
-            last = buckets[-1] if buckets and not buckets[-1].alone else None
-            if alone or last is None or (cap_bytes is not None and last.numel * element_size + nbytes > cap_bytes):
-                buckets.append(PeerBucket(peer, send, 2 * len(buckets) + parity, alone))
+            if index == len(buckets):
+                buckets.append(PeerBucket(peer, send, 2 * index + parity, alone))
             buckets[-1].add(r)
         ordered = [bs for _, bs in sorted(per_peer.items())]
         self._buckets = [b for bs in ordered for b in bs]
-        n_rounds = max((len(b) for b in ordered), default=0)
-        # round k: bucket k of every peer and direction (sorted, so every rank posts in one order);
-        # a bucket of empty transfers sends nothing
-        self.rounds = [[bs[k] for bs in ordered if k < len(bs) and bs[k].numel] for k in range(n_rounds)]
+        self.rounds = rounds_of(ordered, lambda b: b.numel > 0)
         self.received: dict[str, list[tuple[PeerBucket, int]]] = {}    # name -> (bucket, index in it)
         for bucket in self.buckets():
             if not bucket.send:
@@ -125,9 +174,11 @@ class PeerTransfers:
         """Every bucket, by peer and direction."""
         return iter(self._buckets)
 
-    def post(self, source: Callable[[Rows], torch.Tensor], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    def post(self, source: Callable[[Rows], torch.Tensor], dtype: torch.dtype, device: torch.device,
+             issuer: Any = None, label: str = "") -> tuple[int, int]:
         """Fill every send buffer from ``source(rows)`` (one cast-and-copy for all) and post every
-        bucket, round by round; returns the bytes (sent, received)."""
+        bucket, round by round, each round one ``batch_isend_irecv`` through ``issuer`` (the rank's
+        ``CollectiveIssuer``; labelled ``LABEL round K``); returns the bytes (sent, received)."""
         dests, srcs = [], []
         sent = received = 0
         for bucket in self.buckets():
@@ -147,9 +198,12 @@ class PeerTransfers:
         if dests:
             torch._foreach_copy_(dests, srcs)
         stage = bool(self.rounds) and host_staged(device)
-        for round_ in self.rounds:
+        issuer = issuer or CollectiveIssuer()
+        for k, round_ in enumerate(self.rounds):
             ops = [PeerOp(b.send, b.flat, b.peer, b.tag) for b in round_]
-            for bucket, work in zip(round_, batch_isend_irecv(ops, stage=stage)):
+            works = issuer.p2p([b.peer for b in round_ if b.send], [b.peer for b in round_ if not b.send],
+                               lambda: batch_isend_irecv(ops, stage=stage), f"{label} round {k}".strip())
+            for bucket, work in zip(round_, works):
                 bucket.work = work
         return sent, received
 

@@ -15,15 +15,17 @@ pipeline that ran no micro-batch).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
 from hgraph.comm_plan import LocalCopy, Transfer
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.param_gather import GatherBucket
-from hgraph.runtime.comm.peer_buckets import PeerBucket, PeerTransfers, plan_transfers
+from hgraph.runtime.comm.peer_buckets import (PeerBucket, PeerTransfers, message_rounds, plan_transfers,
+                                              transfer_sizes)
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, lookup, rows
 
 #: Pull all-gathers carry at most this many bytes each (model order): the first parameters arrive
@@ -45,10 +47,41 @@ def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optio
     """The point-to-point messages of ``rank``'s pull: the transfers of the parameters not all-gathered
     and not ``aliased``, in the working dtype (``dtype_bytes``), small ones to one peer coalesced up to
     ``bucket_bytes``. Reads ``rank``'s own ops only (``Program.rank``), never the world's plans."""
+    transfers = plan_transfers(_messaged(program, rank, aliased))
+    return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
+
+
+def pull_message_rounds(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
+                        aliased: frozenset = frozenset()) -> list[list[tuple[int, bool]]]:
+    """The rounds of ``pull_messages`` as ``(peer, send)`` lists, without their buffers' bookkeeping
+    (the collective order, ``order/derive``)."""
+    return message_rounds(rank, transfer_sizes(_messaged(program, rank, aliased)), dtype_bytes, bucket_bytes)
+
+
+def _messaged(program: Any, rank: int, aliased: frozenset) -> Iterator[tuple[Any, Sequence[Any]]]:
+    """``(ParamLayout, rank's pull ops)`` of the parameters not all-gathered and not ``aliased``, model order."""
     ops = program.rank(rank).pull_by_param
     exchanges = (program.exchange(name) for name in program.param_names if name not in aliased)
-    transfers = plan_transfers((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
-    return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
+    return ((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
+
+
+def gather_buckets(program: Any, names: Sequence[str], cap: int) -> list[list[str]]:
+    """``names`` (all-gathered parameters, model order) cut into all-gathers of at most ``cap`` bytes
+    (at least one parameter each); every rank cuts the same buckets (widths and dtypes are the same
+    everywhere), and the collective order (``order/derive``) reads them from here."""
+    group_size = program.cluster.group_size      # an all-gather runs in the shard group
+    buckets: list[list[str]] = []
+    size = 0
+    for name in names:
+        ex = program.exchange(name)
+        width = -(-ex.param.size // group_size)
+        nbytes = group_size * ex.param.slice_bytes(0, width, ex.working_dtype_bytes)
+        if not buckets or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(name)
+        size += nbytes
+    return buckets
 
 
 def assembly(needs: Sequence[tuple[int, int]], ops: Sequence[Any], rank: int) -> tuple[tuple[Range, ...], ...]:
@@ -75,12 +108,13 @@ class PullParameter:
     ``all_to_all``: gather by all-to-all (gloo); ``bucket_bytes``: the cap of an all-gather and of a
     point-to-point message (``None``: ``GLOO_PULL_BUCKET_BYTES`` with ``all_to_all``, else
     ``DEFAULT_PULL_BUCKET_BYTES``); ``gather_group``: the process group of this rank's shard group,
-    which the all-gathers run in (``None``: the world's).
+    which the all-gathers run in (``None``: the world's); ``issuer``: the rank's ``CollectiveIssuer``.
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
-                 all_to_all: bool = False, gather_group: Any = None) -> None:
+                 all_to_all: bool = False, gather_group: Any = None, issuer: Optional[CollectiveIssuer] = None) -> None:
         self.params = params
+        self.issuer = issuer or CollectiveIssuer()
         self.stats = stats
         program = params.program
         by_param = params.rank_program.pull_by_param
@@ -95,8 +129,9 @@ class PullParameter:
         gathered = [n for n in params.order if params.exchange(n).is_all_gather and n not in params.aliased]
         place = params.shard_group.index(params.rank)
         self.gathers = [GatherBucket([self._gather_entry(n) for n in names], place, params.group_size,
-                                     params.working_dtype, all_to_all=all_to_all, group=gather_group)
-                        for names in self._buckets(gathered, bucket_bytes)]
+                                     params.working_dtype, all_to_all=all_to_all, group=gather_group,
+                                     issuer=self.issuer, label=f"pull gather {k}")
+                        for k, names in enumerate(gather_buckets(program, gathered, bucket_bytes))]
         self.peers = pull_messages(program, params.rank, params.working_dtype.itemsize, bucket_bytes,
                                    params.aliased)
         # the messages each parameter waits for, and the parameters each message carries
@@ -115,23 +150,6 @@ class PullParameter:
         w = self.params.working.get(name)
         return (name, param.size, rows(self.params.masters[name], param.shard_dim),
                 None if w is None else rows(w.data, param.shard_dim))
-
-    def _buckets(self, names: list[str], cap: int) -> list[list[str]]:
-        """``names`` (model order) cut into all-gathers of at most ``cap`` bytes (at least one parameter
-        each); every rank cuts the same buckets (widths and dtypes are the same everywhere)."""
-        world_size = self.params.group_size      # an all-gather runs in the shard group
-        buckets: list[list[str]] = []
-        size = 0
-        for name in names:
-            ex = self.params.exchange(name)
-            width = -(-ex.param.size // world_size)
-            nbytes = world_size * ex.param.slice_bytes(0, width, ex.working_dtype_bytes)
-            if not buckets or size + nbytes > cap:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(name)
-            size += nbytes
-        return buckets
 
     def _master_rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of this rank's fp32 master of ``name`` (a view, rows first)."""
@@ -171,7 +189,8 @@ class PullParameter:
             self._pulls[name] = pull
         self._ready = [n for n, k in self._missing.items() if k == 0]
         device = next(iter(p.masters.values())).device if p.masters else torch.device("cpu")
-        sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device)
+        sent, received = self.peers.post(lambda r: self._master_rows(r.name, r.lo, r.hi), p.working_dtype, device,
+                                         self.issuer, "pull")
         self.stats.pull_send_bytes += sent
         self.stats.pull_recv_bytes += received
 

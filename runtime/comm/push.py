@@ -3,7 +3,9 @@
 The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``, reverse
 model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
 runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
-``arm``), in one global bucket order; ``flush`` issues the rest. ``complete`` then waits for them,
+``arm``), in one global bucket order, except from a bucket whose group holds a rank of an earlier
+stage of this rank's pipeline (a tied parameter's: that rank is still waiting for this rank's
+gradient), which waits for the backward's end; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
 per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
 rank's shard group, and the owners' shards are then summed across the groups (all-reduces among the
@@ -14,7 +16,8 @@ micro-batch pushes zeros, so every rank takes part and nothing hangs.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import bisect
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,7 +25,8 @@ import torch.distributed as dist
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
 from hgraph.program import GroupRound
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
-from hgraph.runtime.comm.peer_buckets import PeerTransfers, plan_transfers
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
+from hgraph.runtime.comm.peer_buckets import PeerTransfers, message_rounds, plan_transfers, transfer_sizes
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
 from hgraph.runtime.comm.process_groups import shard_rounds
 
@@ -41,6 +45,18 @@ def groups_needed(program: Any, rank: int) -> list[GroupRound]:
     return rounds
 
 
+def spans_earlier_stages(strategy: Any, rank: int) -> Callable[[tuple[int, ...]], bool]:
+    """Whether a group (sorted ranks) holds a rank of an earlier stage of ``rank``'s pipeline (a tied
+    parameter's reduction across stages): that rank reaches the group's reduction only after this rank's
+    last backward has sent it its gradient, so a reduction issued from this rank's backward hooks would
+    wait in front of that send (a deadlock where a rank's operations run one at a time: NCCL's stream,
+    ``--collective-order strict``); such buckets are issued after the backward (``GradBuckets.flush``).
+    Pipelines' ranks are consecutive, earlier stages first: one range, one bisection per group."""
+    c = strategy.coord(rank)
+    lo, hi = strategy.rank_of(c.pipeline, 0), strategy.rank_of(c.pipeline, c.stage)
+    return lambda group: hi > lo and bisect.bisect_left(group, lo) < len(group) and group[bisect.bisect_left(group, lo)] < hi
+
+
 def _cut(span: Range, at: Range) -> list[Range]:
     """``span`` cut at the two ends of ``at`` (the pieces in order; some may be empty)."""
     lo, hi = span
@@ -56,6 +72,13 @@ def push_messages(program: Any, rank: int) -> PeerTransfers:
     return PeerTransfers(rank, transfers, 4, None, parity=2)
 
 
+def push_message_rounds(program: Any, rank: int) -> list[list[tuple[int, bool]]]:
+    """The rounds of ``push_messages`` as ``(peer, send)`` lists (the collective order, ``order/derive``)."""
+    ops = program.rank(rank).push_by_param
+    sizes = transfer_sizes((program.param_layout(n), ops.get(n, ())) for n in program.param_names)
+    return message_rounds(rank, sizes, 4, None)
+
+
 class PushGradient:
     """The push of one rank for one Program.
 
@@ -66,8 +89,10 @@ class PushGradient:
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, groups: Any, device: torch.device,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.params = params
+        self.issuer = issuer or CollectiveIssuer()
         self.stats = stats
         program = params.program
         by_param = params.rank_program.push_by_param
@@ -79,7 +104,8 @@ class PushGradient:
         self._armed = False
         layouts = {n: params.layout(n) for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
-                                   device, bucket_bytes)
+                                   device, bucket_bytes, issuer=self.issuer,
+                                   after_backward=spans_earlier_stages(program.strategy, params.rank))
         self.peers = push_messages(program, params.rank)
         # the ranks holding this rank's shards in the other shard groups (--shard-group): the shards
         # are summed across them after the push inside the group
@@ -218,7 +244,8 @@ class PushGradient:
             if name not in out:
                 out[name] = self.owned_gradient(name, held)
         # 2. transfers to the owners (the small ones coalesced per peer)
-        sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device)
+        sent, received = self.peers.post(lambda r: lookup(held[r.name], r.lo, r.hi, r.name), torch.float32, device,
+                                         self.issuer, "push")
         self.stats.push_send_bytes += sent
         self.stats.push_recv_bytes += received
         # 3. local adds (overlap with the transfers), then the received rows, each in the plan's order
@@ -244,7 +271,7 @@ class PushGradient:
         bucket more, not a second copy of its gradients."""
         names = [n for n in self.params.order if out[n].numel()]
         cap = max(self.bucket_bytes // 4, 1)
-        start = 0
+        start, k = 0, 0
         while start < len(names):
             end, size = start, 0
             while end < len(names) and (end == start or size + out[names[end]].numel() <= cap):
@@ -252,7 +279,10 @@ class PushGradient:
                 end += 1
             shards = [out[n] for n in names[start:end]]
             flat = torch.cat([s.reshape(-1) for s in shards])
-            dist.all_reduce(flat, group=self.replica_group)
+            self.issuer.run("all_reduce", self.replica_group, flat,
+                            lambda: dist.all_reduce(flat, group=self.replica_group, async_op=True),
+                            f"replica sum {k}")
+            k += 1
             self.stats.push_replica_bytes += flat.numel() * flat.element_size()
             torch._foreach_copy_(shards, [v.view(s.shape) for v, s in zip(flat.split([s.numel() for s in shards]), shards)])
             start = end

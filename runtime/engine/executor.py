@@ -22,6 +22,13 @@ state for it (building them on first use), then:
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
 
+Every collective of a step goes through the rank's ``CollectiveIssuer`` (``runtime/comm/order/issue``,
+labelled with the micro-batch and direction it runs in): under ``--collective-order strict`` each
+completes before the next is issued; with ``verify_collectives`` a Program's first step ends with the
+check of every rank's recorded sequence (``order/verify``: ``RunFailed`` naming the first difference or
+the deadlock); a collective that times out raises ``RunFailed`` saying where each rank's sequence
+stopped.
+
 Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
 ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
 global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
@@ -65,6 +72,9 @@ from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError, RunFailed
 from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
+from hgraph.runtime.comm.order.pipeline import one_f_one_b
+from hgraph.runtime.comm.order.verify import check_recorded
 from hgraph.runtime.comm.param_sync import ParamSync
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
@@ -181,16 +191,6 @@ def token_documents(mb: "MicroBatch") -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
 
 
-def one_f_one_b(num_microbatches: int, num_stages: int, stage: int) -> list[tuple[str, int]]:
-    """The 1F1B order of one stage: ``[("F", i) | ("B", i)]``."""
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(num_microbatches - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    order += [("B", i) for i in range(num_microbatches - warmup, num_microbatches)]
-    return order
-
-
 class ShardedOptimizer(Protocol):
     """What the executor needs of the sharded optimizer (``engine.optimizer.ShardedAdam``)."""
 
@@ -227,10 +227,20 @@ class Executor:
                  compile_backend: str = "inductor", offload: str = "off",
                  host_budget: Optional[float] = None,
                  layer_ms: Optional[Callable[[Scheme, tuple[int, int]], float]] = None,
-                 host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S) -> None:
+                 host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S,
+                 issuer: Optional[CollectiveIssuer] = None, verify_collectives: bool = False) -> None:
         self.compiled = compiled
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
+        # the rank's one choke point for its steps' collectives (order, record), handed to every part
+        # that issues one; ``verify_collectives``: a Program's first step checks every rank's record
+        self.issuer = issuer or CollectiveIssuer(rank, world_size, device=device)
+        self.verify_collectives = verify_collectives
+        if verify_collectives:
+            self.issuer.record = True
+        if hasattr(optimizer, "issuer"):
+            optimizer.issuer = self.issuer
+        self.order_verdicts: list[tuple[int, str, str]] = []   # (step, strategy, line) per check
         self.groups = groups
         self.device = torch.device(device or "cpu")
         self.skip_nonfinite = skip_nonfinite
@@ -358,7 +368,7 @@ class Executor:
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
         update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
-                         self.working_dtype, frozenset(aliased), update=update)
+                         self.working_dtype, frozenset(aliased), update=update, issuer=self.issuer)
         # the working tensors hold no memory until the Program runs (``_activate``): a Program prepared
         # ahead costs none. They had storage only while the views above were taken (a strided view of
         # an empty storage is refused): on CPU pages never touched, which never became resident; on a
@@ -369,11 +379,12 @@ class Executor:
             budget = self.memory_budget(rp.scheme) if callable(self.memory_budget) else self.memory_budget
             graph, memory = stage_memory(gm, working, program, rp, budget, self.device,
                                          self._offload_policy(program, rp))
+            memory.issuer = self.issuer
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
                            activation_meter=memory.meter if memory is not None else None,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
-                           vocab_parallel_loss=self.vocab_parallel_loss)
+                           vocab_parallel_loss=self.vocab_parallel_loss, issuer=self.issuer)
         return RankState(program, rp, graph, working, comm, sync, memory)
 
     def _ready_state(self, state: RankState) -> None:
@@ -420,12 +431,18 @@ class Executor:
         try:
             result = self._step(entry, microbatches, num_targets, step, prefetch)
         except RuntimeError as exc:
-            if self._heartbeat is None or isinstance(exc, RankLostError):
+            if isinstance(exc, RankLostError):
                 raise
-            lost = self._heartbeat.lost_ranks()
-            if not lost:
-                raise
-            raise RankLostError(step, lost, self.rank, exc) from exc
+            lost = self._heartbeat.lost_ranks() if self._heartbeat is not None else []
+            if lost:
+                raise RankLostError(step, lost, self.rank, exc) from exc
+            if _timed_out(exc):          # where each rank's sequence of this step stopped
+                raise RunFailed(f"step {step}: a collective timed out on rank {self.rank} "
+                                f"({str(exc).strip().splitlines()[0][:160]}); where the ranks' collectives "
+                                f"stopped: {self.issuer.stopped_line()}") from exc
+            raise
+        if first_use and self.verify_collectives:
+            self._verify_order(step, entry.program)
         result.cache_hit, result.switch_s = hit, switch_s
         if first_use and entry.build is not None:
             result.built_ahead, result.build_s = entry.ahead, entry.build.build_s
@@ -458,6 +475,7 @@ class Executor:
         state = self._state_of(entry)
         self._activate(state)
         self._step_index = step
+        self.issuer.begin_step(step)
         rp, sync = state.rank_program, state.sync
         for w in state.working.values():
             w.grad = None
@@ -544,10 +562,13 @@ class Executor:
             if kind == "F":
                 ids, pos, targets, layout, keys = self._inputs(state, mb)
                 choice = memory.before_forward(i, mb, layout) if memory is not None else LayerChoice(None, None)
+                # a backward follows: the activation sends go with its gradient receive (flush_deferred)
+                then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                               documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload)
-                with memory.meter.hooks() if memory is not None else contextlib.nullcontext():
+                                              offload=choice.offload, defer_sends=then_backward)
+                with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
+                      self.issuer.scope(f"mb {i} F")):
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
                     if last:
                         s = self._loss_sum(out, ids, targets, mb, mb_comm)
@@ -563,10 +584,11 @@ class Executor:
                 if n == len(order) - 1:     # gradients finished by this backward start their push
                     loss_sum = float(loss_acc) if loss_acc is not None else 0.0
                     last_backward(loss_sum)
-                if last:
-                    out.backward()
-                else:
-                    torch.autograd.backward(out)
+                with self.issuer.scope(f"mb {i} B"):
+                    if last:
+                        out.backward()
+                    else:
+                        torch.autograd.backward(out)
                 del out
                 if memory is not None:
                     memory.after_backward(i)
@@ -654,8 +676,24 @@ class Executor:
         wait for (None on one rank)."""
         # a fill, not a copy from the host: nothing waits for the GPU's backward here
         value = torch.full((1,), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
-        work = dist.all_reduce(value, async_op=True) if self.world_size > 1 else None
+        work = (self.issuer.issue("all_reduce", None, value, lambda: dist.all_reduce(value, async_op=True), "loss")
+                if self.world_size > 1 else None)
         return value, work
+
+    def _verify_order(self, step: int, program: Program) -> None:
+        """``--verify-collectives``: check the sequences every rank recorded in this Program's first step
+        (collective); a mismatch or a possible deadlock ends the run naming the ranks and the first
+        differing operation."""
+        ok, line = check_recorded(self.issuer.sequence, self.rank, self.world_size)
+        self.order_verdicts.append((step, str(program.strategy), line))
+        if not ok:
+            raise RunFailed(f"step {step}: --verify-collectives with strategy {program.strategy}: {line}")
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a collective's error is its timeout (gloo: "Timed out", NCCL's watchdog: "Timeout")."""
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def program_rounds(program: Program, rank: int) -> list[GroupRound]:

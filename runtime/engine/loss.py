@@ -76,7 +76,7 @@ def stage_loss_sum(out: Union[torch.Tensor, HeadInputs], targets: torch.Tensor,
     if out.piece_ranks:
         members = sorted(out.piece_ranks)      # the group's rank order; each member's piece is its place
         order = tuple(out.piece_ranks.index(r) for r in members)
-        split = VocabSplit(comm.groups.get(members), order, out.vocab, comm.vocab_parallel_loss)
+        split = VocabSplit(comm.groups.get(members), order, out.vocab, comm.vocab_parallel_loss, comm.issuer)
     return head_cross_entropy_sum(hidden, out.weight, out.bias, targets.reshape(-1),
                                   ignore_index=IGNORE_INDEX, vocab_start=out.vocab_start,
                                   vocab_local=out.vocab_local, split=split, chunk=chunk)

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hgraph.program import GroupRound, Program, RankProgram
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.activation_model import (FORWARD_FRACTION, LayerRoles, choose_layer_roles,
@@ -290,6 +291,7 @@ class StageMemory:
                  device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None) -> None:
         self.meter, self.layers, self.budget = meter, list(layers), budget
         self.group, self.device, self.offload = group, device, offload
+        self.issuer = CollectiveIssuer()      # the rank's choke point for the agreement (set by the executor)
         self.model = None
         self._held: dict[int, float] = {}
         self._host_held: dict[int, float] = {}
@@ -384,7 +386,10 @@ class StageMemory:
         if self.group is None:
             return r, o
         t = torch.tensor([r, r + o], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group[0])   # None: the default group
+        group = self.group[0]            # None: the default group
+        self.issuer.run("all_reduce", group, t,
+                        lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True),
+                        "memory agreement")
         return int(t[0]), int(t[1]) - int(t[0])
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.shard_rule import ShardLayout, group_shard_bounds, shard_bounds
 
 FUSED, EXACT = "fused", "exact"
@@ -87,6 +88,8 @@ class ShardedAdam:
             raise HGraphError(f"ShardedAdam: implementation {impl!r}; allowed: {', '.join(IMPLS)}")
         self.impl = impl
         self.rank, self.world_size, self.group = rank, world_size, group
+        # the rank's choke point for the step's norm reduction (the executor hands it its own)
+        self.issuer = CollectiveIssuer(rank, world_size)
         self.lr, self.betas, self.eps = lr, tuple(betas), eps
         self.weight_decay, self.decoupled_weight_decay = weight_decay, decoupled_weight_decay
         self.max_grad_norm = max_grad_norm
@@ -157,7 +160,8 @@ class ShardedAdam:
         local = (torch.stack(torch._foreach_norm(shards, 2)).double().square().sum() if shards
                  else torch.zeros((), dtype=torch.float64, device=self.flat_params.device))
         if self.group_size > 1:
-            dist.all_reduce(local, group=self.group)
+            self.issuer.run("all_reduce", self.group, local,
+                            lambda: dist.all_reduce(local, group=self.group, async_op=True), "grad norm")
         return local.sqrt().to(torch.float32)
 
     @torch.no_grad()

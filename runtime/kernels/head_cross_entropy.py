@@ -68,19 +68,36 @@ class VocabSplit:
     holds; ``vocab``: the whole vocabulary; ``parallel``: Megatron's vocabulary-parallel loss (three
     all-reduces of one value per token) rather than gathering each chunk's logits and taking torch's
     ``log_softmax`` of them (the single-device loss's arithmetic to the bit, at the logits' all-gather
-    cost; memory stays one chunk either way).
+    cost; memory stays one chunk either way). ``issuer``: the rank's ``CollectiveIssuer``
+    (``runtime/comm/order``), which issues these collectives (None: issued directly).
     """
 
     group: Any
     order: tuple[int, ...]
     vocab: int
     parallel: bool = True
+    issuer: Any = None
+
+
+def _run(split: VocabSplit, kind: str, tensor: torch.Tensor, start: Any, label: str) -> None:
+    """Issue ``start()`` (an ``async_op`` collective over the split's group) and wait for it, through
+    the rank's issuer when there is one."""
+    if split.issuer is not None:
+        split.issuer.run(kind, split.group, tensor, start, label)
+    else:
+        start().wait()
+
+
+def _all_reduce(t: torch.Tensor, split: VocabSplit, label: str, op: Any = dist.ReduceOp.SUM) -> None:
+    _run(split, "all_reduce", t, lambda: dist.all_reduce(t, op=op, group=split.group, async_op=True), label)
 
 
 def _gather_chunk(logits: torch.Tensor, split: VocabSplit) -> torch.Tensor:
     """The whole vocabulary's logits of a chunk: every rank's piece, in vocabulary order, cut to ``vocab``."""
     pieces = [torch.empty_like(logits) for _ in split.order]
-    dist.all_gather(pieces, logits.contiguous(), group=split.group)
+    mine = logits.contiguous()
+    _run(split, "all_gather", mine, lambda: dist.all_gather(pieces, mine, group=split.group, async_op=True),
+         "loss logits")
     ordered = [p for _, p in sorted(zip(split.order, pieces), key=lambda x: x[0])]
     return torch.cat(ordered, dim=-1).narrow(-1, 0, split.vocab)
 
@@ -95,10 +112,10 @@ def _log_softmax(logits: torch.Tensor,
     if not split.parallel:
         return torch.log_softmax(_gather_chunk(logits, split), dim=-1), None
     m = logits.max(dim=-1).values
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=split.group)
+    _all_reduce(m, split, "loss max", dist.ReduceOp.MAX)
     logits.sub_(m[:, None])
     sum_exp = logits.exp().sum(dim=-1)
-    dist.all_reduce(sum_exp, group=split.group)
+    _all_reduce(sum_exp, split, "loss sum exp")
     log_sum = sum_exp.log_()
     return logits.sub_(log_sum[:, None]), m.add_(log_sum)
 
@@ -124,7 +141,7 @@ class _HeadCrossEntropy(torch.autograd.Function):
             target_logp = torch.where(held, picked, torch.zeros_like(picked))
             del logp
             if parallel:          # the rank holding a token's target has its value
-                dist.all_reduce(target_logp, group=split.group)
+                _all_reduce(target_logp, split, "loss target")
             total -= target_logp.sum()
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.meta = (ignore_index, vocab_start, vocab_local, split, chunk, rows_start, rows)

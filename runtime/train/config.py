@@ -77,6 +77,11 @@ class ClusterConfig:
     device_memory: Union[float, str, None] = "auto"   # bytes per rank bounding MaxLen, "auto" or None
     timeout: Optional[float] = None            # None: 60 s for local processes, 600 s under a launcher
     heartbeat_timeout: float = 60.0            # a rank silent this long is named and the run ends
+    collective_order: str = "free"             # free | strict: each collective completes before the next
+    #                                            (NCCL's strictest reading; a hang names itself after
+    #                                            heartbeat_timeout)
+    verify_collectives: bool = False           # check every rank's recorded collectives after a new
+    #                                            Program's first step
     peak_tflops: Optional[float] = None        # a device's dense bf16 peak for MFU (None: known GPUs' table)
 
 

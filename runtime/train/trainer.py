@@ -48,6 +48,7 @@ from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
                                            find_resume_point, restore_state)
+from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache, shard_rounds
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
@@ -248,6 +249,12 @@ class Trainer:
         to_meta(self.model, buffers=False)     # an eagerly built model frees its parameters here
         self.weights = None
         vocab_parallel = {"on": True, "off": False}.get(config.model.vocab_parallel_loss)    # auto: None
+        # the rank's one choke point for its steps' collectives: their order (strict: one in flight; a hang
+        # named after the heartbeat timeout, and before the collective's own timeout, 60 s unless given,
+        # would end it without the names) and record (--verify-collectives)
+        hang_s = min(config.cluster.heartbeat_timeout, 0.8 * (config.cluster.timeout or 60.0))
+        issuer = CollectiveIssuer(rank, world_size, order=config.cluster.collective_order,
+                                  record=config.cluster.verify_collectives, hang_s=hang_s, device=self.device)
         self.executor = Executor(self.compiled, self.optimizer, rank, world_size, groups,
                                  device=self.device, skip_nonfinite=config.optimizer.skip_nonfinite,
                                  memory_budget=engine_memory_budget(config, planner),
@@ -257,7 +264,8 @@ class Trainer:
                                  vocab_parallel_loss=vocab_parallel, compile_mode=config.model.compile,
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,
-                                 layer_ms=offload_prices(config, self.model, world_size, planner))
+                                 layer_ms=offload_prices(config, self.model, world_size, planner),
+                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives)
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
@@ -341,8 +349,14 @@ class Trainer:
         return self.executor.evaluate(s, mbs, sum(len(d) - 1 for d in self.eval_docs))
 
     def step(self, batch: MiniBatch) -> StepResult:
-        """One step of ``batch`` in the run's mode (collective)."""
-        return self.mode.step(batch)
+        """One step of ``batch`` in the run's mode (collective); with --verify-collectives rank 0 notes
+        each new strategy's verdict (a failed one has ended the run)."""
+        checked = len(self.executor.order_verdicts)
+        result = self.mode.step(batch)
+        if self.rank == 0 and self.config.log_steps:
+            for step, strategy, line in self.executor.order_verdicts[checked:]:
+                log.info("hgraph: collectives of %s (step %d): %s", strategy, step, line)
+        return result
 
     def run(self, exit_signal: Optional[ExitSignal] = None) -> TrainSummary:
         """The training loop; ``exit_signal``: stop with a checkpoint after the step on which every rank

@@ -31,6 +31,7 @@ SUBCOMMANDS: dict[str, str] = {
     "report": "hgraph.tools.cli.report",
     "export": "hgraph.tools.cli.export",
     "memory": "hgraph.tools.cli.memory",
+    "check": "hgraph.tools.cli.check",
 }
 
 

@@ -147,6 +147,16 @@ SCHEMA: tuple[ConfigKey, ...] = (
        "different times)", optional=True, minimum=1e-3, metavar="S"),
     _k("cluster", "heartbeat-timeout", "float", 60.0, "seconds a rank may stop answering (stopped, frozen "
        "host) before a peer names it by rank and host and the run ends", minimum=1e-3, metavar="S"),
+    _k("cluster", "collective-order", "str", "free", "strict: every rank completes each collective (a "
+       "point-to-point batch as one) before it issues the next, across all its groups, the most conservative "
+       "reading of NCCL, so an inconsistent order hangs on gloo too; a hang is named (ranks, groups, each "
+       "one's operation) after --heartbeat-timeout (or 0.8 of --timeout if sooner); free: collectives of "
+       "different groups overlap",
+       choices=("free", "strict")),
+    _k("cluster", "verify-collectives", "bool", False, "record what each rank issues (group, operation, "
+       "shape, dtype) and check every rank's sequence after each new strategy's first step: a group whose "
+       "members disagree, or an order that could deadlock NCCL, ends the run naming the ranks and the "
+       "first differing operation"),
     _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
        "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
        minimum=1e-6, metavar="TFLOPS"),

@@ -130,7 +130,7 @@ class _Run:
         done = []
         for m in sorted(touched):
             s, v = self.unmatched[m]
-            if not +s and not +v:
+            if not any(s.values()) and not any(v.values()):     # counts never go below zero
                 del self.unmatched[m]
                 self.completed += 1
                 self.pos[m] += 1

@@ -11,6 +11,11 @@ micro-batch has an odd token count), the first case without it.
 
 Processes are spawned once per world size; every schedule runs inside them (one process group).
 
+Every run keeps NCCL's strictest collective order (``--collective-order strict``: each rank completes one
+collective before it issues the next, so an inconsistent order hangs here as it would on NCCL) and checks
+what the ranks issued after each new strategy's first step (``--verify-collectives``); the modules that
+build their runs with ``_config`` (Ulysses, long context) inherit both.
+
 fp32 tolerances: the noise-aware comparison of ``tests/runtime/reference_training.py`` (loss per step
 |diff| <= 1e-6 x loss; parameters atol = rtol = 1e-5 wherever the first gradient is not negligible, and
 elsewhere within a fifth of one Adam step, with at most 0.1 % of the elements past the tight bound:
@@ -21,14 +26,16 @@ import pytest
 import torch
 from tests.runtime.reference_training import assert_trained_like, reference_run
 
+import hgraph
 from hgraph.frontends.zoo import llama
+from hgraph.runtime.comm.order.derive import StepPlan, derive_steps
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.step_modes import dispatch_and_pack
 from hgraph.runtime.train.trainer import Trainer
-from hgraph.strategy import Strategy
+from hgraph.strategy import Cluster, Strategy
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 TOKENS_PER_ITER = 30
@@ -83,10 +90,14 @@ def _batches(vocab=512):
     return list(mini_batches(docs, TOKENS_PER_ITER, STEPS))
 
 
+#: the collective order every multi-rank equivalence run keeps, and the check of what the ranks issued
+ORDER = {"collective_order": "strict", "verify_collectives": True}
+
+
 def _config(model, schedule, world, overrides, options):
     return TrainConfig.from_values(model=model, world_size=world, strategy_schedule=schedule, steps=STEPS,
                                    tokens_per_iter=TOKENS_PER_ITER, docs=_docs(overrides.get("vocab_size", 512)),
-                                   lr=LR, model_args=dict(overrides), save_final="unused", **options)
+                                   lr=LR, model_args=dict(overrides), save_final="unused", **{**ORDER, **options})
 
 
 def _op_ranks(op):
@@ -98,6 +109,7 @@ def _worker(rank, world, cases):
     out = []
     for model, schedule, overrides, options in cases:
         trainer = Trainer(_config(model, schedule, world, overrides, options), rank, world, groups)
+        trainer.executor.issuer.record = True        # what each step issued (test_derived_order_is_recorded)
 
         def holding_states():
             # a state holds memory through its working tensors, or through its last step's gradients
@@ -105,10 +117,11 @@ def _worker(rank, world, cases):
             return [any(w.untyped_storage().nbytes() for w in st.working.values())
                     or any(g is not None for g in st.sync._buckets._grads.values()) or bool(st.sync.pulls._pulls)
                     for st in trainer.executor.programs.states().values()]
-        steps, held = [], []
+        steps, held, issued = [], [], []
         for b in _batches(overrides.get("vocab_size", 512)):
             steps.append(trainer.step(b))
             held.append(sum(holding_states()))
+            issued += trainer.executor.issuer.sequence
         final = trainer.final_state_dict()
         holding = holding_states()
         states = trainer.executor.programs.states().values()
@@ -123,7 +136,8 @@ def _worker(rank, world, cases):
                                                                    *st.sync.pushes.ops.values())
                                      for op in ops for r in _op_ranks(op)} - {rank}),
                     "builds": [(s.cache_hit, s.built_ahead, s.switch_s, s.build_s, s.build_lead_s) for s in steps],
-                    "final": final if rank == 0 else None, "cache": trainer.executor.programs.info()})
+                    "final": final if rank == 0 else None, "cache": trainer.executor.programs.info(),
+                    "order_checks": trainer.executor.order_verdicts, "issued": issued})
     return out
 
 
@@ -194,6 +208,19 @@ def test_hierarchical_sharding_pulls_and_pushes_inside_the_group_and_sums_across
     assert world_peers - set(range(4)), "the world layout's rank 0 exchanges beyond its half"
 
 
+def test_every_new_strategy_was_checked_deadlock_free_under_the_strict_order(results4, results8):
+    """--verify-collectives checked the collectives every rank recorded in each strategy's first step
+    (the equivalence above ran under --collective-order strict): every rank got the same verdict, for
+    every strategy of the schedule once, and no order could deadlock NCCL."""
+    for results, cases in ((results4, CASES_4), (results8, CASES_8)):
+        for case, (_, schedule, _, _) in enumerate(cases):
+            checks = [r[case]["order_checks"] for r in results]
+            assert all(c == checks[0] for c in checks)
+            assert [s for _, s, _ in checks[0]] == list(dict.fromkeys(str(Strategy.parse(x))
+                                                                     for x in schedule.split(";")))
+            assert all(line.startswith(f"deadlock-free: {len(results)} ranks, ") for _, _, line in checks[0]), checks[0]
+
+
 def test_only_the_last_strategys_working_parameters_hold_memory(results4, results8):
     """Per strategy the cache keeps the rank's graph and plans, but a switch frees the working
     parameters and gradients of the last one (and the buffers and gradient references of its last
@@ -261,3 +288,50 @@ def test_schedules_cover_packing_uneven_microbatches_and_an_idle_pipeline():
                            for p, pipe in zip(strategies[k % len(strategies)].pipelines, plan) for mb in pipe)
             assert sorted(d.index for pipe in plan for mb in pipe for d in mb) == sorted(d.index for d in batch.docs)
     assert several_docs and uneven and idle and odd_tp2
+
+
+_COMPILED = {}      # (model, overrides, sequence parallelism) -> compiled model: the cases share a few
+
+
+def _derived(model, schedule, world, overrides, options):
+    """Every rank's collective sequence of the case's steps, derived from its Programs and each step's
+    micro-batch counts (``runtime/comm/order/derive``), as the gloo runtime issues them."""
+    key = (model, tuple(sorted(overrides.items())), options.get("sequence_parallel"))
+    if key not in _COMPILED:
+        _COMPILED[key] = hgraph.compile(llama.build(model, **overrides),
+                                        **{k: options[k] for k in ("sequence_parallel",) if k in options})
+    compiled = _COMPILED[key]
+    strategies = [Strategy.parse(s) for s in schedule.split(";")]
+    cluster = Cluster(world, shard_group=options.get("shard_group"))
+    steps = []
+    for k, batch in enumerate(_batches(overrides.get("vocab_size", 512))):
+        strategy = strategies[k % len(strategies)]
+        counts = tuple(len(pipe) for pipe in dispatch_and_pack(strategy, batch.docs))
+        steps.append((compiled.instantiate(strategy, cluster),
+                      StepPlan(counts, backend="gloo", recompute=options.get("memory_budget") is not None,
+                               grad_clip=options.get("grad_clip") is not None)))
+    return derive_steps(steps)
+
+
+def _same_operation(recorded, derived):
+    """Kind, group, dtype and a batch's peers alike; the shape too where the derivation knows it."""
+    return ((recorded.kind, recorded.group, recorded.dtype, recorded.sends, recorded.recvs)
+            == (derived.kind, derived.group, derived.dtype, derived.sends, derived.recvs)
+            and (derived.shape == () or recorded.shape == derived.shape))
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_derived_order_is_recorded(results4, results8, world):
+    """The order ``hgraph check`` derives is what every rank issued, step by step, in every case:
+    switches, an idle pipeline, recomputation, compiled regions, shard groups, the overlapped update
+    and its prefetch."""
+    results, cases = (results4, CASES_4) if world == 4 else (results8, CASES_8)
+    for case, (model, schedule, overrides, options) in enumerate(cases):
+        derived = _derived(model, schedule, world, overrides, options)
+        for rank in range(world):
+            got, want = results[rank][case]["issued"], derived[rank]
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if not _same_operation(a, b)),
+                         None if len(got) == len(want) else min(len(got), len(want)))
+            assert first is None, (f"case {case} rank {rank}: operation {first + 1} issued "
+                                   f"{got[first].describe() if first < len(got) else 'nothing'}, derived "
+                                   f"{want[first].describe() if first < len(want) else 'nothing'}")

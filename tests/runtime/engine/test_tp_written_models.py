@@ -121,7 +121,8 @@ def _worker(rank, world, specs):
     out = {}
     for kind, spec in specs.items():
         config = TrainConfig.from_values(model=spec, world_size=world, strategy_schedule=SCHEDULE, steps=STEPS,
-                                         tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), lr=LR, save_final="unused")
+                                         tokens_per_iter=TOKENS_PER_ITER, docs=_docs(), lr=LR, save_final="unused",
+                                         collective_order="strict", verify_collectives=True)
         trainer = Trainer(config, rank, world, groups)
         losses = [trainer.step(b).loss for b in _batches()]
         final = trainer.final_state_dict()

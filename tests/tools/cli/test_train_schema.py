@@ -77,6 +77,14 @@ checkpoint-every = 5
     assert cfg.section("checkpointing")["checkpoint-every"] == 5
 
 
+def test_the_collective_order_and_its_check_are_cluster_keys(tmp_path):
+    cfg = rc.resolve(_parser().parse_args([]))
+    assert cfg.collective_order == "free" and cfg.verify_collectives is False
+    path = _write(tmp_path, "[cluster]\ncollective-order = \"strict\"\nverify-collectives = true\n")
+    cfg = rc.resolve(_parser().parse_args(["--config", str(path)]))
+    assert cfg.collective_order == "strict" and cfg.verify_collectives is True
+
+
 def test_bool_flag_can_turn_off_a_file_setting(tmp_path):
     path = _write(tmp_path, "[logging]\nplots = true\n[checkpointing]\ncheckpoint-dir = 'c'\nresume = true\n")
     cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--no-resume", "--no-plots"]))
@@ -108,6 +116,7 @@ def test_none_unsets_optional_keys(tmp_path):
     ("[data]\nsteps = 0\n", r"\[data\] steps = 0: must be >= 1"),
     ("[model]\ndtype = \"fp16\"\n", r"\[model\] dtype = \"fp16\": allowed are fp32, bf16"),
     ("[planner]\nmethod = \"exact\"\n", r"\[planner\] method = \"exact\": allowed are fast, greedy, cpsat"),
+    ("[cluster]\ncollective-order = \"loose\"\n", r"\[cluster\] collective-order = \"loose\": allowed are free, strict"),
     ("[optimizer]\nbetas = [0.9]\n", r"\[optimizer\] betas = \[0.9\]: expected two numbers"),
     ("[optimizer]\nbetas = [0.9, 1.5]\n", r"each beta must be in \[0, 1\)"),
     ("[optimizer]\ngrad-clip = \"off\"\n", r"grad-clip = \"off\": expected a number or \"none\""),
@@ -134,6 +143,7 @@ def test_missing_file_is_one_line(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["--steps", "zero"], "expected int"),
     (["--dtype", "fp16"], "allowed are fp32, bf16"),
+    (["--collective-order", "nccl"], "allowed are free, strict"),
     (["--lr", "-1"], "must be >= 0"),
     (["--betas", "0.9"], "expected two numbers"),
     (["--model-args", "[1]"], "expected a table"),
