@@ -181,3 +181,17 @@ def test_a_recorded_mismatch_names_the_ranks_and_the_first_differing_operation()
                     "[0, 1] float32[4] (push bucket 0) (its operation 1), rank 1 issues all_reduce on [0, 1] "
                     "float32[8] (push bucket 1) (its operation 1)")
     assert verdict_of({0: [_ar(g, "a")], 1: [_ar(g, "a")]}) == (True, "deadlock-free: 2 ranks, 1 collectives")
+
+
+def test_a_bucket_over_an_earlier_stage_of_the_ranks_pipeline_waits_for_the_backwards_end():
+    """Such a member (a tied parameter's) still waits for this rank's gradient: issued from the backward
+    hooks, the bucket would stand in front of that send (the deadlock the strict order found)."""
+    from hgraph.runtime.comm.push import _spans_earlier_stages
+    from hgraph.strategy import Strategy
+
+    tied = Strategy.parse("1xTP1PP2+1xTP2PP1")
+    assert _spans_earlier_stages(tied, 1)((0, 1))           # stage 1 with stage 0 of its pipeline
+    assert not _spans_earlier_stages(tied, 0)((0, 1))       # stage 0 has no earlier stage
+    assert not _spans_earlier_stages(tied, 2)((0, 2))       # another pipeline's ranks do not wait for rank 2
+    deep = Strategy.parse("1xTP2PP2")
+    assert _spans_earlier_stages(deep, 3)((1, 3)) and not _spans_earlier_stages(deep, 3)((2, 3))
