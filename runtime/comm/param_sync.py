@@ -15,7 +15,7 @@ through a step. It composes three parts over one ``RankParams`` (``runtime/comm/
   ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
   over micro-batches, and the push sends it once.
 * **Overlapped update** (``runtime/comm/overlapped_update``; ``can_overlap_update``: plain data
-  parallelism on gloo, an ``update`` callable given; the executor asks for it per step with
+  parallelism, an ``update`` callable given, on any backend; the executor asks for it per step with
   ``begin_step(overlap_update=True)``): each reduction updates its optimizer shards when taken
   (``set_loss``, ``finish_update``) instead of ``push`` + an optimizer step, and with ``prefetch``
   the next step's all-gathers are done by the time the step returns.
@@ -47,7 +47,9 @@ class ParamSync:
     ``masters``, ``working``, ``shards``, ``working_dtype``, ``aliased``: see ``RankParams``;
     ``groups``: a ``GroupCache`` holding every replica group of the push plans and, under
     ``--shard-group``, the rank's shard group and replicas (``groups_needed``); ``update``: the
-    optimizer's step on some shards, for the overlapped update.
+    optimizer's step on some shards, for the overlapped update; ``all_to_all``: run the push's
+    reduce-scatters as all-to-alls (None: where the group's backend is gloo; False forces
+    ``reduce_scatter_tensor``, NCCL's path, on gloo too).
     """
 
     groups_needed = staticmethod(groups_needed)
@@ -57,7 +59,8 @@ class ParamSync:
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
-                 overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None) -> None:
+                 overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None,
+                 all_to_all: Optional[bool] = None) -> None:
         self.program = program
         self.params = RankParams(program, rank, masters, working, shards, working_dtype, frozenset(aliased))
         self.stats = SyncStats()          # the last step's bytes, counted by the pull and the push
@@ -68,13 +71,16 @@ class ParamSync:
         gather_group = groups.get(shard_group) if len(shard_group) < self.params.world_size else None
         self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo,
                                    gather_group=gather_group)
+        # the reductions are issued from backward's hooks on every backend: their order is the buckets'
+        # global order (``GradBuckets``), not the order the gradients become ready in
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
-                                   in_backward=overlap_push and device.type == "cpu")
+                                   in_backward=overlap_push, all_to_all=all_to_all)
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update
         # the optimizer update overlapped with the backward: a property of the Program, the same on
-        # every rank, since it changes the order of the step's collectives; gloo only (the loss rides
-        # in the first reduction's all-to-all there), and it needs a reduction to carry the loss
-        self.can_overlap_update = (update is not None and self.pushes.in_backward and gloo
+        # every rank, since it changes the order of the step's collectives; on any backend (the loss
+        # rides in the first reduction: gloo's all-to-all or a reduce-scatter, ``GradBuckets.carry``),
+        # and it needs a reduction to carry the loss
+        self.can_overlap_update = (update is not None and self.pushes.in_backward
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)
