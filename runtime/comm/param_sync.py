@@ -102,6 +102,11 @@ class ParamSync:
         return 0 if self.overlapped is None else self.overlapped.updates_in_backward
 
     @property
+    def push_started_s(self) -> Optional[float]:
+        """When this step's first reduction was issued (``time.perf_counter``; None: none yet)."""
+        return self._buckets.first_issue_s
+
+    @property
     def global_loss(self) -> Optional[float]:
         """The step's loss sum carried by the overlapped update's first reduction."""
         return None if self.overlapped is None else self.overlapped.global_loss

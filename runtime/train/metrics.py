@@ -70,12 +70,15 @@ class MetricsWriter:
 
 def metrics_line(r: StepResult, cache: Any) -> dict:
     """The step's own figures and the cache's hits and misses so far (with ``--compile``: the
-    compilations of rank 0's graph regions so far, ``region_compiles``). ``switch_s``: the step's
+    compilations of rank 0's graph regions so far, ``region_compiles``). ``push_ms``: rank 0's push
+    from its first reduction's issue to its end; ``push_exposed_ms``: the part of it after the
+    backward ended (the rest ran under the backward). ``switch_s``: the step's
     lookup of its Program (with the build on a miss); ``build_s``: on a Program's first step, how long
     its build took (``built_ahead``: on the build-ahead thread, during earlier steps), else None."""
     compiles = {} if r.compiles is None else {"region_compiles": r.compiles}
     return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
+            "push_ms": r.push_ms, "push_exposed_ms": r.push_exposed_ms,
             "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
             "pull_prefetched": r.pull_prefetched, "cache_hit": r.cache_hit, "switch_s": r.switch_s,
             "built_ahead": r.built_ahead, "build_s": r.build_s, "build_lead_s": r.build_lead_s,
