@@ -89,6 +89,8 @@ from hgraph.strategy import Cluster, Scheme, Strategy
 from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
 
 ADAPTIVE = "adaptive"
+# the wall clock at perf_counter's zero: a rank's host times as moments other ranks can compare
+_WALL_OFFSET = time.time() - time.perf_counter()
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
@@ -129,6 +131,9 @@ class StepResult:
     # that after the backward ended (what the backward did not hide)
     push_ms: float = 0.0
     push_exposed_ms: float = 0.0
+    # the same three moments on the wall clock (s: first reduction issued, backward ended, push ended),
+    # comparable across ranks: the step's exposed push is counted from the backward that ended last
+    push_times: tuple = ()
 
 
 class RankLostError(RuntimeError):
@@ -525,7 +530,8 @@ class Executor:
                             t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
                             dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
                             push_ms=1e3 * (t_push - push_start),
-                            push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)))
+                            push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
+                            push_times=tuple(_WALL_OFFSET + t for t in (push_start, t_backward, t_push)))
         if state.memory is not None:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
             result.offload_layers = list(state.memory.step_offload)

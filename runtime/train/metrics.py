@@ -6,8 +6,9 @@
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
 that came from earlier steps and those still waiting; its throughput (``runtime.train.throughput``:
-``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); every rank's measured
-peak of the step
+``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); the step's push over all ranks
+(``step_push_ms``, ``step_push_exposed_ms``: exposed after the last backward anywhere ended); every
+rank's measured peak of the step
 (``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
 predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
 balance figures. A resumed run keeps the lines of the steps before it and rewrites the rest.
@@ -88,23 +89,40 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
 
 def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
                    source: str, tracked: bool = False) -> dict:
-    """Every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak
-    RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``) and, when activations are
+    """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step (``rank_peak_bytes``: CUDA
+    allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``)
+    and, when activations are
     ``tracked``, their measured and predicted peaks, and what offload held in host memory (None
     without offload). Collective: one all-gather of a few numbers."""
     nan = float("nan")
-    mine = ([r.process_peak_bytes, r.peak_mem_bytes, r.predicted_mem_bytes, r.host_peak_bytes] if tracked
-            else [r.process_peak_bytes])
+    start, backward, end = r.push_times or (nan, nan, nan)
+    mine = [start, backward, end, r.process_peak_bytes]
+    mine += [r.peak_mem_bytes, r.predicted_mem_bytes, r.host_peak_bytes] if tracked else []
     rows = all_gather_rows([nan if v is None else float(v) for v in mine], world_size, device)
-    out = {"rank_peak_bytes": [None if math.isnan(row[0]) else int(row[0]) for row in rows],
-           "rank_peak_source": source}
+    out = step_push_figures(rows)
+    out.update({"rank_peak_bytes": [None if math.isnan(row[3]) else int(row[3]) for row in rows],
+                "rank_peak_source": source})
     if tracked:
-        out.update({"peak_mem_bytes": [None if math.isnan(row[1]) else int(row[1]) for row in rows],
-                    "predicted_mem_bytes": [None if math.isnan(row[2]) else round(row[2]) for row in rows],
+        out.update({"peak_mem_bytes": [None if math.isnan(row[4]) else int(row[4]) for row in rows],
+                    "predicted_mem_bytes": [None if math.isnan(row[5]) else round(row[5]) for row in rows],
                     "memory_budget": memory_budget, "recompute_layers": r.recompute_layers,
                     "offload_layers": r.offload_layers,      # this rank's, per micro-batch
-                    "host_peak_bytes": [None if math.isnan(row[3]) else int(row[3]) for row in rows]})
+                    "host_peak_bytes": [None if math.isnan(row[6]) else int(row[6]) for row in rows]})
     return out
+
+
+def step_push_figures(rows: list[list[float]]) -> dict:
+    """The step's push over all ranks from each rank's ``(first issue, backward end, push end)`` (wall
+    clock, s; the rows' first three values): ``step_push_ms`` from the first reduction anywhere to the
+    last push's end, ``step_push_exposed_ms`` the part after the last backward ended (a rank whose
+    backward ended early waits in its push for the later ones' gradients: that wait is the pipelines'
+    imbalance, not the push). None without the times."""
+    starts, backwards, ends = ([row[i] for row in rows if not math.isnan(row[i])] for i in range(3))
+    if not (starts and backwards and ends):
+        return {"step_push_ms": None, "step_push_exposed_ms": None}
+    end = max(ends)
+    return {"step_push_ms": 1e3 * (end - min(starts)),
+            "step_push_exposed_ms": 1e3 * max(end - max(max(backwards), min(starts)), 0.0)}
 
 
 def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:
