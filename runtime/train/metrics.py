@@ -7,7 +7,7 @@ planner-driven step's planner figures; the documents of the step and the data po
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
 that came from earlier steps and those still waiting; its throughput (``runtime.train.throughput``:
 ``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); the step's push over all ranks
-(``step_push_ms``, ``step_push_exposed_ms``: exposed after the last backward anywhere ended); every
+(``step_push_ms``, ``step_push_exposed_ms``: seen from the rank whose backward ended last); every
 rank's measured peak of the step
 (``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
 predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
@@ -112,17 +112,18 @@ def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: O
 
 
 def step_push_figures(rows: list[list[float]]) -> dict:
-    """The step's push over all ranks from each rank's ``(first issue, backward end, push end)`` (wall
-    clock, s; the rows' first three values): ``step_push_ms`` from the first reduction anywhere to the
-    last push's end, ``step_push_exposed_ms`` the part after the last backward ended (a rank whose
-    backward ended early waits in its push for the later ones' gradients: that wait is the pipelines'
-    imbalance, not the push). None without the times."""
-    starts, backwards, ends = ([row[i] for row in rows if not math.isnan(row[i])] for i in range(3))
-    if not (starts and backwards and ends):
+    """The step's push, from each rank's ``(first issue, backward end, push end)`` (wall clock, s; the
+    rows' first three values), seen from the rank whose backward ended last (the step's critical
+    path; a rank whose backward ended early waits in its push for the later ones' gradients, and that
+    wait is the pipelines' imbalance, not the push): ``step_push_ms`` from that rank's first reduction
+    to the end of the last push anywhere, ``step_push_exposed_ms`` the part after its backward ended
+    (all of it when it issued nothing before). None without the times."""
+    timed = [row[:3] for row in rows if not any(math.isnan(v) for v in row[:3])]
+    if not timed:
         return {"step_push_ms": None, "step_push_exposed_ms": None}
-    end = max(ends)
-    return {"step_push_ms": 1e3 * (end - min(starts)),
-            "step_push_exposed_ms": 1e3 * max(end - max(max(backwards), min(starts)), 0.0)}
+    start, backward, _ = max(timed, key=lambda row: row[1])
+    end = max(row[2] for row in timed)
+    return {"step_push_ms": 1e3 * (end - start), "step_push_exposed_ms": 1e3 * (end - max(start, backward))}
 
 
 def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:

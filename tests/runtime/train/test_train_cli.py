@@ -53,9 +53,8 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
         assert all(isinstance(b, int) and b > 2 ** 20 for b in m["rank_peak_bytes"])
         assert "peak_mem_bytes" not in m
         assert 0 <= m["push_exposed_ms"] <= m["push_ms"]
-        # over both ranks: from the first reduction anywhere to the last push's end, exposed after the
-        # last backward; never shorter than rank 0's push (1 ms: the ranks' wall clocks are read apart)
-        assert 0 <= m["step_push_exposed_ms"] <= m["step_push_ms"] and m["step_push_ms"] >= m["push_ms"] - 1.0
+        # seen from the rank whose backward ended last
+        assert 0 <= m["step_push_exposed_ms"] <= m["step_push_ms"]
     # 2xTP1PP1's reduction is issued inside the backward (its hook), so part of the push is hidden
     assert lines[1]["push_exposed_ms"] < lines[1]["push_ms"]
     # the plain data-parallel step updated its shards as the reduction arrived (the next step runs
