@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from hgraph.comm_plan import ParamLayout, ReduceScatter
-from hgraph.runtime.comm.grad_buckets import GradBuckets
+from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, MIN_BUCKET_BYTES, GradBuckets, bucket_cap
 
 ORDER = ("embed", "wq", "wk", "w1", "w2", "head")     # model order
 # each parameter's reduce-scatters: 4 rows, over the groups its rows are replicated on
@@ -110,3 +110,19 @@ def test_a_bucket_of_several_parameters_waits_for_all_of_them():
     ready.add("wq")
     buckets.ready("wq", None)
     assert [g for g, _ in issued] == [(0, 2), (0, 1)]
+
+
+def test_a_small_groups_reductions_travel_in_several_buckets():
+    """One bucket of a whole small model would go out only when backward ends: a group's reductions
+    take at least ``MIN_BUCKETS`` buckets where each still holds ``MIN_BUCKET_BYTES``; a large model
+    keeps DDP's cap."""
+    mb = 1024 * 1024
+    assert bucket_cap(400 * mb, DEFAULT_BUCKET_BYTES) == DEFAULT_BUCKET_BYTES
+    assert bucket_cap(2 * mb, DEFAULT_BUCKET_BYTES) == 256 * 1024
+    assert bucket_cap(100 * 1024, DEFAULT_BUCKET_BYTES) == MIN_BUCKET_BYTES
+    assert bucket_cap(2 * mb, 1000) == 1000
+    names = [f"w{i}" for i in range(16)]       # 16 reductions of 64 KB input each (2 rows of 4,096 x 2)
+    ops = {n: [ReduceScatter((0, 1), 0, 4, ((0, 0, 2), (1, 2, 4)), 4 * 4096 * 4)] for n in names}
+    layouts = {n: ParamLayout(n, (4, 4096), 0) for n in names}
+    buckets = GradBuckets(0, names, ops, layouts, groups=None, contribution=None, device=torch.device("cpu"))
+    assert [len(b.ops) for b in buckets.buckets] == [2] * 8
