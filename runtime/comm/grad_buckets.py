@@ -3,8 +3,8 @@
 A rank's reduce-scatter ops (one per parameter and replica group, from the push plans) are cut into
 buckets: per group, in reverse model order (the order in which backward finishes gradients), closed
 when the next op would pass ``bucket_bytes``, or, for a small group's reductions, a size that gives
-them ``MIN_BUCKETS`` buckets (``bucket_cap``), so that the first go out while backward runs. Every member of a group holds the same ops, so every
-member cuts the same buckets.
+them ``MIN_BUCKETS`` buckets (``bucket_cap``), so that the first go out while backward runs. Every
+member of a group holds the same ops, so every member cuts the same buckets.
 
 Order: a rank issues its buckets in one global order (key: position of the bucket's first parameter in
 reverse model order, then the group), and a bucket only after every bucket before it: a bucket whose
@@ -191,14 +191,14 @@ class GradBuckets:
     def _issue(self, b: _Bucket) -> None:
         """One collective for the bucket: member ``i``'s chunk holds its piece of every op (rows
         flattened, each padded to the op's widest piece), so all chunks have ``b.elements`` elements
-        (on gloo followed by the carried values, each member's in its own slots). An op whose pieces are
+        (followed by the carried values, each member's in its own slots). An op whose pieces are
         consecutive blocks of equal width (the usual case) is copied in with the others in one batched
         copy; any other piece is copied on its own."""
         if self.first_issue_s is None:
             self.first_issue_s = time.perf_counter()
         k = len(b.group)
         group = self.groups.get(b.group)
-        gloo = self.all_to_all if self.all_to_all is not None else dist.get_backend(group) == "gloo"
+        by_all_to_all = self.all_to_all if self.all_to_all is not None else dist.get_backend(group) == "gloo"
         carry = self._carry if b is self.buckets[0] else None
         extra = 0 if carry is None else carry.numel()
         exact = all(even for even in b.even) and all(self._grads.get(n) is not None for n, _ in b.ops)
@@ -224,7 +224,7 @@ class GradBuckets:
         self.bytes_issued += (k - 1) * b.elements * 4
         if carry is not None:                        # every chunk: each member's values in its own slots
             buf.narrow(1, b.elements, extra).copy_(carry.expand(k, extra))
-        if gloo:                                     # all-to-all: member i sums every chunk i itself
+        if by_all_to_all:                            # member i sums every chunk i itself
             received = torch.empty_like(buf)
             b.work = dist.all_to_all_single(received, buf, group=group, async_op=True)
         else:
@@ -232,7 +232,7 @@ class GradBuckets:
             b.work = reduce_scatter_single(received, buf.view(-1), group=group, async_op=True)
 
         def finish(held: dict) -> None:
-            sums = received.sum(0) if gloo else received    # all-to-all: every member's chunk i, summed here
+            sums = received.sum(0) if by_all_to_all else received    # all-to-all: every chunk i, summed here
             out = sums.narrow(0, 0, b.elements)
             if carry is not None:
                 self.carried = sums.narrow(0, b.elements, extra)

@@ -25,9 +25,9 @@ state for it (building them on first use), then:
    sharded optimizer steps.
 
 Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
-ranks; any backend) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
-global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
-soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
+ranks; any backend) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``,
+not with global-norm clipping): the loss rides in the first reduction, each reduction updates its
+shards as soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
 posted as their parameters are updated and completed before the step returns (``prefetch``), so the
 next step of the same Program pulls nothing. A ZeRO-3 step needs two collectives in sequence where
 DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way. On gloo both
@@ -89,8 +89,6 @@ from hgraph.strategy import Cluster, Scheme, Strategy
 from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
 
 ADAPTIVE = "adaptive"
-# the wall clock at perf_counter's zero: a rank's host times as moments other ranks can compare
-_WALL_OFFSET = time.time() - time.perf_counter()
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
@@ -513,6 +511,7 @@ class Executor:
         t_push = time.perf_counter()
         # no reduction issued (one rank, point-to-point only): the push began after the compute
         push_start = sync.push_started_s if sync.push_started_s is not None else t_compute
+        wall = time.time() - time.perf_counter()     # the host times as moments other ranks can compare
         loss = total_loss / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
         skipped = False
@@ -531,7 +530,7 @@ class Executor:
                             dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
                             push_ms=1e3 * (t_push - push_start),
                             push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
-                            push_times=tuple(_WALL_OFFSET + t for t in (push_start, t_backward, t_push)))
+                            push_times=tuple(wall + t for t in (push_start, t_backward, t_push)))
         if state.memory is not None:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
             result.offload_layers = list(state.memory.step_offload)

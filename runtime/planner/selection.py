@@ -223,7 +223,7 @@ def priced_latency(res, strategy: Strategy, cost) -> float:
     push model. A compute-only lower bound stays a bound of it."""
     if getattr(cost, "push", None) is None or not res.packs:     # no push model, or a surrogate's screening
         return res.latency
-    return max((pk.latency + cost.exposed_push_ms(p, pk.mb_times) if pk.mb_times else 0.0
+    return max((pk.latency + cost.exposed_push_ms(p, pk.mb_times) if len(pk.mb_times) else 0.0
                 for pk, p in zip(res.packs, strategy.pipelines)), default=0.0)
 
 

@@ -10,8 +10,9 @@ planner's ``(PP - 1 + V) * max`` estimate, are re-estimated this way); slowest p
 optimizer steps and parameter pulls are the same for all systems and are not modelled, except
 HotSPa's strategy switches; a profile with a ``push`` model prices the gradient push that the last
 backward does not hide in every 1F1B pipeline's time (``pipeline_ms``: hgraph, flexsp, megatron,
-megatron-cp, deepspeed, wlb; not yet hotspa's and dcp's, which time their steps their own way). The per-rank spread is ``1 - min/max`` of the pipelines' (or groups')
-busy times in an iteration (Hydraulis Fig. 12b: 0 = every rank finishes together).
+megatron-cp, deepspeed, wlb; not yet hotspa's and dcp's, which time their steps their own way). The
+per-rank spread is ``1 - min/max`` of the pipelines' (or groups') busy times in an iteration
+(Hydraulis Fig. 12b: 0 = every rank finishes together).
 
 Systems (Hydraulis §8.1 / App. F baselines, each tuned over its own strategy space on the simulated
 iterations themselves, i.e. the best static configuration in hindsight):

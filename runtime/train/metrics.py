@@ -6,12 +6,12 @@
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
 that came from earlier steps and those still waiting; its throughput (``runtime.train.throughput``:
-``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); the step's push over all ranks
-(``step_push_ms``, ``step_push_exposed_ms``: seen from the rank whose backward ended last); every
-rank's measured peak of the step
-(``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
-predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
-balance figures. A resumed run keeps the lines of the steps before it and rewrites the rest.
+``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); the step's push
+over all ranks (``step_push_ms``, ``step_push_exposed_ms``: seen from the rank whose backward ended
+last); every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak or peak
+RSS) and, with memory tracking, its measured and predicted activation peaks (``memory_figures``,
+collective: one all-gather); with DCP-inter, its balance figures. A resumed run keeps the lines of
+the steps before it and rewrites the rest.
 
 ``format_step_line``: the line rank 0 prints per step.
 """
@@ -89,11 +89,11 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
 
 def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
                    source: str, tracked: bool = False) -> dict:
-    """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step (``rank_peak_bytes``: CUDA
-    allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``)
-    and, when activations are
-    ``tracked``, their measured and predicted peaks, and what offload held in host memory (None
-    without offload). Collective: one all-gather of a few numbers."""
+    """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step
+    (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says
+    which, ``engine.peak_memory``) and, when activations are ``tracked``, their measured and predicted
+    peaks, and what offload held in host memory (None without offload). Collective: one all-gather of
+    a few numbers."""
     nan = float("nan")
     start, backward, end = r.push_times or (nan, nan, nan)
     mine = [start, backward, end, r.process_peak_bytes]
