@@ -5,7 +5,8 @@
   optimizer step) on the same integer-valued gradients (every sum exact); the prefetched working
   tensors equal the updated masters; the loss carried in the first reduction is the exact sum; a
   non-finite loss updates nothing. The same run over reduce_scatter_tensor (NCCL's path, forced
-  on gloo with ``all_to_all=False``) is bit for bit the all-to-all one.
+  on gloo with ``all_to_all=False``), with the loss carried or in an all-reduce of its own (a large
+  world's way), is bit for bit the all-to-all one.
 * Executor level: the next step of the same Program reuses the prefetched pull, a checkpoint load
   in between makes it pull afresh (the step then equals a step from the loaded state), a NaN loss
   is skipped (``skip_nonfinite``) or raises naming the step on every rank, and global-norm clipping
@@ -52,8 +53,16 @@ def _param_sync_worker(rank, world):
     working_c = {n: torch.nn.Parameter(torch.zeros(s.shard_shape)) for n, s in rp.params.items()}
     scattered = ParamSync(prog, rank, opt_c.params, working_c, rp.params, groups, update=opt_c.step,
                           push_bucket_bytes=64 * 1024, all_to_all=False)
+    # and with the loss in an all-reduce of its own (what a large world does: ``CARRY_MAX_BYTES``)
+    opt_d = ShardedAdam(list(full.items()), shard_dims_of(compiled), rank, world)
+    working_d = {n: torch.nn.Parameter(torch.zeros(s.shard_shape)) for n, s in rp.params.items()}
+    separate = ParamSync(prog, rank, opt_d.params, working_d, rp.params, groups, update=opt_d.step,
+                         push_bucket_bytes=64 * 1024, all_to_all=False)
+    carried_by_default = separate.overlapped.carry_loss
+    separate.overlapped.carry_loss = False
     out = {"can_overlap": overlapped.can_overlap_update, "reference_can_overlap": reference.can_overlap_update,
-           "scattered_can_overlap": scattered.can_overlap_update, "steps": []}
+           "scattered_can_overlap": scattered.can_overlap_update, "carried_by_default": carried_by_default,
+           "steps": []}
 
     from hgraph.runtime.comm import grad_buckets
     scatters = []
@@ -86,13 +95,17 @@ def _param_sync_worker(rank, world):
         before = {n: m.clone() for n, m in opt_a.params.items()}
         total, in_backward, a2a_scatters = overlapped_step(overlapped, working, grads, loss_share)
         scattered_total, scattered_in_backward, scatters_run = overlapped_step(scattered, working_c, grads, loss_share)
+        separate_total = overlapped_step(separate, working_d, grads, loss_share)[0]
         record = {"loss": total, "in_backward": in_backward, "reused": overlapped.pull_reused,
                   "buckets": len(overlapped._buckets.buckets),
                   "scatters": (a2a_scatters, scatters_run),
                   "scattered": (scattered_total, scattered_in_backward, scattered.pull_reused,
                                 all(torch.equal(opt_a.params[n].view(torch.int32), opt_c.params[n].view(torch.int32))
                                     for n in full),
-                                all(torch.equal(working[n], working_c[n]) for n in working))}
+                                all(torch.equal(working[n], working_c[n]) for n in working)),
+                  "separate": (separate_total,
+                               all(torch.equal(opt_a.params[n].view(torch.int32), opt_d.params[n].view(torch.int32))
+                                   for n in full))}
         if math.isfinite(total):
             reference.begin_step()
             reference.finish_pulls()
@@ -143,6 +156,17 @@ def test_overlapped_update_over_reduce_scatter_equals_the_all_to_all_path(param_
             assert loss == record["loss"] or (math.isnan(loss) and math.isnan(record["loss"]))
             assert (in_backward, reused) == (record["in_backward"], record["reused"])
             assert masters_equal and working_equal
+
+
+def test_overlapped_update_with_the_loss_in_its_own_all_reduce(param_sync_results):
+    """Past ``CARRY_MAX_BYTES`` (8 N^2 bytes of slots) the loss is summed in a float64 all-reduce of
+    its own: the same loss, a NaN still updates nothing, the masters bit for bit those of the carry."""
+    for r in param_sync_results:
+        assert r["carried_by_default"]            # 4 ranks: 128 bytes of slots ride along
+        for record in r["steps"]:
+            loss, masters_equal = record["separate"]
+            assert loss == record["loss"] or (math.isnan(loss) and math.isnan(record["loss"]))
+            assert masters_equal
 
 
 def _executor_worker(rank, world):
