@@ -10,7 +10,8 @@ planner's ``(PP - 1 + V) * max`` estimate, are re-estimated this way); slowest p
 optimizer steps and parameter pulls are the same for all systems and are not modelled, except
 HotSPa's strategy switches; a profile with a ``push`` model prices the gradient push that the last
 backward does not hide in every 1F1B pipeline's time (``pipeline_ms``: hgraph, flexsp, megatron,
-megatron-cp, deepspeed, wlb; not yet hotspa's and dcp's, which time their steps their own way). The
+megatron-cp, deepspeed, wlb; hotspa's strategies each as such a step, dcp's groups after their last
+accumulation step). The
 per-rank spread is ``1 - min/max`` of the pipelines' (or groups') busy times in an iteration
 (Hydraulis Fig. 12b: 0 = every rank finishes together).
 
@@ -448,7 +449,8 @@ def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
 def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[list[float], list[int]]:
     """Documents longest first onto the least loaded of ``groups`` SP groups; each group runs its
     documents as gradient-accumulation steps of micro-batches up to MaxLen tokens (DCP-inter's
-    balancing by accumulation counts). Returns per-group busy time (ms) and step counts."""
+    balancing by accumulation counts). Returns per-group busy time (ms, with the exposed push of a
+    cost model that prices it) and step counts."""
     a, b, c = cost.coeffs(scheme)
     cap = cost.max_len(scheme)
     load = [0.0] * groups
@@ -458,7 +460,9 @@ def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[
         load[j] += a * l * l + b * l
         toks[j] += l
     steps = [-(-t // cap) for t in toks]
-    return [ld + c * st for ld, st in zip(load, steps)], steps
+    busy = [ld + c * st for ld, st in zip(load, steps)]
+    # a group's push after its last accumulation step, which hides part of it (its mean step as that)
+    return [bz + (cost.exposed_push_ms(scheme, [bz / st]) if st else 0.0) for bz, st in zip(busy, steps)], steps
 
 
 def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters: int, *,

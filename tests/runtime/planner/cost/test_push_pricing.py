@@ -88,12 +88,12 @@ def test_simulate_prices_the_hidden_part(tmp_path, capsys):
 
     def run(ref):
         assert main(["simulate", "--lengths", str(lengths), "--profile", ref, "--world-size", "8", "--max-len",
-                     "16384", "--tokens-per-iter", "50000", "--iters", "2", "--systems", "hgraph,megatron",
+                     "16384", "--tokens-per-iter", "50000", "--iters", "2", "--systems", "hgraph,megatron,dcp",
                      "--max-cp", "1", "--json"]) == 0
         return json.loads(capsys.readouterr().out)["systems"]
 
     plain, priced = run("llama-7b"), run(str(profile))
-    for system in ("hgraph", "megatron"):
+    for system in ("hgraph", "megatron", "dcp"):
         assert sum(priced[system]["latency_ms"]) > sum(plain[system]["latency_ms"])
     # at most a whole model's push per rank (TP1PP1 bounds every scheme's) is added to an iteration
     cost = load_cost_model(str(profile), 8)
