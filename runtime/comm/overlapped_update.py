@@ -10,7 +10,10 @@ With ``prefetch`` the all-gathers of the next step are posted as their parameter
 completed into the working tensors before ``finish`` returns; the next step of this Program pulls
 nothing while the masters are unchanged (``take_prefetch``: their version counters say so; another
 Program's step or a checkpoint load means a fresh pull). The step's loss rides in the first
-reduction (``set_loss``): no shard is updated unless it is finite. Everything happens at points that
+reduction (``set_loss``): no shard is updated unless it is finite. Riding costs every chunk a slot
+pair per rank, ``8 N^2`` bytes over N ranks (8 KB at 32 ranks, 1.2 GB at 12,288), so past
+``CARRY_MAX_BYTES`` the loss takes one float64 all-reduce of its own instead, issued before the
+first reduction and waited at the first update. Everything happens at points that
 follow from the order of the reductions, so every rank issues the same collectives in the same order
 on one group.
 """
@@ -20,12 +23,16 @@ import math
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient
 from hgraph.runtime.comm.rank_params import RankParams
+
+#: the most bytes the loss's slots may add to the first reduction (``8 * members * world size``)
+CARRY_MAX_BYTES = 64 * 1024
 
 
 def is_plain_data_parallel(program: Any) -> bool:
@@ -53,6 +60,12 @@ class OverlappedUpdate:
         self._posted: list[GatherBucket] = []
         self._prefetched: Optional[tuple] = None     # masters' stamp when the working tensors were filled
         self.updates_in_backward = 0      # reductions taken (shards updated) while backward ran
+        # the loss rides in the first reduction (every rank of the world is in it) while its slots are
+        # small; else it has an all-reduce of its own (``_loss``, ``_loss_work``)
+        first = push.buckets.buckets[0].group if push.buckets.buckets else ()
+        self.carry_loss = 8 * len(first) * params.world_size <= CARRY_MAX_BYTES
+        self._loss: Optional[torch.Tensor] = None
+        self._loss_work: Any = None
 
     def _masters_stamp(self) -> tuple:
         """Identity and version counter of every master: any in-place write (an optimizer step, a
@@ -76,12 +89,21 @@ class OverlappedUpdate:
         self._prefetch = prefetch
         self._held = {name: [] for name in self.params.order}
         self.global_loss = None
+        self._loss = self._loss_work = None
         self._updated, self._posted = set(), []
 
     def set_loss(self, loss_share: float) -> None:
         """This rank's share of the step's loss sum, before any reduction of the step is issued: it
         rides in the first reduction (each rank's value in its own slot, as an fp32 pair hi + lo, so
-        the sum is taken in float64 in rank order, the same on every rank)."""
+        the sum is taken in float64 in rank order, the same on every rank), or, past
+        ``CARRY_MAX_BYTES`` (``carry_loss`` False), is summed in a float64 all-reduce issued now."""
+        if not self.carry_loss:
+            device = next(iter(self.params.masters.values())).device
+            self._loss = torch.full((1,), loss_share, dtype=torch.float64, device=device)
+            loss = self._loss
+            self._loss_work = self.push.issuer.issue("all_reduce", None, loss, lambda: dist.all_reduce(
+                loss, async_op=True), "loss")
+            return
         rank, world_size = self.params.rank, self.params.world_size
         hi = torch.tensor(loss_share, dtype=torch.float64).to(torch.float32)
         lo = (torch.tensor(loss_share, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
@@ -108,9 +130,13 @@ class OverlappedUpdate:
         if names is None:
             return
         if self.global_loss is None:
-            if buckets.carried is None:
+            if self._loss_work is not None:
+                self._loss_work.wait()
+                self.global_loss = float(self._loss[0])
+            elif buckets.carried is None:
                 raise HGraphError("overlapped update: the step's loss was not set before its reductions")
-            self.global_loss = float(buckets.carried.double().view(-1, 2).sum(1).sum())
+            else:
+                self.global_loss = float(buckets.carried.double().view(-1, 2).sum(1).sum())
         if not math.isfinite(self.global_loss):
             return
         self.update({name: self.push.owned_gradient(name, self._held) for name in names})

@@ -15,7 +15,7 @@ through a step. It composes three parts over one ``RankParams`` (``runtime/comm/
   ``push_gradient`` (the graph's node) is the identity: autograd accumulates the working gradient
   over micro-batches, and the push sends it once.
 * **Overlapped update** (``runtime/comm/overlapped_update``; ``can_overlap_update``: plain data
-  parallelism on gloo, an ``update`` callable given; the executor asks for it per step with
+  parallelism, an ``update`` callable given, on any backend; the executor asks for it per step with
   ``begin_step(overlap_update=True)``): each reduction updates its optimizer shards when taken
   (``set_loss``, ``finish_update``) instead of ``push`` + an optimizer step, and with ``prefetch``
   the next step's all-gathers are done by the time the step returns.
@@ -43,15 +43,17 @@ from hgraph.runtime.comm.rank_params import RankParams, SyncStats
 
 
 def pushes_in_backward(device_type: str) -> bool:
-    """Whether the push's reductions are issued from the backward's hooks on a device of this type (on
-    CPU; elsewhere after the backward). The collective order (``order/derive``) reads it here."""
-    return device_type == "cpu"
+    """Whether the push's reductions are issued from the backward's hooks on a device of this type: on
+    every one (their order is the buckets' global order, not the order gradients become ready in). The
+    collective order (``order/derive``) reads it here."""
+    return True
 
 
 def overlaps_update_on(gloo: bool) -> bool:
-    """Whether the overlapped update can run on this backend (gloo: the loss rides in the first
-    reduction's all-to-all). The collective order (``order/derive``) reads it here."""
-    return gloo
+    """Whether the overlapped update can run on this backend: on every one (gloo's reductions are
+    all-to-alls, the others' reduce-scatters; the loss rides in the first). The collective order
+    (``order/derive``) reads it here."""
+    return True
 
 
 class ParamSync:
@@ -60,7 +62,9 @@ class ParamSync:
     ``masters``, ``working``, ``shards``, ``working_dtype``, ``aliased``: see ``RankParams``;
     ``groups``: a ``GroupCache`` holding the rank's replica groups and, under ``--shard-group``, its
     shard group and replicas (``groups_needed(program, rank)``); ``update``: the
-    optimizer's step on some shards, for the overlapped update.
+    optimizer's step on some shards, for the overlapped update; ``all_to_all``: run the push's
+    reduce-scatters as all-to-alls (None: where the group's backend is gloo; False forces
+    ``reduce_scatter_tensor``, NCCL's path, on gloo too).
     """
 
     groups_needed = staticmethod(groups_needed)
@@ -71,7 +75,7 @@ class ParamSync:
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
                  overlap_push: bool = True, update: Optional[Callable[[dict], Any]] = None,
-                 issuer: Optional[CollectiveIssuer] = None) -> None:
+                 issuer: Optional[CollectiveIssuer] = None, all_to_all: Optional[bool] = None) -> None:
         self.program = program
         self.issuer = issuer or CollectiveIssuer()    # every collective of the pull and push goes through it
         self.params = RankParams(program, rank, masters, working, shards, working_dtype, frozenset(aliased))
@@ -83,12 +87,16 @@ class ParamSync:
         gather_group = groups.get(shard_group) if len(shard_group) < self.params.world_size else None
         self.pulls = PullParameter(self.params, self.stats, pull_bucket_bytes, all_to_all=gloo,
                                    gather_group=gather_group, issuer=self.issuer)
+        # the reductions are issued from backward's hooks on every backend: their order is the buckets'
+        # global order (``GradBuckets``), not the order the gradients become ready in
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
-                                   in_backward=overlap_push and pushes_in_backward(device.type), issuer=self.issuer)
+                                   in_backward=overlap_push and pushes_in_backward(device.type),
+                                   issuer=self.issuer, all_to_all=all_to_all)
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update
         # the optimizer update overlapped with the backward: a property of the Program, the same on
-        # every rank, since it changes the order of the step's collectives; gloo only (the loss rides
-        # in the first reduction's all-to-all there), and it needs a reduction to carry the loss
+        # every rank, since it changes the order of the step's collectives; on any backend (the loss
+        # rides in the first reduction: gloo's all-to-all or a reduce-scatter, ``GradBuckets.carry``,
+        # or takes an all-reduce of its own), and it needs a reduction to carry the loss
         self.can_overlap_update = (update is not None and self.pushes.in_backward and overlaps_update_on(gloo)
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
@@ -109,6 +117,11 @@ class ParamSync:
     def updates_in_backward(self) -> int:
         """Reductions taken (shards updated) while this step's backward ran."""
         return 0 if self.overlapped is None else self.overlapped.updates_in_backward
+
+    @property
+    def push_started_s(self) -> Optional[float]:
+        """When this step's first reduction was issued (``time.perf_counter``; None: none yet)."""
+        return self._buckets.first_issue_s
 
     @property
     def global_loss(self) -> Optional[float]:

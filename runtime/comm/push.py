@@ -1,11 +1,12 @@
 """Push Gradient on one rank: the push plans of a Program (``hgraph.comm_plan``) run on torch.distributed.
 
 The reduce-scatters among replica groups travel in buckets (``grad_buckets.GradBuckets``, reverse
-model order, up to ``bucket_bytes``). On CPU each is issued while the step's last backward still
-runs, as soon as its gradients are final (``ready``, from a post-accumulate-grad hook, armed by
-``arm``), in one global bucket order, except from a bucket whose group holds a rank of an earlier
-stage of this rank's pipeline (a tied parameter's: that rank is still waiting for this rank's
-gradient), which waits for the backward's end; ``flush`` issues the rest. ``complete`` then waits for them,
+model order, up to ``bucket_bytes``). On every backend each is issued while the step's last
+backward still runs, once its gradients are final (``ready``, from a post-accumulate-grad hook,
+armed by ``arm``) and every bucket before it in the one global bucket order was issued (so the
+order does not depend on when gradients become ready), except from a bucket whose group holds a
+rank of an earlier stage of this rank's pipeline (a tied parameter's: that rank is still waiting for
+this rank's gradient), which waits for the backward's end; ``flush`` issues the rest. ``complete`` then waits for them,
 sends the plan's transfers to the optimizer owners (``peer_buckets``: the small ones in one message
 per peer, tags ``2k+2``) and does the local adds; under ``--shard-group`` all of that stays inside the
 rank's shard group, and the owners' shards are then summed across the groups (all-reduces among the
@@ -83,14 +84,14 @@ class PushGradient:
     """The push of one rank for one Program.
 
     ``groups``: a ``GroupCache`` holding this rank's groups of ``groups_needed``;
-    ``in_backward``: issue the reductions from backward's hooks (CPU: NCCL keeps them at the end, as
-    all communicators share one stream order and pipelines of different schemes finish gradients in
-    different orders).
+    ``in_backward``: issue the reductions from backward's hooks (any backend: a bucket goes only after
+    those before it in ``GradBuckets``' global order, whichever gradients finish first);
+    ``all_to_all``: see ``GradBuckets``.
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, groups: Any, device: torch.device,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, in_backward: bool = True,
-                 issuer: Optional[CollectiveIssuer] = None) -> None:
+                 issuer: Optional[CollectiveIssuer] = None, all_to_all: Optional[bool] = None) -> None:
         self.params = params
         self.issuer = issuer or CollectiveIssuer()
         self.stats = stats
@@ -105,7 +106,8 @@ class PushGradient:
         layouts = {n: params.layout(n) for n in params.order}
         self.buckets = GradBuckets(params.rank, params.order, self.ops, layouts, groups, self._contribution,
                                    device, bucket_bytes, issuer=self.issuer,
-                                   after_backward=spans_earlier_stages(program.strategy, params.rank))
+                                   after_backward=spans_earlier_stages(program.strategy, params.rank),
+                                   all_to_all=all_to_all)
         self.peers = push_messages(program, params.rank)
         # the ranks holding this rank's shards in the other shard groups (--shard-group): the shards
         # are summed across them after the push inside the group

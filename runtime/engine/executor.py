@@ -16,8 +16,10 @@ state for it (building them on first use), then:
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
    whole documents.
 3. **Push Gradient**: the reduce-scatters among replicas start during the last backward, bucket by
-   bucket as gradients become final (``ParamSync.arm_push``); ``ParamSync.push`` waits for them and
-   LNKs the working gradients to the optimizer owners (a pipeline without micro-batches pushes zeros).
+   bucket as gradients become final (``ParamSync.arm_push``), on every backend, in the buckets' one
+   global order; ``ParamSync.push`` waits for them and LNKs the working gradients to the optimizer
+   owners (a pipeline without micro-batches pushes zeros). ``StepResult.push_ms`` times the push from
+   its first reduction's issue, ``push_exposed_ms`` the part of it after the backward ended.
 4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
@@ -30,9 +32,9 @@ the deadlock); a collective that times out raises ``RunFailed`` saying where eac
 stopped.
 
 Plain data parallelism (every parameter all-gathered, every gradient one reduce-scatter over all
-ranks; gloo) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``, not with
-global-norm clipping): the loss rides in the first reduction, each reduction updates its shards as
-soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
+ranks; any backend) runs 3-4 as an **overlapped update** instead (``ParamSync.can_overlap_update``,
+not with global-norm clipping): the loss rides in the first reduction, each reduction updates its
+shards as soon as it is taken (one behind the newest during backward), and the next step's all-gathers are
 posted as their parameters are updated and completed before the step returns (``prefetch``), so the
 next step of the same Program pulls nothing. A ZeRO-3 step needs two collectives in sequence where
 DDP needs one; this keeps it at two (the loss costs none) and does the rest on the way. On gloo both
@@ -132,6 +134,14 @@ class StepResult:
     built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
     build_s: Optional[float] = None   # on the Program's first step: its build's seconds (ahead: off this step)
     build_lead_s: Optional[float] = None   # built ahead: how long before this step its build began
+    # the step's push (reductions, transfers to the owners, the loss; with the overlapped update, the
+    # shards' updates too), host clock: from its first reduction's issue to its end, and the part of
+    # that after the backward ended (what the backward did not hide)
+    push_ms: float = 0.0
+    push_exposed_ms: float = 0.0
+    # the same three moments on the wall clock (s: first reduction issued, backward ended, push ended),
+    # comparable across ranks: the step's exposed push is counted from the backward that ended last
+    push_times: tuple = ()
 
 
 class RankLostError(RuntimeError):
@@ -499,6 +509,7 @@ class Executor:
             sync.arm_push()
 
         loss_sum = self._run_pipeline(state, mine, num_targets, last_backward)
+        t_backward = time.perf_counter()
         state.comm.wait_all()
         sync.finish_pulls()
         t_compute = time.perf_counter()
@@ -517,6 +528,9 @@ class Executor:
             total_loss = float(loss_value[0])
         sync.end_step()
         t_push = time.perf_counter()
+        # no reduction issued (one rank, point-to-point only): the push began after the compute
+        push_start = sync.push_started_s if sync.push_started_s is not None else t_compute
+        wall = time.time() - time.perf_counter()     # the host times as moments other ranks can compare
         loss = total_loss / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
         skipped = False
@@ -532,7 +546,10 @@ class Executor:
         t_end = time.perf_counter()
         result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
                             t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused)
+                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
+                            push_ms=1e3 * (t_push - push_start),
+                            push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
+                            push_times=tuple(wall + t for t in (push_start, t_backward, t_push)))
         if state.memory is not None:
             peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
             result.offload_layers = list(state.memory.step_offload)

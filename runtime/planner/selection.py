@@ -178,21 +178,22 @@ def _select_fast(lengths, bounds, cost, previous=None):
         res = dispatch_fast(lengths, s.pipelines, cost, polish=False, stop_above=best_latency * (1 + IMPROVE_MARGIN))
         if not math.isfinite(res.latency):
             continue   # many pipelines: its screening pass passed the margin over the best, it cannot win
-        greedy.append((res.latency, lb, s, res))
-        best_latency = min(best_latency, res.latency)
+        latency = priced_latency(res, s, cost)     # with the exposed push: what candidates compare by
+        greedy.append((latency, lb, s, res))
+        best_latency = min(best_latency, latency)
         if res.packs:
-            best_packed = min(best_packed, res.latency)
+            best_packed = min(best_packed, latency)
     # The previous strategy's full plan first (it mostly wins again): what it achieves prunes the
     # others, then the rest by screened latency.
     greedy.sort(key=lambda x: (x[2] != previous, x[0]))
-    best = None
+    best, best_total = None, math.inf     # the best and its latency with the exposed push (priced_latency)
     many_left = IMPROVE_MANY_PIPELINES
     missed_by: dict[frozenset, float] = {}
     for latency, lb, s, res in greedy:
         many = len(s.pipelines) > CHUNKED_PIPELINES
-        if best is not None and lb >= best[0].latency:
+        if best is not None and lb >= best_total:
             continue
-        if not many and latency > min(best_packed, best[0].latency if best else math.inf) * (1 + IMPROVE_MARGIN):
+        if not many and latency > min(best_packed, best_total) * (1 + IMPROVE_MARGIN):
             continue   # against plans that exist: a many-pipeline screening is a surrogate, often low
         if many:
             # Screened on the surrogate, a lower bound of the packed greedy pass that can be a few
@@ -201,18 +202,29 @@ def _select_fast(lengths, bounds, cost, previous=None):
             # of the same schemes (a proposal's near-identical variants).
             family = frozenset(p for _, p in s.groups())
             missed = missed_by.get(family, 1.0)
-            if many_left <= 0 or (best is not None and latency * missed >= best[0].latency):
+            if many_left <= 0 or (best is not None and latency * missed >= best_total):
                 continue
             many_left -= 1
         screened = latency
         res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False, greedy_starts=res.greedy_starts)
         if many and screened > 0:
             missed_by[family] = min(missed_by.get(family, math.inf), res.latency / screened)
-        if best is None or res.latency < best[0].latency:
-            best = (res, s)
+        total = priced_latency(res, s, cost)
+        if best is None or total < best_total:
+            best, best_total = (res, s), total
     if best is not None:
         best = (improve_with_alg1(lengths, best[1].pipelines, cost, best[0]), best[1])
     return best, len(greedy), pruned
+
+
+def priced_latency(res, strategy: Strategy, cost) -> float:
+    """A dispatch's latency with each pipeline's exposed push (``CostModel.exposed_push_ms``): what
+    candidates are compared by (the dispatch itself balances compute); ``res.latency`` without a
+    push model. A compute-only lower bound stays a bound of it."""
+    if getattr(cost, "push", None) is None or not res.packs:     # no push model, or a surrogate's screening
+        return res.latency
+    return max((pk.latency + cost.exposed_push_ms(p, pk.mb_times) if len(pk.mb_times) else 0.0
+                for pk, p in zip(res.packs, strategy.pipelines)), default=0.0)
 
 
 def _fits(strategy: Strategy, cost, longest: int) -> bool:
@@ -258,16 +270,17 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
     if method == "fast":
         best, evaluated, pruned = _select_fast(lengths, bounds, cost, previous)
     else:
-        best = None
+        best, best_total = None, math.inf
         for lb, _, s in bounds:
-            if best is not None and lb >= best[0].latency:
+            if best is not None and lb >= best_total:
                 pruned += 1
                 continue
             res = dispatch_sequences(lengths, s.pipelines, cost, method=method, seed=seed, trials=trials,
                                      time_limit_s=time_limit_s, workers=workers)
             evaluated += 1
-            if best is None or res.latency < best[0].latency:
-                best = (res, s)
+            total = priced_latency(res, s, cost)
+            if best is None or total < best_total:
+                best, best_total = (res, s), total
     res, strategy = best
     pipelines = []
     first_rank = 0

@@ -7,9 +7,13 @@ iteration latency is the propagation latency of the cost model (``T(l, P) = a l^
 micro-batch and pipeline stage; a 1F1B pipeline takes ``sum + (PP - 1) * max`` of its micro-batch
 times, WLB-LLM §3.1's critical path, for every system alike (hgraph's plans, chosen with the
 planner's ``(PP - 1 + V) * max`` estimate, are re-estimated this way); slowest pipeline wins);
-optimizer steps and parameter exchanges are the same for all systems and are not modelled, except
-HotSPa's strategy switches. The per-rank spread is ``1 - min/max`` of the pipelines' (or groups')
-busy times in an iteration (Hydraulis Fig. 12b: 0 = every rank finishes together).
+optimizer steps and parameter pulls are the same for all systems and are not modelled, except
+HotSPa's strategy switches; a profile with a ``push`` model prices the gradient push that the last
+backward does not hide in every 1F1B pipeline's time (``pipeline_ms``: hgraph, flexsp, megatron,
+megatron-cp, deepspeed, wlb; hotspa's strategies each as such a step, dcp's groups after their last
+accumulation step). The
+per-rank spread is ``1 - min/max`` of the pipelines' (or groups') busy times in an iteration
+(Hydraulis Fig. 12b: 0 = every rank finishes together).
 
 Systems (Hydraulis §8.1 / App. F baselines, each tuned over its own strategy space on the simulated
 iterations themselves, i.e. the best static configuration in hindsight):
@@ -172,12 +176,16 @@ def sample_minibatches(lengths, tokens_per_iter: int, iters: int, max_len: int, 
     return batches[:iters]
 
 
-def pipeline_ms(mb_times: Sequence[float], scheme: Scheme) -> float:
+def pipeline_ms(mb_times: Sequence[float], scheme: Scheme, cost=None) -> float:
     """1F1B critical path (WLB-LLM §3.1): every micro-batch on the first stage plus the largest one
-    through the remaining ``PP - 1`` stages: ``sum + (PP - 1) * max`` (just the sum when PP = 1)."""
+    through the remaining ``PP - 1`` stages: ``sum + (PP - 1) * max`` (just the sum when PP = 1); with
+    a ``cost`` that prices the push, plus the part of it the last backward does not hide
+    (``CostModel.exposed_push_ms``: every system reduces its gradients inside the backward, as
+    Megatron-LM's ``overlap_grad_reduce`` and DeepSpeed do)."""
     if len(mb_times) == 0:
         return 0.0
-    return float(np.sum(mb_times)) + (scheme.pp - 1) * float(np.max(mb_times))
+    push = cost.exposed_push_ms(scheme, mb_times) if cost is not None else 0.0
+    return float(np.sum(mb_times)) + (scheme.pp - 1) * float(np.max(mb_times)) + push
 
 
 def _mb_times(cost, scheme: Scheme, mbs: Sequence[Sequence[int]]) -> np.ndarray:
@@ -210,7 +218,7 @@ def _even_dispatch_latency(cost, scheme: Scheme, dp: int, mbs: list[list[int]]) 
     lat = []
     for r in range(dp):
         mine = t[r::dp]
-        lat.append(pipeline_ms(mine, scheme))
+        lat.append(pipeline_ms(mine, scheme, cost))
     return max(lat), _spread(lat)
 
 
@@ -294,7 +302,7 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
         solve += plan.solve_ms
         # Re-estimated with the simulator's pipeline formula, the same for every system.
         busy = [pipeline_ms(_mb_times(cost, p.scheme, [[plan.doc_lengths[d] for d in mb] for mb in p.microbatches]),
-                            p.scheme) for p in plan.pipelines]
+                            p.scheme, cost) for p in plan.pipelines]
         iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
         chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
     return SystemResult(name, f"{len(candidates)} candidates ({source})", iters, solve,
@@ -376,7 +384,7 @@ def simulate_wlb(batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]
                 r = min((r for r in range(dp) if len(load[r]) < -(-len(mbs) // dp)),
                         key=lambda r: sum(load[r]))
                 load[r].append(float(t[k]))
-            busy = [pipeline_ms(x, s) for x in load]
+            busy = [pipeline_ms(x, s, cost) for x in load]
             its.append(IterationResult(max(busy), int(sum(sum(m) for m in mbs)), _spread(busy)))
         return SystemResult("wlb", str(Strategy.homogeneous(dp, s)), its,
                             notes={"mean_delay_iters": packer.stats.mean_delay(),
@@ -441,7 +449,8 @@ def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
 def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[list[float], list[int]]:
     """Documents longest first onto the least loaded of ``groups`` SP groups; each group runs its
     documents as gradient-accumulation steps of micro-batches up to MaxLen tokens (DCP-inter's
-    balancing by accumulation counts). Returns per-group busy time (ms) and step counts."""
+    balancing by accumulation counts). Returns per-group busy time (ms, with the exposed push of a
+    cost model that prices it) and step counts."""
     a, b, c = cost.coeffs(scheme)
     cap = cost.max_len(scheme)
     load = [0.0] * groups
@@ -451,7 +460,9 @@ def _accumulate(cost, scheme: Scheme, lengths: list[int], groups: int) -> tuple[
         load[j] += a * l * l + b * l
         toks[j] += l
     steps = [-(-t // cap) for t in toks]
-    return [ld + c * st for ld, st in zip(load, steps)], steps
+    busy = [ld + c * st for ld, st in zip(load, steps)]
+    # a group's push after its last accumulation step, which hides part of it (its mean step as that)
+    return [bz + (cost.exposed_push_ms(scheme, [bz / st]) if st else 0.0) for bz, st in zip(busy, steps)], steps
 
 
 def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters: int, *,

@@ -59,7 +59,8 @@ from torch.hub import tqdm       # what torch.fx's Interpreter draws its (disabl
 
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.launcher_env import LAUNCHER_TIMEOUT_S, LauncherEnv, read_launcher_env
+from hgraph.runtime.train.launcher_env import (LAUNCHER_TIMEOUT_S, LauncherEnv, flight_recorder_env,
+                                              read_launcher_env)
 from hgraph.runtime.process.lifetime import NOTE_ENV, die_with_parent, read_note, tie_to_starter
 from hgraph.runtime.train.rendezvous import attempt_store, meet
 
@@ -129,7 +130,8 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = LAUNCHER_TIM
     ``backend`` defaults to ``nccl`` when every local process (``LOCAL_WORLD_SIZE``) can have a GPU
     of its own, else ``gloo``. The ranks meet in this attempt's namespace of the launcher's store
     (``hgraph.runtime.train.rendezvous``). Does nothing but return the numbers when the group is
-    already initialised.
+    already initialised. On NCCL, PyTorch's flight recorder is turned on first, with a dump per rank
+    when a collective times out (``launcher_env.flight_recorder_env``: what the user set stays).
     """
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -146,6 +148,7 @@ def init_from_env(backend: Optional[str] = None, timeout_s: float = LAUNCHER_TIM
     backend = local_backend(backend or "auto", env.local_world_size)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+        os.environ.update(flight_recorder_env(backend))     # read when the process group is made
     store = attempt_store(env, timeout_s)
     meet(store, env, timeout_s)          # a missing peer is named here, not by gloo's connect timeout
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,

@@ -27,6 +27,12 @@ train`` then spawns its own local processes):
 A malformed variable is one ``HGraphError`` line naming it, its value and what is allowed.
 ``launcher_cluster`` gives the run's world size and ranks per node: what the launcher says, and an
 option given with another value is one line naming both.
+
+``flight_recorder_env``: what a launched NCCL rank sets before its process group exists, so that a
+hang explains itself: PyTorch's flight recorder (a ring buffer of each rank's last collectives) with
+room for a few steps of a large model, dumped to a file per rank when a collective times out (into
+``/tmp/nccl_trace_rank_<rank>`` on its node unless ``TORCH_FR_DUMP_TEMP_FILE`` says otherwise), each
+left alone when the user set it.
 """
 from __future__ import annotations
 
@@ -44,6 +50,14 @@ LOCAL_TIMEOUT_S = 60.0
 LAUNCHER_TIMEOUT_S = 600.0
 #: MASTER_PORT of a SLURM step without one: SLURM_PORT_BASE + job id mod SLURM_PORT_SPAN.
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 20000
+#: flight-recorder entries per rank: a step of an 80-layer model with TP has ~4 collectives per layer
+#: and micro-batch (forward and backward) plus its pull and push buckets, ~5,000 at 16 micro-batches;
+#: PyTorch's default of 2,000 would hold less than the step that hung (an entry is a few hundred bytes)
+FLIGHT_RECORDER_ENTRIES = 20000
+#: PyTorch's names (torch 2.13 reads the first, older ones the second) of the buffer's size, and the
+#: dump on a watchdog timeout
+FR_BUFFER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_VAR = "TORCH_NCCL_DUMP_ON_TIMEOUT"
 
 
 @dataclass(frozen=True)
@@ -247,3 +261,20 @@ def launcher_cluster(env: LauncherEnv, world_size: Optional[int] = None, gpus_pe
 def default_timeout(env: Optional[LauncherEnv]) -> float:
     """Seconds a collective may wait when ``--timeout`` is not given (see the constants above)."""
     return LAUNCHER_TIMEOUT_S if env is not None else LOCAL_TIMEOUT_S
+
+
+def flight_recorder_env(backend: str, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """The variables a rank of ``backend`` sets (to add to its environment before its process group is
+    created) so that PyTorch's flight recorder keeps its last ``FLIGHT_RECORDER_ENTRIES`` collectives
+    and writes them out when a collective times out: to ``TORCH_FR_DUMP_TEMP_FILE`` + the rank, PyTorch's
+    default ``/tmp/nccl_trace_rank_<rank>`` on the rank's node. NCCL only (gloo records nothing); a
+    variable the user set, under either of its names, is left as it is."""
+    env = os.environ if environ is None else environ
+    if backend != "nccl":
+        return {}
+    out = {}
+    if not any(name in env for name in FR_BUFFER_VARS):
+        out.update({name: str(FLIGHT_RECORDER_ENTRIES) for name in FR_BUFFER_VARS})
+    if FR_DUMP_VAR not in env:
+        out[FR_DUMP_VAR] = "1"
+    return out

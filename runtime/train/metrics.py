@@ -6,11 +6,12 @@
 planner-driven step's planner figures; the documents of the step and the data position after it (a
 resumed run can be checked to train every document exactly once); with outlier delay, the documents
 that came from earlier steps and those still waiting; its throughput (``runtime.train.throughput``:
-``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); every rank's measured
-peak of the step
-(``rank_peak_bytes``: CUDA allocator peak or peak RSS) and, with memory tracking, its measured and
-predicted activation peaks (``memory_figures``, collective: one all-gather); with DCP-inter, its
-balance figures. A resumed run keeps the lines of the steps before it and rewrites the rest.
+``tokens_per_s``, ``tflops_per_device``, ``mfu``, ``model_tflop``, ``peak_tflops``); the step's push
+over all ranks (``step_push_ms``, ``step_push_exposed_ms``: seen from the rank whose backward ended
+last); every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak or peak
+RSS) and, with memory tracking, its measured and predicted activation peaks (``memory_figures``,
+collective: one all-gather); with DCP-inter, its balance figures. A resumed run keeps the lines of
+the steps before it and rewrites the rest.
 
 ``format_step_line``: the line rank 0 prints per step.
 """
@@ -70,12 +71,15 @@ class MetricsWriter:
 
 def metrics_line(r: StepResult, cache: Any) -> dict:
     """The step's own figures and the cache's hits and misses so far (with ``--compile``: the
-    compilations of rank 0's graph regions so far, ``region_compiles``). ``switch_s``: the step's
+    compilations of rank 0's graph regions so far, ``region_compiles``). ``push_ms``: rank 0's push
+    from its first reduction's issue to its end; ``push_exposed_ms``: the part of it after the
+    backward ended (the rest ran under the backward). ``switch_s``: the step's
     lookup of its Program (with the build on a miss); ``build_s``: on a Program's first step, how long
     its build took (``built_ahead``: on the build-ahead thread, during earlier steps), else None."""
     compiles = {} if r.compiles is None else {"region_compiles": r.compiles}
     return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
+            "push_ms": r.push_ms, "push_exposed_ms": r.push_exposed_ms,
             "skipped": r.skipped, "grad_norm": r.grad_norm, "overlapped_update": r.overlapped_update,
             "pull_prefetched": r.pull_prefetched, "cache_hit": r.cache_hit, "switch_s": r.switch_s,
             "built_ahead": r.built_ahead, "build_s": r.build_s, "build_lead_s": r.build_lead_s,
@@ -85,23 +89,41 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
 
 def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
                    source: str, tracked: bool = False) -> dict:
-    """Every rank's measured peak of the step (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak
-    RSS on CPU, ``rank_peak_source`` says which, ``engine.peak_memory``) and, when activations are
-    ``tracked``, their measured and predicted peaks, and what offload held in host memory (None
-    without offload). Collective: one all-gather of a few numbers."""
+    """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step
+    (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says
+    which, ``engine.peak_memory``) and, when activations are ``tracked``, their measured and predicted
+    peaks, and what offload held in host memory (None without offload). Collective: one all-gather of
+    a few numbers."""
     nan = float("nan")
-    mine = ([r.process_peak_bytes, r.peak_mem_bytes, r.predicted_mem_bytes, r.host_peak_bytes] if tracked
-            else [r.process_peak_bytes])
+    start, backward, end = r.push_times or (nan, nan, nan)
+    mine = [start, backward, end, r.process_peak_bytes]
+    mine += [r.peak_mem_bytes, r.predicted_mem_bytes, r.host_peak_bytes] if tracked else []
     rows = all_gather_rows([nan if v is None else float(v) for v in mine], world_size, device)
-    out = {"rank_peak_bytes": [None if math.isnan(row[0]) else int(row[0]) for row in rows],
-           "rank_peak_source": source}
+    out = step_push_figures(rows)
+    out.update({"rank_peak_bytes": [None if math.isnan(row[3]) else int(row[3]) for row in rows],
+                "rank_peak_source": source})
     if tracked:
-        out.update({"peak_mem_bytes": [None if math.isnan(row[1]) else int(row[1]) for row in rows],
-                    "predicted_mem_bytes": [None if math.isnan(row[2]) else round(row[2]) for row in rows],
+        out.update({"peak_mem_bytes": [None if math.isnan(row[4]) else int(row[4]) for row in rows],
+                    "predicted_mem_bytes": [None if math.isnan(row[5]) else round(row[5]) for row in rows],
                     "memory_budget": memory_budget, "recompute_layers": r.recompute_layers,
                     "offload_layers": r.offload_layers,      # this rank's, per micro-batch
-                    "host_peak_bytes": [None if math.isnan(row[3]) else int(row[3]) for row in rows]})
+                    "host_peak_bytes": [None if math.isnan(row[6]) else int(row[6]) for row in rows]})
     return out
+
+
+def step_push_figures(rows: list[list[float]]) -> dict:
+    """The step's push, from each rank's ``(first issue, backward end, push end)`` (wall clock, s; the
+    rows' first three values), seen from the rank whose backward ended last (the step's critical
+    path; a rank whose backward ended early waits in its push for the later ones' gradients, and that
+    wait is the pipelines' imbalance, not the push): ``step_push_ms`` from that rank's first reduction
+    to the end of the last push anywhere, ``step_push_exposed_ms`` the part after its backward ended
+    (all of it when it issued nothing before). None without the times."""
+    timed = [row[:3] for row in rows if not any(math.isnan(v) for v in row[:3])]
+    if not timed:
+        return {"step_push_ms": None, "step_push_exposed_ms": None}
+    start, backward, _ = max(timed, key=lambda row: row[1])
+    end = max(row[2] for row in timed)
+    return {"step_push_ms": 1e3 * (end - start), "step_push_exposed_ms": 1e3 * (end - max(start, backward))}
 
 
 def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:

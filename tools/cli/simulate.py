@@ -12,7 +12,9 @@ homogeneous 4D strategy) and DCP, the Data-Centric Parallel paper's system (per-
 sequence-parallel groups). Each baseline is tuned over
 its own strategy space, under the same cost model. A baseline that cannot hold the context in this
 setting (megatron-cp without derived CP, flexsp without a Ulysses scheme that holds it) is named as
-skipped. The speedup of hgraph over each baseline closes the report.
+skipped. The speedup of hgraph over each baseline closes the report. A profile with a ``push``
+section prices each pipeline's gradient push, the part its last backward does not hide
+(``runtime/planner/cost/push.py``).
 """
 from __future__ import annotations
 

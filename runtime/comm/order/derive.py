@@ -54,7 +54,7 @@ from hgraph.meta import CommPoint, get_meta
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
-from hgraph.runtime.comm.overlapped_update import is_plain_data_parallel
+from hgraph.runtime.comm.overlapped_update import CARRY_MAX_BYTES, is_plain_data_parallel
 from hgraph.runtime.comm.param_sync import overlaps_update_on, pushes_in_backward
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
                                       pull_message_rounds)
@@ -442,7 +442,14 @@ class StepDeriver:
         issued = 0
         reduce_kind = "all_to_all" if plan.gloo else "reduce_scatter"
 
+        # past ``CARRY_MAX_BYTES`` the overlapped update's loss takes an all-reduce of its own, issued
+        # before the step's first reduction (``OverlappedUpdate.set_loss``)
+        own_loss = (self.overlap and bool(buckets)
+                    and 8 * len(buckets[0].group) * world > CARRY_MAX_BYTES)
+
         def bucket(j: int) -> Collective:
+            if j == 0 and own_loss:
+                out.append(Collective("all_reduce", tuple(range(world)), (1,), "float64", "loss"))
             return Collective(reduce_kind, buckets[j].group, dtype="float32", label=f"push bucket {j}")
 
         # the overlapped update (``OverlappedUpdate``): a reduction is taken one behind the newest
@@ -482,7 +489,8 @@ class StepDeriver:
                 group = _group_of(r, e, rp, program)
                 if len(group) > 1:
                     out.append(Collective(e.kind, group, e.shape, e.dtype, e.label))
-        out += [bucket(j) for j in range(issued, len(buckets))]        # flush
+        for j in range(issued, len(buckets)):        # flush
+            out.append(bucket(j))
         if self.overlap:          # the loss rode in the first reduction; no push to owners
             take_until(len(buckets))
             return out

@@ -15,6 +15,10 @@ training itself (on a CPU machine, N rank processes share the cores exactly as t
   backward or forward);
 * pipeline parallelism: send/recv of ``l x hidden`` between neighbour ranks, fitted the same way; a
   stage pays one forward and one backward transfer per micro-batch;
+* Push Gradient: the reduction of fp32 gradients over all ranks as the runtime runs it (gloo: an
+  all-to-all, ``runtime/comm/grad_buckets``; else a reduce-scatter) at two sizes, fitted to a
+  latency and a bandwidth: the model's ``push`` (``cost.push``: only its part the last backward does
+  not hide is priced);
 * Ulysses, when asked (``ul_degrees``): all-to-all of ``l x hidden`` inside every group of ``UL``
   consecutive ranks (``measure_ul_comm``), fitted the same way and read as the latency and bytes per
   second of ``ulysses.AllToAll`` (the slowest degree's: a conservative figure for all); the model's
@@ -28,7 +32,7 @@ divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP
 ``T(l) = ceil(layers/PP) * (layer_TP(l) + tp_comm(l)) + rest_TP(l) + pp_comm(l)`` (the slowest stage
 holds the rest). Memory and MaxLen come from the analytic prior.
 
-What the model leaves out on purpose: the pull / push / optimizer phases of a step and the per-document
+What the model leaves out on purpose: the pull / optimizer phases of a step and the per-document
 cost of varlen attention; ``StepCorrection`` scales every estimate by the median ratio measured/estimate
 of the last steps (the same factor for every strategy, so it never changes the planner's choice).
 """
@@ -48,10 +52,12 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.comm import p2p
 from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
+from hgraph.runtime.planner.cost.push import PushModel
 from hgraph.runtime.planner.cost.ulysses import AllToAll
 
 DEFAULT_LENGTHS = (64, 256, 512, 1024)
 COMM_LENGTHS = (64, 1024)
+PUSH_BYTES = (256 * 1024, 2 * 1024 * 1024)     # a rank's reduction input, timed (fp32)
 GPU_LONGEST = 16384          # the longest sequence timed on a GPU (the model's context if shorter)
 
 
@@ -178,6 +184,34 @@ def measure_ul_comm(ul: int, rank: int, world_size: int, hidden: int, groups: An
     return out
 
 
+def measure_push_comm(rank: int, world_size: int, repeats: int,
+                      device: torch.device = torch.device("cpu")) -> list[float]:
+    """ms of one reduction over all ranks of ``PUSH_BYTES`` of fp32 gradients per rank, as Push Gradient
+    runs it (gloo: all-to-all then a local sum; else reduce-scatter; collective: call on every rank)."""
+    out = []
+    for size in PUSH_BYTES:
+        n = max(size // 4 // world_size, 1)
+        x = torch.ones(world_size, n, dtype=torch.float32, device=device)
+        gloo = dist.get_backend() == "gloo"
+        y = torch.empty_like(x) if gloo else torch.empty(n, dtype=torch.float32, device=device)
+
+        def reduce() -> None:
+            if gloo:
+                dist.all_to_all_single(y, x)
+                y.sum(0)
+            else:
+                dist.reduce_scatter_tensor(y, x.view(-1))
+        out.append(_time_comm(reduce, repeats, device=device))
+    dist.barrier()
+    return out
+
+
+def push_model(line: tuple[float, float]) -> PushModel:
+    """``PushModel`` from the fitted ``(alpha ms, beta ms per byte)`` of ``measure_push_comm``."""
+    alpha, beta = line
+    return PushModel(bandwidth=1e3 / beta if beta > 0 else 1e15, latency_ms=alpha)
+
+
 def all_to_all_model(lines: dict[int, tuple[float, float]], hidden: int, bytes_per_element: int) -> AllToAll:
     """``AllToAll`` from ``{ul: (alpha ms, beta ms per row of hidden values)}``: per degree a row sends
     ``(ul - 1) / ul`` of its bytes; the slowest bandwidth and the largest latency of the degrees."""
@@ -236,7 +270,7 @@ def calibration_phases(prior: CostModel, world_size: int, ul_degrees: Sequence[i
     tps = {tp for tp, _, _ in prior.profiled}
     pps = {pp for _, pp, _ in prior.profiled}
     multi = world_size > 1
-    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0) \
+    return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0) + (1 if multi else 0) \
         + (len([u for u in set(ul_degrees) if 1 < u <= world_size]) if multi else 0)
 
 
@@ -296,6 +330,11 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         med = _median_rows(ms)
         raw["pp_comm_ms"] = med
         pp_line = _fit_line(COMM_LENGTHS, med)
+    push = None
+    if multi:
+        say("push (all ranks)")
+        raw["push_comm_ms"] = _median_rows(_all_gather(measure_push_comm(rank, world_size, repeats, device)))
+        push = push_model(_fit_line(PUSH_BYTES, raw["push_comm_ms"]))
     ul_lines: dict[int, tuple[float, float]] = {}
     for ul in sorted({u for u in ul_degrees if 1 < u <= world_size}) if multi else ():
         say(f"all-to-all UL{ul}")
@@ -324,7 +363,7 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         util[tp] = max(int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else max(lengths), 1)
     cost = CostModel(name="measured", model=prior.model, profiled=profiled, util_len_tokens=util,
                      memory=prior.memory, world_size=prior.world_size, gpus_per_node=prior.gpus_per_node,
-                     max_cp=1, all_to_all=all_to_all, max_ul=max(ul_lines, default=1),
+                     max_cp=1, all_to_all=all_to_all, max_ul=max(ul_lines, default=1), push=push,
                      extra={"source": "measured at the start of the run (hgraph.runtime.planner.cost.calibration)",
                             "calibration": raw})
     return cost, raw

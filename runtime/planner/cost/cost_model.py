@@ -20,6 +20,10 @@ tokens and of the (load-balanced) causal attention, so ``a/CP``; the linear part
 kernels are launched); ``UtilLen`` is multiplied by CP (each rank sees ``l/CP`` tokens). CP degrees
 are powers of two and three times them up to ``max_cp`` (``cp_degrees``).
 
+Push Gradient (``CostModel.push``, a profile's ``push`` section; ``hgraph.runtime.planner.cost.push``):
+a pipeline's time adds the part of its ranks' push that its last backward does not hide; without a
+push model the push is not priced.
+
 Ulysses schemes (``UL > 1``) are derived from the ``<TP, PP, CP>`` ones where the model's heads allow
 (``ModelShape.heads``) and an all-to-all model is known (``CostModel.all_to_all``: measured, or the A800
 prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max_ul`` bounds the degree
@@ -36,6 +40,7 @@ import numpy as np
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
 from hgraph.runtime.planner.cost.profiles import resolve_profile
+from hgraph.runtime.planner.cost.push import PushModel, gradient_bytes, optional_push
 from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repeated_kv_bytes_per_token,
                                                  ulysses_schemes)
 from hgraph.runtime.planner.schedule.offload import relief_extra_ms
@@ -203,6 +208,8 @@ class CostModel:
     # activation offload (schedule.offload): off | on | auto, and the host bytes per rank it may hold
     offload: str = "off"
     host_budget_bytes: float = math.inf
+    # Push Gradient: only its part the last backward does not hide is priced (None: not priced)
+    push: Optional[PushModel] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -318,10 +325,20 @@ class CostModel:
         return relief_extra_ms(self, arr, scheme, budget, self.offload, self.host_budget_bytes)[0]
 
     def pipeline_time(self, mb_times: Sequence[float], scheme: Scheme) -> float:
-        """1F1B latency ``(PP - 1 + V) * max(mb_times)``; 0 for a pipeline with no micro-batch."""
+        """1F1B latency ``(PP - 1 + V) * max(mb_times)`` and the exposed push (``exposed_push_ms``); 0
+        for a pipeline with no micro-batch."""
         if len(mb_times) == 0:
             return 0.0
-        return (scheme.pp - 1 + len(mb_times)) * float(max(mb_times))
+        return (scheme.pp - 1 + len(mb_times)) * float(max(mb_times)) + self.exposed_push_ms(scheme, mb_times)
+
+    def exposed_push_ms(self, scheme: Scheme, mb_times: Sequence[float]) -> float:
+        """The part of a ``scheme`` rank's push that its last backward (of ``mb_times[-1]``, the last
+        micro-batch in 1F1B order) does not hide (``cost.push``); 0 without a push model."""
+        if self.push is None or len(mb_times) == 0:
+            return 0.0
+        m = self.model
+        return self.push.exposed_ms(gradient_bytes(m.hidden, m.layers, m.vocab, scheme.tp, scheme.pp),
+                                    float(mb_times[-1]))
 
     def max_len(self, scheme: Scheme) -> int:
         """MaxLen(P): the longest packed micro-batch (tokens) that fits in memory, with its layers
@@ -374,6 +391,8 @@ class CostModel:
             "memory": self.memory.to_dict(),
             "context_parallel": {"efficiency": self.cp_efficiency, "max_cp": self.max_cp},
         })
+        if self.push is not None:
+            body["push"] = self.push.to_dict()
         if self.all_to_all is not None:
             body["ulysses"] = {"all_to_all": self.all_to_all.to_dict(),
                                **({"max_ul": self.max_ul} if self.max_ul is not None else {})}
@@ -473,13 +492,13 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
     if max_ul is None and ul_conf.get("max_ul") is not None:
         max_ul = int(ul_conf["max_ul"])
     extra = {k: v for k, v in entry.items()
-             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel", "ulysses")}
+             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel", "ulysses", "push")}
     return CostModel(
         name=name, model=model, profiled=profiled, util_len_tokens=util, memory=memory,
         world_size=world_size, gpus_per_node=gpus_per_node,
         cp_efficiency=float(cp_efficiency if cp_efficiency is not None else cp_conf.get("efficiency", DEFAULT_CP_EFFICIENCY)),
         max_cp=int(max_cp if max_cp is not None else cp_conf.get("max_cp", DEFAULT_MAX_CP)),
-        extra=extra, all_to_all=all_to_all, max_ul=max_ul)
+        extra=extra, all_to_all=all_to_all, max_ul=max_ul, push=optional_push(entry.get("push"), where))
 
 
 def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_efficiency: float | None = None,

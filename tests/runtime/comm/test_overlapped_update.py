@@ -4,7 +4,9 @@
   the masters after an overlapped step equal, bit for bit, those of the plain path (``push`` + one
   optimizer step) on the same integer-valued gradients (every sum exact); the prefetched working
   tensors equal the updated masters; the loss carried in the first reduction is the exact sum; a
-  non-finite loss updates nothing.
+  non-finite loss updates nothing. The same run over reduce_scatter_tensor (NCCL's path, forced
+  on gloo with ``all_to_all=False``), with the loss carried or in an all-reduce of its own (a large
+  world's way), is bit for bit the all-to-all one.
 * Executor level: the next step of the same Program reuses the prefetched pull, a checkpoint load
   in between makes it pull afresh (the step then equals a step from the loaded state), a NaN loss
   is skipped (``skip_nonfinite``) or raises naming the step on every rank, and global-norm clipping
@@ -46,25 +48,64 @@ def _param_sync_worker(rank, world):
     overlapped = ParamSync(prog, rank, opt_a.params, working, rp.params, groups, update=opt_a.step,
                            push_bucket_bytes=64 * 1024)
     reference = ParamSync(prog, rank, opt_b.params, plain, rp.params, groups)
+    # NCCL's path on gloo: the reductions as reduce_scatter_tensor, the loss carried in its chunks
+    opt_c = ShardedAdam(list(full.items()), shard_dims_of(compiled), rank, world)
+    working_c = {n: torch.nn.Parameter(torch.zeros(s.shard_shape)) for n, s in rp.params.items()}
+    scattered = ParamSync(prog, rank, opt_c.params, working_c, rp.params, groups, update=opt_c.step,
+                          push_bucket_bytes=64 * 1024, all_to_all=False)
+    # and with the loss in an all-reduce of its own (what a large world does: ``CARRY_MAX_BYTES``)
+    opt_d = ShardedAdam(list(full.items()), shard_dims_of(compiled), rank, world)
+    working_d = {n: torch.nn.Parameter(torch.zeros(s.shard_shape)) for n, s in rp.params.items()}
+    separate = ParamSync(prog, rank, opt_d.params, working_d, rp.params, groups, update=opt_d.step,
+                         push_bucket_bytes=64 * 1024, all_to_all=False)
+    carried_by_default = separate.overlapped.carry_loss
+    separate.overlapped.carry_loss = False
     out = {"can_overlap": overlapped.can_overlap_update, "reference_can_overlap": reference.can_overlap_update,
+           "scattered_can_overlap": scattered.can_overlap_update, "carried_by_default": carried_by_default,
            "steps": []}
+
+    from hgraph.runtime.comm import grad_buckets
+    scatters = []
+    issue = grad_buckets.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        scatters.append(1)
+        return issue(*args, **kwargs)
+
+    grad_buckets.reduce_scatter_single = counted
+
+    def overlapped_step(sync, working, grads, loss_share):
+        scatters.clear()
+        sync.begin_step(overlap_update=True, prefetch=True)
+        sync.finish_pulls()
+        sync.set_loss(loss_share)
+        sync.arm_push()
+        # backward finishes the gradients one by one: the hooks issue and take reductions
+        sum((w * grads[n]).sum() for n, w in working.items()).backward()
+        in_backward = sync.updates_in_backward
+        total = sync.finish_update({n: w.grad for n, w in working.items()})
+        sync.end_step()
+        for w in working.values():
+            w.grad = None
+        return total, in_backward, len(scatters)
+
     for step, loss_share in enumerate([1.5 + rank, float("nan"), 0.25]):
         grads = {n: _ints(tuple(full[n].shape), 1000 + 37 * rank + 11 * step + i)
                  for i, n in enumerate(rp.params)}
-        overlapped.begin_step(overlap_update=True, prefetch=True)
-        overlapped.finish_pulls()
         before = {n: m.clone() for n, m in opt_a.params.items()}
-        overlapped.set_loss(loss_share)
-        overlapped.arm_push()
-        # backward finishes the gradients one by one: the hooks issue and take reductions
-        sum((w * grads[n]).sum() for n, w in working.items()).backward()
-        in_backward = overlapped.updates_in_backward
-        total = overlapped.finish_update({n: w.grad for n, w in working.items()})
-        overlapped.end_step()
-        for w in working.values():
-            w.grad = None
+        total, in_backward, a2a_scatters = overlapped_step(overlapped, working, grads, loss_share)
+        scattered_total, scattered_in_backward, scatters_run = overlapped_step(scattered, working_c, grads, loss_share)
+        separate_total = overlapped_step(separate, working_d, grads, loss_share)[0]
         record = {"loss": total, "in_backward": in_backward, "reused": overlapped.pull_reused,
-                  "buckets": len(overlapped._buckets.buckets)}
+                  "buckets": len(overlapped._buckets.buckets),
+                  "scatters": (a2a_scatters, scatters_run),
+                  "scattered": (scattered_total, scattered_in_backward, scattered.pull_reused,
+                                all(torch.equal(opt_a.params[n].view(torch.int32), opt_c.params[n].view(torch.int32))
+                                    for n in full),
+                                all(torch.equal(working[n], working_c[n]) for n in working)),
+                  "separate": (separate_total,
+                               all(torch.equal(opt_a.params[n].view(torch.int32), opt_d.params[n].view(torch.int32))
+                                   for n in full))}
         if math.isfinite(total):
             reference.begin_step()
             reference.finish_pulls()
@@ -102,6 +143,30 @@ def test_overlapped_update_equals_push_then_step_and_prefetches_the_next_pull(pa
         assert not third["reused"]
         assert third["masters_equal"] and third["prefetched_current"]
         assert third["loss"] == 0.25 * WORLD
+
+
+def test_overlapped_update_over_reduce_scatter_equals_the_all_to_all_path(param_sync_results):
+    """The backend-neutral path (reduce_scatter_tensor, which NCCL has) forced on gloo: the same loss,
+    the same reductions taken in backward, bit-identical masters and prefetched parameters."""
+    for r in param_sync_results:
+        assert r["scattered_can_overlap"]
+        for record in r["steps"]:
+            assert record["scatters"] == (0, record["buckets"])   # gloo's all-to-all, then one per bucket
+            loss, in_backward, reused, masters_equal, working_equal = record["scattered"]
+            assert loss == record["loss"] or (math.isnan(loss) and math.isnan(record["loss"]))
+            assert (in_backward, reused) == (record["in_backward"], record["reused"])
+            assert masters_equal and working_equal
+
+
+def test_overlapped_update_with_the_loss_in_its_own_all_reduce(param_sync_results):
+    """Past ``CARRY_MAX_BYTES`` (8 N^2 bytes of slots) the loss is summed in a float64 all-reduce of
+    its own: the same loss, a NaN still updates nothing, the masters bit for bit those of the carry."""
+    for r in param_sync_results:
+        assert r["carried_by_default"]            # 4 ranks: 128 bytes of slots ride along
+        for record in r["steps"]:
+            loss, masters_equal = record["separate"]
+            assert loss == record["loss"] or (math.isnan(loss) and math.isnan(record["loss"]))
+            assert masters_equal
 
 
 def _executor_worker(rank, world):

@@ -6,9 +6,10 @@ import socket
 import pytest
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.train.launcher_env import (LAUNCHER_TIMEOUT_S, LOCAL_TIMEOUT_S, SLURM_PORT_BASE,
-                                               LauncherEnv, default_timeout, first_host, launcher_cluster,
-                                               read_launcher_env, tasks_per_node)
+from hgraph.runtime.train.launcher_env import (FLIGHT_RECORDER_ENTRIES, LAUNCHER_TIMEOUT_S, LOCAL_TIMEOUT_S,
+                                               SLURM_PORT_BASE, LauncherEnv, default_timeout, first_host,
+                                               flight_recorder_env, launcher_cluster, read_launcher_env,
+                                               tasks_per_node)
 from hgraph.runtime.train.rendezvous import attempt_prefix
 from hgraph.tools.cli import build_parser, main
 from hgraph.tools.cli.train import config_from_args
@@ -224,3 +225,16 @@ def test_each_attempt_meets_in_a_namespace_of_its_own():
     assert not again.check(["default_pg/rank_1"])
     before = dist.PrefixStore("hgraph/attempt-0", agent)
     assert before.get("default_pg/rank_1") == b"the first attempt's address"
+
+
+def test_flight_recorder_is_turned_on_for_nccl_unless_the_user_set_it():
+    entries = str(FLIGHT_RECORDER_ENTRIES)
+    on = {"TORCH_FR_BUFFER_SIZE": entries, "TORCH_NCCL_TRACE_BUFFER_SIZE": entries, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert flight_recorder_env("nccl", TORCHRUN) == on
+    assert flight_recorder_env("nccl", SLURM) == on
+    # what the user set, under either name, stays
+    assert flight_recorder_env("nccl", {**TORCHRUN, "TORCH_NCCL_TRACE_BUFFER_SIZE": "0",
+                                        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) == {}
+    assert flight_recorder_env("nccl", {"TORCH_FR_BUFFER_SIZE": "100"}) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    # gloo records nothing: nothing is set
+    assert flight_recorder_env("gloo", TORCHRUN) == {}

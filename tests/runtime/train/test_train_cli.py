@@ -52,6 +52,11 @@ def test_fp32_run_writes_metrics_and_final_state_equal_to_pytorch(data, tmp_path
         assert m["rank_peak_source"] == "rss" and len(m["rank_peak_bytes"]) == 2
         assert all(isinstance(b, int) and b > 2 ** 20 for b in m["rank_peak_bytes"])
         assert "peak_mem_bytes" not in m
+        assert 0 <= m["push_exposed_ms"] <= m["push_ms"]
+        # seen from the rank whose backward ended last
+        assert 0 <= m["step_push_exposed_ms"] <= m["step_push_ms"]
+    # 2xTP1PP1's reduction is issued inside the backward (its hook), so part of the push is hidden
+    assert lines[1]["push_exposed_ms"] < lines[1]["push_ms"]
     # the plain data-parallel step updated its shards as the reduction arrived (the next step runs
     # another strategy, so nothing was prefetched for it)
     assert [(m["overlapped_update"], m["pull_prefetched"]) for m in lines] == [(False, False), (True, False),

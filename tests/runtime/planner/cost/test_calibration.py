@@ -7,8 +7,8 @@ import torch
 
 import hgraph.runtime.planner.cost.calibration as calibration
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, StepCorrection, interleaved_layer_timings,
-                                                    scaled_plan)
+from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, PUSH_BYTES, StepCorrection,
+                                                    interleaved_layer_timings, scaled_plan)
 from hgraph.runtime.planner.cost.cost_model import fit_coefficients
 from hgraph.runtime.planner.cost.ulysses import ulysses_coeffs
 from hgraph.runtime.planner.selection import plan_iteration
@@ -64,6 +64,13 @@ def test_two_ranks_build_the_same_measured_model_with_tp_and_pp_comm(measured):
         a.coeffs(Scheme(1, 1)), Scheme(1, 1, ul=2), hidden=64, heads=4, kv_heads=2, stage_layers=4,
         comm=a.all_to_all, gpus_per_node=8))
     assert set(raw["tp_comm_ms"]) == {2} and len(raw["pp_comm_ms"]) == 2
+    # the push: the reduction over both ranks at two sizes, fitted to a latency and a bandwidth
+    assert a.push == b.push and len(raw["push_comm_ms"]) == 2 and all(t > 0 for t in raw["push_comm_ms"])
+    (s0, s1), (q0, q1) = PUSH_BYTES, raw["push_comm_ms"]
+    qb = max((q1 - q0) / (s1 - s0), 0.0)
+    assert a.push.latency_ms == pytest.approx(max((q0 - qb * s0 + q1 - qb * s1) / 2, 0.0))
+    if qb > 0:
+        assert a.push.bandwidth == pytest.approx(1e3 / qb)
     assert all(t > 0 for t in raw["tp_comm_ms"][2] + raw["pp_comm_ms"])
     # each scheme is assembled from the fitted layer, rest and communication lines (exactly)
     layer = {tp: fit_coefficients(list(zip(raw["lengths"], raw["layer_ms"][tp]))) for tp in (1, 2)}
