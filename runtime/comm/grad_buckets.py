@@ -98,6 +98,11 @@ class GradBuckets:
         self.after_backward = after_backward
         self.issuer = issuer or CollectiveIssuer()       # the rank's choke point (order, record)
         self.all_to_all = all_to_all         # None: gloo's all-to-all where the group is gloo's
+        # called after each bucket is issued, in ``ready`` and in ``flush`` alike (the overlapped update
+        # takes the reductions one behind it there): a point that follows from the bucket order alone,
+        # so a rank that flushes every bucket at the end (no micro-batch) issues what follows each
+        # bucket where a rank that issued it in backward does
+        self.after_issue: Optional[Callable[[], None]] = None
         self.layouts = dict(layouts)         # pieces are laid out as the parameter is (rows along its dim)
         position = {name: i for i, name in enumerate(reversed(order))}
         by_group: dict[tuple[int, ...], list] = {}
@@ -168,6 +173,8 @@ class GradBuckets:
                and not self.after_backward(self.buckets[self._next].group)):
             self._issue(self.buckets[self._next])
             self._next += 1
+            if self.after_issue is not None:
+                self.after_issue()
 
     def flush(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
         """Issue every bucket not issued yet (``grads[name]``: the final gradient, ``None`` for zeros)."""
@@ -178,6 +185,8 @@ class GradBuckets:
             b.missing = set()
             self._issue(b)
             self._next += 1
+            if self.after_issue is not None:
+                self.after_issue()
 
     def wait(self, held: dict) -> None:
         """Complete every bucket not completed yet (all issued) and put this rank's reduced pieces into

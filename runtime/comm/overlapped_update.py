@@ -3,8 +3,10 @@
 Where every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
 reduce-scatter over all ranks onto the optimizer segments (``is_plain_data_parallel``), a rank's
 reduced piece IS its optimizer shard's gradient. So each reduction updates its shards when taken
-(``update``, the optimizer's ``step`` on those shards): one reduction behind the newest during
-backward (``catch_up``, from the gradient hooks) and the rest in ``finish``; no push to owners.
+(``update``, the optimizer's ``step`` on those shards): one reduction behind the newest after each
+reduction is issued (``catch_up``, from ``GradBuckets.after_issue``: in backward, or in ``finish``'s
+flush on a rank that ran no micro-batch, at the same points of the bucket order) and the rest in
+``finish``; no push to owners.
 
 With ``prefetch`` the all-gathers of the next step are posted as their parameters are updated and
 completed into the working tensors before ``finish`` returns; the next step of this Program pulls
@@ -60,6 +62,7 @@ class OverlappedUpdate:
         self._posted: list[GatherBucket] = []
         self._prefetched: Optional[tuple] = None     # masters' stamp when the working tensors were filled
         self.updates_in_backward = 0      # reductions taken (shards updated) while backward ran
+        self._flushing = False
         # the loss rides in the first reduction (every rank of the world is in it) while its slots are
         # small; else it has an all-reduce of its own (``_loss``, ``_loss_work``)
         first = push.buckets.buckets[0].group if push.buckets.buckets else ()
@@ -112,13 +115,14 @@ class OverlappedUpdate:
         self.push.buckets.carry(slots)    # copied into the reduction's buffer, on its device
 
     def catch_up(self) -> None:
-        """After a bucket became ready in backward: take reductions up to one behind the newest (it
-        had that bucket's gradients' time to arrive); blocking and in issue order, so all ranks post
-        the same collectives."""
+        """After a reduction was issued: take reductions up to one behind the newest (it had that
+        bucket's gradients' time to arrive); blocking and in issue order, so all ranks post the same
+        collectives at the same points of the bucket order."""
         buckets = self.push.buckets
         while buckets.completed < buckets.issued - 1:
             self._update_next()
-            self.updates_in_backward += 1
+            if not self._flushing:
+                self.updates_in_backward += 1
 
     def _update_next(self) -> None:
         """Wait for the next reduction (issue order); update its parameters' shards unless the loss is
@@ -153,7 +157,11 @@ class OverlappedUpdate:
         is not finite), then complete the prefetched all-gathers into the working tensors. Returns
         the step's global loss sum. Collective."""
         buckets = self.push.buckets
-        self.push.flush(grads)
+        self._flushing = True             # what the flush's buckets take is not taken in backward
+        try:
+            self.push.flush(grads)
+        finally:
+            self._flushing = False
         while buckets.completed < buckets.issued:
             self._update_next()
         self.push.count_reductions()

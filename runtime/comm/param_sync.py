@@ -103,6 +103,9 @@ class ParamSync:
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)
                            if self.can_overlap_update else None)
         self._overlap = False             # this step runs the overlapped update
+        if self.overlapped is not None:
+            issued = weakref.WeakMethod(self._bucket_issued)
+            self._buckets.after_issue = lambda: _call_alive(issued)
         self.pull_reused = False          # this step's all-gathers were prefetched by the last one
         if self.pushes.in_backward and self._buckets.buckets:
             # the hooks hold this object weakly: a tensor's hooks and the object holding the tensor would
@@ -198,7 +201,12 @@ class ParamSync:
         self.pushes.arm()
 
     def _grad_ready(self, name: str, param: torch.Tensor) -> None:
-        if self.pushes.ready(name, param.grad) and self._overlap:
+        self.pushes.ready(name, param.grad)
+
+    def _bucket_issued(self) -> None:
+        """After each reduction is issued (backward's or the flush's): an overlapped update takes the
+        reductions up to one behind it, posting the next step's all-gathers they complete."""
+        if self._overlap:
             self.overlapped.catch_up()
 
     def set_loss(self, loss_share: float) -> None:

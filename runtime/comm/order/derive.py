@@ -25,7 +25,8 @@ them on that rank (``runtime/engine/executor``):
 4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_message_rounds``),
    under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
    global-norm clipping the norm's all-reduce inside the shard group. Under the overlapped update
-   (plain data parallelism) instead: no loss reduction (it rides in the first bucket), and with a
+   (plain data parallelism) instead: no loss reduction at the end (it rides in the first bucket, or
+   past ``CARRY_MAX_BYTES`` takes an all-reduce of its own just before it), and with a
    prefetch the next step's all-gathers, each posted once a bucket taken one behind the newest
    completes its parameters (``OverlappedUpdate``), and none at the next step's pull.
 
@@ -479,8 +480,8 @@ class StepDeriver:
                 while issued < len(buckets) and not missing[issued] and not after_backward(buckets[issued].group):
                     out.append(bucket(issued))
                     issued += 1
-                if self.overlap:
-                    take_until(issued - 1)
+                    if self.overlap:          # ``GradBuckets.after_issue``: one behind the newest
+                        take_until(issued - 1)
             elif e.kind in ("send", "recv"):
                 peer = rp.bindings[e.key][0]
                 sends = [rp.bindings[k][0] for k in e.carries] + ([peer] if e.kind == "send" else [])
@@ -489,8 +490,10 @@ class StepDeriver:
                 group = _group_of(r, e, rp, program)
                 if len(group) > 1:
                     out.append(Collective(e.kind, group, e.shape, e.dtype, e.label))
-        for j in range(issued, len(buckets)):        # flush
+        for j in range(issued, len(buckets)):        # flush, taking one behind after each as in backward
             out.append(bucket(j))
+            if self.overlap:
+                take_until(j)
         if self.overlap:          # the loss rode in the first reduction; no push to owners
             take_until(len(buckets))
             return out
