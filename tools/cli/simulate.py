@@ -13,8 +13,7 @@ sequence-parallel groups). Each baseline is tuned over
 its own strategy space, under the same cost model. A baseline that cannot hold the context in this
 setting (megatron-cp without derived CP, flexsp without a Ulysses scheme that holds it) is named as
 skipped. The speedup of hgraph over each baseline closes the report. A profile with a ``push``
-section prices each pipeline's gradient push, the part its last backward does not hide
-(``runtime/planner/cost/push.py``).
+section prices each pipeline's gradient push, the part its last backward does not hide.
 """
 from __future__ import annotations
 

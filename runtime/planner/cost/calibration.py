@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.torch_compat import reduce_scatter_single
 from hgraph.runtime.comm import p2p
 from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
@@ -200,7 +201,7 @@ def measure_push_comm(rank: int, world_size: int, repeats: int,
                 dist.all_to_all_single(y, x)
                 y.sum(0)
             else:
-                dist.reduce_scatter_tensor(y, x.view(-1))
+                reduce_scatter_single(y, x.view(-1))
         out.append(_time_comm(reduce, repeats, device=device))
     dist.barrier()
     return out

@@ -186,12 +186,12 @@ def test_a_recorded_mismatch_names_the_ranks_and_the_first_differing_operation()
 def test_a_bucket_over_an_earlier_stage_of_the_ranks_pipeline_waits_for_the_backwards_end():
     """Such a member (a tied parameter's) still waits for this rank's gradient: issued from the backward
     hooks, the bucket would stand in front of that send (the deadlock the strict order found)."""
-    from hgraph.runtime.comm.push import _spans_earlier_stages
+    from hgraph.runtime.comm.push import spans_earlier_stages
     from hgraph.strategy import Strategy
 
     tied = Strategy.parse("1xTP1PP2+1xTP2PP1")
-    assert _spans_earlier_stages(tied, 1)((0, 1))           # stage 1 with stage 0 of its pipeline
-    assert not _spans_earlier_stages(tied, 0)((0, 1))       # stage 0 has no earlier stage
-    assert not _spans_earlier_stages(tied, 2)((0, 2))       # another pipeline's ranks do not wait for rank 2
+    assert spans_earlier_stages(tied, 1)((0, 1))           # stage 1 with stage 0 of its pipeline
+    assert not spans_earlier_stages(tied, 0)((0, 1))       # stage 0 has no earlier stage
+    assert not spans_earlier_stages(tied, 2)((0, 2))       # another pipeline's ranks do not wait for rank 2
     deep = Strategy.parse("1xTP2PP2")
-    assert _spans_earlier_stages(deep, 3)((1, 3)) and not _spans_earlier_stages(deep, 3)((2, 3))
+    assert spans_earlier_stages(deep, 3)((1, 3)) and not spans_earlier_stages(deep, 3)((2, 3))

@@ -18,8 +18,9 @@ REQUIRED = {
     "simulate": WORKLOAD + ["--tokens-per-iter", "9000", "--iters", "2"],
     "train": [],
     "profile": ["--model", "llama:tiny"],
+    "check": ["--model", "llama:tiny", "--strategy", "2xTP1PP1"],
 }
-WITHOUT_DEVICE_MEMORY = {"dump"}         # a graph dump has no memory limit to apply
+WITHOUT_DEVICE_MEMORY = {"dump", "check"}   # a graph dump or an order check has no memory limit to apply
 WITHOUT_WORLD_SIZE = {"profile"}         # it times this machine's TP shards
 
 
