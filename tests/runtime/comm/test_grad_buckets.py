@@ -126,3 +126,25 @@ def test_a_small_groups_reductions_travel_in_several_buckets():
     layouts = {n: ParamLayout(n, (4, 4096), 0) for n in names}
     buckets = GradBuckets(0, names, ops, layouts, groups=None, contribution=None, device=torch.device("cpu"))
     assert [len(b.ops) for b in buckets.buckets] == [2] * 8
+
+
+def test_what_follows_each_bucket_follows_it_in_backward_and_in_the_flush_alike():
+    """``after_issue`` (the overlapped update's takes and its next step's all-gathers) runs after every
+    bucket, whether backward issued it or the flush of a rank that ran no micro-batch: the two ranks
+    issue what follows each bucket at the same point of the bucket order."""
+    def sequence(in_backward):
+        buckets, issued, ready = _buckets(0)
+        buckets.after_issue = lambda: issued.append(("after", len(issued)))
+        names = [n for n in ORDER if any(0 in g for g in GROUPS[n])]
+        if in_backward:
+            for name in reversed(names):           # backward finishes gradients in reverse model order
+                ready.add(name)
+                buckets.ready(name, None)
+        else:
+            ready.update(names)
+        buckets.flush({})
+        return issued
+
+    backward, flushed = sequence(True), sequence(False)
+    assert backward == flushed
+    assert [kind for kind, _ in backward[1::2]] == ["after"] * (len(backward) // 2)
