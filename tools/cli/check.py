@@ -44,14 +44,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="micro-batches per pipeline in the plan (default: the deepest pipeline's stages)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per micro-batch in the plan (default 32)")
     p.add_argument("--backend", choices=BACKENDS, default="nccl",
-                   help="nccl (default; all-gathers and reduce-scatters) or gloo (their all-to-alls, the push in backward)")
+                   help="nccl (default; all-gathers and reduce-scatters) or gloo (their all-to-alls)")
     p.add_argument("--recompute", action="store_true",
                    help="a memory budget: every block recomputes (the agreement all-reduce and the replays)")
     p.add_argument("--grad-clip", action="store_true", help="global-norm clipping (its all-reduce)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="working precision (bf16: the vocabulary-parallel loss, as training's auto)")
-    p.add_argument("--push-in-backward", action="store_true",
-                   help="the push's reductions issued inside the backward on NCCL too (gloo always does)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -88,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
         program = compiled.instantiate(s, cluster)      # one Program per strategy: a repeat is the same
         steps.append((program, representative_plan(s, k=args.microbatches, tokens=args.tokens, backend=args.backend,
                                                    recompute=args.recompute, grad_clip=args.grad_clip,
-                                                   working_dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype],
-                                                   push_in_backward=True if args.push_in_backward else None)))
+                                                   working_dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])))
     t1 = time.perf_counter()
     sequences = derive_steps(steps)
     t2 = time.perf_counter()

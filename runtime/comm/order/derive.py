@@ -97,7 +97,7 @@ class StepPlan:
     on pipeline ``i`` (0: it runs none and pushes zeros); ``recompute``: a memory budget is set and
     every block recomputes (what a first step does: the agreement all-reduce per forward and each
     block's replay in backward); ``backend``; ``push_in_backward`` (None: where the runtime does it,
-    ``param_sync.pushes_in_backward``, gloo standing for a CPU run and NCCL for GPUs); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
+    ``param_sync.pushes_in_backward``: on every backend; False: ``overlap_push`` off); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
     fp32); ``overlap_update``: the optimizer update overlapped with the backward (None: where the
     executor runs it, ``ParamSync.can_overlap_update``: plain data parallelism, the push in the
     backward, ``param_sync.overlaps_update_on`` the backend, no clipping), then ``prefetched``: the last step pulled this one's all-gathers, and
