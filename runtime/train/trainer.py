@@ -265,7 +265,10 @@ class Trainer:
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,
                                  layer_ms=offload_prices(config, self.model, world_size, planner),
-                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives)
+                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives,
+                                 push_bucket_bytes=config.cluster.push_bucket_bytes,
+                                 pull_bucket_bytes=config.cluster.pull_bucket_bytes,
+                                 overlap_push=config.cluster.overlap_push)
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
