@@ -15,9 +15,8 @@ share a name, so a config can be built by key alone, with no knowledge of the se
   they set);
 * ``config.with_values(steps=4, docs=...)`` is a new config with those keys changed: nothing changes
   a config after it is built;
-* ``config.values()`` is every key's value; code reads an option through its section
-  (``config.optimizer.lr``). ``config.lr`` still reads it (a compatibility layer for callers
-  that name keys alone, except ``model``, ``data`` and ``optimizer``, the names of their sections).
+* ``config.values()`` is every key's value; an option is read through its section
+  (``config.optimizer.lr``, typed); ``config.lr`` is an AttributeError that names the section.
 
 Values are the runtime's: byte sizes are numbers (``planner.memory_budget``,
 ``planner.host_memory_budget``, ``cluster.device_memory``
@@ -363,8 +362,8 @@ class TrainConfig:
         return self.planner.strategy_schedule is None
 
     def __getattr__(self, name: str) -> Any:
-        # only called for names that are not attributes: a section key, read from its section
+        # only called for names that are not attributes: an option is read through its section, and
+        # a bare option name says which (a config has no flat, untyped keys)
         section = SECTION_OF.get(name)
-        if section is None:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(object.__getattribute__(self, section), name)
+        where = f"; the option is config.{section}.{name}" if section is not None else ""
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}{where}")
