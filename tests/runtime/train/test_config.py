@@ -39,3 +39,24 @@ def test_values_cover_every_key_once_and_the_config_travels_to_the_ranks():
                                                                         for c in SECTIONS.values())
     assert TrainConfig.from_values(values) == config
     assert pickle.loads(pickle.dumps(config)) == config
+
+
+def test_an_option_is_a_field_carrying_its_default_and_how_it_is_given():
+    from hgraph.runtime.train.option import Option, declared_options, default_of, option
+
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        size: int = option(8, kind="int", minimum=1, metavar="N", help="how many")
+        table: dict = option(default_factory=dict, kind="table", help="settings")
+        derived: int = 0                                          # not an option: no metadata
+
+    declared = {f.name: (default_of(f), opt) for f, opt in declared_options(Section)}
+    assert declared == {"size": (8, Option("int", "how many", minimum=1, metavar="N")),
+                        "table": ({}, Option("table", "settings"))}
+    assert Section().table == {} and Section().table is not Section().table
+    with pytest.raises(ValueError, match="option kind 'number'"):
+        option(1, kind="number", help="x")
+    with pytest.raises(ValueError, match="help"):
+        option(1, kind="int", help="")
+    # every option of a run is declared so, with its help
+    assert all(opt.help for cls in SECTIONS.values() for _, opt in declared_options(cls))
