@@ -530,7 +530,8 @@ def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torc
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
         profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
         device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
-        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group)
+        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group,
+        push_bucket_bytes=config.cluster.push_bucket_bytes, overlap_push=config.cluster.overlap_push)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
