@@ -112,6 +112,7 @@ class ClusterConfig:
     world_size: int = option(4, kind="int", minimum=1, metavar="N",
         help=("number of ranks (default: one per GPU visible with --device cuda, 4 local processes on CPU; "
               "under torchrun or SLURM the launcher's, and another value is an error)"))
+    # "auto" left unresolved (a config not from the command line): CUDA under NCCL, else CPU
     device: str = option("auto", kind="str", choices=("auto", "cuda", "cpu"),
         help=("where the ranks run (auto: cuda when torch sees a GPU, else cpu); on cuda with --backend "
               "gloo several ranks share a GPU (shared-device mode, for development)"))
@@ -177,6 +178,7 @@ class OptimizerConfig:
         help="clip by global gradient norm (none: no clipping)")
     skip_nonfinite: bool = option(False, kind="bool",
         help="skip the update of a step whose loss is NaN/inf")
+    # "auto" at the runtime is constant: the command line gives its built-in run the cosine recipe
     lr_schedule: str = option("auto", kind="str", choices=("auto", "constant", "cosine", "linear", "wsd"),
         help=("constant, cosine, linear or wsd (warmup, stable, linear decay over the last --decay-steps); "
               "auto: cosine with 10% warmup to lr/10 for the built-in default run, constant with --data"))
