@@ -216,20 +216,21 @@ def check_resume_queues(saved: dict, outlier_queues: int, folder) -> None:
                           "trained")
 
 
-def run_mini_batches(docs: Sequence[Document], config, world_size: int,
-                     resumed=None, order: Any = None) -> Iterator[tuple[MiniBatch, Optional[dict]]]:
-    """The mini-batches a run (``TrainConfig``) trains from its start or from the checkpoint
-    ``resumed``, each with the delay state after it (None without outlier delay), in ``order``
-    (``corpus.DataOrder``; default file order). The trainer and the planner process both call this,
-    so they see the same stream."""
-    queues = int(getattr(config, "outlier_queues", 0) or 0)
+def run_mini_batches(docs: Sequence[Document], world_size: int, *, tokens_per_iter: int, steps: int,
+                     outlier_queues: int = 0, resumed=None, order: Any = None
+                     ) -> Iterator[tuple[MiniBatch, Optional[dict]]]:
+    """The mini-batches a run trains (its ``--tokens-per-iter``, ``--steps`` and
+    ``--outlier-queues``) from its start or from the checkpoint ``resumed``, each with the delay
+    state after it (None without outlier delay), in ``order`` (``corpus.DataOrder``; default file
+    order). The trainer and the planner process both call this, so they see the same stream."""
+    queues = outlier_queues
     saved = dict(resumed.delay_queues) if resumed is not None else {}
     if resumed is not None:
         check_resume_queues(saved, queues, resumed.path)
     if queues == 0:
         start_step = resumed.step if resumed is not None else 0
         start = resumed.data_position["next_document"] if resumed is not None else 0
-        for batch in mini_batches(docs, config.tokens_per_iter, config.steps, start_step=start_step,
+        for batch in mini_batches(docs, tokens_per_iter, steps, start_step=start_step,
                                   start_position=start, order=order):
             yield batch, None
         return
@@ -239,11 +240,11 @@ def run_mini_batches(docs: Sequence[Document], config, world_size: int,
         if not state.get("outlier_delay") or len(state.get("thresholds", [])) != queues:
             # a checkpoint of a run without delay (or with other queues, all empty: checked above):
             # nothing waits, the stream starts at its position
-            state = DelayedMiniBatches(docs, config.tokens_per_iter, config.steps, queues, world_size,
+            state = DelayedMiniBatches(docs, tokens_per_iter, steps, queues, world_size,
                                        order=order).state()
             state.update(next_step=resumed.step, next_document=resumed.data_position["next_document"])
-    yield from delayed_mini_batches(docs, config.tokens_per_iter, config.steps, queues,
-                                    release_size(docs, config.tokens_per_iter, world_size), state=state,
+    yield from delayed_mini_batches(docs, tokens_per_iter, steps, queues,
+                                    release_size(docs, tokens_per_iter, world_size), state=state,
                                     order=order)
 
 

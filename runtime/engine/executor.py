@@ -74,6 +74,7 @@ from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError, RunFailed
 from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.order.verify import check_recorded
@@ -238,8 +239,13 @@ class Executor:
                  host_budget: Optional[float] = None,
                  layer_ms: Optional[Callable[[Scheme, tuple[int, int]], float]] = None,
                  host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S,
-                 issuer: Optional[CollectiveIssuer] = None, verify_collectives: bool = False) -> None:
+                 issuer: Optional[CollectiveIssuer] = None, verify_collectives: bool = False,
+                 push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
+                 overlap_push: bool = True) -> None:
         self.compiled = compiled
+        # the bucket sizes and the backward's reductions of every Program's ParamSync (comm/param_sync)
+        self.push_bucket_bytes, self.pull_bucket_bytes = push_bucket_bytes, pull_bucket_bytes
+        self.overlap_push = overlap_push
         self.optimizer = optimizer
         self.rank, self.world_size = rank, world_size
         # the rank's one choke point for its steps' collectives (order, record), handed to every part
@@ -378,7 +384,9 @@ class Executor:
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
         update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
-                         self.working_dtype, frozenset(aliased), update=update, issuer=self.issuer)
+                         self.working_dtype, frozenset(aliased), update=update, issuer=self.issuer,
+                         push_bucket_bytes=self.push_bucket_bytes, pull_bucket_bytes=self.pull_bucket_bytes,
+                         overlap_push=self.overlap_push)
         # the working tensors hold no memory until the Program runs (``_activate``): a Program prepared
         # ahead costs none. They had storage only while the views above were taken (a strided view of
         # an empty storage is refused): on CPU pages never touched, which never became resident; on a

@@ -54,7 +54,9 @@ def foreign_resume(folder: Path, config: TrainConfig, world_size: int, fingerpri
                           f"{steps}: nothing left to train (--steps is the run's total)")
     next_document, queues = 0, None
     if step > 0:
-        for batch, delay_state in run_mini_batches(docs, config, world_size, None, order.copy()):
+        for batch, delay_state in run_mini_batches(docs, world_size, tokens_per_iter=config.data.tokens_per_iter,
+                                                   steps=config.data.steps,
+                                                   outlier_queues=config.planner.outlier_queues, order=order.copy()):
             if batch.step == step - 1:
                 next_document, queues = batch.next_position, delay_state
                 break

@@ -163,6 +163,12 @@ def check_weights(config: TrainConfig) -> str:
     return model_and_weights(config)[1].description
 
 
+def _stream(config: TrainConfig) -> dict[str, int]:
+    """The options that fix a run's mini-batch stream (``outlier_delay.run_mini_batches``)."""
+    return {"tokens_per_iter": config.data.tokens_per_iter, "steps": config.data.steps,
+            "outlier_queues": config.planner.outlier_queues}
+
+
 def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
                    device: Optional[torch.device] = None, shard_group: Optional[int] = None,
                    group: Any = None) -> ShardedAdam:
@@ -236,8 +242,9 @@ class Trainer:
                 self.planner_setup, rank=rank, world_size=world_size, model=self.model, compiled=self.compiled,
                 docs=self.docs, groups=groups, channel=planner_channel, resumed=self.resumed,
                 progress_bar=lambda total, label: self.progress_bar(total, label, plain=config.log_steps and rank == 0),
-                run_batches=lambda: (b for b, _ in run_mini_batches(self.docs, config, world_size, self.resumed,
-                                                                    self.order.copy())))
+                run_batches=lambda: (b for b, _ in run_mini_batches(self.docs, world_size, **_stream(config),
+                                                                    resumed=self.resumed,
+                                                                    order=self.order.copy())))
         if shard_group is not None:        # collective: every rank creates its shard group and its replicas
             groups.create(shard_rounds(rank, world_size, shard_group))
         self.optimizer = make_optimizer(config, self.compiled, rank, world_size, self.device, shard_group,
@@ -265,7 +272,10 @@ class Trainer:
                                  compile_backend=config.model.compile_backend, offload=config.planner.offload,
                                  host_budget=config.planner.host_memory_budget,
                                  layer_ms=offload_prices(config, self.model, world_size, planner),
-                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives)
+                                 issuer=issuer, verify_collectives=config.cluster.verify_collectives,
+                                 push_bucket_bytes=config.cluster.push_bucket_bytes,
+                                 pull_bucket_bytes=config.cluster.pull_bucket_bytes,
+                                 overlap_push=config.cluster.overlap_push)
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
@@ -381,7 +391,8 @@ class Trainer:
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
             every = cfg.data.eval_every if self.eval_docs is not None else None
-            stream = run_mini_batches(self.docs, cfg, self.world_size, self.resumed, self.order)
+            stream = run_mini_batches(self.docs, self.world_size, **_stream(cfg), resumed=self.resumed,
+                                      order=self.order)
             for batch, delay_state in stream:
                 now = batch.step
                 lr = self.optimizer.lr = self.schedule.lr_at(batch.step)
@@ -519,7 +530,8 @@ def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torc
         tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
         profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
         device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
-        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group)
+        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group,
+        push_bucket_bytes=config.cluster.push_bucket_bytes, overlap_push=config.cluster.overlap_push)
 
 
 def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                                       strategy_schedule="1xTP1PP1", steps=1, tokens_per_iter=args.tokens,
                                       lr=1e-4, dtype=dtype,
                                       compile=args.compile)
-        model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.seed)
+        model = build_model(cfg).to(dev)              # built right after manual_seed(cfg.model.seed)
         docs = bench_documents(args.tokens, model.config.vocab_size, min(model.config.max_seq_len, args.tokens))
         targets = sum(len(d) - 1 for d in docs)
         compiled = hgraph.compile(model, dtype=dtype)

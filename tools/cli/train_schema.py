@@ -1,9 +1,11 @@
-"""``hgraph train`` configuration: one declarative table of keys, a TOML loader, flag overrides, help.
+"""``hgraph train`` configuration: the table of keys, a TOML loader, flag overrides, help.
 
-Every option of ``hgraph train`` is one ``ConfigKey`` in ``SCHEMA``: its TOML section and key, the
-command-line flag of the same name (``--tokens-per-iter`` is ``tokens-per-iter`` under ``[data]``),
-type, default, allowed values and help. A run's values come from three layers, later ones winning:
-the table's defaults, the TOML file (``--config run.toml``), then the flags actually given.
+Every option is declared once, as a field of a section of ``hgraph.runtime.train.config`` (its
+default, kind, allowed values and help in the field's ``Option``). ``SCHEMA`` is generated from those
+fields: one ``ConfigKey`` per option, with its TOML section and key and the command-line flag of the
+same name (``--tokens-per-iter`` is ``tokens-per-iter`` under ``[data]``). A run's values come from
+three layers, later ones winning: the declared defaults, the TOML file (``--config run.toml``), then
+the flags actually given.
 
 A TOML file uses the flag names as keys (``tokens_per_iter`` is accepted for ``tokens-per-iter``)
 in the seven sections ``[model] [data] [cluster] [optimizer] [planner] [checkpointing] [logging]``.
@@ -16,7 +18,7 @@ flags that were given from those that were not; ``help_text()`` renders the tabl
 ``dump_toml`` writes a resolved configuration back as a file that loads to the same values.
 
 ``hgraph train`` builds its run's ``hgraph.runtime.train.config.TrainConfig`` from the resolved
-values: the config has a frozen dataclass per section, with these keys and defaults.
+values (``TrainConfig.from_values``).
 """
 from __future__ import annotations
 
@@ -30,9 +32,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train.config import SECTIONS as CONFIG_SECTIONS
+from hgraph.runtime.train.option import KINDS, declared_options, default_of
 
-SECTIONS = ("model", "data", "cluster", "optimizer", "planner", "checkpointing", "logging")
-KINDS = ("int", "float", "str", "bool", "path", "table", "pair")
+# the TOML sections, in the order of the file and of --help: those of the runtime's TrainConfig
+SECTIONS: tuple[str, ...] = tuple(CONFIG_SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -65,208 +69,16 @@ class ConfigKey:
         return f"--{self.name}"
 
 
-def _k(section: str, name: str, kind: str, default: Any, help: str, **kw: Any) -> ConfigKey:
-    return ConfigKey(section, name, kind, default, help, **kw)
+def _keys() -> tuple[ConfigKey, ...]:
+    """One key per option field of the runtime's config sections, section by section, each in the
+    order its section declares it (the order of --help and of a dumped file)."""
+    return tuple(ConfigKey(section, f.name.replace("_", "-"), opt.kind, default_of(f), opt.help,
+                           opt.choices, opt.minimum, opt.optional, opt.metavar, opt.integers)
+                 for section, cls in CONFIG_SECTIONS.items() for f, opt in declared_options(cls))
 
 
-# The table: section order first, then the order shown in --help.
-SCHEMA: tuple[ConfigKey, ...] = (
-    _k("model", "model", "str", "llama:tiny", "zoo config (llama:tiny, hf:gpt2, ...), hf:DIR (a local Hugging "
-       "Face model folder: its config.json and safetensors weights) or FILE.py:CLASS", metavar="SPEC"),
-    _k("model", "model-args", "table", {}, "model config overrides or class kwargs (a TOML table; "
-       "on the command line a JSON object)", metavar="JSON"),
-    _k("model", "dtype", "str", "fp32", "working precision (masters stay fp32)", choices=("fp32", "bf16")),
-    _k("model", "seed", "int", 0, "seed of the model initialisation, the built-in data, the planner and "
-       "the dropout masks", minimum=0),
-    _k("model", "dropout", "str", "apply", "the model's train-mode dropout: apply (masks keyed by document, "
-       "position and site, the same under every strategy) or off", choices=("apply", "off")),
-    _k("model", "sequence-parallel", "bool", True, "Megatron sequence parallelism under TP > 1: the "
-       "activations between TP regions hold 1/TP of the tokens (reduce-scatter / all-gather instead of "
-       "all-reduce); on where the model allows it (else TP runs without it, said at the start); "
-       "--no-sequence-parallel to compare"),
-    _k("model", "vocab-parallel-loss", "str", "auto", "the loss of a vocabulary split over TP ranks: on "
-       "(Megatron's vocabulary-parallel cross-entropy: no logits gathered), off (each chunk's logits "
-       "gathered for torch's log_softmax: the single-device arithmetic), auto (on with a working dtype "
-       "below fp32)", choices=("auto", "on", "off")),
-    _k("model", "compile", "str", "auto", "torch.compile of each rank's graph: the compute between its "
-       "communication ops, fused by inductor, the token dimension dynamic (on, off, auto: on with CUDA)",
-       choices=("auto", "on", "off")),
-    _k("model", "compile-backend", "str", "inductor", "the torch.compile backend of --compile (inductor; "
-       "aot_eager traces and differentiates without generating code)", metavar="NAME"),
-    _k("model", "init-from", "path", None, "start from these weights instead of the seeded init (and of "
-       "an hf:DIR model's own): a safetensors file or folder, an hgraph checkpoint folder, or a torch "
-       "state_dict file; names matched by FQN (default: none; a resumed run continues from its "
-       "checkpoint)", optional=True, metavar="PATH"),
-    _k("data", "data", "path", None, "training data: a token store PREFIX (hgraph prepare-data), JSONL with "
-       "input_ids, raw text (JSONL text, parquet, a datasets folder, text files) with --tokenizer, or a "
-       "mixture 'W1:SRC1,W2:SRC2' (default: the built-in long-tail dataset)", optional=True,
-       metavar="PREFIX|FILE|MIX"),
-    _k("data", "tokenizer", "path", None, "tokenizer of raw --data / --eval-data: tokenizer.json or a local "
-       "Hugging Face tokenizer folder (the text is tokenized as hgraph prepare-data does, into the run "
-       "folder, before the processes start)", optional=True, metavar="TOK"),
-    _k("data", "text-key", "str", "text", "text field of raw JSONL / parquet / dataset records",
-       metavar="KEY"),
-    _k("data", "shuffle", "bool", False, "a new seeded permutation of the documents every epoch (--seed); "
-       "default: file order"),
-    _k("data", "long", "str", "error", "documents longer than the model's context or --tokens-per-iter: "
-       "error, truncate, split (consecutive chunks, each its own document) or drop; counted in the summary",
-       choices=("error", "truncate", "split", "drop")),
-    _k("data", "eval-data", "path", None, "validation documents (a source like --data; the first "
-       "--eval-tokens of it)", optional=True, metavar="SRC"),
-    _k("data", "eval-every", "int", None, "validation loss (eval_loss in the metrics) after every K-th step",
-       optional=True, minimum=1, metavar="K"),
-    _k("data", "eval-tokens", "int", None, "tokens of validation documents, whole documents in file order "
-       "(default: --tokens-per-iter)", optional=True, minimum=1, metavar="T"),
-    _k("data", "builtin-docs", "int", None, "documents of the built-in dataset (default: enough for "
-       "--steps without repeating one)", optional=True, minimum=1, metavar="N"),
-    _k("data", "builtin-scale", "float", 1 / 16, "length scale of the built-in dataset (real Wikipedia "
-       "lengths times this)", minimum=1e-6, metavar="X"),
-    _k("data", "tokens-per-iter", "int", 8192, "tokens per mini-batch (whole documents in order)",
-       minimum=1, metavar="T"),
-    _k("data", "steps", "int", 60, "total steps of the run (a resumed run continues up to it)",
-       minimum=1, metavar="K"),
-    _k("cluster", "world-size", "int", 4, "number of ranks (default: one per GPU visible with --device cuda, "
-       "4 local processes on CPU; under torchrun or SLURM the launcher's, and another value is an error)",
-       minimum=1, metavar="N"),
-    _k("cluster", "device", "str", "auto", "where the ranks run (auto: cuda when torch sees a GPU, else cpu); "
-       "on cuda with --backend gloo several ranks share a GPU (shared-device mode, for development)",
-       choices=("auto", "cuda", "cpu")),
-    _k("cluster", "gpus-per-node", "int", 8, "ranks per node; a TP group never crosses a node (default: 8; "
-       "under torchrun or SLURM the launcher's ranks per node, and another value is an error)", minimum=1,
-       metavar="G"),
-    _k("cluster", "backend", "str", "auto", "collective backend (auto: nccl when every local process "
-       "can have a GPU of its own, else gloo; the same rule under torchrun)",
-       choices=("auto", "gloo", "nccl")),
-    _k("cluster", "device-memory", "str", "auto", "memory per rank (512M, 2G) that bounds each scheme's "
-       "longest micro-batch (MaxLen, from this runtime's measured activation and model-state bytes); "
-       "none: no limit; auto: on CUDA one GPU's memory (shared by the ranks on it); on CPU with the "
-       "built-in data, sized from the model (the widest TP scheme just holds the model's context), with "
-       "--data none", metavar="BYTES|auto|none"),
-    _k("cluster", "timeout", "float", None, "seconds a collective may wait, a lost rank is reported "
-       "within it (default: 60 for local processes, 600 under torchrun or SLURM, whose nodes start at "
-       "different times)", optional=True, minimum=1e-3, metavar="S"),
-    _k("cluster", "heartbeat-timeout", "float", 60.0, "seconds a rank may stop answering (stopped, frozen "
-       "host) before a peer names it by rank and host and the run ends", minimum=1e-3, metavar="S"),
-    _k("cluster", "collective-order", "str", "free", "strict: every rank completes each collective (a "
-       "point-to-point batch as one) before it issues the next, across all its groups, the most conservative "
-       "reading of NCCL, so an inconsistent order hangs on gloo too; a hang is named (ranks, groups, each "
-       "one's operation) after --heartbeat-timeout (or 0.8 of --timeout if sooner); free: collectives of "
-       "different groups overlap",
-       choices=("free", "strict")),
-    _k("cluster", "verify-collectives", "bool", False, "record what each rank issues (group, operation, "
-       "shape, dtype) and check every rank's sequence after each new strategy's first step: a group whose "
-       "members disagree, or an order that could deadlock NCCL, ends the run naming the ranks and the "
-       "first differing operation"),
-    _k("cluster", "peak-tflops", "float", None, "one device's dense bf16 peak TFLOP/s for the MFU of every "
-       "step (default: a table of known GPUs, e.g. H100 SXM 989; none on CPU)", optional=True,
-       minimum=1e-6, metavar="TFLOPS"),
-    _k("optimizer", "optimizer", "str", "adam", "sharded optimizer", choices=("adam", "adamw")),
-    _k("optimizer", "lr", "float", 1e-3, "learning rate (the schedule's peak)", minimum=0.0),
-    _k("optimizer", "betas", "pair", (0.9, 0.999), "Adam betas B1,B2 (TOML: [0.9, 0.999])",
-       metavar="B1,B2"),
-    _k("optimizer", "eps", "float", 1e-8, "Adam epsilon", minimum=0.0),
-    _k("optimizer", "weight-decay", "float", None, "weight decay (default: 0 for adam, 1e-2 for adamw)",
-       optional=True, minimum=0.0),
-    _k("optimizer", "grad-clip", "float", None, "clip by global gradient norm (none: no clipping)",
-       optional=True, minimum=1e-12, metavar="NORM|none"),
-    _k("optimizer", "skip-nonfinite", "bool", False, "skip the update of a step whose loss is NaN/inf"),
-    _k("optimizer", "lr-schedule", "str", "auto", "constant, cosine, linear or wsd (warmup, stable, linear "
-       "decay over the last --decay-steps); auto: cosine with 10% warmup to lr/10 for the built-in default "
-       "run, constant with --data", choices=("auto", "constant", "cosine", "linear", "wsd")),
-    _k("optimizer", "warmup-steps", "int", None, "linear warmup steps (default 0; auto: 10% of --steps)",
-       optional=True, minimum=0, metavar="W"),
-    _k("optimizer", "min-lr", "float", None, "learning rate at the end of the decay (default 0; auto: lr/10)",
-       optional=True, minimum=0.0),
-    _k("optimizer", "decay-steps", "int", None, "steps of the decay (default: to the end of the run after "
-       "the warmup; wsd: the last 10% of the steps)", optional=True, minimum=1, metavar="D"),
-    _k("optimizer", "shard-group", "str", "world", "the optimizer states (fp32 masters, Adam's moments) are "
-       "sharded over each group of G consecutive ranks and replicated across the groups: a rank pulls and "
-       "pushes inside its group, then sums its gradient shards across the groups (G = a node: a rank's "
-       "peers no longer grow with the world, for N/G copies of the states); world: over all ranks (the "
-       "default: the memory every run had); auto: the smallest node multiple whose states fit half the "
-       "device memory (said at the start)", metavar="G|world|auto", integers=True),
-    _k("optimizer", "optimizer-impl", "str", "fused", "the update: fused (torch's fused Adam kernel on "
-       "each rank's flat buffers) or exact (torch.optim.Adam's single-tensor arithmetic, bitwise, also "
-       "after a resume on another number of ranks; fused rounds up to an ulp apart)",
-       choices=("fused", "exact")),
-    _k("planner", "strategy-schedule", "str", None, "fixed strategies, step k uses S_(k mod n) "
-       "(deterministic mode; default: the planner chooses every step)", optional=True,
-       metavar="S1;S2;..."),
-    _k("planner", "strategies", "str", "auto", "candidate strategies 'S1;S2' or auto (proposed for the "
-       "data)", metavar="S1;S2|auto"),
-    _k("planner", "max-candidates", "int", None, "most candidate strategies of --strategies auto (none: "
-       "the proposal's own set plus what sampled mini-batches add)", optional=True, minimum=1),
-    _k("planner", "profile", "str", "measure", "cost profile: measure (timed on this machine by the ranks "
-       "at the start, kept as RUN_DIR/profile.json), analytic (prior from the model's shape), "
-       "llama-7b|llama-13b|llama-32b, FILE or FILE:NAME (measured with hgraph profile)",
-       metavar="measure|analytic|NAME|FILE"),
-    _k("planner", "method", "str", "fast", "dispatch method", choices=("fast", "greedy", "cpsat")),
-    _k("planner", "time-limit", "float", 10.0, "seconds per CP-SAT solve (method cpsat: one solve per "
-       "candidate strategy not pruned by its bound)", minimum=1e-3, metavar="S"),
-    _k("planner", "plan-ahead", "int", 2, "plans computed ahead in the planner process (bounded queue; "
-       "0: plan inline); the ranks build the new strategies of the known next steps (a fixed "
-       "schedule's next Q) while the current one runs", minimum=0, metavar="Q"),
-    _k("planner", "outlier-queues", "int", 0, "WLB outlier-delay queues of the data stream: long "
-       "documents wait until a group of their length class (one per rank) gathers (0: no delay; all are "
-       "trained by the run's last step)", minimum=0, metavar="K"),
-    _k("planner", "microbatch-tokens", "int", None, "token limit of a packed micro-batch (default: "
-       "chosen per pipeline)", optional=True, minimum=1, metavar="T"),
-    _k("planner", "memory-budget", "str", None, "activation bytes per rank (512M, 2G): blocks are "
-       "recomputed per micro-batch, as few as fit (default: no recomputation)", optional=True,
-       metavar="BYTES"),
-    _k("planner", "offload", "str", "off", "activation offload: a block's saved tensors wait in (pinned) "
-       "host memory until its backward. on: with --memory-budget blocks offload before any is recomputed, "
-       "without one every block offloads; auto: per micro-batch each layer leaves the device the cheaper "
-       "way (recomputation or the copies its compute does not hide); off", choices=("off", "on", "auto")),
-    _k("planner", "host-memory-budget", "str", None, "host bytes of offloaded activations per rank (64G; "
-       "default: half the host's RAM over the ranks on it); a copy that would pass it stays on the device",
-       optional=True, metavar="BYTES"),
-    _k("planner", "cp-sharding", "str", "adaptive", "how CP ranks split a micro-batch",
-       choices=("adaptive", "per-document", "per-sequence")),
-    _k("planner", "balance", "str", "none", "sp-accumulation: homogeneous data parallelism with a per-batch "
-       "sequence-parallel size, balanced by gradient accumulation (dcp-inter: its old name)",
-       choices=("none", "sp-accumulation", "dcp-inter")),
-    _k("checkpointing", "checkpoint-dir", "path", None, "folder of the checkpoints (none: no "
-       "checkpoints)", optional=True, metavar="DIR"),
-    _k("checkpointing", "checkpoint-every", "int", None, "save every K steps and at the end (needs "
-       "checkpoint-dir; default: only at the end)", optional=True, minimum=1, metavar="K"),
-    _k("checkpointing", "keep-checkpoints", "int", None, "keep only the newest K checkpoints (at least 2; "
-       "default: all)", optional=True, minimum=2, metavar="K"),
-    _k("checkpointing", "async-checkpoint", "bool", False, "write checkpoints in a background thread (DCP's "
-       "async_save): a step waits only for the copy of the tensors; a save completes before the next one "
-       "and at the run's end"),
-    _k("checkpointing", "resume", "bool", False, "continue from the newest complete checkpoint in "
-       "checkpoint-dir (also with another world-size)"),
-    _k("checkpointing", "resume-fallback", "bool", False, "with resume: when the newest checkpoint is "
-       "corrupt or truncated, use the previous one (default: stop with an error naming the file)"),
-    _k("checkpointing", "save-final", "path", None, "write the final fp32 state_dict (keyed like the "
-       "module) here", optional=True, metavar="PATH"),
-    _k("checkpointing", "exit-signal-handler", "bool", True, "with checkpoint-dir: on SIGTERM (a scheduler's "
-       "preemption) finish the step, save a checkpoint, say where and exit with code 143 (off: SIGTERM "
-       "stops the run at once, also exit 143)"),
-    _k("logging", "run-dir", "path", None, "run folder for metrics.jsonl and plots (default "
-       "./runs/<timestamp>)", optional=True, metavar="DIR"),
-    _k("logging", "metrics", "path", None, "also write the per-step metrics here", optional=True,
-       metavar="PATH.jsonl"),
-    _k("logging", "plots", "bool", True, "write the PNG and SVG plots into the run folder at the end"),
-    _k("logging", "progress", "str", "auto", "progress bars: auto (on a terminal), on, off",
-       choices=("auto", "on", "off")),
-    _k("logging", "log-every", "int", 1, "print one line every K steps", minimum=1, metavar="K"),
-    _k("logging", "json", "bool", False, "print one JSON object at the end instead of lines"),
-    _k("logging", "track-memory", "bool", False, "measure each rank's peak activation bytes into the "
-       "metrics (saved-tensor accounting; about 8% of a tiny-model step on CPU; always on with "
-       "memory-budget)"),
-    _k("logging", "tensorboard", "path", None, "write every step's loss, tokens/s, TFLOP/s per device, "
-       "MFU and peak memory per rank as TensorBoard scalars into DIR (pip install -e '.[tensorboard]' in the hgraph checkout)",
-       optional=True, metavar="DIR"),
-    _k("logging", "wandb", "str", None, "log the same scalars to this wandb project, offline (wandb sync "
-       "uploads them); skipped with a note when wandb is not installed", optional=True,
-       metavar="PROJECT"),
-    _k("logging", "flat-loss-threshold", "float", 1e-3, "warn once when the loss moves less than this, "
-       "relative to where it started, over the 50 steps after the warmup while the learning rate is above "
-       "zero (learning rate too high or too low, saturated softmax); a fine-tune may set it lower, 0 turns "
-       "the warning off", minimum=0.0, metavar="X"),
-)
+# The table, generated from the declarations in hgraph.runtime.train.config.
+SCHEMA: tuple[ConfigKey, ...] = _keys()
 
 KEYS: dict[tuple[str, str], ConfigKey] = {(k.section, k.name): k for k in SCHEMA}
 BY_DEST: dict[str, ConfigKey] = {k.dest: k for k in SCHEMA}

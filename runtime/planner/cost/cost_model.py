@@ -448,6 +448,17 @@ def with_offload(cost: CostModel, offload: str, host_budget_bytes: float | None)
     return replace(cost, offload=offload, host_budget_bytes=host)
 
 
+def with_push(cost: CostModel, bucket_bytes: int, overlapped: bool = True) -> CostModel:
+    """``cost`` whose push is priced as the run issues it: in buckets of ``bucket_bytes`` and, unless
+    ``overlapped`` (``--no-overlap-push``), none of it hidden by the last backward, as a new model
+    (the same one without a push model)."""
+    if cost.push is None:
+        return cost
+    push = replace(cost.push, bucket_bytes=bucket_bytes,
+                   backward_share=cost.push.backward_share if overlapped else 0.0)
+    return cost if push == cost.push else replace(cost, push=push)
+
+
 def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, gpus_per_node: int = 8,
                           cp_efficiency: float | None = None, max_cp: int | None = None,
                           gpu_memory_bytes: int | None = None, max_ul: int | None = None) -> CostModel:

@@ -17,13 +17,15 @@ import torch.nn as nn
 
 from hgraph.compiled import CompiledModule
 from hgraph.runtime.checkpoint.shards import Checkpoint
+from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, MiniBatch
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner.cost.calibration import calibration_phases
 from hgraph.runtime.engine.offload import rank_host_budget
 from hgraph.runtime.planner.schedule.offload import host_link_bytes_per_s
-from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, with_activation_budget, with_offload
+from hgraph.runtime.planner.cost.cost_model import (cost_model_from_entry, with_activation_budget, with_offload,
+                                                    with_push)
 from hgraph.runtime.planner.cost.runtime_memory import bytes_text, max_len_table
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, measured_ulysses_degrees, model_cost_model,
                                                       parse_candidates)
@@ -69,6 +71,8 @@ class PlannerSetup:
     dtype: Optional[torch.dtype] = None        # the run's device and working dtype
     compiled_step: bool = False                # the run compiles its graphs (what they keep bounds MaxLen)
     shard_group: Optional[int] = None          # the optimizer states sharded over groups of G ranks (--shard-group)
+    push_bucket_bytes: int = DEFAULT_BUCKET_BYTES  # the push as the run issues it (--push-bucket-bytes,
+    overlap_push: bool = True                  # --no-overlap-push): how a push model prices it
 
 
 class Progress(Protocol):
@@ -110,6 +114,7 @@ def start_planner(setup: PlannerSetup, *, rank: int, world_size: int, model: nn.
             compiled_step=setup.compiled_step, shard_group=setup.shard_group)
     finally:
         bar.close()
+    planner.cost = with_push(planner.cost, setup.push_bucket_bytes, setup.overlap_push)
     if setup.offload != "off":
         host = rank_host_budget(setup.host_memory_budget, setup.gpus_per_node, world_size)
         planner.cost = with_offload(planner.cost, setup.offload, host)

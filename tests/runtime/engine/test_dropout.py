@@ -39,7 +39,7 @@ def _run(rank, world, schedule, dropout="apply", **options):
     steps = [trainer.step(b) for b in batches]
     final = trainer.final_state_dict()           # collective: every rank gathers
     return {"losses": [s.loss for s in steps], "final": final if rank == 0 else None, "dropout": trainer.dropout,
-            "lr": config.lr,
+            "lr": config.optimizer.lr,
             "recomputed": [s.recompute_layers for s in steps]}
 
 

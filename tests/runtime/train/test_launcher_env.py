@@ -158,21 +158,22 @@ def _config(argv):
 
 
 def test_train_takes_world_size_nodes_and_timeout_from_torchrun(launched):
-    assert (_config([]).world_size, _config([]).gpus_per_node, _config([]).timeout) == (4, 8, None)
+    cluster = _config([]).cluster
+    assert (cluster.world_size, cluster.gpus_per_node, cluster.timeout) == (4, 8, None)
     assert default_timeout(read_launcher_env()) == LOCAL_TIMEOUT_S
     launched({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
     config = _config(["--strategy-schedule", "2xTP1PP1;1xTP2PP1"])
-    assert (config.world_size, config.gpus_per_node) == (2, 2)
+    assert (config.cluster.world_size, config.cluster.gpus_per_node) == (2, 2)
     assert default_timeout(read_launcher_env()) == LAUNCHER_TIMEOUT_S   # run_training's when none is given
-    assert _config(["--world-size", "2", "--timeout", "5"]).timeout == 5.0
+    assert _config(["--world-size", "2", "--timeout", "5"]).cluster.timeout == 5.0
 
 
 def test_train_under_slurm_plans_for_the_step(launched, tmp_path):
     launched({**SLURM, "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
               "SLURM_NTASKS_PER_NODE": "2(x2)"})
     config = _config([])
-    assert (config.world_size, config.gpus_per_node) == (4, 2)
+    assert (config.cluster.world_size, config.cluster.gpus_per_node) == (4, 2)
     # the TP-inside-a-node rule uses the step's 2 tasks per node
     with pytest.raises(HGraphError, match="crossing a node boundary of 2 GPUs per node"):
         _config(["--strategy-schedule", "1xTP4PP1"])

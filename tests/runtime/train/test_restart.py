@@ -38,7 +38,7 @@ def test_a_restart_resumes_from_a_complete_checkpoint_by_itself(tmp_path):
     assert restart_config(config, _env(1))[0] == config
     _checkpoint(tmp_path, 2)
     resumed, note = restart_config(config, _env(2))
-    assert resumed.resume and resumed.resume_fallback
+    assert resumed.checkpointing.resume and resumed.checkpointing.resume_fallback
     assert note == "restart 2 (TORCHELASTIC_RESTART_COUNT=2): resuming by itself"
     # no checkpoint folder: the same run again from the start
     assert "no --checkpoint-dir" in restart_config(TrainConfig(), _env(1))[1]
@@ -52,7 +52,7 @@ def test_a_requeued_slurm_job_under_torchrun_resumes_too(tmp_path):
     env = read_launcher_env({**ENV, "TORCHELASTIC_RESTART_COUNT": "0", "SLURM_RESTART_COUNT": "1"})
     assert env.is_restart and env.restart_count == 0            # the store's attempt is torchrun's
     resumed, note = restart_config(TrainConfig.from_values(checkpoint_dir=str(tmp_path)), env)
-    assert resumed.resume and note == "requeue 1 (SLURM_RESTART_COUNT=1): resuming by itself"
+    assert resumed.checkpointing.resume and note == "requeue 1 (SLURM_RESTART_COUNT=1): resuming by itself"
 
 
 def test_a_restart_continues_in_its_checkpoints_run_folder(tmp_path):

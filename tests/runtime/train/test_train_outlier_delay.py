@@ -78,7 +78,9 @@ def test_delayed_run_equals_pytorch_on_the_mini_batches_it_formed(ref):
     docs = read_jsonl(ref["data"])
     config = TrainConfig.from_values(model="llama:tiny", world_size=2, steps=STEPS, tokens_per_iter=TOKENS,
                                      outlier_queues=QUEUES)
-    batches = [b for b, _ in run_mini_batches(docs, config, 2)]
+    batches = [b for b, _ in run_mini_batches(docs, 2, tokens_per_iter=config.data.tokens_per_iter,
+                                                       steps=config.data.steps,
+                                                       outlier_queues=config.planner.outlier_queues)]
     assert [[d.index for d in b.docs] for b in batches] == [r["documents"] for r in ref["metrics"]]
     torch.manual_seed(0)
     for (_, loss), r in zip(reference_steps(llama.build("tiny"), batches), ref["metrics"], strict=True):

@@ -101,3 +101,19 @@ def test_simulate_prices_the_hidden_part(tmp_path, capsys):
     most = cost.push.push_ms(gradient_bytes(m.hidden, m.layers, m.vocab, 1, 1))
     assert all(p - q <= most + 1e-6 for p, q in zip(priced["megatron"]["latency_ms"], plain["megatron"]["latency_ms"]))
     assert math.isfinite(sum(priced["hgraph"]["latency_ms"]))
+
+
+def test_the_push_is_priced_as_the_run_issues_it():
+    """``--push-bucket-bytes`` and ``--no-overlap-push`` reach the price: smaller buckets pay more
+    latencies, and a push after the backward is hidden by none of it."""
+    from hgraph.runtime.planner.cost.cost_model import with_push
+    cost, scheme, mbs = _cost(), Scheme(2, 2), [40.0, 40.0]
+    assert with_push(cost, cost.push.bucket_bytes) is cost                 # as it was: the same model
+    assert with_push(_cost(push=None), 1024, overlapped=False).push is None   # nothing to price
+    small = with_push(cost, 1024 * 1024)
+    assert small.push.bucket_bytes == 1024 * 1024 and small.push.latency_ms == cost.push.latency_ms
+    assert small.exposed_push_ms(scheme, mbs) > cost.exposed_push_ms(scheme, mbs)
+    after = with_push(cost, cost.push.bucket_bytes, overlapped=False)
+    grad = gradient_bytes(cost.model.hidden, cost.model.layers, cost.model.vocab, 2, 2)
+    assert after.exposed_push_ms(scheme, mbs) == pytest.approx(cost.push.push_ms(grad))
+    assert after.exposed_push_ms(scheme, mbs) > cost.exposed_push_ms(scheme, mbs)

@@ -132,10 +132,10 @@ def test_device_memory_option_and_config_key(tmp_path):
     parser = argparse.ArgumentParser()
     cmd_train.add_parser(parser.add_subparsers(dest="cmd"))
     config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml")]))
-    assert config.device_memory == 2 * 2 ** 30
+    assert config.cluster.device_memory == 2 * 2 ** 30
     config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml"),
                                                               "--device-memory", "none"]))
-    assert config.device_memory is None
+    assert config.cluster.device_memory is None
 
 
 def test_sequence_parallel_divides_what_the_norms_save_and_the_loss_keeps_no_logits(tiny):
