@@ -102,9 +102,11 @@ ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
-    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank)."""
+    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank); built
+    once, when the step has ended (``Executor.step``), and never changed: what others add to a step
+    (its throughput, the planner's figures) lives beside it, in ``runtime.train.step_record``."""
 
     step: int
     strategy: str
@@ -127,8 +129,6 @@ class StepResult:
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
     compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
-    tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
-    mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
     cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
     switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
     built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
@@ -142,6 +142,18 @@ class StepResult:
     # the same three moments on the wall clock (s: first reduction issued, backward ended, push ended),
     # comparable across ranks: the step's exposed push is counted from the backward that ended last
     push_times: tuple = ()
+
+
+@dataclass(frozen=True)
+class ProgramLookup:
+    """How a step found its Program: a hit (None: a Program was given), the lookup's host time and, on
+    the Program's first step, its build (``built_ahead``, ``build_s``, ``build_lead_s``)."""
+
+    cache_hit: Optional[bool]
+    switch_s: float
+    built_ahead: bool = False
+    build_s: Optional[float] = None
+    build_lead_s: Optional[float] = None
 
 
 class RankLostError(RuntimeError):
@@ -436,10 +448,17 @@ class Executor:
         """
         t0 = time.perf_counter()
         entry, hit = self._entry(strategy)
-        switch_s = time.perf_counter() - t0
+        found = time.perf_counter()
+        switch_s = found - t0
         first_use = entry.state is None or not entry.state.ready
         try:
-            result = self._step(entry, microbatches, num_targets, step, prefetch)
+            state = self._state_of(entry)
+            # what finding the Program took, known now that its state is built (its build counted in)
+            lookup = ProgramLookup(hit, switch_s)
+            if first_use and entry.build is not None:
+                lookup = ProgramLookup(hit, switch_s, entry.ahead, entry.build.build_s,
+                                       t0 - entry.build.started_at if entry.ahead else None)
+            result = self._step(entry.program, state, lookup, microbatches, num_targets, step, prefetch, found)
         except RuntimeError as exc:
             if isinstance(exc, RankLostError):
                 raise
@@ -453,11 +472,6 @@ class Executor:
             raise
         if first_use and self.verify_collectives:
             self._verify_order(step, entry.program)
-        result.cache_hit, result.switch_s = hit, switch_s
-        if first_use and entry.build is not None:
-            result.built_ahead, result.build_s = entry.ahead, entry.build.build_s
-            if entry.ahead:
-                result.build_lead_s = t0 - entry.build.started_at
         return result
 
     def _activate(self, state: RankState) -> None:
@@ -473,16 +487,16 @@ class Executor:
         Program without global-norm clipping (which needs every gradient before any update)."""
         return state.sync.can_overlap_update and self.optimizer.max_grad_norm is None
 
-    def _step(self, entry: CachedProgram, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-              step: int, prefetch: Optional[bool]) -> StepResult:
-        t0 = time.perf_counter()
-        program = entry.program
+    def _step(self, program: Program, state: RankState, lookup: ProgramLookup,
+              microbatches: Sequence[Sequence[MicroBatch]], num_targets: int, step: int,
+              prefetch: Optional[bool], t0: float) -> StepResult:
+        """The step under ``state`` (readied by ``step``); ``t0``: when its Program was found (the
+        state's first readying counts in the step's time, the lookup does not)."""
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
                               f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
         if num_targets < 1:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
-        state = self._state_of(entry)
         self._activate(state)
         self._step_index = step
         self.issuer.begin_step(step)
@@ -544,23 +558,25 @@ class Executor:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
         t_end = time.perf_counter()
-        result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
-                            t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
-                            push_ms=1e3 * (t_push - push_start),
-                            push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
-                            push_times=tuple(wall + t for t in (push_start, t_backward, t_push)))
+        memory = {}
         if state.memory is not None:
-            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
-            result.offload_layers = list(state.memory.step_offload)
-            if state.memory.offload is not None:
-                result.host_peak_bytes = state.memory.offload.host.peak_bytes
-            result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
-                                     if self.device.type == "cuda" else peak)
-        result.process_peak_bytes = self.peak_memory.read()
-        if self.compile:
-            result.compiles = self.region_compiles.total
-        return result
+            peak, predicted, recompute = state.memory.end_step()
+            offload = state.memory.offload
+            memory = dict(predicted_mem_bytes=predicted, recompute_layers=recompute,
+                          offload_layers=list(state.memory.step_offload),
+                          host_peak_bytes=offload.host.peak_bytes if offload is not None else None,
+                          peak_mem_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                                          if self.device.type == "cuda" else peak))
+        return StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
+                          t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
+                          dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
+                          push_ms=1e3 * (t_push - push_start),
+                          push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
+                          push_times=tuple(wall + t for t in (push_start, t_backward, t_push)),
+                          process_peak_bytes=self.peak_memory.read(),
+                          compiles=self.region_compiles.total if self.compile else None,
+                          cache_hit=lookup.cache_hit, switch_s=lookup.switch_s, built_ahead=lookup.built_ahead,
+                          build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **memory)
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
                       last_backward: Callable[[float], None]) -> float:
