@@ -3,7 +3,10 @@
 ``Executor.step(strategy, microbatches, num_targets)`` finds the strategy's Program and this rank's
 state for it (building them on first use), then:
 
-1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
+The step runs inside the ``SyncStep`` its ``ParamSync`` opens (``with sync.step(...) as s:``), which
+owns the order of the pull's and push's phases (``runtime/comm/param_sync``):
+
+1. **Pull Parameter**: entering the ``SyncStep`` posts every LNK pull of the step (async); each
    graph's ``pull_wait`` node waits for its parameter.
 2. **1F1B** over this rank's pipeline's micro-batches: ``warmup = min(PP - stage - 1, m)``
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
@@ -16,8 +19,8 @@ state for it (building them on first use), then:
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
    whole documents.
 3. **Push Gradient**: the reduce-scatters among replicas start during the last backward, bucket by
-   bucket as gradients become final (``ParamSync.arm_push``), on every backend, in the buckets' one
-   global order; ``ParamSync.push`` waits for them and LNKs the working gradients to the optimizer
+   bucket as gradients become final (``SyncStep.backward_starts``), on every backend, in the buckets' one
+   global order; ``SyncStep.finish`` waits for them and LNKs the working gradients to the optimizer
    owners (a pipeline without micro-batches pushes zeros). ``StepResult.push_ms`` times the push from
    its first reduction's issue, ``push_exposed_ms`` the part of it after the backward ended.
 4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
@@ -507,43 +510,25 @@ class Executor:
         if prefetch is None:
             prefetch = self._last_program is program
         self._last_program = program
-        sync.begin_step(overlap_update=overlap, prefetch=prefetch)
-        if state.memory is not None:
-            state.memory.begin_step()
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-        t_pull = time.perf_counter()
-        mine = list(microbatches[rp.pipeline])
-        loss_set = []
-
-        def last_backward(loss_sum: float) -> None:
-            if overlap:       # before any reduction: the loss rides in the first one
-                sync.set_loss(self._loss_share(rp, loss_sum))
-                loss_set.append(True)
-            sync.arm_push()
-
-        loss_sum = self._run_pipeline(state, mine, num_targets, last_backward)
-        t_backward = time.perf_counter()
-        state.comm.wait_all()
-        sync.finish_pulls()
-        t_compute = time.perf_counter()
-        grads = {name: w.grad for name, w in state.working.items()}
-        grad_shards = None
-        if overlap:
-            if not loss_set:              # a rank without micro-batches: its loss share is zero
-                sync.set_loss(0.0)
-            total_loss = sync.finish_update(grads)    # the shards are updated when the loss is finite
-        else:
-            sync.flush_pushes(grads)      # the reduce-scatters backward did not issue, before the loss's
-            loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
-            grad_shards = sync.push(grads)
-            if loss_work is not None:
-                loss_work.wait()
-            total_loss = float(loss_value[0])
-        sync.end_step()
+        with sync.step(overlap_update=overlap, prefetch=prefetch) as sync_step:
+            if state.memory is not None:
+                state.memory.begin_step()
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+            t_pull = time.perf_counter()
+            mine = list(microbatches[rp.pipeline])
+            loss_sum = self._run_pipeline(state, mine, num_targets,
+                                          lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
+            t_backward = time.perf_counter()
+            state.comm.wait_all()
+            sync_step.complete_pulls()
+            t_compute = time.perf_counter()
+            grads = {name: w.grad for name, w in state.working.items()}
+            outcome = sync_step.finish(grads, lambda: self._issue_global_loss(rp, loss_sum))
         t_push = time.perf_counter()
+        total_loss, grad_shards = outcome.loss_sum, outcome.grad_shards
         # no reduction issued (one rank, point-to-point only): the push began after the compute
-        push_start = sync.push_started_s if sync.push_started_s is not None else t_compute
+        push_start = sync_step.push_started_s if sync_step.push_started_s is not None else t_compute
         wall = time.time() - time.perf_counter()     # the host times as moments other ranks can compare
         loss = total_loss / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
@@ -569,7 +554,8 @@ class Executor:
                                           if self.device.type == "cuda" else peak))
         return StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
                           t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                          dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
+                          sync_step.bytes_moved(), overlapped_update=overlap,
+                          pull_prefetched=sync_step.pull_prefetched,
                           push_ms=1e3 * (t_push - push_start),
                           push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
                           push_times=tuple(wall + t for t in (push_start, t_backward, t_push)),
@@ -681,18 +667,17 @@ class Executor:
         self._activate(state)
         rp, sync, comm = state.rank_program, state.sync, state.comm
         last = rp.stage == rp.scheme.pp - 1
-        sync.begin_step()
         loss_sum = 0.0
-        for mb in microbatches[rp.pipeline]:
-            ids, pos, targets, layout, keys = self._inputs(state, mb)
-            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
-                                          documents=self._documents(mb, layout, rp.scheme))
-            out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
-            if last:
-                loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
-            del out
-        comm.wait_all()
-        sync.end_step()
+        with sync.step():         # the pulls only: nothing is pushed
+            for mb in microbatches[rp.pipeline]:
+                ids, pos, targets, layout, keys = self._inputs(state, mb)
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
+                                              documents=self._documents(mb, layout, rp.scheme))
+                out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
+                if last:
+                    loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
+                del out
+            comm.wait_all()
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:
             work.wait()
