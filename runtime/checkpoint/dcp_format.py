@@ -243,7 +243,7 @@ def _row_shape(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> list[int]:
 def read_tensor(folder: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full tensor of entry ``key`` (one process, no collective)."""
     out = torch.empty(shape, dtype=dtype)
-    _load({key: out}, folder)
+    load_flat({key: out}, folder)
     return out
 
 
@@ -258,7 +258,7 @@ def read_rows(folder: Path, key: str, shape: tuple[int, ...], dim: Optional[int]
         return read_tensor(folder, key, shape).reshape(1).narrow(0, lo, (1 if hi is None else hi) - lo).clone()
     hi = shape[dim] if hi is None else hi
     out = torch.empty(_row_shape(shape, dim, lo, hi))
-    _load({key: out}, folder, {key: (dim, lo, hi)})
+    load_flat({key: out}, folder, {key: (dim, lo, hi)})
     return out
 
 
@@ -397,7 +397,7 @@ class RowsReader(dcp.FileSystemReader):
         return torch.frombuffer(raw, dtype=dtype).reshape(lengths) if raw else torch.empty(lengths, dtype=dtype)
 
 
-def _load(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:
+def load_flat(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:
     reader = RowsReader(str(folder))
     reader.known_metadata = metadata
     try:
@@ -421,7 +421,7 @@ def read_rng(folder: Path, rank: int, metadata: Any = None) -> Optional[dict]:
     if key not in metadata.state_dict_metadata:
         return None
     flat = {key: b""}
-    _load(flat, folder, metadata=metadata)     # DCP puts the saved object in place of the placeholder
+    load_flat(flat, folder, metadata=metadata)     # DCP puts the saved object in place of the placeholder
     return torch.load(io.BytesIO(flat[key]), weights_only=True)
 
 
@@ -478,7 +478,7 @@ def load_optimizer_state(folder: Path, rank: int, world_size: int, shard_dims: M
             raise HGraphError(f"{what} {str(folder)!r}: entry {step_key!r} has shape {list(entry(step_key))}, "
                               "a step count is one number")
         flat[step_key] = torch.zeros(entry(step_key))
-    _load(flat, folder, rows, metadata)
+    load_flat(flat, folder, rows, metadata)
     for name, dim in shard_dims.items():
         shape = full_shapes[name]
         for target, key in (("params", names.weights(name)), ("exp_avg", names.state(name, "exp_avg")),

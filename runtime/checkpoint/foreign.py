@@ -60,7 +60,7 @@ def step_counts(folder: Path) -> dict[str, float]:
                           "'optim.state.<parameter>.step'): it holds no optimizer state to resume "
                           "(--init-from takes its weights alone)")
     flat = {k: torch.zeros(s) for k, s in keys.items()}
-    dcp_format._load(flat, folder)
+    dcp_format.load_flat(flat, folder)
     return {k: float(v.reshape(())) for k, v in flat.items()}
 
 

@@ -81,7 +81,7 @@ class ResumePoint:
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     out = []
     for child in root.iterdir():
-        m = ckpt._STEP_DIR.match(child.name)
+        m = ckpt.STEP_DIR.match(child.name)
         if m is not None and child.is_dir():
             out.append((int(m.group(1)), child))
     return sorted(out, reverse=True)

@@ -407,7 +407,6 @@ class Executor:
             memory.issuer = self.issuer
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
-                           activation_meter=memory.meter if memory is not None else None,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
                            vocab_parallel_loss=self.vocab_parallel_loss, issuer=self.issuer)
         return RankState(program, rp, graph, working, comm, sync, memory)
@@ -585,7 +584,8 @@ class Executor:
                 then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                               documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload, defer_sends=then_backward)
+                                              offload=choice.offload, activation_meter=choice.meter,
+                                              defer_sends=then_backward)
                 with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
                       self.issuer.scope(f"mb {i} F")):
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)

@@ -186,7 +186,7 @@ def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, wor
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
     cls = ShardedAdam if opt.optimizer == "adam" else ShardedAdamW
-    full = dict(compiled._orig_mod.named_parameters())
+    full = dict(compiled.original.named_parameters())
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
@@ -510,7 +510,7 @@ class Trainer:
         module's dtype, with its buffers, keyed like the original module's ``state_dict`` (tied
         aliases included)."""
         params = self.optimizer.full_state_dict()
-        model = self.compiled._orig_mod
+        model = self.compiled.original
         canonical: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             canonical.setdefault(id(p), name)
