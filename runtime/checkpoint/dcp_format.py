@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
 METADATA = ".metadata"
@@ -71,11 +72,11 @@ def is_dcp_folder(folder: Path) -> bool:
     return (Path(folder) / METADATA).is_file()
 
 
-def _distributed(group: Any) -> bool:
+def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Any,
+def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup],
              group_size: Optional[int] = None):
     """This rank's piece as a chunk of the full tensor: a ShardedTensor whose global metadata lists
     every rank's rows (computed here, no collective), or the tensor itself on one rank. With shard
@@ -98,13 +99,13 @@ def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_
         mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=group)
 
 
-def save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
+def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation
         return _save_state(optimizer, rank, world_size, rng, group)
 
 
-def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
+def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
     """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
     and RNG states."""
     state = optimizer.state_dict()
@@ -162,7 +163,7 @@ class _AlreadyStaged(AsyncStager):
         pass
 
 
-def save(folder: Path, optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None,
+def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
          *, asynchronous: bool = False):
     """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``).
     ``asynchronous``: stage the tensors and write in a background thread; returns its future."""

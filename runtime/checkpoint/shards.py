@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
 FORMAT_VERSION = 1          # one torch.save file per rank (write_shard)
@@ -145,7 +146,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: Any,
+def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: ShardedAdam,
                 rng: Mapping[str, Any]) -> dict:
     """Write this rank's shard file atomically; returns its manifest entry (name, bytes, sha256).
 
@@ -202,15 +203,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _barrier(world_size: int, group: Any) -> None:
+def _barrier(world_size: int, group: Optional[dist.ProcessGroup]) -> None:
     if world_size > 1:
         dist.barrier(group=group)
 
 
-def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
+def save(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
          data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
          planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-         keep_last: Optional[int] = None, group: Any = None) -> Path:
+         keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> Path:
     """Save the checkpoint of ``step`` under ``root`` (collective: every rank calls it); returns its folder.
 
     ``optimizer``: this rank's ``ShardedAdam``; ``data_position`` (e.g. next document index and
@@ -237,10 +238,10 @@ def _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
             "run": _json_state("run", run)}
 
 
-def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
+def save_async(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
                data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
                planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-               async_group: Any = None, keep_last: Optional[int] = None, group: Any = None) -> "PendingCheckpoint":
+               async_group: Optional[dist.ProcessGroup] = None, keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> "PendingCheckpoint":
     """``save`` whose tensors are written in a background thread: returns once they are staged (copied),
     so training goes on; ``PendingCheckpoint.wait()`` (collective, every rank at the same point:
     before the next save and at the end of the run) completes it with the manifest. ``async_group``:
@@ -267,7 +268,7 @@ class PendingCheckpoint:
 
 
 def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, asynchronous: bool = False,
-           async_group: Any = None) -> PendingCheckpoint:
+           async_group: Optional[dist.ProcessGroup] = None) -> PendingCheckpoint:
     folder = step_dir(root, step)
     if rank == 0:
         # Re-saving a step: its old manifest and files go first, so the folder is never "complete"

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.program import Program
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.overlapped_update import OverlappedUpdate, is_plain_data_parallel
@@ -76,7 +77,7 @@ class ParamSync:
     groups_needed = staticmethod(groups_needed)
     is_plain_data_parallel = staticmethod(is_plain_data_parallel)
 
-    def __init__(self, program: Any, rank: int, masters: Mapping[str, torch.Tensor],
+    def __init__(self, program: Program, rank: int, masters: Mapping[str, torch.Tensor],
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
@@ -275,7 +276,7 @@ class SyncStep:
         self._sync.begin_step(overlap_update=self._overlap_update, prefetch=self._prefetch)
         return self
 
-    def __exit__(self, exc_type: Any, *_: Any) -> None:
+    def __exit__(self, exc_type: Optional[type[BaseException]], *_: object) -> None:
         if exc_type is None:
             self._sync.end_step()
 

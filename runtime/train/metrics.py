@@ -86,7 +86,7 @@ def metrics_line(r: StepResult, cache: CacheCounts) -> dict:
             "cache_misses": cache.misses, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
-def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
+def memory_figures(r: StepResult, world_size: int, device: Optional[torch.device], memory_budget: Optional[float],
                    source: str, tracked: bool = False) -> dict:
     """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step
     (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says
@@ -125,7 +125,7 @@ def step_push_figures(rows: list[list[float]]) -> dict:
     return {"step_push_ms": 1e3 * (end - start), "step_push_exposed_ms": 1e3 * (end - max(start, backward))}
 
 
-def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:
+def all_gather_rows(values: list[float], world_size: int, device: Optional[torch.device] = None) -> list[list[float]]:
     """``values`` of every rank, in rank order, in one all-gather (the row alone without a process group)."""
     if not dist.is_initialized() or world_size == 1:
         return [list(values)]
