@@ -263,8 +263,8 @@ class Executor:
         self.verify_collectives = verify_collectives
         if verify_collectives:
             self.issuer.record = True
-        if hasattr(optimizer, "issuer"):
-            optimizer.issuer = self.issuer
+        if hasattr(optimizer, "issue_through"):
+            optimizer.issue_through(self.issuer)
         self.order_verdicts: list[tuple[int, str, str]] = []   # (step, strategy, line) per check
         self.groups = groups
         self.device = torch.device(device or "cpu")
@@ -403,8 +403,7 @@ class Executor:
         if self.track_memory:
             budget = self.memory_budget(rp.scheme) if callable(self.memory_budget) else self.memory_budget
             graph, memory = stage_memory(gm, working, program, rp, budget, self.device,
-                                         self._offload_policy(program, rp))
-            memory.issuer = self.issuer
+                                         self._offload_policy(program, rp), self.issuer)
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)

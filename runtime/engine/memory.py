@@ -337,15 +337,17 @@ class StageMemory:
     offload, offloads every block). ``layers``: the layer indices of the stage's blocks (in order).
     ``group``: the process group of the stage's TP x CP ranks as a 1-tuple (its process group, None
     for the default group) or None alone; the recomputed and moved layer counts are agreed over it
-    (max). ``offload``: the rank's ``OffloadPolicy`` (None: recomputation only).
+    (max). ``offload``: the rank's ``OffloadPolicy`` (None: recomputation only); ``issuer``: the rank's
+    ``CollectiveIssuer``, which the agreement goes through.
     """
 
     def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
                  group: Optional[tuple[Optional[dist.ProcessGroup]]] = None,
-                 device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None) -> None:
+                 device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.meter, self.layers, self.budget = meter, list(layers), budget
         self.group, self.device, self.offload = group, device, offload
-        self.issuer = CollectiveIssuer()      # the rank's choke point for the agreement (set by the executor)
+        self.issuer = issuer or CollectiveIssuer()      # the rank's choke point for the agreement
         self.model = None
         self._held: dict[int, float] = {}
         self._host_held: dict[int, float] = {}
@@ -448,7 +450,7 @@ class StageMemory:
 def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], program: Program,
                  rank_program: RankProgram, budget: Optional[float], device: Optional[torch.device],
                  offload: Optional[Callable[[ActivationMeter], OffloadPolicy]] = None,
-                 ) -> tuple[fx.GraphModule, StageMemory]:
+                 issuer: Optional[CollectiveIssuer] = None) -> tuple[fx.GraphModule, StageMemory]:
     """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
     with a budget or an offload, ``graph`` with its blocks outlined for recomputation and offload
     (the same computation; the original graph is kept for a budget-less executor sharing the
@@ -463,7 +465,7 @@ def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], pro
         if outlined is not graph:
             layers = [layer for layer, _ in block_ranges(graph.graph)]
             graph = outlined
-    return graph, StageMemory(meter, layers, budget, None, device, policy)
+    return graph, StageMemory(meter, layers, budget, None, device, policy, issuer)
 
 
 def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankProgram, groups: GroupCache) -> None:
