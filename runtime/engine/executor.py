@@ -65,7 +65,7 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
@@ -262,7 +262,7 @@ class Executor:
         self.issuer = issuer or CollectiveIssuer(rank, world_size, device=device)
         self.verify_collectives = verify_collectives
         if verify_collectives:
-            self.issuer.record = True
+            self.issuer.start_recording()
         if hasattr(optimizer, "issue_through"):
             optimizer.issue_through(self.issuer)
         self.order_verdicts: list[tuple[int, str, str]] = []   # (step, strategy, line) per check
@@ -351,10 +351,8 @@ class Executor:
         prepared ahead (collectively: every rank calls it for the same Program)."""
         if entry.state is None:      # not prepared ahead: its preparation counts in its build
             t0, c0 = time.perf_counter(), time.thread_time()
-            entry.state = self._prepare_state(entry.program)
-            if entry.build is not None:
-                entry.build = replace(entry.build, build_s=entry.build.build_s + time.perf_counter() - t0,
-                                      cpu_s=entry.build.cpu_s + time.thread_time() - c0)
+            state = self._prepare_state(entry.program)
+            entry.prepared(state, time.perf_counter() - t0, time.thread_time() - c0)
         if not entry.state.ready:
             self._ready_state(entry.state)
         return entry.state

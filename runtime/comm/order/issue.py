@@ -103,6 +103,10 @@ class CollectiveIssuer:
         self._last: Optional[tuple] = None   # the arguments of the last one (its record made on demand)
         self._waiter: Optional[_Waiter] = None   # the strict order's waiting thread (started on first use)
 
+    def start_recording(self) -> None:
+        """Record every collective from now on (``--verify-collectives``: the executor checks them)."""
+        self.record = True
+
     @property
     def strict(self) -> bool:
         return self.order == STRICT
