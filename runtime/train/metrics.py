@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
