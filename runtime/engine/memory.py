@@ -11,10 +11,11 @@ block's stash. An offloaded block (``engine.offload``) passes the meter only wha
 device. Per block the meter records what one layer stashed (``observations``) for the memory model
 (``hgraph.runtime.engine.activation_model``).
 
-``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
-features and, with a budget, picks the stage's blocks that recompute and those that offload (the
-model's choice, ``activation_model.choose_layer_roles`` under an ``OffloadPolicy``, agreed over the
-stage's TP x CP group; the executor hands them to the micro-batch's communication context); per step
+``StageMemory`` is one rank's use of it in the executor: per micro-batch it opens the meter's view
+of it (``MicroBatchMeter``: its features and what its blocks stash) and, with a budget, picks the
+stage's blocks that recompute and those that offload (the model's choice,
+``activation_model.choose_layer_roles`` under an ``OffloadPolicy``, agreed over the stage's TP x CP
+group; the executor hands them and the view to the micro-batch's communication context); per step
 it refits the model to what was measured. ``stage_memory`` makes a rank's ``StageMemory`` for a
 Program and, with a budget or an offload, outlines the graph's blocks (``recompute.outline_blocks``).
 """

@@ -3,7 +3,7 @@
 ``derive_step(program, plan)`` returns ``{rank: [Collective, ...]}`` in the order the runtime issues
 them on that rank (``runtime/engine/executor``):
 
-1. **Pull** (``ParamSync.begin_step``): the all-gather buckets (``pull.gather_buckets``, model order,
+1. **Pull** (entering ``ParamSync.step``'s ``SyncStep``): the all-gather buckets (``pull.gather_buckets``, model order,
    inside the shard group; all-to-alls on gloo), then the point-to-point rounds of the LNK transfers
    (``pull.pull_message_rounds``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
