@@ -79,6 +79,11 @@ class CompiledModule(nn.Module):
         return self._hgraph
 
     @property
+    def original(self) -> nn.Module:
+        """The module that was compiled (a training run's is on the meta device)."""
+        return self._orig_mod
+
+    @property
     def frontend(self) -> str:
         """The frontend that traced the model: ``"fx"`` or ``"export"``."""
         return self._hgraph.frontend

@@ -48,7 +48,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 CONFIGS = {name: defaults for name, (_, _, defaults) in FAMILIES.items()}
 
 
-def _transformers() -> Any:
+def transformers_module() -> Any:
     try:
         import transformers
     except ImportError:
@@ -67,7 +67,7 @@ def build(name: str, **overrides: Any) -> nn.Module:
     ``overrides`` are config fields."""
     if name not in FAMILIES:
         return _from_config(directory_config(name, overrides), f"hf:{name}")
-    tf = _transformers()
+    tf = transformers_module()
     config_cls, model_cls, defaults = FAMILIES[name]
     fields = dict(defaults, **overrides)
     fields.setdefault("attn_implementation", "sdpa" if getattr(getattr(tf, model_cls), "_supports_sdpa", True)
@@ -91,7 +91,7 @@ def directory_config(name: str, overrides: Optional[Mapping[str, Any]] = None) -
     if not (directory / "config.json").is_file():
         raise HGraphError(f"hf:{name}: {str(directory / 'config.json')!r} does not exist; a Hugging Face model "
                           "directory holds config.json and its *.safetensors")
-    tf = _transformers()
+    tf = transformers_module()
     try:
         return tf.AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False,
                                              **dict(overrides or {}))
@@ -102,7 +102,7 @@ def directory_config(name: str, overrides: Optional[Mapping[str, Any]] = None) -
 
 def from_config_dict(values: Mapping[str, Any]) -> nn.Module:
     """A model of the config recorded as ``json.loads(config.to_json_string())`` (a checkpoint's run)."""
-    tf = _transformers()
+    tf = transformers_module()
     values = dict(values)
     model_type = values.pop("model_type", None)
     try:
@@ -116,7 +116,7 @@ def from_config_dict(values: Mapping[str, Any]) -> nn.Module:
 def _from_config(config: Any, what: str) -> nn.Module:
     """``AutoModelForCausalLM.from_config`` in fp32 with SDPA attention (eager where the architecture
     has no SDPA path); one line when it cannot."""
-    tf = _transformers()
+    tf = transformers_module()
     try:
         try:
             return tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32,

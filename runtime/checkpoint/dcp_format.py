@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
 METADATA = ".metadata"
@@ -71,11 +72,11 @@ def is_dcp_folder(folder: Path) -> bool:
     return (Path(folder) / METADATA).is_file()
 
 
-def _distributed(group: Any) -> bool:
+def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Any,
+def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup],
              group_size: Optional[int] = None):
     """This rank's piece as a chunk of the full tensor: a ShardedTensor whose global metadata lists
     every rank's rows (computed here, no collective), or the tensor itself on one rank. With shard
@@ -98,13 +99,13 @@ def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_
         mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=group)
 
 
-def save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
+def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation
         return _save_state(optimizer, rank, world_size, rng, group)
 
 
-def _save_state(optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None) -> dict:
+def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
     """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
     and RNG states."""
     state = optimizer.state_dict()
@@ -162,7 +163,7 @@ class _AlreadyStaged(AsyncStager):
         pass
 
 
-def save(folder: Path, optimizer: Any, rank: int, world_size: int, rng: Mapping[str, Any], group: Any = None,
+def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
          *, asynchronous: bool = False):
     """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``).
     ``asynchronous``: stage the tensors and write in a background thread; returns its future."""
@@ -243,7 +244,7 @@ def _row_shape(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> list[int]:
 def read_tensor(folder: Path, key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The full tensor of entry ``key`` (one process, no collective)."""
     out = torch.empty(shape, dtype=dtype)
-    _load({key: out}, folder)
+    load_flat({key: out}, folder)
     return out
 
 
@@ -258,7 +259,7 @@ def read_rows(folder: Path, key: str, shape: tuple[int, ...], dim: Optional[int]
         return read_tensor(folder, key, shape).reshape(1).narrow(0, lo, (1 if hi is None else hi) - lo).clone()
     hi = shape[dim] if hi is None else hi
     out = torch.empty(_row_shape(shape, dim, lo, hi))
-    _load({key: out}, folder, {key: (dim, lo, hi)})
+    load_flat({key: out}, folder, {key: (dim, lo, hi)})
     return out
 
 
@@ -397,7 +398,7 @@ class RowsReader(dcp.FileSystemReader):
         return torch.frombuffer(raw, dtype=dtype).reshape(lengths) if raw else torch.empty(lengths, dtype=dtype)
 
 
-def _load(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:
+def load_flat(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:
     reader = RowsReader(str(folder))
     reader.known_metadata = metadata
     try:
@@ -421,7 +422,7 @@ def read_rng(folder: Path, rank: int, metadata: Any = None) -> Optional[dict]:
     if key not in metadata.state_dict_metadata:
         return None
     flat = {key: b""}
-    _load(flat, folder, metadata=metadata)     # DCP puts the saved object in place of the placeholder
+    load_flat(flat, folder, metadata=metadata)     # DCP puts the saved object in place of the placeholder
     return torch.load(io.BytesIO(flat[key]), weights_only=True)
 
 
@@ -478,7 +479,7 @@ def load_optimizer_state(folder: Path, rank: int, world_size: int, shard_dims: M
             raise HGraphError(f"{what} {str(folder)!r}: entry {step_key!r} has shape {list(entry(step_key))}, "
                               "a step count is one number")
         flat[step_key] = torch.zeros(entry(step_key))
-    _load(flat, folder, rows, metadata)
+    load_flat(flat, folder, rows, metadata)
     for name, dim in shard_dims.items():
         shape = full_shapes[name]
         for target, key in (("params", names.weights(name)), ("exp_avg", names.state(name, "exp_avg")),

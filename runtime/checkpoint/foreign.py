@@ -35,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.engine.optimizer import ShardedAdam
 
 _STEP = re.compile(r"^(.*\.)?state\.(.+)\.step$")
 WHAT = "--resume: DCP checkpoint"
@@ -60,7 +61,7 @@ def step_counts(folder: Path) -> dict[str, float]:
                           "'optim.state.<parameter>.step'): it holds no optimizer state to resume "
                           "(--init-from takes its weights alone)")
     flat = {k: torch.zeros(s) for k, s in keys.items()}
-    dcp_format._load(flat, folder)
+    dcp_format.load_flat(flat, folder)
     return {k: float(v.reshape(())) for k, v in flat.items()}
 
 
@@ -107,7 +108,7 @@ class ForeignCheckpoint:
 
     folder: Path
 
-    def optimizer_state(self, optimizer: Any) -> dict:
+    def optimizer_state(self, optimizer: ShardedAdam) -> dict:
         """Rank ``optimizer.rank``'s ``ShardedAdam.state_dict()`` (its rows only); the settings are the
         optimizer's own."""
         layouts: Mapping[str, Any] = optimizer.layouts

@@ -9,7 +9,7 @@ without the optimizer state around them and without ever holding the whole model
 * ``hgraph export``: one parameter's full tensor at a time (``read(name)``), written out and dropped.
 
 Shard files are opened lazily (memory-mapped ``torch.load``, checked against the manifest's size and
-SHA-256 by ``shards._read_shard``), so a reader touches only the files, and of those only the rows,
+SHA-256 by ``shards.read_shard``), so a reader touches only the files, and of those only the rows,
 it needs; the moments (``exp_avg``, ``exp_avg_sq``) are never read. A rank keeps its files mapped
 until ``close`` (the pages it touched are about its own 1/N); export, which reads everything, gives
 ``unmap_after`` so the pages read do not pile up in its memory.
@@ -37,7 +37,7 @@ class CheckpointMasters:
 
     def __init__(self, path: Any, step: Optional[int] = None, *, verify: bool = True,
                  unmap_after: Optional[int] = None) -> None:
-        root, folder = ckpt._resolve(path, step)
+        root, folder = ckpt.resolve_checkpoint(path, step)
         folder = folder or ckpt.latest(root)
         if folder is None:
             raise HGraphError(f"no complete checkpoint in {str(root)!r}")
@@ -54,7 +54,7 @@ class CheckpointMasters:
         self._dcp = ckpt.is_dcp(self.manifest)
         if self._dcp:
             for entry in self.entries if verify else ():
-                ckpt._check_file(folder, entry, verify=True)
+                ckpt.check_file(folder, entry, verify=True)
             shapes = dcp_format.tensor_shapes(folder)
             self.shapes = {k[len("model."):]: s for k, s in shapes.items() if k.startswith("model.")}
             self.dims = dict(self.manifest["optimizer"]["shard_dims"])
@@ -71,7 +71,7 @@ class CheckpointMasters:
         """Saved rank ``rank``'s shard file (memory-mapped; size and SHA-256 checked the first time)."""
         if rank not in self._files:
             verify = self._verify and rank not in self._verified
-            self._files[rank] = ckpt._read_shard(self.folder, self.entries[rank], verify)
+            self._files[rank] = ckpt.read_shard(self.folder, self.entries[rank], verify)
             self._verified.add(rank)
         return self._files[rank]
 

@@ -42,6 +42,7 @@ from hgraph.runtime.checkpoint import foreign
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.data.documents import Document
 from hgraph.runtime.data.stored import fingerprint_of
+from hgraph.runtime.engine.optimizer import ShardedAdam
 
 NO_DELAY_QUEUES = {"outlier_delay": False, "queues": [],
                    "note": "mini-batches are packed without outlier delay: no document is held back"}
@@ -81,7 +82,7 @@ class ResumePoint:
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     out = []
     for child in root.iterdir():
-        m = ckpt._STEP_DIR.match(child.name)
+        m = ckpt.STEP_DIR.match(child.name)
         if m is not None and child.is_dir():
             out.append((int(m.group(1)), child))
     return sorted(out, reverse=True)
@@ -141,7 +142,7 @@ class RunCheckpoints:
     asynchronous: bool = False                 # write in a background thread (``shards.save_async``)
     saved: list = field(default_factory=list)
     _pending: Any = None
-    _async_group: Any = None
+    _async_group: Optional[dist.ProcessGroup] = None
 
     def due(self, steps_done: int) -> bool:
         """Save after ``steps_done`` steps? Every ``every`` steps and after the run's last step."""
@@ -149,7 +150,7 @@ class RunCheckpoints:
             return False
         return steps_done == self.total_steps or (self.every is not None and steps_done % self.every == 0)
 
-    def save(self, steps_done: int, optimizer: Any, *, rank: int, world_size: int, data_position: dict,
+    def save(self, steps_done: int, optimizer: ShardedAdam, *, rank: int, world_size: int, data_position: dict,
              planner_state: dict, run: dict, delay_queues: Optional[dict] = None) -> SavedCheckpoint:
         """Write the checkpoint of ``steps_done`` (collective: every rank calls it); ``delay_queues``:
         the outlier-delay stream's state after that step (None: a run without delay). Asynchronous: the
@@ -237,7 +238,7 @@ def rewrite_metrics_before(path: Path, step: int) -> None:
 
 # ---- the trainer's resume --------------------------------------------------------------------------
 
-def restore_state(loaded: Any, optimizer: Any) -> None:
+def restore_state(loaded: Any, optimizer: ShardedAdam) -> None:
     """Masters, moments and step counts from the checkpoint; the optimizer settings stay this run's
     own (a new --lr takes effect on resume); this rank's RNG states (a rank that did not exist in
     the saved run keeps its seeded state)."""

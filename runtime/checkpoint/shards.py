@@ -51,12 +51,13 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
 FORMAT_VERSION = 1          # one torch.save file per rank (write_shard)
 DCP_FORMAT = 2              # a torch.distributed.checkpoint folder (save)
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
+STEP_DIR = re.compile(r"^step-(\d{8})$")
 _MOMENT_KEYS = ("params", "exp_avg", "exp_avg_sq")
 
 PathLike = Union[str, os.PathLike]
@@ -145,7 +146,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: Any,
+def write_shard(folder: Path, rank: int, world_size: int, step: int, optimizer: ShardedAdam,
                 rng: Mapping[str, Any]) -> dict:
     """Write this rank's shard file atomically; returns its manifest entry (name, bytes, sha256).
 
@@ -202,15 +203,15 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _barrier(world_size: int, group: Any) -> None:
+def _barrier(world_size: int, group: Optional[dist.ProcessGroup]) -> None:
     if world_size > 1:
         dist.barrier(group=group)
 
 
-def save(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
+def save(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
          data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
          planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-         keep_last: Optional[int] = None, group: Any = None) -> Path:
+         keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> Path:
     """Save the checkpoint of ``step`` under ``root`` (collective: every rank calls it); returns its folder.
 
     ``optimizer``: this rank's ``ShardedAdam``; ``data_position`` (e.g. next document index and
@@ -237,10 +238,10 @@ def _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
             "run": _json_state("run", run)}
 
 
-def save_async(root: PathLike, step: int, optimizer: Any, *, rank: int = 0, world_size: int = 1,
+def save_async(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
                data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
                planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-               async_group: Any = None, keep_last: Optional[int] = None, group: Any = None) -> "PendingCheckpoint":
+               async_group: Optional[dist.ProcessGroup] = None, keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> "PendingCheckpoint":
     """``save`` whose tensors are written in a background thread: returns once they are staged (copied),
     so training goes on; ``PendingCheckpoint.wait()`` (collective, every rank at the same point:
     before the next save and at the end of the run) completes it with the manifest. ``async_group``:
@@ -267,7 +268,7 @@ class PendingCheckpoint:
 
 
 def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, asynchronous: bool = False,
-           async_group: Any = None) -> PendingCheckpoint:
+           async_group: Optional[dist.ProcessGroup] = None) -> PendingCheckpoint:
     folder = step_dir(root, step)
     if rank == 0:
         # Re-saving a step: its old manifest and files go first, so the folder is never "complete"
@@ -348,7 +349,7 @@ def complete_steps(root: PathLike) -> list[int]:
         return []
     steps = []
     for child in root.iterdir():
-        m = _STEP_DIR.match(child.name)
+        m = STEP_DIR.match(child.name)
         if m is None or not child.is_dir():
             continue
         try:
@@ -365,8 +366,9 @@ def latest(root: PathLike) -> Optional[Path]:
     return step_dir(root, steps[-1]) if steps else None
 
 
-def _read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
-    path = _check_file(folder, entry, verify)
+def read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
+    """The rows of a manifest entry's file (``check_file``d first), memory-mapped."""
+    path = check_file(folder, entry, verify)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a corrupt file
@@ -374,7 +376,7 @@ def _read_shard(folder: Path, entry: Mapping[str, Any], verify: bool) -> dict:
                           f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
-def _check_file(folder: Path, entry: Mapping[str, Any], verify: bool) -> Path:
+def check_file(folder: Path, entry: Mapping[str, Any], verify: bool) -> Path:
     """The file of a manifest entry, checked: present, of the manifest's size and (``verify``) SHA-256."""
     path = folder / entry["name"]
     try:
@@ -402,20 +404,20 @@ def verify(folder: PathLike) -> dict:
     manifest = read_manifest(folder)
     if is_dcp(manifest):
         for entry in manifest["shards"]:
-            _check_file(folder, entry, verify=True)
+            check_file(folder, entry, verify=True)
         return manifest
     if len(manifest["shards"]) != manifest["world_size"]:
         raise HGraphError(f"checkpoint manifest {str(folder / MANIFEST)!r} lists {len(manifest['shards'])} "
                           f"shard files for world size {manifest['world_size']}")
     for entry in manifest["shards"]:
-        _read_shard(folder, entry, verify=True)
+        read_shard(folder, entry, verify=True)
     return manifest
 
 
-def _resolve(path: PathLike, step: Optional[int]) -> tuple[Path, Optional[Path]]:
+def resolve_checkpoint(path: PathLike, step: Optional[int]) -> tuple[Path, Optional[Path]]:
     """(checkpoint root, requested step folder or None for the newest)."""
     path = Path(path)
-    if _STEP_DIR.match(path.name) and step is None:
+    if STEP_DIR.match(path.name) and step is None:
         return path.parent, path
     if step is not None:
         return path, step_dir(path, step)
@@ -438,7 +440,7 @@ def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[i
         raise HGraphError(f"checkpoint: rank {rank} is outside world size {world_size}")
     if shard_group is not None and (shard_group < 1 or world_size % shard_group):
         raise HGraphError(f"checkpoint: shard group {shard_group} does not divide world size {world_size}")
-    root, folder = _resolve(path, step)
+    root, folder = resolve_checkpoint(path, step)
     if folder is None:
         folder = latest(root)
         if folder is None:
@@ -448,7 +450,7 @@ def load(path: PathLike, rank: int = 0, world_size: int = 1, *, step: Optional[i
     except HGraphError as exc:
         if not fallback:
             raise
-        this = int(_STEP_DIR.match(folder.name).group(1)) if _STEP_DIR.match(folder.name) else None
+        this = int(STEP_DIR.match(folder.name).group(1)) if STEP_DIR.match(folder.name) else None
         older = [s for s in complete_steps(root) if this is None or s < this]
         if not older:
             raise HGraphError(f"{exc}; no older complete checkpoint to fall back to") from None
@@ -470,7 +472,7 @@ def _as_rank(loaded: Checkpoint, folder: Path, rank: int, world_size: int, group
     if is_dcp(manifest):
         pass                                 # the DCP read took this rank's RNG states (``_load_dcp``)
     elif rank < saved_n:
-        loaded.rng = _read_shard(folder, manifest["shards"][rank], False)["rng"]
+        loaded.rng = read_shard(folder, manifest["shards"][rank], False)["rng"]
     else:
         loaded.rng = None
     loaded.optimizer = {**loaded.optimizer, "rank": rank, "world_size": world_size, "shard_group": group_size}
@@ -495,14 +497,14 @@ def _load_folder(folder: Path, rank: int, world_size: int, verify: bool, rng_ran
               "planner_state": manifest.get("planner_state", {}),
               "run": manifest.get("run", {})}
     if saved_n == world_size:
-        shard = _read_shard(folder, entries[rank], verify)
+        shard = read_shard(folder, entries[rank], verify)
         return Checkpoint(optimizer=_materialise(shard["optimizer"]), rng=shard["rng"], resharded=False,
                           full_shapes=_shapes(shard), **common)
     shards: dict[int, dict] = {}
 
     def shard_of(r: int) -> dict:
         if r not in shards:
-            shards[r] = _read_shard(folder, entries[r], verify)
+            shards[r] = read_shard(folder, entries[r], verify)
         return shards[r]
 
     state = _reshard(shard_of, saved_n, rank, world_size)
@@ -515,7 +517,7 @@ def _load_dcp(folder: Path, manifest: Mapping[str, Any], rank: int, world_size: 
     """Rank ``rank`` of ``world_size``'s rows and rank ``rng_rank``'s RNG states, the ``.metadata``
     read once for both."""
     for entry in manifest["shards"]:
-        _check_file(folder, entry, verify)
+        check_file(folder, entry, verify)
     layout = manifest["optimizer"]
     hyper = {**layout["hyper"], "betas": tuple(layout["hyper"]["betas"])}     # JSON keeps a tuple as a list
     metadata = dcp_format.read_metadata(folder)

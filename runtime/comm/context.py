@@ -6,8 +6,8 @@ protocol of ``hgraph.ops``), which resolves the graph's binding key (``"tp"``, `
 ranks and runs the collective of ``hgraph.runtime.comm.collectives``.
 
 A context is immutable. The executor builds one per Program and rank with its fixed state
-(``bindings``, ``param_sync``, the activation meter, the loss settings); what changes per
-micro-batch (its CP layout, its dropout keys, which blocks recompute or offload, whether it is an evaluation)
+(``bindings``, ``param_sync``, the loss settings); what changes per micro-batch (its CP layout, its
+dropout keys, which blocks recompute or offload, its view of the activation meter, whether it is an evaluation)
 enters through ``for_microbatch``, a view with those values that shares the rank's fixed state and
 its work in flight. A graph runs with its micro-batch's view as its ``comm`` input, so whatever
 keeps it (the autograd of a collective, a recomputed block's replay) sees that micro-batch's values
@@ -59,7 +59,6 @@ class CommContext:
     comm_stream: Any = None                       # the dedicated CUDA stream of collectives (None on CPU)
     bindings: Mapping[str, Sequence[int]] = field(default_factory=dict)   # role key -> ranks, per program
     param_sync: Any = None                        # the Pull / Push engine of the program being run
-    activation_meter: Any = None                  # saved-tensor accounting (``engine/recompute``), if on
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the rank's one choke point for what it issues (its order and record), shared by every view
@@ -70,6 +69,7 @@ class CommContext:
     token_keys: Optional[TokenKeys] = None        # what its tokens are (dropout masks)
     recompute_layers: Optional[frozenset] = None  # layers whose blocks recompute in it
     offload: Any = None                           # its offloaded blocks (``engine.offload``), or None
+    activation_meter: Any = None                  # its view of the saved-tensor accounting (``engine/recompute``)
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     defer_sends: bool = False                     # its activation sends go with the next backward's receive
     in_flight: InFlight = field(default_factory=InFlight, repr=False)
@@ -91,12 +91,13 @@ class CommContext:
     def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
                        recompute_layers: Optional[frozenset] = None, evaluating: bool = False,
                        documents: Optional[DocumentBounds] = None, offload: Any = None,
-                       defer_sends: bool = False) -> "CommContext":
+                       activation_meter: Any = None, defer_sends: bool = False) -> "CommContext":
         """The context one micro-batch's graph runs with: this context's fixed state and work in
         flight, with the micro-batch's own values (``defer_sends``: a backward follows its forward,
         whose gradient receive carries its activation sends, ``collectives.flush_deferred``)."""
         return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
-                       evaluating=evaluating, documents=documents, offload=offload, defer_sends=defer_sends)
+                       evaluating=evaluating, documents=documents, offload=offload,
+                       activation_meter=activation_meter, defer_sends=defer_sends)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.program import Program
 from hgraph.runtime.comm.param_gather import GatherBucket
 from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient
@@ -37,7 +38,7 @@ from hgraph.runtime.comm.rank_params import RankParams
 CARRY_MAX_BYTES = 64 * 1024
 
 
-def is_plain_data_parallel(program: Any) -> bool:
+def is_plain_data_parallel(program: Program) -> bool:
     """Every rank needs every parameter whole (all-gather pulls) and every gradient is one plain
     reduce-scatter over all ranks onto the optimizer segments: the reduced piece a rank receives
     IS its optimizer shard's gradient, so it can update it on arrival (not with shard groups: the

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 
-def host_staged(device: torch.device, group: Any = None) -> bool:
+def host_staged(device: torch.device, group: Optional[dist.ProcessGroup] = None) -> bool:
     """Whether point-to-point of tensors on ``device`` over ``group`` must go through host memory:
     CUDA tensors over gloo."""
     return torch.device(device).type == "cuda" and dist.get_backend(group) == "gloo"
@@ -45,7 +45,7 @@ class StagedWork:
         return True
 
 
-def isend(t: torch.Tensor, dst: int, *, tag: int = 0, group: Any = None, stage: bool = False) -> Any:
+def isend(t: torch.Tensor, dst: int, *, tag: int = 0, group: Optional[dist.ProcessGroup] = None, stage: bool = False) -> Any:
     """``dist.isend``, from a host copy of ``t`` when ``stage``."""
     if not stage:
         return dist.isend(t, dst, group=group, tag=tag)
@@ -53,7 +53,7 @@ def isend(t: torch.Tensor, dst: int, *, tag: int = 0, group: Any = None, stage: 
     return StagedWork(dist.isend(host, dst, group=group, tag=tag), host)
 
 
-def irecv(t: torch.Tensor, src: int, *, tag: int = 0, group: Any = None, stage: bool = False) -> Any:
+def irecv(t: torch.Tensor, src: int, *, tag: int = 0, group: Optional[dist.ProcessGroup] = None, stage: bool = False) -> Any:
     """``dist.irecv`` into ``t``, through a host buffer when ``stage`` (``t`` is written on ``wait``)."""
     if not stage:
         return dist.irecv(t, src, group=group, tag=tag)
@@ -71,7 +71,7 @@ class PeerOp:
     tag: int
 
 
-def batch_isend_irecv(transfers: Sequence[PeerOp], *, group: Any = None, stage: bool = False) -> list:
+def batch_isend_irecv(transfers: Sequence[PeerOp], *, group: Optional[dist.ProcessGroup] = None, stage: bool = False) -> list:
     """``dist.batch_isend_irecv`` of ``transfers``: one work per transfer (NCCL's one work for the
     whole batch stands for each); staged, every tensor goes through a host buffer."""
     if not transfers:

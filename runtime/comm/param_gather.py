@@ -30,7 +30,7 @@ class GatherBucket:
     """One all-gather carrying several parameters."""
 
     def __init__(self, entries: Sequence[tuple[str, int, torch.Tensor, Optional[torch.Tensor]]], rank: int,
-                 world_size: int, dtype: torch.dtype, all_to_all: bool = False, group: Any = None,
+                 world_size: int, dtype: torch.dtype, all_to_all: bool = False, group: Optional[dist.ProcessGroup] = None,
                  issuer: Optional[CollectiveIssuer] = None, label: str = "pull gather") -> None:
         """``entries``: ``(name, rows, master rows, working rows or None)`` in model order (``rows``: the
         size of the shard dimension; views rows-first); ``None``: this rank holds no working tensor of

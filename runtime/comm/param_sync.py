@@ -1,8 +1,13 @@
 """Pull Parameter and Push Gradient on one rank: the LNK plans of a Program run on torch.distributed.
 
 ``ParamSync`` is the object behind ``comm.param_sync`` that the rank graphs call
-(``hgraph.ops.pull_issue`` / ``pull_wait`` / ``push_gradient``) and that the executor drives
-through a step. It composes three parts over one ``RankParams`` (``runtime/comm/rank_params``):
+(``hgraph.ops.pull_issue`` / ``pull_wait`` / ``push_gradient``). The executor runs a step through
+the ``SyncStep`` that ``ParamSync.step`` opens (``with sync.step(...) as s:``), which owns the step's
+phases and their order (the order of the step's collectives, ``order/derive``): entering posts the
+pulls; ``s.backward_starts(loss_share)`` before the last backward; ``s.complete_pulls()`` after it;
+``s.finish(grads, all_reduce_loss)`` the push (or the overlapped update) with the loss's all-reduce at
+its place; leaving ends the step. It composes three parts over one ``RankParams``
+(``runtime/comm/rank_params``):
 
 * **Pull** (``runtime/comm/pull``, ``begin_step``): every rank posts its part of every pull plan at
   once, all parameters in model order; ``pull_wait(name)`` completes one parameter into its working
@@ -28,12 +33,14 @@ global order.
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
+from hgraph.program import Program
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.overlapped_update import OverlappedUpdate, is_plain_data_parallel
@@ -70,7 +77,7 @@ class ParamSync:
     groups_needed = staticmethod(groups_needed)
     is_plain_data_parallel = staticmethod(is_plain_data_parallel)
 
-    def __init__(self, program: Any, rank: int, masters: Mapping[str, torch.Tensor],
+    def __init__(self, program: Program, rank: int, masters: Mapping[str, torch.Tensor],
                  working: Mapping[str, torch.Tensor], shards: Mapping[str, Any], groups: Any,
                  working_dtype: torch.dtype = torch.float32, aliased: frozenset = frozenset(), *,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
@@ -155,6 +162,10 @@ class ParamSync:
                 with torch.no_grad():
                     w.zero_()
 
+    def step(self, overlap_update: bool = False, prefetch: bool = False) -> "SyncStep":
+        """The step to run with ``with``: entering posts every pull (``begin_step``), leaving ends it."""
+        return SyncStep(self, overlap_update, prefetch)
+
     def begin_step(self, overlap_update: bool = False, prefetch: bool = False) -> None:
         """Post every pull of this rank (all parameters, model order); returns before they complete.
 
@@ -234,6 +245,95 @@ class ParamSync:
         """Mark the step finished (every pull must have completed)."""
         self.finish_pulls()
         self._active = False
+
+
+LossAllReduce = Callable[[], tuple[torch.Tensor, Optional[dist.Work]]]
+"""Starts summing the step's loss over the world: its buffer and the work to wait for (None: one rank)."""
+
+
+@dataclass(frozen=True)
+class SyncOutcome:
+    """What a step's push left: the loss summed over the world, and this rank's gradient shards for the
+    optimizer's step (None: the overlapped update has applied them)."""
+
+    loss_sum: float
+    grad_shards: Optional[dict[str, torch.Tensor]]
+
+
+class SyncStep:
+    """One step of a ``ParamSync`` (``ParamSync.step``), owning its phases in the order every rank's
+    collectives must follow: entering posts every pull; ``backward_starts`` before the step's last
+    backward (at most once); ``complete_pulls``; ``finish`` once; leaving ends the step (not after an
+    error: a failed collective is not waited for again). ``overlap_update``: the step updates the
+    shards as their reductions arrive, where the Program can (``ParamSync.can_overlap_update``);
+    ``prefetch``: and posts the next step's all-gathers."""
+
+    def __init__(self, sync: ParamSync, overlap_update: bool, prefetch: bool) -> None:
+        self._sync, self._overlap_update, self._prefetch = sync, overlap_update, prefetch
+        self._loss_set = self._finished = False
+
+    def __enter__(self) -> "SyncStep":
+        self._sync.begin_step(overlap_update=self._overlap_update, prefetch=self._prefetch)
+        return self
+
+    def __exit__(self, exc_type: Optional[type[BaseException]], *_: object) -> None:
+        if exc_type is None:
+            self._sync.end_step()
+
+    @property
+    def overlapped(self) -> bool:
+        """This step runs the overlapped update."""
+        return self._sync._overlap
+
+    @property
+    def pull_prefetched(self) -> bool:
+        """This step's all-gathers were done by the last one (``prefetch``)."""
+        return self._sync.pull_reused
+
+    @property
+    def push_started_s(self) -> Optional[float]:
+        """When the step's first reduction was issued (``time.perf_counter``; None: none was)."""
+        return self._sync.push_started_s
+
+    def bytes_moved(self) -> dict[str, int]:
+        """The step's bytes, by direction and kind (``SyncStats``)."""
+        return dict(vars(self._sync.stats))
+
+    def backward_starts(self, loss_share: float) -> None:
+        """The step's last backward starts, every forward done (``loss_share``: this rank's final share
+        of the loss sum): an overlapped update's loss rides in the first reduction, so it is set before
+        any; from now on a finished gradient issues its bucket."""
+        if self._loss_set or self._finished:
+            raise HGraphError("SyncStep.backward_starts: called twice, or after finish")
+        if self.overlapped:
+            self._sync.set_loss(loss_share)
+        self._loss_set = True
+        self._sync.arm_push()
+
+    def complete_pulls(self) -> None:
+        """Complete every pull still in flight (sends, and parameters no forward waited for)."""
+        self._sync.finish_pulls()
+
+    def finish(self, grads: Mapping[str, Optional[torch.Tensor]], all_reduce_loss: LossAllReduce) -> SyncOutcome:
+        """The step's push (collective): with the overlapped update, the rest of its reductions, the
+        loss among them (zero from a rank without micro-batches, whose backward never started), and
+        the shards' updates; otherwise the reduce-scatters backward did not issue, then the loss's
+        all-reduce (``all_reduce_loss``, in flight during the push), then the transfers to the
+        optimizer owners."""
+        if self._finished:
+            raise HGraphError("SyncStep.finish called twice")
+        self._finished = True
+        sync = self._sync
+        if self.overlapped:
+            if not self._loss_set:
+                sync.set_loss(0.0)
+            return SyncOutcome(sync.finish_update(grads), None)    # the shards are updated when it is finite
+        sync.flush_pushes(grads)         # before the loss's all-reduce: every rank issues them in one order
+        value, work = all_reduce_loss()
+        shards = sync.push(grads)
+        if work is not None:
+            work.wait()
+        return SyncOutcome(float(value[0]), shards)
 
 
 def _call_alive(method: weakref.WeakMethod, *args: Any) -> None:

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from hgraph.comm_plan import LocalCopy, Transfer
 from hgraph.errors import HGraphError
+from hgraph.program import Program
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.param_gather import GatherBucket
@@ -42,7 +44,7 @@ DEFAULT_PULL_BUCKET_BYTES = 256 * 1024
 GLOO_PULL_BUCKET_BYTES = DEFAULT_BUCKET_BYTES
 
 
-def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
+def pull_messages(program: Program, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
                   aliased: frozenset = frozenset()) -> PeerTransfers:
     """The point-to-point messages of ``rank``'s pull: the transfers of the parameters not all-gathered
     and not ``aliased``, in the working dtype (``dtype_bytes``), small ones to one peer coalesced up to
@@ -51,21 +53,21 @@ def pull_messages(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optio
     return PeerTransfers(rank, transfers, dtype_bytes, bucket_bytes, parity=1)
 
 
-def pull_message_rounds(program: Any, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
+def pull_message_rounds(program: Program, rank: int, dtype_bytes: int, bucket_bytes: Optional[int],
                         aliased: frozenset = frozenset()) -> list[list[tuple[int, bool]]]:
     """The rounds of ``pull_messages`` as ``(peer, send)`` lists, without their buffers' bookkeeping
     (the collective order, ``order/derive``)."""
     return message_rounds(rank, transfer_sizes(_messaged(program, rank, aliased)), dtype_bytes, bucket_bytes)
 
 
-def _messaged(program: Any, rank: int, aliased: frozenset) -> Iterator[tuple[Any, Sequence[Any]]]:
+def _messaged(program: Program, rank: int, aliased: frozenset) -> Iterator[tuple[Any, Sequence[Any]]]:
     """``(ParamLayout, rank's pull ops)`` of the parameters not all-gathered and not ``aliased``, model order."""
     ops = program.rank(rank).pull_by_param
     exchanges = (program.exchange(name) for name in program.param_names if name not in aliased)
     return ((ex.param, ops.get(ex.param.name, ())) for ex in exchanges if not ex.is_all_gather)
 
 
-def gather_buckets(program: Any, names: Sequence[str], cap: int) -> list[list[str]]:
+def gather_buckets(program: Program, names: Sequence[str], cap: int) -> list[list[str]]:
     """``names`` (all-gathered parameters, model order) cut into all-gathers of at most ``cap`` bytes
     (at least one parameter each); every rank cuts the same buckets (widths and dtypes are the same
     everywhere), and the collective order (``order/derive``) reads them from here."""
@@ -112,7 +114,7 @@ class PullParameter:
     """
 
     def __init__(self, params: RankParams, stats: SyncStats, bucket_bytes: Optional[int] = None,
-                 all_to_all: bool = False, gather_group: Any = None, issuer: Optional[CollectiveIssuer] = None) -> None:
+                 all_to_all: bool = False, gather_group: Optional[dist.ProcessGroup] = None, issuer: Optional[CollectiveIssuer] = None) -> None:
         self.params = params
         self.issuer = issuer or CollectiveIssuer()
         self.stats = stats

@@ -24,15 +24,16 @@ import torch
 import torch.distributed as dist
 
 from hgraph.comm_plan import LocalAdd, ReduceScatter, Transfer, uncovered_ranges
-from hgraph.program import GroupRound
+from hgraph.program import GroupRound, Program
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.peer_buckets import PeerTransfers, message_rounds, plan_transfers, transfer_sizes
 from hgraph.runtime.comm.rank_params import Range, RankParams, SyncStats, laid_out_rows, lookup, rows
 from hgraph.runtime.comm.process_groups import shard_rounds
+from hgraph.strategy import Strategy
 
 
-def groups_needed(program: Any, rank: int) -> list[GroupRound]:
+def groups_needed(program: Program, rank: int) -> list[GroupRound]:
     """The process groups ``rank``'s push talks in, as creation rounds (``GroupCache.create``, every
     rank its own part of each): the replica groups of its reduce-scatters (``Program.replica_rounds``,
     read off the layout per role) and, when the optimizer shards within groups (``--shard-group``),
@@ -46,7 +47,7 @@ def groups_needed(program: Any, rank: int) -> list[GroupRound]:
     return rounds
 
 
-def spans_earlier_stages(strategy: Any, rank: int) -> Callable[[tuple[int, ...]], bool]:
+def spans_earlier_stages(strategy: Strategy, rank: int) -> Callable[[tuple[int, ...]], bool]:
     """Whether a group (sorted ranks) holds a rank of an earlier stage of ``rank``'s pipeline (a tied
     parameter's reduction across stages): that rank reaches the group's reduction only after this rank's
     last backward has sent it its gradient, so a reduction issued from this rank's backward hooks would
@@ -65,7 +66,7 @@ def _cut(span: Range, at: Range) -> list[Range]:
     return [(lo, a), (a, b), (b, hi)]
 
 
-def push_messages(program: Any, rank: int) -> PeerTransfers:
+def push_messages(program: Program, rank: int) -> PeerTransfers:
     """The point-to-point messages of ``rank``'s push: its transfers to and from the optimizer owners
     (fp32 rows), the small ones to one peer in one message. Reads ``rank``'s own ops only."""
     ops = program.rank(rank).push_by_param
@@ -73,7 +74,7 @@ def push_messages(program: Any, rank: int) -> PeerTransfers:
     return PeerTransfers(rank, transfers, 4, None, parity=2)
 
 
-def push_message_rounds(program: Any, rank: int) -> list[list[tuple[int, bool]]]:
+def push_message_rounds(program: Program, rank: int) -> list[list[tuple[int, bool]]]:
     """The rounds of ``push_messages`` as ``(peer, send)`` lists (the collective order, ``order/derive``)."""
     ops = program.rank(rank).push_by_param
     sizes = transfer_sizes((program.param_layout(n), ops.get(n, ())) for n in program.param_names)

@@ -24,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hgraph.program import Program
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 
 Range = tuple[int, int]
@@ -78,7 +79,7 @@ class RankParams:
     working tensors that share their fp32 master's storage (one rank, fp32: nothing to move).
     """
 
-    program: Any
+    program: Program
     rank: int
     masters: Mapping[str, torch.Tensor]
     working: Mapping[str, torch.Tensor]

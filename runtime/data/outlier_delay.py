@@ -126,7 +126,7 @@ class DelayedMiniBatches:
     def _flush_queues(self) -> None:
         while any(self.wlb.queues):
             self.wlb.remained = []
-            self.held.extend(self.wlb._take_pending([], flushing=True))
+            self.held.extend(self.wlb.take_pending([], flushing=True))
 
     def _should_drain(self) -> bool:
         queued = [d.length for q in self.wlb.queues for d in q]
@@ -164,7 +164,7 @@ class DelayedMiniBatches:
                 if self.held:
                     break                # a released group still waits: no new outlier until it is trained
                 self.wlb.remained = []
-                released = self.wlb._take_pending([d])   # queues it; a full queue releases its group
+                released = self.wlb.take_pending([d])   # queues it; a full queue releases its group
                 for r in released:
                     if r.length <= room:
                         taken.append(r)

@@ -189,7 +189,7 @@ class StreamPacker:
         """Pack one global batch (lengths, optional global indices; default: consecutive)."""
         t0 = time.perf_counter()
         docs = self._admit(lengths, indices)
-        pending = self._take_pending(docs)
+        pending = self.take_pending(docs)
         bins, left = self._pack(pending)
         self.remained = left
         return self._emit(bins, t0, False)
@@ -199,7 +199,7 @@ class StreamPacker:
         out = []
         while self.pending():
             t0 = time.perf_counter()
-            pending = self._take_pending([], flushing=True)
+            pending = self.take_pending([], flushing=True)
             bins, left = self._pack(pending)
             if sum(len(b) for b in bins) == 0:  # cannot happen: the longest always fits an empty bin
                 raise AssertionError("flush made no progress")
@@ -208,7 +208,7 @@ class StreamPacker:
         return out
 
     # subclasses
-    def _take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
+    def take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
         raise NotImplementedError
 
     def _pack(self, docs: list[StreamDoc]) -> tuple[list[list[StreamDoc]], list[StreamDoc]]:
@@ -256,7 +256,7 @@ class WLBPacker(StreamPacker):
     def pending(self) -> int:
         return len(self.remained) + sum(len(q) for q in self.queues)
 
-    def _take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
+    def take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
         pending = list(self.remained)
         if new_docs and self.thresholds:
             qs = np.searchsorted(self.thresholds, [d.length for d in new_docs], side="right") - 1

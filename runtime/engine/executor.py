@@ -3,7 +3,10 @@
 ``Executor.step(strategy, microbatches, num_targets)`` finds the strategy's Program and this rank's
 state for it (building them on first use), then:
 
-1. **Pull Parameter**: ``ParamSync.begin_step`` posts every LNK pull of the step (async); each
+The step runs inside the ``SyncStep`` its ``ParamSync`` opens (``with sync.step(...) as s:``), which
+owns the order of the pull's and push's phases (``runtime/comm/param_sync``):
+
+1. **Pull Parameter**: entering the ``SyncStep`` posts every LNK pull of the step (async); each
    graph's ``pull_wait`` node waits for its parameter.
 2. **1F1B** over this rank's pipeline's micro-batches: ``warmup = min(PP - stage - 1, m)``
    forwards, then one forward / one backward alternately, then the remaining backwards. Pipelines
@@ -16,8 +19,8 @@ state for it (building them on first use), then:
    per-sequence sharding, ``cp_layout_for``), with the positions and next-token targets of the
    whole documents.
 3. **Push Gradient**: the reduce-scatters among replicas start during the last backward, bucket by
-   bucket as gradients become final (``ParamSync.arm_push``), on every backend, in the buckets' one
-   global order; ``ParamSync.push`` waits for them and LNKs the working gradients to the optimizer
+   bucket as gradients become final (``SyncStep.backward_starts``), on every backend, in the buckets' one
+   global order; ``SyncStep.finish`` waits for them and LNKs the working gradients to the optimizer
    owners (a pipeline without micro-batches pushes zeros). ``StepResult.push_ms`` times the push from
    its first reduction's issue, ``push_exposed_ms`` the part of it after the backward ended.
 4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
@@ -62,7 +65,7 @@ import contextlib
 import copy
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
 
 import torch
@@ -103,9 +106,11 @@ ADAPTIVE = "adaptive"
 CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepResult:
-    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank)."""
+    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank); built
+    once, when the step has ended (``Executor.step``), and never changed: what others add to a step
+    (its throughput, the planner's figures) lives beside it, in ``runtime.train.step_record``."""
 
     step: int
     strategy: str
@@ -128,8 +133,6 @@ class StepResult:
     overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
     pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
     compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
-    tflops_per_device: Optional[float] = None   # model TFLOP/s per rank and MFU: set by the trainer
-    mfu: Optional[float] = None                 # (runtime.train.throughput), None until then / without a peak
     cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
     switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
     built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
@@ -143,6 +146,18 @@ class StepResult:
     # the same three moments on the wall clock (s: first reduction issued, backward ended, push ended),
     # comparable across ranks: the step's exposed push is counted from the backward that ended last
     push_times: tuple = ()
+
+
+@dataclass(frozen=True)
+class ProgramLookup:
+    """How a step found its Program: a hit (None: a Program was given), the lookup's host time and, on
+    the Program's first step, its build (``built_ahead``, ``build_s``, ``build_lead_s``)."""
+
+    cache_hit: Optional[bool]
+    switch_s: float
+    built_ahead: bool = False
+    build_s: Optional[float] = None
+    build_lead_s: Optional[float] = None
 
 
 class RankLostError(RuntimeError):
@@ -253,9 +268,9 @@ class Executor:
         self.issuer = issuer or CollectiveIssuer(rank, world_size, device=device)
         self.verify_collectives = verify_collectives
         if verify_collectives:
-            self.issuer.record = True
-        if hasattr(optimizer, "issuer"):
-            optimizer.issuer = self.issuer
+            self.issuer.start_recording()
+        if hasattr(optimizer, "issue_through"):
+            optimizer.issue_through(self.issuer)
         self.order_verdicts: list[tuple[int, str, str]] = []   # (step, strategy, line) per check
         self.groups = groups
         self.device = torch.device(device or "cpu")
@@ -342,10 +357,8 @@ class Executor:
         prepared ahead (collectively: every rank calls it for the same Program)."""
         if entry.state is None:      # not prepared ahead: its preparation counts in its build
             t0, c0 = time.perf_counter(), time.thread_time()
-            entry.state = self._prepare_state(entry.program)
-            if entry.build is not None:
-                entry.build = replace(entry.build, build_s=entry.build.build_s + time.perf_counter() - t0,
-                                      cpu_s=entry.build.cpu_s + time.thread_time() - c0)
+            state = self._prepare_state(entry.program)
+            entry.prepared(state, time.perf_counter() - t0, time.thread_time() - c0)
         if not entry.state.ready:
             self._ready_state(entry.state)
         return entry.state
@@ -396,11 +409,9 @@ class Executor:
         if self.track_memory:
             budget = self.memory_budget(rp.scheme) if callable(self.memory_budget) else self.memory_budget
             graph, memory = stage_memory(gm, working, program, rp, budget, self.device,
-                                         self._offload_policy(program, rp))
-            memory.issuer = self.issuer
+                                         self._offload_policy(program, rp), self.issuer)
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
-                           activation_meter=memory.meter if memory is not None else None,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
                            vocab_parallel_loss=self.vocab_parallel_loss, issuer=self.issuer)
         return RankState(program, rp, graph, working, comm, sync, memory)
@@ -444,10 +455,17 @@ class Executor:
         """
         t0 = time.perf_counter()
         entry, hit = self._entry(strategy)
-        switch_s = time.perf_counter() - t0
+        found = time.perf_counter()
+        switch_s = found - t0
         first_use = entry.state is None or not entry.state.ready
         try:
-            result = self._step(entry, microbatches, num_targets, step, prefetch)
+            state = self._state_of(entry)
+            # what finding the Program took, known now that its state is built (its build counted in)
+            lookup = ProgramLookup(hit, switch_s)
+            if first_use and entry.build is not None:
+                lookup = ProgramLookup(hit, switch_s, entry.ahead, entry.build.build_s,
+                                       t0 - entry.build.started_at if entry.ahead else None)
+            result = self._step(entry.program, state, lookup, microbatches, num_targets, step, prefetch, found)
         except RuntimeError as exc:
             if isinstance(exc, RankLostError):
                 raise
@@ -461,11 +479,6 @@ class Executor:
             raise
         if first_use and self.verify_collectives:
             self._verify_order(step, entry.program)
-        result.cache_hit, result.switch_s = hit, switch_s
-        if first_use and entry.build is not None:
-            result.built_ahead, result.build_s = entry.ahead, entry.build.build_s
-            if entry.ahead:
-                result.build_lead_s = t0 - entry.build.started_at
         return result
 
     def _activate(self, state: RankState) -> None:
@@ -481,16 +494,16 @@ class Executor:
         Program without global-norm clipping (which needs every gradient before any update)."""
         return state.sync.can_overlap_update and self.optimizer.max_grad_norm is None
 
-    def _step(self, entry: CachedProgram, microbatches: Sequence[Sequence[MicroBatch]], num_targets: int,
-              step: int, prefetch: Optional[bool]) -> StepResult:
-        t0 = time.perf_counter()
-        program = entry.program
+    def _step(self, program: Program, state: RankState, lookup: ProgramLookup,
+              microbatches: Sequence[Sequence[MicroBatch]], num_targets: int, step: int,
+              prefetch: Optional[bool], t0: float) -> StepResult:
+        """The step under ``state`` (readied by ``step``); ``t0``: when its Program was found (the
+        state's first readying counts in the step's time, the lookup does not)."""
         if len(microbatches) != len(program.strategy.pipelines):
             raise HGraphError(f"step {step}: {len(microbatches)} micro-batch lists for the "
                               f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
         if num_targets < 1:
             raise HGraphError(f"step {step}: the mini-batch has no targets; the loss is undefined")
-        state = self._state_of(entry)
         self._activate(state)
         self._step_index = step
         self.issuer.begin_step(step)
@@ -501,43 +514,25 @@ class Executor:
         if prefetch is None:
             prefetch = self._last_program is program
         self._last_program = program
-        sync.begin_step(overlap_update=overlap, prefetch=prefetch)
-        if state.memory is not None:
-            state.memory.begin_step()
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)
-        t_pull = time.perf_counter()
-        mine = list(microbatches[rp.pipeline])
-        loss_set = []
-
-        def last_backward(loss_sum: float) -> None:
-            if overlap:       # before any reduction: the loss rides in the first one
-                sync.set_loss(self._loss_share(rp, loss_sum))
-                loss_set.append(True)
-            sync.arm_push()
-
-        loss_sum = self._run_pipeline(state, mine, num_targets, last_backward)
-        t_backward = time.perf_counter()
-        state.comm.wait_all()
-        sync.finish_pulls()
-        t_compute = time.perf_counter()
-        grads = {name: w.grad for name, w in state.working.items()}
-        grad_shards = None
-        if overlap:
-            if not loss_set:              # a rank without micro-batches: its loss share is zero
-                sync.set_loss(0.0)
-            total_loss = sync.finish_update(grads)    # the shards are updated when the loss is finite
-        else:
-            sync.flush_pushes(grads)      # the reduce-scatters backward did not issue, before the loss's
-            loss_value, loss_work = self._issue_global_loss(rp, loss_sum)   # overlaps with the push
-            grad_shards = sync.push(grads)
-            if loss_work is not None:
-                loss_work.wait()
-            total_loss = float(loss_value[0])
-        sync.end_step()
+        with sync.step(overlap_update=overlap, prefetch=prefetch) as sync_step:
+            if state.memory is not None:
+                state.memory.begin_step()
+                if self.device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(self.device)
+            t_pull = time.perf_counter()
+            mine = list(microbatches[rp.pipeline])
+            loss_sum = self._run_pipeline(state, mine, num_targets,
+                                          lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
+            t_backward = time.perf_counter()
+            state.comm.wait_all()
+            sync_step.complete_pulls()
+            t_compute = time.perf_counter()
+            grads = {name: w.grad for name, w in state.working.items()}
+            outcome = sync_step.finish(grads, lambda: self._issue_global_loss(rp, loss_sum))
         t_push = time.perf_counter()
+        total_loss, grad_shards = outcome.loss_sum, outcome.grad_shards
         # no reduction issued (one rank, point-to-point only): the push began after the compute
-        push_start = sync.push_started_s if sync.push_started_s is not None else t_compute
+        push_start = sync_step.push_started_s if sync_step.push_started_s is not None else t_compute
         wall = time.time() - time.perf_counter()     # the host times as moments other ranks can compare
         loss = total_loss / num_targets
         tokens = sum(mb.tokens for mbs in microbatches for mb in mbs)
@@ -552,23 +547,26 @@ class Executor:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
         t_end = time.perf_counter()
-        result = StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
-                            t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
-                            dict(vars(sync.stats)), overlapped_update=overlap, pull_prefetched=sync.pull_reused,
-                            push_ms=1e3 * (t_push - push_start),
-                            push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
-                            push_times=tuple(wall + t for t in (push_start, t_backward, t_push)))
+        memory = {}
         if state.memory is not None:
-            peak, result.predicted_mem_bytes, result.recompute_layers = state.memory.end_step()
-            result.offload_layers = list(state.memory.step_offload)
-            if state.memory.offload is not None:
-                result.host_peak_bytes = state.memory.offload.host.peak_bytes
-            result.peak_mem_bytes = (int(torch.cuda.max_memory_allocated(self.device))
-                                     if self.device.type == "cuda" else peak)
-        result.process_peak_bytes = self.peak_memory.read()
-        if self.compile:
-            result.compiles = self.region_compiles.total
-        return result
+            peak, predicted, recompute = state.memory.end_step()
+            offload = state.memory.offload
+            memory = dict(predicted_mem_bytes=predicted, recompute_layers=recompute,
+                          offload_layers=list(state.memory.step_offload),
+                          host_peak_bytes=offload.host.peak_bytes if offload is not None else None,
+                          peak_mem_bytes=(int(torch.cuda.max_memory_allocated(self.device))
+                                          if self.device.type == "cuda" else peak))
+        return StepResult(step, str(program.strategy), loss, tokens, t_end - t0, t_pull - t0,
+                          t_compute - t_pull, t_push - t_compute, t_end - t_push, skipped, norm,
+                          sync_step.bytes_moved(), overlapped_update=overlap,
+                          pull_prefetched=sync_step.pull_prefetched,
+                          push_ms=1e3 * (t_push - push_start),
+                          push_exposed_ms=1e3 * (t_push - max(push_start, t_backward)),
+                          push_times=tuple(wall + t for t in (push_start, t_backward, t_push)),
+                          process_peak_bytes=self.peak_memory.read(),
+                          compiles=self.region_compiles.total if self.compile else None,
+                          cache_hit=lookup.cache_hit, switch_s=lookup.switch_s, built_ahead=lookup.built_ahead,
+                          build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **memory)
 
     def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
                       last_backward: Callable[[float], None]) -> float:
@@ -591,7 +589,8 @@ class Executor:
                 then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                               documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload, defer_sends=then_backward)
+                                              offload=choice.offload, activation_meter=choice.meter,
+                                              defer_sends=then_backward)
                 with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
                       self.issuer.scope(f"mb {i} F")):
                     out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
@@ -673,18 +672,17 @@ class Executor:
         self._activate(state)
         rp, sync, comm = state.rank_program, state.sync, state.comm
         last = rp.stage == rp.scheme.pp - 1
-        sync.begin_step()
         loss_sum = 0.0
-        for mb in microbatches[rp.pipeline]:
-            ids, pos, targets, layout, keys = self._inputs(state, mb)
-            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
-                                          documents=self._documents(mb, layout, rp.scheme))
-            out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
-            if last:
-                loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
-            del out
-        comm.wait_all()
-        sync.end_step()
+        with sync.step():         # the pulls only: nothing is pushed
+            for mb in microbatches[rp.pipeline]:
+                ids, pos, targets, layout, keys = self._inputs(state, mb)
+                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
+                                              documents=self._documents(mb, layout, rp.scheme))
+                out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
+                if last:
+                    loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
+                del out
+            comm.wait_all()
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:
             work.wait()

@@ -11,10 +11,11 @@ block's stash. An offloaded block (``engine.offload``) passes the meter only wha
 device. Per block the meter records what one layer stashed (``observations``) for the memory model
 (``hgraph.runtime.engine.activation_model``).
 
-``StageMemory`` is one rank's use of it in the executor: per micro-batch it sets the meter's
-features and, with a budget, picks the stage's blocks that recompute and those that offload (the
-model's choice, ``activation_model.choose_layer_roles`` under an ``OffloadPolicy``, agreed over the
-stage's TP x CP group; the executor hands them to the micro-batch's communication context); per step
+``StageMemory`` is one rank's use of it in the executor: per micro-batch it opens the meter's view
+of it (``MicroBatchMeter``: its features and what its blocks stash) and, with a budget, picks the
+stage's blocks that recompute and those that offload (the model's choice,
+``activation_model.choose_layer_roles`` under an ``OffloadPolicy``, agreed over the stage's TP x CP
+group; the executor hands them and the view to the micro-batch's communication context); per step
 it refits the model to what was measured. ``stage_memory`` makes a rank's ``StageMemory`` for a
 Program and, with a budget or an offload, outlines the graph's blocks (``recompute.outline_blocks``).
 """
@@ -114,11 +115,11 @@ class _ReplayTracker(TorchDispatchMode):
             t = ref()
             if t is not None and not self._comm_buffer(t):
                 key, nbytes = _storage(t)
-                if key and key not in self.meter._live and key not in self.meter.excluded:
+                if key and not self.meter.is_live(key) and key not in self.meter.excluded:
                     seen[key] = nbytes
         transient = sum(seen.values())
         self.meter.peak_bytes = max(self.meter.peak_bytes, self.meter.live_bytes + transient)
-        self.meter.observe("layer", self.features, transient + self.stashed_input, in_forward=False)
+        self.meter.observe("layer", self.features, transient + self.stashed_input)
         self.refs, self.comm_buffers = [], {}
         return result
 
@@ -142,9 +143,15 @@ class ActivationMeter:
         self._live: dict[int, list[int]] = {}       # storage ptr -> [bytes, references]
         self.live_bytes = 0
         self.peak_bytes = 0
-        self.features: Optional[Features] = None    # the current micro-batch's (set by the executor)
         self.observations: dict[str, list] = {"layer": [], "checkpoint": [], "other": [], "kept": []}
-        self.forward_block_bytes = 0      # bytes attributed to blocks during the current forward
+
+    def for_microbatch(self, features: Features) -> "MicroBatchMeter":
+        """One micro-batch's view: its features and what its blocks stash, counted into this meter."""
+        return MicroBatchMeter(self, features)
+
+    def is_live(self, key: int) -> bool:
+        """Whether the storage ``key`` is counted now."""
+        return key in self._live
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Storages never counted (the working parameters: they live anyway)."""
@@ -182,24 +189,28 @@ class ActivationMeter:
             del self._live[key]
             self.live_bytes -= entry[0]
 
-    def _pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Saved]:
+    def pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Saved]:
+        """Autograd's saved-tensor pack hook: ``t`` counted while what it returns lives (offload's hooks
+        count what they keep on the device through it)."""
         key = self._add(t)
         return t if key is None else _Saved(t, key, self)
 
     @staticmethod
-    def _unpack(p: Union[torch.Tensor, _Saved]) -> torch.Tensor:
+    def unpack(p: Union[torch.Tensor, _Saved]) -> torch.Tensor:
+        """The unpack hook of what ``pack`` returned."""
         return p.tensor if isinstance(p, _Saved) else p
 
     def hooks(self) -> ContextManager[None]:
         """The context that counts what autograd saves (wrap a micro-batch's forward in it)."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def hold(self, inputs: Iterable[Any]) -> _Held:
+    def hold(self, inputs: Iterable[Any]) -> tuple[_Held, int]:
+        """Count a recomputed block's checkpointed ``inputs`` while what it returns lives; and their
+        bytes newly counted."""
         before = self.live_bytes
         keys = [k for t in tree_flatten(list(inputs))[0] if isinstance(t, torch.Tensor)
                 for k in [self._add(t)] if k is not None]
-        self.observe("checkpoint", self.features, self.live_bytes - before, in_forward=True)
-        return _Held(keys, self)
+        return _Held(keys, self), self.live_bytes - before
 
     def activation_input_bytes(self, inputs: Iterable[Any]) -> int:
         """Bytes of the differentiable activations among ``inputs`` (each storage once; the working
@@ -217,14 +228,57 @@ class ActivationMeter:
         checkpointed input a forward block's stash holds)."""
         return _ReplayTracker(self, features, stashed_input)
 
-    def observe(self, kind: str, features: Optional[Features], nbytes: int, in_forward: bool) -> None:
+    def observe(self, kind: str, features: Optional[Features], nbytes: int) -> None:
         """Record what one layer stashed (``layer``), kept as checkpoint (``checkpoint``), still saved
         on the device when offloaded (``kept``) or what the rest of the stage saved (``other``) for a
-        micro-batch of ``features``."""
-        if in_forward:
-            self.forward_block_bytes += int(nbytes)
+        micro-batch of ``features`` (None: not recorded)."""
         if features is not None:
             self.observations[kind].append((features, int(nbytes)))
+
+
+class MicroBatchMeter:
+    """One micro-batch's view of its rank's ``ActivationMeter`` (``ActivationMeter.for_microbatch``):
+    its features and the bytes its blocks stashed in its forward, with the counting shared. The
+    micro-batch's ``CommContext`` view carries it (``comm.activation_meter``), so a recomputed block's
+    replay in backward observes its own micro-batch, as the context's views do for their values."""
+
+    def __init__(self, meter: ActivationMeter, features: Features) -> None:
+        self.meter, self.features = meter, features
+        self.start_live = meter.live_bytes    # what was saved before this micro-batch's forward
+        self.forward_block_bytes = 0          # what its blocks stashed in its forward
+
+    @property
+    def live_bytes(self) -> int:
+        return self.meter.live_bytes
+
+    def hooks(self) -> ContextManager[None]:
+        return self.meter.hooks()
+
+    def pack(self, t: torch.Tensor) -> Union[torch.Tensor, _Saved]:
+        return self.meter.pack(t)
+
+    def unpack(self, p: Union[torch.Tensor, _Saved]) -> torch.Tensor:
+        return self.meter.unpack(p)
+
+    def observe(self, kind: str, nbytes: int, in_forward: bool) -> None:
+        """What one of this micro-batch's blocks saved (``ActivationMeter.observe``); ``in_forward``:
+        in its forward, so not counted again in the rest of the stage (``StageMemory.after_forward``)."""
+        if in_forward:
+            self.forward_block_bytes += int(nbytes)
+        self.meter.observe(kind, self.features, nbytes)
+
+    def hold(self, inputs: Iterable[Any]) -> _Held:
+        """A recomputed block's checkpointed inputs, counted while the returned token lives."""
+        held, nbytes = self.meter.hold(inputs)
+        self.observe("checkpoint", nbytes, in_forward=True)
+        return held
+
+    def activation_input_bytes(self, inputs: Iterable[Any]) -> int:
+        return self.meter.activation_input_bytes(inputs)
+
+    def replay_tracker(self, stashed_input: int = 0) -> _ReplayTracker:
+        """Tracks the replay of one of this micro-batch's blocks (``ActivationMeter.replay_tracker``)."""
+        return self.meter.replay_tracker(self.features, stashed_input)
 
 
 # ---- per-stage policy used by the executor --------------------------------------------------------
@@ -269,10 +323,11 @@ class OffloadPolicy:
 
 class LayerChoice(NamedTuple):
     """The layers of a micro-batch whose blocks recompute, and the offload of those that offload
-    (None: not that way)."""
+    (None: not that way); ``meter``: the micro-batch's view of the activation meter (None: untracked)."""
 
     recompute: Optional[frozenset]
     offload: Optional[MicroBatchOffload]
+    meter: Optional[MicroBatchMeter] = None
 
 
 class StageMemory:
@@ -283,19 +338,21 @@ class StageMemory:
     offload, offloads every block). ``layers``: the layer indices of the stage's blocks (in order).
     ``group``: the process group of the stage's TP x CP ranks as a 1-tuple (its process group, None
     for the default group) or None alone; the recomputed and moved layer counts are agreed over it
-    (max). ``offload``: the rank's ``OffloadPolicy`` (None: recomputation only).
+    (max). ``offload``: the rank's ``OffloadPolicy`` (None: recomputation only); ``issuer``: the rank's
+    ``CollectiveIssuer``, which the agreement goes through.
     """
 
     def __init__(self, meter: ActivationMeter, layers: Sequence[int], budget: Optional[float],
                  group: Optional[tuple[Optional[dist.ProcessGroup]]] = None,
-                 device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None) -> None:
+                 device: Optional[torch.device] = None, offload: Optional[OffloadPolicy] = None,
+                 issuer: Optional[CollectiveIssuer] = None) -> None:
         self.meter, self.layers, self.budget = meter, list(layers), budget
         self.group, self.device, self.offload = group, device, offload
-        self.issuer = CollectiveIssuer()      # the rank's choke point for the agreement (set by the executor)
+        self.issuer = issuer or CollectiveIssuer()      # the rank's choke point for the agreement
         self.model = None
         self._held: dict[int, float] = {}
         self._host_held: dict[int, float] = {}
-        self._start_live = 0
+        self._current: Optional[MicroBatchMeter] = None     # the micro-batch whose forward runs
         self.step_predicted: list[float] = []
         self.step_recompute: list[int] = []
         self.step_offload: list[int] = []
@@ -314,9 +371,7 @@ class StageMemory:
         """Start micro-batch ``index`` (``layout``: its CP or Ulysses layout, or None); returns the layers whose
         blocks recompute in it (None without a budget) and its offload (None without one)."""
         f = microbatch_features(mb, layout)
-        self.meter.features = f
-        self.meter.forward_block_bytes = 0
-        self._start_live = self.meter.live_bytes
+        self._current = self.meter.for_microbatch(f)
         n = len(self.layers)
         r, o, predicted = 0, 0, None
         if self.budget is not None:
@@ -342,7 +397,7 @@ class StageMemory:
         recompute = frozenset(self.layers[:r]) if self.budget is not None else None   # the first: freed last
         offload = (self.offload.host.for_microbatch(frozenset(self.layers[r:r + o]))
                    if self.offload is not None and o > 0 else None)
-        return LayerChoice(recompute, offload)
+        return LayerChoice(recompute, offload, self._current)
 
     def _roles(self, f: Features, held: float) -> LayerRoles:
         """The model's choice of recomputed and offloaded layers for a micro-batch of ``f``."""
@@ -361,9 +416,9 @@ class StageMemory:
                                   host_held=sum(self._host_held.values()))
 
     def after_forward(self) -> None:
-        other = self.meter.live_bytes - self._start_live - self.meter.forward_block_bytes
-        self.meter.observe("other", self.meter.features, other, in_forward=False)
-        self.meter.features = None
+        view, self._current = self._current, None
+        other = view.live_bytes - view.start_live - view.forward_block_bytes
+        view.observe("other", other, in_forward=False)
 
     def after_backward(self, index: int) -> None:
         self._held.pop(index, None)
@@ -396,7 +451,7 @@ class StageMemory:
 def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], program: Program,
                  rank_program: RankProgram, budget: Optional[float], device: Optional[torch.device],
                  offload: Optional[Callable[[ActivationMeter], OffloadPolicy]] = None,
-                 ) -> tuple[fx.GraphModule, StageMemory]:
+                 issuer: Optional[CollectiveIssuer] = None) -> tuple[fx.GraphModule, StageMemory]:
     """A rank's ``StageMemory`` for ``program`` over its ``working`` tensors, and the graph to run:
     with a budget or an offload, ``graph`` with its blocks outlined for recomputation and offload
     (the same computation; the original graph is kept for a budget-less executor sharing the
@@ -411,7 +466,7 @@ def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], pro
         if outlined is not graph:
             layers = [layer for layer, _ in block_ranges(graph.graph)]
             graph = outlined
-    return graph, StageMemory(meter, layers, budget, None, device, policy)
+    return graph, StageMemory(meter, layers, budget, None, device, policy, issuer)
 
 
 def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankProgram, groups: GroupCache) -> None:

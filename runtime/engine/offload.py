@@ -206,7 +206,7 @@ class MicroBatchOffload:
             rec = entry[1]() if entry is not None and not entry[0].expired() and entry[2] == t._version else None
             if rec is None:
                 if not owner.offloads(t):
-                    return _Kept(meter._pack(t) if meter is not None else t)
+                    return _Kept(meter.pack(t) if meter is not None else t)
                 rec = owner.to_host(t)
                 seen[storage._cdata] = (StorageWeakRef(storage), weakref.ref(rec), t._version)
             copies.setdefault(id(rec), weakref.ref(rec))
@@ -214,7 +214,7 @@ class MicroBatchOffload:
 
         def unpack(p: Union[_SavedView, _Kept]) -> torch.Tensor:
             if isinstance(p, _Kept):
-                return meter._unpack(p.packed) if meter is not None else p.packed
+                return meter.unpack(p.packed) if meter is not None else p.packed
             return owner.device_tensor(p)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -127,6 +127,10 @@ class ShardedAdam:
             self.steps[name] = 0.0
             offset += n
 
+    def issue_through(self, issuer: CollectiveIssuer) -> None:
+        """Issue the norm's reduction through ``issuer`` (the executor's: one order and record a rank)."""
+        self.issuer = issuer
+
     def _layout(self, name: str, shape: tuple[int, ...], dim: int) -> ShardLayout:
         ndim = max(len(shape), 1)
         if not -ndim <= dim < ndim:

@@ -30,7 +30,7 @@ that the executor is asked to run is kept under its strategy too (``adopt``), wi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Generic, Optional, TypeVar
 
 from hgraph.compiled import CompiledModule
@@ -54,6 +54,13 @@ class CachedProgram(Generic[StateT]):
     build: Optional[BuildTiming] = None
     ahead: bool = False
     used: bool = False
+
+    def prepared(self, state: StateT, build_s: float, cpu_s: float) -> None:
+        """This rank's state, prepared on the Program's first step; the preparation's wall and CPU time
+        count in the Program's build (if it was built here)."""
+        self.state = state
+        if self.build is not None:
+            self.build = replace(self.build, build_s=self.build.build_s + build_s, cpu_s=self.build.cpu_s + cpu_s)
 
 
 class ProgramCache(Generic[StateT]):

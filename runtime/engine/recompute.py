@@ -18,7 +18,7 @@ early stop is disabled so a replay always issues all of the block's collectives.
 inputs, so the replay runs with that micro-batch's CP layout and dropout keys even though 1F1B ran
 forwards of later micro-batches before this backward.
 
-What a block stashes is counted by ``comm.activation_meter`` (``engine.memory.ActivationMeter``,
+What a block stashes is counted by ``comm.activation_meter`` (the micro-batch's ``engine.memory.MicroBatchMeter``,
 when the executor tracks memory); which layers recompute is ``engine.memory.StageMemory``'s choice.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
     """Run one outlined block; offloaded when ``layer`` is in ``comm.offload.layers``, recomputed in
     backward when it is in ``comm.recompute_layers``."""
     recompute = comm.recompute_layers
-    meter = comm.activation_meter      # an engine.memory.ActivationMeter, or None
+    meter = comm.activation_meter      # the micro-batch's engine.memory.MicroBatchMeter, or None
     offload = comm.offload             # an engine.offload.MicroBatchOffload, or None
     if (offload is not None and layer in offload.layers and torch.is_grad_enabled()
             and not (recompute and layer in recompute)):
@@ -78,16 +78,15 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
             out = block(*inputs)
         offload.watch(layer, out)
         if meter is not None:          # what the block still saved on the device
-            meter.observe("kept", meter.features, meter.live_bytes - before, in_forward=True)
+            meter.observe("kept", meter.live_bytes - before, in_forward=True)
         return out
     if not recompute or layer not in recompute or not torch.is_grad_enabled():
         before = meter.live_bytes if meter is not None else 0
         out = block(*inputs)
         if meter is not None:
-            meter.observe("layer", meter.features, meter.live_bytes - before, in_forward=True)
+            meter.observe("layer", meter.live_bytes - before, in_forward=True)
         return out
     token = meter.hold(inputs) if meter is not None else None
-    features = meter.features if meter is not None else None
     # the block's differentiable input (the hidden state its first norm saves) is counted in a forward
     # block's stash; in the replay it is the checkpoint, already held: the replay's stash adds it back
     stashed_input = meter.activation_input_bytes(inputs) if meter is not None else 0
@@ -99,7 +98,7 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
             return block(*xs)
 
     def contexts() -> tuple[ContextManager[None], ContextManager[object]]:
-        recompute_ctx = meter.replay_tracker(features, stashed_input) if meter is not None else contextlib.nullcontext()
+        recompute_ctx = meter.replay_tracker(stashed_input) if meter is not None else contextlib.nullcontext()
         return contextlib.nullcontext(), recompute_ctx
 
     with set_checkpoint_early_stop(False):

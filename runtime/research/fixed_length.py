@@ -35,7 +35,7 @@ class FixedLengthPacker(StreamPacker):
         self.time_limit_s = float(time_limit_s)
         self.workers = int(workers)
 
-    def _take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
+    def take_pending(self, new_docs: list[StreamDoc], flushing: bool = False) -> list[StreamDoc]:
         return list(self.remained) + list(new_docs)
 
     def _pack(self, docs: list[StreamDoc]) -> tuple[list[list[StreamDoc]], list[StreamDoc]]:

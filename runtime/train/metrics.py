@@ -1,6 +1,7 @@
 """What a training step reports: its line in the metrics file and its readable line.
 
-``MetricsWriter`` (rank 0, ``logging.metrics``) writes one JSON line per step: the step's own figures
+``MetricsWriter`` (rank 0, ``logging.metrics``) writes one JSON line per step from the step's
+``StepRecord`` (``runtime.train.step_record``) and nothing else: the step's own figures
 (``StepResult``: loss, tokens, times, bytes moved), its learning rate (``lr``) and, after every
 ``--eval-every`` steps, the validation loss (``eval_loss``) and the program cache's hits and misses; a
 planner-driven step's planner figures; the documents of the step and the data position after it (a
@@ -20,14 +21,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from hgraph.runtime.checkpoint.run import rewrite_metrics_before
-from hgraph.runtime.data.documents import MiniBatch
 from hgraph.runtime.engine.executor import StepResult
+from hgraph.runtime.train.step_record import CacheCounts, StepRecord
 
 
 class MetricsWriter:
@@ -41,25 +42,23 @@ class MetricsWriter:
                 rewrite_metrics_before(Path(path), resumed_step)
             self.file = open(path, "a" if resumed_step is not None else "w", encoding="utf-8")
 
-    def write(self, result: StepResult, cache: Any, batch: MiniBatch, delay_state: Optional[dict], *,
-              planned: dict, memory: dict, balance: dict, extra: Optional[dict] = None,
-              throughput: Optional[dict] = None) -> None:
-        """The line of one step; ``delay_state``: the outlier-delay stream's
-        state after it (None without delay)."""
+    def write(self, record: StepRecord) -> None:
+        """The line of one step, from its record alone."""
         if self.file is None:
             return
-        line = metrics_line(result, cache)
-        line.update(throughput or {})
-        line.update(extra or {})
-        line.update(planned)
+        extras, batch = record.extras, record.batch
+        line = metrics_line(record.result, record.cache)
+        line.update(extras.throughput)
+        line.update(extras.fields())
+        line.update(record.plan)
         line["documents"] = [d.index for d in batch.docs]
         line["next_document"] = batch.next_position
-        if delay_state is not None:
+        if extras.outlier_delay:
             line["delayed"] = batch.delayed
             line["pending_delay"] = batch.pending
             line["delay_iters"] = list(batch.delay_iters)
-        line.update(memory)
-        line.update(balance)
+        line.update(extras.memory)
+        line.update(record.balance)
         self.file.write(json.dumps(line) + "\n")
         self.file.flush()
 
@@ -69,7 +68,7 @@ class MetricsWriter:
             self.file = None
 
 
-def metrics_line(r: StepResult, cache: Any) -> dict:
+def metrics_line(r: StepResult, cache: CacheCounts) -> dict:
     """The step's own figures and the cache's hits and misses so far (with ``--compile``: the
     compilations of rank 0's graph regions so far, ``region_compiles``). ``push_ms``: rank 0's push
     from its first reduction's issue to its end; ``push_exposed_ms``: the part of it after the
@@ -87,7 +86,7 @@ def metrics_line(r: StepResult, cache: Any) -> dict:
             "cache_misses": cache.misses, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
-def memory_figures(r: StepResult, world_size: int, device: Any, memory_budget: Optional[float],
+def memory_figures(r: StepResult, world_size: int, device: Optional[torch.device], memory_budget: Optional[float],
                    source: str, tracked: bool = False) -> dict:
     """The step's push over all ranks (``step_push_figures``), every rank's measured peak of the step
     (``rank_peak_bytes``: CUDA allocator peak on a GPU, peak RSS on CPU, ``rank_peak_source`` says
@@ -126,7 +125,7 @@ def step_push_figures(rows: list[list[float]]) -> dict:
     return {"step_push_ms": 1e3 * (end - start), "step_push_exposed_ms": 1e3 * (end - max(start, backward))}
 
 
-def all_gather_rows(values: list[float], world_size: int, device: Any = None) -> list[list[float]]:
+def all_gather_rows(values: list[float], world_size: int, device: Optional[torch.device] = None) -> list[list[float]]:
     """``values`` of every rank, in rank order, in one all-gather (the row alone without a process group)."""
     if not dist.is_initialized() or world_size == 1:
         return [list(values)]

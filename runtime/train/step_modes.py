@@ -23,14 +23,17 @@ schedule's next ``plan_ahead``, the plans the planner process has delivered; not
 the new ones are built ahead, during the step (``Executor.build_ahead``). DCP-inter chooses each
 step's strategy with its batch, so it builds nothing ahead.
 
-A mode keeps, per step, what it adds to the metrics line (``planned``: the planner's figures, which
-the step line also shows; ``balance``: DCP-inter's), says what a checkpoint stores of the strategy
-choice (``checkpoint_state``) and which candidates it chose among (``candidates``).
+A mode's ``step(batch, extras)`` returns the step's ``StepRecord`` (``runtime.train.step_record``),
+built once when the step has run: the executor's result, the cache's counts, what the mode adds (the
+planner's figures, which the step line also shows, or DCP-inter's balance) and what the caller's
+``extras`` adds once the result is known (the trainer's learning rate, evaluation, throughput and
+memory figures). A mode also says what a checkpoint stores of the strategy choice
+(``checkpoint_state``) and which candidates it chose among (``candidates``).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch.nn as nn
 
@@ -46,6 +49,7 @@ from hgraph.runtime.planner.service.setup import PlannerSetup, planner_state
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.sp_accumulation import (BALANCE_MODES, SP_ACCUMULATION, balances_accumulation,
                                                   sp_accumulation_step)
+from hgraph.runtime.train.step_record import CacheCounts, StepExtras, StepRecord
 from hgraph.strategy import Scheme, Strategy, parse_strategy_list
 
 
@@ -84,16 +88,27 @@ def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch
     return [[MicroBatch.pack([d.input_ids for d in mb], [d.index for d in mb]) for mb in pipe] for pipe in plan]
 
 
+StepExtrasOf = Callable[[StepResult], StepExtras]
+"""What the caller adds to a step once its result is known (collective where it evaluates or gathers)."""
+
+
 class StepMode:
     """The interface the training loop calls."""
 
     def __init__(self, executor: Executor) -> None:
         self.executor = executor
-        self.planned: dict[int, dict] = {}      # per step, the planner's figures (planner-driven)
-        self.balance: dict[int, dict] = {}      # per step, DCP-inter's figures
 
-    def step(self, batch: MiniBatch) -> StepResult:
+    def step(self, batch: MiniBatch, extras: StepExtrasOf) -> StepRecord:
+        """Run ``batch``'s step (collective) and return its record."""
         raise NotImplementedError
+
+    def record(self, batch: MiniBatch, result: StepResult, extras: StepExtrasOf, *,
+               plan: Optional[Mapping[str, Any]] = None, balance: Optional[Mapping[str, Any]] = None
+               ) -> StepRecord:
+        """The step's record, once: the cache's counts after it, then the caller's extras."""
+        programs = self.executor.programs
+        return StepRecord(batch, result, CacheCounts(programs.hits, programs.misses), extras(result),
+                          plan=plan, balance=balance)
 
     def checkpoint_state(self) -> dict:
         """What a resume needs of the strategy choice (``planner.service.setup.planner_state``)."""
@@ -115,7 +130,7 @@ class FixedSchedule(StepMode):
         super().__init__(executor)
         self.schedule, self.config = list(schedule), config
 
-    def step(self, batch: MiniBatch) -> StepResult:
+    def step(self, batch: MiniBatch, extras: StepExtrasOf) -> StepRecord:
         strategy = self.schedule[batch.step % len(self.schedule)]
         # the next --plan-ahead steps' strategies are known: the ones not built yet build during this step
         last = min(batch.step + 1 + self.config.planner.plan_ahead, self.config.data.steps)
@@ -126,21 +141,22 @@ class FixedSchedule(StepMode):
         # strategy (with a planner the next strategy is not known yet: the executor's default)
         again = (batch.step + 1 < self.config.data.steps
                  and self.schedule[(batch.step + 1) % len(self.schedule)] == strategy)
-        return self.executor.step(strategy, mbs, batch.num_targets, batch.step, prefetch=again)
+        result = self.executor.step(strategy, mbs, batch.num_targets, batch.step, prefetch=again)
+        return self.record(batch, result, extras)
 
     def checkpoint_state(self) -> dict:
         return planner_state(None, None, self.schedule, self.executor.world_size)
 
 
 class PlannerDriven(StepMode):
-    """Every step on the planner's plan; its planner figures go to ``planned[step]``."""
+    """Every step on the planner's plan; its planner figures go to the step's record (``plan``)."""
 
     def __init__(self, planner: IterationPlanner, setup: PlannerSetup, executor: Executor,
                  config: TrainConfig) -> None:
         super().__init__(executor)
         self.planner, self.setup, self.config = planner, setup, config
 
-    def step(self, batch: MiniBatch) -> StepResult:
+    def step(self, batch: MiniBatch, extras: StepExtrasOf) -> StepRecord:
         ex = self.executor
         planned = self.planner.plan(batch)
         # the next steps' new strategies build during this one (this one's, if new, is built by its step)
@@ -150,13 +166,13 @@ class PlannerDriven(StepMode):
         # a compiling step says nothing about later ones, nor one that first allocates its working tensors
         if ex.rank == 0 and result.cache_hit and not result.built_ahead:
             self.planner.observe(planned.model_est_ms, 1e3 * result.time_s)
-        self.planned[batch.step] = {
+        figures = {
             "est_latency_ms": float(planned.plan.est_latency_ms), "est_model_ms": planned.model_est_ms,
             "planner_source": planned.source, "planner_queue_wait_s": planned.queue_wait_s,
             "pipelines": pipeline_metrics(planned.plan, busy), "rank_busy_s": busy,
             "planner_wait_s": planned.wait_s, "planner_solve_ms": float(planned.plan.solve_ms),
             "plan_documents": sorted(batch.docs[i].index for i in planned.plan.documents())}
-        return result
+        return self.record(batch, result, extras, plan=figures)
 
     def checkpoint_state(self) -> dict:
         return planner_state(self.setup, self.planner, self.planner.candidates, self.executor.world_size)
@@ -172,19 +188,20 @@ class PlannerDriven(StepMode):
 
 class SpAccumulation(FixedSchedule):
     """DCP-inter: per mini-batch the SP size, micro-batches balanced over the replicas
-    (``sp_accumulation.sp_accumulation_step``) with the cost model's micro-batch times; figures to ``balance``."""
+    (``sp_accumulation.sp_accumulation_step``) with the cost model's micro-batch times; its figures go
+    to the step's record (``balance``)."""
 
     def __init__(self, schedule: Sequence[Strategy], cost: CostModel, executor: Executor,
                  config: TrainConfig) -> None:
         super().__init__(schedule, executor, config)
         self.cost = cost
 
-    def step(self, batch: MiniBatch) -> StepResult:
+    def step(self, batch: MiniBatch, extras: StepExtrasOf) -> StepRecord:
         world_size, cfg = self.executor.world_size, self.config
         rank_tokens = cfg.planner.microbatch_tokens or math.ceil(cfg.data.tokens_per_iter / world_size)
         planned = sp_accumulation_step(batch.docs, world_size, rank_tokens, self.cost.microbatch_time)
-        self.balance[batch.step] = planned.metrics()
-        return self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
+        result = self.executor.step(planned.strategy, packed(planned.plan), batch.num_targets, batch.step)
+        return self.record(batch, result, extras, balance=planned.metrics())
 
 
 def sp_accumulation_cost(config: TrainConfig, schedule: Sequence[Strategy], model: nn.Module,

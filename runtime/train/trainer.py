@@ -76,9 +76,10 @@ from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
-from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAccumulation, StepMode, dispatch_and_pack,
-                                             engine_memory_budget, offload_prices, packed, parse_schedule,
-                                             sp_accumulation_cost)
+from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAccumulation, StepExtrasOf, StepMode,
+                                             dispatch_and_pack, engine_memory_budget, offload_prices, packed,
+                                             parse_schedule, sp_accumulation_cost)
+from hgraph.runtime.train.step_record import StepExtras, StepRecord
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
 from hgraph.runtime.weights.choice import weight_source
 from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
@@ -90,21 +91,34 @@ log = run_log(__name__)
 
 @dataclass
 class TrainSummary:
-    """What a rank returns: per-step results, program cache figures, the final parameters if asked."""
+    """What a rank returns: per-step records, program cache figures, the final parameters if asked."""
 
-    steps: list
+    records: list[StepRecord]
     cache: dict
     final_params: Optional[dict] = None
-    planned: list = field(default_factory=list)   # planner-driven: per step, the planner's figures
     checkpoints: list = field(default_factory=list)   # per checkpoint saved: step, path, bytes, save_s
     resumed_from: Optional[dict] = None               # the checkpoint this run started from
     candidates: list = field(default_factory=list)    # planner-driven: the strategies it chose among
     dropout: str = "none"                             # ``dropout_status`` of the run
     long_documents: dict = field(default_factory=dict)   # what --long did (``LongReport``)
-    step_extra: list = field(default_factory=list)    # per step: its lr and, when evaluated, eval_loss
     sequence_parallel: str = "on"                     # ``CompiledModule.sequence_parallel_status``
     stopped: Optional[dict] = None    # stopped by a signal: {"signal", "step" (steps done), "checkpoint"}
     shard_group: dict = field(default_factory=dict)   # {"size": G, "auto": why ``auto`` chose it, or ""}
+
+    @property
+    def steps(self) -> list[StepResult]:
+        """Per step, the executor's result."""
+        return [r.result for r in self.records]
+
+    @property
+    def planned(self) -> list[dict]:
+        """Planner-driven: per step, the planner's figures (empty otherwise)."""
+        return [dict(r.plan) for r in self.records if r.plan]
+
+    @property
+    def step_extra(self) -> list[dict]:
+        """Per step: its lr and, when evaluated, eval_loss."""
+        return [r.extra_row() for r in self.records]
 
 
 def _model_spec(config: TrainConfig) -> str:
@@ -178,7 +192,7 @@ def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, wor
     if opt.optimizer not in ("adam", "adamw"):
         raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
     cls = ShardedAdam if opt.optimizer == "adam" else ShardedAdamW
-    full = dict(compiled._orig_mod.named_parameters())
+    full = dict(compiled.original.named_parameters())
     named = [(n, full[n]) for n in compiled.hgraph.params]
     kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
     return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
@@ -280,7 +294,6 @@ class Trainer:
             self.executor.prepare(schedule)     # bad strategies fail before any step
         # planner-driven: a strategy is built ahead once a delivered plan names it (else on its step, a miss)
         dcp_cost = sp_accumulation_cost(config, schedule, self.model, world_size)
-        self.step_extra: dict[int, dict] = {}     # per step: lr, eval_loss (metrics and the summary)
         self.mode: StepMode
         if planner is not None:
             self.mode = PlannerDriven(planner, self.planner_setup, self.executor, config)
@@ -300,11 +313,6 @@ class Trainer:
             for line in self.compiled.sharding_report(strategy).warnings():
                 lines[line] = None
         return list(lines)
-
-    @property
-    def balance_info(self) -> dict[int, dict]:
-        """``--balance sp-accumulation``: per step, its figures."""
-        return self.mode.balance
 
     def progress_bar(self, total: int, label: str, *, plain: bool = False) -> ProgressBar:
         """A bar of this rank from the config's factory (``runtime.train.progress``)."""
@@ -359,20 +367,25 @@ class Trainer:
         return self.executor.evaluate(s, mbs, sum(len(d) - 1 for d in self.eval_docs))
 
     def step(self, batch: MiniBatch) -> StepResult:
-        """One step of ``batch`` in the run's mode (collective); with --verify-collectives rank 0 notes
-        each new strategy's verdict (a failed one has ended the run)."""
+        """One step of ``batch`` in the run's mode, unreported (collective): its result."""
+        return self.run_step(batch, lambda result: StepExtras(self.optimizer.lr)).result
+
+    def run_step(self, batch: MiniBatch, extras: StepExtrasOf) -> StepRecord:
+        """One step of ``batch`` in the run's mode (collective) and its record, ``extras`` adding what
+        the caller knows once the result is (``StepMode.step``); with --verify-collectives rank 0
+        notes each new strategy's verdict (a failed one has ended the run)."""
         checked = len(self.executor.order_verdicts)
-        result = self.mode.step(batch)
+        record = self.mode.step(batch, extras)
         if self.rank == 0 and self.config.log_steps:
             for step, strategy, line in self.executor.order_verdicts[checked:]:
                 log.info("hgraph: collectives of %s (step %d): %s", strategy, step, line)
-        return result
+        return record
 
     def run(self, exit_signal: Optional[ExitSignal] = None) -> TrainSummary:
         """The training loop; ``exit_signal``: stop with a checkpoint after the step on which every rank
         agrees that one rank got SIGTERM (``hgraph.runtime.train.exit_signal``)."""
         cfg = self.config
-        results: list[StepResult] = []
+        records: list[StepRecord] = []
         start_step = self.resumed.step if self.resumed is not None else 0
         start_position = self.resumed.data_position["next_document"] if self.resumed is not None else 0
         ckpts = cfg.checkpointing
@@ -390,19 +403,15 @@ class Trainer:
         stopped = None
         bar = self.progress_bar(cfg.data.steps, "training") if cfg.log_steps else PrintedLines()
         try:
-            every = cfg.data.eval_every if self.eval_docs is not None else None
             stream = run_mini_batches(self.docs, self.world_size, **_stream(cfg), resumed=self.resumed,
                                       order=self.order)
             for batch, delay_state in stream:
                 now = batch.step
                 lr = self.optimizer.lr = self.schedule.lr_at(batch.step)
-                result = self.step(batch)
-                results.append(result)
-                extra = {"lr": lr}
-                if every and (batch.step + 1) % every == 0:
-                    extra["eval_loss"] = self.evaluate(result.strategy)
-                self.step_extra[batch.step] = extra
-                self._report(result, batch, delay_state, metrics, bar, loggers)
+                record = self.run_step(batch, self.extras_of(batch, lr, delayed=delay_state is not None))
+                records.append(record)
+                self._report(record, metrics, bar, loggers)
+                result = record.result
                 flat = self.loss_watch.observe(batch.step, result.loss, lr) if self.rank == 0 else None
                 if flat is not None:
                     log.warning("hgraph train: warning: %s", flat)
@@ -432,14 +441,12 @@ class Trainer:
         if final is not None and self.rank == 0:
             Path(ckpts.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, ckpts.save_final)
-        planned = [self.mode.planned[r.step] for r in results if r.step in self.mode.planned]
         resumed = None if self.resumed is None else {
             "path": str(self.resumed.path), "step": self.resumed.step,
             "saved_world_size": self.resumed.saved_world_size, "resharded": self.resumed.resharded,
             "next_document": start_position}
-        return TrainSummary(results, self.executor.programs.info(), final, planned, [asdict(c) for c in checkpoints.saved],
+        return TrainSummary(records, self.executor.programs.info(), final, [asdict(c) for c in checkpoints.saved],
                             resumed, self.mode.candidates(), self.dropout, asdict(self.long_report),
-                            [{"step": k, **v} for k, v in sorted(self.step_extra.items())],
                             sequence_parallel=self.sequence_parallel, stopped=stopped,
                             shard_group={"size": self.shard_group, "auto": self.shard_group_why,
                                          "world": self.shard_group >= self.world_size})
@@ -454,28 +461,39 @@ class Trainer:
         flops = self.model_flops.step_flops([len(d) for d in batch.docs])
         return step_throughput(flops, result.tokens, result.time_s, self.world_size, self.peak_tflops)
 
-    def _report(self, result: StepResult, batch: MiniBatch, delay_state: Optional[dict], metrics: MetricsWriter,
-                bar: ProgressBar, loggers: Optional[StepLoggers] = None) -> None:
-        """The step's metrics line and logged scalars (every rank takes part in their memory figures)
-        and rank 0's step line (every ``log_every`` steps and the last) and progress."""
+    def extras_of(self, batch: MiniBatch, lr: float, *, delayed: bool) -> StepExtrasOf:
+        """What the loop adds to ``batch``'s record once its result is known: the learning rate, the
+        validation loss after every ``eval_every`` steps, the throughput and, when metrics or loggers
+        take them, the memory figures (collective, in this order on every rank: evaluation, then one
+        all-gather); ``delayed``: the run delays outliers."""
         cfg = self.config
+        every = cfg.data.eval_every if self.eval_docs is not None else None
         logged = bool(cfg.logging.tensorboard or cfg.logging.wandb)    # the same on every rank
-        memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget,
-                                 self.executor.peak_memory.source, tracked=self.executor.track_memory)
-                  if cfg.logging.metrics or logged else {})
-        throughput = self.throughput(result, batch)
-        result.tflops_per_device, result.mfu = throughput["tflops_per_device"], throughput["mfu"]
-        planned = self.mode.planned.get(batch.step)
-        extra = self.step_extra.get(batch.step, {})
-        metrics.write(result, self.executor.programs, batch, delay_state, planned=planned or {}, memory=memory,
-                      balance=self.mode.balance.get(batch.step, {}), extra=extra, throughput=throughput)
+
+        def extras(result: StepResult) -> StepExtras:
+            eval_loss = self.evaluate(result.strategy) if every and (batch.step + 1) % every == 0 else None
+            memory = (memory_figures(result, self.world_size, self.device, cfg.planner.memory_budget,
+                                     self.executor.peak_memory.source, tracked=self.executor.track_memory)
+                      if cfg.logging.metrics or logged else {})
+            return StepExtras(lr, eval_loss, self.throughput(result, batch), memory, outlier_delay=delayed)
+        return extras
+
+    def _report(self, record: StepRecord, metrics: MetricsWriter, bar: ProgressBar,
+                loggers: Optional[StepLoggers] = None) -> None:
+        """The step's metrics line and logged scalars and rank 0's step line (every ``log_every`` steps
+        and the last) and progress, all from its record."""
+        cfg = self.config
+        result, extras, step = record.result, record.extras, record.step
+        metrics.write(record)
         if loggers:
-            loggers.log(batch.step, step_scalars(result.loss, result.time_s, throughput, memory, extra))
+            loggers.log(step, step_scalars(result.loss, result.time_s, extras.throughput, extras.memory,
+                                           extras.fields()))
         if cfg.log_steps and self.rank == 0:
-            due = batch.step % cfg.logging.log_every == 0 or batch.step + 1 == cfg.data.steps
-            if due or "eval_loss" in extra:
-                bar.write(format_step_line(result, planned, extra, throughput["mfu"]))
-            bar.update(1, f"step {batch.step}")
+            due = step % cfg.logging.log_every == 0 or step + 1 == cfg.data.steps
+            if due or extras.eval_loss is not None:
+                bar.write(format_step_line(result, record.plan or None, extras.fields(),
+                                           extras.throughput["mfu"]))
+            bar.update(1, f"step {step}")
 
     def _checkpoint(self, checkpoints: RunCheckpoints, batch: MiniBatch, delay_state: Optional[dict], *,
                     now: bool = False) -> Optional[SavedCheckpoint]:
@@ -503,7 +521,7 @@ class Trainer:
         module's dtype, with its buffers, keyed like the original module's ``state_dict`` (tied
         aliases included)."""
         params = self.optimizer.full_state_dict()
-        model = self.compiled._orig_mod
+        model = self.compiled.original
         canonical: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             canonical.setdefault(id(p), name)
@@ -550,7 +568,7 @@ def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channe
     finally:
         if exit_signal is not None:
             exit_signal.close()
-    return {"rank": rank, "steps": [asdict(s) for s in summary.steps], "cache": summary.cache,
+    return {"rank": rank, "steps": [r.row() for r in summary.records], "cache": summary.cache,
             "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
             "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
             "candidates": summary.candidates, "dropout": summary.dropout,

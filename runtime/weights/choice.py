@@ -60,7 +60,7 @@ def open_weights(path: str) -> TensorTable:
     if not p.exists():
         raise HGraphError(f"--init-from {str(p)!r} does not exist")
     if p.is_dir():
-        if (p / ckpt.MANIFEST).is_file() or any(ckpt._STEP_DIR.match(c.name) for c in p.iterdir()):
+        if (p / ckpt.MANIFEST).is_file() or any(ckpt.STEP_DIR.match(c.name) for c in p.iterdir()):
             return CheckpointMasters(p)
         if dcp_format.is_dcp_folder(p):
             return DcpFiles(p)

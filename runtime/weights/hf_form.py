@@ -59,7 +59,7 @@ def _persistent_buffers(model: nn.Module) -> list[str]:
 
 def _zoo_llama(model: Llama) -> HFForm:
     c = model.config
-    tf = hf._transformers()
+    tf = hf.transformers_module()
     config = tf.LlamaConfig(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,

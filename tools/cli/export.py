@@ -69,7 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _checkpoint_folder(path: str, step=None) -> Path:
-    root, folder = ckpt._resolve(path, step)
+    root, folder = ckpt.resolve_checkpoint(path, step)
     folder = folder or ckpt.latest(root)
     if folder is None:
         raise HGraphError(f"no complete checkpoint in {str(root)!r}")

@@ -3,7 +3,7 @@
 ``derive_step(program, plan)`` returns ``{rank: [Collective, ...]}`` in the order the runtime issues
 them on that rank (``runtime/engine/executor``):
 
-1. **Pull** (``ParamSync.begin_step``): the all-gather buckets (``pull.gather_buckets``, model order,
+1. **Pull** (entering ``ParamSync.step``'s ``SyncStep``): the all-gather buckets (``pull.gather_buckets``, model order,
    inside the shard group; all-to-alls on gloo), then the point-to-point rounds of the LNK transfers
    (``pull.pull_message_rounds``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
@@ -50,8 +50,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
+import torch.fx as fx
+
 from hgraph import ops
 from hgraph.meta import CommPoint, get_meta
+from hgraph.program import Program, RankProgram
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
@@ -62,6 +65,7 @@ from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKE
 from hgraph.runtime.comm.push import push_message_rounds, spans_earlier_stages
 from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
+from hgraph.strategy import Strategy
 
 BACKENDS = ("nccl", "gloo")
 
@@ -146,7 +150,7 @@ class StepPlan:
                 + (", clipping" if self.grad_clip else ""))
 
 
-def representative_plan(strategy: Any, k: Optional[int] = None, idle: bool = True, **options: Any) -> StepPlan:
+def representative_plan(strategy: Strategy, k: Optional[int] = None, idle: bool = True, **options: Any) -> StepPlan:
     """Every pipeline gets ``k`` micro-batches (default: the deepest pipeline's stages, so every stage
     reaches 1F1B's steady state), and with several pipelines the last one none (a pipeline without a
     micro-batch still pulls and pushes)."""
@@ -174,11 +178,11 @@ class _Event:
     carries: tuple[str, ...] = ()      # a gradient receive: the keys of the deferred sends it carries
 
 
-def _target(node: Any) -> str:
+def _target(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)) if node.op == "call_function" else ""
 
 
-def _arg(node: Any, name: str) -> Any:
+def _arg(node: fx.Node, name: str) -> Any:
     """Argument ``name`` of a call of an ``hgraph.ops`` function (bound by its signature)."""
     fn = getattr(ops, _target(node))
     bound = inspect.signature(fn).bind_partial(*node.args, **node.kwargs)
@@ -197,7 +201,7 @@ class _RoleGraph:
     head: Optional[tuple[str, int, bool]] = None    # (key, vocabulary rows of this rank, split)
 
 
-def _read_graph(rp: Any, plan: StepPlan) -> _RoleGraph:
+def _read_graph(rp: RankProgram, plan: StepPlan) -> _RoleGraph:
     graph = rp.graph_module.graph
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
@@ -227,7 +231,7 @@ def _read_graph(rp: Any, plan: StepPlan) -> _RoleGraph:
     return out
 
 
-def _param_rows(rp: Any, node: Any) -> int:
+def _param_rows(rp: RankProgram, node: fx.Node) -> int:
     """The rows of the parameter reaching ``node`` through its slot nodes."""
     while node is not None and node.op != "get_attr":       # past the casts and slot nodes, not ``comm``
         node = next((a for a in node.args if hasattr(a, "op") and a.op != "placeholder"), None)
@@ -235,7 +239,7 @@ def _param_rows(rp: Any, node: Any) -> int:
     return int(shard.shard_shape[0]) if shard is not None and shard.shard_shape else 1
 
 
-def _first_use(node: Any, index: Mapping[Any, int]) -> Optional[int]:
+def _first_use(node: fx.Node, index: Mapping[Any, int]) -> Optional[int]:
     """The first node (graph order) that computes with the parameter of ``get_attr`` ``node`` (past its
     slot nodes, which pass it through): its gradient is final after that node's backward."""
     users, frontier = [], [node]
@@ -253,7 +257,7 @@ class _RoleSteps:
     """The events of one role's step for a number of micro-batches, derived once and shared by the
     role's ranks."""
 
-    def __init__(self, rp: Any, plan: StepPlan) -> None:
+    def __init__(self, rp: RankProgram, plan: StepPlan) -> None:
         self.rp, self.plan = rp, plan
         self.graph = _read_graph(rp, plan)
         self._cache: dict[int, list[_Event]] = {}
@@ -335,7 +339,7 @@ def _is_activation_send(e: _Event) -> bool:
     return e.kind == "send" and e.label.startswith("pp_send") and not e.label.endswith("backward")
 
 
-def _replay_points(rp: Any) -> dict[int, int]:
+def _replay_points(rp: RankProgram) -> dict[int, int]:
     """Node index -> layer, at every node of a block (from a layer's first to its last node, as
     ``engine/recompute.block_ranges`` outlines it: the stage's send and receive stay outside) whose
     backward reads a saved tensor: the first of them in backward order replays the block."""
@@ -368,14 +372,14 @@ def _p2p_rounds(rank: int, rounds: Iterable[Sequence[tuple[int, bool]]], label: 
     return out
 
 
-def _stage_ranks(program: Any, rp: Any) -> tuple[int, ...]:
+def _stage_ranks(program: Program, rp: RankProgram) -> tuple[int, ...]:
     """The TP x CP ranks of ``rp``'s stage (the recomputation agreement's group)."""
     s, p = program.strategy, rp.pipeline
     scheme = s.pipelines[p]
     return tuple(sorted(s.rank_of(p, rp.stage, t, c) for t in range(scheme.tp) for c in range(scheme.seq)))
 
 
-def _group_of(rank: int, event: _Event, rp: Any, program: Any) -> Optional[tuple[int, ...]]:
+def _group_of(rank: int, event: _Event, rp: RankProgram, program: Program) -> Optional[tuple[int, ...]]:
     if event.key == "world":
         return tuple(range(program.cluster.world_size))
     if event.key == "stage":
@@ -386,7 +390,7 @@ def _group_of(rank: int, event: _Event, rp: Any, program: Any) -> Optional[tuple
 class StepDeriver:
     """Derives the ranks' sequences of one Program under one plan; roles are read once."""
 
-    def __init__(self, program: Any, plan: StepPlan) -> None:
+    def __init__(self, program: Program, plan: StepPlan) -> None:
         if len(plan.microbatches) != len(program.strategy.pipelines):
             raise ValueError(f"plan has {len(plan.microbatches)} micro-batch counts for the "
                              f"{len(program.strategy.pipelines)} pipelines of {program.strategy}")
@@ -403,7 +407,7 @@ class StepDeriver:
                         and is_plain_data_parallel(program))
         self._dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[plan.working_dtype]
 
-    def role(self, rp: Any) -> _RoleSteps:
+    def role(self, rp: RankProgram) -> _RoleSteps:
         steps = self._roles.get(id(rp.role))
         if steps is None:
             steps = self._roles[id(rp.role)] = _RoleSteps(rp, self.plan)
@@ -531,7 +535,7 @@ class StepDeriver:
         return out
 
 
-def derive_step(program: Any, plan: StepPlan, ranks: Optional[Iterable[int]] = None) -> dict[int, list[Collective]]:
+def derive_step(program: Program, plan: StepPlan, ranks: Optional[Iterable[int]] = None) -> dict[int, list[Collective]]:
     """``{rank: its collectives of one step of program under plan}`` (every rank, or ``ranks``)."""
     deriver = StepDeriver(program, plan)
     ranks = range(program.cluster.world_size) if ranks is None else ranks

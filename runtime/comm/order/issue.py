@@ -103,6 +103,10 @@ class CollectiveIssuer:
         self._last: Optional[tuple] = None   # the arguments of the last one (its record made on demand)
         self._waiter: Optional[_Waiter] = None   # the strict order's waiting thread (started on first use)
 
+    def start_recording(self) -> None:
+        """Record every collective from now on (``--verify-collectives``: the executor checks them)."""
+        self.record = True
+
     @property
     def strict(self) -> bool:
         return self.order == STRICT
@@ -132,7 +136,7 @@ class CollectiveIssuer:
         return None if self._last is None else self._make(*self._last)
 
     # ---- issuing ---------------------------------------------------------------------------------
-    def issue(self, kind: str, group: Any, tensor: Optional[torch.Tensor], start: Callable[[], Any],
+    def issue(self, kind: str, group: Optional[dist.ProcessGroup], tensor: Optional[torch.Tensor], start: Callable[[], Any],
               label: str = "") -> Any:
         """Issue one collective of ``kind`` over ``group`` (a process group; None: the world) on
         ``tensor`` (this rank's input, for the record): ``start()`` issues it and returns its work,
@@ -145,7 +149,7 @@ class CollectiveIssuer:
             return _Waited()
         return work
 
-    def run(self, kind: str, group: Any, tensor: Optional[torch.Tensor], start: Callable[[], Any],
+    def run(self, kind: str, group: Optional[dist.ProcessGroup], tensor: Optional[torch.Tensor], start: Callable[[], Any],
             label: str = "") -> None:
         """Issue one collective and wait for it (a blocking collective)."""
         work = self.issue(kind, group, tensor, start, label)
@@ -174,7 +178,7 @@ class CollectiveIssuer:
         if self.record:
             self.sequence.append(self._make(*self._last))
 
-    def _group_ranks(self, group: Any) -> tuple[int, ...]:
+    def _group_ranks(self, group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
         key = group if group is not None else dist.group.WORLD
         ranks = self._ranks_of.get(key)
         if ranks is None:
@@ -185,7 +189,7 @@ class CollectiveIssuer:
             self._ranks_of[key] = ranks
         return ranks
 
-    def _make(self, kind: str, group: Any, tensor: Optional[torch.Tensor], label: str, sends: tuple,
+    def _make(self, kind: str, group: Optional[dist.ProcessGroup], tensor: Optional[torch.Tensor], label: str, sends: tuple,
               recvs: tuple, prefix: str) -> Collective:
         text = f"{prefix} {label}".strip()
         if kind == "p2p":

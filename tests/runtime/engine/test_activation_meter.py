@@ -30,3 +30,25 @@ def test_what_the_replay_keeps_of_a_buffer_is_counted(one_rank):
         held.append(buf.detach())                   # what checkpoint stores of a tensor that requires grad
         held.append(torch.ones(64) * 2)             # and a tensor of its own
     assert meter.observations["layer"] == [(FEATURES, 1024 + 256 + 100)]
+
+
+def test_each_micro_batch_counts_through_its_own_view():
+    """A micro-batch's view carries its features and what its blocks stashed in its forward; a block
+    of an earlier micro-batch (a recomputed one's replay in backward) still observes its own, however
+    many forwards began since; the counting is the rank's meter's."""
+    meter = ActivationMeter()
+    first, second = meter.for_microbatch((1.0, 1.0, 1.0)), meter.for_microbatch((2.0, 2.0, 2.0))
+    kept = torch.ones(64)                                   # 256 bytes
+    token = first.hold([kept])                              # a recomputed block's checkpoint
+    second.observe("layer", 20, in_forward=True)
+    first.observe("layer", 10, in_forward=True)
+    first.observe("other", 5, in_forward=False)
+    assert meter.live_bytes == first.live_bytes == second.live_bytes == 256
+    assert (first.forward_block_bytes, second.forward_block_bytes) == (256 + 10, 20)
+    with first.replay_tracker():                            # the replay, after the second forward began
+        kept_in_replay = torch.ones(16)                     # noqa: F841 (alive at the end: its stash)
+    assert meter.observations["checkpoint"] == [((1.0, 1.0, 1.0), 256)]
+    assert meter.observations["layer"] == [((2.0, 2.0, 2.0), 20), ((1.0, 1.0, 1.0), 10), ((1.0, 1.0, 1.0), 64)]
+    assert meter.observations["other"] == [((1.0, 1.0, 1.0), 5)]
+    del token
+    assert meter.live_bytes == 0

@@ -26,7 +26,7 @@ def test_a_timed_out_collective_names_where_each_ranks_sequence_stopped(one_rank
     ex = _executor()
     assert ex.optimizer.issuer is ex.issuer          # the optimizer's norm goes through the same choke point
 
-    def step_that_times_out(entry, microbatches, num_targets, step, prefetch):
+    def step_that_times_out(program, state, lookup, microbatches, num_targets, step, prefetch, t0):
         ex.issuer.begin_step(step)
         ex.issuer.issue("all_reduce", None, torch.zeros(2), _Done, "push bucket 0")
         raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv "

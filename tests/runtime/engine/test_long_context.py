@@ -24,6 +24,7 @@ from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.kernels.cp_layout import per_document_plan, per_sequence_plan
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.step_modes import dispatch_and_pack
+from hgraph.runtime.train.step_record import StepExtras
 from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Strategy
 
@@ -111,11 +112,12 @@ def _worker(rank, world):
                           "final": final if rank == 0 else None, "offload": [s.offload_layers for s in steps],
                           "host_peaks": [s.host_peak_bytes for s in steps]})
     trainer = Trainer(EQ._config("tiny", DCP_RUN[0], world, {}, DCP_RUN[1]), rank, world, groups)
-    steps = [trainer.step(b) for b in EQ._batches()]
+    records = [trainer.run_step(b, lambda result: StepExtras(trainer.optimizer.lr)) for b in EQ._batches()]
+    steps = [r.result for r in records]
     final = trainer.final_state_dict()          # collective: every rank gathers
     dcp = {"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
            "final": final if rank == 0 else None,
-           "info": [trainer.balance_info[b.step] for b in EQ._batches()]}
+           "info": [dict(r.balance) for r in records]}
     counts = {(lengths, method): c for method in ("per-document", "per-sequence")
               for lengths, c in _count_attention(rank, world, groups, method,
                                                  (tuple(DIVISIBLE), tuple(NOT_DIVISIBLE))).items()}

@@ -16,17 +16,17 @@ from hgraph.tools.cli import main
 
 def arm(kill_step: int) -> None:
     current = {"step": -1}
-    trainer_step, update = Trainer.step, ShardedAdam.step
+    trainer_step, update = Trainer.run_step, ShardedAdam.step
 
-    def step(self, batch):
+    def step(self, batch, *args):
         current["step"] = batch.step
-        return trainer_step(self, batch)
+        return trainer_step(self, batch, *args)
 
     def dying_update(self, *args, **kwargs):
         if current["step"] == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         return update(self, *args, **kwargs)
-    Trainer.step, ShardedAdam.step = step, dying_update
+    Trainer.run_step, ShardedAdam.step = step, dying_update
 
 
 if __name__ == "__main__":
