@@ -22,8 +22,9 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.comm.order.deadlock import simulate
 from hgraph.runtime.comm.order.derive import BACKENDS, derive_steps, representative_plan
-from hgraph.strategy import Cluster, Strategy, StrategyError
-from hgraph.tools.cli.common_options import add_gpus_per_node, add_world_size
+from hgraph.runtime.planner.cost.shard_group import parse_shard_group
+from hgraph.strategy import Strategy
+from hgraph.tools.cli.common_options import add_gpus_per_node, add_shard_group, add_world_size, shard_group_cluster
 from hgraph.tools.cli.dump import model_args_option
 
 
@@ -38,8 +39,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                        help="strategies of consecutive steps (switches), comma- or semicolon-separated")
     add_world_size(p, help="number of ranks (default: what the strategies use)")
     add_gpus_per_node(p)
-    p.add_argument("--shard-group", type=int, default=None, metavar="G",
-                   help="optimizer states sharded over groups of G ranks (default: the world)")
+    add_shard_group(p)
     p.add_argument("--microbatches", type=int, default=None, metavar="K",
                    help="micro-batches per pipeline in the plan (default: the deepest pipeline's stages)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per micro-batch in the plan (default 32)")
@@ -73,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
         if s.num_ranks != world:
             raise HGraphError(f"strategy {s} uses {s.num_ranks} ranks; the world has {world} "
                               "(every strategy of a schedule must use all of them)")
-    try:
-        cluster = Cluster(world, args.gpus_per_node, shard_group=args.shard_group)
-    except StrategyError as exc:
-        raise HGraphError(str(exc).replace("cluster shard_group", "--shard-group")) from None
+    parse_shard_group(args.shard_group, world)          # a bad value fails before the model is built
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = resolve_model_spec(args.model, model_args_option(args.model_args))
+    # resolved as hgraph train resolves it (auto without a device memory: a node)
+    cluster, _ = shard_group_cluster(args.shard_group, world, args.gpus_per_node,
+                                     sum(p.numel() for p in model.parameters()))
     compiled = hgraph.compile(model, dtype=args.dtype)
     steps = []
     for s in strategies:

@@ -54,3 +54,18 @@ def test_1024_ranks_homogeneous_then_heterogeneous(capsys):
                  "--microbatches", "1", "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["ok"] and got["ranks"] == 1024 and got["collectives"] > 20000
+
+
+def test_shard_group_takes_what_train_takes(capsys):
+    """``--shard-group`` as ``hgraph train`` takes it: an integer, ``world`` or ``auto`` (without a
+    device memory: a node), resolved the same way: ``auto`` on nodes of 2 is the group of 2."""
+    counts = {}
+    for value in ("2", "world", "auto"):
+        assert main(["check", "--model", "llama:tiny", "--strategy", "4xTP1PP1", "--gpus-per-node", "2",
+                     "--shard-group", value, "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["ok"] and got["ranks"] == 4
+        counts[value] = got["collectives"]
+    assert counts["auto"] == counts["2"] != counts["world"]
+    assert main(["check", "--model", "llama:tiny", "--strategy", "4xTP1PP1", "--shard-group", "nodes"]) == 2
+    assert "--shard-group 'nodes': not a number" in capsys.readouterr().err
