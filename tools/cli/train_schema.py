@@ -27,38 +27,26 @@ import json
 import math
 import textwrap
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Union
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.train.config import SECTIONS as CONFIG_SECTIONS
-from hgraph.runtime.train.option import KINDS, declared_options, default_of
+from hgraph.runtime.train.option import KINDS, Option, declared_options, default_of
 
 # the TOML sections, in the order of the file and of --help: those of the runtime's TrainConfig
 SECTIONS: tuple[str, ...] = tuple(CONFIG_SECTIONS)
 
 
 @dataclass(frozen=True)
-class ConfigKey:
-    """One option: ``[section] name`` in TOML, ``--name`` on the command line, ``dest`` in the result.
+class ConfigKey(Option):
+    """One option: ``[section] name`` in TOML, ``--name`` on the command line, ``dest`` in the result;
+    how it is given (kind, help, choices, minimum, ...) is its field's ``Option``, taken whole."""
 
-    ``kind``: int, float, str, bool, path, table (a TOML table / JSON object) or pair (two floats);
-    ``optional``: None is a valid value (the default unless given); ``choices``: allowed values;
-    ``minimum``: smallest allowed number; ``integers``: a str key that also takes a TOML integer
-    (kept as its text, e.g. ``shard-group = 8``).
-    """
-
-    section: str
-    name: str
-    kind: str
-    default: Any
-    help: str
-    choices: Optional[tuple] = None
-    minimum: Optional[float] = None
-    optional: bool = False
-    metavar: Optional[str] = None
-    integers: bool = False
+    section: str = ""
+    name: str = ""
+    default: Any = None
 
     @property
     def dest(self) -> str:
@@ -72,8 +60,8 @@ class ConfigKey:
 def _keys() -> tuple[ConfigKey, ...]:
     """One key per option field of the runtime's config sections, section by section, each in the
     order its section declares it (the order of --help and of a dumped file)."""
-    return tuple(ConfigKey(section, f.name.replace("_", "-"), opt.kind, default_of(f), opt.help,
-                           opt.choices, opt.minimum, opt.optional, opt.metavar, opt.integers)
+    return tuple(ConfigKey(**{o.name: getattr(opt, o.name) for o in fields(Option)}, section=section,
+                           name=f.name.replace("_", "-"), default=default_of(f))
                  for section, cls in CONFIG_SECTIONS.items() for f, opt in declared_options(cls))
 
 
