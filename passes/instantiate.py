@@ -13,7 +13,7 @@ import bisect
 import functools
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -379,15 +379,8 @@ class StrategyLayout:
             group_size, world = self.cluster.group_size, self.cluster.world_size
             members_of: dict[tuple, tuple[int, ...]] = {}
             out: set[tuple[int, ...]] = set()
-            seen: set[tuple] = set()
-            for name in self.order:
-                size = self.param_layout(name).size
-                contributions = self.contributions(name)
-                if (size, contributions) in seen:
-                    continue
-                seen.add((size, contributions))
-                for ranges, roles in push_groups(contributions, self.roles):
-                    ranges = tuple(sorted(r for r in normalise_ranges(ranges) if r[0] < r[1]))
+            for size, groups in self._distinct_push_groups():
+                for ranges, roles in groups:
                     members = members_of.get(roles)
                     if members is None:
                         members = members_of[roles] = tuple(sorted(r for pr in roles for r in self.roles.of(pr)))
@@ -433,16 +426,9 @@ class StrategyLayout:
         group_size = self.cluster.group_size
         lo = rank - rank % group_size
         rounds: dict[tuple, tuple[int, ...]] = {}
-        seen: set[tuple] = set()
-        for name in self.order:
-            size = self.param_layout(name).size
-            contributions = self.contributions(name)
-            if (size, contributions) in seen:
-                continue
-            seen.add((size, contributions))
+        for size, groups in self._distinct_push_groups():
             partition, part = [], (rank,)
-            for ranges, roles in push_groups(contributions, self.roles):
-                ranges = tuple(r for r in normalise_ranges(ranges) if r[0] < r[1])
+            for ranges, roles in groups:
                 n = sum(self._role_count(pr) for pr in roles)
                 if not ranges or n < 2:
                     continue
@@ -457,6 +443,20 @@ class StrategyLayout:
             if partition:
                 rounds.setdefault(("replica groups", str(self.strategy), group_size, frozenset(partition)), part)
         return [GroupRound(key, part) for key, part in rounds.items()]
+
+    def _distinct_push_groups(self) -> Iterator[tuple[int, list[tuple[tuple[Range, ...], tuple]]]]:
+        """Once per distinct (size, contribution layout) among the parameters, in model order: the size
+        and its replica groups (``push_groups``: each group's roles and ranges, the ranges normalised,
+        sorted and without empty ones)."""
+        seen: set[tuple] = set()
+        for name in self.order:
+            size = self.param_layout(name).size
+            contributions = self.contributions(name)
+            if (size, contributions) in seen:
+                continue
+            seen.add((size, contributions))
+            yield size, [(tuple(sorted(r for r in normalise_ranges(ranges) if r[0] < r[1])), roles)
+                         for ranges, roles in push_groups(contributions, self.roles)]
 
     def _role_count(self, pr: ParamRole) -> int:
         """How many ranks play role ``pr`` (its scheme's pipelines times their sequence ranks)."""
