@@ -608,9 +608,15 @@ def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
     cluster = config.cluster
     if env is not None:
         backend = None if cluster.backend == "auto" else cluster.backend
+        ours = not dist.is_initialized()        # a group the caller made stays the caller's
         rank, world = init_from_env(backend, timeout_s=timeout_s, env=env)
         with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
             results = [train_worker(rank, world, config, channel)]
+        if ours and "error" not in results[0]:
+            # the groups' backend threads end now, not in the interpreter's teardown, where a torchrun
+            # worker was seen to abort ("terminate called without an active exception"); after a
+            # failure they are left to the process's exit (a destroy could wait on a lost peer)
+            dist.destroy_process_group()
     else:
         total = 120.0 + timeout_s * (config.data.steps + 1)
         # the launcher owns the planner, forked by the ranks' forkserver
