@@ -49,20 +49,6 @@ from hgraph.runtime.comm.push import PushGradient, groups_needed
 from hgraph.runtime.comm.rank_params import RankParams, SyncStats
 
 
-def pushes_in_backward(device_type: str) -> bool:
-    """Whether the push's reductions are issued from the backward's hooks on a device of this type: on
-    every one (their order is the buckets' global order, not the order gradients become ready in). The
-    collective order (``order/derive``) reads it here."""
-    return True
-
-
-def overlaps_update_on(gloo: bool) -> bool:
-    """Whether the overlapped update can run on this backend: on every one (gloo's reductions are
-    all-to-alls, the others' reduce-scatters; the loss rides in the first). The collective order
-    (``order/derive``) reads it here."""
-    return True
-
-
 class ParamSync:
     """Pull/Push of one rank for one Program.
 
@@ -97,14 +83,14 @@ class ParamSync:
         # the reductions are issued from backward's hooks on every backend: their order is the buckets'
         # global order (``GradBuckets``), not the order the gradients become ready in
         self.pushes = PushGradient(self.params, self.stats, groups, device, push_bucket_bytes,
-                                   in_backward=overlap_push and pushes_in_backward(device.type),
+                                   in_backward=overlap_push,
                                    issuer=self.issuer, all_to_all=all_to_all)
         self._buckets = self.pushes.buckets    # the step's reductions, shared with the update
         # the optimizer update overlapped with the backward: a property of the Program, the same on
         # every rank, since it changes the order of the step's collectives; on any backend (the loss
         # rides in the first reduction: gloo's all-to-all or a reduce-scatter, ``GradBuckets.carry``,
         # or takes an all-reduce of its own), and it needs a reduction to carry the loss
-        self.can_overlap_update = (update is not None and self.pushes.in_backward and overlaps_update_on(gloo)
+        self.can_overlap_update = (update is not None and self.pushes.in_backward
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)

@@ -113,20 +113,16 @@ class _Run:
         sends, recvs = Counter(op.sends), Counter(op.recvs)
         self.unmatched[r] = (sends, recvs)
         touched = {r}
-        for peer in list(sends):       # my sends meet the peers' waiting receives, and the other way
-            if peer in self.unmatched:
-                n = min(sends[peer], self.unmatched[peer][1][r])
-                if n:
-                    sends[peer] -= n
-                    self.unmatched[peer][1][r] -= n
-                    touched.add(peer)
-        for peer in list(recvs):
-            if peer in self.unmatched:
-                n = min(recvs[peer], self.unmatched[peer][0][r])
-                if n:
-                    recvs[peer] -= n
-                    self.unmatched[peer][0][r] -= n
-                    touched.add(peer)
+        # my sends meet the peers' waiting receives (their side 1), my receives their sends (side 0)
+        for mine, theirs in ((sends, 1), (recvs, 0)):
+            for peer in list(mine):
+                if peer in self.unmatched:
+                    other = self.unmatched[peer][theirs]
+                    n = min(mine[peer], other[r])
+                    if n:
+                        mine[peer] -= n
+                        other[r] -= n
+                        touched.add(peer)
         done = []
         for m in sorted(touched):
             s, v = self.unmatched[m]

@@ -59,7 +59,6 @@ from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.collective import Collective
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.overlapped_update import CARRY_MAX_BYTES, is_plain_data_parallel
-from hgraph.runtime.comm.param_sync import overlaps_update_on, pushes_in_backward
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
                                       pull_message_rounds)
 from hgraph.runtime.comm.push import push_message_rounds, spans_earlier_stages
@@ -100,11 +99,11 @@ class StepPlan:
     """What one step does besides its Program: ``microbatches[i]`` micro-batches of ``tokens`` tokens
     on pipeline ``i`` (0: it runs none and pushes zeros); ``recompute``: a memory budget is set and
     every block recomputes (what a first step does: the agreement all-reduce per forward and each
-    block's replay in backward); ``backend``; ``push_in_backward`` (None: where the runtime does it,
-    ``param_sync.pushes_in_backward``: on every backend; False: ``overlap_push`` off); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
+    block's replay in backward); ``backend``; ``push_in_backward`` (None: as the runtime does on every backend;
+    False: ``overlap_push`` off); ``grad_clip``: global-norm clipping; ``vocab_parallel_loss`` (None: the trainer's ``auto``, on below
     fp32); ``overlap_update``: the optimizer update overlapped with the backward (None: where the
     executor runs it, ``ParamSync.can_overlap_update``: plain data parallelism, the push in the
-    backward, ``param_sync.overlaps_update_on`` the backend, no clipping), then ``prefetched``: the last step pulled this one's all-gathers, and
+    backward, no clipping; any backend), then ``prefetched``: the last step pulled this one's all-gathers, and
     ``prefetch``: this step pulls the next one's (``derive_steps`` sets both from the schedule)."""
 
     microbatches: tuple[int, ...]
@@ -137,9 +136,7 @@ class StepPlan:
 
     @property
     def in_backward(self) -> bool:
-        if self.push_in_backward is not None:
-            return self.push_in_backward
-        return pushes_in_backward("cpu" if self.gloo else "cuda")      # gloo: a CPU run; NCCL: GPUs
+        return True if self.push_in_backward is None else self.push_in_backward
 
     def describe(self) -> str:
         counts = sorted(set(self.microbatches), reverse=True)
@@ -403,7 +400,7 @@ class StepDeriver:
         self._gathers = gather_buckets(program, self._gathered, cap)
         world = program.cluster.world_size
         self.overlap = (plan.overlap_update if plan.overlap_update is not None else
-                        world > 1 and overlaps_update_on(plan.gloo) and plan.in_backward and not plan.grad_clip
+                        world > 1 and plan.in_backward and not plan.grad_clip
                         and is_plain_data_parallel(program))
         self._dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[plan.working_dtype]
 
