@@ -7,7 +7,7 @@ class creates is compiled).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -16,6 +16,7 @@ from hgraph.errors import HGraphError
 from hgraph.graph import HGraph
 from hgraph.options import CompileOptions
 from hgraph.program import ParamShard, Program
+from hgraph.program_text import render_text
 from hgraph.strategy import Cluster, Scheme, Strategy
 
 #: The compiler modules this API imports when it first traces and instantiates (a process about to
@@ -58,7 +59,8 @@ class CompiledModule(nn.Module):
     training run keeps the ones it uses in its own ``hgraph.runtime.engine.program_cache``);
     ``.param_shards(scheme)`` / ``.stage_blocks(pp)``: only the parameter shards a scheme's ranks
     hold and the layers of each stage (memory sizing).
-    ``.dump(strategy, ...)``: text, runnable Python, DOT, SVG, HTML or JSON of the instantiated graphs;
+    ``.dump(strategy, ...)``: text, runnable Python or JSON of the instantiated graphs (DOT, SVG, HTML with
+    ``renderer=hgraph.tools.report.dump.render_program``);
     ``.sharding_report(strategy)``: what TP shards and why the rest is whole.
     """
 
@@ -166,13 +168,16 @@ class CompiledModule(nn.Module):
 
     def dump(self, strategy: Union[Strategy, str], *, world_size: Optional[int] = None, gpus_per_node: int = 8,
              rank: Optional[int] = None, format: str = "text", path: Optional[str] = None,
-             model: Optional[str] = None, cluster: Optional[Cluster] = None) -> str:
+             model: Optional[str] = None, cluster: Optional[Cluster] = None,
+             renderer: Optional[Callable[[Program, str, Optional[int], str], str]] = None) -> str:
         """Render the instantiated programs (all ranks, or one) in ``format``; write to ``path`` if given.
         ``model`` names the model in graph titles (default: its class name); ``cluster`` (instead of
-        ``world_size`` and ``gpus_per_node``): its optimizer shard group sets the Pull / Push plans."""
-        from hgraph.tools.report.dump import render_program
+        ``world_size`` and ``gpus_per_node``): its optimizer shard group sets the Pull / Push plans.
+        ``renderer(program, format, rank, model)``: default the IR's own text forms (text, python, json:
+        ``hgraph.program_text``); the drawn graphs (dot, svg, html) take
+        ``hgraph.tools.report.dump.render_program``, which the IR does not import."""
         prog = self.instantiate(strategy, cluster, world_size=world_size, gpus_per_node=gpus_per_node)
-        text = render_program(prog, fmt=format, rank=rank, model=model or type(self._orig_mod).__name__)
+        text = (renderer or render_text)(prog, format, rank, model or type(self._orig_mod).__name__)
         if path is not None:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text)

@@ -11,21 +11,23 @@ instance: a class or a function defined at the top level of a module or of the r
 ``hf:DIR``, ``FILE.py:NAME``, ``package.module:NAME``). A script that starts local ranks is imported
 again by them, so its call of ``hgraph.train`` goes under ``if __name__ == "__main__":``, as in any
 program that uses multiprocessing.
+
+It is a thin adapter over the run object of ``hgraph.runtime.train.run`` (``prepare(config).execute()``),
+as the command is: a failed run raises ``HGraphError`` (``RunFailed`` for a run that started) with the
+run's own line, and rank 0's trained parameters come back in memory (from spawned ranks through
+shared memory), never through a file.
 """
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
-import torch
 from torch import nn
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 
 
 @dataclass(frozen=True)
@@ -76,9 +78,13 @@ def train(model: Union[str, Callable[..., nn.Module]], data: Optional[str] = Non
           **options: Any) -> TrainResult:
     """Train ``model`` on ``data`` (a path as ``--data`` takes it; None: the built-in documents) with
     ``hgraph train``'s ``options`` and defaults (``config``: a TOML file as ``--config``, the options
-    given here winning). Returns this process's ``TrainResult``; bad input raises ``HGraphError``."""
-    from hgraph.tools.cli import train as command              # the command's resolution and run
-    from hgraph.tools.cli.train_schema import BY_DEST
+    given here winning). Returns this process's ``TrainResult``; bad input raises ``HGraphError``, a run
+    that fails ``RunFailed`` (an ``HGraphError``), each with the run's one line."""
+    # the API module wires the runtime's run object, lazily (hgraph's IR imports none of the rooms)
+    from hgraph.runtime.train.config_keys import BY_DEST
+    from hgraph.runtime.train.launcher_env import read_launcher_env
+    from hgraph.runtime.train.run import errors_named, prepare
+    from hgraph.runtime.train.run_config import config_from_options
 
     unknown = sorted(set(options) - set(BY_DEST))
     if unknown:
@@ -90,17 +96,19 @@ def train(model: Union[str, Callable[..., nn.Module]], data: Optional[str] = Non
         given["model_args"] = dict(model_args)
     if data is not None:
         given["data"] = str(data)
-    if config is not None:
-        given["config"] = str(config)
-    outcome: dict = {}
-    with tempfile.TemporaryDirectory(prefix="hgraph-train-") as scratch:
-        if given.get("save_final") is None:               # the trained parameters come back through a file
-            given["save_final"] = os.path.join(scratch, "final.pt")
-        code = command.run(argparse.Namespace(**given), outcome)
-        if code != 0 or "result" not in outcome:
-            raise HGraphError("hgraph.train: the run failed (its error is on stderr above)")
-        result = outcome["result"]
-        rank = int(result.get("rank", 0))
-        state = torch.load(given["save_final"], weights_only=True) if rank == 0 else None
-    return TrainResult(rank=rank, steps=result["steps"], cache=result["cache"], run_dir=outcome["run_dir"],
-                       metrics=outcome["metrics"], state_dict=state)
+    env = read_launcher_env()
+    with errors_named(env):
+        run_config, _ = config_from_options(given, None if config is None else str(config), env=env)
+        with prepare(run_config.with_values(return_final=True), env=env) as prepared:
+            summary = prepared.execute()
+        if summary.finished is not None:
+            raise RunFailed(f"hgraph.train: {summary.finished}")
+        if summary.stopped is not None:
+            stopped = summary.stopped
+            raise RunFailed(f"stopped by {stopped['signal']} after step {stopped['step']} of "
+                            f"{run_config.data.steps}; checkpoint {stopped['checkpoint']} saved; resume=True "
+                            "continues from it")
+        summary.check_trained()
+    return TrainResult(rank=summary.rank, steps=list(summary.steps), cache=dict(summary.cache),
+                       run_dir=summary.run_dir, metrics=summary.metrics,
+                       state_dict=dict(summary.final_state) if summary.final_state is not None else None)

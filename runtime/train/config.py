@@ -334,6 +334,7 @@ class TrainConfig:
     resume_from: Optional[str] = None                  # the checkpoint folder a resume loads (every rank)
     log_steps: bool = False                            # rank 0 prints the step, planner and checkpoint lines
     progress_bars: Optional[ProgressFactory] = None    # rank 0's progress bars (runtime.train.progress)
+    return_final: bool = False                         # rank 0 hands the trained parameters to the caller
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any] = {}, /, **more: Any) -> "TrainConfig":  # noqa: B006

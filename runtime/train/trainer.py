@@ -30,9 +30,7 @@ off the steps' critical path); the trainer reads its figures. ``train_worker`` r
 """
 from __future__ import annotations
 
-import contextlib
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -42,12 +40,9 @@ import torch
 import torch.distributed as dist
 
 import hgraph
-from hgraph import ops
-from hgraph.compiled import CompiledModule
-from hgraph.errors import HGraphError, RunFailed
-from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint.run import (RunCheckpoints, SavedCheckpoint, data_fingerprint, data_position,
-                                           find_resume_point, restore_state)
+                                           restore_state)
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache, shard_rounds
 from hgraph.runtime.data.corpus import Corpus, DataOrder, SourceSpec, corpus_of, open_corpus
@@ -55,24 +50,21 @@ from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, merge_reports
 from hgraph.runtime.engine import host_heap
-from hgraph.runtime.engine.compiled_regions import compile_wanted
-from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult, shard_dims_of
-from hgraph.runtime.engine.optimizer import ShardedAdam, ShardedAdamW
+from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult
 from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
 from hgraph.shard_rule import shard_group_ranks
-from hgraph.runtime.planner.service.setup import PlannerSetup, planner_process, start_planner
+from hgraph.runtime.planner.service.setup import start_planner
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.data_setup import model_limits, ready_data
-from hgraph.runtime.train.devices import backend_for, rank_device
-from hgraph.runtime.train.exit_signal import ExitSignal, saves_on_sigterm
+from hgraph.runtime.train.data_setup import model_limits
+from hgraph.runtime.train.devices import rank_device
+from hgraph.runtime.train.exit_signal import ExitSignal
 from hgraph.runtime.train.heartbeat import Heartbeat, Silent, silent_peers_text
-from hgraph.runtime.train.launch import init_from_env, local_backend, process_context, spawn
-from hgraph.runtime.train.launcher_env import default_timeout, read_launcher_env
 from hgraph.runtime.process.lifetime import end_process
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.train.loss_health import FlatLossWatch
 from hgraph.runtime.train.lr_schedule import schedule_of
 from hgraph.runtime.train.metrics import MetricsWriter, format_step_line, memory_figures
+from hgraph.runtime.train.model_setup import dropout_status, make_optimizer, model_and_weights, planner_setup_of
 from hgraph.runtime.train.progress import PrintedLines, ProgressBar, progress_bar
 from hgraph.runtime.train.resume import load_resume, run_state
 from hgraph.runtime.train.step_loggers import StepLoggers, step_scalars
@@ -81,9 +73,8 @@ from hgraph.runtime.train.step_modes import (FixedSchedule, PlannerDriven, SpAcc
                                              parse_schedule, sp_accumulation_cost)
 from hgraph.runtime.train.step_record import StepExtras, StepRecord
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
-from hgraph.runtime.weights.choice import weight_source
-from hgraph.runtime.weights.deferred_init import InitRecord, NotRecordable, record_init, to_meta
-from hgraph.runtime.weights.sources import EagerInit, SeededInit, WeightSource, install_buffers
+from hgraph.runtime.weights.deferred_init import to_meta
+from hgraph.runtime.weights.sources import install_buffers
 from hgraph.strategy import Cluster, Strategy
 
 log = run_log(__name__)
@@ -121,83 +112,10 @@ class TrainSummary:
         return [r.extra_row() for r in self.records]
 
 
-def _model_spec(config: TrainConfig) -> str:
-    model = config.model
-    return model.model if ":" in model.model else f"llama:{model.model}"
-
-
-def build_model(config: TrainConfig) -> torch.nn.Module:
-    """The whole model, built eagerly right after ``torch.manual_seed(seed)`` (tools and references;
-    a training rank uses ``record_model``)."""
-    torch.manual_seed(config.model.seed)
-    return resolve_model_spec(_model_spec(config), config.model.model_args)
-
-
-def record_model(config: TrainConfig) -> InitRecord:
-    """The model on the meta device with its recorded initialisation (``SeededInit`` replays it)."""
-    return record_init(lambda: resolve_model_spec(_model_spec(config), config.model.model_args),
-                       config.model.seed)
-
-
-def dropout_status(gm: torch.fx.GraphModule, mode: str) -> str:
-    """What happens to the model's dropout: ``"applied (N sites, p ...)"``, ``"off (N sites ...)"`` or
-    ``"none"`` (the traced graph has no training dropout)."""
-    probs = []
-    for n in gm.graph.nodes:
-        if n.target is ops.keyed_dropout:
-            probs.append(float(n.args[1]))
-        elif n.target in (torch.nn.functional.scaled_dot_product_attention, ops.causal_attention) \
-                and n.kwargs.get("dropout_p"):
-            probs.append(float(n.kwargs["dropout_p"]))
-    if not probs:
-        return "none"
-    what = f"{len(probs)} sites, p {min(probs):g}" + (f"-{max(probs):g}" if max(probs) != min(probs) else "")
-    return f"applied ({what})" if mode == "apply" else f"off ({what} disabled by --dropout off)"
-
-
-def model_and_weights(config: TrainConfig, say: bool = False) -> tuple[torch.nn.Module, WeightSource]:
-    """The model on the meta device and the source of its initial values: the recorded seeded init,
-    ``hf:DIR``'s safetensors or ``--init-from``'s files (names and shapes checked here, before any
-    read; ``hgraph.runtime.weights.choice``). A model whose construction reads tensor values is built
-    whole instead (``say``: said once)."""
-    try:
-        record = record_model(config)
-        model, default = record.model, SeededInit(record)
-    except NotRecordable as exc:
-        if say:
-            log.info("hgraph: %s; every rank builds the whole model once to initialise its shards", exc)
-        model = build_model(config)
-        default = EagerInit(model, config.model.seed)
-    return model, weight_source(model, default, _model_spec(config), config.model.init_from)
-
-
-def check_weights(config: TrainConfig) -> str:
-    """The run's weight source opened once and checked against the model (file headers only), so bad
-    weights fail before any process starts; returns its description."""
-    return model_and_weights(config)[1].description
-
-
 def _stream(config: TrainConfig) -> dict[str, int]:
     """The options that fix a run's mini-batch stream (``outlier_delay.run_mini_batches``)."""
     return {"tokens_per_iter": config.data.tokens_per_iter, "steps": config.data.steps,
             "outlier_queues": config.planner.outlier_queues}
-
-
-def make_optimizer(config: TrainConfig, compiled: CompiledModule, rank: int, world_size: int,
-                   device: Optional[torch.device] = None, shard_group: Optional[int] = None,
-                   group: Any = None) -> ShardedAdam:
-    """The run's sharded optimizer; ``shard_group``: its states sharded over groups of that many ranks
-    (None: the world), ``group`` the process group of this rank's shard group."""
-    opt = config.optimizer
-    if opt.optimizer not in ("adam", "adamw"):
-        raise HGraphError(f"--optimizer {opt.optimizer!r}: allowed are adam, adamw")
-    cls = ShardedAdam if opt.optimizer == "adam" else ShardedAdamW
-    full = dict(compiled.original.named_parameters())
-    named = [(n, full[n]) for n in compiled.hgraph.params]
-    kwargs = {} if opt.weight_decay is None else {"weight_decay": opt.weight_decay}
-    return cls(named, shard_dims_of(compiled), rank, world_size, lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
-               max_grad_norm=opt.grad_clip, device=device, impl=opt.optimizer_impl, shard_group=shard_group,
-               group=group, **kwargs)
 
 
 class Trainer:
@@ -437,7 +355,7 @@ class Trainer:
             self.executor.watch(None)
             if heartbeat is not None:
                 heartbeat.stop()
-        final = self.final_state_dict() if ckpts.save_final else None
+        final = self.final_state_dict() if ckpts.save_final or cfg.return_final else None
         if final is not None and self.rank == 0:
             Path(ckpts.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, ckpts.save_final)
@@ -532,101 +450,3 @@ class Trainer:
             else:
                 out[key] = value.detach().cpu().clone()
         return out
-
-
-def planner_setup_of(config: TrainConfig, compiled: CompiledModule, device: torch.device,
-                     shard_group: Optional[int] = None) -> PlannerSetup:
-    """The planner's setup from the run's configuration, its compiled model's TP slots and the rank's
-    device (a measured profile times the model there, in the run's working dtype)."""
-    plan, counts = config.planner, compiled.hgraph.slot_counts()
-    return PlannerSetup(
-        strategies=plan.strategies, profile=plan.profile, max_candidates=plan.max_candidates, method=plan.method,
-        time_limit_s=plan.time_limit, memory_budget=plan.memory_budget, plan_ahead=plan.plan_ahead,
-        offload=plan.offload, host_memory_budget=plan.host_memory_budget,
-        tokens_per_iter=config.data.tokens_per_iter, gpus_per_node=config.cluster.gpus_per_node,
-        device_memory=config.cluster.device_memory, working_bytes=2 if config.model.dtype == "bf16" else 4,
-        tp_slots=counts.get("tp_enter", 0) + counts.get("tp_exit", 0), log=config.log_steps,
-        profile_path=Path(config.logging.metrics).parent / "profile.json" if config.logging.metrics else None,
-        device=device, dtype=torch.bfloat16 if config.model.dtype == "bf16" else torch.float32,
-        compiled_step=compile_wanted(config.model.compile, device), shard_group=shard_group,
-        push_bucket_bytes=config.cluster.push_bucket_bytes, overlap_push=config.cluster.overlap_push)
-
-
-def train_worker(rank: int, world_size: int, config: TrainConfig, planner_channel: Any = None) -> dict:
-    """Spawn target: run ``config`` on this rank; returns steps and cache figures (rank 0: final params).
-
-    Bad input (HGraphError) is returned as ``{"error": message}``: it happens at the same point on
-    every rank (before any collective, or after the loss all-reduce), so no rank is left waiting.
-    """
-    # installed first: a SIGTERM while the rank sets up is noted, not fatal
-    exit_signal = ExitSignal.install() if saves_on_sigterm(config) else None
-    try:
-        summary = Trainer(config, rank, world_size,
-                          planner_channel=planner_channel if rank == 0 else None).run(exit_signal)
-    except HGraphError as exc:
-        return {"error": str(exc), "failed": isinstance(exc, RunFailed)}
-    finally:
-        if exit_signal is not None:
-            exit_signal.close()
-    return {"rank": rank, "steps": [r.row() for r in summary.records], "cache": summary.cache,
-            "planned": summary.planned, "final_params": summary.final_params if rank == 0 else None,
-            "checkpoints": summary.checkpoints, "resumed_from": summary.resumed_from,
-            "candidates": summary.candidates, "dropout": summary.dropout,
-            "sequence_parallel": summary.sequence_parallel,
-            "long_documents": summary.long_documents, "step_extra": summary.step_extra,
-            "stopped": summary.stopped, "shard_group": summary.shard_group}
-
-
-def run_training(config: TrainConfig, *, timeout_s: Optional[float] = None) -> dict:
-    """Run ``config`` and return rank 0's ``train_worker`` result (bad input: HGraphError); under a
-    launcher this process's own result (its ``"rank"`` says which).
-
-    Under a launcher (``torchrun``, a SLURM step: ``hgraph.runtime.train.launcher_env``) this process is
-    one rank of the run; otherwise ``config.cluster.world_size`` local processes are spawned.
-    ``timeout_s`` (default ``config.cluster.timeout``, else 60 s local, 600 s launched) bounds each
-    collective, so a lost rank is reported within it; a spawned run also names a rank whose process died.
-    Raw text sources are tokenized once, before any process starts (the command line does it into its
-    run folder; here into a temporary one).
-    """
-    ckpts, cluster = config.checkpointing, config.cluster
-    env = read_launcher_env()
-    if timeout_s is None:
-        timeout_s = cluster.timeout if cluster.timeout is not None else default_timeout(env)
-    if ckpts.resume and config.resume_from is None and ckpts.checkpoint_dir is not None:
-        # resolved once, before any process starts: every rank loads the same checkpoint
-        point = find_resume_point(ckpts.checkpoint_dir, fallback=ckpts.resume_fallback)
-        config = config.with_values(resume_from=str(point.folder))
-    with contextlib.ExitStack() as stack:
-        data = config.data
-        if config.data_sources is None and (data.data is not None or data.eval_data is not None):
-            cache = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hgraph-data-")))
-            config = ready_data(config, record_model(config).model, cache)
-        return _launch(config, env, timeout_s)
-
-
-def _launch(config: TrainConfig, env: Any, timeout_s: float) -> dict:
-    cluster = config.cluster
-    if env is not None:
-        backend = None if cluster.backend == "auto" else cluster.backend
-        ours = not dist.is_initialized()        # a group the caller made stays the caller's
-        rank, world = init_from_env(backend, timeout_s=timeout_s, env=env)
-        with planner_process(config, rank == 0) as channel:      # rank 0's process owns the planner
-            results = [train_worker(rank, world, config, channel)]
-        if ours and "error" not in results[0]:
-            # the groups' backend threads end now, not in the interpreter's teardown, where a torchrun
-            # worker was seen to abort ("terminate called without an active exception"); after a
-            # failure they are left to the process's exit (a destroy could wait on a lost peer)
-            dist.destroy_process_group()
-    else:
-        total = 120.0 + timeout_s * (config.data.steps + 1)
-        # the launcher owns the planner, forked by the ranks' forkserver
-        with planner_process(config, True, process_context()) as channel:
-            backend = (local_backend(cluster.backend, cluster.world_size) if cluster.device == "auto"
-                       else backend_for(cluster.device, cluster.backend, cluster.world_size))
-            results = spawn(train_worker, cluster.world_size, backend=backend,
-                            args=(config, channel), timeout_s=total,
-                            forward_sigterm=saves_on_sigterm(config))
-    error = next((r for r in results if "error" in r), None)
-    if error is not None:       # bad input (exit 2) or a run that failed (exit 1), said once
-        raise (RunFailed if error.get("failed") else HGraphError)(error["error"])
-    return results[0]

@@ -24,14 +24,14 @@ def _strike(rank, victim, at_step, fault):
 
 def dying_worker(rank, world, config, victim, at_step):
     """The trainer; rank ``victim`` dies in step ``at_step`` (no report, no cleanup)."""
-    from hgraph.runtime.train.trainer import train_worker
+    from hgraph.runtime.train.rank_run import train_worker
     _strike(rank, victim, at_step, lambda: os._exit(17))
     return train_worker(rank, world, config)
 
 
 def sigterm_worker(rank, world, config, victim, at_step):
     """The trainer; rank ``victim`` alone gets SIGTERM in step ``at_step`` (its peers never see it)."""
-    from hgraph.runtime.train.trainer import train_worker
+    from hgraph.runtime.train.rank_run import train_worker
     _strike(rank, victim, at_step, lambda: os.kill(os.getpid(), signal.SIGTERM))
     return train_worker(rank, world, config)
 
@@ -39,6 +39,6 @@ def sigterm_worker(rank, world, config, victim, at_step):
 def sigstop_worker(rank, world, config, victim, at_step):
     """The trainer; rank ``victim`` stops itself (SIGSTOP: alive, silent, its sockets open) in step
     ``at_step``."""
-    from hgraph.runtime.train.trainer import train_worker
+    from hgraph.runtime.train.rank_run import train_worker
     _strike(rank, victim, at_step, lambda: os.kill(os.getpid(), signal.SIGSTOP))
     return train_worker(rank, world, config)

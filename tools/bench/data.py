@@ -33,7 +33,7 @@ from hgraph.runtime.data.prepare import prepare
 from hgraph.runtime.data.stored import StoreDocuments
 from hgraph.runtime.data.token_store import TokenStoreWriter, open_store
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import run_training
+from hgraph.runtime.train.rank_run import run_training
 
 WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be or "
          "has had first one their its new after who they have two been other when there all during into "

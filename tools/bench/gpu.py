@@ -50,7 +50,8 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.bench.gpu_idle import gpu_idle, idle_lines
 from hgraph.varlen_attention import available_backend, cu_seqlens_for, varlen_attention
 

@@ -21,7 +21,8 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.planner.cost.profiler import measure_host_link
-from hgraph.runtime.train.trainer import TrainConfig, Trainer
+from hgraph.runtime.train.trainer import Trainer
+from hgraph.runtime.train.config import TrainConfig
 
 SEED = 7
 MODES = ("off", "on")

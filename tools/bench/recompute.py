@@ -27,7 +27,8 @@ from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.train.launch import spawn
-from hgraph.runtime.train.trainer import TrainConfig, Trainer
+from hgraph.runtime.train.trainer import Trainer
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.strategy import Strategy
 
 SEED = 7

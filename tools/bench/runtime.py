@@ -58,7 +58,8 @@ from hgraph.runtime.comm.push import push_messages
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.launch import spawn
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.strategy import Strategy
 
 STRATEGIES_4 = ["4xTP1PP1", "1xTP2PP1+2xTP1PP1", "1xTP2PP2", "1xTP1PP2+1xTP2PP1"]

@@ -13,7 +13,7 @@ from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.cli.common_options import add_gpus_per_node, add_shard_group, add_world_size, shard_group_cluster
-from hgraph.tools.report.dump import FORMATS
+from hgraph.tools.report.dump import FORMATS, render_program
 from hgraph.tools.report.run_dump import dump_run
 
 
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "report":
         text = compiled.sharding_report(strategy).text()
     else:
-        text = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=args.model)
+        text = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=args.model,
+                             renderer=render_program)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             f.write(text)

@@ -30,7 +30,8 @@ from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import hf
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.checkpoint.masters import CheckpointMasters
-from hgraph.runtime.train.trainer import TrainConfig, build_model, record_model
+from hgraph.runtime.train.model_setup import build_model, record_model
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.weights.deferred_init import record_init
 from hgraph.runtime.weights.file_weights import match
 from hgraph.runtime.weights.hf_form import hf_form

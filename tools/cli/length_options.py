@@ -20,7 +20,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES, rank_host_budget
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_offload
 from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
-from hgraph.tools.cli.train import parse_bytes
+from hgraph.runtime.train.run_config import parse_bytes
 
 LONG_CHOICES = ("error", "truncate", "drop")
 

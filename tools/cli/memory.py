@@ -29,7 +29,7 @@ from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.cli.dump import model_args_option
 from hgraph.tools.cli.common_options import (DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_shard_group,
                                              add_world_size, shard_group_cluster, shard_group_text)
-from hgraph.tools.cli.train import parse_bytes
+from hgraph.runtime.train.run_config import parse_bytes
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from hgraph.runtime.planner.cost.profiler import profile_cost_model
 from hgraph.runtime.train.devices import CPU_WORLD_SIZE
 from hgraph.strategy import Scheme
 from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory
-from hgraph.tools.cli.train import parse_bytes
+from hgraph.runtime.train.run_config import parse_bytes
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -21,7 +21,8 @@ from hgraph.runtime.data.jsonl import jsonl_values
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
 from hgraph.strategy import Cluster, Strategy
-from hgraph.tools.report.run_record import read_run_record
+from hgraph.runtime.train.run_record import read_run_record
+from hgraph.tools.report.dump import render_program
 
 EXTENSIONS = {"text": "txt", "python": "py", "dot": "dot", "svg": "svg", "html": "html", "json": "json"}
 
@@ -62,7 +63,8 @@ def dump_run(args: argparse.Namespace) -> int:
     texts = {}
     for text in used:
         strategy = Strategy.parse(text)
-        texts[text] = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=spec)
+        texts[text] = compiled.dump(strategy, cluster=cluster, rank=args.rank, format=args.format, model=spec,
+                                    renderer=render_program)
     if args.output is not None:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)

@@ -175,7 +175,7 @@ def _executor_worker(rank, world):
     from hgraph.runtime.data.micro_batch import MicroBatch
     from hgraph.runtime.engine.executor import Executor
     from hgraph.runtime.train.config import TrainConfig
-    from hgraph.runtime.train.trainer import build_model, make_optimizer
+    from hgraph.runtime.train.model_setup import build_model, make_optimizer
     groups = GroupCache(rank, world)
 
     def setup(**options):

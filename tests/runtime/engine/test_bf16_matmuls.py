@@ -21,7 +21,8 @@ import hgraph
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.addmm_.default, aten.bmm.default, aten.baddbmm.default,

@@ -7,7 +7,8 @@ import hgraph
 from hgraph.errors import RunFailed
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.engine.executor import Executor
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 
 
 def _executor():

@@ -21,7 +21,8 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.kernels.head_cross_entropy import head_cross_entropy_sum
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 
 aten = torch.ops.aten
 HOST_READS = {aten.nonzero.default, aten._local_scalar_dense.default, aten.masked_select.default,

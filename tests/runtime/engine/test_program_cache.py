@@ -11,7 +11,8 @@ from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.engine.program_cache import ProgramCache
-from hgraph.runtime.train.trainer import TrainConfig, build_model, make_optimizer
+from hgraph.runtime.train.model_setup import build_model, make_optimizer
+from hgraph.runtime.train.config import TrainConfig
 from hgraph.strategy import Cluster, Strategy
 
 

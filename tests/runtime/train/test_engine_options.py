@@ -10,7 +10,8 @@ import pytest
 from tests.runtime.engine.equivalence_harness import load_equivalence_harness
 
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
-from hgraph.runtime.train.trainer import Trainer, planner_setup_of
+from hgraph.runtime.train.trainer import Trainer
+from hgraph.runtime.train.model_setup import planner_setup_of
 
 EQ = load_equivalence_harness()
 KNOBS = {"push_bucket_bytes": 4096, "pull_bucket_bytes": 1, "overlap_push": False}

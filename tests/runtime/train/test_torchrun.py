@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import run_training
+from hgraph.runtime.train.rank_run import run_training
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1;2xTP1PP1;1xTP1PP2"

@@ -9,7 +9,7 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import run_training
+from hgraph.runtime.train.rank_run import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 

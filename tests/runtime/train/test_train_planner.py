@@ -16,7 +16,7 @@ from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import (IterationPlanner, microbatches_of_plan,
                                                       model_cost_model, parse_candidates)
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.runtime.train.trainer import run_training
+from hgraph.runtime.train.rank_run import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
 from hgraph.tools.cli.train import builtin_documents

@@ -22,7 +22,7 @@ from tests.runtime.reference_training import assert_losses_like, assert_params_l
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError, spawn
-from hgraph.runtime.train.trainer import train_worker
+from hgraph.runtime.train.rank_run import train_worker
 from hgraph.tools.cli import main
 
 STEPS, EVERY, TOKENS = 6, 2, 512

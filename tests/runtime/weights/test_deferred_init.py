@@ -165,7 +165,8 @@ def test_a_model_that_cannot_be_recorded_trains_from_its_eager_init(tmp_path, ca
     """The trainer falls back to building the model whole (saying so) and gets the same masters
     as the eager build; afterwards its parameters are freed (meta)."""
     from hgraph.runtime.train.config import TrainConfig
-    from hgraph.runtime.train.trainer import Trainer, build_model
+    from hgraph.runtime.train.trainer import Trainer
+    from hgraph.runtime.train.model_setup import build_model
     path = tmp_path / "trunc_model.py"
     path.write_text(TRUNCATED_MODEL)
     config = TrainConfig.from_values(model=f"{path}:TruncLlama", world_size=1, strategy_schedule="1xTP1PP1",

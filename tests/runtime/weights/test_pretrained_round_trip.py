@@ -34,7 +34,8 @@ from hgraph.runtime.comm.process_groups import GroupCache  # noqa: E402
 from hgraph.runtime.data.documents import Document, mini_batches  # noqa: E402
 from hgraph.runtime.train.config import TrainConfig  # noqa: E402
 from hgraph.runtime.train.launch import spawn  # noqa: E402
-from hgraph.runtime.train.trainer import Trainer, build_model  # noqa: E402
+from hgraph.runtime.train.trainer import Trainer  # noqa: E402
+from hgraph.runtime.train.model_setup import build_model  # noqa: E402
 from hgraph.tools.cli import main  # noqa: E402
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]

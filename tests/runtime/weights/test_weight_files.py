@@ -172,7 +172,7 @@ def test_other_unreadable_init_sources_are_one_line(hf_dir, tmp_path, capsys):
 def test_an_hf_folder_without_weight_files_trains_from_the_seeded_init(hf_dir, tmp_path):
     """Only ``config.json``: the architecture, initialised from the seed (nothing to read)."""
     from hgraph.runtime.train.config import TrainConfig
-    from hgraph.runtime.train.trainer import check_weights
+    from hgraph.runtime.train.model_setup import check_weights
     (tmp_path / "arch").mkdir()
     (tmp_path / "arch" / "config.json").write_text((hf_dir / "config.json").read_text())
     assert "seeded initialisation" in check_weights(TrainConfig.from_values(model=f"hf:{tmp_path / 'arch'}"))

@@ -7,7 +7,7 @@ from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.resume import run_state
-from hgraph.runtime.train.trainer import build_model
+from hgraph.runtime.train.model_setup import build_model
 
 # small enough that the weights of both tiny models below are cut into several shards with an index
 MAX_SHARD_SIZE = "20KB"

@@ -188,7 +188,7 @@ def test_run_dir_bad_input_is_one_line_and_exit_2(capsys, run_dir, setup, argv, 
 
 def test_training_records_the_run_for_dump(tmp_path, capsys):
     from hgraph.runtime.train.config import TrainConfig
-    from hgraph.tools.report.run_record import read_run_record, write_run_record
+    from hgraph.runtime.train.run_record import read_run_record, write_run_record
     config = TrainConfig.from_values(model="llama:tiny", world_size=2, steps=3, tokens_per_iter=64,
                                      model_args={"num_layers": 2}, strategies="auto", profile="measure")
     write_run_record(tmp_path, config)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train import config_keys as ck
 from hgraph.runtime.train.config import SECTIONS, TrainConfig
-from hgraph.tools.cli import train as cmd_train, train_schema as rc
+from hgraph.tools.cli import train as cmd_train
 
 
 def _parse(*flags):
@@ -18,10 +19,10 @@ def _parse(*flags):
 
 
 def test_every_key_of_the_schema_is_a_field_of_its_section_with_its_default():
-    assert tuple(SECTIONS) == rc.SECTIONS
+    assert tuple(SECTIONS) == ck.SECTIONS
     defaults = TrainConfig().values()
-    assert set(defaults) == set(rc.BY_DEST)
-    for key in rc.SCHEMA:
+    assert set(defaults) == set(ck.BY_DEST)
+    for key in ck.SCHEMA:
         assert key.dest in {f.name for f in dataclasses.fields(SECTIONS[key.section])}, key.dest
         assert defaults[key.dest] == key.default, key.dest
 
@@ -81,13 +82,13 @@ def test_the_flags_and_toml_keys_are_generated_from_the_config_fields_and_nothin
                                               for f in dataclasses.fields(cls))
                    for section, cls in SECTIONS.items())
     (tmp_path / "every.toml").write_text(text)
-    loaded = rc.load_config(tmp_path / "every.toml")
-    assert {(rc.BY_DEST[d].section, d) for d in loaded} == fields
+    loaded = ck.load_config(tmp_path / "every.toml")
+    assert {(ck.BY_DEST[d].section, d) for d in loaded} == fields
     assert TrainConfig.from_values(loaded) == TrainConfig()
     # ... and only there: a field named in another section is refused
     (tmp_path / "moved.toml").write_text("[logging]\nlr = 0.1\n")
     with pytest.raises(HGraphError, match=r"unknown key \[logging\] lr"):
-        rc.load_config(tmp_path / "moved.toml")
+        ck.load_config(tmp_path / "moved.toml")
 
 
 def test_the_engine_options_come_from_flags_and_toml(tmp_path, monkeypatch):

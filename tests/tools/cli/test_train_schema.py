@@ -6,6 +6,7 @@ import argparse
 import pytest
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.train import config_keys as ck
 from hgraph.tools.cli import train_schema as rc
 
 
@@ -28,7 +29,7 @@ def test_every_flag_of_the_deterministic_train_command_is_a_key():
     # --no-X is the negation of the bool key X; --config names the file itself
     flags = {o.replace("--no-", "--") for a in p._actions for o in a.option_strings
              if o.startswith("--") and o not in ("--help", "--config")}
-    keys = {k.flag for k in rc.SCHEMA}
+    keys = {k.flag for k in ck.SCHEMA}
     assert flags <= keys, sorted(flags - keys)
     # and the issue-5 options
     assert {"--checkpoint-dir", "--checkpoint-every", "--resume", "--run-dir", "--method", "--profile",
@@ -36,16 +37,16 @@ def test_every_flag_of_the_deterministic_train_command_is_a_key():
 
 
 def test_schema_is_declarative_and_sections_are_the_seven():
-    assert {k.section for k in rc.SCHEMA} == set(rc.SECTIONS)
-    assert rc.SECTIONS == ("model", "data", "cluster", "optimizer", "planner", "checkpointing", "logging")
-    for key in rc.SCHEMA:
-        assert key.help and key.kind in rc.KINDS
+    assert {k.section for k in ck.SCHEMA} == set(ck.SECTIONS)
+    assert ck.SECTIONS == ("model", "data", "cluster", "optimizer", "planner", "checkpointing", "logging")
+    for key in ck.SCHEMA:
+        assert key.help and key.kind in ck.KINDS
 
 
 def test_defaults_only():
-    cfg = rc.resolve(argparse.Namespace())
-    assert cfg.model == "llama:tiny" and cfg.world_size == 4 and cfg.betas == (0.9, 0.999)
-    assert cfg.grad_clip is None and cfg.resume is False
+    cfg = ck.resolve(argparse.Namespace())
+    assert cfg.values["model"] == "llama:tiny" and cfg.values["world_size"] == 4 and cfg.values["betas"] == (0.9, 0.999)
+    assert cfg.values["grad_clip"] is None and cfg.values["resume"] is False
     assert set(cfg.sources.values()) == {"default"}
 
 
@@ -67,42 +68,42 @@ checkpoint-dir = "ckpt"
 checkpoint-every = 5
 """)
     args = _parser().parse_args(["--config", str(path), "--lr", "0.01", "--steps", "9", "--resume"])
-    cfg = rc.resolve(args)
-    assert cfg.model == "llama:tiny-tied" and cfg.model_args == {"num_layers": 2}
-    assert cfg.tokens_per_iter == 2048 and cfg.optimizer == "adamw" and cfg.betas == (0.8, 0.95)
-    assert cfg.grad_clip == 1.0 and isinstance(cfg.grad_clip, float)
-    assert cfg.lr == 0.01 and cfg.steps == 9 and cfg.resume is True           # flags win
+    cfg = ck.resolve(args)
+    assert cfg.values["model"] == "llama:tiny-tied" and cfg.values["model_args"] == {"num_layers": 2}
+    assert cfg.values["tokens_per_iter"] == 2048 and cfg.values["optimizer"] == "adamw" and cfg.values["betas"] == (0.8, 0.95)
+    assert cfg.values["grad_clip"] == 1.0 and isinstance(cfg.values["grad_clip"], float)
+    assert cfg.values["lr"] == 0.01 and cfg.values["steps"] == 9 and cfg.values["resume"] is True           # flags win
     assert cfg.sources["lr"] == "command line" and cfg.sources["tokens_per_iter"] == "run.toml"
     assert cfg.sources["eps"] == "default"
     assert cfg.section("checkpointing")["checkpoint-every"] == 5
 
 
 def test_the_collective_order_and_its_check_are_cluster_keys(tmp_path):
-    cfg = rc.resolve(_parser().parse_args([]))
-    assert cfg.collective_order == "free" and cfg.verify_collectives is False
+    cfg = ck.resolve(_parser().parse_args([]))
+    assert cfg.values["collective_order"] == "free" and cfg.values["verify_collectives"] is False
     path = _write(tmp_path, "[cluster]\ncollective-order = \"strict\"\nverify-collectives = true\n")
-    cfg = rc.resolve(_parser().parse_args(["--config", str(path)]))
-    assert cfg.collective_order == "strict" and cfg.verify_collectives is True
+    cfg = ck.resolve(_parser().parse_args(["--config", str(path)]))
+    assert cfg.values["collective_order"] == "strict" and cfg.values["verify_collectives"] is True
 
 
 def test_bool_flag_can_turn_off_a_file_setting(tmp_path):
     path = _write(tmp_path, "[logging]\nplots = true\n[checkpointing]\ncheckpoint-dir = 'c'\nresume = true\n")
-    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--no-resume", "--no-plots"]))
-    assert cfg.resume is False and cfg.plots is False
+    cfg = ck.resolve(_parser().parse_args(["--config", str(path), "--no-resume", "--no-plots"]))
+    assert cfg.values["resume"] is False and cfg.values["plots"] is False
 
 
 def test_shard_group_takes_a_toml_integer_or_a_word(tmp_path):
     path = _write(tmp_path, '[optimizer]\nshard-group = 8\n')
-    assert rc.resolve(_parser().parse_args(["--config", str(path)])).shard_group == "8"
-    assert rc.resolve(_parser().parse_args(["--shard-group", "auto"])).shard_group == "auto"
+    assert ck.resolve(_parser().parse_args(["--config", str(path)])).values["shard_group"] == "8"
+    assert ck.resolve(_parser().parse_args(["--shard-group", "auto"])).values["shard_group"] == "auto"
     with pytest.raises(HGraphError, match=r"shard-group = True: expected a string"):
-        rc.resolve(argparse.Namespace(), _write(tmp_path, '[optimizer]\nshard-group = true\n'))
+        ck.resolve(argparse.Namespace(), _write(tmp_path, '[optimizer]\nshard-group = true\n'))
 
 
 def test_none_unsets_optional_keys(tmp_path):
     path = _write(tmp_path, '[optimizer]\ngrad-clip = "none"\nweight-decay = 0.1\n')
-    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--weight-decay", "none"]))
-    assert cfg.grad_clip is None and cfg.weight_decay is None
+    cfg = ck.resolve(_parser().parse_args(["--config", str(path), "--weight-decay", "none"]))
+    assert cfg.values["grad_clip"] is None and cfg.values["weight_decay"] is None
 
 
 @pytest.mark.parametrize("text, match", [
@@ -131,13 +132,13 @@ def test_none_unsets_optional_keys(tmp_path):
 def test_bad_files_name_key_value_and_what_is_allowed(tmp_path, text, match):
     path = _write(tmp_path, text)
     with pytest.raises(HGraphError, match=match) as info:
-        rc.resolve(argparse.Namespace(), path)
+        ck.resolve(argparse.Namespace(), path)
     assert "\n" not in str(info.value)
 
 
 def test_missing_file_is_one_line(tmp_path):
     with pytest.raises(HGraphError, match=r"config file '.*nope\.toml' cannot be read"):
-        rc.load_config(tmp_path / "nope.toml")
+        ck.load_config(tmp_path / "nope.toml")
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -155,14 +156,14 @@ def test_bad_flags_are_argparse_errors(argv, match):
 
 def test_flag_combination_checked_after_merge():
     with pytest.raises(HGraphError, match=r"--resume needs checkpoint-dir"):
-        rc.resolve(_parser().parse_args(["--resume"]))
+        ck.resolve(_parser().parse_args(["--resume"]))
 
 
 def test_help_text_documents_every_key():
     text = rc.help_text()
-    for key in rc.SCHEMA:
+    for key in ck.SCHEMA:
         assert f"  {key.name} = " in text and key.flag in text
-    for section in rc.SECTIONS:
+    for section in ck.SECTIONS:
         assert f"[{section}]" in text
     assert "one of fast, greedy, cpsat" in text
     assert max(len(line) for line in text.splitlines()) <= 100
@@ -173,8 +174,8 @@ def test_help_text_defaults_round_trip_as_toml(tmp_path):
     lines = [line.strip() for line in rc.help_text().splitlines()
              if line.startswith("[") or (line.startswith("  ") and not line.startswith("      "))]
     path = _write(tmp_path, "\n".join(lines) + "\n")
-    cfg = rc.resolve(argparse.Namespace(), path)
-    assert cfg.values == rc.resolve(argparse.Namespace()).values
+    cfg = ck.resolve(argparse.Namespace(), path)
+    assert cfg.values == ck.resolve(argparse.Namespace()).values
 
 
 def test_dump_toml_round_trips(tmp_path):
@@ -188,14 +189,14 @@ grad-clip = 1.5
 [planner]
 strategy-schedule = "4xTP1PP1;1xTP2PP2"
 """)
-    cfg = rc.resolve(_parser().parse_args(["--config", str(path), "--steps", "3", "--no-plots"]))
-    text = rc.dump_toml(cfg)
+    cfg = ck.resolve(_parser().parse_args(["--config", str(path), "--steps", "3", "--no-plots"]))
+    text = ck.dump_toml(cfg)
     again = _write(tmp_path, text)
-    back = rc.resolve(argparse.Namespace(), again)
+    back = ck.resolve(argparse.Namespace(), again)
     assert back.values == cfg.values
-    assert back.model_args["rope"] == {"theta": 500000.0} and back.weight_decay is None
+    assert back.values["model_args"]["rope"] == {"theta": 500000.0} and back.values["weight_decay"] is None
     with pytest.raises(HGraphError, match="TOML has no null"):
-        rc.dump_toml({**cfg.values, "model_args": {"x": None}})
+        ck.dump_toml({**cfg.values, "model_args": {"x": None}})
 
 
 def test_memory_tracking_is_off_unless_asked_or_budgeted():
@@ -204,5 +205,5 @@ def test_memory_tracking_is_off_unless_asked_or_budgeted():
 
     from hgraph.runtime.engine.executor import Executor
     assert inspect.signature(Executor).parameters["track_memory"].default is False
-    from hgraph.tools.cli.train_schema import BY_DEST
+    from hgraph.runtime.train.config_keys import BY_DEST
     assert BY_DEST["track_memory"].default is False
