@@ -3,10 +3,11 @@ file, held by a frozen ``TrainConfig`` together with what the caller resolves fo
 
 Every option is declared here once: a field of its section (``[model] [data] [cluster] [optimizer]
 [planner] [checkpointing] [logging]``) made by ``runtime.train.option.option``, carrying its default,
-its kind, allowed values and smallest value, and its help. ``hgraph.tools.cli.train_schema``
-generates the ``hgraph train`` flags and the TOML reader from these fields, so ``TrainConfig()``
-holds the options of a bare ``hgraph train`` (which then resolves the run-time fields: the built-in
-documents, the metrics file in its run folder, the step lines and bars). An option is named like
+its kind, allowed values and smallest value, and its help. ``runtime.train.config_keys`` generates
+the option table and the TOML reader from these fields (and ``hgraph.tools.cli.train_schema`` the
+``hgraph train`` flags), so ``TrainConfig()`` holds the options of a bare ``hgraph train`` (whose run
+object, ``runtime.train.run.prepare``, then resolves the run-time fields: the built-in documents, the
+metrics file in its run folder, the step lines and bars). An option is named like
 its flag without dashes (``--tokens-per-iter`` is ``data.tokens_per_iter``), and no two sections
 share a name, so a config can be built by key alone, with no knowledge of the sections:
 

@@ -4,9 +4,10 @@ A section of ``TrainConfig`` (``runtime/train/config.py``) declares each of its 
 ``name: type = option(default, kind=..., help=...)``: the field's default is the option's default,
 and its ``Option`` (``field.metadata["option"]``) holds the rest of what a front door needs to read
 the option from text: its kind, allowed values, smallest value, whether ``none`` unsets it, the
-metavar and the help. The command line's flags and the TOML file's keys are generated from these
-fields (``hgraph.tools.cli.train_schema``), so adding an option touches its section and the code
-that uses it, nothing else.
+metavar and the help. The option table, the TOML file's keys and their validation
+(``runtime/train/config_keys.py``) and the command line's flags (``hgraph.tools.cli.train_schema``)
+are generated from these fields, so adding an option touches its section and the code that uses it,
+nothing else.
 
 ``kind`` is the form the option takes in a TOML file and on the command line: int, float, str,
 bool, path, table (a TOML table / JSON object) or pair (two floats). A field's runtime value may be

@@ -25,8 +25,10 @@ step all ranks agree on, with a checkpoint (``hgraph.runtime.train.exit_signal``
 The executor's ``ProgramCache`` (``hgraph.runtime.engine.program_cache``) keeps per strategy the
 Program and this rank's state for it (working tensors, process groups), counting hits, misses, the
 host time of a switch and of each build (the step modes have the next steps' strategies built ahead,
-off the steps' critical path); the trainer reads its figures. ``train_worker`` runs one rank;
-``run_training`` a whole run (local processes, or this process as a ``torchrun`` rank).
+off the steps' critical path); the trainer reads its figures. What a rank builds before the loop
+(model, weight source, optimizer, planner setup) is ``runtime/train/model_setup.py``'s; a rank's run
+and the run of all ranks are ``runtime/train/rank_run.py``'s, under the run object of
+``runtime/train/run.py``.
 """
 from __future__ import annotations
 
@@ -356,7 +358,7 @@ class Trainer:
             if heartbeat is not None:
                 heartbeat.stop()
         final = self.final_state_dict() if ckpts.save_final or cfg.return_final else None
-        if final is not None and self.rank == 0:
+        if ckpts.save_final and self.rank == 0:
             Path(ckpts.save_final).parent.mkdir(parents=True, exist_ok=True)
             torch.save(final, ckpts.save_final)
         resumed = None if self.resumed is None else {

@@ -13,7 +13,7 @@ import torch
 from tests.runtime.reference_training import assert_losses_like, assert_params_like, write_random_documents
 
 import hgraph
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import llama
 from hgraph.tools.cli import main
 
@@ -107,3 +107,52 @@ def test_a_model_the_ranks_cannot_rebuild_is_one_clear_error(model, match):
 def test_unknown_options_are_named():
     with pytest.raises(HGraphError, match="unknown option.*tokens_per_itr"):
         hgraph.train("llama:tiny", tokens_per_itr=30)
+
+
+BROKEN = textwrap.dedent('''
+    import torch
+
+
+    class Broken(torch.nn.Module):
+        """Looks up 8 token ids only: a document with a larger id fails inside the rank's forward."""
+
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(8, 16)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16)])
+            self.head = torch.nn.Linear(16, 8)
+
+        def forward(self, input_ids, position_ids=None):
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x)
+''')
+
+
+def test_a_run_that_fails_in_a_rank_raises_its_own_line(tmp_path):
+    """Not "its error is on stderr above": the failing rank's line is the exception's message."""
+    (tmp_path / "broken.py").write_text(BROKEN)
+    data = write_random_documents(tmp_path / "docs.jsonl", [6, 5, 7], seed=1)     # ids beyond 8
+    with pytest.raises(RunFailed, match=r"rank 0 failed: IndexError: index out of range"):
+        hgraph.train(f"{tmp_path / 'broken.py'}:Broken", str(data), world_size=1, steps=1, tokens_per_iter=20,
+                     strategy_schedule="1xTP1PP1")
+
+
+def test_trained_weights_come_back_without_a_file(setup, tmp_path, monkeypatch):
+    """Rank 0's parameters reach the caller through shared memory: no torch.save / torch.load here,
+    and they are the ones the run's --save-final file holds."""
+    base, data = setup
+    options = {**OPTIONS, "steps": 1}
+
+    def no_file(*args, **kwargs):
+        raise AssertionError("the trained weights went through a torch.save / torch.load file")
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "save", no_file)
+        patched.setattr(torch, "load", no_file)
+        result = hgraph.train("llama:tiny", str(data), **options)
+    saved = hgraph.train("llama:tiny", str(data), save_final=str(tmp_path / "final.pt"), **options)
+    expected = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert result.rank == 0 and list(result.state_dict) == list(expected)
+    assert all(torch.equal(result.state_dict[k], v) for k, v in expected.items())
+    assert all(torch.equal(saved.state_dict[k], v) for k, v in expected.items())

@@ -10,7 +10,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.process.writable import probe_writable
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.tools.cli import main
-from hgraph.tools.cli.train import probe_folders
+from hgraph.runtime.train.run import probe_folders
 
 
 def test_a_writable_folder_is_created_and_left_clean(tmp_path):

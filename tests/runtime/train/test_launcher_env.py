@@ -200,9 +200,9 @@ def test_a_failed_launched_rank_says_its_rank_and_host_in_one_line(launched, mon
     launched({"WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400"})
 
-    def lost_peer(args, env, outcome=None):
+    def lost_peer(config, **kwargs):
         raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:1234\nmore detail")
-    monkeypatch.setattr("hgraph.tools.cli.train._run", lost_peer)
+    monkeypatch.setattr("hgraph.tools.cli.train.prepare", lost_peer)
     assert main(["train"]) == 1          # not bad input: exit 1, so that the launcher may restart the run
     err = capsys.readouterr().err
     assert err == (f"hgraph train: error: rank 3 on {socket.gethostname()}: RuntimeError: [gloo] Connection "

@@ -19,7 +19,7 @@ from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.rank_run import run_training
 from hgraph.strategy import Strategy
 from hgraph.tools.cli import main
-from hgraph.tools.cli.train import builtin_documents
+from hgraph.runtime.train.run import builtin_documents
 from hgraph.tools.report.plots import PLOT_NAMES
 from hgraph.tools.report.readme_sample import readme_sample, shapes
 

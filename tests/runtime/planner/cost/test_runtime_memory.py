@@ -118,23 +118,17 @@ def test_candidates_hold_the_long_documents(tiny, prior):
 
 
 def test_device_memory_option_and_config_key(tmp_path):
-    from hgraph.tools.cli.train import device_memory_option
+    from hgraph.runtime.train.run_config import config_from_options, device_memory_option
     assert device_memory_option("512M", None) == 512 * MiB
     assert device_memory_option("auto", None) == "auto" and device_memory_option("auto", "d.jsonl") is None
     assert device_memory_option("none", None) is None
     with pytest.raises(HGraphError, match="--device-memory '-3G'"):
         device_memory_option("-3G", None)
-    # the TOML key [cluster] device-memory, and a flag overriding it
-    import argparse
-
-    from hgraph.tools.cli import train as cmd_train
+    # the TOML key [cluster] device-memory, and a given value overriding it
     (tmp_path / "run.toml").write_text('[cluster]\ndevice-memory = "2G"\n')
-    parser = argparse.ArgumentParser()
-    cmd_train.add_parser(parser.add_subparsers(dest="cmd"))
-    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml")]))
+    config, _ = config_from_options({"config": str(tmp_path / "run.toml")})
     assert config.cluster.device_memory == 2 * 2 ** 30
-    config, _ = cmd_train.config_from_args(parser.parse_args(["train", "--config", str(tmp_path / "run.toml"),
-                                                              "--device-memory", "none"]))
+    config, _ = config_from_options({"config": str(tmp_path / "run.toml"), "device_memory": "none"})
     assert config.cluster.device_memory is None
 
 
