@@ -9,8 +9,8 @@ import pytest
 from hgraph.errors import HGraphError
 from hgraph.runtime.process.writable import probe_writable
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.tools.cli import main
-from hgraph.runtime.train.run import probe_folders
+from hgraph.runtime.train.run import prepare, probe_folders
+from hgraph.runtime.train.run_config import config_from_options
 
 
 def test_a_writable_folder_is_created_and_left_clean(tmp_path):
@@ -42,13 +42,16 @@ def test_train_refuses_an_unwritable_folder_before_any_rank(tmp_path, capsys, fl
     data = tmp_path / "docs.jsonl"
     data.write_text('{"input_ids": [1, 2, 3]}\n')
     target = str(tmp_path / "file" / ("out.pt" if flag in ("--save-final", "--metrics") else "dir"))
-    argv = ["train", "--model", "tiny", "--data", str(data), "--world-size", "1", "--strategy-schedule", "1xTP1PP1",
-            "--steps", "1", "--tokens-per-iter", "30", flag, target]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    config, _ = config_from_options({"model": "tiny", "data": str(data), "world_size": 1, "steps": 1,
+                                     "strategy_schedule": "1xTP1PP1", "tokens_per_iter": 30,
+                                     flag.removeprefix("--").replace("-", "_"): target})
+    with pytest.raises(HGraphError) as refused:       # bad input: the command prints it, exit 2
+        prepare(config)
+    line = str(refused.value)
     # the run's lock (runtime/process/run_lock) is the first to write into the checkpoint and run folders
     named = {"--checkpoint-dir": "checkpoint folder", "--run-dir": "run folder"}.get(flag, flag)
-    assert len(err) == 1 and err[0].startswith(f"hgraph train: error: {named} ") and "cannot be written" in err[0]
+    assert "\n" not in line and not capsys.readouterr().err
+    assert line.startswith(f"{named} ") and "cannot be written" in line
 
 
 def test_under_a_launcher_each_node_s_local_rank_0_probes_what_its_node_writes(tmp_path):

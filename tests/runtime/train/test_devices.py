@@ -4,7 +4,6 @@ On a GPU machine the world size defaults to the GPUs visible and ``--device-memo
 memory; more ranks than GPUs is one line naming the ways out (``--device cpu``, ``--backend gloo``);
 without CUDA the default run stays 4 CPU processes over gloo. No process starts here.
 """
-import argparse
 import types
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.train import devices
-from hgraph.tools.cli import main, train as cmd_train
+from hgraph.runtime.train.run_config import config_from_options
 
 GPU_BYTES = 80 * 2 ** 30
 
@@ -29,10 +28,8 @@ def gpus(monkeypatch):
     return see
 
 
-def _config(*flags):
-    parser = argparse.ArgumentParser()
-    cmd_train.add_parser(parser.add_subparsers(dest="cmd"))
-    return cmd_train.config_from_args(parser.parse_args(["train", *flags]))[0]
+def _config(**options):
+    return config_from_options(options)[0]
 
 
 def test_without_cuda_the_default_run_is_four_cpu_processes(gpus):
@@ -42,7 +39,7 @@ def test_without_cuda_the_default_run_is_four_cpu_processes(gpus):
     assert devices.backend_for(c.device, c.backend, c.world_size) == "gloo"
     assert devices.describe(c.device, c.world_size, "gloo") == "4 CPU processes (gloo)"
     with pytest.raises(HGraphError, match="--device cuda: torch sees no CUDA GPU here; --device cpu"):
-        _config("--device", "cuda")
+        _config(device="cuda")
 
 
 def test_on_one_gpu_the_default_run_is_one_rank_with_the_gpus_memory(gpus):
@@ -53,28 +50,29 @@ def test_on_one_gpu_the_default_run_is_one_rank_with_the_gpus_memory(gpus):
     assert devices.describe(c.device, c.world_size, "nccl") == "1 GPU"
     gpus(8)
     assert _config().cluster.world_size == 8
-    assert _config("--world-size", "2").cluster.world_size == 2
+    assert _config(world_size=2).cluster.world_size == 2
 
 
-def test_more_ranks_than_gpus_is_one_line_naming_the_ways_out(gpus, capsys):
+def test_more_ranks_than_gpus_is_one_line_naming_the_ways_out(gpus):
     gpus(1)
-    assert main(["train", "--world-size", "4"]) == 2
-    err = capsys.readouterr().err
+    with pytest.raises(HGraphError) as refused:       # bad input: the command prints it, exit 2
+        _config(world_size=4)
+    err = f"{refused.value}\n"
     assert err.count("\n") == 1 and err == (
-        "hgraph train: error: --world-size 4: this machine has 1 GPU (NVIDIA H100) and NCCL needs one "
+        "--world-size 4: this machine has 1 GPU (NVIDIA H100) and NCCL needs one "
         "per rank; use --world-size 1, --device cpu (4 CPU processes over gloo), or --backend gloo "
         "(4 ranks sharing the GPU)\n")
 
 
 def test_cpu_processes_or_ranks_sharing_the_gpu_on_request(gpus):
     gpus(1)
-    c = _config("--world-size", "4", "--device", "cpu").cluster
+    c = _config(world_size=4, device="cpu").cluster
     assert (c.device, c.world_size, c.device_memory) == ("cpu", 4, "auto")
     assert devices.backend_for(c.device, c.backend, c.world_size) == "gloo"
-    shared = _config("--world-size", "4", "--backend", "gloo").cluster      # shared-device mode
+    shared = _config(world_size=4, backend="gloo").cluster      # shared-device mode
     assert (shared.device, shared.world_size, shared.device_memory) == ("cuda", 4, GPU_BYTES / 4)
     assert devices.describe(shared.device, 4, "gloo") == "4 ranks sharing 1 GPU (gloo)"
     with pytest.raises(HGraphError, match="--backend nccl needs --device cuda"):
-        _config("--device", "cpu", "--backend", "nccl")
+        _config(device="cpu", backend="nccl")
     assert devices.rank_device("cpu", 3, "gloo") == torch.device("cpu")
     assert devices.rank_device("auto", 3, "gloo") == torch.device("cpu")      # a config built in code
