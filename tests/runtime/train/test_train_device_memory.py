@@ -3,15 +3,18 @@ mini-batches with a long document (it needs TP2) and mini-batches of short ones,
 exactly its mini-batch's documents. The analytic profile keeps it short (no calibration)."""
 import json
 
+import pytest
 import torch
 
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.documents import Document, mini_batches
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.rank_run import run_training
+from hgraph.runtime.train.run import prepare
+from hgraph.runtime.train.run_config import config_from_options
 from hgraph.strategy import Strategy
-from hgraph.tools.cli import main
 
 # llama:tiny under the auto limit: TP1PP1 holds 618 tokens, TP2PP1 the context (1024), CP more
 LONG = [800] + [30] * 6          # 980 tokens: the 800-token document needs a TP2 pipeline
@@ -49,12 +52,14 @@ def test_default_style_run_uses_several_strategies_under_the_limit(tmp_path):
     assert len({m["strategy"] for m in lines}) >= 2
 
 
-def test_a_document_longer_than_every_max_len_is_one_line_exit_2(tmp_path, capsys):
+def test_a_document_longer_than_every_max_len_is_one_line_exit_2(tmp_path):
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in _docs()))
-    rc = main(["train", "--data", str(data), "--steps", "1", "--tokens-per-iter", str(TOKENS_PER_ITER),
-               "--profile", "analytic", "--device-memory", "3M", "--run-dir", str(tmp_path / "run")])
-    assert rc == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("hgraph train: error: document 0 has 800 tokens"), err[-1]
-    assert "--device-memory 3M " in err[-1]          # in the unit given
+    config, _ = config_from_options({"data": str(data), "steps": 1, "tokens_per_iter": TOKENS_PER_ITER,
+                                     "profile": "analytic", "device_memory": "3M", "run_dir": str(tmp_path / "run")})
+    with pytest.raises(HGraphError) as refused, prepare(config) as run:
+        run.execute()
+    assert not isinstance(refused.value, RunFailed)          # bad input: the command's exit 2
+    line = str(refused.value)
+    assert line.startswith("document 0 has 800 tokens") and "\n" not in line, line
+    assert "--device-memory 3M " in line          # in the unit given

@@ -15,7 +15,7 @@ pytest.importorskip("safetensors")
 from safetensors.torch import save_file  # noqa: E402
 from tests.runtime.weights.tiny_models import assemble_checkpoint, save_tiny_hf  # noqa: E402
 
-from hgraph.errors import HGraphError  # noqa: E402
+from hgraph.errors import HGraphError, RunFailed  # noqa: E402
 from hgraph.frontends.zoo import llama  # noqa: E402
 from hgraph.runtime.checkpoint.masters import CheckpointMasters  # noqa: E402
 from hgraph.runtime.engine.optimizer import ShardedAdam  # noqa: E402
@@ -24,7 +24,8 @@ from hgraph.runtime.weights.file_weights import FileWeights  # noqa: E402
 from hgraph.runtime.weights.safetensors_files import SafetensorsFiles  # noqa: E402
 from hgraph.runtime.weights.sources import SeededInit  # noqa: E402
 from hgraph.runtime.weights.state_dict_file import StateDictFile  # noqa: E402
-from hgraph.tools.cli import main  # noqa: E402
+from hgraph.runtime.train.run import prepare  # noqa: E402
+from hgraph.runtime.train.run_config import config_from_options  # noqa: E402
 
 # a shard dimension of 1 for some parameters (as row-parallel weights may have), a 0-d parameter
 SHARD_DIMS = {"layers.0.self_attn.o_proj.weight": 1, "layers.1.mlp.down_proj.weight": 1}
@@ -93,19 +94,20 @@ def test_every_rank_gets_exactly_its_rows(files, kind, world):
             assert torch.equal(got[name], layout.slice_of(values[name])), (kind, rank, name)
 
 
-def _train(tmp_path, *args):
+def _refused(tmp_path, *must_contain, **options):
+    """A run of ``options`` refused as bad input (the command's exit 2) in one line naming ``must_contain``,
+    before any rank starts."""
     data = tmp_path / "d.jsonl"
     data.write_text('{"input_ids": [1, 2, 3, 4, 5]}\n')
-    return main(["train", "--data", str(data), "--world-size", "2", "--strategy-schedule", "2xTP1PP1",
-                 "--steps", "1", *args])
-
-
-def _one_line_error(capsys, *must_contain):
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("hgraph train: error: "), err
+    with pytest.raises(HGraphError) as refused:
+        config, _ = config_from_options({"data": str(data), "world_size": 2, "strategy_schedule": "2xTP1PP1",
+                                         "steps": 1, **options})
+        with prepare(config) as run:
+            run.execute()
+    line = str(refused.value)
+    assert not isinstance(refused.value, RunFailed) and "\n" not in line, line
     for text in must_contain:
-        assert text in err, err
-    return err
+        assert text in line, line
 
 
 @pytest.fixture(scope="module")
@@ -114,59 +116,54 @@ def hf_dir(tmp_path_factory):
     return save_tiny_hf(tmp_path_factory.mktemp("hf") / "llama", "llama")
 
 
-def test_a_folder_without_config_json_and_a_hub_name_are_one_line(tmp_path, capsys):
+def test_a_folder_without_config_json_and_a_hub_name_are_one_line(tmp_path):
     (tmp_path / "m").mkdir()
     save_file({"x": torch.zeros(2)}, str(tmp_path / "m" / "model.safetensors"))
-    assert _train(tmp_path, "--model", f"hf:{tmp_path / 'm'}") == 2
-    _one_line_error(capsys, str(tmp_path / "m" / "config.json"), "does not exist")
-    assert _train(tmp_path, "--model", "hf:meta-llama/Llama-2-7b-hf") == 2
-    _one_line_error(capsys, "'meta-llama/Llama-2-7b-hf' is not a local directory", "never downloads")
+    _refused(tmp_path, str(tmp_path / "m" / "config.json"), "does not exist", model=f"hf:{tmp_path / 'm'}")
+    _refused(tmp_path, "'meta-llama/Llama-2-7b-hf' is not a local directory", "never downloads",
+             model="hf:meta-llama/Llama-2-7b-hf")
 
 
-def test_names_and_shapes_that_do_not_fit_are_listed_in_one_line(tmp_path, capsys):
+def test_names_and_shapes_that_do_not_fit_are_listed_in_one_line(tmp_path):
     values = {n: p.detach() for n, p in llama.build("tiny").named_parameters()}
     values["layers.0.mlp.up_proj.weight"] = torch.zeros(3, 3)          # mis-shaped
     del values["norm.weight"]                                           # missing
     values["layers.9.extra"] = torch.zeros(1)                           # unexpected
     save_file(values, str(tmp_path / "bad.safetensors"))
-    assert _train(tmp_path, "--model", "llama:tiny", "--init-from", str(tmp_path / "bad.safetensors")) == 2
-    _one_line_error(capsys, str(tmp_path / "bad.safetensors"), "1 missing (norm.weight)",
-                    "1 unexpected (layers.9.extra", "1 mis-shaped (layers.0.mlp.up_proj.weight [3, 3]",
-                    "the model's [176, 64]", "nothing was loaded")
+    _refused(tmp_path, str(tmp_path / "bad.safetensors"), "1 missing (norm.weight)",
+             "1 unexpected (layers.9.extra", "1 mis-shaped (layers.0.mlp.up_proj.weight [3, 3]",
+             "the model's [176, 64]", "nothing was loaded", model="llama:tiny",
+             init_from=str(tmp_path / "bad.safetensors"))
 
 
-def test_a_truncated_shard_of_an_hf_folder_is_named(hf_dir, tmp_path, capsys):
+def test_a_truncated_shard_of_an_hf_folder_is_named(hf_dir, tmp_path):
     import shutil
     folder = shutil.copytree(hf_dir, tmp_path / "cut")
     shard = sorted(folder.glob("model-*.safetensors"))[1]
     shard.write_bytes(shard.read_bytes()[:-100])
-    assert _train(tmp_path, "--model", f"hf:{folder}") == 2
-    _one_line_error(capsys, str(shard), "is truncated")
+    _refused(tmp_path, str(shard), "is truncated", model=f"hf:{folder}")
     loose = tmp_path / "cut.safetensors"               # --init-from a single truncated file too
     loose.write_bytes(b"\x10\x00")
-    assert _train(tmp_path, "--init-from", str(loose)) == 2
-    _one_line_error(capsys, str(loose), "is truncated")
+    _refused(tmp_path, str(loose), "is truncated", init_from=str(loose))
 
 
-def test_a_checkpoint_of_another_model_is_refused(tmp_path, capsys):
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     assemble_checkpoint(tmp_path / "other" / "step-00000001", "llama:tiny-tied", 2)
-    assert _train(tmp_path, "--model", "llama:tiny", "--init-from", str(tmp_path / "other")) == 2
-    _one_line_error(capsys, str(tmp_path / "other" / "step-00000001"), "of model llama:tiny-tied",
-                    "does not fit Llama", "10 missing (layers.3.",
-                    "6 mis-shaped (layers.0.self_attn.k_proj.weight [16, 64] in rank-00000-of-00002.pt")
+    _refused(tmp_path, str(tmp_path / "other" / "step-00000001"), "of model llama:tiny-tied",
+             "does not fit Llama", "10 missing (layers.3.",
+             "6 mis-shaped (layers.0.self_attn.k_proj.weight [16, 64] in rank-00000-of-00002.pt",
+             model="llama:tiny", init_from=str(tmp_path / "other"))
 
 
-def test_other_unreadable_init_sources_are_one_line(hf_dir, tmp_path, capsys):
-    assert _train(tmp_path, "--init-from", str(tmp_path / "nothing-here")) == 2
-    _one_line_error(capsys, "does not exist")
+def test_other_unreadable_init_sources_are_one_line(hf_dir, tmp_path):
+    _refused(tmp_path, "does not exist", init_from=str(tmp_path / "nothing-here"))
     (tmp_path / "junk.pt").write_bytes(b"PK\x03\x04 not a zip")
-    assert _train(tmp_path, "--init-from", str(tmp_path / "junk.pt")) == 2
-    _one_line_error(capsys, str(tmp_path / "junk.pt"), "torch.load(weights_only=True, mmap=True)")
+    _refused(tmp_path, str(tmp_path / "junk.pt"), "torch.load(weights_only=True, mmap=True)",
+             init_from=str(tmp_path / "junk.pt"))
     (tmp_path / "bins").mkdir()
     (tmp_path / "bins" / "config.json").write_text((hf_dir / "config.json").read_text())
     (tmp_path / "bins" / "pytorch_model.bin").write_bytes(b"")
-    assert _train(tmp_path, "--model", f"hf:{tmp_path / 'bins'}") == 2
-    _one_line_error(capsys, "pytorch_model", "no safetensors")
+    _refused(tmp_path, "pytorch_model", "no safetensors", model=f"hf:{tmp_path / 'bins'}")
 
 
 def test_an_hf_folder_without_weight_files_trains_from_the_seeded_init(hf_dir, tmp_path):
