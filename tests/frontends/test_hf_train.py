@@ -12,7 +12,6 @@ process, most of this module's time: the TP2 sharding report and OLMo-2's TP4 re
 the compiles rank 0 trained with, and the models no rank trains are traced by the other ranks after
 training, so no model is traced twice in one process.
 """
-import json
 
 import pytest
 import torch
@@ -29,7 +28,8 @@ from hgraph.runtime.data.documents import mini_batches, read_jsonl  # noqa: E402
 from hgraph.runtime.train.config import TrainConfig  # noqa: E402
 from hgraph.runtime.train.launch import spawn  # noqa: E402
 from hgraph.runtime.train.trainer import Trainer  # noqa: E402
-from hgraph.tools.cli import main  # noqa: E402
+from hgraph.runtime.train.run import prepare  # noqa: E402
+from hgraph.runtime.train.run_config import config_from_options  # noqa: E402
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 SCHEDULE = "1xTP2PP1+1xTP1PP2;4xTP1PP1;1xTP2PP2"
@@ -156,16 +156,16 @@ def test_training_with_switching_strategies_equals_pytorch(spawned, data, spec):
     _assert_equals_reference(spec, got["strategies"], got["sequence_parallel"], got["losses"], got["final"], data)
 
 
-def test_hgraph_train_on_a_hugging_face_model_equals_pytorch(data, tmp_path, capsys):
-    final = tmp_path / "final.pt"
-    rc = main(["train", "--model", CLI_MODEL, "--model-args", json.dumps(ARGS[CLI_MODEL]), "--data", str(data),
-               "--world-size", "4", "--strategy-schedule", SCHEDULE, "--steps", str(STEPS),
-               "--tokens-per-iter", str(TOKENS_PER_ITER), "--save-final", str(final), "--json"])
-    assert rc == 0
-    doc = json.loads(capsys.readouterr().out)
-    steps = doc["steps"]
-    _assert_equals_reference(CLI_MODEL, [s["strategy"] for s in steps], doc["sequence_parallel"],
-                             [s["loss"] for s in steps], torch.load(final), data)
+def test_hgraph_train_on_a_hugging_face_model_equals_pytorch(data, tmp_path):
+    """The run of ``hgraph train`` (its run object: runtime/train/run.py), the trained weights in memory."""
+    config, _ = config_from_options({"model": CLI_MODEL, "model_args": ARGS[CLI_MODEL], "data": str(data),
+                                     "world_size": 4, "strategy_schedule": SCHEDULE, "steps": STEPS,
+                                     "tokens_per_iter": TOKENS_PER_ITER, "json": True})
+    with prepare(config.with_values(return_final=True)) as run:
+        summary = run.execute()
+    steps = summary.steps
+    _assert_equals_reference(CLI_MODEL, [s["strategy"] for s in steps], summary.sequence_parallel,
+                             [s["loss"] for s in steps], summary.final_state, data)
 
 
 def test_a_full_width_norm_over_repeated_key_value_heads_is_refused_in_one_line(spawned):

@@ -18,13 +18,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from tests.runtime.checkpoint.dcp_reads import counted_readers
 from tests.runtime.reference_training import assert_trained_like, reference_run, write_random_documents
 
-from hgraph.errors import HGraphError
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.checkpoint.foreign import ForeignCheckpoint
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.runtime.engine.optimizer import ShardedAdam
-from hgraph.tools.cli import main
+from hgraph.runtime.train.run import prepare
+from hgraph.runtime.train.run_config import config_from_options
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2]
 TOKENS, K, STEPS, LR = 30, 2, 4, 1e-3
@@ -51,24 +52,26 @@ def plain(tmp_path_factory):
     return {"root": root, "data": data, "ck": root / "plain-dcp", "reference": reference}
 
 
-def _argv(plain, ck, *extra):
-    return ["train", "--model", "tiny", "--data", str(plain["data"]), "--tokens-per-iter", str(TOKENS),
-            "--world-size", "2", "--strategy-schedule", "1xTP2PP1;2xTP1PP1", "--steps", str(STEPS),
-            "--lr", str(LR), "--checkpoint-dir", str(ck), "--resume", *extra]
+def _run(plain, ck, **extra):
+    """The run resumed from ``ck`` (the run object of ``hgraph train``), rank 0's trained weights kept."""
+    config, _ = config_from_options({"model": "tiny", "data": str(plain["data"]), "tokens_per_iter": TOKENS,
+                                     "world_size": 2, "strategy_schedule": "1xTP2PP1;2xTP1PP1", "steps": STEPS,
+                                     "lr": LR, "checkpoint_dir": str(ck), "resume": True, **extra})
+    with prepare(config.with_values(return_final=True)) as run:
+        return run.execute()
 
 
-def test_resume_from_a_plain_adam_dcp_checkpoint_continues_like_the_plain_model(plain, capsys):
-    final, metrics = plain["root"] / "final.pt", plain["root"] / "metrics.jsonl"
-    assert main(_argv(plain, plain["ck"], "--save-final", str(final), "--metrics", str(metrics), "--json")) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["resumed_from"]["step"] == K           # the Adam step count
+def test_resume_from_a_plain_adam_dcp_checkpoint_continues_like_the_plain_model(plain):
+    metrics = plain["root"] / "metrics.jsonl"
+    summary = _run(plain, plain["ck"], metrics=str(metrics), json=True)
+    assert summary.resumed_from["step"] == K           # the Adam step count
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(K, STEPS))
     # the data goes on after the first K mini-batches, as the plain run's did
     batches = list(mini_batches(read_jsonl(plain["data"]), TOKENS, STEPS))
     assert [m["documents"] for m in lines] == [[d.index for d in b.docs] for b in batches[K:]]
     reference = dataclasses.replace(plain["reference"], losses=plain["reference"].losses[K:])
-    assert_trained_like([m["loss"] for m in lines], torch.load(final, weights_only=True), reference)
+    assert_trained_like([m["loss"] for m in lines], summary.final_state, reference)
     # the run's own checkpoint went under the folder, and a later --resume takes it first
     assert ckpt.complete_steps(plain["ck"]) == [STEPS]
 
@@ -99,8 +102,10 @@ def test_missing_entries_are_one_line_naming_them(plain, tmp_path, capsys):
     # weights alone: refused before any process starts, one line, exit 2
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "weights-only"), no_dist=True)
     capsys.readouterr()                   # DCP's own warning about saving without a process group
-    assert main(_argv(plain, tmp_path / "weights-only")) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    with pytest.raises(HGraphError) as refused:        # bad input: the command's exit 2
+        _run(plain, tmp_path / "weights-only")
+    err = str(refused.value).splitlines()
+    assert not isinstance(refused.value, RunFailed) and not capsys.readouterr().err
     assert len(err) == 1 and "no Adam step counts" in err[0] and "--init-from" in err[0]
     # one moment missing: named
     opt = torch.optim.Adam(model.parameters(), lr=LR)
