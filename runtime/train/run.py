@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
@@ -119,7 +119,7 @@ class PreparedRun:
         return self.env is None or self.env.rank == 0
 
     def execute(self) -> RunSummary:
-        """Run the ranks; this process's summary. Ctrl-C (``KeyboardInterrupt``) and SIGTERM without a
+        """Run the ranks (once: the hold on the folders ends with it); this process's summary. Ctrl-C (``KeyboardInterrupt``) and SIGTERM without a
         checkpoint folder (``launch.Stopped``) end every process of the run and propagate."""
         with self.held:
             if self.finished is not None:
@@ -146,7 +146,7 @@ class PreparedRun:
 
 
 def prepare(config: TrainConfig, *, progress_bars: Optional[ProgressFactory] = None,
-            env: Any = "read") -> PreparedRun:
+            env: Union[LauncherEnv, None, str] = "read") -> PreparedRun:
     """``config`` (resolved: ``run_config.config_from_options``) made ready to run on this machine (see
     the module's docstring); ``progress_bars``: rank 0's bars (None: plain lines); ``env``: the
     launcher's environment (default: this process's). Bad input: HGraphError, before any rank starts."""
