@@ -184,7 +184,6 @@ def report(prepared: PreparedRun, summary: RunSummary) -> int:
     return 0
 
 
-
 def _print_summary(records: list, run_dir: Path, plots) -> None:
     s = summarize(records)
     used = ", ".join(f"{k} x{v}" for k, v in s.strategies.items())
