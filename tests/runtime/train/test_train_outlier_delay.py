@@ -1,4 +1,5 @@
-"""hgraph train --outlier-queues K end to end on CPU: the delayed stream trained on 2 ranks equals
+"""A training run with ``outlier_queues`` K (``hgraph train --outlier-queues K``; its run object,
+runtime/train/run.py) end to end on CPU: the delayed stream trained on 2 ranks equals
 single-process PyTorch on the mini-batches it formed, every document read is trained once (the run's
 end flushes the queues), and a resume from a checkpoint whose queues hold documents trains the same
 documents per step with bitwise losses and parameters.
@@ -8,30 +9,34 @@ Process launches are the cost (seconds each): one uninterrupted run and one resu
 from __future__ import annotations
 
 import json
-import re
 import shutil
 
 import pytest
 import torch
 from tests.runtime.reference_training import reference_steps
 
+from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.builtin import synthetic_documents, write_jsonl
 from hgraph.runtime.data.documents import read_jsonl
 from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.train.config import TrainConfig
-from hgraph.tools.cli import main
+from hgraph.runtime.train.run import RunSummary, prepare
+from hgraph.runtime.train.run_config import config_from_options
 
 STEPS, EVERY, TOKENS, QUEUES = 8, 3, 512, 2
 CANDIDATES = "2xTP1PP1;1xTP2PP1"
 
 
-def _argv(data, ck, run, *extra):
-    # the analytic cost model: the same plans in the reference and the resumed run
-    return ["train", "--model", "llama:tiny", "--data", str(data), "--world-size", "2", "--steps", str(STEPS),
-            "--tokens-per-iter", str(TOKENS), "--checkpoint-dir", str(ck), "--checkpoint-every", str(EVERY),
-            "--run-dir", str(run), "--no-plots", "--json", "--profile", "analytic", "--strategies", CANDIDATES,
-            "--outlier-queues", str(QUEUES), *extra]
+def _run(data, ck, run, **extra) -> RunSummary:
+    """The run (rank 0's trained weights kept in memory); the analytic cost model: the same plans in the
+    reference and the resumed run."""
+    config, _ = config_from_options({
+        "model": "llama:tiny", "data": str(data), "world_size": 2, "steps": STEPS, "tokens_per_iter": TOKENS,
+        "checkpoint_dir": str(ck), "checkpoint_every": EVERY, "run_dir": str(run), "plots": False, "json": True,
+        "profile": "analytic", "strategies": CANDIDATES, "outlier_queues": QUEUES, **extra})
+    with prepare(config.with_values(return_final=True)) as prepared:
+        return prepared.execute()
 
 
 def _metrics(path):
@@ -44,9 +49,8 @@ def ref(tmp_path_factory):
     data = base / "docs.jsonl"
     write_jsonl(data, synthetic_documents(200, 256, 128, seed=0))
     ck, run = base / "ref-ck", base / "ref-run"
-    assert main(_argv(data, ck, run, "--save-final", str(base / "ref-final.pt"))) == 0
-    return {"base": base, "data": data, "ck": ck, "metrics": _metrics(run / "metrics.jsonl"),
-            "final": torch.load(base / "ref-final.pt", weights_only=True)}
+    final = _run(data, ck, run).final_state
+    return {"base": base, "data": data, "ck": ck, "metrics": _metrics(run / "metrics.jsonl"), "final": final}
 
 
 def test_every_document_read_is_trained_once_and_the_end_flushes(ref):
@@ -87,7 +91,7 @@ def test_delayed_run_equals_pytorch_on_the_mini_batches_it_formed(ref):
         assert abs(r["loss"] - loss) <= 1e-6 * loss
 
 
-def test_resume_with_waiting_documents_trains_the_same_documents_bitwise(ref, capsys):
+def test_resume_with_waiting_documents_trains_the_same_documents_bitwise(ref):
     base = ref["base"]
     ck, run = base / "resume-ck", base / "resume-run"
     shutil.copytree(ref["ck"], ck)
@@ -95,40 +99,27 @@ def test_resume_with_waiting_documents_trains_the_same_documents_bitwise(ref, ca
         shutil.rmtree(ck / f"step-{s:08d}")
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref["metrics"][:3]))
-    assert main(_argv(ref["data"], ck, run, "--resume", "--save-final", str(base / "resume-final.pt"))) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["resumed_from"]["step"] == 3
+    summary = _run(ref["data"], ck, run, resume=True)
+    assert summary.resumed_from["step"] == 3
     got = _metrics(run / "metrics.jsonl")
     assert [r["step"] for r in got] == list(range(STEPS))
     for key in ("documents", "delayed", "pending_delay", "delay_iters", "next_document", "loss"):
         assert [r[key] for r in got] == [r[key] for r in ref["metrics"]], key
-    final = torch.load(base / "resume-final.pt", weights_only=True)
+    final = summary.final_state
     for k, v in ref["final"].items():
         assert torch.equal(final[k], v), k
 
 
-@pytest.mark.parametrize("extra,match", [
-    (("--outlier-queues", "0"), "holds 2 delayed documents in 2 outlier queues; resume with --outlier-queues 2"),
-    (("--outlier-queues", "3"), "resume with --outlier-queues 2 \\(got 3\\)"),
+@pytest.mark.parametrize("queues,match", [
+    (0, "holds 2 delayed documents in 2 outlier queues; resume with --outlier-queues 2"),
+    (3, "resume with --outlier-queues 2 \\(got 3\\)"),
 ])
-def test_resume_that_would_lose_waiting_documents_is_one_line_exit_2(ref, capsys, extra, match):
-    argv = _argv(ref["data"], ref["ck"], ref["base"] / "bad-run", "--resume", "--resume-fallback")
+def test_resume_that_would_lose_waiting_documents_is_one_line_exit_2(ref, capsys, queues, match):
     shutil.copytree(ref["ck"], ref["base"] / "bad-ck", dirs_exist_ok=True)
     for s in (6, 8):
         shutil.rmtree(ref["base"] / "bad-ck" / f"step-{s:08d}", ignore_errors=True)
-    argv[argv.index("--checkpoint-dir") + 1] = str(ref["base"] / "bad-ck")
-    argv = argv[:argv.index("--outlier-queues")] + argv[argv.index("--outlier-queues") + 2:] + list(extra)
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1
-    assert re.search(match, err[0]), err[0]
-
-
-def test_negative_queue_count_is_bad_input(tmp_path, capsys):
-    argv = _argv(tmp_path / "docs.jsonl", tmp_path / "ck", tmp_path / "run")
-    argv[argv.index("--outlier-queues") + 1] = "-1"
-    with pytest.raises(SystemExit) as exit_info:     # argparse's own check of the minimum
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--outlier-queues: -1: must be >= 0" in err[0]
+    with pytest.raises(HGraphError, match=match) as refused:       # bad input: the command's exit 2
+        _run(ref["data"], ref["base"] / "bad-ck", ref["base"] / "bad-run", resume=True, resume_fallback=True,
+             outlier_queues=queues)
+    assert not isinstance(refused.value, RunFailed) and "\n" not in str(refused.value)
+    assert not capsys.readouterr().err

@@ -9,7 +9,7 @@ import torch
 from hgraph.errors import HGraphError
 from hgraph.runtime.train import config_keys as ck
 from hgraph.runtime.train.config import SECTIONS, TrainConfig
-from hgraph.tools.cli import train as cmd_train
+from hgraph.tools.cli import main, train as cmd_train
 
 
 def _parse(*flags):
@@ -102,3 +102,11 @@ def test_the_engine_options_come_from_flags_and_toml(tmp_path, monkeypatch):
     (tmp_path / "run.toml").write_text("[cluster]\npull-bucket-bytes = 65536\npush-bucket-bytes = 1024\n")
     config, _ = cmd_train.config_from_args(_parse("--config", str(tmp_path / "run.toml"), "--push-bucket-bytes", "8"))
     assert (config.cluster.push_bucket_bytes, config.cluster.pull_bucket_bytes) == (8, 65536)
+
+
+def test_negative_queue_count_is_bad_input(capsys):
+    with pytest.raises(SystemExit) as exit_info:     # argparse's own check of the minimum
+        main(["train", "--outlier-queues", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--outlier-queues: -1: must be >= 0" in err[0]
