@@ -119,8 +119,9 @@ class PreparedRun:
         return self.env is None or self.env.rank == 0
 
     def execute(self) -> RunSummary:
-        """Run the ranks (once: the hold on the folders ends with it); this process's summary. Ctrl-C (``KeyboardInterrupt``) and SIGTERM without a
-        checkpoint folder (``launch.Stopped``) end every process of the run and propagate."""
+        """Run the ranks (once: the hold on the folders ends with it); this process's summary. Ctrl-C
+        (``KeyboardInterrupt``) and SIGTERM without a checkpoint folder (``launch.Stopped``) end every
+        process of the run and propagate."""
         with self.held:
             if self.finished is not None:
                 return RunSummary(rank=0 if self.env is None else self.env.rank, run_dir=self.run_dir,

@@ -45,9 +45,19 @@ def test_schema_is_declarative_and_sections_are_the_seven():
 
 def test_defaults_only():
     cfg = ck.resolve(argparse.Namespace())
-    assert cfg.values["model"] == "llama:tiny" and cfg.values["world_size"] == 4 and cfg.values["betas"] == (0.9, 0.999)
+    assert cfg.values["model"] == "llama:tiny" and cfg.values["world_size"] == 4
+    assert cfg.values["betas"] == (0.9, 0.999)
     assert cfg.values["grad_clip"] is None and cfg.values["resume"] is False
     assert set(cfg.sources.values()) == {"default"}
+
+
+def test_resolved_values_have_no_flat_untyped_attributes():
+    """A run reads its options typed, through the sections of its TrainConfig: the resolved values are
+    ``values`` and ``sources``, not an attribute per key."""
+    cfg = ck.resolve({"lr": 0.01})
+    with pytest.raises(AttributeError):
+        cfg.lr
+    assert cfg.values["lr"] == 0.01 and cfg.where("lr") == "--lr"
 
 
 def test_file_values_and_flags_win(tmp_path):
@@ -70,7 +80,8 @@ checkpoint-every = 5
     args = _parser().parse_args(["--config", str(path), "--lr", "0.01", "--steps", "9", "--resume"])
     cfg = ck.resolve(args)
     assert cfg.values["model"] == "llama:tiny-tied" and cfg.values["model_args"] == {"num_layers": 2}
-    assert cfg.values["tokens_per_iter"] == 2048 and cfg.values["optimizer"] == "adamw" and cfg.values["betas"] == (0.8, 0.95)
+    assert cfg.values["tokens_per_iter"] == 2048 and cfg.values["optimizer"] == "adamw"
+    assert cfg.values["betas"] == (0.8, 0.95)
     assert cfg.values["grad_clip"] == 1.0 and isinstance(cfg.values["grad_clip"], float)
     assert cfg.values["lr"] == 0.01 and cfg.values["steps"] == 9 and cfg.values["resume"] is True           # flags win
     assert cfg.sources["lr"] == "command line" and cfg.sources["tokens_per_iter"] == "run.toml"
