@@ -83,6 +83,7 @@ def train(model: Union[str, Callable[..., nn.Module]], data: Optional[str] = Non
     # the API module wires the runtime's run object, lazily (hgraph's IR imports none of the rooms)
     from hgraph.runtime.train.config_keys import BY_DEST
     from hgraph.runtime.train.launcher_env import read_launcher_env
+    from hgraph.runtime.train.progress import PlainLines
     from hgraph.runtime.train.run import errors_named, prepare
     from hgraph.runtime.train.run_config import config_from_options
 
@@ -99,7 +100,8 @@ def train(model: Union[str, Callable[..., nn.Module]], data: Optional[str] = Non
     env = read_launcher_env()
     with errors_named(env):
         run_config, _ = config_from_options(given, None if config is None else str(config), env=env)
-        with prepare(run_config.with_values(return_final=True), env=env) as prepared:
+        # rank 0's progress as plain lines (the planner's setup steps), as the command prints them off a terminal
+        with prepare(run_config.with_values(return_final=True), progress_bars=PlainLines, env=env) as prepared:
             summary = prepared.execute()
         if summary.finished is not None:
             raise RunFailed(f"hgraph.train: {summary.finished}")

@@ -5,7 +5,9 @@ factory of bars in the run's config (``hgraph train`` passes ``hgraph.tools.cli.
 bound to whether it draws on this terminal). Rank 0 makes its bars with it: ``factory(total, label,
 plain=...)`` -> a bar with ``update``, ``write`` (a line above the bar) and ``close``. ``plain`` asks
 a bar that is not drawn to print its notes as plain lines. Other ranks, and a run without a
-factory, get ``PrintedLines``: no bar, only the lines written.
+factory, get ``PrintedLines``: no bar, only the lines written. ``PlainLines`` is the factory of a front
+door that draws nothing (``hgraph.train``): a bar asked to be ``plain`` prints each update as the line
+``label: note (i/n)``, as ``hgraph train``'s bars do off a terminal.
 """
 from __future__ import annotations
 
@@ -39,6 +41,18 @@ class PrintedLines:
 
     def close(self) -> None:
         pass
+
+
+class PlainLines(PrintedLines):
+    """No bar drawn; with ``plain`` each update with a note is the line ``label: note (i/n)``."""
+
+    def __init__(self, total: int, label: str, *, plain: bool = False) -> None:
+        self.total, self.label, self.plain, self.done = max(int(total), 1), label, plain, 0
+
+    def update(self, n: int = 1, note: str = "") -> None:
+        self.done = min(self.done + n, self.total)
+        if self.plain and note:
+            log.info(f"{self.label}: {note} ({self.done}/{self.total})")
 
 
 def progress_bar(factory: Optional[ProgressFactory], total: int, label: str, *, rank: int,
