@@ -50,3 +50,28 @@ def test_a_prepared_run_that_is_not_executed_releases_its_folders(tmp_path):
 def _tiny():
     from hgraph.runtime.train.model_setup import build_model
     return build_model(config_from_options({"model": "tiny"})[0])
+
+
+def test_under_a_launcher_every_error_names_its_rank_and_host_in_one_line():
+    from types import SimpleNamespace
+
+    from hgraph.errors import HGraphError, RunFailed
+    from hgraph.runtime.train.run import errors_named
+    from hgraph.runtime.train.run_folders import Refused
+    env = SimpleNamespace(where=lambda: "rank 3 on node-b")
+    with pytest.raises(HGraphError) as bad:
+        with errors_named(env):
+            raise HGraphError("--steps must be >= 1")
+    assert str(bad.value) == "rank 3 on node-b: --steps must be >= 1" and not isinstance(bad.value, RunFailed)
+    with pytest.raises(RunFailed, match="^rank 3 on node-b: every one of the 2 steps was skipped$"):
+        with errors_named(env):
+            raise RunFailed("every one of the 2 steps was skipped")
+    with pytest.raises(RunFailed, match=r"^rank 3 on node-b: RuntimeError: \[gloo\] Connection closed by peer$"):
+        with errors_named(env):
+            raise RuntimeError("[gloo] Connection closed by peer\nmore detail")
+    with pytest.raises(Refused, match="^in use$"):          # every rank said it already: as it is
+        with errors_named(env):
+            raise Refused("in use")
+    with pytest.raises(ValueError):                        # a local run: errors as they are
+        with errors_named(None):
+            raise ValueError("x")
