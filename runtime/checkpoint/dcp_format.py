@@ -13,11 +13,11 @@ So ``dcp.load({"model": model.state_dict()}, checkpoint_id=DIR)`` fills a plain 
 model, at any world size, and Adam's state loads the same way.
 
 How the optimizer's layout maps onto DCP: hgraph shards every parameter evenly along one shard
-dimension over all N ranks (``shard_bounds``), so a rank's piece is a rectangular chunk of the full
-tensor (offset ``lo`` along that dimension) and is written as one chunk of a ``ShardedTensor``; a
-rank whose range is empty (fewer rows than ranks) writes no chunk. The one thing DCP does not carry
-is the shard dimension itself, which only matters for reading a rank's range back: it is kept in the
-checkpoint's ``manifest.json`` with the hyper-parameters.
+dimension (``shard_bounds``), so the rows of consecutive ranks are a rectangular chunk of the full
+tensor. The first shard group's ranks gather each master and moment into chunks of at least 64 MiB,
+each the rows of a block of ranks written by one of them (``coalesce``: the ``.metadata`` does not grow
+with the world), the chunks of a ``ShardedTensor``. The one thing DCP does not carry is the shard
+dimension itself, kept in the checkpoint's ``manifest.json`` with the hyper-parameters.
 
 Reading a rank's rows (``read_rows``, ``load_optimizer_state``) asks DCP for those rows only: a
 ``DefaultLoadPlanner`` (``RowsPlanner``) whose local plan describes each wanted entry as one chunk of
@@ -39,7 +39,7 @@ import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.futures import Future
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import coalesce
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
@@ -76,47 +77,56 @@ def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup],
-             group_size: Optional[int] = None):
-    """This rank's piece as a chunk of the full tensor: a ShardedTensor whose global metadata lists
-    every rank's rows (computed here, no collective), or the tensor itself on one rank. With shard
-    groups of ``group_size`` ranks the first group's ranks write the chunks (every group holds the
-    same states; the others write none), so the checkpoint has the same entries whatever G is."""
+def _chunked(local: torch.Tensor, entry: coalesce.Entry, rank: int, group: Optional[dist.ProcessGroup],
+             chunks: Sequence[coalesce.Chunk] = (), mine: Optional[torch.Tensor] = None):
+    """An entry as DCP writes it: a ShardedTensor whose global metadata lists the entry's chunks
+    (``coalesce.chunks``, computed here, no collective) and holds the one this rank writes (``mine``,
+    gathered by ``coalesce.gather_chunks``), or this rank's tensor itself on one rank."""
     if not _distributed(group):
-        return local.reshape(full_shape)
-    shape = tuple(full_shape) or (1,)
+        return local.reshape(entry.full_shape)
     metas = []
-    for r in range(group_size or world_size):
-        lo, hi = shard_bounds(shape[dim], r, group_size or world_size)
-        if hi > lo:
-            offsets, sizes = [0] * len(shape), list(shape)
-            offsets[dim], sizes[dim] = lo, hi - lo
-            metas.append(ShardMetadata(offsets, sizes, f"rank:{r}/cpu"))
-    mine = [Shard(local.reshape(m.shard_sizes), m) for m in metas if m.placement.rank() == rank]
+    for c in chunks:
+        offsets, sizes = [0] * len(entry.shape), list(entry.shape)
+        offsets[entry.dim], sizes[entry.dim] = c.lo, c.hi - c.lo
+        metas.append(ShardMetadata(offsets, sizes, f"rank:{c.writer}/cpu"))
+    own = [Shard(mine.reshape(m.shard_sizes), m) for m in metas if mine is not None and m.placement.rank() == rank]
     props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=group)
+        own, ShardedTensorMetadata(metas, torch.Size(entry.shape), props), process_group=group)
 
 
-def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
+def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
+               min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation
-        return _save_state(optimizer, rank, world_size, rng, group)
+        return _save_state(optimizer, rank, world_size, rng, group, min_chunk_bytes)
 
 
-def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
-    """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
-    and RNG states."""
+def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any],
+                group: Optional[dist.ProcessGroup], min_chunk_bytes: int) -> dict:
+    """The DCP state dict of this rank: the chunks of masters and moments it writes (the first shard
+    group's ranks gather them, ``coalesce``), step counts, hyper-parameters and RNG states."""
     state = optimizer.state_dict()
     shared = writes_shared(rank)
+    group_size = getattr(optimizer, "group_size", world_size)
+    entries, tensors = [], []
+    for i, (name, layout) in enumerate(optimizer.layouts.items()):
+        for k, key in enumerate(("params",) + _MOMENTS):
+            t = state[key][name]
+            entries.append(coalesce.Entry(3 * i + k, tuple(layout.full_shape), layout.dim, t.element_size()))
+            tensors.append(t)
+    distributed = _distributed(group)
+    # the first shard group writes (every group holds the same states), so the checkpoint has the same
+    # entries whatever G is; the other groups' ranks write none of them
+    mine = (coalesce.gather_chunks(entries, tensors, rank, group_size, group, min_chunk_bytes)
+            if distributed and rank < group_size else {})
+    chunked = [_chunked(t, e, rank, group, coalesce.chunks(e, group_size, min_chunk_bytes) if distributed else (),
+                        mine.get(e.item)) for e, t in zip(entries, tensors)]
     model, optim = {}, {}
-    for name, layout in optimizer.layouts.items():
-        def chunk(t):
-            return _chunked(t, layout.full_shape, layout.dim, rank, world_size, group,
-                            getattr(optimizer, "group_size", world_size))
-        model[name] = chunk(state["params"][name])
-        optim[name] = {key: chunk(state[key][name]) for key in _MOMENTS}
+    for i, name in enumerate(optimizer.layouts):
+        model[name] = chunked[3 * i]
+        optim[name] = {key: chunked[3 * i + 1 + k] for k, key in enumerate(_MOMENTS)}
         if shared:
             optim[name]["step"] = torch.tensor(float(state["steps"][name]))
     buf = io.BytesIO()
@@ -164,10 +174,11 @@ class _AlreadyStaged(AsyncStager):
 
 
 def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
-         *, asynchronous: bool = False):
-    """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``).
+         *, asynchronous: bool = False, min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES):
+    """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``; the
+    chunks are gathered first, point to point inside blocks of ranks, ``coalesce``).
     ``asynchronous``: stage the tensors and write in a background thread; returns its future."""
-    state = save_state(optimizer, rank, world_size, rng, group)
+    state = save_state(optimizer, rank, world_size, rng, group, min_chunk_bytes)
     no_dist = not _distributed(group)
     with warnings.catch_warnings():
         # one process saving alone is what no_dist says; ShardedTensor is what DCP writes uneven chunks from
@@ -181,9 +192,9 @@ def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: 
 
 
 def read_metadata(folder: Path) -> Any:
-    """The checkpoint's ``.metadata`` (DCP's ``Metadata``), read once for all a load asks: it lists a
-    chunk per parameter, moment and writing rank, so at G = world it grows with the world (70B at 1,024
-    ranks: 319 MB), and every rank reads it on resume."""
+    """The checkpoint's ``.metadata`` (DCP's ``Metadata``), read once for all a load asks: every rank
+    reads it on resume (a chunk per parameter, moment and writing rank made it 319 MB for 70B at 1,024
+    ranks; coalesced chunks, ``coalesce``, keep it to a few MB)."""
     try:
         return dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a missing or corrupt .metadata

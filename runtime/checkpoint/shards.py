@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.checkpoint import coalesce, dcp_format
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
@@ -211,7 +211,8 @@ def _barrier(world_size: int, group: Optional[dist.ProcessGroup]) -> None:
 def save(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
          data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
          planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-         keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> Path:
+         keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
+         min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> Path:
     """Save the checkpoint of ``step`` under ``root`` (collective: every rank calls it); returns its folder.
 
     ``optimizer``: this rank's ``ShardedAdam``; ``data_position`` (e.g. next document index and
@@ -219,10 +220,12 @@ def save(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, wo
     are stored). ``keep_last``: once this one is complete, delete older complete checkpoints so that
     ``keep_last`` remain up to this step (at least 2, so a fallback stays possible); later steps are
     left alone. Re-saving an existing step replaces it (it is incomplete while being rewritten).
-    Returns after the manifest is in place on every rank.
+    Returns after the manifest is in place on every rank. ``min_chunk_bytes``: the least bytes of a
+    chunk the ranks' rows are coalesced into (``coalesce``: the ``.metadata`` does not grow with the world).
     """
     state = _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
-    return _start(root, step, optimizer, rank, world_size, keep_last, group, state).wait()
+    return _start(root, step, optimizer, rank, world_size, keep_last, group, state,
+                  min_chunk_bytes=min_chunk_bytes).wait()
 
 
 def _run_state(step, keep_last, data_position, delay_queues, planner_state, run) -> dict:
@@ -241,7 +244,8 @@ def _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
 def save_async(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int = 0, world_size: int = 1,
                data_position: Optional[Mapping[str, Any]] = None, delay_queues: Optional[Mapping[str, Any]] = None,
                planner_state: Optional[Mapping[str, Any]] = None, run: Optional[Mapping[str, Any]] = None,
-               async_group: Optional[dist.ProcessGroup] = None, keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None) -> "PendingCheckpoint":
+               async_group: Optional[dist.ProcessGroup] = None, keep_last: Optional[int] = None, group: Optional[dist.ProcessGroup] = None,
+               min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> "PendingCheckpoint":
     """``save`` whose tensors are written in a background thread: returns once they are staged (copied),
     so training goes on; ``PendingCheckpoint.wait()`` (collective, every rank at the same point:
     before the next save and at the end of the run) completes it with the manifest. ``async_group``:
@@ -249,7 +253,7 @@ def save_async(root: PathLike, step: int, optimizer: ShardedAdam, *, rank: int =
     must not interleave with training's on the same group)."""
     state = _run_state(step, keep_last, data_position, delay_queues, planner_state, run)
     return _start(root, step, optimizer, rank, world_size, keep_last, group, state, asynchronous=True,
-                  async_group=async_group)
+                  async_group=async_group, min_chunk_bytes=min_chunk_bytes)
 
 
 @dataclass
@@ -268,7 +272,8 @@ class PendingCheckpoint:
 
 
 def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, asynchronous: bool = False,
-           async_group: Optional[dist.ProcessGroup] = None) -> PendingCheckpoint:
+           async_group: Optional[dist.ProcessGroup] = None,
+           min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> PendingCheckpoint:
     folder = step_dir(root, step)
     if rank == 0:
         # Re-saving a step: its old manifest and files go first, so the folder is never "complete"
@@ -281,7 +286,8 @@ def _start(root, step, optimizer, rank, world_size, keep_last, group, state, *, 
               "hyper": optimizer.state_dict()["hyper"],
               "shard_group": getattr(optimizer, "group_size", world_size)}
     future = dcp_format.save(folder, optimizer, rank, world_size, capture_rng(),
-                             async_group if async_group is not None else group, asynchronous=asynchronous)
+                             async_group if async_group is not None else group, asynchronous=asynchronous,
+                             min_chunk_bytes=min_chunk_bytes)
 
     def finish() -> None:
         _barrier(world_size, group)          # every rank's files are in place

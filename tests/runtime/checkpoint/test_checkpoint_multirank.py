@@ -19,13 +19,14 @@ from tests.runtime.checkpoint.dcp_reads import counted_readers
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
-from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.checkpoint import coalesce, dcp_format
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
 from hgraph.shard_rule import shard_bounds
 
 WORLD = 4
+BLOCK_BYTES = 8192      # the tiny model's embedding (128 KiB) is 4 chunks, its q_proj (16 KiB) 2
 # Non-default shard dims: a 2-d weight along its columns; sizes that 3 ranks do not divide evenly.
 SHARD_DIMS = {"layers.0.self_attn.q_proj.weight": 1, "layers.1.mlp.down_proj.weight": 1}
 
@@ -70,6 +71,9 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                     data_position={"next_doc": 40, "step": 4}, delay_queues={"held": []},
                     planner_state={"seed": 5, "cache": ["4xTP1PP1"]})
     out["state4"] = _state(opt)
+    # The same state in chunks of at least BLOCK_BYTES: entries of several chunks, each gathered from a
+    # block of ranks by one of them (the default's 64 MiB makes every entry of the tiny model one chunk)
+    checkpoint.save(f"{root}-blocks", 4, opt, rank=rank, world_size=world_size, min_chunk_bytes=BLOCK_BYTES)
     out["rng_after"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
     # The same state saved asynchronously: training goes on while it is written (the steps below
     # change the optimizer), and it completes later with the same tensors.
@@ -330,3 +334,62 @@ def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
             f"optim.state.{name}.step" for name in layout["shard_dims"])
     whole = sum(_full(saved, "params", name).numel() * 4 * 3 for name in layout["shard_dims"])
     assert rows_bytes < whole / 2.5          # a third of the model's states, not all of it
+
+
+def _entries(saved: list[dict]) -> list[tuple[str, coalesce.Entry]]:
+    """Every entry of the ranks' state (its DCP key) as the save numbers them."""
+    out = []
+    for i, (name, dim) in enumerate(saved[0]["shard_dims"].items()):
+        shape = tuple(_full(saved, "params", name).shape)
+        for k, key in enumerate((f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq")):
+            out.append((key, coalesce.Entry(3 * i + k, shape, dim)))
+    return out
+
+
+@pytest.mark.parametrize("suffix,min_bytes", [("", coalesce.MIN_CHUNK_BYTES), ("-blocks", BLOCK_BYTES)])
+def test_each_entry_is_written_as_the_coalesced_chunks_of_blocks_of_ranks(run, suffix, min_bytes):
+    """The ``.metadata`` of the 4 ranks' checkpoint lists, per master and moment, the chunks
+    ``coalesce.chunks`` says (not one per rank), each in the file of the rank that writes it."""
+    root, results = run
+    saved = [r["state4"] for r in results]
+    folder = checkpoint.step_dir(f"{root}{suffix}", 4)
+    md = dcp_format.read_metadata(folder)
+    files = {index: info.relative_path for index, info in md.storage_data.items()}
+    counts = set()
+    for key, entry in _entries(saved):
+        want = coalesce.chunks(entry, WORLD, min_bytes)
+        got = sorted(md.state_dict_metadata[key].chunks, key=lambda c: c.offsets[entry.dim])
+        assert [(c.offsets[entry.dim], c.sizes[entry.dim]) for c in got] == [(w.lo, w.hi - w.lo) for w in want], key
+        for c, w in zip(got, want):
+            index = next(i for i in files if i.fqn == key and list(i.offset) == list(c.offsets))
+            assert files[index] == dcp_format.rank_file_name(w.writer), key
+        counts.add(len(want))
+    assert counts == ({1} if not suffix else {1, 2, 4})
+    writers = {w.writer for _, e in _entries(saved) for w in coalesce.chunks(e, WORLD, min_bytes)}
+    assert writers == set(range(WORLD))          # the entries spread over every rank of the block
+
+
+@pytest.mark.parametrize("n", [4, 3, 1])
+def test_a_checkpoint_of_coalesced_chunks_resumes_bitwise_at_any_world_size(run, n):
+    """Read back at 4, 3 and 1 ranks (``load``, from the files), every rank's rows of every master and
+    moment are bitwise the 4 ranks' states, and the step counts are theirs."""
+    root, results = run
+    saved = [r["state4"] for r in results]
+    loaded = [checkpoint.load(f"{root}-blocks", r, n).optimizer for r in range(n)]
+    for name in saved[0]["shard_dims"]:
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(loaded, key, name), _full(saved, key, name)), (n, key, name)
+        assert all(s["steps"][name] == 4.0 for s in loaded)
+
+
+def test_a_plain_model_loads_the_coalesced_checkpoint_with_dcp(run):
+    """``dcp.load({"model": model.state_dict()})`` in one process: the 4 ranks' masters."""
+    import torch.distributed.checkpoint as dcp
+    root, results = run
+    saved = [r["state4"] for r in results]
+    model = _model()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(checkpoint.step_dir(f"{root}-blocks", 4)), no_dist=True)
+    model.load_state_dict(state["model"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
