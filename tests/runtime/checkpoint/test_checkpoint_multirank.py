@@ -20,6 +20,9 @@ from tests.runtime.checkpoint.dcp_reads import counted_readers
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
 from hgraph.runtime.checkpoint import coalesce, dcp_format
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+from hgraph.runtime.checkpoint import full_state
+from hgraph.runtime.checkpoint import rng_state
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
@@ -82,11 +85,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
     # A crash mid-save of step 6: the shard files (and a stray temp file) are there, no manifest.
     _adam_steps(opt, 4, 2)
-    folder = checkpoint.step_dir(root, 6)
-    checkpoint.write_shard(folder, rank, world_size, 6, opt, checkpoint.capture_rng())
+    folder = ckpt_manifest.step_dir(root, 6)
+    checkpoint.write_shard(folder, rank, world_size, 6, opt, rng_state.capture_rng())
     (folder / f".manifest.json.tmp-{rank}").write_text("{\"format\": 1, \"st")
     dist.barrier()
-    out["latest_after_crash"] = str(checkpoint.latest(root))
+    out["latest_after_crash"] = str(ckpt_manifest.latest(root))
 
     pending.wait()
     out["async4"] = checkpoint.load(f"{root}-async", rank, world_size).optimizer
@@ -95,7 +98,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     fresh.load_state_dict(ck.optimizer)
     out["loaded4"] = _state(fresh)
     out["loaded4_meta"] = (ck.step, ck.resharded, ck.data_position, ck.delay_queues, ck.planner_state)
-    checkpoint.restore_rng(ck.rng)
+    rng_state.restore_rng(ck.rng)
     out["rng_restored"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
     # Training on from the loaded state matches training on from the original one.
     _adam_steps(fresh, 4, 2)
@@ -178,8 +181,8 @@ def test_rng_states_restored(run):
 
 def test_crash_mid_save_keeps_previous_checkpoint(run):
     root, results = run
-    assert all(r["latest_after_crash"] == str(checkpoint.step_dir(root, 4)) for r in results)
-    assert checkpoint.complete_steps(root) == [2, 4]
+    assert all(r["latest_after_crash"] == str(ckpt_manifest.step_dir(root, 4)) for r in results)
+    assert ckpt_manifest.complete_steps(root) == [2, 4]
     with pytest.raises(HGraphError, match="incomplete"):
         checkpoint.load(root, 0, 4, step=6)
 
@@ -247,7 +250,7 @@ def test_a_plain_model_and_adam_load_the_checkpoint_of_4_ranks_with_dcp(run):
         p.grad = torch.zeros_like(p)
     adam.step()                                        # Adam's state exists, to be overwritten
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, adam)}
-    dcp.load(state, checkpoint_id=str(checkpoint.step_dir(root, 4)), no_dist=True)
+    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(root, 4)), no_dist=True)
     model.load_state_dict(state["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
@@ -260,10 +263,10 @@ def test_a_plain_model_and_adam_load_the_checkpoint_of_4_ranks_with_dcp(run):
 def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
     root, results = run
     saved = [r["state4"] for r in results]
-    full = checkpoint.full_tensors(root)
+    full = full_state.full_tensors(root)
     assert full["step"] == 4
     out = tmp_path / "model.pt"
-    checkpoint.export_state_dict(root, out)
+    full_state.export_state_dict(root, out)
     state = torch.load(out, weights_only=True)
     model = _model()
     model.load_state_dict(state)            # strict: every key of the module, nothing more
@@ -271,7 +274,7 @@ def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
         assert torch.equal(p.detach(), _full(saved, "params", name))
         assert torch.equal(full["exp_avg"][name], _full(saved, "exp_avg", name))
     # Older step on request; with the model given, its keys (buffers included) are kept.
-    state2 = checkpoint.export_state_dict(root, tmp_path / "m2.pt", step=2, model=_model())
+    state2 = full_state.export_state_dict(root, tmp_path / "m2.pt", step=2, model=_model())
     assert state2.keys() == _model().state_dict().keys()
     assert not torch.equal(state2["layers.0.self_attn.q_proj.weight"], state["layers.0.self_attn.q_proj.weight"])
 
@@ -281,7 +284,7 @@ def test_truncated_shard_names_file_and_fallback_works(run, tmp_path):
     root, results = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(1)
+    victim = ckpt_manifest.step_dir(copy, 4) / dcp_format.rank_file_name(1)
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
     with pytest.raises(HGraphError, match=r"__1_0\.distcp.*truncated"):
@@ -300,7 +303,7 @@ def test_same_size_corruption_is_caught_by_checksum(run, tmp_path):
     root, _ = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(2)
+    victim = ckpt_manifest.step_dir(copy, 4) / dcp_format.rank_file_name(2)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -317,8 +320,8 @@ def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
     root, results = run
     saved = [r["state4"] for r in results]
     readers = counted_readers(monkeypatch)
-    folder = checkpoint.step_dir(root, 4)
-    layout = checkpoint.read_manifest(folder)["optimizer"]
+    folder = ckpt_manifest.step_dir(root, 4)
+    layout = ckpt_manifest.read_manifest(folder)["optimizer"]
     for r in range(3):
         readers.clear()
         state, shapes = dcp_format.load_optimizer_state(folder, r, 3, layout["shard_dims"], layout["hyper"])
@@ -352,7 +355,7 @@ def test_each_entry_is_written_as_the_coalesced_chunks_of_blocks_of_ranks(run, s
     ``coalesce.chunks`` says (not one per rank), each in the file of the rank that writes it."""
     root, results = run
     saved = [r["state4"] for r in results]
-    folder = checkpoint.step_dir(f"{root}{suffix}", 4)
+    folder = ckpt_manifest.step_dir(f"{root}{suffix}", 4)
     md = dcp_format.read_metadata(folder)
     files = {index: info.relative_path for index, info in md.storage_data.items()}
     counts = set()
@@ -389,7 +392,7 @@ def test_a_plain_model_loads_the_coalesced_checkpoint_with_dcp(run):
     saved = [r["state4"] for r in results]
     model = _model()
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(checkpoint.step_dir(f"{root}-blocks", 4)), no_dist=True)
+    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(f"{root}-blocks", 4)), no_dist=True)
     model.load_state_dict(state["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
