@@ -32,7 +32,7 @@ are one chunk each, and the count follows the state's bytes, not the world's ran
 DCP's per-chunk costs (a storage entry, an archive header, one read item per overlapping chunk on
 resume) far below the bytes they carry.
 
-A resume reads any chunking (``dcp_format.RowsPlanner`` / ``RowsReader``), and ``dcp.load`` into a
+A resume reads any chunking (``rows_read.RowsPlanner`` / ``RowsReader``), and ``dcp.load`` into a
 plain model sees the same entries in full-tensor shapes.
 """
 from __future__ import annotations
