@@ -60,6 +60,7 @@ from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.data.stored import StoreDocuments, limit_long
 from hgraph.runtime.data.token_store import VERSION, _header_bytes, open_store, store_paths
 from hgraph.runtime.planner import selection
+from hgraph.runtime.planner.auto_candidates import auto_candidates
 from hgraph.runtime.planner.service.iteration import model_cost_model
 from hgraph.shard_rule import shard_bounds
 
@@ -97,7 +98,7 @@ def plan_broadcast(model: str, world: int, lengths: np.ndarray, tokens: Optional
     tokens = tokens or tokens_per_iter(world)
     n = max(1, int(np.searchsorted(np.cumsum(lengths), tokens, side="right")))
     sample = lengths[: min(lengths.size, 100_000)].tolist()
-    candidates, _ = selection.auto_candidates(sample, cost, world, context, tokens, max_candidates=max_candidates)
+    candidates, _ = auto_candidates(sample, cost, world, context, tokens, max_candidates=max_candidates)
     plan = selection.plan_iteration(lengths[:n].tolist(), candidates, cost)
     box = (plan, "ahead", float(plan.est_latency_ms), 0.0, [plan.strategy])   # what _on_rank0 broadcasts
     t0 = time.process_time()
