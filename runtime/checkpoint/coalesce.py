@@ -153,6 +153,8 @@ def gather_chunks(entries: Sequence[Entry], shards: Sequence[torch.Tensor], rank
             parts.append(buf)
         pieces[entry.item] = (entry, parts)
     if ops:
+        # only the block's members take part: NCCL allows that on a group that has run a collective
+        # before (a run's world group has; the asynchronous checkpoint's group is gloo)
         for work in dist.batch_isend_irecv(ops):
             work.wait()
     return {item: torch.cat([p.to("cpu") for p in parts], dim=entry.dim).contiguous()

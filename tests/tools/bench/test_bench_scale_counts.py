@@ -1,6 +1,7 @@
 """``cluster_scale --counts`` runs small, and what it counts does not grow with the world where it must
-not: with the optimizer sharded in groups of G, the checkpoint's chunks are G per parameter whatever the
-world, and each rank more adds only its RNG entry to what rank 0 gathers and writes (sizes, not seconds)."""
+not: the checkpoint's coalesced chunks are as many whatever the world (with a chunk per writing rank,
+G per parameter under shard groups of G), and each rank more adds only its RNG entry to what rank 0
+gathers and writes (sizes, not seconds)."""
 from __future__ import annotations
 
 import json
