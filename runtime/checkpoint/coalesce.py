@@ -22,7 +22,9 @@ first shard group:
   rows when those are larger);
 * the other members send it their rows, point to point (``gather_chunks``: one
   ``batch_isend_irecv`` of the block's members, no world collective, a rank's peers are its blocks'
-  members).
+  members). A writer gathers from every rank of its block that holds rows (``Chunk.sources``): at most
+  G, about ``G / blocks``; under ``--shard-group world`` at 12,288 ranks (70B) up to about 2,000 ranks
+  of one or two rows each, once per save (``cluster_scale --counts`` reports the largest).
 
 Why a minimum size rather than a fixed number of chunks per entry: a fixed number ``K`` puts
 ``1/K`` of every entry on one writer whatever its size (a 70B embedding's moments: 1.6 GB a writer
@@ -60,6 +62,11 @@ class Chunk:
     lo: int
     hi: int
     writer: int
+
+    @property
+    def sources(self) -> int:
+        """How many ranks of the block hold rows of it (each at least one row when any rank has none)."""
+        return min(self.stop - self.first, self.hi - self.lo)
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def checkpoint_manifest(params: list[tuple[str, tuple[int, ...], int]], world: i
         chunks += count * 3 * min(writers, (shape or (1,))[dim])
     return {"gpus": world, "what": "checkpoint manifest", "layout": PER_RANK, "shard_group": group or "world",
             "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": total_bytes,
-            "build_s": build_s, "read_s": read_s}
+            "build_s": build_s, "read_s": read_s, "gather_sources": 1}
 
 
 def coalesced_plans(params: list[tuple[str, tuple[int, ...], int]], world: int, group: Optional[int],
@@ -347,9 +347,12 @@ def _coalesced_manifest(params, world, group, shared, min_chunk_bytes) -> dict:
     md, build_s = _metadata(plans)
     size, read_s = _pickled(md)
     chunks = sum(1 for p in plans for item in p.items if item.type == WriteItemType.SHARD)
+    # the most ranks one writer gathers rows from at a save (point to point, once per save)
+    fan_in = max(c.sources for i, (_, shape, dim) in enumerate(params)
+                 for c in coalesce.chunks(coalesce.Entry(3 * i, shape, dim), group or world, min_chunk_bytes))
     return {"gpus": world, "what": "checkpoint manifest", "layout": COALESCED, "shard_group": group or "world",
             "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": size,
-            "build_s": build_s, "read_s": read_s}
+            "build_s": build_s, "read_s": read_s, "gather_sources": fan_in}
 
 
 def _empty_bytes() -> int:
@@ -427,13 +430,15 @@ def counts_tables(result: dict) -> str:
            "",
            "Checkpoint manifest (DCP .metadata; rank 0 gathers every rank's plan and builds it on save, every rank "
            f"reads it on resume): the save's chunks (coalesced, at least {coalesce.MIN_CHUNK_BYTES >> 20} MiB "
-           "each) beside a chunk per writing rank",
+           "each) beside a chunk per writing rank; writer's sources: the most ranks whose rows one chunk's writer "
+           "gathers at a save, point to point",
            _table([r for pair in zip(result["manifests_per_rank"], result["manifests"]) for r in pair],
                   [("model", "model", str), ("gpus", "GPUs", "{:,}".format),
                                         ("shard_group", "G", str), ("layout", "chunks of", str),
                                         ("chunks", "chunks", "{:,}".format),
                                         ("gathered_bytes", "gathered MB", _mb), ("bytes", ".metadata MB", _mb),
-                                        ("build_s", "build s", "{:.2f}".format), ("read_s", "read s", "{:.2f}".format)])]
+                                        ("build_s", "build s", "{:.2f}".format), ("read_s", "read s", "{:.2f}".format),
+                                        ("gather_sources", "writer's sources", "{:,}".format)])]
     return "\n".join(out)
 
 

@@ -1,7 +1,8 @@
 """The chunks a checkpoint's entries are cut into (``coalesce``), without processes: they tile the rows
-along rank boundaries, hold the minimum bytes or more (an entry smaller than that is one chunk) and less
-than twice that (or one rank's rows), within the rows of a rank or two (blocks are whole ranks), their number does not depend on the number of ranks once
-the ranks' rows are smaller than a chunk, and each block's writer is one of its ranks."""
+along rank boundaries, hold the minimum bytes or more (an entry smaller than that is one chunk) and
+less than twice that (or one rank's rows), within the rows of a rank or two (blocks are whole ranks);
+their number does not depend on the number of ranks once the ranks' rows are smaller than a chunk,
+each block's writer is one of its ranks, and ``sources`` counts the ranks whose rows it gathers."""
 import random
 
 from hgraph.runtime.checkpoint import coalesce
@@ -22,6 +23,11 @@ def test_chunks_tile_the_rows_in_blocks_of_ranks():
         _check(entry, group, min_bytes)
 
 
+def _rows(entry, rank, group):
+    lo, hi = shard_bounds(entry.rows, rank, group)
+    return hi - lo
+
+
 def _check(entry, group, min_bytes):
     chunks = coalesce.chunks(entry, group, min_bytes)
     assert chunks and chunks[0].lo == 0 and chunks[-1].hi == entry.rows
@@ -32,6 +38,8 @@ def _check(entry, group, min_bytes):
         assert (c.lo, c.hi) == (shard_bounds(entry.rows, c.first, group)[0], shard_bounds(entry.rows, c.stop - 1, group)[1])
         assert c.first <= c.writer < c.stop
         assert coalesce.own_block(entry, c.writer, group, min_bytes) == c
+        if c.stop - c.first <= 64:           # the ranks holding rows, counted one by one
+            assert c.sources == sum(1 for r in range(c.first, c.stop) if _rows(entry, r, group) > 0)
         size = (c.hi - c.lo) * entry.row_bytes
         slack = 2 * widest_rank * entry.row_bytes              # blocks are whole ranks
         assert size >= min(min_bytes, total) - slack or c.stop - c.first == 1
