@@ -20,11 +20,12 @@ first shard group:
   its members: every rank writes about its own share of the state plus at most a chunk or two, and
   never a whole large parameter (a chunk holds less than twice ``MIN_CHUNK_BYTES``, or one rank's
   rows when those are larger);
-* the other members send it their rows, point to point (``gather_chunks``: one
-  ``batch_isend_irecv`` of the block's members, no world collective, a rank's peers are its blocks'
-  members). A writer gathers from every rank of its block that holds rows (``Chunk.sources``): at most
-  G, about ``G / blocks``; under ``--shard-group world`` at 12,288 ranks (70B) up to about 2,000 ranks
-  of one or two rows each, once per save (``cluster_scale --counts`` reports the largest).
+* the other members' rows reach it point to point up a tree rooted at it (``gather_chunks``: in each
+  round a rank receives from at most ``FAN_IN - 1 = 7`` others, and sends once, in ``log_8`` of the
+  block's size rounds of one ``batch_isend_irecv`` each; no world collective). A chunk gathers the rows
+  of every rank of its block that holds some (``Chunk.sources``: about ``G / blocks``, under
+  ``--shard-group world`` at 12,288 ranks up to 8,192 ranks of one element each for a 70B norm weight:
+  five rounds), once per save (``cluster_scale --counts`` reports both).
 
 Why a minimum size rather than a fixed number of chunks per entry: a fixed number ``K`` puts
 ``1/K`` of every entry on one writer whatever its size (a 70B embedding's moments: 1.6 GB a writer
@@ -50,6 +51,8 @@ from hgraph.shard_rule import owner_of, shard_bounds
 
 #: the least bytes of a chunk (an entry smaller than that is one chunk); see the module for why
 MIN_CHUNK_BYTES = 64 << 20
+#: the most ranks a rank receives rows from in one round of a chunk's gather (``gather_chunks``)
+FAN_IN = 8
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,12 @@ class Entry:
         return self.shape[self.dim]
 
     @property
+    def row_elements(self) -> int:
+        return math.prod(self.shape) // self.rows if self.rows else 0
+
+    @property
     def row_bytes(self) -> int:
-        return self.itemsize * (math.prod(self.shape) // self.rows if self.rows else 0)
+        return self.itemsize * self.row_elements
 
 
 def chunk_count(entry: Entry, group_size: int, min_bytes: int = MIN_CHUNK_BYTES) -> int:
@@ -127,45 +134,107 @@ def _exchange_device(group: Optional[dist.ProcessGroup], device: torch.device) -
 
 
 def gather_chunks(entries: Sequence[Entry], shards: Sequence[torch.Tensor], rank: int, group_size: int,
-                  group: Optional[dist.ProcessGroup] = None,
-                  min_bytes: int = MIN_CHUNK_BYTES) -> dict[int, torch.Tensor]:
+                  group: Optional[dist.ProcessGroup] = None, min_bytes: int = MIN_CHUNK_BYTES,
+                  fan_in: Optional[int] = None) -> dict[int, torch.Tensor]:
     """The chunks this rank writes, by entry item, gathered from the rows of its blocks' members.
 
     ``shards[i]``: this rank's rows of ``entries[i]`` (shard shape); ``rank`` is this rank's place in
     the first shard group (``rank < group_size``; ranks of the other groups write nothing and do not
     call). Point to point within each block only (``group``: the save's process group, whose ranks are
-    the shard group's places); the chunks come back on the host.
+    the shard group's places), up a tree rooted at the writer (``_Tree``: a rank receives from at most
+    ``fan_in - 1`` others a round, whatever the block's size), one ``batch_isend_irecv`` a round; the
+    chunks come back on the host.
     """
-    ops, pieces = [], {}
+    fan_in = fan_in or FAN_IN
+    held: dict[int, tuple[_Tree, int, list[torch.Tensor]]] = {}    # item -> (tree, place, its pieces)
     for entry, shard in zip(entries, shards):
         block = own_block(entry, rank, group_size, min_bytes)
         if block.hi <= block.lo:
             continue
+        tree = _Tree(entry, block, group_size, fan_in)
         device = _exchange_device(group, shard.device)
-        if block.writer != rank:
-            if shard.numel():
-                ops.append(dist.P2POp(dist.isend, shard.to(device).contiguous(), _peer(group, block.writer),
-                                      group, tag=entry.item))
-            continue
-        parts = []
-        for src in range(block.first, block.stop):
-            lo, hi = shard_bounds(entry.rows, src, group_size)
-            if hi <= lo:
+        held[entry.item] = (tree, tree.place(rank), [shard.contiguous().reshape(-1).to(device)])
+    for level in range(max((t.depth for t, _, _ in held.values()), default=0)):
+        step = fan_in ** level
+        ops, sent = [], []
+        for item, (tree, q, pieces) in held.items():
+            if level >= tree.depth or q % step:
                 continue
-            if src == rank:
-                parts.append(shard.reshape(_rows_shape(entry, hi - lo)))
+            if q % (step * fan_in):           # up to the parent, once: the rows of this rank's subtree
+                flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+                if flat.numel():
+                    ops.append(dist.P2POp(dist.isend, flat, _peer(group, tree.rank_at(q - q % (step * fan_in))),
+                                          group, tag=item))
+                sent.append(item)
                 continue
-            buf = torch.empty(_rows_shape(entry, hi - lo), dtype=shard.dtype, device=device)
-            ops.append(dist.P2POp(dist.irecv, buf, _peer(group, src), group, tag=entry.item))
-            parts.append(buf)
-        pieces[entry.item] = (entry, parts)
-    if ops:
-        # only the block's members take part: NCCL allows that on a group that has run a collective
-        # before (a run's world group has; the asynchronous checkpoint's group is gloo)
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return {item: torch.cat([p.to("cpu") for p in parts], dim=entry.dim).contiguous()
-            for item, (entry, parts) in pieces.items()}
+            for child in range(q + step, min(q + step * fan_in, tree.size), step):
+                n = tree.elements(child, step)
+                if n:
+                    buf = torch.empty(n, dtype=pieces[0].dtype, device=pieces[0].device)
+                    ops.append(dist.P2POp(dist.irecv, buf, _peer(group, tree.rank_at(child)), group, tag=item))
+                    pieces.append(buf)
+        if ops:
+            # only the block's members take part: NCCL allows that on a group that has run a collective
+            # before (a run's world group has; the asynchronous checkpoint's group is gloo)
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for item in sent:
+            del held[item]
+    return {item: tree.assemble(torch.cat([p.to("cpu") for p in pieces])) for item, (tree, _, pieces) in held.items()}
+
+
+def gather_rounds(ranks: int, fan_in: Optional[int] = None) -> int:
+    """The rounds of a gather tree over a block of ``ranks`` ranks: the least ``R`` with
+    ``fan_in ** R >= ranks``."""
+    fan_in, rounds = fan_in or FAN_IN, 0
+    while fan_in ** rounds < ranks:
+        rounds += 1
+    return rounds
+
+
+class _Tree:
+    """One entry's gather over its block: place ``q`` is the rank ``q`` after the writer (wrapping
+    round the block), so the writer is place 0; at round ``L`` the places that are multiples of
+    ``fan_in ** (L + 1)`` receive the rows of the next ``fan_in - 1`` subtrees of ``fan_in ** L``
+    places, which send them (the rows of their places, in place order) and are done."""
+
+    def __init__(self, entry: Entry, block: Chunk, group_size: int, fan_in: int) -> None:
+        self.entry, self.block, self.group_size = entry, block, group_size
+        self.size = block.stop - block.first
+        self.depth = gather_rounds(self.size, fan_in)
+
+    def place(self, rank: int) -> int:
+        return (rank - self.block.writer) % self.size
+
+    def rank_at(self, place: int) -> int:
+        return self.block.first + (self.block.writer - self.block.first + place) % self.size
+
+    def _rows(self, first: int, stop: int) -> int:
+        """Rows of the ranks ``[first, stop)`` (consecutive ranks hold consecutive rows)."""
+        if stop <= first:
+            return 0
+        return shard_bounds(self.entry.rows, stop - 1, self.group_size)[1] - shard_bounds(self.entry.rows, first, self.group_size)[0]
+
+    def elements(self, place: int, count: int) -> int:
+        """Elements of the rows of places ``[place, place + count)`` (at most two runs of ranks)."""
+        count = min(count, self.size - place)
+        start = self.rank_at(place)
+        tail = min(count, self.block.stop - start)
+        rows = self._rows(start, start + tail) + self._rows(self.block.first, self.block.first + count - tail)
+        return rows * self.entry.row_elements
+
+    def assemble(self, flat: torch.Tensor) -> torch.Tensor:
+        """The chunk from its places' rows, each flattened, in place order (the ranks from the writer on,
+        then those before it): each rank's rows cut out and put back in rank order along the dimension."""
+        pieces, at = [], 0
+        for place in range(self.size):
+            rank = self.rank_at(place)
+            rows = self._rows(rank, rank + 1)
+            n = rows * self.entry.row_elements
+            if rows:
+                pieces.append((rank, flat[at:at + n].reshape(_rows_shape(self.entry, rows))))
+            at += n
+        return torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])], dim=self.entry.dim).contiguous()
 
 
 def _rows_shape(entry: Entry, rows: int) -> list[int]:

@@ -319,7 +319,7 @@ def checkpoint_manifest(params: list[tuple[str, tuple[int, ...], int]], world: i
         chunks += count * 3 * min(writers, (shape or (1,))[dim])
     return {"gpus": world, "what": "checkpoint manifest", "layout": PER_RANK, "shard_group": group or "world",
             "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": total_bytes,
-            "build_s": build_s, "read_s": read_s, "gather_sources": 1}
+            "build_s": build_s, "read_s": read_s, "gather_sources": 1, "gather_rounds": 0}
 
 
 def coalesced_plans(params: list[tuple[str, tuple[int, ...], int]], world: int, group: Optional[int],
@@ -347,12 +347,14 @@ def _coalesced_manifest(params, world, group, shared, min_chunk_bytes) -> dict:
     md, build_s = _metadata(plans)
     size, read_s = _pickled(md)
     chunks = sum(1 for p in plans for item in p.items if item.type == WriteItemType.SHARD)
-    # the most ranks one writer gathers rows from at a save (point to point, once per save)
-    fan_in = max(c.sources for i, (_, shape, dim) in enumerate(params)
-                 for c in coalesce.chunks(coalesce.Entry(3 * i, shape, dim), group or world, min_chunk_bytes))
+    # the most ranks one writer gathers rows from at a save, and the rounds of its gather tree
+    blocks = [c for i, (_, shape, dim) in enumerate(params)
+              for c in coalesce.chunks(coalesce.Entry(3 * i, shape, dim), group or world, min_chunk_bytes)]
+    fan_in = max(c.sources for c in blocks)
+    rounds = max(coalesce.gather_rounds(c.stop - c.first) for c in blocks)
     return {"gpus": world, "what": "checkpoint manifest", "layout": COALESCED, "shard_group": group or "world",
             "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": size,
-            "build_s": build_s, "read_s": read_s, "gather_sources": fan_in}
+            "build_s": build_s, "read_s": read_s, "gather_sources": fan_in, "gather_rounds": rounds}
 
 
 def _empty_bytes() -> int:
@@ -431,14 +433,15 @@ def counts_tables(result: dict) -> str:
            "Checkpoint manifest (DCP .metadata; rank 0 gathers every rank's plan and builds it on save, every rank "
            f"reads it on resume): the save's chunks (coalesced, at least {coalesce.MIN_CHUNK_BYTES >> 20} MiB "
            "each) beside a chunk per writing rank; writer's sources: the most ranks whose rows one chunk's writer "
-           "gathers at a save, point to point",
+           f"gathers at a save, point to point up a tree (a rank receives from at most {coalesce.FAN_IN - 1} a round)",
            _table([r for pair in zip(result["manifests_per_rank"], result["manifests"]) for r in pair],
                   [("model", "model", str), ("gpus", "GPUs", "{:,}".format),
                                         ("shard_group", "G", str), ("layout", "chunks of", str),
                                         ("chunks", "chunks", "{:,}".format),
                                         ("gathered_bytes", "gathered MB", _mb), ("bytes", ".metadata MB", _mb),
                                         ("build_s", "build s", "{:.2f}".format), ("read_s", "read s", "{:.2f}".format),
-                                        ("gather_sources", "writer's sources", "{:,}".format)])]
+                                        ("gather_sources", "writer's sources", "{:,}".format),
+                                        ("gather_rounds", "gather rounds", str)])]
     return "\n".join(out)
 
 

@@ -69,10 +69,13 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                     planner_state={"seed": 5})
     _adam_steps(opt, 2, 2)
     out["rng_at_save"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
-    # The RNG states saved now are restored after loading: the next draws must repeat rng_after.
+    # The RNG states saved now are restored after loading: the next draws must repeat rng_after. Its
+    # chunks (one per entry, of all 4 ranks' rows) are gathered up trees of two levels (2 ranks a round).
+    coalesce.FAN_IN, fan_in = 2, coalesce.FAN_IN
     checkpoint.save(root, 4, opt, rank=rank, world_size=world_size,
                     data_position={"next_doc": 40, "step": 4}, delay_queues={"held": []},
                     planner_state={"seed": 5, "cache": ["4xTP1PP1"]})
+    coalesce.FAN_IN = fan_in
     out["state4"] = _state(opt)
     # The same state in chunks of at least BLOCK_BYTES: entries of several chunks, each gathered from a
     # block of ranks by one of them (the default's 64 MiB makes every entry of the tiny model one chunk)

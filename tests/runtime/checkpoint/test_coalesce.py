@@ -54,3 +54,8 @@ def test_the_number_of_chunks_stops_growing_with_the_ranks():
     assert counts[1024] == counts[12288] == counts[100_000] == 62
     norm = coalesce.Entry(1, (8192,), 0)
     assert {len(coalesce.chunks(norm, g)) for g in (8, 1024, 12288)} == {1}
+
+
+def test_a_gather_tree_takes_log_fan_in_rounds():
+    assert [coalesce.gather_rounds(n, 8) for n in (1, 2, 8, 9, 64, 65, 8192)] == [0, 1, 1, 2, 2, 3, 5]
+    assert [coalesce.gather_rounds(n, 2) for n in (1, 2, 3, 4, 5)] == [0, 1, 2, 2, 3]
