@@ -13,7 +13,7 @@ first shard group:
 * an entry of ``B`` bytes over ``G`` ranks has ``min(G, rows, max(1, B // MIN_CHUNK_BYTES))`` blocks,
   block ``c`` holding ranks ``shard_bounds(G, c, blocks)`` (``chunk_count``, ``block_at``), so the
   ``.metadata`` holds at most ``3 x parameters + state bytes / MIN_CHUNK_BYTES`` chunks whatever the
-  world (70B: about 15,000), and a chunk is never finer than one rank's rows (an entry of large
+  world (70B: 13,053), and a chunk is never finer than one rank's rows (an entry of large
   shards is written by its owners, as before);
 * one member of the block writes the chunk: the ``item``-th (mod the block's size), ``item`` being
   the entry's place in the state (``3 x parameter + moment``), so the entries of a block spread over
@@ -25,7 +25,9 @@ first shard group:
   block's size rounds of one ``batch_isend_irecv`` each; no world collective). A chunk gathers the rows
   of every rank of its block that holds some (``Chunk.sources``: about ``G / blocks``, under
   ``--shard-group world`` at 12,288 ranks up to 8,192 ranks of one element each for a 70B norm weight:
-  five rounds), once per save (``cluster_scale --counts`` reports both).
+  five rounds), once per save (``cluster_scale --counts`` reports both). A rank inside the tree holds
+  its subtree's rows (at most the chunk) until it passes them on; the tree's places are counted from
+  the writer, so they too differ from entry to entry.
 
 Why a minimum size rather than a fixed number of chunks per entry: a fixed number ``K`` puts
 ``1/K`` of every entry on one writer whatever its size (a 70B embedding's moments: 1.6 GB a writer
