@@ -388,14 +388,17 @@ def test_a_checkpoint_of_coalesced_chunks_resumes_bitwise_at_any_world_size(run,
         assert all(s["steps"][name] == 4.0 for s in loaded)
 
 
-def test_a_plain_model_loads_the_coalesced_checkpoint_with_dcp(run):
-    """``dcp.load({"model": model.state_dict()})`` in one process: the 4 ranks' masters."""
+@pytest.mark.parametrize("suffix,step", [("-blocks", 4), ("-g2", 6)])
+def test_a_plain_model_loads_the_coalesced_checkpoint_with_dcp(run, suffix, step):
+    """``dcp.load({"model": model.state_dict()})`` in one process: the masters of the 4 ranks (chunks
+    of blocks of ranks), and of the two pairs of the shard group of 2 (written by the first pair)."""
     import torch.distributed.checkpoint as dcp
     root, results = run
-    saved = [r["state4"] for r in results]
+    saved = ([r["state4"] for r in results] if suffix == "-blocks"
+             else [results[0]["continued_g2"], results[1]["continued_g2"]])
     model = _model()
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(f"{root}-blocks", 4)), no_dist=True)
+    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(f"{root}{suffix}", step)), no_dist=True)
     model.load_state_dict(state["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
