@@ -13,33 +13,22 @@ So ``dcp.load({"model": model.state_dict()}, checkpoint_id=DIR)`` fills a plain 
 model, at any world size, and Adam's state loads the same way.
 
 How the optimizer's layout maps onto DCP: hgraph shards every parameter evenly along one shard
-dimension over all N ranks (``shard_bounds``), so a rank's piece is a rectangular chunk of the full
-tensor (offset ``lo`` along that dimension) and is written as one chunk of a ``ShardedTensor``; a
-rank whose range is empty (fewer rows than ranks) writes no chunk. The one thing DCP does not carry
-is the shard dimension itself, which only matters for reading a rank's range back: it is kept in the
-checkpoint's ``manifest.json`` with the hyper-parameters.
+dimension (``shard_bounds``), so the rows of consecutive ranks are a rectangular chunk of the full
+tensor. The first shard group's ranks gather each master and moment into chunks of at least 64 MiB,
+each the rows of a block of ranks written by one of them (``coalesce``: the ``.metadata`` does not grow
+with the world), the chunks of a ``ShardedTensor``. The one thing DCP does not carry is the shard
+dimension itself, kept in the checkpoint's ``manifest.json`` with the hyper-parameters.
 
-Reading a rank's rows (``read_rows``, ``load_optimizer_state``) asks DCP for those rows only: a
-``DefaultLoadPlanner`` (``RowsPlanner``) whose local plan describes each wanted entry as one chunk of
-the full tensor (offset ``lo`` along the shard dimension, ``hi - lo`` rows), turned into read items
-by DCP's own resharding helper (``create_read_items_for_chunk_list``): the read items name only the
-stored chunks that overlap those rows, and each copies only the overlap into a tensor of the rows'
-shape. DCP's file-system reader would still load every chunk it touches whole before narrowing it
-(a whole tensor per rank for a checkpoint written by one process), so ``RowsReader`` reads only
-the overlap's bytes from the chunk's uncompressed data instead.
+Reading a rank's rows (``read_rows``, ``load_optimizer_state``) asks DCP for those rows only, and
+reads only their bytes (``rows_read``).
 """
 from __future__ import annotations
 
 import io
-import itertools
-import math
-import struct
-import sys
 import warnings
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,14 +36,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.futures import Future
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import coalesce
+from hgraph.runtime.checkpoint.rows_read import Rows, RowsPlanner, RowsReader
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.shard_rule import shard_bounds
 
@@ -76,47 +63,56 @@ def _distributed(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _chunked(local: torch.Tensor, full_shape: tuple, dim: int, rank: int, world_size: int, group: Optional[dist.ProcessGroup],
-             group_size: Optional[int] = None):
-    """This rank's piece as a chunk of the full tensor: a ShardedTensor whose global metadata lists
-    every rank's rows (computed here, no collective), or the tensor itself on one rank. With shard
-    groups of ``group_size`` ranks the first group's ranks write the chunks (every group holds the
-    same states; the others write none), so the checkpoint has the same entries whatever G is."""
+def _chunked(local: torch.Tensor, entry: coalesce.Entry, rank: int, group: Optional[dist.ProcessGroup],
+             chunks: Sequence[coalesce.Chunk] = (), mine: Optional[torch.Tensor] = None):
+    """An entry as DCP writes it: a ShardedTensor whose global metadata lists the entry's chunks
+    (``coalesce.chunks``, computed here, no collective) and holds the one this rank writes (``mine``,
+    gathered by ``coalesce.gather_chunks``), or this rank's tensor itself on one rank."""
     if not _distributed(group):
-        return local.reshape(full_shape)
-    shape = tuple(full_shape) or (1,)
+        return local.reshape(entry.full_shape)
     metas = []
-    for r in range(group_size or world_size):
-        lo, hi = shard_bounds(shape[dim], r, group_size or world_size)
-        if hi > lo:
-            offsets, sizes = [0] * len(shape), list(shape)
-            offsets[dim], sizes[dim] = lo, hi - lo
-            metas.append(ShardMetadata(offsets, sizes, f"rank:{r}/cpu"))
-    mine = [Shard(local.reshape(m.shard_sizes), m) for m in metas if m.placement.rank() == rank]
+    for c in chunks:
+        offsets, sizes = [0] * len(entry.shape), list(entry.shape)
+        offsets[entry.dim], sizes[entry.dim] = c.lo, c.hi - c.lo
+        metas.append(ShardMetadata(offsets, sizes, f"rank:{c.writer}/cpu"))
+    own = [Shard(mine.reshape(m.shard_sizes), m) for m in metas if mine is not None and m.placement.rank() == rank]
     props = TensorProperties(dtype=local.dtype, layout=local.layout, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     return ShardedTensor._init_from_local_shards_and_global_metadata(
-        mine, ShardedTensorMetadata(metas, torch.Size(shape), props), process_group=group)
+        own, ShardedTensorMetadata(metas, torch.Size(entry.shape), props), process_group=group)
 
 
-def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
+def save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
+               min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)      # ShardedTensor's deprecation
-        return _save_state(optimizer, rank, world_size, rng, group)
+        return _save_state(optimizer, rank, world_size, rng, group, min_chunk_bytes)
 
 
-def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None) -> dict:
-    """The DCP state dict of this rank: its master and moment chunks, step counts, hyper-parameters
-    and RNG states."""
+def _save_state(optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any],
+                group: Optional[dist.ProcessGroup], min_chunk_bytes: int) -> dict:
+    """The DCP state dict of this rank: the chunks of masters and moments it writes (the first shard
+    group's ranks gather them, ``coalesce``), step counts, hyper-parameters and RNG states."""
     state = optimizer.state_dict()
     shared = writes_shared(rank)
+    group_size = getattr(optimizer, "group_size", world_size)
+    entries, tensors = [], []
+    for i, (name, layout) in enumerate(optimizer.layouts.items()):
+        for k, key in enumerate(("params",) + _MOMENTS):
+            t = state[key][name]
+            entries.append(coalesce.Entry(3 * i + k, tuple(layout.full_shape), layout.dim, t.element_size()))
+            tensors.append(t)
+    distributed = _distributed(group)
+    # the first shard group writes (every group holds the same states), so the checkpoint has the same
+    # entries whatever G is; the other groups' ranks write none of them
+    mine = (coalesce.gather_chunks(entries, tensors, rank, group_size, group, min_chunk_bytes)
+            if distributed and rank < group_size else {})
+    chunked = [_chunked(t, e, rank, group, coalesce.chunks(e, group_size, min_chunk_bytes) if distributed else (),
+                        mine.get(e.item)) for e, t in zip(entries, tensors)]
     model, optim = {}, {}
-    for name, layout in optimizer.layouts.items():
-        def chunk(t):
-            return _chunked(t, layout.full_shape, layout.dim, rank, world_size, group,
-                            getattr(optimizer, "group_size", world_size))
-        model[name] = chunk(state["params"][name])
-        optim[name] = {key: chunk(state[key][name]) for key in _MOMENTS}
+    for i, name in enumerate(optimizer.layouts):
+        model[name] = chunked[3 * i]
+        optim[name] = {key: chunked[3 * i + 1 + k] for k, key in enumerate(_MOMENTS)}
         if shared:
             optim[name]["step"] = torch.tensor(float(state["steps"][name]))
     buf = io.BytesIO()
@@ -164,10 +160,11 @@ class _AlreadyStaged(AsyncStager):
 
 
 def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: Mapping[str, Any], group: Optional[dist.ProcessGroup] = None,
-         *, asynchronous: bool = False):
-    """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``).
+         *, asynchronous: bool = False, min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES):
+    """Write this rank's part of the DCP checkpoint into ``folder`` (collective over ``group``; the
+    chunks are gathered first, point to point inside blocks of ranks, ``coalesce``).
     ``asynchronous``: stage the tensors and write in a background thread; returns its future."""
-    state = save_state(optimizer, rank, world_size, rng, group)
+    state = save_state(optimizer, rank, world_size, rng, group, min_chunk_bytes)
     no_dist = not _distributed(group)
     with warnings.catch_warnings():
         # one process saving alone is what no_dist says; ShardedTensor is what DCP writes uneven chunks from
@@ -181,9 +178,9 @@ def save(folder: Path, optimizer: ShardedAdam, rank: int, world_size: int, rng: 
 
 
 def read_metadata(folder: Path) -> Any:
-    """The checkpoint's ``.metadata`` (DCP's ``Metadata``), read once for all a load asks: it lists a
-    chunk per parameter, moment and writing rank, so at G = world it grows with the world (70B at 1,024
-    ranks: 319 MB), and every rank reads it on resume."""
+    """The checkpoint's ``.metadata`` (DCP's ``Metadata``), read once for all a load asks: every rank
+    reads it on resume (a chunk per parameter, moment and writing rank made it 319 MB for 70B at 1,024
+    ranks; coalesced chunks, ``coalesce``, keep it to a few MB)."""
     try:
         return dcp.FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:  # noqa: BLE001 - a missing or corrupt .metadata
@@ -196,43 +193,6 @@ def tensor_shapes(folder: Path, metadata: Any = None) -> dict[str, tuple[int, ..
     one already read)."""
     meta = metadata if metadata is not None else read_metadata(folder)
     return {k: tuple(v.size) for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-
-
-Rows = tuple  # (dim, lo, hi): rows [lo, hi) of a tensor along dim
-
-
-class RowsPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, except that the entries of ``rows`` (key -> ``(dim, lo, hi)``) are
-    read as rows ``[lo, hi)`` along ``dim`` only, into state-dict tensors of that shape (module
-    docstring); every other entry is read whole, as ``dcp.load`` does."""
-
-    def __init__(self, rows: Mapping[str, Rows]) -> None:
-        super().__init__()
-        self.rows = dict(rows)
-
-    def create_local_plan(self) -> LoadPlan:
-        entries = self.metadata.state_dict_metadata
-        whole = {k: v for k, v in self.state_dict.items() if k not in self.rows}
-        items = list(create_default_local_load_plan(whole, self.metadata, True).items)
-        for key, (dim, lo, hi) in self.rows.items():
-            md = entries.get(key)
-            if not isinstance(md, TensorStorageMetadata):
-                raise RuntimeError(f"Missing key in checkpoint state_dict: {key}.")
-            offsets, sizes = [0] * len(md.size), list(md.size)
-            offsets[dim], sizes[dim] = lo, hi - lo
-            if tuple(self.state_dict[key].shape) != tuple(sizes):
-                raise ValueError(f"rows of {key}: the target has shape {list(self.state_dict[key].shape)}, "
-                                 f"the rows {sizes}")
-            if hi > lo:
-                items += create_read_items_for_chunk_list(
-                    key, md, [ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        # the read items of a rows entry address it by the rows' offset; its target is the plain tensor
-        if index.fqn in self.rows:
-            return self.state_dict[index.fqn]
-        return super().lookup_tensor(index)
 
 
 def _row_shape(shape: tuple[int, ...], dim: int, lo: int, hi: int) -> list[int]:
@@ -261,141 +221,6 @@ def read_rows(folder: Path, key: str, shape: tuple[int, ...], dim: Optional[int]
     out = torch.empty(_row_shape(shape, dim, lo, hi))
     load_flat({key: out}, folder, {key: (dim, lo, hi)})
     return out
-
-
-class _Slice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of a file as a seekable file of their own (for ``zipfile``)."""
-
-    def __init__(self, stream: Any, offset: int, length: int) -> None:
-        super().__init__()
-        self.stream, self.offset, self.length, self.pos = stream, offset, length, 0
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = min(max(base + pos, 0), self.length)
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.stream.seek(self.offset + self.pos)
-        got = self.stream.readinto(memoryview(buffer)[:n])
-        self.pos += got
-        return got
-
-
-_LOCAL_HEADER = struct.Struct("<4s22xHH")   # a zip entry's local header: signature ... name and extra lengths
-
-
-class RowsReader(dcp.FileSystemReader):
-    """DCP's file-system reader, except that a read item asking for part of a stored chunk reads only
-    the bytes of that part (one run of bytes for rows cut along the first dimension, one run per row
-    for a cut along a later one) instead of loading the whole chunk and narrowing it.
-
-    A chunk is a ``torch.save`` archive whose tensor data is one uncompressed zip entry in row-major
-    order; its offset is found from the archive's directory (``zipfile``), the dtype and shape from
-    the checkpoint's metadata. Any item that does not fit that form (bytes entries, a chunk written
-    through a storage transform or compressed, a storage other than the tensor's own elements, a
-    big-endian archive) goes to ``FileSystemReader.read_data`` unchanged. ``reads`` lists what was
-    read: (entry, bytes) per region, or per chunk read whole (its stored bytes)."""
-
-    def __init__(self, path: Any) -> None:
-        super().__init__(path)
-        self.reads: list[tuple[str, int]] = []       # (entry, bytes) per read: a region, or a chunk whole
-        self.known_metadata: Any = None              # the .metadata read already (``read_metadata``)
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        if self.known_metadata is None:
-            return super().read_metadata(*args, **kwargs)
-        self.known_metadata.storage_meta = self.known_metadata.storage_meta or StorageMeta()
-        self.known_metadata.storage_meta.load_id = self.load_id
-        return self.known_metadata
-
-    def read_data(self, plan: LoadPlan, planner: Any):
-        others = []
-        per_file: dict[str, list] = {}
-        for item in plan.items:
-            info = self.storage_data[item.storage_index]
-            if item.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
-                others.append(item)
-            else:
-                per_file.setdefault(info.relative_path, []).append(item)
-        for relative_path, items in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for item in items:
-                    region = self._region(stream, item, planner.metadata)
-                    if region is None:
-                        others.append(item)
-                        continue
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(region)
-                    planner.commit_tensor(item, target)
-        if others:
-            self.reads += [(i.storage_index.fqn, self.storage_data[i.storage_index].length) for i in others]
-            return super().read_data(LoadPlan(others), planner)
-        fut: Future = Future()
-        fut.set_result(None)
-        return fut
-
-    def _region(self, stream: Any, item: Any, metadata: Any) -> Optional[torch.Tensor]:
-        """The elements ``item`` asks of its stored chunk, read from the chunk's data entry alone
-        (None: the chunk is not in the plain form; the caller reads it the default way)."""
-        md = metadata.state_dict_metadata.get(item.storage_index.fqn)
-        if not isinstance(md, TensorStorageMetadata) or not md.size:
-            return None
-        chunk = next((c for c in md.chunks if list(c.offsets) == list(item.storage_index.offset)), None)
-        if chunk is None:
-            return None
-        info = self.storage_data[item.storage_index]
-        view = _Slice(stream, info.offset, info.length)
-        try:
-            archive = zipfile.ZipFile(view)
-            names = archive.namelist()
-            data = [n for n in names if n.endswith("/data/0")]
-            order = [n for n in names if n.endswith("/byteorder")]
-            if len(data) != 1 or len([n for n in names if "/data/" in n and not n.endswith(".pkl")]) != 1:
-                return None
-            entry = archive.getinfo(data[0])
-            if (order and archive.read(order[0]) != b"little") or sys.byteorder != "little":
-                return None
-        except (zipfile.BadZipFile, OSError, KeyError):
-            return None
-        dtype = md.properties.dtype
-        sizes = list(chunk.sizes)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if entry.compress_type != zipfile.ZIP_STORED or entry.file_size != math.prod(sizes) * itemsize:
-            return None
-        view.seek(entry.header_offset)
-        signature, name_len, extra_len = _LOCAL_HEADER.unpack(view.read(_LOCAL_HEADER.size))
-        if signature != b"PK\x03\x04":
-            return None
-        start = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        strides = [math.prod(sizes[d + 1:]) for d in range(len(sizes))]
-        offsets, lengths = list(item.storage_offsets), list(item.lengths)
-        # the region is a run of contiguous elements per index of its dimensions before ``cut``, the
-        # last dimension it does not span whole (rows cut along dim 0: one run)
-        cut = max([d for d in range(len(sizes)) if lengths[d] != sizes[d]], default=0)
-        run = lengths[cut] * strides[cut] * itemsize
-        raw = bytearray(math.prod(lengths) * itemsize)
-        at = 0
-        for outer in itertools.product(*(range(n) for n in lengths[:cut])):
-            first = sum((o + i) * s for o, i, s in zip(offsets, outer, strides)) + offsets[cut] * strides[cut]
-            view.seek(start + first * itemsize)
-            if view.readinto(memoryview(raw)[at:at + run]) != run:
-                return None
-            at += run
-        self.reads.append((item.storage_index.fqn, len(raw)))
-        return torch.frombuffer(raw, dtype=dtype).reshape(lengths) if raw else torch.empty(lengths, dtype=dtype)
 
 
 def load_flat(flat: dict, folder: Path, rows: Optional[Mapping[str, Rows]] = None, metadata: Any = None) -> None:

@@ -9,7 +9,7 @@ without the optimizer state around them and without ever holding the whole model
 * ``hgraph export``: one parameter's full tensor at a time (``read(name)``), written out and dropped.
 
 Shard files are opened lazily (memory-mapped ``torch.load``, checked against the manifest's size and
-SHA-256 by ``shards.read_shard``), so a reader touches only the files, and of those only the rows,
+SHA-256 by ``manifest.read_shard``), so a reader touches only the files, and of those only the rows,
 it needs; the moments (``exp_avg``, ``exp_avg_sq``) are never read. A rank keeps its files mapped
 until ``close`` (the pages it touched are about its own 1/N); export, which reads everything, gives
 ``unmap_after`` so the pages read do not pile up in its memory.
@@ -23,7 +23,7 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import dcp_format
-from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint import manifest as ckpt
 from hgraph.shard_rule import shard_bounds
 
 

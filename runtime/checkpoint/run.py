@@ -40,6 +40,8 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.runtime.checkpoint import foreign
 from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint.manifest import MANIFEST, STEP_DIR, verify
+from hgraph.runtime.checkpoint.rng_state import restore_rng
 from hgraph.runtime.data.documents import Document
 from hgraph.runtime.data.stored import fingerprint_of
 from hgraph.runtime.engine.optimizer import ShardedAdam
@@ -82,7 +84,7 @@ class ResumePoint:
 def _step_folders(root: Path) -> list[tuple[int, Path]]:
     out = []
     for child in root.iterdir():
-        m = ckpt.STEP_DIR.match(child.name)
+        m = STEP_DIR.match(child.name)
         if m is not None and child.is_dir():
             out.append((int(m.group(1)), child))
     return sorted(out, reverse=True)
@@ -94,8 +96,8 @@ def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
     if not root.is_dir():
         raise HGraphError(f"--resume: checkpoint folder {str(root)!r} does not exist")
     folders = _step_folders(root)
-    incomplete = [(s, f) for s, f in folders if not (f / ckpt.MANIFEST).exists()]
-    candidates = [(s, f) for s, f in folders if (f / ckpt.MANIFEST).exists()]
+    incomplete = [(s, f) for s, f in folders if not (f / MANIFEST).exists()]
+    candidates = [(s, f) for s, f in folders if (f / MANIFEST).exists()]
     if not candidates and foreign.is_foreign(root):
         # another program's DCP checkpoint (the run's own checkpoints, once saved under it, come first)
         return ResumePoint(root, foreign.resume_manifest(root))
@@ -104,7 +106,7 @@ def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
     notes: list[str] = []
     for i, (step, folder) in enumerate(candidates):
         try:
-            manifest = ckpt.verify(folder)
+            checked = verify(folder)
         except HGraphError as exc:
             older = candidates[i + 1:]
             if not older:
@@ -116,7 +118,7 @@ def find_resume_point(root: Any, *, fallback: bool = False) -> ResumePoint:
             continue
         skipped = [f"{str(f)!r} has no manifest (a save that did not finish); skipped"
                    for s, f in incomplete if s > step]
-        return ResumePoint(folder, manifest, tuple(skipped + notes))
+        return ResumePoint(folder, checked, tuple(skipped + notes))
     raise AssertionError("unreachable: the oldest candidate either loads or raises")
 
 
@@ -249,4 +251,4 @@ def restore_state(loaded: Any, optimizer: ShardedAdam) -> None:
     (optimizer.lr, optimizer.betas, optimizer.eps, optimizer.weight_decay, optimizer.decoupled_weight_decay,
      optimizer.max_grad_norm) = settings
     if loaded.rng is not None:
-        ckpt.restore_rng(loaded.rng)
+        restore_rng(loaded.rng)

@@ -18,7 +18,7 @@ per-rank spread is ``1 - min/max`` of the pipelines' (or groups') busy times in 
 Systems (Hydraulis §8.1 / App. F baselines, each tuned over its own strategy space on the simulated
 iterations themselves, i.e. the best static configuration in hindsight):
 
-- ``hgraph``: the candidates of ``selection.auto_candidates`` (what ``hgraph plan --strategies auto``
+- ``hgraph``: the candidates of ``auto_candidates.auto_candidates`` (what ``hgraph plan --strategies auto``
   uses: the strategy proposer's set on the whole dataset, checked on sampled mini-batches of the
   dataset, not on the simulated ones, plus the best homogeneous strategy), and per iteration
   ``plan_iteration`` (dispatch across pipelines + packing within them) picks the best candidate.
@@ -69,7 +69,8 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker
 from hgraph.runtime.planner.schedule.data_centric import idle_fraction
-from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.runtime.planner.auto_candidates import auto_candidates
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "megatron-cp", "deepspeed", "flexsp", "hotspa", "wlb", "dcp")

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from hgraph.runtime.checkpoint.shards import complete_steps, latest
+from hgraph.runtime.checkpoint.manifest import complete_steps, latest
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launcher_env import LauncherEnv
 

@@ -27,7 +27,7 @@ from torch import nn
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import hf
 from hgraph.runtime.checkpoint import dcp_format
-from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint import manifest as ckpt
 from hgraph.runtime.checkpoint.masters import CheckpointMasters
 from hgraph.runtime.weights.dcp_files import DcpFiles
 from hgraph.runtime.weights.file_weights import FileWeights, TensorTable

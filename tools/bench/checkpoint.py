@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
+from hgraph.runtime.checkpoint import manifest
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
@@ -62,7 +63,7 @@ def run_benchmark(spec: str, model_args: dict, world_size: int, load_sizes: list
     """The figures as a dict."""
     with tempfile.TemporaryDirectory(prefix="hgraph-ckpt-bench-") as root:
         per_rank = spawn(_save_worker, world_size, args=(spec, model_args, root, repeats), timeout_s=600)
-        folder = checkpoint.latest(root)
+        folder = manifest.latest(root)
         size = sum(p.stat().st_size for p in Path(folder).iterdir())
         save_s = statistics.median(per_rank[0])
         loads = {}

@@ -13,7 +13,7 @@ length. Figures printed:
    against the best homogeneous strategy;
 2. dispatch quality: fast vs Hydraulis Alg. 1 (100 trials) vs CP-SAT (joint dispatch + packing,
    time-boxed, given the fast solution in full as its hint, so it can only improve on it) vs the
-   best proven lower bound (``selection.strategy_lower_bound``, CP-SAT's own bound where its
+   best proven lower bound (``latency_bound.strategy_lower_bound``, CP-SAT's own bound where its
    model is not restricted, and CP-SAT's micro-batch-counting bound ``dispatch_bound``; the gap
    to it is printed per iteration), on small instances (16 GPUs, where CP-SAT can prove optimality) and on
    the chosen strategies of 50 mini-batches at 64 GPUs (CP-SAT rarely closes the gap there, so
@@ -25,7 +25,7 @@ length. Figures printed:
    file and on two seeded long tails it was not tuned on (Pareto, log-normal):
    imbalance, packing time per batch and mean delay (targets 1.03, 5 ms, 0.5 iterations).
 
-Candidates: ``selection.auto_candidates`` (the strategy proposer's set plus the best homogeneous
+Candidates: ``auto_candidates.auto_candidates`` (the strategy proposer's set plus the best homogeneous
 strategy); the proposer's own time is not counted.
 """
 from __future__ import annotations
@@ -46,7 +46,9 @@ from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.schedule.dispatch_bound import microbatch_lower_bound
 from hgraph.runtime.planner.schedule.dispatch_cpsat import dispatch_cpsat
 from hgraph.runtime.planner.schedule.packing import pack_pipeline, pack_pipeline_cpsat
-from hgraph.runtime.planner.selection import auto_candidates, best_homogeneous, plan_iteration, strategy_lower_bound
+from hgraph.runtime.planner.auto_candidates import auto_candidates, best_homogeneous
+from hgraph.runtime.planner.latency_bound import strategy_lower_bound
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Strategy
 from hgraph.tools.bench.wlb import synthetic_lengths, wlb_default
 
@@ -140,7 +142,7 @@ def bench_quality_small(lengths_raw, instances, cpsat_s, trials=100):
 
 def bench_scale_quality(lengths, speed, context, tokens, instances, trials=100):
     """The chosen plans of the first ``instances`` iterations against Alg. 1 (``trials``) on the
-    same strategy and against the best homogeneous strategy (``selection.best_homogeneous``) planned
+    same strategy and against the best homogeneous strategy (``auto_candidates.best_homogeneous``) planned
     by the same planner; ratios of estimated latency (< 1: the chosen plan is faster)."""
     cost, plans = speed["_cost"], speed["_plans"][:instances]
     homog = best_homogeneous(lengths, cost, speed["gpus"], context, tokens)

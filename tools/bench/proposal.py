@@ -24,7 +24,8 @@ from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.interval_cost import (DEFAULT_TOKENS_PER_GPU, LengthHistogram, SchemeTable,
                                                   balanced_cost)
 from hgraph.runtime.planner.proposal import fit_budget, order_pipelines, propose
-from hgraph.runtime.planner.selection import auto_candidates, homogeneous_strategies, plan_iteration
+from hgraph.runtime.planner.auto_candidates import auto_candidates, homogeneous_strategies
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.research.integer_dp import integer_dp
 from hgraph.runtime.research.simulator import sample_minibatches
 from hgraph.strategy import Cluster

@@ -15,14 +15,17 @@ the data loader's per-rank index and the checkpoint manifest (DCP's ``.metadata`
   documents (a sparse ``.bin``: no token is read), reported per million documents and for the corpus
   of a run that size (``CORPUS_TOKENS``, the shipped mean length): it grows with the corpus, not the world.
 * **Checkpoint manifest** (``runtime/checkpoint/dcp_format.py``): the ``SavePlan`` of every rank as
-  ``dcp.save`` makes it (a chunk per parameter, moment and writing rank: the first shard group writes,
-  so G chunks; every rank its RNG bytes; the step counts and the parameter group where the rank writes
-  them, ``dcp_format.writes_shared``), what rank 0 gathers (their pickled bytes), the global plan and
+  ``dcp.save`` makes it (the first shard group's ranks write each master and moment as the chunks
+  ``runtime/checkpoint/coalesce.py`` cuts: blocks of ranks' rows of at least 64 MiB, one writer each;
+  every rank its RNG bytes; the step counts and the parameter group where the rank writes them,
+  ``dcp_format.writes_shared``), what rank 0 gathers (their pickled bytes), the global plan and
   ``.metadata`` it builds (DCP's own ``create_default_global_save_plan``, the file-system writer's
   storage entries), its bytes, and the CPU time of building and of reading it (every rank unpickles it
-  on resume). Parameters of one shape are built and timed once and counted as many times as the model
-  has them (two of a shape are pickled to count what a further one adds; four are timed), so 70B at
-  12,288 ranks and G = world (17 million chunks) is sized without holding it. CPU times are taken with
+  on resume). Beside it the same with a chunk per parameter, moment and writing rank (G chunks, the
+  layout before coalescing): there parameters of one shape are built and timed once and counted as many
+  times as the model has them (two of a shape are pickled to count what a further one adds; four are
+  timed), so 70B at 12,288 ranks and G = world (17 million chunks) is sized without holding it; the
+  coalesced layout's chunks are few and its ``.metadata`` is built whole. CPU times are taken with
   the garbage collector off (the bench's own heap made them vary ninefold).
 """
 from __future__ import annotations
@@ -51,12 +54,13 @@ from torch.distributed.checkpoint.planner_helpers import _create_write_items
 
 import hgraph
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.checkpoint import coalesce, dcp_format
 from hgraph.runtime.data.builtin import length_sample
 from hgraph.runtime.data.lengths import read_lengths
 from hgraph.runtime.data.stored import StoreDocuments, limit_long
 from hgraph.runtime.data.token_store import VERSION, _header_bytes, open_store, store_paths
 from hgraph.runtime.planner import selection
+from hgraph.runtime.planner.auto_candidates import auto_candidates
 from hgraph.runtime.planner.service.iteration import model_cost_model
 from hgraph.shard_rule import shard_bounds
 
@@ -94,7 +98,7 @@ def plan_broadcast(model: str, world: int, lengths: np.ndarray, tokens: Optional
     tokens = tokens or tokens_per_iter(world)
     n = max(1, int(np.searchsorted(np.cumsum(lengths), tokens, side="right")))
     sample = lengths[: min(lengths.size, 100_000)].tolist()
-    candidates, _ = selection.auto_candidates(sample, cost, world, context, tokens, max_candidates=max_candidates)
+    candidates, _ = auto_candidates(sample, cost, world, context, tokens, max_candidates=max_candidates)
     plan = selection.plan_iteration(lengths[:n].tolist(), candidates, cost)
     box = (plan, "ahead", float(plan.est_latency_ms), 0.0, [plan.strategy])   # what _on_rank0 broadcasts
     t0 = time.process_time()
@@ -276,15 +280,26 @@ def rank_classes(world: int, writers: int, shared: Callable[[int], bool]) -> lis
     return [(r, n, chunks, sh) for (chunks, sh), (r, n) in classes.items()]
 
 
+#: the chunk layouts a manifest is counted for: what ``dcp_format.save`` writes (each entry's rows
+#: coalesced into chunks of at least ``coalesce.MIN_CHUNK_BYTES``), and a chunk per writing rank (what
+#: it wrote before)
+COALESCED, PER_RANK = "coalesced", "per rank"
+
+
 def checkpoint_manifest(params: list[tuple[str, tuple[int, ...], int]], world: int, group: Optional[int],
-                        shared: Optional[Callable[[int], bool]] = None) -> dict:
+                        shared: Optional[Callable[[int], bool]] = None, layout: str = COALESCED,
+                        min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> dict:
     """Rank 0's side of saving (and every rank's of resuming) a DCP checkpoint of ``params`` at ``world``
     ranks with the optimizer sharded over groups of ``group`` (None: the world); ``shared``: which ranks
-    write the shared entries (default: as ``dcp_format.save`` does)."""
+    write the shared entries (default: as ``dcp_format.save`` does); ``layout``: ``COALESCED`` (the
+    save's chunks, ``coalesce.chunks``) or ``PER_RANK``."""
+    shared = shared or dcp_format.writes_shared
+    if layout == COALESCED:
+        return _coalesced_manifest(params, world, group, shared, min_chunk_bytes)
     writers = group or world
     names = [n for n, _, _ in params]
     gathered = 0                  # what rank 0 gathers: every rank's local plan, pickled
-    for r, count, chunks_, shared_ in rank_classes(world, writers, shared or dcp_format.writes_shared):
+    for r, count, chunks_, shared_ in rank_classes(world, writers, shared):
         items = [i for n, s, d in params for i in _param_items(n, s, d, r, writers)] if chunks_ else []
         items += (_shared_items(names) if shared_ else []) + _rng_items(r)
         gathered += count * len(pickle.dumps(SavePlan(items)))
@@ -302,9 +317,44 @@ def checkpoint_manifest(params: list[tuple[str, tuple[int, ...], int]], world: i
         build_s += timed[1] * count / k
         read_s += timed[2] * count / k
         chunks += count * 3 * min(writers, (shape or (1,))[dim])
-    return {"gpus": world, "what": "checkpoint manifest", "shard_group": group or "world", "params": len(params),
-            "chunks": chunks, "gathered_bytes": gathered, "bytes": total_bytes, "build_s": build_s,
-            "read_s": read_s}
+    return {"gpus": world, "what": "checkpoint manifest", "layout": PER_RANK, "shard_group": group or "world",
+            "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": total_bytes,
+            "build_s": build_s, "read_s": read_s, "gather_sources": 1, "gather_rounds": 0}
+
+
+def coalesced_plans(params: list[tuple[str, tuple[int, ...], int]], world: int, group: Optional[int],
+                    shared: Callable[[int], bool], min_chunk_bytes: int = coalesce.MIN_CHUNK_BYTES) -> list[SavePlan]:
+    """Every rank's local ``SavePlan`` as ``dcp_format.save`` makes it: the chunks it writes
+    (``coalesce.chunks``, entries numbered as the save numbers them), the shared entries where it writes
+    them, its RNG bytes."""
+    writers = group or world
+    names = [n for n, _, _ in params]
+    items: dict[int, list[WriteItem]] = {}
+    for i, (name, shape, dim) in enumerate(params):
+        keys = [f"model.{name}"] + [f"optim.state.{name}.{m}" for m in ("exp_avg", "exp_avg_sq")]
+        for k, key in enumerate(keys):
+            entry = coalesce.Entry(3 * i + k, shape, dim)
+            for c in coalesce.chunks(entry, writers, min_chunk_bytes):
+                items.setdefault(c.writer, []).append(_shard_item(key, entry.shape, dim, c.lo, c.hi))
+    return [SavePlan(items.get(r, []) + (_shared_items(names) if shared(r) else []) + _rng_items(r))
+            for r in range(world)]
+
+
+def _coalesced_manifest(params, world, group, shared, min_chunk_bytes) -> dict:
+    """The coalesced layout's chunks are bounded (not one per rank): its ``.metadata`` is built whole."""
+    plans = coalesced_plans(params, world, group, shared, min_chunk_bytes)
+    gathered = sum(len(pickle.dumps(p)) for p in plans)
+    md, build_s = _metadata(plans)
+    size, read_s = _pickled(md)
+    chunks = sum(1 for p in plans for item in p.items if item.type == WriteItemType.SHARD)
+    # the most ranks one writer gathers rows from at a save, and the rounds of its gather tree
+    blocks = [c for i, (_, shape, dim) in enumerate(params)
+              for c in coalesce.chunks(coalesce.Entry(3 * i, shape, dim), group or world, min_chunk_bytes)]
+    fan_in = max(c.sources for c in blocks)
+    rounds = max(coalesce.gather_rounds(c.stop - c.first) for c in blocks)
+    return {"gpus": world, "what": "checkpoint manifest", "layout": COALESCED, "shard_group": group or "world",
+            "params": len(params), "chunks": chunks, "gathered_bytes": gathered, "bytes": size,
+            "build_s": build_s, "read_s": read_s, "gather_sources": fan_in, "gather_rounds": rounds}
 
 
 def _empty_bytes() -> int:
@@ -328,10 +378,11 @@ def _shape_metadata(shape: tuple[int, ...], dim: int, copies: int, writers: int)
 def counts(models: list[str], worlds: list[int], shard_groups: tuple[Optional[int], ...], gpus_per_node: int = 8,
            data_docs: int = 10_000_000, lengths: Optional[np.ndarray] = None, progress: Any = None) -> dict:
     """Every row of the three sections for ``models`` at ``worlds`` (the manifest at each shard group
-    that divides a world and is smaller; None: the world)."""
+    that divides a world and is smaller, None: the world; ``manifests`` in the layout the save writes,
+    ``manifests_per_rank`` with a chunk per writing rank, the layout before coalescing)."""
     lengths = shipped_lengths() if lengths is None else lengths
     say = progress or (lambda text: None)
-    plans, manifests = [], []
+    plans, manifests, per_rank = [], [], []
     for model in models:
         params = param_dims(model)
         for w in worlds:
@@ -341,12 +392,14 @@ def counts(models: list[str], worlds: list[int], shard_groups: tuple[Optional[in
                 if g is not None and (g >= w or w % g):
                     continue
                 manifests.append({"model": model, **checkpoint_manifest(params, w, g)})
-                say(f"{model} {w:>6} GPUs G {g or 'world'}: manifest {manifests[-1]['bytes'] / 2**20:,.1f} MB")
+                per_rank.append({"model": model, **checkpoint_manifest(params, w, g, layout=PER_RANK)})
+                say(f"{model} {w:>6} GPUs G {g or 'world'}: manifest {manifests[-1]['bytes'] / 2**20:,.1f} MB "
+                    f"({per_rank[-1]['bytes'] / 2**20:,.1f} MB with a chunk per rank)")
     with torch.device("meta"):
         context = int(llama.build(models[0]).config.max_seq_len)
     cut = np.minimum(lengths, context)
     measured = data_index(cut, data_docs, context, tokens_per_iter(max(worlds)))
-    return {"plans": plans, "manifests": manifests, "data_measured": measured,
+    return {"plans": plans, "manifests": manifests, "manifests_per_rank": per_rank, "data_measured": measured,
             "data": data_index_rows(worlds, measured, float(cut.mean())), "context": context}
 
 
@@ -378,11 +431,17 @@ def counts_tables(result: dict) -> str:
                                    ("scan_peak_bytes", "scan peak MB", _mb)]),
            "",
            "Checkpoint manifest (DCP .metadata; rank 0 gathers every rank's plan and builds it on save, every rank "
-           "reads it on resume)",
-           _table(result["manifests"], [("model", "model", str), ("gpus", "GPUs", "{:,}".format),
-                                        ("shard_group", "G", str), ("chunks", "chunks", "{:,}".format),
+           f"reads it on resume): the save's chunks (coalesced, at least {coalesce.MIN_CHUNK_BYTES >> 20} MiB "
+           "each) beside a chunk per writing rank; writer's sources: the most ranks whose rows one chunk's writer "
+           f"gathers at a save, point to point up a tree (a rank receives from at most {coalesce.FAN_IN - 1} a round)",
+           _table([r for pair in zip(result["manifests_per_rank"], result["manifests"]) for r in pair],
+                  [("model", "model", str), ("gpus", "GPUs", "{:,}".format),
+                                        ("shard_group", "G", str), ("layout", "chunks of", str),
+                                        ("chunks", "chunks", "{:,}".format),
                                         ("gathered_bytes", "gathered MB", _mb), ("bytes", ".metadata MB", _mb),
-                                        ("build_s", "build s", "{:.2f}".format), ("read_s", "read s", "{:.2f}".format)])]
+                                        ("build_s", "build s", "{:.2f}".format), ("read_s", "read s", "{:.2f}".format),
+                                        ("gather_sources", "writer's sources", "{:,}".format),
+                                        ("gather_rounds", "gather rounds", str)])]
     return "\n".join(out)
 
 

@@ -28,7 +28,8 @@ import torch
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import hf
-from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint import full_state
+from hgraph.runtime.checkpoint import manifest as ckpt
 from hgraph.runtime.checkpoint.masters import CheckpointMasters
 from hgraph.runtime.train.model_setup import build_model, record_model
 from hgraph.runtime.train.config import TrainConfig
@@ -131,7 +132,7 @@ def export_checkpoint(path: str, output: str, step=None) -> dict:
     def fresh():
         return build_model(TrainConfig.from_values(model=run["model"], model_args=run.get("model_args", {}),
                                                    seed=run.get("seed", 0)))
-    state = ckpt.export_state_dict(folder, output, model=fresh())
+    state = full_state.export_state_dict(folder, output, model=fresh())
     loaded = torch.load(output, map_location="cpu", weights_only=True)
     fresh().load_state_dict(loaded, strict=True)
     return {"output": str(output), "checkpoint": str(folder), "model": run["model"], "tensors": len(state),

@@ -14,7 +14,8 @@ import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches, read_lengths
-from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.runtime.planner.auto_candidates import auto_candidates
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Cluster, Strategy
 from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 

@@ -43,7 +43,7 @@ _NUMBER = re.compile(r"[-+]?\d[\d,]*(\.\d+)?([eE][-+]?\d+)?")
 # ahead of its step, which the step line says instead: "built ahead")
 _SAME = {"hit": "hit/miss", "miss": "hit/miss"}
 _BUILT_AHEAD = re.compile(r"\bbuilt ahead\b")
-# clauses that come and go from run to run (``selection.auto_candidates``' source): whether and where the
+# clauses that come and go from run to run (``auto_candidates.auto_candidates``' source): whether and where the
 # best homogeneous strategy joins the candidates, and a --max-candidates cap
 _ALTERNATIVES = ((re.compile(r" \(the best homogeneous among them\)| \+ the best homogeneous"), ""),
                  (re.compile(r", at most \d+"), ""))

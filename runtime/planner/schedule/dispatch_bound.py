@@ -2,7 +2,7 @@
 micro-batches: ortools CP-SAT decides, for a trial makespan ``M``, whether the documents could be
 spread over the pipelines at all, and a bisection on ``M`` gives the bound.
 
-Why: ``selection.strategy_lower_bound`` charges a micro-batch's overhead ``c`` per ``MaxLen``
+Why: ``latency_bound.strategy_lower_bound`` charges a micro-batch's overhead ``c`` per ``MaxLen``
 tokens (a fractional number of micro-batches). When a pipeline holds one or two micro-batches of
 work (``PP = 1`` schemes at a few thousand tokens per GPU), rounding up is most of the gap between
 that bound and the best plans (~4% at 64 GPUs, llama-32b).

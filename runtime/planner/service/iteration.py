@@ -25,6 +25,7 @@ from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.process.run_log import run_log
 from hgraph.runtime.planner import selection
+from hgraph.runtime.planner.auto_candidates import auto_candidates
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
@@ -228,8 +229,8 @@ class IterationPlanner:
             # be longer than any scheme's MaxLen under a device memory limit)
             longest = int(lengths.max())
             max_len = min(int(getattr(getattr(model, "config", None), "max_seq_len", 0) or longest), longest)
-            return selection.auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter,
-                                             max_candidates=max_candidates)
+            return auto_candidates(lengths, cost, world_size, max_len, tokens_per_iter,
+                                   max_candidates=max_candidates)
         candidates, source = _on_rank0(propose, rank)
         return cls(with_activation_budget(cost, activation_budget_bytes), candidates, rank, source=source,
                    method=method, time_limit_s=time_limit_s, device_memory=limit)

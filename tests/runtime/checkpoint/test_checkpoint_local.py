@@ -9,6 +9,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+from hgraph.runtime.checkpoint import full_state
+from hgraph.runtime.checkpoint import rng_state
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 
@@ -31,11 +34,11 @@ def _trained(params, dims, rank, world_size, steps=2) -> ShardedAdam:
 
 def _save_all_ranks(root, step, params, dims, world_size, **state):
     """What ``save`` does on ``world_size`` ranks, rank after rank in this process."""
-    folder = checkpoint.step_dir(root, step)
+    folder = ckpt_manifest.step_dir(root, step)
     opts = [_trained(params, dims, r, world_size) for r in range(world_size)]
-    entries = [checkpoint.write_shard(folder, r, world_size, step, o, checkpoint.capture_rng())
+    entries = [checkpoint.write_shard(folder, r, world_size, step, o, rng_state.capture_rng())
                for r, o in enumerate(opts)]
-    checkpoint.write_manifest(folder, step, world_size, entries, **state)
+    ckpt_manifest.write_manifest(folder, step, world_size, entries, **state)
     return opts
 
 
@@ -64,7 +67,7 @@ def test_reshard_any_world_sizes_bitwise(tmp_path_factory, shapes, saved_n, new_
             full = torch.cat([s[key][name] for s in loaded], dim=dim)
             assert torch.equal(full, reference.state_dict()[key][name]), (key, name)
         assert all(s["steps"][name] == 2.0 for s in loaded)
-    full = checkpoint.full_tensors(root)
+    full = full_state.full_tensors(root)
     for name, p in params.items():
         assert full["params"][name].shape == p.shape
         assert torch.equal(full["params"][name], reference.params[name].reshape(p.shape))
@@ -75,24 +78,24 @@ def test_keep_last_and_resave_same_step(tmp_path):
     opt = _trained(params, {}, 0, 1)
     for step in (1, 2, 3):
         checkpoint.save(tmp_path, step, opt, data_position={"step": step})
-    assert checkpoint.complete_steps(tmp_path) == [1, 2, 3]
+    assert ckpt_manifest.complete_steps(tmp_path) == [1, 2, 3]
     checkpoint.save(tmp_path, 4, opt, keep_last=2)
-    assert checkpoint.complete_steps(tmp_path) == [3, 4]
-    assert not checkpoint.step_dir(tmp_path, 1).exists()
+    assert ckpt_manifest.complete_steps(tmp_path) == [3, 4]
+    assert not ckpt_manifest.step_dir(tmp_path, 1).exists()
     # re-saving step 4 replaces it as a whole
     opt.params["p0"].add_(1.0)
     checkpoint.save(tmp_path, 4, opt, data_position={"step": 4, "again": True})
     ck = checkpoint.load(tmp_path)
     assert ck.data_position == {"step": 4, "again": True}
     assert torch.equal(ck.optimizer["params"]["p0"], opt.params["p0"])
-    assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 4)
+    assert ckpt_manifest.latest(tmp_path) == ckpt_manifest.step_dir(tmp_path, 4)
     assert not list(tmp_path.rglob(".*.tmp-*"))          # no temp files left by a finished save
     # retention counts only the steps up to the one saved: a later step (another run's) stays,
     # and the one just written is never removed
     checkpoint.save(tmp_path, 2, opt, keep_last=2)
-    assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
+    assert ckpt_manifest.complete_steps(tmp_path) == [2, 3, 4]
     checkpoint.save(tmp_path, 3, opt, keep_last=2)
-    assert checkpoint.complete_steps(tmp_path) == [2, 3, 4]
+    assert ckpt_manifest.complete_steps(tmp_path) == [2, 3, 4]
 
 
 def test_a_checkpoint_is_a_dcp_checkpoint_keyed_by_parameter_name(tmp_path):
@@ -101,8 +104,8 @@ def test_a_checkpoint_is_a_dcp_checkpoint_keyed_by_parameter_name(tmp_path):
     import torch.distributed.checkpoint as dcp
     opt = _trained(_params([(4, 2), (3,)]), {"p0": 1}, 0, 1)
     folder = checkpoint.save(tmp_path, 0, opt)
-    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    assert manifest["format"] == checkpoint.DCP_FORMAT and manifest["world_size"] == 1
+    manifest = json.loads((folder / ckpt_manifest.MANIFEST).read_text())
+    assert manifest["format"] == ckpt_manifest.DCP_FORMAT and manifest["world_size"] == 1
     assert {e["name"] for e in manifest["shards"]} == {".metadata", "__0_0.distcp"}
     assert all(len(e["sha256"]) == 64 for e in manifest["shards"])
     assert manifest["optimizer"]["shard_dims"] == {"p0": 1, "p1": 0}
@@ -116,10 +119,10 @@ def test_a_checkpoint_is_a_dcp_checkpoint_keyed_by_parameter_name(tmp_path):
 
 def test_adam_step_counts_must_agree_to_reshard(tmp_path):
     params = _params([(4, 2)])
-    folder = checkpoint.step_dir(tmp_path, 1)
+    folder = ckpt_manifest.step_dir(tmp_path, 1)
     opts = [_trained(params, {}, r, 2, steps=1 + r) for r in range(2)]   # rank 1 took one more step
-    entries = [checkpoint.write_shard(folder, r, 2, 1, o, checkpoint.capture_rng()) for r, o in enumerate(opts)]
-    checkpoint.write_manifest(folder, 1, 2, entries)
+    entries = [checkpoint.write_shard(folder, r, 2, 1, o, rng_state.capture_rng()) for r, o in enumerate(opts)]
+    ckpt_manifest.write_manifest(folder, 1, 2, entries)
     with pytest.raises(HGraphError, match=r"Adam step counts of 'p0' differ between saved ranks \(\[1.0, 2.0\]\)"):
         checkpoint.load(tmp_path, 0, 3)
     assert checkpoint.load(tmp_path, 1, 2).optimizer["steps"]["p0"] == 2.0     # same size: as saved
@@ -134,10 +137,10 @@ def test_bad_input(tmp_path):
     with pytest.raises(HGraphError, match="no complete checkpoint in"):
         checkpoint.load(tmp_path / "empty")
     checkpoint.save(tmp_path, 5, opt)
-    (checkpoint.step_dir(tmp_path, 5) / checkpoint.MANIFEST).write_text("{not json")
-    assert checkpoint.latest(tmp_path) is None               # a damaged manifest: not complete
+    (ckpt_manifest.step_dir(tmp_path, 5) / ckpt_manifest.MANIFEST).write_text("{not json")
+    assert ckpt_manifest.latest(tmp_path) is None               # a damaged manifest: not complete
     with pytest.raises(HGraphError, match=r"manifest.json' cannot be read"):
-        checkpoint.load(checkpoint.step_dir(tmp_path, 5))
+        checkpoint.load(ckpt_manifest.step_dir(tmp_path, 5))
     with pytest.raises(HGraphError, match="rank 2 is outside world size 2"):
         checkpoint.load(tmp_path, 2, 2)
 
@@ -162,7 +165,7 @@ def test_export_with_tied_weights_fills_every_alias(tmp_path):
         for p in opt.params.values():
             p.add_(0.5)
     checkpoint.save(tmp_path, 0, opt)
-    state = checkpoint.export_state_dict(tmp_path, tmp_path / "m.pt", model=model)
+    state = full_state.export_state_dict(tmp_path, tmp_path / "m.pt", model=model)
     fresh = build("tiny-tied")
     fresh.load_state_dict(torch.load(tmp_path / "m.pt", weights_only=True))
     for name, p in fresh.named_parameters(remove_duplicate=False):

@@ -19,13 +19,17 @@ from tests.runtime.checkpoint.dcp_reads import counted_readers
 
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import build
-from hgraph.runtime.checkpoint import dcp_format
+from hgraph.runtime.checkpoint import coalesce, dcp_format
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+from hgraph.runtime.checkpoint import full_state
+from hgraph.runtime.checkpoint import rng_state
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.launch import spawn
 from hgraph.shard_rule import shard_bounds
 
 WORLD = 4
+BLOCK_BYTES = 8192      # the tiny model's embedding (128 KiB) is 4 chunks, its q_proj (16 KiB) 2
 # Non-default shard dims: a 2-d weight along its columns; sizes that 3 ranks do not divide evenly.
 SHARD_DIMS = {"layers.0.self_attn.q_proj.weight": 1, "layers.1.mlp.down_proj.weight": 1}
 
@@ -65,11 +69,17 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
                     planner_state={"seed": 5})
     _adam_steps(opt, 2, 2)
     out["rng_at_save"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
-    # The RNG states saved now are restored after loading: the next draws must repeat rng_after.
+    # The RNG states saved now are restored after loading: the next draws must repeat rng_after. Its
+    # chunks (one per entry, of all 4 ranks' rows) are gathered up trees of two levels (2 ranks a round).
+    coalesce.FAN_IN, fan_in = 2, coalesce.FAN_IN
     checkpoint.save(root, 4, opt, rank=rank, world_size=world_size,
                     data_position={"next_doc": 40, "step": 4}, delay_queues={"held": []},
                     planner_state={"seed": 5, "cache": ["4xTP1PP1"]})
+    coalesce.FAN_IN = fan_in
     out["state4"] = _state(opt)
+    # The same state in chunks of at least BLOCK_BYTES: entries of several chunks, each gathered from a
+    # block of ranks by one of them (the default's 64 MiB makes every entry of the tiny model one chunk)
+    checkpoint.save(f"{root}-blocks", 4, opt, rank=rank, world_size=world_size, min_chunk_bytes=BLOCK_BYTES)
     out["rng_after"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
     # The same state saved asynchronously: training goes on while it is written (the steps below
     # change the optimizer), and it completes later with the same tensors.
@@ -78,11 +88,11 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
 
     # A crash mid-save of step 6: the shard files (and a stray temp file) are there, no manifest.
     _adam_steps(opt, 4, 2)
-    folder = checkpoint.step_dir(root, 6)
-    checkpoint.write_shard(folder, rank, world_size, 6, opt, checkpoint.capture_rng())
+    folder = ckpt_manifest.step_dir(root, 6)
+    checkpoint.write_shard(folder, rank, world_size, 6, opt, rng_state.capture_rng())
     (folder / f".manifest.json.tmp-{rank}").write_text("{\"format\": 1, \"st")
     dist.barrier()
-    out["latest_after_crash"] = str(checkpoint.latest(root))
+    out["latest_after_crash"] = str(ckpt_manifest.latest(root))
 
     pending.wait()
     out["async4"] = checkpoint.load(f"{root}-async", rank, world_size).optimizer
@@ -91,7 +101,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     fresh.load_state_dict(ck.optimizer)
     out["loaded4"] = _state(fresh)
     out["loaded4_meta"] = (ck.step, ck.resharded, ck.data_position, ck.delay_queues, ck.planner_state)
-    checkpoint.restore_rng(ck.rng)
+    rng_state.restore_rng(ck.rng)
     out["rng_restored"] = (torch.rand(3), np.random.rand(3).tolist(), random.random())
     # Training on from the loaded state matches training on from the original one.
     _adam_steps(fresh, 4, 2)
@@ -174,8 +184,8 @@ def test_rng_states_restored(run):
 
 def test_crash_mid_save_keeps_previous_checkpoint(run):
     root, results = run
-    assert all(r["latest_after_crash"] == str(checkpoint.step_dir(root, 4)) for r in results)
-    assert checkpoint.complete_steps(root) == [2, 4]
+    assert all(r["latest_after_crash"] == str(ckpt_manifest.step_dir(root, 4)) for r in results)
+    assert ckpt_manifest.complete_steps(root) == [2, 4]
     with pytest.raises(HGraphError, match="incomplete"):
         checkpoint.load(root, 0, 4, step=6)
 
@@ -243,7 +253,7 @@ def test_a_plain_model_and_adam_load_the_checkpoint_of_4_ranks_with_dcp(run):
         p.grad = torch.zeros_like(p)
     adam.step()                                        # Adam's state exists, to be overwritten
     state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, adam)}
-    dcp.load(state, checkpoint_id=str(checkpoint.step_dir(root, 4)), no_dist=True)
+    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(root, 4)), no_dist=True)
     model.load_state_dict(state["model"])
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name
@@ -256,10 +266,10 @@ def test_a_plain_model_and_adam_load_the_checkpoint_of_4_ranks_with_dcp(run):
 def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
     root, results = run
     saved = [r["state4"] for r in results]
-    full = checkpoint.full_tensors(root)
+    full = full_state.full_tensors(root)
     assert full["step"] == 4
     out = tmp_path / "model.pt"
-    checkpoint.export_state_dict(root, out)
+    full_state.export_state_dict(root, out)
     state = torch.load(out, weights_only=True)
     model = _model()
     model.load_state_dict(state)            # strict: every key of the module, nothing more
@@ -267,7 +277,7 @@ def test_full_tensors_and_export_load_into_zoo_model(run, tmp_path):
         assert torch.equal(p.detach(), _full(saved, "params", name))
         assert torch.equal(full["exp_avg"][name], _full(saved, "exp_avg", name))
     # Older step on request; with the model given, its keys (buffers included) are kept.
-    state2 = checkpoint.export_state_dict(root, tmp_path / "m2.pt", step=2, model=_model())
+    state2 = full_state.export_state_dict(root, tmp_path / "m2.pt", step=2, model=_model())
     assert state2.keys() == _model().state_dict().keys()
     assert not torch.equal(state2["layers.0.self_attn.q_proj.weight"], state["layers.0.self_attn.q_proj.weight"])
 
@@ -277,7 +287,7 @@ def test_truncated_shard_names_file_and_fallback_works(run, tmp_path):
     root, results = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(1)
+    victim = ckpt_manifest.step_dir(copy, 4) / dcp_format.rank_file_name(1)
     data = victim.read_bytes()
     victim.write_bytes(data[: len(data) // 2])
     with pytest.raises(HGraphError, match=r"__1_0\.distcp.*truncated"):
@@ -296,7 +306,7 @@ def test_same_size_corruption_is_caught_by_checksum(run, tmp_path):
     root, _ = run
     copy = tmp_path / "ckpt"
     shutil.copytree(root, copy)
-    victim = checkpoint.step_dir(copy, 4) / dcp_format.rank_file_name(2)
+    victim = ckpt_manifest.step_dir(copy, 4) / dcp_format.rank_file_name(2)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
@@ -313,8 +323,8 @@ def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
     root, results = run
     saved = [r["state4"] for r in results]
     readers = counted_readers(monkeypatch)
-    folder = checkpoint.step_dir(root, 4)
-    layout = checkpoint.read_manifest(folder)["optimizer"]
+    folder = ckpt_manifest.step_dir(root, 4)
+    layout = ckpt_manifest.read_manifest(folder)["optimizer"]
     for r in range(3):
         readers.clear()
         state, shapes = dcp_format.load_optimizer_state(folder, r, 3, layout["shard_dims"], layout["hyper"])
@@ -330,3 +340,65 @@ def test_a_rank_reads_only_its_rows_of_the_dcp_checkpoint(run, monkeypatch):
             f"optim.state.{name}.step" for name in layout["shard_dims"])
     whole = sum(_full(saved, "params", name).numel() * 4 * 3 for name in layout["shard_dims"])
     assert rows_bytes < whole / 2.5          # a third of the model's states, not all of it
+
+
+def _entries(saved: list[dict]) -> list[tuple[str, coalesce.Entry]]:
+    """Every entry of the ranks' state (its DCP key) as the save numbers them."""
+    out = []
+    for i, (name, dim) in enumerate(saved[0]["shard_dims"].items()):
+        shape = tuple(_full(saved, "params", name).shape)
+        for k, key in enumerate((f"model.{name}", f"optim.state.{name}.exp_avg", f"optim.state.{name}.exp_avg_sq")):
+            out.append((key, coalesce.Entry(3 * i + k, shape, dim)))
+    return out
+
+
+@pytest.mark.parametrize("suffix,min_bytes", [("", coalesce.MIN_CHUNK_BYTES), ("-blocks", BLOCK_BYTES)])
+def test_each_entry_is_written_as_the_coalesced_chunks_of_blocks_of_ranks(run, suffix, min_bytes):
+    """The ``.metadata`` of the 4 ranks' checkpoint lists, per master and moment, the chunks
+    ``coalesce.chunks`` says (not one per rank), each in the file of the rank that writes it."""
+    root, results = run
+    saved = [r["state4"] for r in results]
+    folder = ckpt_manifest.step_dir(f"{root}{suffix}", 4)
+    md = dcp_format.read_metadata(folder)
+    files = {index: info.relative_path for index, info in md.storage_data.items()}
+    counts = set()
+    for key, entry in _entries(saved):
+        want = coalesce.chunks(entry, WORLD, min_bytes)
+        got = sorted(md.state_dict_metadata[key].chunks, key=lambda c: c.offsets[entry.dim])
+        assert [(c.offsets[entry.dim], c.sizes[entry.dim]) for c in got] == [(w.lo, w.hi - w.lo) for w in want], key
+        for c, w in zip(got, want):
+            index = next(i for i in files if i.fqn == key and list(i.offset) == list(c.offsets))
+            assert files[index] == dcp_format.rank_file_name(w.writer), key
+        counts.add(len(want))
+    assert counts == ({1} if not suffix else {1, 2, 4})
+    writers = {w.writer for _, e in _entries(saved) for w in coalesce.chunks(e, WORLD, min_bytes)}
+    assert writers == set(range(WORLD))          # the entries spread over every rank of the block
+
+
+@pytest.mark.parametrize("n", [4, 3, 1])
+def test_a_checkpoint_of_coalesced_chunks_resumes_bitwise_at_any_world_size(run, n):
+    """Read back at 4, 3 and 1 ranks (``load``, from the files), every rank's rows of every master and
+    moment are bitwise the 4 ranks' states, and the step counts are theirs."""
+    root, results = run
+    saved = [r["state4"] for r in results]
+    loaded = [checkpoint.load(f"{root}-blocks", r, n).optimizer for r in range(n)]
+    for name in saved[0]["shard_dims"]:
+        for key in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(loaded, key, name), _full(saved, key, name)), (n, key, name)
+        assert all(s["steps"][name] == 4.0 for s in loaded)
+
+
+@pytest.mark.parametrize("suffix,step", [("-blocks", 4), ("-g2", 6)])
+def test_a_plain_model_loads_the_coalesced_checkpoint_with_dcp(run, suffix, step):
+    """``dcp.load({"model": model.state_dict()})`` in one process: the masters of the 4 ranks (chunks
+    of blocks of ranks), and of the two pairs of the shard group of 2 (written by the first pair)."""
+    import torch.distributed.checkpoint as dcp
+    root, results = run
+    saved = ([r["state4"] for r in results] if suffix == "-blocks"
+             else [results[0]["continued_g2"], results[1]["continued_g2"]])
+    model = _model()
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(ckpt_manifest.step_dir(f"{root}{suffix}", step)), no_dist=True)
+    model.load_state_dict(state["model"])
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), _full(saved, "params", name).reshape(p.shape)), name

@@ -20,7 +20,7 @@ from tests.runtime.reference_training import assert_trained_like, reference_run,
 
 from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import llama
-from hgraph.runtime.checkpoint import shards as ckpt
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
 from hgraph.runtime.checkpoint.foreign import ForeignCheckpoint
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.runtime.engine.optimizer import ShardedAdam
@@ -73,7 +73,7 @@ def test_resume_from_a_plain_adam_dcp_checkpoint_continues_like_the_plain_model(
     reference = dataclasses.replace(plain["reference"], losses=plain["reference"].losses[K:])
     assert_trained_like([m["loss"] for m in lines], summary.final_state, reference)
     # the run's own checkpoint went under the folder, and a later --resume takes it first
-    assert ckpt.complete_steps(plain["ck"]) == [STEPS]
+    assert ckpt_manifest.complete_steps(plain["ck"]) == [STEPS]
 
 
 def test_a_rank_reads_its_rows_of_weights_moments_and_step_counts(plain, monkeypatch):

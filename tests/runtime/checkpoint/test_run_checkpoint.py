@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
 from hgraph.runtime.checkpoint import shards as checkpoint
 from hgraph.runtime.checkpoint.run import RunCheckpoints, find_resume_point
 from hgraph.runtime.engine.optimizer import ShardedAdam
@@ -73,7 +74,7 @@ def test_resumed_trainer_takes_masters_from_the_checkpoint_and_settings_from_its
                                        tokens_per_iter=128, docs=docs, checkpoint_dir=str(tmp_path), **kw)
     first = Trainer(config(), 0, 1)
     first.run()
-    assert checkpoint.complete_steps(tmp_path) == [3]
+    assert ckpt_manifest.complete_steps(tmp_path) == [3]
     saved = first.optimizer.state_dict()
     with pytest.raises(HGraphError, match="nothing left to train"):
         Trainer(config(resume=True), 0, 1)
@@ -92,7 +93,7 @@ def test_resumed_trainer_takes_masters_from_the_checkpoint_and_settings_from_its
     third = Trainer(config().with_values(checkpoint_dir=str(async_root), checkpoint_every=2, async_checkpoint=True),
                     0, 1)
     records = third.run().checkpoints
-    assert checkpoint.complete_steps(async_root) == [2, 3] and all(r["bytes"] > 0 for r in records)
+    assert ckpt_manifest.complete_steps(async_root) == [2, 3] and all(r["bytes"] > 0 for r in records)
     loaded = checkpoint.load(async_root, 0, 1).optimizer
     for key in ("params", "exp_avg", "exp_avg_sq"):
         for name, t in saved[key].items():

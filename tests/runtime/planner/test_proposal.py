@@ -10,7 +10,8 @@ from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.interval_cost import (LengthHistogram, bucket_edges, pipeline_capacity,
                                                   pipeline_latency)
 from hgraph.runtime.planner.proposal import propose
-from hgraph.runtime.planner.selection import homogeneous_strategies, plan_iteration
+from hgraph.runtime.planner.auto_candidates import homogeneous_strategies
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.research.integer_dp import integer_dp
 from hgraph.runtime.research.simulator import sample_minibatches
 from hgraph.strategy import Cluster

@@ -10,8 +10,9 @@ from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.plan import estimate_plan
 from hgraph.runtime.planner.proposal import propose
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
-from hgraph.runtime.planner.selection import (auto_candidates, best_homogeneous, homogeneous_strategies,
-                                              plan_iteration, strategy_lower_bound)
+from hgraph.runtime.planner.auto_candidates import auto_candidates, best_homogeneous, homogeneous_strategies
+from hgraph.runtime.planner.latency_bound import strategy_lower_bound
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)
@@ -157,7 +158,7 @@ def test_many_pipeline_surrogates_never_prune_a_plan_that_exists():
 
 
 def test_share_variants_give_the_long_document_scheme_more_gpus():
-    from hgraph.runtime.planner.selection import SHARE_STEPS, share_variants
+    from hgraph.runtime.planner.auto_candidates import SHARE_STEPS, share_variants
     cost = load_cost_model("llama-32b", world_size=12288, gpus_per_node=8)
     mix = Strategy.parse("106xTP4PP1CP8+2224xTP4PP1")
     variants = share_variants(mix, cost, 12288)

@@ -26,7 +26,7 @@ import pytest
 from tests.runtime.fault_injection import sigstop_worker
 from tests.runtime.reference_training import write_random_documents
 
-from hgraph.runtime.checkpoint.shards import complete_steps
+from hgraph.runtime.checkpoint.manifest import complete_steps
 from hgraph.runtime.process.run_lock import RunLock
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launch import SpawnError, spawn

@@ -3,7 +3,7 @@ only; the torchrun test kills a rank and checks the whole run)."""
 import json
 from types import SimpleNamespace
 
-from hgraph.runtime.checkpoint.shards import FORMAT_VERSION, MANIFEST, step_dir
+from hgraph.runtime.checkpoint.manifest import FORMAT_VERSION, MANIFEST, step_dir
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.launcher_env import read_launcher_env
 from hgraph.runtime.train.restart import finished_before_restart, restart_config, restart_run_dir

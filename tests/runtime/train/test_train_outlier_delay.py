@@ -65,9 +65,9 @@ def test_every_document_read_is_trained_once_and_the_end_flushes(ref):
 
 
 def test_checkpoint_holds_the_real_queues(ref):
-    from hgraph.runtime.checkpoint import shards as ckpt
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
     for step in (3, 6):
-        q = ckpt.read_manifest(ref["ck"] / f"step-{step:08d}")["delay_queues"]
+        q = ckpt_manifest.read_manifest(ref["ck"] / f"step-{step:08d}")["delay_queues"]
         assert q["outlier_delay"] is True and q["next_step"] == step
         assert q["next_document"] == ref["metrics"][step - 1]["next_document"]
         waiting = [p for level in q["queues"] for p, _ in level] + [p for p, _ in q["held"]]
@@ -75,7 +75,7 @@ def test_checkpoint_holds_the_real_queues(ref):
         # a waiting document was read (before the data position) and not trained yet
         done = {i for r in ref["metrics"][:step] for i in r["documents"]}
         assert all(p < q["next_document"] and p not in done for p in waiting)
-    assert ckpt.read_manifest(ref["ck"] / "step-00000003")["delay_queues"]["pending"] > 0
+    assert ckpt_manifest.read_manifest(ref["ck"] / "step-00000003")["delay_queues"]["pending"] > 0
 
 
 def test_delayed_run_equals_pytorch_on_the_mini_batches_it_formed(ref):

@@ -61,9 +61,9 @@ def ref(tmp_path_factory):
 
 
 def test_reference_run_saves_every_k_steps_and_at_the_end(ref):
-    from hgraph.runtime.checkpoint import shards as ckpt
-    assert ckpt.complete_steps(ref["ck"]) == [2, 4, 6]
-    manifest = ckpt.read_manifest(ref["ck"] / "step-00000004")
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+    assert ckpt_manifest.complete_steps(ref["ck"]) == [2, 4, 6]
+    manifest = ckpt_manifest.read_manifest(ref["ck"] / "step-00000004")
     pos = manifest["data_position"]
     # the data position is the document after the last one trained in step 3
     assert pos["next_step"] == 4 and pos["next_document"] == ref["metrics"][3]["next_document"]
@@ -90,8 +90,8 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
     with pytest.raises(SpawnError, match="rank 1") as info:    # not spawn's timeout, which names no rank
         spawn(dying_worker, 2, args=(config, 1, 3), timeout_s=60)
     assert info.value.rank == 1
-    from hgraph.runtime.checkpoint import shards as ckpt
-    assert ckpt.complete_steps(ck) == [2]
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+    assert ckpt_manifest.complete_steps(ck) == [2]
     # step 2 was trained (and logged) after the checkpoint, then lost: the resume trains it again
     assert [r["step"] for r in _metrics(run / "metrics.jsonl")] == [0, 1, 2]
 
@@ -101,7 +101,7 @@ def test_killed_rank_is_named_and_resume_loses_nothing_and_matches_bitwise(ref, 
 def _resume_matches_the_reference_bitwise(ref, ck, run, name, from_step, capsys):
     """``--resume`` from the checkpoint of ``from_step`` in ``ck`` runs to the end; the whole run then
     equals the uninterrupted reference: documents per step, losses and final parameters, bitwise."""
-    from hgraph.runtime.checkpoint import shards as ckpt
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
     final_path = ref["base"] / f"{name}-final.pt"
     argv = _argv(ref["data"], ck, run, "--resume", "--strategies", CANDIDATES, "--save-final", str(final_path))
     assert main(argv) == 0
@@ -112,7 +112,7 @@ def _resume_matches_the_reference_bitwise(ref, ck, run, name, from_step, capsys)
     assert [r["step"] for r in got] == list(range(STEPS))
     # nothing skipped or trained twice: the same documents per step as the uninterrupted run
     assert [r["documents"] for r in got] == [r["documents"] for r in ref["metrics"]]
-    manifest = ckpt.read_manifest(ck / f"step-{from_step:08d}")
+    manifest = ckpt_manifest.read_manifest(ck / f"step-{from_step:08d}")
     assert got[from_step]["documents"][0] == manifest["data_position"]["next_document"]
     # bitwise: losses and final parameters
     assert [r["loss"] for r in got] == [r["loss"] for r in ref["metrics"]]
@@ -126,7 +126,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_a_checkpoint_a
     """SLURM-style preemption reaching rank 1 alone, in step 2: both ranks agree to stop after step 2,
     save the checkpoint of 3 steps (not a multiple of --checkpoint-every) and return; the resume
     continues as if nothing happened."""
-    from hgraph.runtime.checkpoint import shards as ckpt
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
     base = ref["base"]
     ck, run = base / "term-ck", base / "term-run"
     run.mkdir()
@@ -135,7 +135,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_step_with_a_checkpoint_a
     stopped = {"signal": "SIGTERM", "step": 3, "checkpoint": str(ck / "step-00000003")}
     assert [o["stopped"] for o in out] == [stopped, stopped]
     assert [[s["step"] for s in o["steps"]] for o in out] == [[0, 1, 2]] * 2
-    assert ckpt.complete_steps(ck) == [2, 3]
+    assert ckpt_manifest.complete_steps(ck) == [2, 3]
     _resume_matches_the_reference_bitwise(ref, ck, run, "term", 3, capsys)
 
 
@@ -157,7 +157,7 @@ def _dying_in_save_worker(rank, world, config, victim, save_step):
 def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp_path):
     """The others fail in the save's collective, outside a training step: the error still names the
     lost rank, and the unfinished checkpoint is skipped (with a note) in favour of the previous one."""
-    from hgraph.runtime.checkpoint import shards as checkpoint
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
     from hgraph.runtime.checkpoint.run import find_resume_point
     ck = tmp_path / "ck"
     config = TrainConfig.from_values(model="llama:tiny", world_size=2, strategy_schedule="2xTP1PP1", steps=STEPS,
@@ -166,7 +166,7 @@ def test_rank_lost_mid_save_is_named_and_leaves_the_previous_checkpoint(ref, tmp
     with pytest.raises(SpawnError, match="rank 1 was lost") as info:
         spawn(_dying_in_save_worker, 2, args=(config, 1, 4), timeout_s=60)
     assert info.value.rank == 1
-    assert checkpoint.complete_steps(ck) == [2]
+    assert ckpt_manifest.complete_steps(ck) == [2]
     assert (ck / "step-00000004").is_dir() and not (ck / "step-00000004" / "manifest.json").exists()
     point = find_resume_point(ck)
     assert point.step == 2 and "step-00000004" in point.warnings[0]
@@ -204,8 +204,8 @@ def test_corrupt_newest_checkpoint_is_named_and_fallback_resumes_on_another_worl
     final = torch.load(base / "corrupt-final.pt", weights_only=True)
     assert_params_like(final, ref["final"], lr=TrainConfig().optimizer.lr)
     # the newest complete checkpoint is now the resumed run's own, written by 3 ranks
-    from hgraph.runtime.checkpoint import shards as ckpt
-    assert ckpt.read_manifest(ck / "step-00000006")["world_size"] == 3
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+    assert ckpt_manifest.read_manifest(ck / "step-00000006")["world_size"] == 3
 
 
 def test_export_is_a_plain_state_dict_of_the_module(ref, tmp_path, capsys):

@@ -50,11 +50,13 @@ def files(tmp_path_factory):
     save_file(values, str(root / "w.safetensors"))
     torch.save(model.state_dict(), root / "w.pt")
     folder = root / "ckpt" / "step-00000002"
+    from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+    from hgraph.runtime.checkpoint import rng_state
     from hgraph.runtime.checkpoint import shards as ckpt
     opts = [ShardedAdam(model.named_parameters(), {f"llama.{k}": d for k, d in SHARD_DIMS.items()}, r, 3)
             for r in range(3)]
-    entries = [ckpt.write_shard(folder, r, 3, 2, o, ckpt.capture_rng()) for r, o in enumerate(opts)]
-    ckpt.write_manifest(folder, 2, 3, entries)
+    entries = [ckpt.write_shard(folder, r, 3, 2, o, rng_state.capture_rng()) for r, o in enumerate(opts)]
+    ckpt_manifest.write_manifest(folder, 2, 3, entries)
     return root, values
 
 

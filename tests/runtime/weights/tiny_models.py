@@ -3,6 +3,10 @@ from pathlib import Path
 
 import torch
 
+from hgraph.runtime.checkpoint import manifest as ckpt_manifest
+
+from hgraph.runtime.checkpoint import rng_state
+
 from hgraph.runtime.checkpoint import shards as ckpt
 from hgraph.runtime.engine.optimizer import ShardedAdam
 from hgraph.runtime.train.config import TrainConfig
@@ -43,6 +47,6 @@ def assemble_checkpoint(folder: Path, model: str, world_size: int, model_args=No
         for p in module.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=g))
     opts = [ShardedAdam(module.named_parameters(), None, r, world_size) for r in range(world_size)]
-    entries = [ckpt.write_shard(folder, r, world_size, step, o, ckpt.capture_rng()) for r, o in enumerate(opts)]
-    ckpt.write_manifest(folder, step, world_size, entries, run=run_state(config, world_size, module))
+    entries = [ckpt.write_shard(folder, r, world_size, step, o, rng_state.capture_rng()) for r, o in enumerate(opts)]
+    ckpt_manifest.write_manifest(folder, step, world_size, entries, run=run_state(config, world_size, module))
     return {n: p.detach().clone() for n, p in module.named_parameters()}

@@ -11,7 +11,8 @@ from hgraph.runtime.planner.cost.memory_estimate import stage_activation_bytes
 from hgraph.runtime.planner.cost.runtime_memory import (PARTITIONER_BACKEND, check_documents_fit,
                                                         measured_activation_coeffs, saved_activation_bytes,
                                                         with_device_memory)
-from hgraph.runtime.planner.selection import auto_candidates, plan_iteration
+from hgraph.runtime.planner.auto_candidates import auto_candidates
+from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import bounded_cost_model, model_cost_model
 from hgraph.strategy import Scheme
 

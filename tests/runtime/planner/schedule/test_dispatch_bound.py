@@ -8,7 +8,7 @@ import pytest
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.dispatch import dispatch_sequences
 from hgraph.runtime.planner.schedule.dispatch_bound import microbatch_lower_bound
-from hgraph.runtime.planner.selection import strategy_lower_bound
+from hgraph.runtime.planner.latency_bound import strategy_lower_bound
 from hgraph.strategy import Strategy
 
 CM = load_cost_model("llama-32b", world_size=64)
