@@ -18,28 +18,43 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
+import operator
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Iterator, Optional, Sequence
 
+from hgraph import dims
+from hgraph.dims import DIMENSIONS, GROUPED, LAYOUT, SEQUENCE, BindingKey, Dim
 from hgraph.errors import StrategyError
 
-_SCHEME_RE = re.compile(r"TP(\d+)PP(\d+)(?:CP(\d+))?(?:UL(\d+))?", re.IGNORECASE)
+def _scheme_pattern() -> str:
+    """The regular expression of a scheme, from the registry: ``TP(\\d+)PP(\\d+)(?:CP(\\d+))?(?:UL(\\d+))?``."""
+    return "".join(rf"{d.letter}(\d+)" if d.always_written else rf"(?:{d.letter}(\d+))?" for d in DIMENSIONS)
+
+
+#: a scheme's grammar as the error lines write it: ``TP<n>PP<n>[CP<n>][UL<n>]``
+_GRAMMAR = "".join(f"{d.letter}<n>" if d.always_written else f"[{d.letter}<n>]" for d in DIMENSIONS)
+_SCHEME_RE = re.compile(_scheme_pattern(), re.IGNORECASE)
 _TERM_RE = re.compile(r"\s*(?:(\d+)\s*[xX]\s*|DP(\d+))?", re.IGNORECASE)
 
 
 def _first_bad_char(text: str) -> int:
-    """Offset of the first character of ``text`` that cannot continue TP<n>PP<n>[CP<n>][UL<n>]."""
+    """Offset of the first character of ``text`` that cannot continue a scheme (``_GRAMMAR``)."""
     i = 0
-    for j, key in enumerate(("TP", "PP", "CP", "UL")):
-        if j >= 2 and i == len(text):
-            return i
-        if j == 2 and text[i:i + 1].upper() == "U":
-            continue      # CP omitted
-        if text[i:i + 2].upper() != key:
-            return i + next((k for k in range(2) if text[i + k:i + k + 1].upper() != key[k]), 0)
-        i += 2
+    for j, dim in enumerate(DIMENSIONS):
+        key = dim.letter
+        if not dim.always_written:
+            if i == len(text):
+                return i
+            head = text[i:i + 1].upper()
+            if head != key[0] and any(head == later.letter[0] for later in DIMENSIONS[j + 1:]
+                                      if not later.always_written):
+                continue      # omitted: the text goes on with a later dimension
+        if text[i:i + len(key)].upper() != key:
+            return i + next((k for k in range(len(key)) if text[i + k:i + k + 1].upper() != key[k]), 0)
+        i += len(key)
         digits = len(text[i:]) - len(text[i:].lstrip("0123456789"))
         if digits == 0:
             return i
@@ -48,10 +63,13 @@ def _first_bad_char(text: str) -> int:
 
 
 def _sp_hint(text: str) -> str:
-    """What to write instead of an ``SP<n>`` degree (SP names Megatron's sequence parallelism here)."""
-    m = re.search(r"SP(\d+)", text, re.IGNORECASE)
-    return (f"; the Ulysses degree is written UL{m.group(1)} (SP is Megatron's sequence parallelism, "
-            "the --sequence-parallel flag)") if m else ""
+    """What to write instead of a refused spelling of a degree (``Dim.refused``: ``SP<n>`` for ``UL<n>``)."""
+    for d in DIMENSIONS:
+        if d.refused is not None:
+            m = re.search(rf"{d.refused[0]}(\d+)", text, re.IGNORECASE)
+            if m:
+                return f"; the {d.title} degree is written {d.letter}{m.group(1)} ({d.refused[1]})"
+    return ""
 
 
 @dataclass(frozen=True, order=True)
@@ -70,15 +88,15 @@ class Scheme:
     ul: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "cp", "ul"):
-            v = getattr(self, name)
+        for d in DIMENSIONS:
+            v = d.degree(self)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise StrategyError(f"scheme {name.upper()} degree must be a positive integer, got {v!r}")
+                raise StrategyError(f"scheme {d.letter} degree must be a positive integer, got {v!r}")
 
     @property
     def seq(self) -> int:
         """Ranks that split each micro-batch's tokens: the CP degree times the Ulysses degree."""
-        return self.cp * self.ul
+        return math.prod(d.degree(self) for d in SEQUENCE)
 
     def seq_place(self, seq_rank: int) -> tuple[int, int]:
         """(CP shard, Ulysses rank inside it) of sequence rank ``seq_rank`` (Ulysses inner)."""
@@ -86,24 +104,41 @@ class Scheme:
 
     @property
     def num_ranks(self) -> int:
-        return self.tp * self.pp * self.seq
+        return math.prod(d.degree(self) for d in DIMENSIONS)
+
+    def stride(self, dim: Dim) -> int:
+        """How far apart in the rank layout two ranks are that differ by one in ``dim``'s coordinate."""
+        return self._strides[dim.layout]
+
+    @cached_property
+    def _strides(self) -> tuple[int, ...]:
+        # by layout place: the product of the degrees inside it (asked for every rank's coordinates)
+        return tuple(itertools.accumulate((d.degree(self) for d in LAYOUT[:-1]), operator.mul, initial=1))
+
+    def place(self, local: int, dim: Dim) -> int:
+        """``dim``'s coordinate of the pipeline's rank ``local`` (0-based inside the pipeline)."""
+        return local // self.stride(dim) % dim.degree(self)
 
     def __str__(self) -> str:
-        return (f"TP{self.tp}PP{self.pp}" + (f"CP{self.cp}" if self.cp != 1 else "")
-                + (f"UL{self.ul}" if self.ul != 1 else ""))
+        return "".join(f"{d.letter}{d.degree(self)}" for d in DIMENSIONS
+                       if d.always_written or d.degree(self) != 1)
 
     @classmethod
     def parse(cls, text: str) -> "Scheme":
         m = _SCHEME_RE.fullmatch(text.strip())
         if not m:
             raise StrategyError(
-                f"malformed scheme {text!r}: expected TP<n>PP<n>[CP<n>][UL<n>], e.g. TP2PP1, TP4PP2CP2 or "
+                f"malformed scheme {text!r}: expected {_GRAMMAR}, e.g. TP2PP1, TP4PP2CP2 or "
                 f"TP1PP1UL4{_sp_hint(text)}")
         return cls._of(m)
 
     @classmethod
     def _of(cls, m: "re.Match[str]") -> "Scheme":
-        return cls(int(m.group(1)), int(m.group(2)), int(m.group(3) or 1), int(m.group(4) or 1))
+        return cls(**{d.name: int(g or 1) for d, g in zip(DIMENSIONS, m.groups())})
+
+
+assert tuple(f.name for f in fields(Scheme)) == tuple(d.name for d in DIMENSIONS), \
+    "Scheme's fields are the registry's dimensions (hgraph.dims.DIMENSIONS), in text order"
 
 
 @dataclass(frozen=True)
@@ -153,8 +188,7 @@ class Strategy:
                 bad = pos + rest_start + lead + _first_bad_char(scheme_text)
                 raise StrategyError(
                     f"malformed strategy {text!r} at position {bad} (term {term.strip()!r}): expected "
-                    "[<d>x]TP<n>PP<n>[CP<n>][UL<n>] terms joined by '+', or DP<d>TP<n>PP<n>[CP<n>][UL<n>]"
-                    + _sp_hint(scheme_text))
+                    f"[<d>x]{_GRAMMAR} terms joined by '+', or DP<d>{_GRAMMAR}" + _sp_hint(scheme_text))
             count = int(count_text) if count_text else 1
             if count < 1:
                 raise StrategyError(f"malformed strategy {text!r} at position {pos}: pipeline count must be >= 1")
@@ -217,23 +251,53 @@ class Strategy:
         return list(range(start, start + self.pipelines[i].num_ranks))
 
     def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0) -> int:
+        """The rank at stage ``stage``, TP rank ``tp_rank`` and sequence rank ``cp_rank`` of a pipeline: the
+        sequence dimensions sit together in the layout (``hgraph.dims``), their ranks numbered inside out."""
         p = self.pipelines[pipeline]
-        return self._starts[pipeline] + (stage * p.seq + cp_rank) * p.tp + tp_rank
+        return (self._starts[pipeline] + stage * p.stride(dims.PP) + tp_rank * p.stride(dims.TP)
+                + cp_rank * p.stride(dims.SEQUENCE[0]))
 
-    def coord(self, rank: int) -> RankCoord:
+    def _locate(self, rank: int) -> tuple[int, Scheme, int]:
+        """(pipeline, its scheme, ``rank``'s place inside it)."""
         if not 0 <= rank < self.num_ranks:
             raise StrategyError(f"rank {rank} is outside strategy {self} of {self.num_ranks} ranks")
         i = bisect.bisect_right(self._starts, rank) - 1
-        p, local = self.pipelines[i], rank - self._starts[i]
-        return RankCoord(rank, i, local // (p.tp * p.seq), local % p.tp, (local // p.tp) % p.seq)
+        return i, self.pipelines[i], rank - self._starts[i]
+
+    def coord(self, rank: int) -> RankCoord:
+        i, p, local = self._locate(rank)
+        return RankCoord(rank, i, p.place(local, dims.PP), p.place(local, dims.TP),
+                         local // p.stride(dims.SEQUENCE[0]) % p.seq)
+
+    def group(self, dim: Dim, rank: int) -> list[int]:
+        """The ranks that differ from ``rank`` only in ``dim``'s coordinate, in that coordinate's order
+        (its group: the TP group, the CP ring, the Ulysses all-to-all group, its pipeline's stages)."""
+        _, p, local = self._locate(rank)
+        stride = p.stride(dim)
+        first = rank - p.place(local, dim) * stride
+        return [first + k * stride for k in range(dim.degree(p))]
+
+    def bindings(self, rank: int) -> dict[BindingKey, tuple[int, ...]]:
+        """What ``rank``'s graph names the ranks it talks to (``hgraph.dims.BindingKey``): the group of
+        every grouped dimension through it, and its neighbours along the others (the previous and next
+        stage's rank, where there is one)."""
+        out = {d.key: tuple(self.group(d, rank)) for d in GROUPED}
+        _, p, local = self._locate(rank)
+        for d in DIMENSIONS:
+            if d.neighbours is not None:
+                place, stride = p.place(local, d), p.stride(d)
+                if place > 0:
+                    out[d.neighbours[0]] = (rank - stride,)
+                if place < d.degree(p) - 1:
+                    out[d.neighbours[1]] = (rank + stride,)
+        return out
 
     def coords(self) -> Iterator[RankCoord]:
         for r in range(self.num_ranks):
             yield self.coord(r)
 
     def tp_group(self, pipeline: int, stage: int, cp_rank: int = 0) -> list[int]:
-        p = self.pipelines[pipeline]
-        return [self.rank_of(pipeline, stage, t, cp_rank) for t in range(p.tp)]
+        return self.group(dims.TP, self.rank_of(pipeline, stage, 0, cp_rank))
 
     def seq_group(self, pipeline: int, stage: int, tp_rank: int = 0) -> list[int]:
         """Every rank splitting the tokens of ``tp_rank``'s micro-batches: CP x UL, Ulysses inner."""
@@ -243,15 +307,11 @@ class Strategy:
     def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0, seq_rank: int = 0) -> list[int]:
         """The CP ring (or all-gather) group through sequence rank ``seq_rank``: one rank per CP shard,
         all with its Ulysses rank (so the same heads after the all-to-all)."""
-        p = self.pipelines[pipeline]
-        u = p.seq_place(seq_rank)[1]
-        return [self.rank_of(pipeline, stage, tp_rank, c * p.ul + u) for c in range(p.cp)]
+        return self.group(dims.CP, self.rank_of(pipeline, stage, tp_rank, seq_rank))
 
     def ul_group(self, pipeline: int, stage: int, tp_rank: int = 0, seq_rank: int = 0) -> list[int]:
         """The Ulysses all-to-all group through sequence rank ``seq_rank``: the ranks of its CP shard."""
-        p = self.pipelines[pipeline]
-        c = p.seq_place(seq_rank)[0]
-        return [self.rank_of(pipeline, stage, tp_rank, c * p.ul + u) for u in range(p.ul)]
+        return self.group(dims.UL, self.rank_of(pipeline, stage, tp_rank, seq_rank))
 
     def stage_ranks(self, pipeline: int, stage: int) -> list[int]:
         p = self.pipelines[pipeline]
