@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from hgraph import ops
 from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives
-from hgraph.runtime.comm.collectives import PendingWork
+from hgraph.runtime.comm.collectives import InFlight, PendingWork
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
@@ -38,14 +38,12 @@ from hgraph.shard_rule import shard_bounds
 from hgraph.varlen_attention import DocumentBounds, varlen_attention
 
 
-@dataclass
-class InFlight:
-    """The ops a rank issued and has not waited for, shared by its context and every micro-batch view."""
+class ParamExchangeOps(Protocol):
+    """What the Pull Parameter / Push Gradient ops ask of the Program's engine (``comm/param_sync.ParamSync``)."""
 
-    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
-    pending: dict = field(default_factory=dict)
-    detached: list = field(default_factory=list)      # sends issued from backward
-    deferred: list = field(default_factory=list)      # activation sends waiting for the next gradient receive
+    def pull_issue(self, name: str) -> None: ...
+    def pull_wait(self, name: str) -> None: ...
+    def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,9 +55,9 @@ class CommContext:
     world_size: int
     groups: GroupCache
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    comm_stream: Any = None                       # the dedicated CUDA stream of collectives (None on CPU)
+    comm_stream: Optional[torch.cuda.Stream] = None   # the dedicated CUDA stream of collectives (None on CPU)
     bindings: Mapping[BindingKey, Sequence[int]] = field(default_factory=dict)   # role key -> ranks, per program
-    param_sync: Any = None                        # the Pull / Push engine of the program being run
+    param_sync: Optional[ParamExchangeOps] = None  # the Pull / Push engine of the program being run
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the rank's one choke point for what it issues (its order and record), shared by every view
