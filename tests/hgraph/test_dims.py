@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hgraph
-from hgraph import Cluster, Scheme, Strategy, dims
+from hgraph import Cluster, Scheme, Strategy, dims, ops
 from hgraph.dims import DIMENSIONS, GROUPED, LAYOUT, SEQUENCE, BindingKey
 from hgraph.frontends.zoo import llama
 
@@ -95,3 +95,13 @@ def test_rank_graphs_name_their_groups_by_binding_key():
     assert keys == {BindingKey.TP, BindingKey.PP_NEXT}
     assert all(type(k) is BindingKey for k in keys)
     assert "BindingKey.TP" in rp.graph_module.code and "'tp'" not in rp.graph_module.code
+
+
+def test_every_op_and_comm_point_belongs_to_one_dimension():
+    """A dimension's ops exist in the op vocabulary, and every Communicate Activation point is filled by
+    exactly one dimension's ops (dumps find a subgraph's peers through it)."""
+    for d in DIMENSIONS:
+        for name in d.ops:
+            assert callable(getattr(ops, name)), (d.letter, name)
+    claimed = [p for d in DIMENSIONS for p in d.comm_points]
+    assert sorted(claimed) == sorted(p.value for p in hgraph.meta.CommPoint)
