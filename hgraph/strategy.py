@@ -27,7 +27,7 @@ import operator
 import re
 from dataclasses import dataclass, fields
 from functools import cached_property
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 from hgraph import dims
 from hgraph.dims import DIMENSIONS, GROUPED, LAYOUT, SEQUENCE, BindingKey, Dim
@@ -277,6 +277,16 @@ class Strategy:
         i, p, local = self._locate(rank)
         return RankCoord(rank, i, p.place(local, dims.PP), p.place(local, dims.TP),
                          local // p.stride(_FIRST_SEQUENCE) % p.seq)
+
+    def place(self, rank: int, dim: Dim) -> int:
+        """``rank``'s coordinate along ``dim`` inside its pipeline (its stage along PP, its TP rank, ...)."""
+        _, p, local = self._locate(rank)
+        return p.place(local, dim)
+
+    def rank_at(self, pipeline: int, places: Mapping[Dim, int]) -> int:
+        """The rank of ``pipeline`` at the coordinates ``places`` (a dimension left out: 0)."""
+        p = self.pipelines[pipeline]
+        return self._starts[pipeline] + sum(places.get(d, 0) * p.stride(d) for d in LAYOUT)
 
     def group(self, dim: Dim, rank: int) -> list[int]:
         """The ranks that differ from ``rank`` only in ``dim``'s coordinate, in that coordinate's order

@@ -64,6 +64,8 @@ def test_groups_and_bindings_are_the_ranks_differing_in_one_coordinate(text):
         got = strategy.coord(rank)
         assert (got.pipeline, got.stage, got.tp_rank, got.cp_rank) == (
             c["pipeline"], c["pp"], c["tp"], c["cp"] * strategy.pipelines[c["pipeline"]].ul + c["ul"])
+        assert {d.name: strategy.place(rank, d) for d in DIMENSIONS} == {k: v for k, v in c.items() if k != "pipeline"}
+        assert strategy.rank_at(c["pipeline"], {d: c[d.name] for d in DIMENSIONS}) == rank
         bindings = strategy.bindings(rank)
         for d in GROUPED:
             same = [r for r, o in enumerate(coords)
