@@ -3,7 +3,8 @@
 The graphs call the op vocabulary of ``hgraph.ops``, which calls the rank's ``CommContext``
 (``runtime/comm/context``), which resolves binding keys to ranks and calls the functions here. Every
 function takes that context first (no globals), and issues through its ``issuer``, the rank's one
-choke point (``runtime/comm/order/issue``: the record, the strict order). An issue op starts the collective with
+choke point (``runtime/comm/order/issue``: the record, the strict order), by way of
+``runtime/comm/issuing`` (issue, wait, the work in flight). An issue op starts the collective with
 ``async_op=True`` (on CUDA on the context's dedicated comm stream, after that stream waited for the
 compute stream) and registers the work under the tensor it returns; ``comm_wait(comm, t)`` waits for
 it (making the compute stream wait for the comm stream on CUDA) and returns the finished tensor. So a
@@ -43,9 +44,8 @@ Backward communication runs inside the autograd engine, so it is issued and comp
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional, Protocol, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,102 +53,12 @@ import torch.distributed as dist
 from hgraph import torch_compat
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import p2p
-from hgraph.runtime.comm.order.issue import CollectiveIssuer
-from hgraph.runtime.comm.process_groups import GroupCache, group_key
+from hgraph.runtime.comm.issuing import (Group, Holder, Issuing, PendingWork, comm_stream_scope, comm_wait, group_of,
+                                         issue, run_now)
 from hgraph.shard_rule import shard_bounds, shard_sizes
-
-
-@dataclass
-class PendingWork:
-    """Work handles of one issued op, the buffers they use and how to finish the issued tensor."""
-
-    works: list
-    keep: tuple = ()
-    finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-    done: bool = False
-
-    def wait(self, comm: "Issuing") -> None:
-        if self.done:
-            return
-        with torch.no_grad():   # a backend may finish a collective by copying into its output (gloo's
-            for work in self.works:   # reduce-scatter): not an op of the graph for autograd to record
-                work.wait()
-        if comm.comm_stream is not None:
-            torch.cuda.current_stream().wait_stream(comm.comm_stream)
-        self.done = True
-        self.keep = ()
-
-
-@dataclass
-class InFlight:
-    """The ops a rank issued and has not waited for, shared by its context and every micro-batch view."""
-
-    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
-    pending: dict = field(default_factory=dict)
-    detached: list = field(default_factory=list)      # sends issued from backward
-    deferred: list = field(default_factory=list)      # activation sends waiting for the next gradient receive
-
-
-class Issuing(Protocol):
-    """What the collectives need of a rank's communication context (``runtime/comm/context.CommContext``):
-    who it is, its groups and streams, the issuer every collective goes through, its work in flight."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    groups: GroupCache
-    comm_stream: Optional["torch.cuda.Stream"]
-    issuer: CollectiveIssuer
-    defer_sends: bool
-    in_flight: InFlight
-
-    def register(self, t: torch.Tensor, pending: PendingWork) -> None: ...
-    def take(self, t: torch.Tensor) -> Optional[PendingWork]: ...
-    def detach_work(self, pending: PendingWork) -> None: ...
-
-
-#: a dimension's process group through this rank (None where the group is the rank alone)
-Group = Optional[dist.ProcessGroup]
 
 # Single-tensor all-gather / reduce-scatter under this torch's names (``hgraph.torch_compat``)
 all_gather_single, reduce_scatter_single = torch_compat.all_gather_single, torch_compat.reduce_scatter_single
-
-
-# ---- issuing on the comm stream ------------------------------------------------------------------
-def _comm_stream_scope(comm: Issuing, buffers: Sequence[torch.Tensor]) -> ContextManager[Any]:
-    if comm.comm_stream is None:
-        return contextlib.nullcontext()
-    comm.comm_stream.wait_stream(torch.cuda.current_stream())
-    for b in buffers:  # allocated on the compute stream, used on the comm stream
-        b.record_stream(comm.comm_stream)
-    return torch.cuda.stream(comm.comm_stream)
-
-
-def _issue(comm: Issuing, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple,
-           finish: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> PendingWork:
-    """Issue through the rank's ``CollectiveIssuer`` (``comm.issuer``): ``op`` is ``(kind, group,
-    tensor, label)`` of a collective or ``("p2p", sends, recvs, label)`` of a send or receive."""
-    with _comm_stream_scope(comm, buffers):
-        if op[0] == "p2p":
-            work = comm.issuer.p2p(op[1], op[2], start, op[3])
-        else:
-            work = comm.issuer.issue(op[0], op[1], op[2], start, op[3])
-    return PendingWork([work], tuple(buffers), finish)
-
-
-def _run(comm: Issuing, buffers: Sequence[torch.Tensor], start: Callable[[], Any], op: tuple) -> None:
-    """Issue and wait at once (communication inside backward)."""
-    _issue(comm, buffers, start, op).wait(comm)
-
-
-def _group(comm: Issuing, ranks: Sequence[int]) -> tuple[tuple[int, ...], Group]:
-    """The sorted ranks of a dimension's group through this rank (a binding, resolved by the context)
-    and its process group (None for one rank)."""
-    key = group_key(ranks)
-    if comm.rank not in key:
-        raise HGraphError(f"comm op over ranks {list(ranks)} called on rank {comm.rank}, which is "
-                          "not one of them")
-    return key, (comm.groups.get(key) if len(key) > 1 else None)
 
 
 # ---- one mechanism: an exchange and its reverse ---------------------------------------------------
@@ -191,9 +101,9 @@ class _Exchange(torch.autograd.Function):
             holder.pending = None
             return x.view_as(x)
         send, recv = forward.buffers(x)
-        holder.pending = _issue(comm, [send] if send is recv else [send, recv],
-                                lambda: forward.start(send, recv, group), (forward.kind, group, send, forward.label),
-                                forward.result)
+        holder.pending = issue(comm, [send] if send is recv else [send, recv],
+                               lambda: forward.start(send, recv, group), (forward.kind, group, send, forward.label),
+                               forward.result)
         return recv
 
     @staticmethod
@@ -201,8 +111,8 @@ class _Exchange(torch.autograd.Function):
         flow = ctx.flow
         if flow.start is not None:
             send, recv = flow.buffers(grad)
-            _run(ctx.comm, [send] if send is recv else [send, recv], lambda: flow.start(send, recv, ctx.group),
-                 (flow.kind, ctx.group, send, f"{flow.label} backward"))
+            run_now(ctx.comm, [send] if send is recv else [send, recv], lambda: flow.start(send, recv, ctx.group),
+                    (flow.kind, ctx.group, send, f"{flow.label} backward"))
             grad = recv
         return flow.result(grad), None, None, None, None, None
 
@@ -210,23 +120,17 @@ class _Exchange(torch.autograd.Function):
 def exchange(comm: Issuing, x: torch.Tensor, group: Group, forward: Flow, backward: Flow) -> torch.Tensor:
     """``forward`` of ``x`` over ``group``, issued (``comm_wait`` gives its result), whose gradient takes
     ``backward``: every collective below is one of these."""
-    holder = _Holder()
+    holder = Holder()
     out = _Exchange.apply(x, comm, group, forward, backward, holder)
     if holder.pending is not None:
         comm.register(out, holder.pending)
     return out
 
 
-class _Holder:
-    """Lets an autograd Function hand its PendingWork to the caller (Function outputs are tensors)."""
-
-    pending: Optional[PendingWork] = None
-
-
 # ---- Megatron f / g ------------------------------------------------------------------------------
 def tp_copy_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Megatron f: identity forward; backward all-reduces (sums) dL/dx over ``ranks``."""
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     if len(key) == 1:
         return x
     return exchange(comm, x, group, IDENTITY, _all_reduce("tp_copy"))
@@ -234,7 +138,7 @@ def tp_copy_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int]) -> torch
 
 def tp_reduce_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int]) -> torch.Tensor:
     """Megatron g, issue half: start the all-reduce (sum) of ``x``; ``comm_wait`` finishes it."""
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     if len(key) == 1:
         return x
     return exchange(comm, x, group, _all_reduce("tp_reduce"), IDENTITY)
@@ -275,7 +179,7 @@ def tp_gather_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int], dim: i
     ``sizes[i]`` is the size along ``dim`` of the piece of ``ranks[i]`` (all equal to this rank's
     when omitted); the pieces are concatenated in the order of ``ranks``.
     """
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     dim = dim % x.dim()
     ranks = [int(r) for r in ranks]
     sizes = [x.shape[dim]] * len(ranks) if sizes is None else [int(s) for s in sizes]
@@ -330,7 +234,7 @@ def _all_to_all_issue(comm: Issuing, send: torch.Tensor, group: Group, send_spli
 
 def _ulysses_args(comm: Issuing, x: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int],
                   heads: int) -> tuple[Group, tuple[int, ...], int]:
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     if len(sizes) != len(key) or heads % len(key):
         raise HGraphError(f"Ulysses all-to-all over ranks {list(key)}: {heads} heads and token pieces "
                           f"{list(sizes)} need one piece per rank and heads divisible by {len(key)}")
@@ -401,7 +305,7 @@ def _scatter_flows(n: int, dim: int, total: int, lo: int, hi: int) -> tuple[Flow
 def sp_scatter_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int], dim: int) -> torch.Tensor:
     """Start the reduce-scatter of ``x`` over ``ranks`` along the token ``dim``: the rank at position ``i``
     of the group keeps the sum of tokens ``shard_bounds(T, i, n)``; ``comm_wait`` gives that slice."""
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     if list(ranks) != list(key):
         raise HGraphError(f"sp_scatter_issue: ranks {list(ranks)} must be in TP rank order")
     dim = dim % x.dim()
@@ -434,8 +338,8 @@ class _GatheredLinear(torch.autograd.Function):
         need_whole, _, need_w, need_b = ctx.needs_input_grad[:4]
         dw = db = None
         if need_w:
-            issue = tp_gather_issue(ctx.comm, part.detach(), ctx.ranks, ctx.dim, ctx.sizes)
-            whole = comm_wait(ctx.comm, issue)
+            issued = tp_gather_issue(ctx.comm, part.detach(), ctx.ranks, ctx.dim, ctx.sizes)
+            whole = comm_wait(ctx.comm, issued)
             dw = grad.flatten(0, -2).t() @ whole.flatten(0, -2)
         if need_b and ctx.has_bias:
             db = grad.flatten(0, -2).sum(0)
@@ -446,21 +350,12 @@ def sp_gathered_linear(comm: Issuing, whole: torch.Tensor, part: torch.Tensor, w
                        b: Optional[torch.Tensor], ranks: Sequence[int], dim: int) -> torch.Tensor:
     """``F.linear(whole, w, b)`` where ``whole`` is the all-gather (``sp_gather_issue``) of the token slices
     ``part`` along ``dim``: only ``part`` is kept for backward, gathered again for the weight's gradient."""
-    key, group = _group(comm, ranks)
+    key, group = group_of(comm, ranks)
     if len(key) == 1:
         return torch.nn.functional.linear(whole, w, b)
     dim = dim % part.dim()
     sizes = shard_sizes(whole.shape[dim], len(key))
     return _GatheredLinear.apply(whole, part, w, b, comm, group, list(ranks), dim, sizes)
-
-
-def comm_wait(comm: Issuing, t: torch.Tensor) -> torch.Tensor:
-    """Wait for the op issued for ``t`` and return the finished tensor (``t`` itself if none)."""
-    pending = comm.take(t)
-    if pending is None:
-        return t
-    pending.wait(comm)
-    return pending.finish(t) if pending.finish is not None else t
 
 
 # ---- pipeline point-to-point ---------------------------------------------------------------------
@@ -478,8 +373,8 @@ class _SendActivation(torch.autograd.Function):
             comm.in_flight.deferred.append((p2p.PeerOp(True, buf, dst, tag), stage))
             holder.pending = PendingWork([], (buf,), done=True)
         else:
-            holder.pending = _issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
-                                    ("p2p", (dst,), (), "pp_send"))
+            holder.pending = issue(comm, [buf], lambda: p2p.isend(buf, dst, tag=tag, stage=stage),
+                                   ("p2p", (dst,), (), "pp_send"))
         ctx.comm, ctx.dst, ctx.tag, ctx.holder, ctx.stage = comm, dst, tag, holder, stage
         ctx.meta = (x.shape, x.dtype, x.device)
         return torch.zeros((), dtype=x.dtype, device=x.device)
@@ -509,7 +404,7 @@ def flush_deferred(comm: Issuing, recv: Optional[p2p.PeerOp] = None, stage: bool
         return PendingWork([], done=True)
     tensors = [t.tensor for t in transfers]
     label = "pp_send" + (" + pp_send backward" if sends and recv is not None else " backward" if recv else "")
-    with _comm_stream_scope(comm, tensors):
+    with comm_stream_scope(comm, tensors):
         works = comm.issuer.p2p([t.peer for t in sends], [recv.peer] if recv is not None else [],
                                 lambda: p2p.batch_isend_irecv(transfers, stage=stage), label)
     if sends:
@@ -521,16 +416,16 @@ class _RecvActivation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, anchor, comm, src, shape, dtype, tag, holder, stage):
         buf = torch.empty(shape, dtype=dtype, device=comm.device)
-        holder.pending = _issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage),
-                                ("p2p", (), (src,), "pp_recv"))
+        holder.pending = issue(comm, [buf], lambda: p2p.irecv(buf, src, tag=tag, stage=stage),
+                               ("p2p", (), (src,), "pp_recv"))
         ctx.comm, ctx.src, ctx.tag, ctx.stage = comm, src, tag, stage
         return buf
 
     @staticmethod
     def backward(ctx, grad):
         g = grad.contiguous()
-        send = _issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage),
-                      ("p2p", (ctx.src,), (), "pp_recv backward"))
+        send = issue(ctx.comm, [g], lambda: p2p.isend(g, ctx.src, tag=ctx.tag, stage=ctx.stage),
+                     ("p2p", (ctx.src,), (), "pp_recv backward"))
         ctx.comm.detach_work(send)
         return None, None, None, None, None, None, None, None
 
@@ -544,7 +439,7 @@ def pp_send(comm: Issuing, x: torch.Tensor, dst: int, *, tag: int = 0,
     ``stage``: through host memory both ways (``runtime.comm.p2p``; None: where the backend needs it).
     """
     _check_peer(comm, dst, "pp_send")
-    holder = _Holder()
+    holder = Holder()
     stage = p2p.host_staged(x.device) if stage is None else stage
     token = _SendActivation.apply(x, comm, dst, tag, holder, stage)
     comm.register(token, holder.pending)
@@ -560,7 +455,7 @@ def pp_recv(comm: Issuing, src: int, shape: Sequence[int], dtype: torch.dtype, *
     ``stage``: through host memory both ways (``runtime.comm.p2p``; None: where the backend needs it).
     """
     _check_peer(comm, src, "pp_recv")
-    holder = _Holder()
+    holder = Holder()
     anchor = torch.empty(0, requires_grad=True)  # gives the Function an input to differentiate
     stage = p2p.host_staged(comm.device) if stage is None else stage
     out = _RecvActivation.apply(anchor, comm, src, tuple(int(s) for s in shape), dtype, tag, holder, stage)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from hgraph import ops
 from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm import collectives
-from hgraph.runtime.comm.collectives import InFlight, PendingWork
+from hgraph.runtime.comm import collectives, issuing
+from hgraph.runtime.comm.issuing import InFlight, PendingWork
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
@@ -173,7 +173,7 @@ class CommContext:
         return collectives.sp_gathered_linear(self, whole, part, w, b, self.ranks(key), dim)
 
     def wait(self, t: torch.Tensor) -> torch.Tensor:
-        return collectives.comm_wait(self, t)
+        return issuing.comm_wait(self, t)
 
     def pp_recv(self, key: BindingKey, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         (src,) = self.ranks(key)
