@@ -1,9 +1,9 @@
 """The functions that instantiated per-rank graphs call (``call_function`` targets).
 
 Every communication op takes the rank's communication context ``comm`` as its first argument and
-names its peers by a *binding key* (``"tp"``, ``"pp_prev"``, ``"pp_next"``, ``"cp"``) that the
-context resolves to ranks (``comm.bindings[key]``); that is why ranks of the same role can share one
-graph. With ``comm=None`` the graph runs in one process: ops whose group has one rank are the
+names its peers by a *binding key* (``hgraph.dims.BindingKey``: ``"tp"``, ``"pp_prev"``, ``"pp_next"``,
+``"cp"``, ``"ul"``) that the context resolves to ranks (``comm.bindings[key]``); that is why ranks of
+the same role can share one graph. With ``comm=None`` the graph runs in one process: ops whose group has one rank are the
 identity, and anything that really needs a peer raises a clear error.
 
 A collective is an *issue* op followed by a *wait* op, so the schedule is the node order.
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import wrap
 
+from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
 from hgraph.varlen_attention import DocumentBounds, allowed_keys, masked_attention, varlen_attention
 
@@ -31,30 +32,30 @@ class CommRuntime(Protocol):
     def pull_issue(self, name: str) -> None: ...
     def pull_wait(self, name: str) -> None: ...
     def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor: ...
-    def tp_copy(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
-    def tp_reduce_issue(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
-    def tp_gather_issue(self, x: torch.Tensor, key: str, dim: int,
+    def tp_copy(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor: ...
+    def tp_reduce_issue(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor: ...
+    def tp_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int,
                         sizes: Optional[Sequence[int]]) -> torch.Tensor: ...
     def wait(self, t: torch.Tensor) -> torch.Tensor: ...
-    def pp_recv(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
-    def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor: ...
-    def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
+    def pp_recv(self, key: BindingKey, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor: ...
+    def pp_send(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor: ...
+    def cp_kv_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor: ...
     def cp_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                      enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                      softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
-    def ulysses_heads_issue(self, x: torch.Tensor, key: str, kv: bool) -> torch.Tensor: ...
-    def ulysses_tokens_issue(self, y: torch.Tensor, key: str) -> torch.Tensor: ...
+    def ulysses_heads_issue(self, x: torch.Tensor, key: BindingKey, kv: bool) -> torch.Tensor: ...
+    def ulysses_tokens_issue(self, y: torch.Tensor, key: BindingKey) -> torch.Tensor: ...
     def ulysses_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float],
                           enable_gqa: bool, dropout_p: float = 0.0, site: int = 0, heads: int = 0,
                           softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
-    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor: ...
-    def token_slice(self, key: str, total: int) -> tuple[int, int]: ...
+    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[BindingKey] = None) -> torch.Tensor: ...
+    def token_slice(self, key: BindingKey, total: int) -> tuple[int, int]: ...
     def document_bounds(self, total: int) -> Optional[DocumentBounds]: ...
-    def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor: ...
-    def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor: ...
+    def sp_scatter_issue(self, x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor: ...
+    def sp_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int, total: int) -> torch.Tensor: ...
     def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                  key: str, dim: int) -> torch.Tensor: ...
-    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
+                  key: BindingKey, dim: int) -> torch.Tensor: ...
+    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: BindingKey,
                     sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any: ...
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int,
@@ -108,21 +109,21 @@ def push_gradient(comm: Optional[CommRuntime], w: torch.Tensor, name: str, eager
 
 
 # ---- Communicate Activation: tensor parallelism --------------------------------------------------
-def tp_copy(comm: Optional[CommRuntime], x: torch.Tensor, key: str) -> torch.Tensor:
+def tp_copy(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey) -> torch.Tensor:
     """Megatron f: identity forward, all-reduce of the gradient in backward."""
     if comm is None:
         return x
     return comm.tp_copy(x, key)
 
 
-def tp_reduce_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str) -> torch.Tensor:
+def tp_reduce_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey) -> torch.Tensor:
     """Megatron g, issue half: start the all-reduce (sum) of ``x`` over the TP group."""
     if comm is None:
         raise _need_runtime("tp_reduce_issue")
     return comm.tp_reduce_issue(x, key)
 
 
-def tp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int,
+def tp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, dim: int,
                     sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Start the all-gather of ``x`` along ``dim`` over the TP group (uneven ``sizes`` allowed)."""
     if comm is None:
@@ -142,7 +143,7 @@ def comm_wait(comm: Optional[CommRuntime], t: torch.Tensor) -> torch.Tensor:
 SP_TOKENS = "T/tp"
 
 
-def sp_scatter_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+def sp_scatter_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor:
     """SP exit, issue half: start the reduce-scatter (sum) of ``x`` over the TP group ``key`` along the
     token ``dim``; rank ``r`` of ``tp`` keeps tokens ``[T*r//tp, T*(r+1)//tp)``. Backward all-gathers."""
     if comm is None:
@@ -150,7 +151,7 @@ def sp_scatter_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim
     return comm.sp_scatter_issue(x, key, dim)
 
 
-def sp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int,
+def sp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, dim: int,
                     input_ids: torch.Tensor) -> torch.Tensor:
     """SP enter, issue half: start the all-gather of the TP ranks' token slices along ``dim`` (the whole
     micro-batch: ``input_ids``' tokens). Backward reduce-scatters the gradient."""
@@ -160,7 +161,7 @@ def sp_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim:
 
 
 def sp_linear(comm: Optional[CommRuntime], whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor,
-              b: Optional[torch.Tensor], key: str, dim: int) -> torch.Tensor:
+              b: Optional[torch.Tensor], key: BindingKey, dim: int) -> torch.Tensor:
     """A column-parallel linear of the all-gathered ``whole`` (``sp_gather_issue`` of ``part``): the same
     ``F.linear(whole, w, b)``, keeping only this rank's token slice ``part`` for backward (Megatron), the
     weight's gradient gathering it again."""
@@ -169,7 +170,7 @@ def sp_linear(comm: Optional[CommRuntime], whole: torch.Tensor, part: torch.Tens
     return comm.sp_linear(whole, part, w, b, key, dim)
 
 
-def sp_narrow(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+def sp_narrow(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor:
     """This TP rank's slice of the tokens of a whole (replicated) value, where it meets a sliced one."""
     if comm is None:
         return x
@@ -204,12 +205,12 @@ def _resolve_shape(dims: Sequence[Any], input_ids: torch.Tensor,
                    comm: Optional[CommRuntime] = None) -> list[int]:
     sym = {"B": input_ids.shape[0], "T": input_ids.shape[1]}
     if SP_TOKENS in dims and comm is not None:
-        lo, hi = comm.token_slice("tp", input_ids.shape[1])
+        lo, hi = comm.token_slice(BindingKey.TP, input_ids.shape[1])
         sym[SP_TOKENS] = hi - lo
     return [sym[d] if isinstance(d, str) else int(d) for d in dims]
 
 
-def pp_recv(comm: Optional[CommRuntime], key: str, index: int, dims: Sequence[Any], dtype: torch.dtype,
+def pp_recv(comm: Optional[CommRuntime], key: BindingKey, index: int, dims: Sequence[Any], dtype: torch.dtype,
             input_ids: torch.Tensor) -> torch.Tensor:
     """Receive activation ``index`` of this micro-batch from the previous stage.
 
@@ -222,7 +223,7 @@ def pp_recv(comm: Optional[CommRuntime], key: str, index: int, dims: Sequence[An
     return comm.pp_recv(key, _resolve_shape(dims, input_ids, comm), dtype)
 
 
-def pp_send(comm: Optional[CommRuntime], x: torch.Tensor, key: str, index: int) -> torch.Tensor:
+def pp_send(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, index: int) -> torch.Tensor:
     """Send activation ``index`` to the next stage; returns a token whose backward receives dL/dx."""
     if comm is None:
         raise _need_runtime("pp_send")
@@ -275,7 +276,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
 
 
 # ---- Communicate Activation: context parallelism --------------------------------------------------
-def cp_kv_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+def cp_kv_gather_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor:
     """Start the all-gather of keys / values along the sequence ``dim`` over the CP group.
 
     The piece sizes come from this micro-batch's CP layout (``comm.cp_layout``); the backward
@@ -297,7 +298,7 @@ def cp_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Tensor, 
     return comm.cp_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads, softcap, window)
 
 
-def ulysses_heads_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, kv: bool = False) -> torch.Tensor:
+def ulysses_heads_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: BindingKey, kv: bool = False) -> torch.Tensor:
     """Ulysses, issue half: start the all-to-all over the group ``key`` of ``x`` [1, H, T_local, D] (this
     rank's tokens) into [1, H / n, T_shard, D] (every token of the rank's CP shard, this rank's chunk of
     the heads); ``comm_wait`` gives it. ``kv``: key / value heads, repeated when ``n`` does not divide
@@ -307,7 +308,7 @@ def ulysses_heads_issue(comm: Optional[CommRuntime], x: torch.Tensor, key: str, 
     return comm.ulysses_heads_issue(x, key, kv)
 
 
-def ulysses_tokens_issue(comm: Optional[CommRuntime], y: torch.Tensor, key: str) -> torch.Tensor:
+def ulysses_tokens_issue(comm: Optional[CommRuntime], y: torch.Tensor, key: BindingKey) -> torch.Tensor:
     """The inverse all-to-all, issued: [1, H / n, T_shard, D] -> (after ``comm_wait``) [1, H, T_local, D]."""
     if comm is None:
         raise _need_runtime("ulysses_tokens_issue")
@@ -330,7 +331,7 @@ def ulysses_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Ten
 
 # ---- dropout -----------------------------------------------------------------------------------------
 def keyed_dropout(x: torch.Tensor, p: float, comm: Optional[CommRuntime] = None, site: int = 0,
-                  tokens: Optional[str] = None) -> torch.Tensor:
+                  tokens: Optional[BindingKey] = None) -> torch.Tensor:
     """Dropout of a token-major activation ``[1, T, ...]`` whose masks depend on what each element is
     (document, position, feature, site, step), never on the strategy (``runtime/kernels/dropout``).
     The frontends turn a model's train-mode dropout into this op; the dropout pass gives it ``comm``
@@ -376,7 +377,7 @@ def cut_vocab(logits: torch.Tensor, vocab: Optional[int]) -> torch.Tensor:
 
 
 def output_head(comm: Optional[CommRuntime], h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                key: str = "tp", sizes: Optional[Sequence[int]] = None, vocab: Optional[int] = None) -> Any:
+                key: BindingKey = BindingKey.TP, sizes: Optional[Sequence[int]] = None, vocab: Optional[int] = None) -> Any:
     """The model's output head ``F.linear(h, w, b)``: the logits, gathered over the TP group ``key``
     when the vocabulary is split (``sizes``: each rank's rows, padding included) and cut to the real
     ``vocab``. The runtime may instead take the head's inputs (``HeadInputs``, ``comm.output_head``)

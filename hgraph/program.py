@@ -2,8 +2,8 @@
 
 Ranks that play the same role (same scheme, stage, TP rank and CP rank, in different pipelines)
 share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
-rank's ``bindings`` (a group name such as ``"tp"`` or ``"pp_next"`` -> ranks), which the runtime
-resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
+rank's ``bindings`` (a ``hgraph.dims.BindingKey`` such as ``"tp"`` or ``"pp_next"`` -> ranks), which
+the runtime resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
 so one rank of 12,288 costs what that rank exchanges, not the world.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from hgraph.comm_plan import ParamLayout
+from hgraph.dims import BindingKey
 from hgraph.meta import SlotKind
 from hgraph.shard_rule import Range, optimizer_segments, shard_group_ranks
 from hgraph.strategy import Cluster, Scheme, Strategy
@@ -190,7 +191,7 @@ class RankProgram:
     rank: int
     pipeline: int
     role: RoleProgram
-    bindings: Mapping[str, tuple[int, ...]]
+    bindings: Mapping[BindingKey, tuple[int, ...]]
     # () -> (pull_by_param, push_by_param): planned on first use, so that walking every rank for its
     # bindings (the groups of a strategy) plans nothing
     plan_lnk: Optional[Callable[[], tuple[Mapping[str, tuple[Any, ...]], Mapping[str, tuple[Any, ...]]]]] = \
@@ -346,8 +347,8 @@ class Program:
         return self.planner.param_exchange(name)
 
     def binding_groups(self) -> list[tuple[int, ...]]:
-        """Every TP, CP and Ulysses group of more than one rank (every rank's ``"tp"``, ``"cp"`` and
-        ``"ul"`` bindings), sorted, without building the ranks' programs."""
+        """Every group of more than one rank of a grouped dimension (``hgraph.dims.GROUPED``: every rank's
+        TP, CP and Ulysses bindings), sorted, without building the ranks' programs."""
         return self.planner.binding_groups()
 
     def replica_groups(self) -> list[tuple[int, ...]]:

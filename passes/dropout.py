@@ -15,6 +15,7 @@ import zlib
 
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.passes.context import PassContext
 
@@ -34,5 +35,5 @@ def dropout_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.args = (x, float(p) if ctx.options.dropout else 0.0)
         node.kwargs = {"comm": comm, "site": dropout_site(node)}
         if ctx.sp is not None and node.name in ctx.sp.sliced:     # x holds this TP rank's token slice
-            node.kwargs = {**node.kwargs, "tokens": "tp"}
+            node.kwargs = {**node.kwargs, "tokens": BindingKey.TP}
     return gm

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
@@ -90,7 +91,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         dims, vdtype = _crossing_dims(ctx, v)
         spec = (tuple(dims), dtype if vdtype.is_floating_point else vdtype)
         ctx.recv_specs.append(spec)
-        r = g.call_function(ops.pp_recv, (comm, "pp_prev", i, spec[0], spec[1], input_ids))
+        r = g.call_function(ops.pp_recv, (comm, BindingKey.PP_PREV, i, spec[0], spec[1], input_ids))
         r.name = f"recv_{v.name}"
         set_meta(r, NodeMeta(block=get_meta(v).block, layer=get_meta(v).layer,
                              slot=SlotKind.COMM_ACTIVATION, comm_point=CommPoint.PP_BOUNDARY,
@@ -111,7 +112,7 @@ def extract_stage_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for i, v in enumerate(send_vals):
             dims, vdtype = _crossing_dims(ctx, v)
             ctx.send_specs.append((tuple(dims), dtype if vdtype.is_floating_point else vdtype))
-            t = g.call_function(ops.pp_send, (comm, env[v], "pp_next", i))
+            t = g.call_function(ops.pp_send, (comm, env[v], BindingKey.PP_NEXT, i))
             t.name = f"send_{v.name}"
             set_meta(t, NodeMeta(block=get_meta(v).block, layer=get_meta(v).layer,
                                  slot=SlotKind.COMM_ACTIVATION, comm_point=CommPoint.PP_BOUNDARY,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.meta import CommPoint, NodeMeta, SlotKind, get_meta, set_meta
 from hgraph.passes.context import PassContext
@@ -68,21 +69,21 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                 dims = ctx.shapes.get(x.name, (None,))[0]
                 if dims is None or "T" not in dims:
                     raise AssertionError(f"no sequence dim known for the key/value {x.name}")
-                issue = _mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, "cp", dims.index("T"))),
+                issue = _mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, BindingKey.CP, dims.index("T"))),
                               slot, "all_gather")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_ENTER and sp is not None and slot.name in sp.enters:
-                issue = _mark(g.call_function(ops.sp_gather_issue, (comm, x, "tp", sp.token_dims[slot.name],
+                issue = _mark(g.call_function(ops.sp_gather_issue, (comm, x, BindingKey.TP, sp.token_dims[slot.name],
                                                                       _input_ids(gm))), slot, "all_gather")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_ENTER:
-                out = _mark(g.call_function(ops.tp_copy, (comm, x, "tp")), slot, "tp_copy")
+                out = _mark(g.call_function(ops.tp_copy, (comm, x, BindingKey.TP)), slot, "tp_copy")
             elif point == CommPoint.TP_EXIT and sp is not None and slot.name in sp.exits:
                 dim = sp.token_dims[slot.name]
-                issue = _mark(g.call_function(ops.sp_scatter_issue, (comm, x, "tp", dim)), slot, "reduce_scatter")
+                issue = _mark(g.call_function(ops.sp_scatter_issue, (comm, x, BindingKey.TP, dim)), slot, "reduce_scatter")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_EXIT:
-                issue = _mark(g.call_function(ops.tp_reduce_issue, (comm, x, "tp")), slot, "all_reduce")
+                issue = _mark(g.call_function(ops.tp_reduce_issue, (comm, x, BindingKey.TP)), slot, "all_reduce")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
             elif point == CommPoint.TP_GATHER:
                 gather = ctx.gathers.get(slot.name)
@@ -90,7 +91,7 @@ def fill_activation_comm_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphM
                     _replace(slot, x)
                     continue
                 sizes, real = gather
-                issue = _mark(g.call_function(ops.tp_gather_issue, (comm, x, "tp", -1, tuple(sizes))),
+                issue = _mark(g.call_function(ops.tp_gather_issue, (comm, x, BindingKey.TP, -1, tuple(sizes))),
                               slot, "all_gather")
                 out = _mark(g.call_function(ops.comm_wait, (comm, issue)), slot, "wait")
                 if sum(sizes) != real:

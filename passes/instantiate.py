@@ -1,8 +1,8 @@
 """Instantiate an HGraph for one strategy: run the per-role pass pipeline and plan pull / push.
 
 Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
-``bindings`` say which ranks its ``"tp"``, ``"cp"`` (the CP ring through it), ``"ul"`` (its Ulysses
-all-to-all group), ``"pp_prev"`` and ``"pp_next"`` groups are.
+``bindings`` (``Strategy.bindings``, keyed by ``hgraph.dims.BindingKey``) say which ranks its TP, CP
+(the CP ring through it), Ulysses (its all-to-all group) groups and its previous and next stage are.
 A rank's LNK ops (who sends which rows to whom) are planned for that rank alone, from the parameter
 layout described per role (``StrategyLayout``, ``passes/lnk/rank_plans``); the plans of the whole
 world are planned per parameter only when read (``Program.pull_plans``).
@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from hgraph import ops
+from hgraph import dims, ops
 from hgraph.comm_plan import ParamLayout, PullPlan, PushPlan
 from hgraph.errors import StrategyError
 from hgraph.graph import HGraph
@@ -112,19 +112,6 @@ def _copy_constants(src: nn.Module, graph: fx.Graph, root: nn.Module) -> None:
             mod.register_buffer(leaf, value)
         else:
             setattr(mod, leaf, value)
-
-
-def _bindings(strategy: Strategy, rank: int) -> dict[str, tuple[int, ...]]:
-    c = strategy.coord(rank)
-    p = strategy.pipelines[c.pipeline]
-    b = {"tp": tuple(strategy.tp_group(c.pipeline, c.stage, c.cp_rank)),
-         "cp": tuple(strategy.cp_group(c.pipeline, c.stage, c.tp_rank, c.cp_rank)),
-         "ul": tuple(strategy.ul_group(c.pipeline, c.stage, c.tp_rank, c.cp_rank))}
-    if c.stage > 0:
-        b["pp_prev"] = (strategy.rank_of(c.pipeline, c.stage - 1, c.tp_rank, c.cp_rank),)
-    if c.stage < p.pp - 1:
-        b["pp_next"] = (strategy.rank_of(c.pipeline, c.stage + 1, c.tp_rank, c.cp_rank),)
-    return b
 
 
 def push_contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any,
@@ -296,7 +283,7 @@ class StrategyLayout:
         role = self.layouts.role_program(RankRole(scheme, c.stage, c.tp_rank, c.cp_rank), self.options, self.sp)
         plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
         contributions = functools.partial(self.role_contributions, (scheme, c.stage, c.tp_rank))
-        return RankProgram(c.rank, c.pipeline, role, _bindings(self.strategy, c.rank), plan_lnk, describe,
+        return RankProgram(c.rank, c.pipeline, role, self.strategy.bindings(c.rank), plan_lnk, describe,
                            contributions)
 
     def role_contributions(self, pr: ParamRole) -> dict[str, tuple[Range, ...]]:
@@ -363,10 +350,10 @@ class StrategyLayout:
                                                            for pr in roles}, group_size)
 
     def binding_groups(self) -> list[tuple[int, ...]]:
-        """Every TP, CP and Ulysses group of more than one rank (the ``"tp"`` / ``"cp"`` / ``"ul"``
-        bindings of every rank), sorted, by rank arithmetic: no rank's program is built."""
-        out = {tuple(g) for r in range(self.cluster.world_size) for k, g in _bindings(self.strategy, r).items()
-               if k in ("tp", "cp", "ul") and len(g) > 1}
+        """Every group of more than one rank of a grouped dimension (``hgraph.dims.GROUPED``: every rank's
+        TP, CP and Ulysses bindings), sorted, by rank arithmetic: no rank's program is built."""
+        out = {tuple(g) for r in range(self.cluster.world_size) for d in dims.GROUPED
+               for g in [self.strategy.group(d, r)] if len(g) > 1}
         return sorted(out)
 
     def replica_groups(self) -> list[tuple[int, ...]]:
@@ -395,23 +382,26 @@ class StrategyLayout:
     # ---- the process groups one rank creates, as rounds (``hgraph.program.GroupRound``) ----
 
     def binding_rounds(self, rank: int) -> list[GroupRound]:
-        """``rank``'s ``"tp"``, ``"cp"`` and ``"ul"`` groups as creation rounds, from its coordinates: a
-        kind whose groups are all single ranks makes no round. The TP groups are consecutive blocks, so
-        their key is the blocks' sizes (equal TP layouts of two strategies are one partition)."""
+        """``rank``'s group of every grouped dimension (``hgraph.dims.GROUPED``: TP, CP, Ulysses) as
+        creation rounds, from its coordinates: a dimension whose groups are all single ranks makes no
+        round. The innermost dimension's groups (TP's) are consecutive blocks, so its key is the blocks'
+        sizes (equal TP layouts of two strategies are one partition); the others' is the strategy."""
         runs = self.strategy.groups()
-        bound = _bindings(self.strategy, rank)
         out = []
-        if any(p.tp > 1 for _, p in runs):
-            blocks: list[list[int]] = []        # [TP degree, blocks of it] in rank order, merged
-            for count, p in runs:
-                if blocks and blocks[-1][0] == p.tp:
-                    blocks[-1][1] += count * p.pp * p.seq
-                else:
-                    blocks.append([p.tp, count * p.pp * p.seq])
-            out.append(GroupRound(("tp", tuple(map(tuple, blocks))), bound["tp"]))
-        for kind, degree in (("cp", lambda p: p.cp), ("ul", lambda p: p.ul)):
-            if any(degree(p) > 1 for _, p in runs):
-                out.append(GroupRound((kind, str(self.strategy)), bound[kind]))
+        for d in dims.GROUPED:
+            if not any(d.degree(p) > 1 for _, p in runs):
+                continue
+            if d.layout == 0:
+                blocks: list[list[int]] = []        # [degree, blocks of it] in rank order, merged
+                for count, p in runs:
+                    if blocks and blocks[-1][0] == d.degree(p):
+                        blocks[-1][1] += count * p.num_ranks // d.degree(p)
+                    else:
+                        blocks.append([d.degree(p), count * p.num_ranks // d.degree(p)])
+                key: tuple = (d.key, tuple(map(tuple, blocks)))
+            else:
+                key = (d.key, str(self.strategy))
+            out.append(GroupRound(key, tuple(self.strategy.group(d, rank))))
         return out
 
     def replica_rounds(self, rank: int) -> list[GroupRound]:
@@ -676,8 +666,8 @@ def describe_subgraphs(rp: RankProgram, shapes: dict, dtype: torch.dtype) -> lis
             peers, nbytes = _peers_and_bytes(ops, rp.rank)
             out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:
-            key = {"pp_boundary": "pp_prev" if tag.startswith("pp_recv") else "pp_next", "ul_a2a": "ul"}.get(
-                m.comm_point.value, "tp" if m.comm_point.value.startswith("tp") else "cp")
+            d = dims.by_comm_point(m.comm_point)
+            key = d.key if d.key is not None else d.neighbours[0 if tag.startswith("pp_recv") else 1]
             peers = tuple(r for r in rp.bindings.get(key, ()) if r != rp.rank)
             out.append(SubgraphInfo(m.slot, None, names, peers, _bytes_per_token(nodes[0], shapes, dtype),
                                     m.comm_point.value))

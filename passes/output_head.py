@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.meta import get_meta, set_meta
 from hgraph.passes.context import PassContext
@@ -43,7 +44,7 @@ def _head_chain(out: fx.Node) -> Optional[tuple[list[fx.Node], Optional[tuple[in
         if not (_single_use(issue) and issue.target is ops.tp_gather_issue):
             return None
         _, x, key, dim, issue_sizes = issue.args[:5]
-        if key != "tp" or dim != -1 or issue_sizes is None or not _single_use(x):
+        if key != BindingKey.TP or dim != -1 or issue_sizes is None or not _single_use(x):
             return None
         chain += [node, issue]
         node, sizes = x, tuple(int(s) for s in issue_sizes)
@@ -72,7 +73,7 @@ def output_head_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     h, w = linear.args[:2]
     b = linear.args[2] if len(linear.args) == 3 else None
     with g.inserting_before(output):
-        head = g.call_function(ops.output_head, (comm, h, w, b, "tp", sizes, vocab))
+        head = g.call_function(ops.output_head, (comm, h, w, b, BindingKey.TP, sizes, vocab))
     set_meta(head, get_meta(linear))
     if "nn_module_stack" in linear.meta:
         head.meta["nn_module_stack"] = linear.meta["nn_module_stack"]

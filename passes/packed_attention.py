@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.errors import TraceError
 from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, get_meta, set_meta
@@ -92,11 +93,11 @@ def _ulysses_inputs(g: fx.Graph, node: fx.Node, comm: fx.Node, q: fx.Node, k: fx
     comm stream); with CP, the all-gathers of k and v over the CP group after them."""
     a2a = CommPoint.UL_A2A
     with g.inserting_before(node):
-        issued = [(_mark(g.call_function(ops.ulysses_heads_issue, (comm, x, "ul", kv)), node, a2a, "in",
+        issued = [(_mark(g.call_function(ops.ulysses_heads_issue, (comm, x, BindingKey.UL, kv)), node, a2a, "in",
                          f"all_to_all_{c}"), c) for x, kv, c in ((q, False, "q"), (k, True, "k"), (v, True, "v"))]
         q, k, v = (_mark(g.call_function(ops.comm_wait, (comm, i)), node, a2a, "in", f"wait_{c}") for i, c in issued)
         if cp:           # the keys and values of every CP shard, with this rank's heads (dim 2: tokens)
-            issued = [(_mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, "cp", 2)), node, CommPoint.CP_KV,
+            issued = [(_mark(g.call_function(ops.cp_kv_gather_issue, (comm, x, BindingKey.CP, 2)), node, CommPoint.CP_KV,
                              "kv", f"cp_all_gather_{c}"), c) for x, c in ((k, "k"), (v, "v"))]
             k, v = (_mark(g.call_function(ops.comm_wait, (comm, i)), node, CommPoint.CP_KV, "kv", f"cp_wait_{c}")
                     for i, c in issued)
@@ -106,7 +107,7 @@ def _ulysses_inputs(g: fx.Graph, node: fx.Node, comm: fx.Node, q: fx.Node, k: fx
 def _ulysses_output(g: fx.Graph, node: fx.Node, comm: fx.Node) -> None:
     """After ``node``: the inverse all-to-all of its output, issued and waited; its users read the wait."""
     with g.inserting_after(node):
-        issue = _mark(g.call_function(ops.ulysses_tokens_issue, (comm, node, "ul")), node, CommPoint.UL_A2A, "out",
+        issue = _mark(g.call_function(ops.ulysses_tokens_issue, (comm, node, BindingKey.UL)), node, CommPoint.UL_A2A, "out",
                       "all_to_all_out")
     with g.inserting_after(issue):
         wait = _mark(g.call_function(ops.comm_wait, (comm, issue)), node, CommPoint.UL_A2A, "out", "wait_out")

@@ -39,6 +39,7 @@ from typing import Any, Optional, Union
 import torch.fx as fx
 import torch.nn.functional as F
 
+from hgraph.dims import BindingKey
 from hgraph import ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
@@ -320,7 +321,7 @@ def sequence_parallel_pass(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
         for a in op.all_input_nodes:
             if a.name in names:
                 with g.inserting_before(op):
-                    narrow = g.call_function(ops.sp_narrow, (comm, a, "tp", dim))
+                    narrow = g.call_function(ops.sp_narrow, (comm, a, BindingKey.TP, dim))
                 narrow.name = f"sp_narrow_{a.name}"
                 op.replace_input_with(a, narrow)
                 break
@@ -363,4 +364,4 @@ def _linears_keep_the_slice(g: fx.Graph, comm: fx.Node) -> None:
                 continue
             bias = lin.args[2] if len(lin.args) > 2 else lin.kwargs.get("bias")
             lin.target, lin.kwargs = ops.sp_linear, {}
-            lin.args = (comm, wait, part, lin.args[1], bias, "tp", dim)
+            lin.args = (comm, wait, part, lin.args[1], bias, BindingKey.TP, dim)

@@ -2,8 +2,8 @@
 
 The per-rank graphs call the op vocabulary of ``hgraph.ops`` with this context as their ``comm``
 argument; each op that needs peers calls the method of the same name here (the ``CommRuntime``
-protocol of ``hgraph.ops``), which resolves the graph's binding key (``"tp"``, ``"pp_prev"``, ...) to
-ranks and runs the collective of ``hgraph.runtime.comm.collectives``.
+protocol of ``hgraph.ops``), which resolves the graph's binding key (``hgraph.dims.BindingKey``:
+``"tp"``, ``"pp_prev"``, ...) to ranks and runs the collective of ``hgraph.runtime.comm.collectives``.
 
 A context is immutable. The executor builds one per Program and rank with its fixed state
 (``bindings``, ``param_sync``, the loss settings); what changes per micro-batch (its CP layout, its
@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from hgraph import ops
+from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
-from hgraph.runtime.comm import collectives
-from hgraph.runtime.comm.collectives import PendingWork
+from hgraph.runtime.comm import collectives, issuing
+from hgraph.runtime.comm.issuing import InFlight, PendingWork
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.kernels import cp_attention as cp_kernel, dropout as dropout_kernel
@@ -37,14 +38,12 @@ from hgraph.shard_rule import shard_bounds
 from hgraph.varlen_attention import DocumentBounds, varlen_attention
 
 
-@dataclass
-class InFlight:
-    """The ops a rank issued and has not waited for, shared by its context and every micro-batch view."""
+class ParamExchangeOps(Protocol):
+    """What the Pull Parameter / Push Gradient ops ask of the Program's engine (``comm/param_sync.ParamSync``)."""
 
-    # id(issued tensor) -> (tensor, PendingWork); holding the tensor keeps its id unique
-    pending: dict = field(default_factory=dict)
-    detached: list = field(default_factory=list)      # sends issued from backward
-    deferred: list = field(default_factory=list)      # activation sends waiting for the next gradient receive
+    def pull_issue(self, name: str) -> None: ...
+    def pull_wait(self, name: str) -> None: ...
+    def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -56,9 +55,9 @@ class CommContext:
     world_size: int
     groups: GroupCache
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    comm_stream: Any = None                       # the dedicated CUDA stream of collectives (None on CPU)
-    bindings: Mapping[str, Sequence[int]] = field(default_factory=dict)   # role key -> ranks, per program
-    param_sync: Any = None                        # the Pull / Push engine of the program being run
+    comm_stream: Optional[torch.cuda.Stream] = None   # the dedicated CUDA stream of collectives (None on CPU)
+    bindings: Mapping[BindingKey, Sequence[int]] = field(default_factory=dict)   # role key -> ranks, per program
+    param_sync: Optional[ParamExchangeOps] = None  # the Pull / Push engine of the program being run
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
     # the rank's one choke point for what it issues (its order and record), shared by every view
@@ -129,7 +128,7 @@ class CommContext:
         self.in_flight.detached.clear()
 
     # ---- the ops of hgraph.ops that need peers (its CommRuntime protocol) ---------------------------
-    def ranks(self, key: str) -> tuple[int, ...]:
+    def ranks(self, key: BindingKey) -> tuple[int, ...]:
         """The ranks a graph's binding key names for the program being run."""
         return tuple(self.bindings[key])
 
@@ -142,17 +141,17 @@ class CommContext:
     def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
         return self.param_sync.push_gradient(w, name, eager)
 
-    def tp_copy(self, x: torch.Tensor, key: str) -> torch.Tensor:
+    def tp_copy(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor:
         return collectives.tp_copy_issue(self, x, self.ranks(key))
 
-    def tp_reduce_issue(self, x: torch.Tensor, key: str) -> torch.Tensor:
+    def tp_reduce_issue(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor:
         return collectives.tp_reduce_issue(self, x, self.ranks(key))
 
-    def tp_gather_issue(self, x: torch.Tensor, key: str, dim: int,
+    def tp_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int,
                         sizes: Optional[Sequence[int]]) -> torch.Tensor:
         return collectives.tp_gather_issue(self, x, self.ranks(key), dim, list(sizes) if sizes else None)
 
-    def token_slice(self, key: str, total: int) -> tuple[int, int]:
+    def token_slice(self, key: BindingKey, total: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""
         ranks = self.ranks(key) if key in self.bindings else (self.rank,)
         return shard_bounds(total, ranks.index(self.rank), len(ranks))
@@ -163,28 +162,28 @@ class CommContext:
         known = self.documents
         return known if known is not None and known.cu[-1] == total else None
 
-    def sp_scatter_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    def sp_scatter_issue(self, x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor:
         return collectives.sp_scatter_issue(self, x, self.ranks(key), dim)
 
-    def sp_gather_issue(self, x: torch.Tensor, key: str, dim: int, total: int) -> torch.Tensor:
+    def sp_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int, total: int) -> torch.Tensor:
         return collectives.sp_gather_issue(self, x, self.ranks(key), dim, total)
 
     def sp_linear(self, whole: torch.Tensor, part: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor],
-                  key: str, dim: int) -> torch.Tensor:
+                  key: BindingKey, dim: int) -> torch.Tensor:
         return collectives.sp_gathered_linear(self, whole, part, w, b, self.ranks(key), dim)
 
     def wait(self, t: torch.Tensor) -> torch.Tensor:
-        return collectives.comm_wait(self, t)
+        return issuing.comm_wait(self, t)
 
-    def pp_recv(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def pp_recv(self, key: BindingKey, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         (src,) = self.ranks(key)
         return collectives.pp_recv(self, src, tuple(shape), dtype)
 
-    def pp_send(self, x: torch.Tensor, key: str) -> torch.Tensor:
+    def pp_send(self, x: torch.Tensor, key: BindingKey) -> torch.Tensor:
         (dst,) = self.ranks(key)
         return collectives.pp_send(self, x, dst)
 
-    def cp_kv_gather_issue(self, x: torch.Tensor, key: str, dim: int) -> torch.Tensor:
+    def cp_kv_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int) -> torch.Tensor:
         """All-gather of K or V over the CP group ``key``: pieces of the CP shards' sizes (under
         Ulysses, of the head slices the all-to-all gave: every token of this rank's shard)."""
         layout = self._cp_layout("cp_kv_gather_issue")
@@ -202,7 +201,7 @@ class CommContext:
         return dropout_kernel.attention_with_dropout(q, k, v, groups, dropout_p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
 
-    def ulysses_heads_issue(self, x: torch.Tensor, key: str, kv: bool) -> torch.Tensor:
+    def ulysses_heads_issue(self, x: torch.Tensor, key: BindingKey, kv: bool) -> torch.Tensor:
         """Ulysses: start the all-to-all of this rank's tokens with all its heads into every token of its
         CP shard with ``1/n`` of the heads (group ``key``). Key/value heads not divisible by ``n`` are
         repeated first (each the least number of times that makes them divisible), so every rank holds
@@ -216,7 +215,7 @@ class CommContext:
             x = x.repeat_interleave(n // math.gcd(heads, n), dim=1)
         return collectives.ulysses_to_heads_issue(self, x, self.ranks(key), layout.sizes)
 
-    def ulysses_tokens_issue(self, y: torch.Tensor, key: str) -> torch.Tensor:
+    def ulysses_tokens_issue(self, y: torch.Tensor, key: BindingKey) -> torch.Tensor:
         layout = self._ulysses_layout("ulysses_tokens_issue")
         return collectives.ulysses_to_tokens_issue(self, y, self.ranks(key), layout.sizes)
 
@@ -246,7 +245,7 @@ class CommContext:
                               "rank's program under the hgraph executor")
         return varlen_attention(q, k, v, docs, scale=scale, enable_gqa=gqa, softcap=softcap, window=window)
 
-    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[str] = None) -> torch.Tensor:
+    def dropout(self, x: torch.Tensor, p: float, site: int, tokens: Optional[BindingKey] = None) -> torch.Tensor:
         """Keyed dropout of ``x``; ``tokens``: the TP group key when ``x`` holds this rank's token slice."""
         if self.evaluating:
             return x
@@ -264,7 +263,7 @@ class CommContext:
         return dropout_kernel.attention_with_dropout(q, k, v, groups, p, site, keys, scale, enable_gqa,
                                                      self._head_offset(q.shape[1], heads), softcap)
 
-    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: str,
+    def output_head(self, h: torch.Tensor, w: torch.Tensor, b: Optional[torch.Tensor], key: BindingKey,
                     sizes: Optional[Sequence[int]], vocab: Optional[int]) -> Any:
         """The logits of the output head, or with ``head_inputs`` its inputs (``ops.HeadInputs``):
         this rank's vocabulary rows start after the pieces of the TP ranks before it."""
@@ -290,7 +289,7 @@ class CommContext:
         """The global index of this rank's first query head (a TP rank holds an equal slice)."""
         if not heads or local == heads:
             return 0
-        tp = self.ranks("tp") if "tp" in self.bindings else (self.rank,)
+        tp = self.ranks(BindingKey.TP) if BindingKey.TP in self.bindings else (self.rank,)
         if local * len(tp) != heads:
             raise HGraphError(f"attention dropout: {local} local heads of {heads} over TP{len(tp)}")
         return tp.index(self.rank) * local

@@ -58,179 +58,43 @@ Only one Program's working parameters and gradients hold memory at a time: a swi
 storage of the last Program's (``ParamSync.release_working``) before it allocates the next one's
 (``acquire_working``), and a state prepared ahead holds none, so a rank's peak does not grow with the
 number of strategies a run has used or builds ahead.
+
+The step's parts live in their own modules: ``rank_state`` (what a rank keeps per Program, its working
+graph), ``sequence_inputs`` (a micro-batch's tokens, targets and keys at the rank's sequence place),
+``pipeline_run`` (the 1F1B loop), ``step_result`` and ``step_failure`` (a lost rank, a timeout).
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Protocol, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
-import torch.nn as nn
 
 from hgraph.compiled import CompiledModule
 from hgraph.errors import HGraphError, RunFailed
-from hgraph.ops import HeadInputs
+from hgraph.program import GroupRound, Program, RankProgram
 from hgraph.runtime.comm.context import CommContext
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
 from hgraph.runtime.comm.order.issue import CollectiveIssuer
-from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.runtime.comm.order.verify import check_recorded
 from hgraph.runtime.comm.param_sync import ParamSync
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.compiled_regions import (RegionCompiles, check_backend, compile_regions,
                                                     compile_wanted)
-from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
-from hgraph.runtime.engine.memory import (ActivationMeter, LayerChoice, OffloadPolicy, SequenceLayout, StageMemory,
-                                          bind_stage_group, stage_memory)
+from hgraph.runtime.engine.memory import ActivationMeter, OffloadPolicy, bind_stage_group, stage_memory
 from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOAD_MODES, HostOffload,
                                            rank_host_budget)
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
-from hgraph.runtime.kernels.cp_attention import CPLayout
-from hgraph.runtime.kernels.cp_layout import (PER_DOCUMENT, PER_SEQUENCE, choose_sharding, per_document_plan,
-                                              per_sequence_plan)
-from hgraph.runtime.kernels.dropout import TokenKeys
-from hgraph.runtime.kernels.ulysses_layout import UlyssesLayout
-from hgraph.program import GroupRound, Program, RankProgram
+from hgraph.runtime.engine.pipeline_run import run_one_f_one_b
+from hgraph.runtime.engine.rank_state import RankState, ShardedOptimizer, working_graph
+from hgraph.runtime.engine.sequence_inputs import ADAPTIVE, CP_SHARDINGS, MicroBatchFeed
+from hgraph.runtime.engine.step_failure import RankLostError, RankWatch, step_failure  # noqa: F401 (re-exported)
+from hgraph.runtime.engine.step_result import ProgramLookup, StepResult
 from hgraph.strategy import Cluster, Scheme, Strategy
-from hgraph.varlen_attention import DocumentBounds, cu_seqlens_for
-
-ADAPTIVE = "adaptive"
-CP_SHARDINGS = (ADAPTIVE, PER_DOCUMENT, PER_SEQUENCE)
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step did on this rank (``loss`` is the mini-batch loss, the same on every rank); built
-    once, when the step has ended (``Executor.step``), and never changed: what others add to a step
-    (its throughput, the planner's figures) lives beside it, in ``runtime.train.step_record``."""
-
-    step: int
-    strategy: str
-    loss: float
-    tokens: int
-    time_s: float
-    pull_s: float = 0.0
-    compute_s: float = 0.0
-    push_s: float = 0.0
-    optimizer_s: float = 0.0
-    skipped: bool = False
-    grad_norm: Optional[float] = None
-    bytes: dict = field(default_factory=dict)
-    peak_mem_bytes: Optional[int] = None          # activations measured (CPU) / allocator peak (CUDA)
-    process_peak_bytes: Optional[int] = None      # this process's peak since the last step (peak_memory)
-    predicted_mem_bytes: Optional[float] = None   # the memory model's peak (with a memory budget)
-    recompute_layers: list = field(default_factory=list)   # per micro-batch of this rank
-    offload_layers: list = field(default_factory=list)     # per micro-batch of this rank
-    host_peak_bytes: Optional[int] = None         # offloaded activations held in host memory (peak)
-    overlapped_update: bool = False   # plain data parallelism: shards updated as reductions arrived
-    pull_prefetched: bool = False     # the all-gathers of this step were done by the previous one
-    compiles: Optional[int] = None    # with --compile: this rank's region compilations so far
-    cache_hit: Optional[bool] = None  # the strategy's Program was built before (None: a Program was given)
-    switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
-    built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
-    build_s: Optional[float] = None   # on the Program's first step: its build's seconds (ahead: off this step)
-    build_lead_s: Optional[float] = None   # built ahead: how long before this step its build began
-    # the step's push (reductions, transfers to the owners, the loss; with the overlapped update, the
-    # shards' updates too), host clock: from its first reduction's issue to its end, and the part of
-    # that after the backward ended (what the backward did not hide)
-    push_ms: float = 0.0
-    push_exposed_ms: float = 0.0
-    # the same three moments on the wall clock (s: first reduction issued, backward ended, push ended),
-    # comparable across ranks: the step's exposed push is counted from the backward that ended last
-    push_times: tuple = ()
-
-
-@dataclass(frozen=True)
-class ProgramLookup:
-    """How a step found its Program: a hit (None: a Program was given), the lookup's host time and, on
-    the Program's first step, its build (``built_ahead``, ``build_s``, ``build_lead_s``)."""
-
-    cache_hit: Optional[bool]
-    switch_s: float
-    built_ahead: bool = False
-    build_s: Optional[float] = None
-    build_lead_s: Optional[float] = None
-
-
-class RankLostError(RuntimeError):
-    """A collective failed because a rank of the run died (named from the heartbeats)."""
-
-    def __init__(self, step: int, lost: Sequence[int], rank: int, cause: BaseException) -> None:
-        first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        super().__init__(f"step {step}: lost rank(s) {list(lost)} (no heartbeat); rank {rank} stops "
-                         f"({type(cause).__name__}: {first[:160]})")
-        self.step, self.lost = step, list(lost)
-
-
-@dataclass
-class RankState:
-    """What a rank keeps per Program: its program, graph, working tensors and Pull/Push engine."""
-
-    program: Program
-    rank_program: RankProgram
-    graph: fx.GraphModule                  # the rank's graph (blocks outlined, regions compiled)
-    working: dict[str, nn.Parameter]
-    comm: CommContext                      # the Program's fixed communication state
-    sync: ParamSync
-    memory: Optional[StageMemory] = None   # activation accounting and recomputation, when tracked
-    ready: bool = False                    # groups created (and regions compiled): ``Executor._ready_state``
-
-
-def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIVE) -> CPLayout:
-    """How a micro-batch is split over a CP group: per-document or per-sequence sharding, whichever
-    the attention-kernel estimate says is faster (WLB-LLM §5.3), unless ``method`` forces one."""
-    if method == PER_DOCUMENT:
-        plan = per_document_plan(mb.doc_lengths, cp)
-    elif method == PER_SEQUENCE:
-        plan = per_sequence_plan(mb.doc_lengths, cp)
-    elif method == ADAPTIVE:
-        plan, _ = choose_sharding(mb.doc_lengths, cp)
-        if min(plan.tokens_per_rank()) == 0:     # a short micro-batch: per-sequence chunks may be empty
-            plan = per_document_plan(mb.doc_lengths, cp)
-    else:
-        raise HGraphError(f"CP sharding {method!r}: expected one of {', '.join(CP_SHARDINGS)}")
-    if min(plan.tokens_per_rank()) == 0:
-        raise HGraphError(f"a micro-batch of {mb.tokens} tokens leaves a rank of CP{cp} without tokens "
-                          f"({plan.method} sharding); give CP micro-batches at least {cp} tokens")
-    return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
-
-
-def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE) -> SequenceLayout:
-    """The tokens of ``mb`` that sequence rank ``seq_rank`` holds: CP's split (``cp_layout_for``) into
-    ``scheme.cp`` shards, each cut contiguously over ``scheme.ul`` Ulysses ranks (Ulysses inner)."""
-    shard, ul_rank = scheme.seq_place(seq_rank)
-    shards = cp_layout_for(mb, scheme.cp, shard, method) if scheme.cp > 1 else CPLayout.whole(mb.doc_lengths)
-    return shards if scheme.ul == 1 else UlyssesLayout(shards, scheme.ul, ul_rank)
-
-
-def token_documents(mb: "MicroBatch") -> torch.Tensor:
-    """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
-    ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
-    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
-
-
-class ShardedOptimizer(Protocol):
-    """What the executor needs of the sharded optimizer (``engine.optimizer.ShardedAdam``)."""
-
-    params: Mapping[str, torch.Tensor]      # this rank's fp32 master shards, by parameter name
-    max_grad_norm: Optional[float]          # global-norm clipping (needs every gradient before an update)
-    updates_in_parts: bool                  # ``step`` may take disjoint parts of one step's gradients
-
-    def step(self, grad_shards: Mapping[str, torch.Tensor]) -> Optional[torch.Tensor]: ...
-
-
-class RankWatch(Protocol):
-    """What the executor needs of a heartbeat (``runtime.train.heartbeat.Heartbeat``)."""
-
-    def lost_ranks(self) -> list[int]: ...      # the ranks that stopped answering, in order
 
 
 class Executor:
@@ -372,32 +236,13 @@ class Executor:
             raise HGraphError(f"strategy {program.strategy} is planned for {program.cluster.world_size} ranks "
                               f"but this run has {self.world_size}")
         rp = program.rank(self.rank)
-        # the executor's own copy of the rank's graph holds its working parameters; the Program's
-        # (which the compiled module caches and may hand to others) keeps the compiler's
-        source = rp.graph_module
-        gm = fx.GraphModule(source, copy.deepcopy(source.graph), type(source).__name__)
-        working, aliased = {}, set()
-        for name, shard in rp.params.items():
-            *path, leaf = name.split(".")
-            mod = gm
-            for part in path:
-                mod = getattr(mod, part)
-            master = self.optimizer.params[name]
-            if (self.world_size == 1 and self.working_dtype == master.dtype and not shard.pad
-                    and master.device == self.device):
-                # one rank in fp32: the working parameter IS the master (shares its storage), so the
-                # pull and the push move nothing and the optimizer's update is seen directly
-                param = nn.Parameter(master.view(shard.shard_shape))
-                aliased.add(name)
-            else:
-                param = nn.Parameter(torch.empty(shard.shard_shape, dtype=self.working_dtype, device=self.device))
-            setattr(mod, leaf, param)
-            working[name] = param
+        gm, working, aliased = working_graph(rp, self.optimizer.params, self.world_size, self.working_dtype,
+                                             self.device)
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # plain data parallelism: the shards are updated as their gradients arrive (``_overlaps_update``)
         update = self.optimizer.step if self.optimizer.updates_in_parts else None
         sync = ParamSync(program, self.rank, self.optimizer.params, working, rp.params, self.groups,
-                         self.working_dtype, frozenset(aliased), update=update, issuer=self.issuer,
+                         self.working_dtype, aliased, update=update, issuer=self.issuer,
                          push_bucket_bytes=self.push_bucket_bytes, pull_bucket_bytes=self.pull_bucket_bytes,
                          overlap_push=self.overlap_push)
         # the working tensors hold no memory until the Program runs (``_activate``): a Program prepared
@@ -467,15 +312,9 @@ class Executor:
                                        t0 - entry.build.started_at if entry.ahead else None)
             result = self._step(entry.program, state, lookup, microbatches, num_targets, step, prefetch, found)
         except RuntimeError as exc:
-            if isinstance(exc, RankLostError):
-                raise
-            lost = self._heartbeat.lost_ranks() if self._heartbeat is not None else []
-            if lost:
-                raise RankLostError(step, lost, self.rank, exc) from exc
-            if _timed_out(exc):          # where each rank's sequence of this step stopped
-                raise RunFailed(f"step {step}: a collective timed out on rank {self.rank} "
-                                f"({str(exc).strip().splitlines()[0][:160]}); where the ranks' collectives "
-                                f"stopped: {self.issuer.stopped_line()}") from exc
+            failure = step_failure(exc, step, self.rank, self._heartbeat, self.issuer)
+            if failure is not None:
+                raise failure from exc
             raise
         if first_use and self.verify_collectives:
             self._verify_order(step, entry.program)
@@ -521,8 +360,8 @@ class Executor:
                     torch.cuda.reset_peak_memory_stats(self.device)
             t_pull = time.perf_counter()
             mine = list(microbatches[rp.pipeline])
-            loss_sum = self._run_pipeline(state, mine, num_targets,
-                                          lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
+            loss_sum = run_one_f_one_b(state, mine, num_targets, self._feed(state), self.issuer,
+                                       lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
             t_backward = time.perf_counter()
             state.comm.wait_all()
             sync_step.complete_pulls()
@@ -568,96 +407,10 @@ class Executor:
                           cache_hit=lookup.cache_hit, switch_s=lookup.switch_s, built_ahead=lookup.built_ahead,
                           build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **memory)
 
-    def _run_pipeline(self, state: RankState, mbs: list[MicroBatch], num_targets: int,
-                      last_backward: Callable[[float], None]) -> float:
-        """The rank's 1F1B; ``last_backward(loss_sum)`` runs before its last backward (every forward
-        done, so ``loss_sum`` is final)."""
-        rp, gm, comm, memory = state.rank_program, state.graph, state.comm, state.memory
-        last = rp.stage == rp.scheme.pp - 1
-        pending: dict[int, Union[torch.Tensor, list[torch.Tensor]]] = {}
-        loss_sum = 0.0
-        # the micro-batches' loss sums added on the device in float64 (as Python adds floats), read once
-        # at the last backward: a read per micro-batch would wait for the GPU after every forward
-        loss_acc: Optional[torch.Tensor] = None
-        order = one_f_one_b(len(mbs), rp.scheme.pp, rp.stage)
-        for n, (kind, i) in enumerate(order):
-            mb = mbs[i]
-            if kind == "F":
-                ids, pos, targets, layout, keys = self._inputs(state, mb)
-                choice = memory.before_forward(i, mb, layout) if memory is not None else LayerChoice(None, None)
-                # a backward follows: the activation sends go with its gradient receive (flush_deferred)
-                then_backward = not last and n + 1 < len(order) and order[n + 1][0] == "B"
-                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
-                                              documents=self._documents(mb, layout, rp.scheme),
-                                              offload=choice.offload, activation_meter=choice.meter,
-                                              defer_sends=then_backward)
-                with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
-                      self.issuer.scope(f"mb {i} F")):
-                    out = gm(self._to_device(ids), self._to_device(pos), mb_comm)
-                    if last:
-                        s = self._loss_sum(out, ids, targets, mb, mb_comm)
-                        part = s.detach().double()
-                        loss_acc = part if loss_acc is None else loss_acc + part
-                        pending[i] = s / num_targets
-                    else:
-                        pending[i] = list(out)
-                if memory is not None:
-                    memory.after_forward()
-            else:
-                out = pending.pop(i)
-                if n == len(order) - 1:     # gradients finished by this backward start their push
-                    loss_sum = float(loss_acc) if loss_acc is not None else 0.0
-                    last_backward(loss_sum)
-                with self.issuer.scope(f"mb {i} B"):
-                    if last:
-                        out.backward()
-                    else:
-                        torch.autograd.backward(out)
-                del out
-                if memory is not None:
-                    memory.after_backward(i)
-        return loss_sum
-
-    def _inputs(self, state: RankState, mb: MicroBatch
-                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[SequenceLayout], TokenKeys]:
-        """This rank's ``input_ids``, ``position_ids`` and (under CP) targets of ``mb``, with the
-        micro-batch's CP layout (None without CP) and dropout keys for its communication context."""
+    def _feed(self, state: RankState) -> MicroBatchFeed:
+        """What makes this rank's inputs of a micro-batch of this step (``sequence_inputs``)."""
         rp = state.rank_program
-        ids, pos, targets, layout = mb.input_ids, mb.position_ids, None, None
-        docs = token_documents(mb)
-        if rp.scheme.seq > 1:   # this CP / Ulysses rank's tokens; targets stay those of the whole documents
-            layout = sequence_layout(mb, rp.scheme, rp.cp_rank, self.cp_sharding)
-            local = torch.tensor(layout.local_tokens, dtype=torch.long)
-            cu = cu_seqlens_for(mb.doc_lengths)
-            ids, pos, docs = ids[:, local], pos[:, local], docs[local]
-            targets = packed_targets(mb.input_ids, cu)[:, local]
-        keys = TokenKeys(self.seed, self._step_index, docs, pos[0],
-                         mb.doc_indices or tuple(range(len(mb.doc_lengths))))
-        return ids, pos, targets, layout, keys
-
-    def _documents(self, mb: MicroBatch, layout: Optional[SequenceLayout], scheme: Scheme
-                   ) -> Optional[DocumentBounds]:
-        """The micro-batch's document boundaries for packed attention, on the host and copied to the
-        device once, where attention runs on the whole micro-batch: without a sequence split, and on a
-        Ulysses rank without CP (after its all-to-all). A CP rank's attention, under Ulysses too, takes
-        its layout instead: None."""
-        whole = layout is None or (scheme.ul > 1 and scheme.cp == 1)
-        return DocumentBounds.of(mb.doc_lengths, self.device) if whole else None
-
-    def _loss_sum(self, out: Union[torch.Tensor, HeadInputs], ids: torch.Tensor, targets: Optional[torch.Tensor],
-                  mb: MicroBatch, comm: CommContext) -> torch.Tensor:
-        """The summed next-token cross-entropy of the last stage's output ``out`` (logits, or the
-        output head's inputs: ``engine.loss.stage_loss_sum``)."""
-        if targets is None:
-            targets = packed_targets(ids, cu_seqlens_for(mb.doc_lengths))
-        return stage_loss_sum(out, self._to_device(targets), comm)
-
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the executor's device without waiting for the GPU (a copy from pageable
-        memory waits for the stream; one from pinned memory is queued)."""
-        if self.device.type != "cuda" or t.is_cuda:
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return MicroBatchFeed(rp.scheme, rp.cp_rank, self.cp_sharding, self.seed, self._step_index, self.device)
 
     @torch.no_grad()
     def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
@@ -671,16 +424,16 @@ class Executor:
         state = self.rank_state(strategy)
         self._activate(state)
         rp, sync, comm = state.rank_program, state.sync, state.comm
-        last = rp.stage == rp.scheme.pp - 1
+        last, feed = rp.stage == rp.scheme.pp - 1, self._feed(state)
         loss_sum = 0.0
         with sync.step():         # the pulls only: nothing is pushed
             for mb in microbatches[rp.pipeline]:
-                ids, pos, targets, layout, keys = self._inputs(state, mb)
+                ids, pos, targets, layout, keys = feed.inputs(mb)
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
-                                              documents=self._documents(mb, layout, rp.scheme))
-                out = state.graph(self._to_device(ids), self._to_device(pos), mb_comm)
+                                              documents=feed.documents(mb, layout))
+                out = state.graph(feed.to_device(ids), feed.to_device(pos), mb_comm)
                 if last:
-                    loss_sum += float(self._loss_sum(out, ids, targets, mb, mb_comm))
+                    loss_sum += float(feed.loss_sum(out, ids, targets, mb, mb_comm))
                 del out
             comm.wait_all()
         value, work = self._issue_global_loss(rp, loss_sum)
@@ -711,12 +464,6 @@ class Executor:
         self.order_verdicts.append((step, str(program.strategy), line))
         if not ok:
             raise RunFailed(f"step {step}: --verify-collectives with strategy {program.strategy}: {line}")
-
-
-def _timed_out(exc: BaseException) -> bool:
-    """Whether a collective's error is its timeout (gloo: "Timed out", NCCL's watchdog: "Timeout")."""
-    text = str(exc).lower()
-    return "timed out" in text or "timeout" in text
 
 
 def program_rounds(program: Program, rank: int) -> list[GroupRound]:

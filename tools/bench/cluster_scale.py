@@ -50,6 +50,7 @@ from typing import Any, Optional
 import torch
 
 import hgraph
+from hgraph import dims
 from hgraph.compiled import COMPILER_MODULES
 from hgraph.errors import HGraphError, StrategyError
 from hgraph.frontends.zoo import llama
@@ -179,7 +180,7 @@ def exchanges(rp: Any) -> dict:
 def rank_groups(rp: Any) -> set[tuple[int, ...]]:
     """The process groups rank ``rp`` belongs to: its TP, CP and Ulysses groups (bindings) and the
     replica groups of its reduce-scatters."""
-    groups = {tuple(g) for k, g in rp.bindings.items() if k in ("tp", "cp", "ul") and len(g) > 1}
+    groups = {tuple(g) for d in dims.GROUPED for g in [rp.bindings.get(d.key, ())] if len(g) > 1}
     groups.update(op.group for ops in rp.push_by_param.values() for op in ops
                   if len(getattr(op, "group", ())) > 1)
     return groups

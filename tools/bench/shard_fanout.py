@@ -40,9 +40,10 @@ from typing import Any, Optional
 import torch
 
 import hgraph
+from hgraph import dims
 from hgraph.comm_plan import ParamLayout, ReduceScatter, Transfer, merge_ranges
 from hgraph.frontends.zoo import build
-from hgraph.passes.instantiate import _bindings, push_contribution
+from hgraph.passes.instantiate import push_contribution
 from hgraph.passes.lnk.shard_groups import shard_group_pull_plan, shard_group_push_plan
 from hgraph.passes.sequence_parallel import model_sequence_parallel
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES
@@ -146,7 +147,7 @@ def fanout(compiled: Any, strategy: Strategy, cluster: Cluster, rank: int = 0, *
                           working_bytes)
     pull_peers, pull_msgs, pull_bytes, push_peers, push_msgs, push_bytes, rs_groups, estimated = out
     replicas = replica_ranks(rank, size, world)
-    groups = {tuple(g) for k, g in _bindings(strategy, rank).items() if k in ("tp", "cp", "ul") and len(g) > 1}
+    groups = {tuple(g) for d in dims.GROUPED for g in [strategy.group(d, rank)] if len(g) > 1}
     groups |= rs_groups
     groups.add(tuple(range(world)))                 # the default group (the loss, barriers)
     if size < world:

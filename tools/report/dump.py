@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch.fx as fx
 
+from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
 from hgraph.meta import get_meta
 from hgraph.program import Program, RankProgram
@@ -133,7 +134,7 @@ def program_rgraph(program: Program, ranks: list[RankProgram], model: str = ""):
     # cross-rank activation edges: each send to the matching receive of the next stage
     shown = {rp.rank: rp for rp in ranks}
     for rp in ranks:
-        nxt = rp.bindings.get("pp_next")
+        nxt = rp.bindings.get(BindingKey.PP_NEXT)
         if not nxt or nxt[0] not in shown:
             continue
         sends = [n for n in rp.graph_module.graph.nodes if (get_meta(n).subgraph or "").startswith("pp_send")]

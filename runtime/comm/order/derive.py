@@ -53,6 +53,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch.fx as fx
 
 from hgraph import ops
+from hgraph.dims import BindingKey
 from hgraph.meta import CommPoint, get_meta
 from hgraph.program import Program, RankProgram
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
@@ -220,7 +221,7 @@ def _read_graph(rp: RankProgram, plan: StepPlan) -> _RoleGraph:
             sizes = _arg(n, "sizes")
             w = _arg(n, "w")
             rows = _param_rows(rp, w)
-            out.head = (_arg(n, "key") or "tp", rows, sizes is not None and len(sizes) > 1)
+            out.head = (_arg(n, "key") or BindingKey.TP, rows, sizes is not None and len(sizes) > 1)
         if n.op == "get_attr" and n.target in rp.params:
             first = _first_use(n, index)
             if first is not None:

@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from hgraph import dims
+from hgraph.dims import Dim
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
 from hgraph.runtime.planner.cost.profiles import resolve_profile
@@ -237,17 +239,11 @@ class CostModel:
         self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.num_ranks, s.tp, s.pp, s.cp, s.ul))
 
     def _all_coeffs(self) -> dict[Scheme, tuple[float, float, float]]:
-        """The profiled schemes, the derived CP ones and the Ulysses ones derived from both."""
+        """The profiled schemes, then the schemes each derived dimension adds to those before it
+        (``DERIVED``, in order: CP from the profiled ones, Ulysses from both)."""
         out = {Scheme(tp, pp, cp): abc for (tp, pp, cp), abc in self.profiled.items()}
-        for cp in cp_degrees(self.max_cp):
-            for (tp, pp, base_cp), (a, b, c) in self.profiled.items():
-                s = Scheme(tp, pp, cp)
-                if base_cp == 1 and s not in out and s.num_ranks <= self.world_size:
-                    out[s] = (a / cp, b / (cp * self.cp_efficiency), c)
-        m = self.model
-        out.update(ulysses_schemes(out, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
-                                   max_ul=self.ulysses_limit, comm=self.all_to_all, gpus_per_node=self.gpus_per_node,
-                                   world_size=self.world_size))
+        for derive in DERIVED.values():
+            out.update(derive(self, out))
         return out
 
     @property
@@ -546,3 +542,33 @@ def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, floa
             break
         active.remove(negative[0])
     return (float(max(fit.get("a", 0.0), 0.0)), float(max(fit.get("b", 0.0), 0.0)), float(max(fit.get("c", 0.0), 0.0)))
+
+
+Coeffs = dict[Scheme, tuple[float, float, float]]
+
+
+def _derived_cp(cost: CostModel, bases: Coeffs) -> Coeffs:
+    """CP schemes of every profiled ``<TP, PP>`` not profiled with that CP degree: ``a / cp`` and
+    ``b / (cp x efficiency)`` (``cp_degrees`` up to ``max_cp``, within the world)."""
+    out: Coeffs = {}
+    for cp in cp_degrees(cost.max_cp):
+        for (tp, pp, base_cp), (a, b, c) in cost.profiled.items():
+            s = Scheme(tp, pp, cp)
+            if base_cp == 1 and s not in bases and s.num_ranks <= cost.world_size:
+                out[s] = (a / cp, b / (cp * cost.cp_efficiency), c)
+    return out
+
+
+def _derived_ul(cost: CostModel, bases: Coeffs) -> Coeffs:
+    """Ulysses schemes of every ``<TP, PP, CP>`` base (``cost.ulysses``)."""
+    m = cost.model
+    return ulysses_schemes(bases, hidden=m.hidden, layers=m.layers, heads=m.heads, kv_heads=m.kv_heads,
+                           max_ul=cost.ulysses_limit, comm=cost.all_to_all, gpus_per_node=cost.gpus_per_node,
+                           world_size=cost.world_size)
+
+
+#: how the schemes of each dimension the cost model derives rather than profiles are priced, keyed by
+#: the registry's members (``hgraph.dims``) and applied in this order; a new dimension is one entry
+#: (the memory terms follow ``Scheme.seq`` for the sequence dimensions)
+DERIVED: dict[Dim, Callable[[CostModel, Coeffs], Coeffs]] = {dims.CP: _derived_cp, dims.UL: _derived_ul}
+

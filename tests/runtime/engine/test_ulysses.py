@@ -28,7 +28,7 @@ from hgraph.meta import SlotKind, get_meta
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.micro_batch import MicroBatch
-from hgraph.runtime.engine.executor import cp_layout_for, sequence_layout
+from hgraph.runtime.engine.sequence_inputs import cp_layout_for, sequence_layout
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import Trainer
 from hgraph.strategy import Scheme, Strategy

@@ -7,7 +7,7 @@ import pytest
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.activation_model import ActivationModel, choose_recompute_layers, fit_activation_model
-from hgraph.runtime.engine.executor import sequence_layout
+from hgraph.runtime.engine.sequence_inputs import sequence_layout
 from hgraph.runtime.engine.memory import microbatch_features
 from hgraph.runtime.planner.cost.cost_model import load_cost_model
 from hgraph.runtime.planner.schedule.recompute import recompute_aware_microbatch_ms, recompute_ms
