@@ -31,7 +31,7 @@ import torch
 from hgraph.errors import HGraphError, RunFailed
 from hgraph.frontends.zoo import ZOO_CONFIGS
 from hgraph.runtime.checkpoint.run import ResumePoint, find_resume_point
-from hgraph.runtime.checkpoint.shards import latest
+from hgraph.runtime.checkpoint.manifest import latest
 from hgraph.runtime.data.builtin import synthetic_documents
 from hgraph.runtime.data.outlier_delay import check_resume_queues
 from hgraph.runtime.data.token_store import write_documents
