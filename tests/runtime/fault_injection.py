@@ -9,17 +9,17 @@ import signal
 
 
 def _strike(rank, victim, at_step, fault):
-    from hgraph.runtime.engine.executor import Executor
+    from hgraph.runtime.engine import executor
     if rank != victim:
         return
-    original, calls = Executor._run_pipeline, []
+    original, calls = executor.run_one_f_one_b, []
 
-    def run_pipeline(self, *args):
+    def run_one_f_one_b(*args, **kwargs):     # the step's 1F1B, after its pulls were posted
         calls.append(1)
         if len(calls) == at_step + 1:
             fault()
-        return original(self, *args)
-    Executor._run_pipeline = run_pipeline
+        return original(*args, **kwargs)
+    executor.run_one_f_one_b = run_one_f_one_b
 
 
 def dying_worker(rank, world, config, victim, at_step):
