@@ -139,6 +139,13 @@ def _swiglu(mlp: nn.Module, width: int, device: torch.device, dtype: torch.dtype
     return gate, up, down
 
 
+def _is_silu(act: Any, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the activation module ``act`` computes ``F.silu`` (read from a fake run)."""
+    if not isinstance(act, nn.Module):
+        return False
+    return [name for name, *_ in _record(act, 4, device, dtype)] == ["silu"]
+
+
 def _fused_experts(module: nn.Module) -> Optional[tuple[nn.Parameter, nn.Parameter]]:
     """(gate_up [E, 2I, H], down [E, H, I]) of Hugging Face 5.x's fused experts with a SiLU, else None."""
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
@@ -198,7 +205,7 @@ def recognise(path: str, block: nn.Module, found: tuple[str, nn.Module]) -> MoEF
     else:
         fused = _fused_experts(experts)
         act = getattr(experts, "act_fn", None)
-        if fused is None or not isinstance(act, nn.SiLU):
+        if fused is None or not _is_silu(act, device, dtype):
             raise TraceError(f"{what} looks like a mixture of experts (fused expert weights in '{experts_name}') but "
                              "they are not gate_up_proj [E, 2I, H] and down_proj [E, H, I] without biases and a SiLU "
                              "act_fn; hgraph's MoE op runs SwiGLU experts")

@@ -111,3 +111,53 @@ def test_the_op_runs_on_the_meta_device_for_shapes():
     router, gate, up, down = (t.to("meta") for t in _weights())
     y, logits = moe.moe_layer(torch.empty(2, 5, H, device="meta"), router, gate, up, down, top_k=2)
     assert y.shape == (2, 5, H) and logits.shape == (10, E)
+
+
+# ---- auxiliary losses against hand computations -------------------------------------------------------
+# four tokens over three experts, logits = log(probabilities) so the softmax gives these rows exactly
+PROBS = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.25, 0.15, 0.6], [0.7, 0.2, 0.1]], dtype=torch.float64)
+LOGITS = PROBS.log()
+
+
+def test_global_batch_load_balancing_by_hand():
+    # top-1 experts 0, 1, 2, 0: f = (2/4, 1/4, 1/4); P = column means (0.3875, 0.3125, 0.3)
+    want = 3 * (0.5 * 0.3875 + 0.25 * 0.3125 + 0.25 * 0.3)
+    assert moe.load_balancing_loss(LOGITS, 1, "global").item() == pytest.approx(want, rel=1e-6)
+    # top-2: assignments {0,1} {1,2} {2,0} {0,1}; f over the 8 assignments
+    experts = torch.topk(PROBS, 2).indices
+    f = torch.bincount(experts.reshape(-1), minlength=3).double() / 8
+    assert moe.load_balancing_loss(LOGITS, 2, "global").item() == pytest.approx(
+        3 * float((f * PROBS.mean(0)).sum()), rel=1e-6)
+
+
+def test_per_document_load_balancing_by_hand_and_split_invariance():
+    # document A = tokens 0, 1 (experts 0, 1): f = (.5, .5, 0), P = (.3, .45, .25) -> 3 * (.15 + .225)
+    # document B = tokens 2, 3 (experts 2, 0): f = (.5, 0, .5), P = (.475, .175, .35) -> 3 * (.2375 + .175)
+    want = 3 * (0.15 + 0.225) + 3 * (0.2375 + 0.175)
+    assert moe.load_balancing_loss(LOGITS, 1, "document", documents=[2, 2]).item() == pytest.approx(want, rel=1e-6)
+    # the same documents held in pieces by two ranks (CP, UL): each piece with its document's summed counts
+    counts = moe.expert_counts(torch.topk(PROBS, 1).indices, 3, [2, 2])
+    first = moe.load_balancing_loss(LOGITS[[0, 2]], 1, "document", documents=[1, 1], counts=counts)
+    second = moe.load_balancing_loss(LOGITS[[1, 3]], 1, "document", documents=[1, 1], counts=counts)
+    assert (first + second).item() == pytest.approx(want, rel=1e-6)
+
+
+def test_hugging_face_form_is_its_product_of_batch_means_and_depends_on_the_grouping():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    logits = torch.randn(9, 5, generator=torch.Generator().manual_seed(4))
+    hf = load_balancing_loss_func((logits,), 5, 2)
+    torch.testing.assert_close(moe.load_balancing_loss(logits, 2, "hf"), hf.float(), rtol=1e-6, atol=0)
+    halves = moe.load_balancing_loss(logits[:4], 2, "hf") + moe.load_balancing_loss(logits[4:], 2, "hf")
+    assert not torch.allclose(halves, 2 * hf)          # another grouping of the same tokens, another value
+    assert transformers is not None
+
+
+def test_router_z_loss_by_hand_per_document_and_global():
+    logits = torch.tensor([[0.0, 0.0, 0.0], [torch.tensor(2.0).log().item(), 0.0, 0.0]])
+    z0, z1 = torch.tensor(3.0).log().item() ** 2, torch.tensor(4.0).log().item() ** 2   # logsumexp: ln 3, ln 4
+    assert moe.router_z_loss(logits).item() == pytest.approx((z0 + z1) / 2, rel=1e-6)
+    assert moe.router_z_loss(logits, documents=[1, 1]).item() == pytest.approx(z0 + z1, rel=1e-6)
+    # one document of two tokens held in two pieces: each piece divided by the document's whole size
+    pieces = [moe.router_z_loss(logits[i:i + 1], documents=[1], tokens=torch.tensor([2])) for i in range(2)]
+    assert sum(pieces).item() == pytest.approx((z0 + z1) / 2, rel=1e-6)
