@@ -28,6 +28,7 @@ was missing.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -47,15 +48,26 @@ _CHECK_ELEMENTS = 50_000_000        # blocks up to this many parameter elements 
 @dataclass(frozen=True)
 class MoEForm:
     """What a recognised block computes: its path, router weight, expert weights (``moe_layer``'s
-    layout), ``top_k``, renormalisation, and the shared experts (module, optional sigmoid gate)."""
+    layout), ``top_k``, renormalisation, and the shared experts (modules, optional sigmoid gate).
+
+    Weights are held as (module, attribute name) and read when the block runs: a frontend may put other
+    tensors in a module's place while it traces (another dtype, the meta device)."""
 
     path: str
-    router: nn.Parameter
-    experts: tuple
+    router_at: tuple[nn.Module, str]
+    experts_at: tuple[tuple[nn.Module, str], ...]
     top_k: int
     normalize_top_k: bool
     shared: tuple = ()
     shared_gate: Optional[nn.Linear] = None
+
+    @property
+    def router(self) -> torch.Tensor:
+        return getattr(*self.router_at)
+
+    @property
+    def experts(self) -> tuple[torch.Tensor, ...]:
+        return tuple(getattr(m, name) for m, name in self.experts_at)
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The block's output from hgraph's op (and the shared experts, traced as ordinary code)."""
@@ -90,6 +102,8 @@ def _record(module: nn.Module, width: int, device: torch.device, dtype: torch.dt
     needs values (a data-dependent shape or branch), which ends the run."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     recorder = _Recorder()
+    quiet = logging.root.manager.disable
+    logging.disable(logging.ERROR)          # fake kernels log the data-dependent step that ends the run
     with FakeTensorMode(allow_non_fake_inputs=True):
         x = torch.empty(1, 4, width, device=device, dtype=dtype)
         with recorder:
@@ -97,6 +111,8 @@ def _record(module: nn.Module, width: int, device: torch.device, dtype: torch.dt
                 module(x)
             except Exception:          # the data-dependent step: what was recorded before it is enough
                 pass
+            finally:
+                logging.disable(quiet)
     return recorder.calls
 
 
@@ -235,7 +251,9 @@ def recognise(path: str, block: nn.Module, found: tuple[str, nn.Module]) -> MoEF
                              "gate of the shared experts; hgraph does not know what it computes")
     if gate is not None and not shared:
         raise TraceError(f"{what}: a Linear(hidden, 1) child without shared experts to gate")
-    return MoEForm(path, router.weight, weights, top_k, normalize, tuple(shared), gate)
+    owners = {id(p): (m, n) for m in block.modules() for n, p in m.named_parameters(recurse=False)}
+    return MoEForm(path, (router, "weight"), tuple(owners[id(w)] for w in weights), top_k, normalize, tuple(shared),
+                   gate)
 
 
 def _routing(block: nn.Module, router: nn.Parameter, width: int, device: torch.device, dtype: torch.dtype,

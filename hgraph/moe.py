@@ -156,6 +156,8 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: tor
     """The routed experts of an MoE block over ``x [..., H]``: ``(y [..., H], router_logits [N, E])``
     (module docstring). ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the
     loop), "grouped_mm" or "loop"."""
+    if torch.compiler.is_exporting():    # torch.export: one opaque node (``exported_moe_layer``)
+        return torch.ops.hgraph.moe_layer(x, router_weight, list(expert_weights), top_k, normalize_top_k)
     w = expert_layout(expert_weights)
     if router_weight.shape[0] != w.num_experts:
         raise HGraphError(f"moe_layer: the router scores {router_weight.shape[0]} experts but "
@@ -168,6 +170,22 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: tor
         return x.new_empty(x.shape), logits
     weights, experts = route(logits, top_k, normalize_top_k)
     return experts_forward(flat, weights, experts, w, implementation).reshape(x.shape), logits
+
+
+# torch.export cannot trace the routing (data-dependent sizes): under export ``moe_layer`` is this custom
+# op, which the export frontend turns back into a call of ``moe_layer`` (its only reader); its fake kernel
+# gives the shapes, its CPU kernel the values (without autograd: it never runs in training).
+@torch.library.custom_op("hgraph::moe_layer", mutates_args=())
+def exported_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, expert_weights: list[torch.Tensor],
+                       top_k: int, normalize_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    y, logits = moe_layer(x, router_weight, *expert_weights, top_k=top_k, normalize_top_k=normalize_top_k)
+    return y.clone(), logits.clone()
+
+
+@exported_moe_layer.register_fake
+def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normalize_top_k):
+    tokens = x.numel() // x.shape[-1]
+    return x.new_empty(x.shape), x.new_empty(tokens, router_weight.shape[0])
 
 
 # ---- auxiliary losses -------------------------------------------------------------------------------
