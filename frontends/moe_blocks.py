@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from hgraph import moe
@@ -100,7 +101,6 @@ class _Recorder(TorchFunctionMode):
 def _record(module: nn.Module, width: int, device: torch.device, dtype: torch.dtype) -> list:
     """The torch calls ``module`` makes on a fake ``[1, 4, width]`` input, up to its first step that
     needs values (a data-dependent shape or branch), which ends the run."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     recorder = _Recorder()
     quiet = logging.root.manager.disable
     logging.disable(logging.ERROR)          # fake kernels log the data-dependent step that ends the run
