@@ -72,15 +72,14 @@ class MoEForm:
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The block's output from hgraph's op (and the shared experts, traced as ordinary code)."""
-        y, _ = moe.moe_layer(x, self.router, *self.experts, top_k=self.top_k, normalize_top_k=self.normalize_top_k)
-        if self.shared:
-            flat = x.reshape(-1, x.shape[-1])
-            shared = self.shared[0](flat)
+        y = moe.moe_layer(x, self.router, *self.experts, top_k=self.top_k, normalize_top_k=self.normalize_top_k)
+        if self.shared:                  # on x as it is (no flattening: each token's features alone)
+            shared = self.shared[0](x)
             for extra in self.shared[1:]:
-                shared = shared + extra(flat)
+                shared = shared + extra(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(flat)) * shared
-            y = y + shared.reshape(x.shape)
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            y = y + shared
         return y
 
 

@@ -2,9 +2,11 @@
 
 ``moe_layer(x, router_weight, *expert_weights, top_k=k, normalize_top_k=...)`` is what the frontends
 put in place of a recognised MoE block (``hgraph.frontends.moe_blocks``) and what the zoo's MoE decoder
-computes. It returns ``(y, router_logits)``: the routed experts' output (shared experts are the block's
-own dense code, kept beside this op) and the router's logits ``[tokens, experts]``, which the auxiliary
-losses read (``load_balancing_loss``, ``router_z_loss``).
+computes: the routed experts' output ``y``, the shape of ``x`` (shared experts are the block's own dense
+code, kept beside this op). It computes each token from that token alone, so it runs on any slice of the
+tokens (a CP or Ulysses rank's, a TP rank's under sequence parallelism). ``moe_layer_with_logits`` also
+returns the router's logits ``[tokens, experts]``, which the auxiliary losses read
+(``load_balancing_loss``, ``router_z_loss``).
 
 Routing (as Hugging Face's Mixtral / Qwen-MoE routers): ``logits = x @ router_weight^T``, probabilities
 ``softmax(logits)`` in fp32, the ``top_k`` experts of each token by probability (renormalised to sum
@@ -116,12 +118,12 @@ def _swiglu_grouped(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights) ->
 def _swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     pieces, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        if n == 0:
-            continue                    # an expert no token reached computes nothing (its gradient: zero)
+        # an expert no token reached runs on no rows: its weights still take part in the backward, with an
+        # exact-zero gradient, so every rank pushes every expert's gradient whatever its tokens
         part = xs[start:start + n]
         pieces.append(F.linear(F.silu(F.linear(part, w.gate[e])) * F.linear(part, w.up[e]), w.down[e]))
         start += n
-    return torch.cat(pieces) if pieces else xs.new_zeros(0, xs.shape[-1])
+    return torch.cat(pieces)
 
 
 def expert_implementation(implementation: str, x: torch.Tensor) -> str:
@@ -152,12 +154,20 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
 @wrap
 @reads_host_values          # the loop reads the experts' counts on the host: compiled regions leave it eager
 def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: torch.Tensor, top_k: int,
-              normalize_top_k: bool = False, implementation: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """The routed experts of an MoE block over ``x [..., H]``: ``(y [..., H], router_logits [N, E])``
-    (module docstring). ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the
-    loop), "grouped_mm" or "loop"."""
+              normalize_top_k: bool = False, implementation: str = "auto") -> torch.Tensor:
+    """The routed experts of an MoE block over ``x [..., H]``: ``y [..., H]`` (module docstring).
+    ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the loop), "grouped_mm" or
+    "loop"."""
     if torch.compiler.is_exporting():    # torch.export: one opaque node (``exported_moe_layer``)
         return torch.ops.hgraph.moe_layer(x, router_weight, list(expert_weights), top_k, normalize_top_k)
+    return moe_layer_with_logits(x, router_weight, *expert_weights, top_k=top_k, normalize_top_k=normalize_top_k,
+                                 implementation=implementation)[0]
+
+
+def moe_layer_with_logits(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: torch.Tensor, top_k: int,
+                          normalize_top_k: bool = False, implementation: str = "auto"
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``moe_layer``'s ``y`` and the router's logits ``[N, E]`` (``N`` the tokens of ``x``)."""
     w = expert_layout(expert_weights)
     if router_weight.shape[0] != w.num_experts:
         raise HGraphError(f"moe_layer: the router scores {router_weight.shape[0]} experts but "
@@ -177,15 +187,13 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: tor
 # gives the shapes, its CPU kernel the values (without autograd: it never runs in training).
 @torch.library.custom_op("hgraph::moe_layer", mutates_args=())
 def exported_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, expert_weights: list[torch.Tensor],
-                       top_k: int, normalize_top_k: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    y, logits = moe_layer(x, router_weight, *expert_weights, top_k=top_k, normalize_top_k=normalize_top_k)
-    return y.clone(), logits.clone()
+                       top_k: int, normalize_top_k: bool) -> torch.Tensor:
+    return moe_layer(x, router_weight, *expert_weights, top_k=top_k, normalize_top_k=normalize_top_k).clone()
 
 
 @exported_moe_layer.register_fake
 def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normalize_top_k):
-    tokens = x.numel() // x.shape[-1]
-    return x.new_empty(x.shape), x.new_empty(tokens, router_weight.shape[0])
+    return x.new_empty(x.shape)
 
 
 # ---- auxiliary losses -------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_training_equals_the_hugging_face_model(spec, world, schedule, data, tmp
                schedule, "--steps", str(steps), "--tokens-per-iter", "30", "--save-final", str(final), "--json"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
+    assert out["sequence_parallel"] == "on" or world == 1
     torch.manual_seed(0)
     reference = reference_run(resolve_model_spec(spec), mini_batches(read_jsonl(data), 30, steps), 1e-3,
                               logits=_hf_logits)

@@ -51,7 +51,7 @@ def test_moe_layer_equals_a_plain_pytorch_moe_forward_and_backward(layout, k, no
     want, want_logits = _reference(leaves[0][0], *leaves[1:], k, normalize)
     (want.square().sum() + want_logits.sum()).backward()
     mine = [t.clone().requires_grad_() for t in (x, router, gate, up, down)]
-    got, logits = moe.moe_layer(mine[0], mine[1], *_layouts(*mine[2:])[layout], top_k=k, normalize_top_k=normalize)
+    got, logits = moe.moe_layer_with_logits(mine[0], mine[1], *_layouts(*mine[2:])[layout], top_k=k, normalize_top_k=normalize)
     (got[0].square().sum() + logits.sum()).backward()
     assert got.shape == x.shape
     torch.testing.assert_close(got[0], want, rtol=1e-6, atol=1e-6)
@@ -88,7 +88,7 @@ def test_an_expert_no_token_reached_gets_an_exact_zero_gradient_and_every_token_
     router[E - 1] = -100.0                                 # expert E-1 loses every (positive) token
     gate = gate.clone().requires_grad_()
     x = torch.randn(1, N, H, generator=torch.Generator().manual_seed(3)).abs()
-    y, logits = moe.moe_layer(x, router, gate, up, down, top_k=2)
+    y, logits = moe.moe_layer_with_logits(x, router, gate, up, down, top_k=2)
     y.sum().backward()
     assert torch.equal(gate.grad[E - 1], torch.zeros(I, H))
     assert gate.grad[:E - 1].abs().sum() > 0
@@ -109,8 +109,9 @@ def test_bad_expert_weights_and_top_k_are_one_line_errors():
 
 def test_the_op_runs_on_the_meta_device_for_shapes():
     router, gate, up, down = (t.to("meta") for t in _weights())
-    y, logits = moe.moe_layer(torch.empty(2, 5, H, device="meta"), router, gate, up, down, top_k=2)
+    y, logits = moe.moe_layer_with_logits(torch.empty(2, 5, H, device="meta"), router, gate, up, down, top_k=2)
     assert y.shape == (2, 5, H) and logits.shape == (10, E)
+    assert moe.moe_layer(torch.empty(2, 5, H, device="meta"), router, gate, up, down, top_k=2).shape == (2, 5, H)
 
 
 # ---- auxiliary losses against hand computations -------------------------------------------------------

@@ -1,6 +1,7 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
 on one rank, and under a schedule mixing TP (the MoE op replicated inside the TP group, the shared experts
-sharded), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks.
+sharded, and under Megatron sequence parallelism each TP rank routing its slice of the tokens), PP, CP,
+Ulysses and several data-parallel pipelines on 4 gloo ranks.
 
 Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
 gradient, as in Megatron's and DDP's gradient buffers, so Adam still steps it with its moments; PyTorch's
@@ -103,6 +104,9 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
 def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch(data, tmp_path, capsys):
     schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
     losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5)
+    # the TP2 pipelines ran Megatron SP: each TP rank routed its own slice of the tokens through the
+    # whole experts, whose gradients are then partial sums over the TP ranks
+    assert out["sequence_parallel"] == "on"
     reference, near = _reference(data, 5)
     # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
     # the reference's zero-filled one must equal (Adam moves it by its moments)
