@@ -210,13 +210,22 @@ def recognise(path: str, block: nn.Module, found: tuple[str, nn.Module]) -> MoEF
     if isinstance(experts, nn.ModuleList):
         num = len(experts)
         width = next(m for m in experts[0].modules() if isinstance(m, nn.Linear)).in_features
-        per_expert = [_swiglu(e, width, device, dtype) for e in experts]
-        bad = [i for i, w in enumerate(per_expert) if w is None]
+        first = _swiglu(experts[0], width, device, dtype)
+        if first is None:
+            raise TraceError(f"{what} looks like a mixture of experts ({num} experts in '{experts_name}') but expert "
+                             "0 is not a SwiGLU MLP (three Linears without bias, down(silu(gate(x)) * up(x))); "
+                             "hgraph's MoE op runs SwiGLU experts")
+        # the experts are one class (``_expert_count``): each plays its roles with the parameters of the
+        # same names, read off the first one's run (one fake run, not one per expert)
+        names = {id(p): n for n, p in experts[0].named_parameters()}
+        roles = [names[id(w)] for w in first]
+        params = [dict(e.named_parameters()) for e in experts]
+        bad = [i for i, p in enumerate(params) if set(p) != set(names.values())
+               or any(p[r].shape != getattr(first[j], "shape", None) for j, r in enumerate(roles))]
         if bad:
             raise TraceError(f"{what} looks like a mixture of experts ({num} experts in '{experts_name}') but expert "
-                             f"{bad[0]} is not a SwiGLU MLP (three Linears without bias, down(silu(gate(x)) * up(x))); "
-                             "hgraph's MoE op runs SwiGLU experts")
-        weights = tuple(w[0] for w in per_expert) + tuple(w[1] for w in per_expert) + tuple(w[2] for w in per_expert)
+                             f"{bad[0]}'s parameters differ from expert 0's; hgraph's MoE op runs alike experts")
+        weights = tuple(p[roles[j]] for j in range(3) for p in params)
     else:
         fused = _fused_experts(experts)
         act = getattr(experts, "act_fn", None)

@@ -197,6 +197,18 @@ def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normaliz
 
 
 # ---- auxiliary losses -------------------------------------------------------------------------------
+# Which form, and why (not yet added to the training loss: these are the definitions the runtime will
+# use, tested against hand computations). The per-document form is the default: it is exact under any
+# strategy and any schedule, because a document's counts are complete once its own micro-batch's router
+# has run (summed over the CP / Ulysses / sequence-parallel ranks that hold its pieces: one forward-only
+# all-reduce of a [documents, E] count matrix among the ranks sharing the micro-batch), so every
+# micro-batch's backward has what its gradient needs. The global-batch form needs the counts of every
+# micro-batch of the mini-batch before the first backward, which 1F1B does not have (the last
+# micro-batches' forwards run after the first backwards), and its gradient does not split per
+# micro-batch (it flows through the router's input into everything before it): it is exact only after a
+# forward-only counting pass over the whole mini-batch (one more forward per step, about a third more
+# compute) or with every forward before the first backward (GPipe's memory). Hugging Face's form (means
+# over the tokens as grouped) changes with the micro-batch split and is offered for comparison only.
 def expert_counts(experts: torch.Tensor, num_experts: int, segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """How many of each segment's token-expert assignments went to each expert: ``[S, E]`` for the
     ``segments`` (token counts summing to ``N``; None: one segment of all tokens) of ``experts [N, k]``."""

@@ -47,3 +47,14 @@ def test_dense_routing_equals_the_experts_loop_when_every_expert_is_chosen():
     probs = torch.softmax(block.gate(x), -1)
     want = sum(probs[..., e:e + 1] * block.experts[e](x) for e in range(3))
     torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_16b_blocks_are_recognised_on_the_meta_device():
+    """On meta (how a run builds a model) the blocks are read by fake runs: no weights, no memory."""
+    from hgraph.frontends.moe_blocks import swapped_moe_blocks
+    with torch.device("meta"):
+        model = llama_moe.build("16b")
+    with swapped_moe_blocks(model) as forms:
+        assert len(forms) == 27 and {f.top_k for f in forms} == {6}
+        assert all(len(f.experts) == 3 * 64 and len(f.shared) == 1 for f in forms)
+        assert forms[0].path == "layers.1.mlp" and forms[0].experts[64] is model.layers[1].mlp.experts[0].up_proj.weight
