@@ -162,3 +162,14 @@ def test_router_z_loss_by_hand_per_document_and_global():
     # one document of two tokens held in two pieces: each piece divided by the document's whole size
     pieces = [moe.router_z_loss(logits[i:i + 1], documents=[1], tokens=torch.tensor([2])) for i in range(2)]
     assert sum(pieces).item() == pytest.approx((z0 + z1) / 2, rel=1e-6)
+
+
+def test_bf16_working_precision_stays_close_to_fp32():
+    router, gate, up, down = _weights()
+    x = torch.randn(1, N, H, generator=torch.Generator().manual_seed(18))
+    logits = torch.sort(x[0] @ router.t(), -1, descending=True).values
+    assert float((logits[:, 1] - logits[:, 2]).min()) > 0.5     # no near-tie that bf16 rounding could flip
+    want = moe.moe_layer(x, router, gate, up, down, top_k=2)
+    got = moe.moe_layer(*(t.bfloat16() for t in (x, router, gate, up, down)), top_k=2)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
