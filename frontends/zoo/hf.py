@@ -1,6 +1,6 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
-``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, the mixtures of experts ``hf:qwen3_moe`` and
-``hf:qwen2_moe`` (``hgraph.frontends.moe_blocks``), and ``hf:DIR``, a local Hugging Face model directory.
+``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, the mixtures of experts ``hf:qwen3_moe``,
+``hf:qwen2_moe`` and ``hf:mixtral`` (``hgraph.frontends.moe_blocks``), and ``hf:DIR``, a local Hugging Face model directory.
 
 Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
 default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
@@ -50,6 +50,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_LLAMA_LIKE, moe_intermediate_size=32, num_experts=8,
                                                                 num_experts_per_tok=2,
                                                                 shared_expert_intermediate_size=64)),
+    # the experts are intermediate_size wide; routing renormalises the top-k
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_LLAMA_LIKE, intermediate_size=32, num_local_experts=4,
+                                                            num_experts_per_tok=2, sliding_window=None)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
                                                "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                                                "attn_pdrop": 0.0}),

@@ -1,5 +1,6 @@
 """Hugging Face mixtures of experts through the export frontend: ``Qwen3MoeForCausalLM`` (fused experts,
-renormalised top-k) and ``Qwen2MoeForCausalLM`` (a sigmoid-gated shared expert), built tiny from a config.
+renormalised top-k), ``Qwen2MoeForCausalLM`` (a sigmoid-gated shared expert) and ``MixtralForCausalLM``,
+built tiny from a config.
 Their MoE blocks export as hgraph's MoE op; the compiled model computes what HF's eager model computes, and
 training equals HF's eager model trained by ``torch.optim.Adam`` (noise-aware comparison). TP coverage is
 reported as for dense models: the routed experts stay whole on every TP rank (expert parallelism and
@@ -19,7 +20,7 @@ from hgraph.frontends.zoo import resolve_model_spec  # noqa: E402
 from hgraph.runtime.data.documents import mini_batches, read_jsonl  # noqa: E402
 from hgraph.tools.cli import main  # noqa: E402
 
-SPECS = ["hf:qwen3_moe", "hf:qwen2_moe"]
+SPECS = ["hf:qwen3_moe", "hf:qwen2_moe", "hf:mixtral"]
 
 
 def _hf_logits(model, ids):
