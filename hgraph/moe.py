@@ -24,9 +24,9 @@ The experts' GEMMs run on the token-expert assignments sorted by expert (a stabl
 order inside an expert is its order in the batch): ``torch._grouped_mm`` over the whole sorted batch
 where the device and dtype support it (``grouped_gemm_supported``), else a loop over the experts (an
 expert no token chose runs on zero rows: its weights get an exact-zero gradient on every rank, never
-none, so every rank pushes the same parameters whatever its tokens). Both read the same rows in the same order, and the outputs are scaled by the routing
-weights and summed into the tokens by one ``index_add_`` in the same order, so they differ only by what
-the GEMM kernels round differently.
+none, so every rank pushes the same parameters whatever its tokens). Both read the same rows in the
+same order, and the outputs are scaled by the routing weights and summed into the tokens by one
+``index_add_`` in the same order, so they differ only by what the GEMM kernels round differently.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
 ``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, the mixtures of experts ``hf:qwen3_moe``,
-``hf:qwen2_moe`` and ``hf:mixtral`` (``hgraph.frontends.moe_blocks``), and ``hf:DIR``, a local Hugging Face model directory.
+``hf:qwen2_moe`` and ``hf:mixtral`` (``hgraph.frontends.moe_blocks``), and ``hf:DIR``, a local Hugging
+Face model directory.
 
 Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
 default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).

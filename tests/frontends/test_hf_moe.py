@@ -47,7 +47,8 @@ def test_export_gives_the_moe_op_and_the_models_numbers_and_reports_tp_coverage(
     compiled = hgraph.compile(model)
     layers = [n for n in compiled.hgraph.gm.graph.nodes if n.target is moe.moe_layer]
     assert len(layers) == model.config.num_hidden_layers
-    assert [_parameter(a) for a in layers[0].args[1:]] == ["model.layers.0.mlp.gate.weight","model.layers.0.mlp.experts.gate_up_proj",
+    assert [_parameter(a) for a in layers[0].args[1:]] == ["model.layers.0.mlp.gate.weight",
+                                                            "model.layers.0.mlp.experts.gate_up_proj",
                                                       "model.layers.0.mlp.experts.down_proj"]
     ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(11).expand(2, 11)

@@ -20,7 +20,8 @@ H = 16
 class Expert(nn.Module):
     def __init__(self, act=F.silu):
         super().__init__()
-        self.w1, self.w3, self.w2 = nn.Linear(H, 8, bias=False), nn.Linear(H, 8, bias=False), nn.Linear(8, H, bias=False)
+        self.w1, self.w3 = nn.Linear(H, 8, bias=False), nn.Linear(H, 8, bias=False)
+        self.w2 = nn.Linear(8, H, bias=False)
         self.act = act
 
     def forward(self, x):
@@ -87,7 +88,8 @@ def test_the_zoo_block_stops_the_tracer_unless_recognised_and_then_computes_the_
     moe_nodes = [n for n in gm.graph.nodes if n.target is moe.moe_layer]
     assert len(moe_nodes) == 2                   # layer 0 is dense
     assert moe_nodes[0].kwargs == {"top_k": 2, "normalize_top_k": False}
-    assert [a.target for a in moe_nodes[0].args[1:3]] == ["layers.1.mlp.gate.weight", "layers.1.mlp.experts.0.gate_proj.weight"]
+    assert [a.target for a in moe_nodes[0].args[1:3]] == ["layers.1.mlp.gate.weight",
+                                                          "layers.1.mlp.experts.0.gate_proj.weight"]
     assert "forward" not in model.layers[1].mlp.__dict__      # the swap is undone after tracing
 
 

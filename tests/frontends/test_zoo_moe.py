@@ -57,4 +57,5 @@ def test_the_16b_blocks_are_recognised_on_the_meta_device():
     with swapped_moe_blocks(model) as forms:
         assert len(forms) == 27 and {f.top_k for f in forms} == {6}
         assert all(len(f.experts) == 3 * 64 and len(f.shared) == 1 for f in forms)
-        assert forms[0].path == "layers.1.mlp" and forms[0].experts[64] is model.layers[1].mlp.experts[0].up_proj.weight
+        assert forms[0].path == "layers.1.mlp"
+        assert forms[0].experts[64] is model.layers[1].mlp.experts[0].up_proj.weight

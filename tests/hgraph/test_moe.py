@@ -14,7 +14,8 @@ H, I, E, N = 16, 8, 6, 11
 def _weights(seed=0):
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(E, H, generator=g)
-    gate, up, down = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g), torch.randn(E, H, I, generator=g)
+    gate, up = torch.randn(E, I, H, generator=g), torch.randn(E, I, H, generator=g)
+    down = torch.randn(E, H, I, generator=g)
     return router, gate, up, down
 
 
@@ -51,7 +52,8 @@ def test_moe_layer_equals_a_plain_pytorch_moe_forward_and_backward(layout, k, no
     want, want_logits = _reference(leaves[0][0], *leaves[1:], k, normalize)
     (want.square().sum() + want_logits.sum()).backward()
     mine = [t.clone().requires_grad_() for t in (x, router, gate, up, down)]
-    got, logits = moe.moe_layer_with_logits(mine[0], mine[1], *_layouts(*mine[2:])[layout], top_k=k, normalize_top_k=normalize)
+    got, logits = moe.moe_layer_with_logits(mine[0], mine[1], *_layouts(*mine[2:])[layout], top_k=k,
+                                            normalize_top_k=normalize)
     (got[0].square().sum() + logits.sum()).backward()
     assert got.shape == x.shape
     torch.testing.assert_close(got[0], want, rtol=1e-6, atol=1e-6)
