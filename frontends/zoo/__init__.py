@@ -5,7 +5,8 @@ A model spec names the model to compile or train:
 * ``"llama:tiny"``: a zoo family and one of its named configs (``ZOO``); ``model_args`` override
   config fields (``{"num_layers": 32}``); ``"llama-moe:tiny"``: the mixture-of-experts decoder;
   ``"hf:llama"`` (``qwen2``, ``mistral``, ``gpt2``, ...): a Hugging Face model from a tiny config that
-  ``model_args`` override; ``"hf:DIR"``: the architecture of a local Hugging Face model directory (``DIR/config.json``; everything after ``hf:`` is the path);
+  ``model_args`` override; ``"hf:DIR"``: the architecture of a local Hugging Face model directory
+  (``DIR/config.json``; everything after ``hf:`` is the path);
 * ``"path/to/file.py:ClassName"``: a class defined in a Python file;
 * ``"package.module:ClassName"``: a class in an importable module.
 
