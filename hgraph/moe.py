@@ -117,13 +117,12 @@ def _swiglu_grouped(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights) ->
 
 
 def _swiglu_loop(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    pieces, start = [], 0
-    for e, n in enumerate(counts.tolist()):
-        # an expert no token reached runs on no rows: its weights still take part in the backward, with an
-        # exact-zero gradient, so every rank pushes every expert's gradient whatever its tokens
-        part = xs[start:start + n]
+    pieces = []
+    # one split (its backward one concatenation, not a zero-filled gradient of all rows per expert); an
+    # expert no token reached runs on no rows: its weights still take part in the backward, with an
+    # exact-zero gradient, so every rank pushes every expert's gradient whatever its tokens
+    for e, part in enumerate(xs.split(counts.tolist())):
         pieces.append(F.linear(F.silu(F.linear(part, w.gate[e])) * F.linear(part, w.up[e]), w.down[e]))
-        start += n
     return torch.cat(pieces)
 
 
