@@ -8,6 +8,7 @@ turns one aten pattern into the op the fx frontend would have produced, computin
   the same name (``aten.slice`` -> ``x[..., a:b]``, ``aten.sym_size`` -> ``x.size(d)``); no-op nodes
   (metadata asserts, ``alias``, ``dropout`` with p = 0 or not training, full slices) disappear;
   a train-mode ``dropout`` becomes ``ops.keyed_dropout`` (strategy-invariant masks);
+* ``moe_layers``: ``torch.ops.hgraph.moe_layer`` (hgraph's MoE op as it exports) -> ``moe.moe_layer``;
 * ``rewrite_linears``: ``aten.linear`` -> ``F.linear``; ``addmm(b, x, w.t())`` and
   ``matmul(x, w.t()) (+ b)`` -> ``F.linear(x, w[, b])``; GPT-2's Conv1D
   ``view(x, [-1, in]) -> addmm(b, ., w) -> view(., [..., out])`` -> ``in_out_linear(x, w, b)``;
@@ -30,7 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from hgraph import ops
+from hgraph import moe, ops
 from hgraph.errors import TraceError
 from hgraph.frontends.attention_form import NOT_CAUSAL, causal_attention_node, causal_window
 from hgraph.linear_ops import in_out_linear
@@ -95,6 +96,15 @@ def _slice_index(dim: int, index: Any) -> tuple:
 
 def _is_full_slice(start: Any, end: Any, step: Any) -> bool:
     return start in (None, 0) and (end is None or end == _INT_MAX) and step in (None, 1)
+
+
+def moe_layers(graph: fx.Graph) -> None:
+    """``torch.ops.hgraph.moe_layer`` (how ``moe.moe_layer`` exports) -> the call of ``moe.moe_layer``."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) is torch.ops.hgraph.moe_layer:
+            x, router, experts, top_k, normalize = node.args
+            _replace(graph, node, "call_function", moe.moe_layer, (x, router, *experts),
+                     {"top_k": top_k, "normalize_top_k": normalize})
 
 
 def translate_aten_ops(graph: fx.Graph) -> None:

@@ -44,6 +44,7 @@ from hgraph.frontends import aten_canonical
 from hgraph.frontends.canonicalize import _check_attention, canonical_param_names
 from hgraph.frontends.attention_form import mask_example_length
 from hgraph.frontends.eager_attention import depends_on, mask_evaluator, rewrite_eager_attention
+from hgraph.frontends.moe_blocks import swapped_moe_blocks
 from hgraph.frontends.layer_replication import (NotReplicable, layer_container, replicate_layers as replicate,
                                                 truncated_layers)
 
@@ -339,6 +340,12 @@ def export_trace(model: nn.Module, *, replicate_layers: bool = True,
     if not isinstance(model, nn.Module):
         raise TraceError(f"hgraph exports nn.Module instances, got {type(model).__name__}")
     prepare_hf_attention(model)
+    with swapped_moe_blocks(model):      # MoE blocks export as hgraph's MoE op (``hgraph.frontends.moe_blocks``)
+        gm = _export_canonical(model, replicate_layers, dtype)
+    return gm
+
+
+def _export_canonical(model: nn.Module, replicate_layers: bool, dtype: Optional[torch.dtype]) -> fx.GraphModule:
     layers = layer_container(model) if replicate_layers else None
     if layers is not None and len(layers[1]) > 2:
         path, modules = layers
@@ -364,6 +371,7 @@ def _canonical_graph(model: nn.Module, dtype: Optional[torch.dtype]) -> tuple[fx
     graph, root = _GraphBuilder(ep, model).build()
     params = {name for name, obj in root.items() if isinstance(obj, nn.Parameter)}
     aten_canonical.translate_aten_ops(graph)
+    aten_canonical.moe_layers(graph)
     aten_canonical.rewrite_linears(graph, params.__contains__, lambda name: root[name].shape)
     aten_canonical.inputs_device(graph)
     memo: dict = {}

@@ -5,7 +5,9 @@ then ``canonicalize.canonicalize_graph`` (the canonical form is documented there
 GraphModule shares the model's parameters (it holds references, not copies). The model is traced in
 train mode, as it trains (the caller's mode is restored).
 
-Models fx cannot trace (data-dependent control flow, ...) raise ``hgraph.TraceError`` with one line
+Mixture-of-experts blocks (whose routing is data-dependent) are recognised and traced as
+``hgraph.moe.moe_layer`` (``hgraph.frontends.moe_blocks``). Other models fx cannot trace
+(data-dependent control flow, ...) raise ``hgraph.TraceError`` with one line
 naming the module and the line of code where tracing stopped.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.nn as nn
 
 from hgraph.errors import TraceError
 from hgraph.frontends.canonicalize import canonicalize_graph
+from hgraph.frontends.moe_blocks import swapped_moe_blocks
 from hgraph.frontends.tracer import LeafSpec, concrete_args_for, trace_graph
 
 __all__ = ["trace"]
@@ -33,7 +36,8 @@ def trace(model: nn.Module, *, leaf_modules: Iterable[LeafSpec] = ()) -> fx.Grap
     modes = {m: m.training for m in model.modules()}
     model.train()            # trace what training runs (train-mode branches, dropout)
     try:
-        graph, _ = trace_graph(model, leaf_modules)
+        with swapped_moe_blocks(model):       # MoE blocks compute through hgraph's MoE op
+            graph, _ = trace_graph(model, leaf_modules)
         canonicalize_graph(graph, model, traced_inputs)
     finally:
         for m, training in modes.items():

@@ -43,7 +43,9 @@ FLOOR_KEYWORDS: dict[str, frozenset[str]] = {
 }
 # attributes hgraph reads that appeared late (all present in torch 2.6)
 FLOOR_ATTRIBUTES = ("torch.export.Dim.DYNAMIC", "torch.compiler.set_stance", "torch.compiler.list_backends",
-                    "torch._foreach_copy_", "torch._fused_adam_", "torch._fused_adamw_")
+                    "torch._foreach_copy_", "torch._fused_adam_", "torch._fused_adamw_",
+                    # the MoE op's exported form (hgraph.moe); torch._grouped_mm is asked for by hasattr
+                    "torch.compiler.is_exporting", "torch.library.custom_op")
 
 
 def resolve(path: str) -> object:

@@ -13,8 +13,9 @@ tokens on the rank, the CP rank's under CP; uneven when TP does not divide it).
 * sources: the ``tp_exit`` slots after a row-parallel linear / vocab-parallel embedding (a full-width
   partial sum's exit, OLMo-2's q/k norm, stays an all-reduce: it is inside a TP region, on whole tokens);
 * an op with a sliced input is sliced when it is elementwise (broadcasting keeps the token dim in
-  place), keyed dropout, a linear TP left whole (on the features of each token), or a norm / reduction
-  over dims after the token dim; a full-token input of such an op (a position table read by position,
+  place), keyed dropout, a linear TP left whole (on the features of each token), hgraph's MoE op
+  (``moe.moe_layer``: each token routed to its experts alone), or a norm / reduction over dims after
+  the token dim; a full-token input of such an op (a position table read by position,
   ``wte(ids) + pos[position_ids]``: whole on every TP rank) is *narrowed* to the rank's slice; inputs
   without a token dim (weights, scalars) broadcast as they are;
 * sinks: ``tp_enter`` slots (the all-gather); the pipeline boundary passes the slice on;
@@ -40,7 +41,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from hgraph.dims import BindingKey
-from hgraph import ops
+from hgraph import moe, ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
 from hgraph.passes.op_kinds import ELEMENTWISE, op_name
@@ -117,6 +118,8 @@ def _token_wise(n: fx.Node, shapes: dict, sliced_inputs: list[fx.Node]) -> Optio
     name = op_name(n)
     if n.target is ops.keyed_dropout or name in ELEMENTWISE:
         return None
+    if n.target is moe.moe_layer and sliced_inputs == [n.args[0]]:
+        return None          # routing and experts per token (its weights whole: their gradients partial sums)
     if get_meta(n).op == OpKind.LINEAR and sliced_inputs == [n.args[0]] \
             and get_meta(n).tp_role in (None, TPRole.REPLICATED):
         return None          # a whole linear maps each token's features alone

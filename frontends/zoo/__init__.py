@@ -3,9 +3,10 @@
 A model spec names the model to compile or train:
 
 * ``"llama:tiny"``: a zoo family and one of its named configs (``ZOO``); ``model_args`` override
-  config fields (``{"num_layers": 32}``); ``"hf:llama"`` (``qwen2``, ``mistral``, ``gpt2``): a
-  Hugging Face model from a tiny config that ``model_args`` override; ``"hf:DIR"``: the architecture
-  of a local Hugging Face model directory (``DIR/config.json``; everything after ``hf:`` is the path);
+  config fields (``{"num_layers": 32}``); ``"llama-moe:tiny"``: the mixture-of-experts decoder;
+  ``"hf:llama"`` (``qwen2``, ``mistral``, ``gpt2``, ...): a Hugging Face model from a tiny config that
+  ``model_args`` override; ``"hf:DIR"``: the architecture of a local Hugging Face model directory
+  (``DIR/config.json``; everything after ``hf:`` is the path);
 * ``"path/to/file.py:ClassName"``: a class defined in a Python file;
 * ``"package.module:ClassName"``: a class in an importable module.
 
@@ -23,13 +24,14 @@ from typing import Any, Callable, Mapping, Optional
 import torch.nn as nn
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.zoo import hf, llama
+from hgraph.frontends.zoo import hf, llama, llama_moe
 from hgraph.frontends.zoo.llama import CONFIGS, Llama, LlamaConfig, build
 
 # Family name -> builder(config_name, **overrides) -> nn.Module.
-ZOO: dict[str, Callable[..., nn.Module]] = {"llama": llama.build, "hf": hf.build}
+ZOO: dict[str, Callable[..., nn.Module]] = {"llama": llama.build, "llama-moe": llama_moe.build, "hf": hf.build}
 # Family name -> its named configs (for messages and listings).
-ZOO_CONFIGS: dict[str, Mapping[str, Any]] = {"llama": llama.CONFIGS, "hf": hf.CONFIGS}
+ZOO_CONFIGS: dict[str, Mapping[str, Any]] = {"llama": llama.CONFIGS, "llama-moe": llama_moe.CONFIGS,
+                                             "hf": hf.CONFIGS}
 
 __all__ = ["CONFIGS", "Llama", "LlamaConfig", "ZOO", "ZOO_CONFIGS", "build", "resolve_model_spec",
            "zoo_names"]

@@ -1,5 +1,7 @@
 """Hugging Face transformers models for the zoo: ``hf:llama``, ``hf:qwen2``, ``hf:mistral``, ``hf:phi3``,
-``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, and ``hf:DIR``, a local Hugging Face model directory.
+``hf:qwen3``, ``hf:olmo2``, ``hf:gemma2``, ``hf:gpt2``, the mixtures of experts ``hf:qwen3_moe``,
+``hf:qwen2_moe`` and ``hf:mixtral`` (``hgraph.frontends.moe_blocks``), and ``hf:DIR``, a local Hugging
+Face model directory.
 
 Each zoo name is built from a config (random initialisation, never downloading weights): a tiny
 default config, overridden field by field by ``model_args`` (``--model-args '{"num_hidden_layers": 4}'``).
@@ -41,6 +43,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     # eager attention with logit softcapping, sliding-window layers between global ones, a padding row
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(_LLAMA_LIKE, head_dim=16, pad_token_id=0,
                                                          sliding_window=64)),
+    # mixtures of experts (fused expert weights, a router module): recognised and run as hgraph's MoE op
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(_LLAMA_LIKE, head_dim=16, moe_intermediate_size=32,
+                                                                num_experts=8, num_experts_per_tok=2,
+                                                                norm_topk_prob=True)),
+    # a shared expert gated by sigmoid(Linear(hidden, 1)) beside the routed ones
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_LLAMA_LIKE, moe_intermediate_size=32, num_experts=8,
+                                                                num_experts_per_tok=2,
+                                                                shared_expert_intermediate_size=64)),
+    # the experts are intermediate_size wide; routing renormalises the top-k
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_LLAMA_LIKE, intermediate_size=32, num_local_experts=4,
+                                                            num_experts_per_tok=2, sliding_window=None)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 256, "n_embd": 64, "n_layer": 2, "n_head": 4,
                                                "n_positions": 512, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
                                                "attn_pdrop": 0.0}),

@@ -1,0 +1,114 @@
+"""``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
+on one rank, and under a schedule mixing TP (the MoE op replicated inside the TP group, the shared experts
+sharded, and under Megatron sequence parallelism each TP rank routing its slice of the tokens), PP, CP,
+Ulysses and several data-parallel pipelines on 4 gloo ranks.
+
+Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
+gradient, as in Megatron's and DDP's gradient buffers, so Adam still steps it with its moments; PyTorch's
+``zero_grad(set_to_none=True)`` would leave it ``None`` and skip it, so the reference fills such gradients
+with zeros.
+
+Near-ties: two correct runs differ by rounding (the noise-aware comparison), and a token whose router
+probabilities at ranks k and k+1 differ by less than ``TIE_TOLERANCE`` may choose the other expert under
+another strategy. The reference records those tokens; a parameter of an expert involved in one (ranked k
+or k+1 there) or of that layer's router that differs beyond the noise-aware bounds is reported, not
+failed, and the test fails when the reference has more than ``MAX_NEAR_TIES`` such tokens.
+"""
+import json
+
+import pytest
+import torch
+from tests.runtime.reference_training import (ReferenceRun, assert_losses_like, assert_params_like, reference_steps,
+                                              write_random_documents)
+
+from hgraph.frontends.zoo import llama_moe
+from hgraph.runtime.data.documents import mini_batches, read_jsonl
+from hgraph.tools.cli import main
+
+LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2, 9, 6, 14, 3, 7, 5]
+TIE_TOLERANCE = 1e-4            # router probability margin between the k-th and (k+1)-th expert
+MAX_NEAR_TIES = 8
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return write_random_documents(tmp_path_factory.mktemp("moe") / "docs.jsonl", LENGTHS, seed=3)
+
+
+def _reference(path, steps, lr=1e-3):
+    """The PyTorch run (zero gradients for unreached experts) and its near-tie tokens:
+    ``{(layer, expert)}`` of the experts ranked k and k+1 at each token closer than TIE_TOLERANCE."""
+    torch.manual_seed(0)
+    model = llama_moe.build("tiny")
+    k = model.config.top_k
+    near: list[tuple[int, int, int]] = []
+
+    def watch(index):
+        def hook(module, inputs, logits):
+            probs = torch.softmax(logits.detach().float(), -1)
+            top = torch.topk(probs, k + 1, -1)
+            for t in (top.values[:, k - 1] - top.values[:, k] < TIE_TOLERANCE).nonzero().flatten().tolist():
+                near.append((index, int(top.indices[t, k - 1]), int(top.indices[t, k])))
+        return hook
+
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, llama_moe.MoeBlock):
+            layer.mlp.gate.register_forward_hook(watch(i))
+    first: dict = {}
+
+    def zero_unreached(m):
+        for p in m.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if not first:
+            first.update({n: p.grad.detach().clone() for n, p in m.named_parameters()})
+
+    batches = mini_batches(read_jsonl(path), 30, steps)
+    losses = [loss for _, loss in reference_steps(model, batches, lr, after_backward=zero_unreached)]
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return ReferenceRun(losses, state, first, lr), near
+
+
+def _train(data, tmp_path, capsys, world, schedule, steps):
+    final = tmp_path / f"final{world}.pt"
+    rc = main(["train", "--model", "llama-moe:tiny", "--data", str(data), "--tokens-per-iter", "30",
+               "--world-size", str(world), "--strategy-schedule", schedule, "--steps", str(steps),
+               "--save-final", str(final), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    return [s["loss"] for s in out["steps"]], torch.load(final), out
+
+
+def _assert_like_with_near_ties(losses, state, reference, near):
+    assert len(near) <= MAX_NEAR_TIES, f"{len(near)} near-tie tokens (margin < {TIE_TOLERANCE}): {near}"
+    assert_losses_like(losses, reference.losses)
+    involved = {f"layers.{layer}.mlp.experts.{e}." for layer, a, b in near for e in (a, b)} | \
+               {f"layers.{layer}.mlp.gate." for layer, _, _ in near}
+    exempt = [n for n in reference.state if any(n.startswith(p) for p in involved)]
+    held = [n for n in reference.state if n not in exempt]
+    assert_params_like(state, reference.state, lr=reference.lr, first_grads=reference.first_grads, names=held)
+    for name in exempt:
+        try:
+            assert_params_like(state, reference.state, lr=reference.lr, first_grads=reference.first_grads,
+                               names=[name])
+        except AssertionError as exc:
+            print(f"near-tie: {name} differs, reported not failed: {exc}")
+
+
+def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
+    losses, state, out = _train(data, tmp_path, capsys, 1, "1xTP1PP1", 3)
+    reference, near = _reference(data, 3)
+    _assert_like_with_near_ties(losses, state, reference, near)
+
+
+def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch(data, tmp_path, capsys):
+    schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
+    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5)
+    # the TP2 pipelines ran Megatron SP: each TP rank routed its own slice of the tokens through the
+    # whole experts, whose gradients are then partial sums over the TP ranks
+    assert out["sequence_parallel"] == "on"
+    reference, near = _reference(data, 5)
+    # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
+    # the reference's zero-filled one must equal (Adam moves it by its moments)
+    _assert_like_with_near_ties(losses, state, reference, near)
+    print(f"near-tie tokens in the reference: {len(near)}")
