@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 class BindingKey(enum.StrEnum):
@@ -83,6 +83,11 @@ class Dim:
     comm_points: tuple[str, ...] = ()
     #: a spelling that is refused with a hint, and why: (``"SP"``, the reason)
     refused: Optional[tuple[str, str]] = None
+    #: instantiation passes of its own (``name_pass(gm, ctx) -> GraphModule``, each doing nothing where the
+    #: role's degree is 1), run after a role's stage is extracted and TP-sharded, while its Communicate
+    #: Activation slots are still empty (``passes/pipeline.instantiation_passes``); the built-in dimensions'
+    #: passes are written into that list
+    passes: tuple[Callable[[Any, Any], Any], ...] = ()
 
     @property
     def splits_tokens(self) -> bool:
