@@ -174,30 +174,52 @@ class Scheme:
 
     @cached_property
     def _kinds(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        # per ``RankCoord`` coordinate (stage, weight rank, sequence rank, replica): the (stride, degree,
-        # weight) of each dimension of that kind, inside out; the coordinate is the digits' mixed radix
+        # per ``RankCoord`` coordinate (stage, weight rank, sequence rank, replica): its runs of dimensions
+        # of that kind at neighbouring layout places, inside out, as (stride, degree, weight): a run's
+        # places read together as one digit of the mixed radix (the sequence ranks are one run)
         out = []
         for kind in _COORD_KINDS:
-            digits, weight = [], 1
-            for d in dims.LAYOUT:
-                if d.splits is kind:
-                    digits.append((self._radix[d][0], d.degree(self), weight))
-                    weight *= d.degree(self)
-            out.append(tuple(digits))
+            runs: list[list[int]] = []
+            weight, last = 1, None
+            for k, d in enumerate(dims.LAYOUT):
+                if d.splits is not kind:
+                    continue
+                stride, degree = self._radix[d]
+                if runs and last == k - 1:
+                    runs[-1][1] *= degree
+                else:
+                    runs.append([stride, degree, weight])
+                weight, last = weight * degree, k
+            out.append(tuple(tuple(r) for r in runs))
         return tuple(out)
+
+    @cached_property
+    def _single_runs(self) -> Optional[tuple[int, ...]]:
+        # (stride, degree) of each coordinate when each is one run (or none: stride 1, degree 1), flat:
+        # a rank's coordinates by four divisions (asked for every rank); None otherwise
+        if any(len(runs) > 1 for runs in self._kinds):
+            return None
+        return tuple(v for runs in self._kinds for v in (runs[0][:2] if runs else (1, 1)))
 
     def coordinates(self, local: int) -> tuple[int, int, int, int]:
         """The pipeline's rank ``local``'s (stage, weight rank, sequence rank, replica): its places along the
         dimensions of each kind (``hgraph.dims.Splits``: stages, weights, tokens, replicas), each kind's
         places numbered inside out (``RankCoord``)."""
-        return tuple(sum(local // stride % degree * weight for stride, degree, weight in digits)
-                     for digits in self._kinds)
+        flat = self._single_runs
+        if flat is not None:
+            s0, d0, s1, d1, s2, d2, s3, d3 = flat
+            return local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3
+        return tuple(sum(local // stride % degree * weight for stride, degree, weight in runs)
+                     for runs in self._kinds)
 
     def local_rank(self, stage: int, weight_rank: int = 0, seq_rank: int = 0, replica: int = 0) -> int:
         """The place inside the pipeline of the rank at these coordinates (``coordinates``' inverse)."""
+        flat = self._single_runs
+        if flat is not None:
+            return stage * flat[0] + weight_rank * flat[2] + seq_rank * flat[4] + replica * flat[6]
         local = 0
-        for value, digits in zip((stage, weight_rank, seq_rank, replica), self._kinds):
-            for stride, degree, _ in digits:
+        for value, runs in zip((stage, weight_rank, seq_rank, replica), self._kinds):
+            for stride, degree, _ in runs:
                 value, place = divmod(value, degree)
                 local += place * stride
         return local
@@ -355,7 +377,11 @@ class Strategy:
 
     def coord(self, rank: int) -> RankCoord:
         i, p, local = self._locate(rank)
-        return RankCoord(rank, i, *p.coordinates(local))
+        flat = p._single_runs     # ``Scheme.coordinates`` inlined: asked for every rank
+        if flat is None:
+            return RankCoord(rank, i, *p.coordinates(local))
+        s0, d0, s1, d1, s2, d2, s3, d3 = flat
+        return RankCoord(rank, i, local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3)
 
     def place(self, rank: int, dim: Dim) -> int:
         """``rank``'s coordinate along ``dim`` inside its pipeline (its stage along PP, its TP rank, ...)."""
@@ -371,9 +397,9 @@ class Strategy:
         """The ranks that differ from ``rank`` only in ``dim``'s coordinate, in that coordinate's order
         (its group: the TP group, the CP ring, the Ulysses all-to-all group, its pipeline's stages)."""
         _, p, local = self._locate(rank)
-        stride = p.stride(dim)
-        first = rank - p.place(local, dim) * stride
-        return [first + k * stride for k in range(dim.degree(p))]
+        stride, degree = p._radix[dim]
+        first = rank - local // stride % degree * stride
+        return list(range(first, first + degree * stride, stride))
 
     def bindings(self, rank: int) -> dict[BindingKey, tuple[int, ...]]:
         """What ``rank``'s graph names the ranks it talks to (``hgraph.dims.BindingKey``): the group of
