@@ -88,11 +88,18 @@ class Dim:
     #: Activation slots are still empty (``passes/pipeline.instantiation_passes``); the built-in dimensions'
     #: passes are written into that list
     passes: tuple[Callable[[Any, Any], Any], ...] = ()
+    #: what a dump calls a rank's place along it (``place_key``; default ``<name>_rank``)
+    place_name: str = ""
 
     @property
     def splits_tokens(self) -> bool:
         """Its ranks split each micro-batch's tokens (part of ``Scheme.seq``)."""
         return self.splits is Splits.TOKENS
+
+    @property
+    def place_key(self) -> str:
+        """The key of a rank's place along this dimension in a dump's JSON (``cp_shard``, ``ul_rank``)."""
+        return self.place_name or f"{self.name}_rank"
 
     def degree(self, scheme: object) -> int:
         """This dimension's degree in ``scheme`` (a ``hgraph.strategy.Scheme``; 1 in a scheme made before
@@ -105,7 +112,7 @@ TP = Dim("tp", "TP", 0, "TP", Splits.WEIGHTS, always_written=True, key=BindingKe
               "sp_narrow", "output_head"), comm_points=("tp_enter", "tp_exit", "tp_gather"))
 PP = Dim("pp", "PP", 3, "PP", Splits.STAGES, always_written=True, neighbours=(BindingKey.PP_PREV, BindingKey.PP_NEXT),
          ops=("pp_recv", "pp_send"), comm_points=("pp_boundary",))
-CP = Dim("cp", "CP", 2, "CP", Splits.TOKENS, key=BindingKey.CP, ops=("cp_kv_gather_issue", "cp_attention"),
+CP = Dim("cp", "CP", 2, "CP", Splits.TOKENS, key=BindingKey.CP, place_name="cp_shard", ops=("cp_kv_gather_issue", "cp_attention"),
          comm_points=("cp_kv",))
 UL = Dim("ul", "UL", 1, "Ulysses", Splits.TOKENS, key=BindingKey.UL,
          ops=("ulysses_heads_issue", "ulysses_tokens_issue", "ulysses_attention"), comm_points=("ul_a2a",),

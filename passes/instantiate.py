@@ -427,7 +427,7 @@ class StrategyLayout:
         for d in dims.GROUPED:
             if not any(d.degree(p) > 1 for _, p in runs):
                 continue
-            if d.layout == 0:
+            if d is dims.LAYOUT[0]:
                 blocks: list[list[int]] = []        # [degree, blocks of it] in rank order, merged
                 for count, p in runs:
                     if blocks and blocks[-1][0] == d.degree(p):

@@ -202,3 +202,25 @@ def test_a_dimension_registered_from_a_test_parses_prints_and_lays_out_ranks():
             assert rows == sorted(list(range(11)) * (p.tp if sharded else 1))
     with pytest.raises(StrategyError):
         Strategy.parse("TP1PP1RS2")
+
+
+def test_a_dumps_coordinates_are_the_registrys_places():
+    """A dump's JSON names a rank's places along the sequence dimensions (``cp_shard``, ``ul_rank``, as
+    before) and along a registered dimension's (``rs_rank``), from the registry."""
+    from hgraph.program_text import program_json
+    from tests.hgraph.dim_helpers import with_reshard
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        compiled = hgraph.compile(llama.build("tiny"))
+    program = compiled.instantiate("1xTP1PP1CP2UL2+1xTP2PP1")
+    ranks = program_json(program, [program.rank(r) for r in range(6)])["ranks"]
+    assert [list(r)[4:9] for r in ranks] == [["tp_rank", "cp_rank", "optimizer", "cp_shard", "ul_rank"]] * 6
+    assert [(r["cp_rank"], r["cp_shard"], r["ul_rank"]) for r in ranks] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1), (0, 0, 0), (0, 0, 0)]
+    with with_reshard():
+        with torch.device("meta"):
+            compiled = hgraph.compile(llama.build("tiny"))
+        program = compiled.instantiate("1xTP1PP2RS2")
+        ranks = program_json(program, [program.rank(r) for r in range(4)])["ranks"]
+        assert [(r["stage"], r["rs_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
