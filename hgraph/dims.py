@@ -2,13 +2,16 @@
 dimension").
 
 Each dimension (``Dim``) says how it is written in a scheme's text form (its ``letter``, whether it is
-written when its degree is 1), where it sits in a pipeline's rank layout (``layout``: 0 innermost), the
-binding key a rank's graph names its group by (``BindingKey``: the group of ranks that differ from it in
-this dimension only, or for PP the previous / next stage's rank), and which ops of ``hgraph.ops`` run
-over that group. ``hgraph.strategy`` generates from ``DIMENSIONS`` a scheme's text form and its errors,
-its rank count, the rank layout and every rank's bindings; the passes, the runtime's process groups and
-the tools iterate over it instead of naming ``tp``, ``cp`` and ``ul``. What a dimension costs the planner
-stays in ``runtime/planner/cost`` (the IR imports no runtime), keyed by these members.
+written when its degree is 1), where it sits in a pipeline's rank layout (``layout``: smaller inner),
+what its ranks split (``Splits``: weights, stages, tokens, or nothing), the binding key a rank's graph
+names its group by (``BindingKey``: the group of ranks that differ from it in this dimension only, or
+for PP the previous / next stage's rank), which ops of ``hgraph.ops`` run over that group and which
+passes of its own it adds. ``hgraph.strategy`` generates from ``DIMENSIONS`` the scheme itself (a degree
+per dimension), its text form and its errors, its rank count, the rank layout, every rank's bindings and
+its coordinates by kind (``RankCoord``); roles, push shares and the loss share follow from those, and the
+passes, the runtime's process groups and the tools iterate over the registry instead of naming ``tp``,
+``cp`` and ``ul``. ``registered`` adds a dimension while a block runs (a test's). What a dimension costs
+the planner stays in ``runtime/planner/cost`` (the IR imports no runtime), keyed by these members.
 
 Binding keys are a ``str`` enum, so a graph printed or dumped still reads ``"tp"`` where it names the TP
 group, and a mapping keyed by them answers the plain string too.
