@@ -94,6 +94,10 @@ class Dim:
     #: what a dump calls a rank's place along it (``place_key``; default ``<name>_rank``)
     place_name: str = ""
 
+    def __reduce__(self) -> tuple:
+        # pickled by name: the receiving process's registered dimension (hashed as itself) is the one
+        return by_name, (self.name,)
+
     @property
     def splits_tokens(self) -> bool:
         """Its ranks split each micro-batch's tokens (part of ``Scheme.seq``)."""
@@ -158,6 +162,14 @@ def registered(*added: Dim) -> Iterator[None]:
         yield
     finally:
         _derive(before)
+
+
+def by_name(name: str) -> Dim:
+    """The registered dimension whose ``Scheme`` attribute is ``name`` (``"tp"``)."""
+    for d in DIMENSIONS:
+        if d.name == name:
+            return d
+    raise KeyError(f"no parallel dimension is named {name!r}")
 
 
 def by_key(key: str) -> Dim:

@@ -224,3 +224,16 @@ def test_a_dumps_coordinates_are_the_registrys_places():
         program = compiled.instantiate("1xTP1PP2RS2")
         ranks = program_json(program, [program.rank(r) for r in range(4)])["ranks"]
         assert [(r["stage"], r["rs_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_dimensions_and_schemes_pickle_to_what_the_receiver_has_registered():
+    """A dimension pickles by name (another process finds its own registered one, hashed as itself) and a
+    scheme with its degrees, so plans and strategies cross to the ranks and the planner process."""
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(dims.CP)) is dims.CP and copy.deepcopy(dims.UL) is dims.UL
+    s = Strategy.parse("2xTP2PP2CP2+TP1PP1UL2")
+    t = pickle.loads(pickle.dumps(s))
+    assert t == s and hash(t) == hash(s) and [t.coord(r) for r in range(18)] == [s.coord(r) for r in range(18)]
+    assert copy.deepcopy(Scheme(2, 1, ul=2)).ul == 2
