@@ -1,7 +1,7 @@
 """The result of instantiating an HGraph for one strategy: a program per rank.
 
-Ranks that play the same role (same scheme, stage, TP rank and CP rank, in different pipelines)
-share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
+Ranks that play the same role (same scheme and coordinates in it: stage, TP rank, sequence rank and
+replica, ``RankCoord``; in different pipelines) share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
 rank's ``bindings`` (a ``hgraph.dims.BindingKey`` such as ``"tp"`` or ``"pp_next"`` -> ranks), which
 the runtime resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
 so one rank of 12,288 costs what that rank exchanges, not the world.

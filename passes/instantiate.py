@@ -1,6 +1,7 @@
 """Instantiate an HGraph for one strategy: run the per-role pass pipeline and plan pull / push.
 
-Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
+Ranks of the same role (scheme, stage, TP rank, sequence rank, replica: ``RankRole``) share one compiled
+GraphModule; a rank's
 ``bindings`` (``Strategy.bindings``, keyed by ``hgraph.dims.BindingKey``) say which ranks its TP, CP
 (the CP ring through it), Ulysses (its all-to-all group) groups and its previous and next stage are.
 A rank's LNK ops (who sends which rows to whom) are planned for that rank alone, from the parameter
