@@ -107,25 +107,17 @@ class Scheme:
 
     def __init__(self, *degrees: int, **named: int) -> None:
         dimensions = dims.DIMENSIONS
-        names = [d.name for d in dimensions]
-        if len(degrees) > len(names):
-            raise TypeError(f"Scheme() takes at most {len(names)} degrees ({', '.join(names)}), got {len(degrees)}")
-        given = dict(zip(names, degrees))
-        for name, value in named.items():
-            if name not in names or name in given:
-                raise TypeError(f"Scheme() got an unexpected or repeated degree {name!r}; the dimensions are "
-                                f"{', '.join(names)}")
-            given[name] = value
-        missing = [d.name for d in dimensions if d.always_written and d.name not in given]
-        if missing:
-            raise TypeError(f"Scheme() is missing the degree of {', '.join(missing)}")
-        values = tuple(given.get(n, 1) for n in names)
-        for d, v in zip(dimensions, values):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise StrategyError(f"scheme {d.letter} degree must be a positive integer, got {v!r}")
-        object.__setattr__(self, "degrees", values)
-        for n, v in zip(names, values):
-            object.__setattr__(self, n, v)
+        names, required = _names(dimensions)
+        if named or not required <= len(degrees) <= len(names):
+            degrees = _all_degrees(dimensions, degrees, named)
+        elif len(degrees) < len(names):
+            degrees += (1,) * (len(names) - len(degrees))
+        if not all(type(v) is int and v >= 1 for v in degrees):       # the common case in one pass
+            for d, v in zip(dimensions, degrees):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise StrategyError(f"scheme {d.letter} degree must be a positive integer, got {v!r}")
+        object.__setattr__(self, "degrees", tuple(degrees))
+        self.__dict__.update(zip(names, degrees))     # ``scheme.tp``: a plain attribute
 
     def __hash__(self) -> int:
         return hash(self.degrees)
@@ -242,7 +234,31 @@ class Scheme:
 
     @classmethod
     def _of(cls, m: "re.Match[str]") -> "Scheme":
-        return cls(**{d.name: int(g or 1) for d, g in zip(dims.DIMENSIONS, m.groups())})
+        return cls(*(int(g or 1) for g in m.groups()))     # every degree, in text order
+
+
+@functools.cache
+def _names(dimensions: tuple[Dim, ...]) -> tuple[tuple[str, ...], int]:
+    """The dimensions' names, and how many leading ones ``Scheme()`` needs (up to the last written at 1)."""
+    return tuple(d.name for d in dimensions), max(i + 1 for i, d in enumerate(dimensions) if d.always_written)
+
+
+def _all_degrees(dimensions: tuple[Dim, ...], degrees: tuple, named: dict) -> tuple:
+    """Every dimension's degree from ``Scheme(*degrees, **named)``: positional in text order, the rest by
+    name; a dimension written at degree 1 (``Dim.always_written``) must be given, the others default to 1."""
+    names, _ = _names(dimensions)
+    if len(degrees) > len(names):
+        raise TypeError(f"Scheme() takes at most {len(names)} degrees ({', '.join(names)}), got {len(degrees)}")
+    given = dict(zip(names, degrees))
+    for name, value in named.items():
+        if name not in names or name in given:
+            raise TypeError(f"Scheme() got an unexpected or repeated degree {name!r}; the dimensions are "
+                            f"{', '.join(names)}")
+        given[name] = value
+    missing = [d.name for d in dimensions if d.always_written and d.name not in given]
+    if missing:
+        raise TypeError(f"Scheme() is missing the degree of {', '.join(missing)}")
+    return tuple(given.get(n, 1) for n in names)
 
 
 #: the kinds of dimension whose places make a rank's coordinates, in ``RankCoord``'s order
