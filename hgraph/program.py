@@ -1,7 +1,7 @@
 """The result of instantiating an HGraph for one strategy: a program per rank.
 
-Ranks that play the same role (same scheme, stage, TP rank and CP rank, in different pipelines)
-share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
+Ranks that play the same role (same scheme and coordinates in it: stage, TP rank, sequence rank and
+replica, ``RankCoord``; in different pipelines) share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
 rank's ``bindings`` (a ``hgraph.dims.BindingKey`` such as ``"tp"`` or ``"pp_next"`` -> ranks), which
 the runtime resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
 so one rank of 12,288 costs what that rank exchanges, not the world.
@@ -20,17 +20,24 @@ from hgraph.comm_plan import ParamLayout
 from hgraph.dims import BindingKey
 from hgraph.meta import SlotKind
 from hgraph.shard_rule import Range, optimizer_segments, shard_group_ranks
-from hgraph.strategy import Cluster, Scheme, Strategy
+from hgraph.strategy import Cluster, RankCoord, Scheme, Strategy
 
 
 @dataclass(frozen=True)
 class RankRole:
-    """What a rank does, independent of which pipeline it is in."""
+    """What a rank does, independent of which pipeline it is in: its scheme and its coordinates in it
+    (``RankCoord``'s, by what each dimension splits)."""
 
     scheme: Scheme
     stage: int
     tp_rank: int
     cp_rank: int
+    replica: int = 0
+
+    @classmethod
+    def of(cls, scheme: Scheme, coord: "RankCoord") -> "RankRole":
+        """The role of the rank at ``coord`` in a ``scheme`` pipeline."""
+        return cls(scheme, coord.stage, coord.tp_rank, coord.cp_rank, coord.replica)
 
 
 @dataclass(frozen=True)
@@ -254,6 +261,17 @@ class RankProgram:
     @property
     def cp_rank(self) -> int:
         return self.role.role.cp_rank
+
+    @property
+    def replica(self) -> int:
+        return self.role.role.replica
+
+    @property
+    def counts_loss(self) -> bool:
+        """Whether this rank's loss sum is its share of the step's loss: on the last stage, and the first of
+        the ranks that compute the same loss (its TP group's, its replicas'); each sequence rank holds
+        its own tokens' part."""
+        return self.stage == self.scheme.pp - 1 and self.tp_rank == 0 and self.replica == 0
 
     @property
     def scheme(self) -> Scheme:

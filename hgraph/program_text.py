@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch.fx as fx
 
+from hgraph import dims
 from hgraph.errors import HGraphError
 from hgraph.meta import SlotKind, get_meta
 from hgraph.program import Program, RankProgram
@@ -54,7 +55,7 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
         "ranks": [{
             "rank": rp.rank, "pipeline": rp.pipeline, "scheme": str(rp.scheme), "stage": rp.stage,
             "tp_rank": rp.tp_rank, "cp_rank": rp.cp_rank, "optimizer": optimizer_layout(program, rp),
-            **dict(zip(("cp_shard", "ul_rank"), rp.scheme.seq_place(rp.cp_rank))),
+            **_places(program, rp),
             "blocks": list(rp.role.blocks),
             "params": [{"name": s.name, "full_shape": list(s.full_shape), "shard_shape": list(s.shard_shape),
                         "shard_dim": s.shard_dim if s.tp_sharded else None}
@@ -64,6 +65,12 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
                           for sg in rp.subgraphs],
         } for rp in ranks],
     }
+
+
+def _places(program: Program, rp: RankProgram) -> dict[str, int]:
+    """The rank's places along the dimensions its coordinates combine (``tp_rank`` and ``stage`` say the
+    others): the sequence dimensions outer first (``cp_shard``, ``ul_rank``), then those of replicas."""
+    return {d.place_key: program.strategy.place(rp.rank, d) for d in (*reversed(dims.SEQUENCE), *dims.REPLICAS)}
 
 
 def _peers(rp: RankProgram, kind: SlotKind) -> list[int]:

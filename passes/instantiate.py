@@ -1,6 +1,7 @@
 """Instantiate an HGraph for one strategy: run the per-role pass pipeline and plan pull / push.
 
-Ranks of the same role (scheme, stage, TP rank, CP rank) share one compiled GraphModule; a rank's
+Ranks of the same role (scheme, stage, TP rank, sequence rank, replica: ``RankRole``) share one compiled
+GraphModule; a rank's
 ``bindings`` (``Strategy.bindings``, keyed by ``hgraph.dims.BindingKey``) say which ranks its TP, CP
 (the CP ring through it), Ulysses (its all-to-all group) groups and its previous and next stage are.
 A rank's LNK ops (who sends which rows to whom) are planned for that rank alone, from the parameter
@@ -13,7 +14,7 @@ import bisect
 import functools
 import time
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 import torch.fx as fx
@@ -88,7 +89,8 @@ def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str,
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
     root = _param_root(ctx.params, options.working_dtype)
     _copy_constants(hg.gm, gm.graph, root)
-    name = f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}"
+    name = f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}" + (
+        f"_r{role.replica}" if role.scheme.replicas > 1 else "")
     return fx.GraphModule(root, gm.graph, class_name=name), ctx
 
 
@@ -115,7 +117,7 @@ def _copy_constants(src: nn.Module, graph: fx.Graph, root: nn.Module) -> None:
 
 
 def push_contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any,
-                  sp_partial: bool = False) -> tuple[Range, ...]:
+                      sp_partial: bool = False, replica: int = 0) -> tuple[Range, ...]:
     """The ranges a rank contributes to the gradient of a parameter, so every pipeline counts each
     element once (empty: nothing).
 
@@ -123,13 +125,30 @@ def push_contribution(shard: ParamShard, scheme: Scheme, tp_rank: int, info: Any
     replicated), so the range is split among them; TP-sharded slices, CP ranks (different tokens), a
     whole parameter read on TP-sharded heads (``tp_partial``: each rank's gradient covers its heads) and,
     under sequence parallelism, one used only on token-sliced values (``sp_partial``: each TP rank's
-    gradient covers its tokens) contribute what they hold.
+    gradient covers its tokens) contribute what they hold. The ranks of a dimension that splits nothing
+    (``hgraph.dims.Splits.REPLICAS``: ``replica`` of ``scheme.replicas``) compute the same gradients of
+    everything they hold, so each contributes its share of that too.
     """
-    if shard.tp_sharded or scheme.tp == 1 or info.tp_partial or sp_partial:
+    share, of = replica, scheme.replicas
+    if not (shard.tp_sharded or scheme.tp == 1 or info.tp_partial or sp_partial):
+        share, of = share * scheme.tp + tp_rank, of * scheme.tp
+    if of == 1:
         return tuple(shard.ranges)
-    (lo, hi), = shard.ranges
-    a, b = lo + (hi - lo) * tp_rank // scheme.tp, lo + (hi - lo) * (tp_rank + 1) // scheme.tp
-    return ((a, b),) if b > a else ()
+    return _share_of(shard.ranges, share, of)
+
+
+def _share_of(ranges, share: int, of: int) -> tuple[Range, ...]:
+    """Share ``share`` of ``of`` near-equal shares of the rows ``ranges`` hold, in order (one range:
+    ``[lo + n * share // of, lo + n * (share + 1) // of)``)."""
+    total = sum(hi - lo for lo, hi in ranges)
+    first, last = total * share // of, total * (share + 1) // of
+    out, offset = [], 0
+    for lo, hi in ranges:
+        a, b = max(first - offset, 0), min(last - offset, hi - lo)
+        if b > a:
+            out.append((lo + a, lo + b))
+        offset += hi - lo
+    return tuple(out)
 
 
 def stage_params(hg: Any, stage_blocks) -> list[set[str]]:
@@ -193,8 +212,26 @@ class ParamLayouts:
         return prog
 
 
-#: A role as far as parameters go: (scheme, stage, TP rank); its CP ranks hold the same shards.
-ParamRole = tuple[Scheme, int, int]
+class ParamRole(NamedTuple):
+    """A role as far as parameters go: the ranks of a role's sequence ranks (different tokens, the same
+    shards) hold the same rows and each pushes its own gradient of them; the replica (``RankCoord``'s)
+    is part of it because replicas push different shares."""
+
+    scheme: Scheme
+    stage: int
+    tp_rank: int
+    replica: int = 0
+
+    @classmethod
+    def of(cls, scheme: Scheme, coord: Any) -> "ParamRole":
+        """The parameter role of the rank at ``coord`` (a ``RankCoord``) in a ``scheme`` pipeline."""
+        return cls(scheme, coord.stage, coord.tp_rank, coord.replica)
+
+    @classmethod
+    def at(cls, scheme: Scheme, local: int) -> "ParamRole":
+        """The parameter role of the pipeline's rank ``local`` (0-based inside it)."""
+        stage, tp_rank, _, replica = scheme.coordinates(local)
+        return cls(scheme, stage, tp_rank, replica)
 
 
 class StrategyLayout:
@@ -221,9 +258,9 @@ class StrategyLayout:
         for count, scheme in strategy.groups():
             self._runs.setdefault(scheme, []).append(range(first, first + count))
             first += count
-        self.param_roles: list[ParamRole] = [(p, stage, t) for p in self._runs for stage in range(p.pp)
-                                             for t in range(p.tp)]
-        self._params = {pr: layouts.params(*pr) for pr in self.param_roles}
+        self.param_roles: list[ParamRole] = [ParamRole(p, stage, t, r) for p in self._runs for stage in range(p.pp)
+                                             for t in range(p.tp) for r in range(p.replicas)]
+        self._params = {pr: layouts.params(pr.scheme, pr.stage, pr.tp_rank) for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
         self._exchanges: dict[str, ParamExchange] = {}
@@ -233,8 +270,8 @@ class StrategyLayout:
         self.work_log: Optional[list[tuple[str, int, WorkCount]]] = None
 
     def _ranks_of(self, pr: ParamRole) -> list[int]:
-        scheme, stage, t = pr
-        return [self.strategy.rank_of(i, stage, t, c) for run in self._runs[scheme] for i in run
+        scheme, stage, t, replica = pr
+        return [self.strategy.rank_of(i, stage, t, c, replica) for run in self._runs[scheme] for i in run
                 for c in range(scheme.seq)]
 
     def param_layout(self, name: str) -> ParamLayout:
@@ -255,7 +292,7 @@ class StrategyLayout:
         for pr in self.param_roles:
             shard = self._params[pr].get(name)
             if shard is not None:
-                ranges = push_contribution(shard, pr[0], pr[2], info, sp_partial)
+                ranges = push_contribution(shard, pr.scheme, pr.tp_rank, info, sp_partial, pr.replica)
                 if ranges:
                     out.append((pr, ranges))
         return tuple(out)
@@ -280,9 +317,9 @@ class StrategyLayout:
     def rank_program(self, rank: int, describe: Callable) -> RankProgram:
         c = self.strategy.coord(rank)
         scheme = self.strategy.pipelines[c.pipeline]
-        role = self.layouts.role_program(RankRole(scheme, c.stage, c.tp_rank, c.cp_rank), self.options, self.sp)
-        plan_lnk = functools.partial(self.rank_plans, rank, (scheme, c.stage, c.tp_rank))
-        contributions = functools.partial(self.role_contributions, (scheme, c.stage, c.tp_rank))
+        role = self.layouts.role_program(RankRole.of(scheme, c), self.options, self.sp)
+        plan_lnk = functools.partial(self.rank_plans, rank, ParamRole.of(scheme, c))
+        contributions = functools.partial(self.role_contributions, ParamRole.of(scheme, c))
         return RankProgram(c.rank, c.pipeline, role, self.strategy.bindings(c.rank), plan_lnk, describe,
                            contributions)
 
@@ -295,7 +332,7 @@ class StrategyLayout:
         for name in self.order:
             shard = shards.get(name)
             if shard is not None:
-                ranges = push_contribution(shard, pr[0], pr[2], info[name], name in partial)
+                ranges = push_contribution(shard, pr.scheme, pr.tp_rank, info[name], name in partial, pr.replica)
                 if ranges:
                     out[name] = tuple(normalise_ranges(ranges))
         return out
@@ -391,7 +428,7 @@ class StrategyLayout:
         for d in dims.GROUPED:
             if not any(d.degree(p) > 1 for _, p in runs):
                 continue
-            if d.layout == 0:
+            if d is dims.LAYOUT[0]:
                 blocks: list[list[int]] = []        # [degree, blocks of it] in rank order, merged
                 for count, p in runs:
                     if blocks and blocks[-1][0] == d.degree(p):
@@ -412,7 +449,7 @@ class StrategyLayout:
         roles and the largest part kept, which every rank computes alike in O(roles); this rank's part
         is found among its own group's ranks (in its shard group only, under ``--shard-group``)."""
         c = self.strategy.coord(rank)
-        mine: ParamRole = (self.strategy.pipelines[c.pipeline], c.stage, c.tp_rank)
+        mine = ParamRole.of(self.strategy.pipelines[c.pipeline], c)
         group_size = self.cluster.group_size
         lo = rank - rank % group_size
         rounds: dict[tuple, tuple[int, ...]] = {}
@@ -450,18 +487,18 @@ class StrategyLayout:
 
     def _role_count(self, pr: ParamRole) -> int:
         """How many ranks play role ``pr`` (its scheme's pipelines times their sequence ranks)."""
-        return sum(len(run) for run in self._runs[pr[0]]) * pr[0].seq
+        return sum(len(run) for run in self._runs[pr.scheme]) * pr.scheme.seq
 
     def _role_ranks_in(self, pr: ParamRole, lo: int, hi: int) -> list[int]:
         """The ranks of role ``pr`` in ``[lo, hi)``, by rank arithmetic over the pipelines meeting it."""
         if lo == 0 and hi >= self.cluster.world_size:
             return list(self.roles.of(pr))
-        scheme, stage, t = pr
+        scheme, stage, t, replica = pr
         span, out = scheme.num_ranks, []
         for run in self._runs[scheme]:
             first = self.strategy.rank_of(run.start, 0)      # a run's pipelines are consecutive spans
             for k in range(max(0, (lo - first) // span), min(len(run), -(-(hi - first) // span))):
-                ranks = (self.strategy.rank_of(run.start + k, stage, t, c) for c in range(scheme.seq))
+                ranks = (self.strategy.rank_of(run.start + k, stage, t, c, replica) for c in range(scheme.seq))
                 out += [r for r in ranks if lo <= r < hi]
         return out
 
@@ -534,7 +571,7 @@ def groups_keep_to_shard_groups(strategy: Strategy, group_of: Mapping[ParamRole,
     start, last = 0, None
     for count, p in strategy.groups():
         span = p.num_ranks
-        local = [group_of[(p, i // (p.tp * p.seq), i % p.tp)] for i in range(span)]
+        local = [group_of[ParamRole.at(p, i)] for i in range(span)]
         changes = [i for i in range(1, span) if local[i] != local[i - 1]]
         if changes and ((count > 1 and span % group_size) or any((start + i) % group_size for i in changes)):
             return False

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 import torch.fx as fx
 
+from hgraph import dims
 from hgraph.errors import HGraphError
 from hgraph.passes.annotate import annotate_pass
 from hgraph.passes.context import PassContext
@@ -54,6 +55,8 @@ def instantiation_passes() -> list[Pass]:
     return [
         Pass("extract_stage", extract_stage_pass),
         Pass("shard_tp", shard_tp_pass),
+        # a registered dimension's own passes (hgraph.dims.Dim.passes), while the slots are still empty
+        *(Pass(fn.__name__.removesuffix("_pass"), fn) for d in dims.DIMENSIONS for fn in d.passes),
         Pass("fill_activation_comm", fill_activation_comm_pass),
         Pass("sequence_parallel", sequence_parallel_pass),
         Pass("output_head", output_head_pass),

@@ -444,8 +444,8 @@ class Executor:
     @staticmethod
     def _loss_share(rp: RankProgram, loss_sum: float) -> float:
         """What this rank adds to the mini-batch's loss sum: one copy per pipeline (its last stage's
-        first TP rank; every CP rank holds part of the loss)."""
-        return loss_sum if rp.stage == rp.scheme.pp - 1 and rp.tp_rank == 0 else 0.0
+        first TP rank and replica; every CP rank holds part of the loss): ``RankProgram.counts_loss``."""
+        return loss_sum if rp.counts_loss else 0.0
 
     def _issue_global_loss(self, rp: RankProgram, loss_sum: float) -> tuple[torch.Tensor, Optional[dist.Work]]:
         """Start summing the mini-batch's loss over the world; returns the buffer and the work to

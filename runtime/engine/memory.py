@@ -470,13 +470,13 @@ def stage_memory(graph: fx.GraphModule, working: Mapping[str, torch.Tensor], pro
 
 
 def bind_stage_group(memory: StageMemory, program: Program, rank_program: RankProgram, groups: GroupCache) -> None:
-    """Create the group of this rank's stage (its TP x CP ranks) as one round of every rank (its part
+    """Create the group of this rank's stage (its TP x CP ... ranks) as one round of every rank (its part
     computed from its own coordinates, whether or not ``memory`` needs it, so the rounds stay the same
     on every rank) and give it to ``memory`` when it agrees over it (with a budget or an offload).
     Collective: every rank calls it for the same Program."""
     strategy = program.strategy
     stage_ranks = tuple(strategy.stage_ranks(rank_program.pipeline, rank_program.stage))
-    if any(p.tp * p.seq > 1 for _, p in strategy.groups()):
+    if any(p.num_ranks > p.pp for _, p in strategy.groups()):       # a stage of more than one rank
         groups.create([GroupRound(("stage", str(strategy)), stage_ranks)])
     if (memory.budget is not None or memory.offload is not None) and len(stage_ranks) > 1:
         memory.group = (groups.get(stage_ranks),)

@@ -29,7 +29,7 @@ def validate_for_cluster(strategy: Strategy, world_size: int, gpus_per_node: int
     for d, p in strategy.groups():
         if not ok:
             break
-        starts = base + p.tp * np.arange(d * p.pp * p.seq, dtype=np.int64)  # every TP group of the run
+        starts = base + p.tp * np.arange(d * p.num_ranks // p.tp, dtype=np.int64)  # every TP group of the run
         if p.tp > 1 and np.any(starts // gpus_per_node != (starts + p.tp - 1) // gpus_per_node):
             ok = False
         base += d * p.num_ranks

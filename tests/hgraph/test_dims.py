@@ -23,7 +23,10 @@ def test_every_dimension_is_declared_once_with_its_place():
     assert [d.letter for d in SEQUENCE] == ["UL", "CP"]
     assert [d.key for d in GROUPED] == [BindingKey.TP, BindingKey.CP, BindingKey.UL]
     assert dims.PP.neighbours == (BindingKey.PP_PREV, BindingKey.PP_NEXT)
-    assert [f for f in Scheme.__dataclass_fields__] == [d.name for d in DIMENSIONS]
+    # a scheme's degrees are the registry's dimensions, in text order, each also the attribute of its name
+    scheme = Scheme(2, 3, 5, 7)
+    assert [f for f in Scheme.__dataclass_fields__] == ["degrees"]
+    assert scheme.degrees == (2, 3, 5, 7) == tuple(getattr(scheme, d.name) for d in DIMENSIONS)
     assert dims.by_key("pp_next") is dims.PP and dims.by_key(BindingKey.UL) is dims.UL
     assert dims.by_comm_point(hgraph.meta.CommPoint.CP_KV) is dims.CP
     with pytest.raises(KeyError):
@@ -107,3 +110,130 @@ def test_every_op_and_comm_point_belongs_to_one_dimension():
             assert callable(getattr(ops, name)), (d.letter, name)
     claimed = [p for d in DIMENSIONS for p in d.comm_points]
     assert sorted(claimed) == sorted(p.value for p in hgraph.meta.CommPoint)
+
+
+def _old_coord(strategy: Strategy, rank: int) -> tuple[int, int, int, int]:
+    """(pipeline, stage, TP rank, sequence rank) as the code before the coordinate kinds computed them."""
+    i = max(k for k in range(len(strategy.pipelines)) if strategy.rank_of(k, 0) <= rank)
+    p, local = strategy.pipelines[i], rank - strategy.rank_of(i, 0)
+    return i, local // (p.tp * p.seq), local % p.tp, local // p.tp % p.seq
+
+
+def _old_push_contribution(shard, scheme, tp_rank, info, sp_partial=False):
+    if shard.tp_sharded or scheme.tp == 1 or info.tp_partial or sp_partial:
+        return tuple(shard.ranges)
+    (lo, hi), = shard.ranges
+    a, b = lo + (hi - lo) * tp_rank // scheme.tp, lo + (hi - lo) * (tp_rank + 1) // scheme.tp
+    return ((a, b),) if b > a else ()
+
+
+def test_coordinates_by_kind_equal_the_formulas_they_replaced():
+    """A rank's stage, TP rank and sequence rank (read per dimension by what it splits), the rank back from
+    them, a stage's ranks and a rank's push share equal the old per-name formulas on every scheme of
+    degrees 1-3 beside others."""
+    from types import SimpleNamespace
+
+    from hgraph.passes.instantiate import push_contribution
+    from hgraph.program import ParamShard
+    for degrees in itertools.product(DEGREES, repeat=len(DIMENSIONS)):
+        p = Scheme(*degrees)
+        strategy = Strategy((Scheme(1, 2), p, Scheme(2, 1, ul=2), p))
+        for rank in range(strategy.num_ranks):
+            c = strategy.coord(rank)
+            assert (c.pipeline, c.stage, c.tp_rank, c.cp_rank) == _old_coord(strategy, rank), (strategy, rank)
+            assert c.replica == 0
+            scheme = strategy.pipelines[c.pipeline]
+            assert strategy.rank_of(c.pipeline, c.stage, c.tp_rank, c.cp_rank) == rank == (
+                strategy.rank_of(c.pipeline, 0) + c.stage * scheme.tp * scheme.seq + c.cp_rank * scheme.tp + c.tp_rank)
+        for stage in range(p.pp):
+            assert strategy.stage_ranks(1, stage) == [strategy.rank_of(1, stage, t, c) for c in range(p.seq)
+                                                      for t in range(p.tp)]
+        for t in range(p.tp):
+            for sharded, partial, sp in itertools.product((False, True), repeat=3):
+                shard = ParamShard("w", (7, 3), 0, ((0, 7),), tp_sharded=sharded)
+                info = SimpleNamespace(tp_partial=partial)
+                assert push_contribution(shard, p, t, info, sp) == _old_push_contribution(shard, p, t, info, sp)
+
+
+def test_a_dimension_registered_from_a_test_parses_prints_and_lays_out_ranks():
+    """The test-only ``RS`` dimension (``tests/hgraph/dim_helpers.py``: ranks that hold the same weights
+    and tokens, between the sequence ranks and the stages) added through the registry alone: text form,
+    errors, rank count, layout, groups, bindings, coordinates, roles, push shares and the loss share."""
+    from types import SimpleNamespace
+
+    from hgraph.passes.instantiate import ParamRole, push_contribution
+    from hgraph.program import ParamShard, RankRole
+    from hgraph.errors import StrategyError
+    from tests.hgraph.dim_helpers import RS, with_reshard
+
+    with pytest.raises(StrategyError):
+        Strategy.parse("TP1PP1RS2")
+    with with_reshard():
+        assert [d.letter for d in dims.DIMENSIONS] == ["TP", "PP", "CP", "UL", "RS"]
+        assert [d.letter for d in dims.LAYOUT] == ["TP", "UL", "CP", "RS", "PP"]
+        assert dims.REPLICAS == (RS,) and dims.by_key("rs") is RS
+        s = Strategy.parse("TP2PP2CP2RS2+2xtp1pp1rs3+TP1PP1")
+        assert str(s) == "1xTP2PP2CP2RS2+2xTP1PP1RS3+1xTP1PP1" and Strategy.parse(str(s)) == s
+        assert [p.num_ranks for p in s.pipelines] == [16, 3, 3, 1] and s.num_ranks == 23
+        assert s.pipelines[0] == Scheme(2, 2, cp=2, rs=2) and s.pipelines[0].replicas == 2
+        assert str(Scheme(1, 1)) == "TP1PP1" and Scheme(1, 1).rs == 1
+        with pytest.raises(StrategyError, match=r"TP<n>PP<n>\[CP<n>\]\[UL<n>\]\[RS<n>\]"):
+            Strategy.parse("TP1PP1RS")
+        # the layout by hand: pipelines in turn, in each the stages, the RS replicas, the CP shards, TP
+        coords = [(i, stage, rs, cp, tp) for i, p in enumerate(s.pipelines)
+                  for stage, rs, cp, tp in itertools.product(range(p.pp), range(p.rs), range(p.cp), range(p.tp))]
+        for rank, (i, stage, rs, cp, tp) in enumerate(coords):
+            c = s.coord(rank)
+            assert (c.pipeline, c.stage, c.replica, c.cp_rank, c.tp_rank) == (i, stage, rs, cp, tp)
+            assert s.place(rank, RS) == rs and s.rank_of(i, stage, tp, cp, rs) == rank
+            same = tuple(r for r, o in enumerate(coords) if o[:2] + o[3:] == (i, stage, cp, tp))
+            assert s.bindings(rank)["rs"] == same == tuple(s.group(RS, rank))
+            nxt = [r for r, o in enumerate(coords) if o == (i, stage + 1, rs, cp, tp)]
+            assert s.bindings(rank).get(BindingKey.PP_NEXT) == (tuple(nxt) if nxt else None)
+            assert RankRole.of(s.pipelines[i], c).replica == ParamRole.of(s.pipelines[i], c).replica == rs
+        assert s.stage_ranks(0, 1) == list(range(8, 16))
+        # push shares: every element of a parameter counted once per pipeline over its TP ranks and replicas
+        p = s.pipelines[0]
+        info = SimpleNamespace(tp_partial=False)
+        for sharded in (False, True):
+            shard = ParamShard("w", (11, 3), 0, ((0, 11),), tp_sharded=sharded)
+            rows = sorted(x for t in range(p.tp) for r in range(p.rs)
+                          for lo, hi in push_contribution(shard, p, t, info, False, r) for x in range(lo, hi))
+            assert rows == sorted(list(range(11)) * (p.tp if sharded else 1))
+    with pytest.raises(StrategyError):
+        Strategy.parse("TP1PP1RS2")
+
+
+def test_a_dumps_coordinates_are_the_registrys_places():
+    """A dump's JSON names a rank's places along the sequence dimensions (``cp_shard``, ``ul_rank``, as
+    before) and along a registered dimension's (``rs_rank``), from the registry."""
+    from hgraph.program_text import program_json
+    from tests.hgraph.dim_helpers import with_reshard
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        compiled = hgraph.compile(llama.build("tiny"))
+    program = compiled.instantiate("1xTP1PP1CP2UL2+1xTP2PP1")
+    ranks = program_json(program, [program.rank(r) for r in range(6)])["ranks"]
+    assert [list(r)[4:9] for r in ranks] == [["tp_rank", "cp_rank", "optimizer", "cp_shard", "ul_rank"]] * 6
+    assert [(r["cp_rank"], r["cp_shard"], r["ul_rank"]) for r in ranks] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1), (0, 0, 0), (0, 0, 0)]
+    with with_reshard():
+        with torch.device("meta"):
+            compiled = hgraph.compile(llama.build("tiny"))
+        program = compiled.instantiate("1xTP1PP2RS2")
+        ranks = program_json(program, [program.rank(r) for r in range(4)])["ranks"]
+        assert [(r["stage"], r["rs_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_dimensions_and_schemes_pickle_to_what_the_receiver_has_registered():
+    """A dimension pickles by name (another process finds its own registered one, hashed as itself) and a
+    scheme with its degrees, so plans and strategies cross to the ranks and the planner process."""
+    import copy
+    import pickle
+
+    assert pickle.loads(pickle.dumps(dims.CP)) is dims.CP and copy.deepcopy(dims.UL) is dims.UL
+    s = Strategy.parse("2xTP2PP2CP2+TP1PP1UL2")
+    t = pickle.loads(pickle.dumps(s))
+    assert t == s and hash(t) == hash(s) and [t.coord(r) for r in range(18)] == [s.coord(r) for r in range(18)]
+    assert copy.deepcopy(Scheme(2, 1, ul=2)).ul == 2

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from hgraph import Cluster, Strategy
-from hgraph.passes.instantiate import groups_keep_to_shard_groups
+from hgraph.passes.instantiate import ParamRole, groups_keep_to_shard_groups
 from hgraph.runtime.comm.process_groups import shard_groups_of
 from hgraph.runtime.engine.executor import program_rounds
 from tests.passes.test_rank_programs import (EQUIVALENCE, EQUIVALENCE_GROUPED, WIDE, compiled_models,  # noqa: F401
@@ -103,10 +103,10 @@ def test_groups_keep_to_shard_groups_equals_listing_the_world(seed):
     rng = random.Random(seed)
     world = rng.choice([8, 16, 32, 64])
     strategy = random_strategy(rng, world)
-    roles = sorted({(p, s, t) for p in strategy.pipelines for s in range(p.pp) for t in range(p.tp)}, key=str)
+    roles = sorted({ParamRole(p, s, t) for p in strategy.pipelines for s in range(p.pp) for t in range(p.tp)}, key=str)
     kinds = rng.choice([1, 2, 3])
     group_of = {pr: rng.randrange(kinds) if rng.random() < 0.5 else pr[2] % kinds for pr in roles}
-    of = [group_of[(strategy.pipelines[c.pipeline], c.stage, c.tp_rank)] for c in strategy.coords()]
+    of = [group_of[ParamRole.of(strategy.pipelines[c.pipeline], c)] for c in strategy.coords()]
     for g in (d for d in (1, 2, 4, 8, 16, 32, world) if world % d == 0):
         listed = all(len(set(of[lo:lo + g])) == 1 for lo in range(0, world, g))
         assert groups_keep_to_shard_groups(strategy, group_of, g) == listed, (str(strategy), g, group_of)

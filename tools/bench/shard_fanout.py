@@ -99,7 +99,7 @@ class RankLayouts:
         scheme = self.strategy.pipelines[c.pipeline]
         if scheme not in self._roles:
             self._roles[scheme] = self.compiled.param_shards(scheme)
-        return SimpleNamespace(rank=r, scheme=scheme, tp_rank=c.tp_rank,
+        return SimpleNamespace(rank=r, scheme=scheme, tp_rank=c.tp_rank, replica=c.replica,
                                params=self._roles[scheme][(c.stage, c.tp_rank)])
 
     def needs(self, ranks: list[SimpleNamespace], name: str) -> dict[int, list]:
@@ -111,7 +111,8 @@ class RankLayouts:
         contrib: dict[int, list] = {}
         for rp in ranks:
             shard = rp.params.get(name)
-            ranges = push_contribution(shard, rp.scheme, rp.tp_rank, info, name in self.sp_partial) if shard else ()
+            ranges = push_contribution(shard, rp.scheme, rp.tp_rank, info, name in self.sp_partial,
+                                       rp.replica) if shard else ()
             if ranges:
                 contrib[rp.rank] = list(ranges)
         same: dict[tuple, list[int]] = {}
@@ -226,7 +227,7 @@ def _estimate(compiled, layouts, strategy, cluster, rank, wbytes):
     ranks_of: dict[tuple, list[int]] = {}
     for r in range(world):
         c = strategy.coord(r)
-        ranks_of.setdefault((strategy.pipelines[c.pipeline], c.stage, c.tp_rank), []).append(r)
+        ranks_of.setdefault((strategy.pipelines[c.pipeline], c.stage, c.tp_rank, c.replica), []).append(r)
     role_ranks = {key: layouts.rank(rs[0]) for key, rs in ranks_of.items()}
     rs_groups, seen = set(), {}
     for name in compiled.hgraph.params:

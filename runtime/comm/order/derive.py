@@ -371,10 +371,8 @@ def _p2p_rounds(rank: int, rounds: Iterable[Sequence[tuple[int, bool]]], label: 
 
 
 def _stage_ranks(program: Program, rp: RankProgram) -> tuple[int, ...]:
-    """The TP x CP ranks of ``rp``'s stage (the recomputation agreement's group)."""
-    s, p = program.strategy, rp.pipeline
-    scheme = s.pipelines[p]
-    return tuple(sorted(s.rank_of(p, rp.stage, t, c) for t in range(scheme.tp) for c in range(scheme.seq)))
+    """The ranks of ``rp``'s stage (TP x CP ...: the recomputation agreement's group)."""
+    return tuple(program.strategy.stage_ranks(rp.pipeline, rp.stage))
 
 
 def _group_of(rank: int, event: _Event, rp: RankProgram, program: Program) -> Optional[tuple[int, ...]]:
