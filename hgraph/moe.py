@@ -4,7 +4,9 @@
 put in place of a recognised MoE block (``hgraph.frontends.moe_blocks``) and what the zoo's MoE decoder
 computes: the routed experts' output ``y``, the shape of ``x`` (shared experts are the block's own dense
 code, kept beside this op). It computes each token from that token alone, so it runs on any slice of the
-tokens (a CP or Ulysses rank's, a TP rank's under sequence parallelism). ``moe_layer_with_logits`` also
+tokens (a CP or Ulysses rank's), and it runs unchanged on a TP rank's slices of the experts (each expert's
+gate / up rows and down columns over the same intermediate range): its output is then that rank's partial
+sum, which the TP exit after it reduces (``passes/tp_roles``: the op's role EXPERTS). ``moe_layer_with_logits`` also
 returns the router's logits ``[tokens, experts]``, which the auxiliary losses read
 (``load_balancing_loss``, ``router_z_loss``).
 

@@ -1,6 +1,7 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
-on one rank, and under a schedule mixing TP (the MoE op replicated inside the TP group, the shared experts
-sharded, and under Megatron sequence parallelism each TP rank routing its slice of the tokens), PP, CP,
+on one rank, and under a schedule mixing TP (the routed and shared experts sharded inside, the router whole,
+and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
+sums reduce-scattered), PP, CP,
 Ulysses and several data-parallel pipelines on 4 gloo ranks.
 
 Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
@@ -104,8 +105,8 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
 def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch(data, tmp_path, capsys):
     schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
     losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5)
-    # the TP2 pipelines ran Megatron SP: each TP rank routed its own slice of the tokens through the
-    # whole experts, whose gradients are then partial sums over the TP ranks
+    # the TP2 pipelines ran Megatron SP: every TP rank routed all the micro-batch's tokens through its
+    # slices of the experts, the router's gradient a partial sum over the TP ranks
     assert out["sequence_parallel"] == "on"
     reference, near = _reference(data, 5)
     # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
