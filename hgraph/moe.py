@@ -203,7 +203,7 @@ def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normaliz
 
 # ---- auxiliary losses -------------------------------------------------------------------------------
 # Which form, and why (training adds them through ``runtime/engine/router_losses``: ``[model]
-# moe-aux-loss``). The per-document form is the default: it is exact under any
+# moe-aux-loss``; off unless asked). The per-document form is the one to choose: it is exact under any
 # strategy and any schedule, because a document's counts are complete once its own micro-batch's router
 # has run (summed over the CP / Ulysses / sequence-parallel ranks that hold its pieces: one forward-only
 # all-reduce of a [documents, E] count matrix among the ranks sharing the micro-batch), so every

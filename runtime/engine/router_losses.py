@@ -15,11 +15,15 @@ micro-batch split adds up to the one-device value:
   and the TP ranks when the op runs on a TP rank's token slice) sum by one forward-only all-reduce of a
   ``[documents, E]`` matrix per layer and micro-batch, through the rank's collective issuer. No strategy
   changes it;
-* ``"hf"``: Hugging Face's product of means over the tokens as this rank holds them (the micro-batch's,
-  or a CP / Ulysses rank's piece), token-weighted: it changes with the micro-batch split and the strategy;
+* ``"hf"``: Hugging Face's ``load_balancing_loss_func`` (a product of means, its fractions summing to
+  ``k``) over the tokens as this rank holds them (the micro-batch's, or a CP / Ulysses rank's piece),
+  times their count: it changes with the micro-batch split and the strategy;
 * ``"global-batch"`` needs every micro-batch's counts before the first backward (``hgraph.moe``'s note on
   the forms): refused when the run's config is made;
 * z-loss: ``sum_t logsumexp(logits_t)^2``.
+
+A recomputed block (``engine/recompute``) replays the op in backward, its count all-reduce included (as
+the block's other collectives), so it saves what the forward saved; the replay's values are not counted.
 
 TP ranks that run the op on the same tokens (its experts sharded) compute the same terms: each adds
 ``1 / TP`` of the gradient (the router's gradient is summed over the TP ranks as a partial sum, the
@@ -27,8 +31,9 @@ input's by the TP entry's backward) and of the value.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,6 +81,17 @@ class RouterLosses:
     def __init__(self, config: RouterLossConfig):
         self.config = config
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._replays = 0
+
+    @contextlib.contextmanager
+    def replaying(self) -> Iterator[None]:
+        """A recomputed block's replay in backward (``engine/recompute``): its losses (and their count
+        all-reduce, which the block's TP x CP ranks replay alike) were counted by its forward."""
+        self._replays += 1
+        try:
+            yield
+        finally:
+            self._replays -= 1
 
     def begin_step(self) -> None:
         self._parts = []
@@ -116,11 +132,14 @@ class RouterLosses:
             if cfg.aux_loss == "per-document":
                 counts = _sum_over_token_holders(comm, counts, sliced)
             aux = load_balancing_sum(logits, top_k, segment, counts)
+            if cfg.aux_loss == "hf":
+                aux = aux * top_k        # HF's f is each top-k slot's token fraction: its f sums to k, not 1
             total = total + cfg.aux_coef * aux
         if cfg.z_coef != 0.0:
             z = torch.logsumexp(logits.float(), dim=-1).square().sum()
             total = total + cfg.z_coef * z
-        self._parts.append(((aux.detach() * scale).double(), (z.detach() * scale).double()))
+        if not self._replays:
+            self._parts.append(((aux.detach() * scale).double(), (z.detach() * scale).double()))
         return _AddLossGradient.apply(y, total * scale)
 
 
