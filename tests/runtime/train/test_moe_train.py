@@ -1,8 +1,10 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
 on one rank, and under a schedule mixing TP (the routed and shared experts sharded inside, the router whole,
 and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
-sums reduce-scattered), PP, CP,
-Ulysses and several data-parallel pipelines on 4 gloo ranks.
+sums reduce-scattered), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks, there with
+the router losses added
+(``--moe-aux-loss per-document`` and a z-loss: the reference adds each document's losses by hand, and the
+logged values equal its own).
 
 Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
 gradient, as in Megatron's and DDP's gradient buffers, so Adam still steps it with its moments; PyTorch's
