@@ -41,6 +41,8 @@ class TPRole(str, enum.Enum):
     ROW = "row"                      # weight [out, in] split on in (dim 1); bias added after the all-reduce
     VOCAB = "vocab"                  # embedding table [vocab, hidden] split on vocab (dim 0)
     REPLICATED = "replicated"        # every TP rank holds the whole tensor (norm weights, ...)
+    EXPERTS = "experts"              # hgraph's MoE op: a column/row pair inside each expert (gate/up by
+    #                                  output row, down by input column), whole tokens in, partial sums out
 
 
 class OpKind(str, enum.Enum):

@@ -4,7 +4,9 @@
 put in place of a recognised MoE block (``hgraph.frontends.moe_blocks``) and what the zoo's MoE decoder
 computes: the routed experts' output ``y``, the shape of ``x`` (shared experts are the block's own dense
 code, kept beside this op). It computes each token from that token alone, so it runs on any slice of the
-tokens (a CP or Ulysses rank's, a TP rank's under sequence parallelism). ``moe_layer_with_logits`` also
+tokens (a CP or Ulysses rank's), and it runs unchanged on a TP rank's slices of the experts (each expert's
+gate / up rows and down columns over the same intermediate range): its output is then that rank's partial
+sum, which the TP exit after it reduces (``passes/tp_roles``: the op's role EXPERTS). ``moe_layer_with_logits`` also
 returns the router's logits ``[tokens, experts]``, which the auxiliary losses read
 (``load_balancing_loss``, ``router_z_loss``).
 
@@ -38,7 +40,7 @@ import torch.nn.functional as F
 from torch.fx import wrap
 
 from hgraph.errors import HGraphError
-from hgraph.ops import reads_host_values
+from hgraph.ops import CommRuntime, reads_host_values
 
 #: the expert GEMM implementations ``moe_layer`` takes: "auto" picks by ``grouped_gemm_supported``
 IMPLEMENTATIONS = ("auto", "grouped_mm", "loop")
@@ -154,14 +156,17 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
 @wrap
 @reads_host_values          # the loop reads the experts' counts on the host: compiled regions leave it eager
 def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: torch.Tensor, top_k: int,
-              normalize_top_k: bool = False, implementation: str = "auto") -> torch.Tensor:
+              normalize_top_k: bool = False, implementation: str = "auto",
+              comm: Optional[CommRuntime] = None) -> torch.Tensor:
     """The routed experts of an MoE block over ``x [..., H]``: ``y [..., H]`` (module docstring).
     ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the loop), "grouped_mm" or
-    "loop"."""
+    "loop". ``comm`` (a rank graph's, given by the instantiation passes): the run's router losses see
+    the router's logits (``CommRuntime.moe_router_losses``: they add their gradient to ``y``'s)."""
     if torch.compiler.is_exporting():    # torch.export: one opaque node (``exported_moe_layer``)
         return torch.ops.hgraph.moe_layer(x, router_weight, list(expert_weights), top_k, normalize_top_k)
-    return moe_layer_with_logits(x, router_weight, *expert_weights, top_k=top_k, normalize_top_k=normalize_top_k,
-                                 implementation=implementation)[0]
+    y, logits = moe_layer_with_logits(x, router_weight, *expert_weights, top_k=top_k,
+                                      normalize_top_k=normalize_top_k, implementation=implementation)
+    return y if comm is None or x.device.type == "meta" else comm.moe_router_losses(y, logits, top_k)
 
 
 def moe_layer_with_logits(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: torch.Tensor, top_k: int,
@@ -197,8 +202,8 @@ def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normaliz
 
 
 # ---- auxiliary losses -------------------------------------------------------------------------------
-# Which form, and why (not yet added to the training loss: these are the definitions the runtime will
-# use, tested against hand computations). The per-document form is the default: it is exact under any
+# Which form, and why (training adds them through ``runtime/engine/router_losses``: ``[model]
+# moe-aux-loss``; off unless asked). The per-document form is the one to choose: it is exact under any
 # strategy and any schedule, because a document's counts are complete once its own micro-batch's router
 # has run (summed over the CP / Ulysses / sequence-parallel ranks that hold its pieces: one forward-only
 # all-reduce of a [documents, E] count matrix among the ranks sharing the micro-batch), so every
@@ -255,6 +260,21 @@ def load_balancing_loss(logits: torch.Tensor, top_k: int, form: str = "document"
     tokens = counts.sum(-1, keepdim=True).float() / top_k                              # each segment's whole size
     f = counts.float() / (tokens * top_k)
     return num_experts * (f * prob_sums / tokens).sum()
+
+
+def load_balancing_sum(logits: torch.Tensor, top_k: int, segment: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The load-balancing loss as a sum of per-token terms, what training adds to the loss sum:
+    ``E * sum_s sum_e f_se * sum_{t in s} p_te`` over the segments (documents) of the tokens here
+    (``segment [N]``: each token's segment), with ``f_se = counts[s, e] / (k * n_s)`` from ``counts [S, E]``:
+    each segment's assignments counted over all its tokens, wherever they are (``n_s = counts[s].sum() / k``).
+    A segment's term is its ``load_balancing_loss`` times its token count: per document, every piece of a
+    document (a CP or Ulysses rank's) adds its own tokens' share, so the sum over ranks is the one-device
+    value; one segment of a part's own tokens is Hugging Face's form for that part."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    num_experts = logits.shape[-1]
+    prob_sums = probs.new_zeros(counts.shape[0], num_experts).index_add_(0, segment, probs)
+    f = counts.float() / counts.sum(-1, keepdim=True).clamp(min=1).float()
+    return num_experts * (f * prob_sums).sum()
 
 
 def router_z_loss(logits: torch.Tensor, documents: Optional[Sequence[int]] = None,

@@ -60,6 +60,7 @@ class CommRuntime(Protocol):
     def attention_dropout(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, site: int,
                           scale: Optional[float], enable_gqa: bool, heads: int,
                           softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
+    def moe_router_losses(self, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor: ...
 
 
 #: attribute set on an op that reads tensor values on the host to steer Python control flow (packed

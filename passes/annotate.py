@@ -15,8 +15,8 @@ from hgraph.errors import TraceError
 from hgraph.meta import NodeMeta, OpKind, TPRole, set_meta, update_meta
 from hgraph.passes.blocks import assign_blocks, find_blocks
 from hgraph.passes.context import PassContext
-from hgraph.passes.op_kinds import op_kind, op_params, parameter_names
-from hgraph.passes.tp_roles import assign_tp_roles, param_role, param_shard_dim
+from hgraph.passes.op_kinds import op_kind, op_params, param_of, parameter_names
+from hgraph.passes.tp_roles import assign_tp_roles, expert_param_roles, param_role, param_shard_dim
 
 
 def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.GraphModule:
@@ -44,6 +44,13 @@ def annotate_pass(gm: fx.GraphModule, ctx: Optional[PassContext] = None) -> fx.G
         set_meta(n, NodeMeta(block=b, layer=layer_of.get(b), op=op_kind(n), tp_rewrite=rewrites.get(n),
                              tp_partial=partial.get(n, False)))
     for n, role in roles.items():
+        if role == TPRole.EXPERTS:       # the MoE op: each parameter its own role and dim (tp_roles)
+            experts = expert_param_roles(n, params, gm)
+            update_meta(n, tp_role=role, param=experts[0][0], shard_dim=0, tp_parts=fused.get(n))
+            attrs = {param_of(a, params): a for a in n.args[1:]}
+            for name, prole, dim in experts:
+                update_meta(attrs[name], param=name, tp_role=prole, shard_dim=dim)
+            continue
         uses = op_params(n, params)
         if op_kind(n) == OpKind.OTHER and role == TPRole.COLUMN:     # weight * flat value: split like a bias
             uses = [("bias", name, attr) for _, name, attr in uses]

@@ -10,7 +10,8 @@ exactly what the traced one does:
 * ``tp_enter`` on the input of each column-parallel group (one slot per distinct input: q/k/v share
   one, gate/up share one, the lm head has its own); ``tp_exit`` after each row-parallel linear and
   each vocab-parallel embedding, and ``tp_exit`` + ``tp_enter`` after a full-width sum / mean of a
-  sharded value (its partial results all-reduced, and their gradients); ``tp_gather`` after a
+  sharded value (its partial results all-reduced, and their gradients); ``tp_enter`` before and
+  ``tp_exit`` after an MoE op whose experts TP shards (role EXPERTS); ``tp_gather`` after a
   column-parallel linear in ``post`` (the lm head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
   produced in a block (or ``pre``) and consumed in another block (the hidden state between blocks).
 
@@ -92,7 +93,12 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
         partial_sum = m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM
         if not partial_sum and (m.tp_role is None or is_slot(n) or n.op == "get_attr"):
             continue
-        if m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
+        if m.tp_role == TPRole.EXPERTS:
+            # the MoE op: its input enters like a column group's (shared with the shared experts' gate / up
+            # when they read the same value), its partial sums exit like a row-parallel linear's
+            column_inputs.setdefault((n.args[0], m.block), []).append(n)
+            _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
+        elif m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
             column_inputs.setdefault((n.args[0], m.block), []).append(n)
             if m.block == "post":
                 _slot_after(graph, n, _comm(CommPoint.TP_GATHER, n), list(n.users), f"tp_gather_{n.name}")

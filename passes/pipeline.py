@@ -20,6 +20,7 @@ from hgraph.errors import HGraphError
 from hgraph.passes.annotate import annotate_pass
 from hgraph.passes.context import PassContext
 from hgraph.passes.dropout import dropout_pass
+from hgraph.passes.moe_router import moe_router_pass
 from hgraph.passes.extract_stage import extract_stage_pass
 from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
 from hgraph.passes.fill_param_slots import fill_param_slots_pass
@@ -62,6 +63,7 @@ def instantiation_passes() -> list[Pass]:
         Pass("output_head", output_head_pass),
         Pass("packed_attention", packed_attention_pass),
         Pass("dropout", dropout_pass),
+        Pass("moe_router", moe_router_pass),
         Pass("fill_param_slots", fill_param_slots_pass),
         Pass("schedule_comm", schedule_comm_pass),
     ]

@@ -10,11 +10,12 @@ tokens on the rank, the CP rank's under CP; uneven when TP does not divide it).
 ``plan_sequence_parallel`` finds those values by a forward data flow over the strategy-agnostic HGraph
 (the answer does not depend on the TP degree) and proves every op in between token-wise:
 
-* sources: the ``tp_exit`` slots after a row-parallel linear / vocab-parallel embedding (a full-width
+* sources: the ``tp_exit`` slots after a row-parallel linear / vocab-parallel embedding / MoE op with
+  TP-sharded experts (its partial sums reduce-scattered like a row-parallel linear's; a full-width
   partial sum's exit, OLMo-2's q/k norm, stays an all-reduce: it is inside a TP region, on whole tokens);
 * an op with a sliced input is sliced when it is elementwise (broadcasting keeps the token dim in
-  place), keyed dropout, a linear TP left whole (on the features of each token), hgraph's MoE op
-  (``moe.moe_layer``: each token routed to its experts alone), or a norm / reduction over dims after
+  place), keyed dropout, a linear TP left whole (on the features of each token), hgraph's MoE op whose
+  experts TP left whole (``moe.moe_layer``: each token routed to its experts alone), or a norm / reduction over dims after
   the token dim; a full-token input of such an op (a position table read by position,
   ``wte(ids) + pos[position_ids]``: whole on every TP rank) is *narrowed* to the rank's slice; inputs
   without a token dim (weights, scalars) broadcast as they are;
@@ -89,14 +90,15 @@ def _refuse(node: fx.Node, why: str) -> SequenceParallelRefused:
 
 
 def _sp_source(x: Any) -> bool:
-    """A row-parallel linear or vocab-parallel embedding (not a full-width partial sum)."""
+    """A row-parallel linear, vocab-parallel embedding or MoE op with sharded experts (not a full-width
+    partial sum)."""
     if not isinstance(x, fx.Node):
         return False
     m = get_meta(x)
     if m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
         return False
     return (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
-        (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB)
+        (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB) or m.tp_role == TPRole.EXPERTS
 
 
 def _dims_arg(n: fx.Node) -> Any:

@@ -13,6 +13,9 @@ Megatron conventions, decided from the graph (``NodeMeta.tp_role`` set by ``anno
   of TP; the embedding looks up only its rows (zeros elsewhere, summed by the all-reduce) and the
   gathered logits are cut back to the real vocabulary.
 * REPLICATED parameters are whole on every TP rank.
+* EXPERTS (hgraph's MoE op): each expert's gate / up split on their intermediate rows (a fused
+  gate_up part by part), down on the same columns, evenly or not as for a dense MLP; the router whole.
+  The op runs unchanged on the rank's slices: its output is the rank's partial sum.
 * A sum / mean over the whole feature dim of a column-parallel output (a full-width norm, e.g. a QK
   norm over all heads) reduces the rank's slice; the all-reduce after it (its slots) sums the
   partial results, a mean weighted by the slice's share of the width. A 1-D parameter of that width
@@ -117,7 +120,9 @@ class TPShardPlanner:
             info = hg.params[name]
             shape = tuple(info.shape)
             role = info.tp_role
-            if role == TPRole.ROW:
+            if any(get_meta(op).tp_role == TPRole.EXPERTS for op in uses):
+                unit = 1                  # an expert's intermediate rows: no heads
+            elif role == TPRole.ROW:
                 unit = max(_head_unit(shapes, op.args[0], False) for op in uses)
             elif role == TPRole.COLUMN:
                 unit = max(_head_unit(shapes, op, True) for op in uses)   # a bias splits like its weight
@@ -228,7 +233,7 @@ def shard_tp_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for op in uses:
             if role == TPRole.VOCAB and get_meta(op).op == OpKind.EMBEDDING:   # a tied head is a plain column linear
                 _rewrite_vocab_embedding(op, name, shard.ranges[0], ctx.hgraph.params[name].shape[0])
-            elif role == TPRole.ROW:
+            elif role == TPRole.ROW and get_meta(op).op == OpKind.LINEAR:
                 _move_row_bias(gm, op)
     _record_gathers(gm, ctx)
     return gm

@@ -8,6 +8,11 @@ sharded value reaching anything else (a reduction, a mix with a whole activation
 output) makes the linears of that column/row group REPLICATED, never silently wrong. Embeddings are
 VOCAB; a "post" linear producing the output logits is COLUMN; other parameter users (norm weights)
 and parameters with conflicting uses are REPLICATED.
+
+hgraph's MoE op (``moe.moe_layer``) on a whole input inside a block is EXPERTS: every expert is a
+SwiGLU MLP, so its gate / up matrices split by their intermediate rows (COLUMN) and its down matrix by
+the same columns (ROW), as a dense MLP's; the router stays whole (REPLICATED) and routes every token on
+every TP rank alike, and the op's output is a partial sum over the TP ranks (reduced after it).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any, Iterable, Optional
 
 import torch.fx as fx
 
+from hgraph import moe
 from hgraph.linear_ops import IN_OUT_LINEARS
 from hgraph.meta import OpKind, TPRole
 from hgraph.passes.blocks import POST
@@ -186,6 +192,12 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
             data.add(n)
         b = block_of.get(n)
         ins = [a for a in n.all_input_nodes if a in state]
+        if is_moe_layer(n) and b in block_set and not ins and expert_param_roles(n, params, gm) is not None:
+            roles[n] = TPRole.EXPERTS     # whole tokens in, a partial sum out: no sharded value leaves it
+            parts = _fused_expert_parts(n, params, gm)
+            if parts:
+                fused_parts[n] = parts
+            continue
         if op_kind(n) == OpKind.LINEAR and b in block_set and _linear_weight(n, params) is not None:
             groups.find(n)
             x = n.args[0]
@@ -268,7 +280,12 @@ def assign_tp_roles(gm: fx.GraphModule, block_of: dict[fx.Node, Optional[str]],
                                         f"linear (used by {u.name})")
 
     _post_and_embedding_roles(gm, nodes, block_of, params, roles)
-    _replicate_bad_groups(nodes, params, roles, groups, bad)
+    _replicate_bad_groups(nodes, params, roles, groups, bad, gm)
+    for n, role in roles.items():
+        if role == TPRole.EXPERTS:
+            partial[n] = True       # the whole router's gradient: each rank's from its experts' slices
+        elif is_moe_layer(n):
+            fused_parts.pop(n, None)
     for n, src in partial_ops.items():
         if any(roles.get(c) == TPRole.COLUMN for c in src):
             partial[n] = True
@@ -416,7 +433,52 @@ def param_role(role: TPRole, arg_role: str) -> TPRole:
     return role
 
 
-def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: dict) -> None:
+def is_moe_layer(n: fx.Node) -> bool:
+    """A call of hgraph's MoE op (``moe.moe_layer``)."""
+    return n.op == "call_function" and n.target is moe.moe_layer
+
+
+def expert_param_roles(n: fx.Node, params: set[str], gm: fx.GraphModule) -> Optional[list[tuple[str, TPRole, int]]]:
+    """(parameter, role, shard dim) of each parameter an MoE op reads when it shards its experts: the
+    router whole; per expert gate / up COLUMN on their intermediate rows, down ROW on its intermediate
+    columns, in any of ``moe_layer``'s layouts (3 x E matrices ``[I, H]`` / ``[H, I]``; stacked
+    ``[E, I, H]`` / ``[E, H, I]``; fused ``gate_up [E, 2I, H]``). None when the router or an expert
+    weight is not a parameter read directly (a computed weight cannot be split)."""
+    names = [param_of(a, params) for a in n.args[1:]]
+    if not names or any(name is None for name in names):
+        return None
+    router, *experts = names
+    ranks = [gm.get_parameter(name).dim() for name in experts]
+    if len(experts) in (2, 3) and ranks == [3] * len(experts):
+        *columns, down = experts
+        return [(router, TPRole.REPLICATED, 0)] + [(c, TPRole.COLUMN, 1) for c in columns] + \
+            [(down, TPRole.ROW, 2)]
+    if experts and len(experts) % 3 == 0 and ranks == [2] * len(experts):
+        e = len(experts) // 3
+        return [(router, TPRole.REPLICATED, 0)] + [(c, TPRole.COLUMN, 0) for c in experts[:2 * e]] + \
+            [(d, TPRole.ROW, 1) for d in experts[2 * e:]]
+    return None
+
+
+def _fused_expert_parts(n: fx.Node, params: set[str], gm: fx.GraphModule) -> tuple:
+    """The row ranges of a fused ``gate_up [E, 2I, H]`` (gate rows, then up rows): each split by TP."""
+    weights = [param_of(a, params) for a in n.args[2:]]
+    if len(weights) != 2:
+        return ()
+    rows = int(gm.get_parameter(weights[0]).shape[1])
+    return ((0, rows // 2), (rows // 2, rows))
+
+
+def _param_layouts(n: fx.Node, role: TPRole, params: set[str], gm: Optional[fx.GraphModule]) -> list[tuple]:
+    """(parameter, what its use by ``n`` under ``role`` needs: whole or split on a dim) of each parameter."""
+    if role == TPRole.EXPERTS and gm is not None:
+        return [(name, _layout(r, dim)) for name, r, dim in expert_param_roles(n, params, gm)]
+    return [(name, _layout(param_role(role, arg_role), param_shard_dim(role, arg_role, n)))
+            for arg_role, name, _ in op_params(n, params)]
+
+
+def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: dict,
+                          gm: Optional[fx.GraphModule] = None) -> None:
     """Replicate every group with a bad member; then every group touching a parameter whose uses
     disagree on the split (until nothing changes)."""
     while True:
@@ -429,9 +491,8 @@ def _replicate_bad_groups(nodes, params, roles, groups: _Groups, bad: dict) -> N
         for n in nodes:
             if n not in roles:
                 continue
-            for arg_role, name, _ in op_params(n, params):
-                pr = param_role(roles[n], arg_role)
-                layouts.setdefault(name, set()).add(_layout(pr, param_shard_dim(roles[n], arg_role, n)))
+            for name, layout in _param_layouts(n, roles[n], params, gm):
+                layouts.setdefault(name, set()).add(layout)
                 users.setdefault(name, []).append(n)
         conflicted = [name for name, ls in layouts.items() if len(ls) > 1]
         newly = {n for name in conflicted for n in users[name] if roles[n] != TPRole.REPLICATED}

@@ -60,6 +60,7 @@ class CommContext:
     param_sync: Optional[ParamExchangeOps] = None  # the Pull / Push engine of the program being run
     head_inputs: bool = False                     # the output head returns its inputs (chunked loss)
     vocab_parallel_loss: bool = True              # a split vocabulary's loss: Megatron's, or chunks gathered
+    router_losses: Any = None                     # the run's MoE router losses (``engine/router_losses``), or None
     # the rank's one choke point for what it issues (its order and record), shared by every view
     issuer: CollectiveIssuer = field(default_factory=CollectiveIssuer, repr=False)
     # the micro-batch's own values: set on the view ``for_microbatch`` gives
@@ -71,6 +72,7 @@ class CommContext:
     activation_meter: Any = None                  # its view of the saved-tensor accounting (``engine/recompute``)
     evaluating: bool = False                      # a forward-only evaluation: dropout is the identity
     defer_sends: bool = False                     # its activation sends go with the next backward's receive
+    num_targets: int = 0                          # the mini-batch's targets (the losses' normalisation)
     in_flight: InFlight = field(default_factory=InFlight, repr=False)
 
     @classmethod
@@ -90,13 +92,14 @@ class CommContext:
     def for_microbatch(self, *, cp_layout: Optional[CPLayout] = None, token_keys: Optional[TokenKeys] = None,
                        recompute_layers: Optional[frozenset] = None, evaluating: bool = False,
                        documents: Optional[DocumentBounds] = None, offload: Any = None,
-                       activation_meter: Any = None, defer_sends: bool = False) -> "CommContext":
+                       activation_meter: Any = None, defer_sends: bool = False,
+                       num_targets: int = 0) -> "CommContext":
         """The context one micro-batch's graph runs with: this context's fixed state and work in
         flight, with the micro-batch's own values (``defer_sends``: a backward follows its forward,
         whose gradient receive carries its activation sends, ``collectives.flush_deferred``)."""
         return replace(self, cp_layout=cp_layout, token_keys=token_keys, recompute_layers=recompute_layers,
                        evaluating=evaluating, documents=documents, offload=offload,
-                       activation_meter=activation_meter, defer_sends=defer_sends)
+                       activation_meter=activation_meter, defer_sends=defer_sends, num_targets=num_targets)
 
     # ---- work in flight ---------------------------------------------------------------------------
     def register(self, t: torch.Tensor, pending: PendingWork) -> None:
@@ -150,6 +153,10 @@ class CommContext:
     def tp_gather_issue(self, x: torch.Tensor, key: BindingKey, dim: int,
                         sizes: Optional[Sequence[int]]) -> torch.Tensor:
         return collectives.tp_gather_issue(self, x, self.ranks(key), dim, list(sizes) if sizes else None)
+
+    def moe_router_losses(self, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
+        """``y`` of an MoE op, with the run's router losses of its ``logits`` attached (none: ``y``)."""
+        return y if self.router_losses is None else self.router_losses.add(self, y, logits, top_k)
 
     def token_slice(self, key: BindingKey, total: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""

@@ -90,6 +90,8 @@ from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOA
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.engine.pipeline_run import run_one_f_one_b
+from hgraph.runtime.engine.router_losses import RouterLossConfig
+from hgraph.runtime.engine.router_losses import router_losses as make_router_losses
 from hgraph.runtime.engine.rank_state import RankState, ShardedOptimizer, working_graph
 from hgraph.runtime.engine.sequence_inputs import ADAPTIVE, CP_SHARDINGS, MicroBatchFeed
 from hgraph.runtime.engine.step_failure import RankLostError, RankWatch, step_failure  # noqa: F401 (re-exported)
@@ -120,8 +122,10 @@ class Executor:
                  host_link_bytes_per_s: float = DEFAULT_HOST_LINK_BYTES_PER_S,
                  issuer: Optional[CollectiveIssuer] = None, verify_collectives: bool = False,
                  push_bucket_bytes: int = DEFAULT_BUCKET_BYTES, pull_bucket_bytes: Optional[int] = None,
-                 overlap_push: bool = True) -> None:
+                 overlap_push: bool = True, router_losses: Optional[RouterLossConfig] = None) -> None:
         self.compiled = compiled
+        # the MoE router losses every Program's context adds (None: the run adds none)
+        self.router_losses = make_router_losses(router_losses)
         # the bucket sizes and the backward's reductions of every Program's ParamSync (comm/param_sync)
         self.push_bucket_bytes, self.pull_bucket_bytes = push_bucket_bytes, pull_bucket_bytes
         self.overlap_push = overlap_push
@@ -258,7 +262,8 @@ class Executor:
         comm = CommContext(self.rank, self.world_size, self.groups, device=self.device, comm_stream=stream,
                            bindings=dict(rp.bindings), param_sync=sync,
                            head_inputs=True,    # a last stage's loss is made from its head's inputs (engine/loss)
-                           vocab_parallel_loss=self.vocab_parallel_loss, issuer=self.issuer)
+                           vocab_parallel_loss=self.vocab_parallel_loss, issuer=self.issuer,
+                           router_losses=self.router_losses)
         return RankState(program, rp, graph, working, comm, sync, memory)
 
     def _ready_state(self, state: RankState) -> None:
@@ -349,6 +354,8 @@ class Executor:
         rp, sync = state.rank_program, state.sync
         for w in state.working.values():
             w.grad = None
+        if self.router_losses is not None:
+            self.router_losses.begin_step()
         overlap = self._overlaps_update(state)
         if prefetch is None:
             prefetch = self._last_program is program
@@ -385,6 +392,7 @@ class Executor:
         elif grad_shards is not None:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
+        moe_losses = self._global_router_losses(num_targets)
         t_end = time.perf_counter()
         memory = {}
         if state.memory is not None:
@@ -405,7 +413,19 @@ class Executor:
                           process_peak_bytes=self.peak_memory.read(),
                           compiles=self.region_compiles.total if self.compile else None,
                           cache_hit=lookup.cache_hit, switch_s=lookup.switch_s, built_ahead=lookup.built_ahead,
-                          build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **memory)
+                          build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **moe_losses, **memory)
+
+    def _global_router_losses(self, num_targets: int) -> dict:
+        """The step's MoE router losses summed over the world (``moe_aux_loss``, ``moe_z_loss``: each over
+        the MoE layers, per target, before its coefficient); nothing when the run adds none."""
+        if self.router_losses is None:
+            return {}
+        value = torch.tensor(self.router_losses.values(), dtype=torch.float64)
+        if self.world_size > 1:
+            self.issuer.run("all_reduce", None, value, lambda: dist.all_reduce(value, async_op=True), "moe losses")
+        cfg = self.router_losses.config
+        return dict(moe_aux_loss=float(value[0]) if cfg.aux_loss != "none" and cfg.aux_coef else None,
+                    moe_z_loss=float(value[1]) if cfg.z_coef else None)
 
     def _feed(self, state: RankState) -> MicroBatchFeed:
         """What makes this rank's inputs of a micro-batch of this step (``sequence_inputs``)."""

@@ -40,7 +40,7 @@ def run_one_f_one_b(state: RankState, mbs: list[MicroBatch], num_targets: int, f
             mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, recompute_layers=choice.recompute,
                                           documents=feed.documents(mb, layout),
                                           offload=choice.offload, activation_meter=choice.meter,
-                                          defer_sends=then_backward)
+                                          defer_sends=then_backward, num_targets=num_targets)
             with (memory.meter.hooks() if memory is not None else contextlib.nullcontext(),
                   issuer.scope(f"mb {i} F")):
                 out = gm(feed.to_device(ids), feed.to_device(pos), mb_comm)

@@ -65,6 +65,17 @@ class ModelConfig:
     compile_backend: str = option("inductor", kind="str", metavar="NAME",
         help=("the torch.compile backend of --compile (inductor; aot_eager traces and differentiates "
               "without generating code)"))
+    moe_aux_loss: str = option("none", kind="str", choices=("none", "per-document", "hf", "global-batch"),
+        help=("the MoE load-balancing loss added to the training loss (times --moe-aux-loss-coef): "
+              "per-document (each document's routing counts over all its tokens, whatever the strategy), "
+              "hf (Hugging Face's product of means over the tokens as a rank holds them: it changes with "
+              "the micro-batch split and the strategy), global-batch (refused: it needs a counting pass "
+              "before the first backward), none (as Megatron's default coefficient 0 and HF's "
+              "output_router_logits=False)"))
+    moe_aux_loss_coef: float = option(0.01, kind="float", minimum=0.0,
+        help="the coefficient of --moe-aux-loss (Megatron's recommended 1e-2)")
+    moe_z_loss_coef: float = option(0.0, kind="float", minimum=0.0,
+        help="the coefficient of the MoE router z-loss (ST-MoE's 1e-3; 0: none)")
     init_from: Optional[str] = option(None, kind="path", optional=True, metavar="PATH",
         help=("start from these weights instead of the seeded init (and of an hf:DIR model's own): a "
               "safetensors file or folder, an hgraph checkpoint folder, or a torch state_dict file; names "

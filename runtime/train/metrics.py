@@ -76,6 +76,8 @@ def metrics_line(r: StepResult, cache: CacheCounts) -> dict:
     lookup of its Program (with the build on a miss); ``build_s``: on a Program's first step, how long
     its build took (``built_ahead``: on the build-ahead thread, during earlier steps), else None."""
     compiles = {} if r.compiles is None else {"region_compiles": r.compiles}
+    # the MoE router losses, apart from the cross-entropy ``loss`` (only when the run adds them)
+    router = {k: v for k, v in (("moe_aux_loss", r.moe_aux_loss), ("moe_z_loss", r.moe_z_loss)) if v is not None}
     return {"step": r.step, "strategy": r.strategy, "loss": r.loss, "tokens": r.tokens, "time_s": r.time_s,
             "pull_s": r.pull_s, "compute_s": r.compute_s, "push_s": r.push_s, "optimizer_s": r.optimizer_s,
             "push_ms": r.push_ms, "push_exposed_ms": r.push_exposed_ms,
@@ -83,7 +85,7 @@ def metrics_line(r: StepResult, cache: CacheCounts) -> dict:
             "pull_prefetched": r.pull_prefetched, "cache_hit": r.cache_hit, "switch_s": r.switch_s,
             "built_ahead": r.built_ahead, "build_s": r.build_s, "build_lead_s": r.build_lead_s,
             "cache_hits": cache.hits,
-            "cache_misses": cache.misses, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
+            "cache_misses": cache.misses, **router, **compiles, **{f"{k}": v for k, v in r.bytes.items()}}
 
 
 def memory_figures(r: StepResult, world_size: int, device: Optional[torch.device], memory_budget: Optional[float],

@@ -53,6 +53,7 @@ from hgraph.runtime.data.outlier_delay import run_mini_batches
 from hgraph.runtime.data.stored import ConcatDocuments, LongReport, limit_long, merge_reports
 from hgraph.runtime.engine import host_heap
 from hgraph.runtime.engine.executor import Executor, RankLostError, StepResult
+from hgraph.runtime.engine.router_losses import RouterLossConfig
 from hgraph.runtime.planner.cost.shard_group import resolve_shard_group
 from hgraph.shard_rule import shard_group_ranks
 from hgraph.runtime.planner.service.setup import start_planner
@@ -209,6 +210,9 @@ class Trainer:
                                  issuer=issuer, verify_collectives=config.cluster.verify_collectives,
                                  push_bucket_bytes=config.cluster.push_bucket_bytes,
                                  pull_bucket_bytes=config.cluster.pull_bucket_bytes,
+                                 router_losses=RouterLossConfig(config.model.moe_aux_loss,
+                                                                config.model.moe_aux_loss_coef,
+                                                                config.model.moe_z_loss_coef),
                                  overlap_push=config.cluster.overlap_push)
         if planner is None:
             self.executor.prepare(schedule)     # bad strategies fail before any step

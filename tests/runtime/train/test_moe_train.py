@@ -1,7 +1,10 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
-on one rank, and under a schedule mixing TP (the MoE op replicated inside the TP group, the shared experts
-sharded, and under Megatron sequence parallelism each TP rank routing its slice of the tokens), PP, CP,
-Ulysses and several data-parallel pipelines on 4 gloo ranks.
+on one rank, and under a schedule mixing TP (the routed and shared experts sharded inside, the router whole,
+and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
+sums reduce-scattered), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks, there with
+the router losses added
+(``--moe-aux-loss per-document`` and a z-loss: the reference adds each document's losses by hand, and the
+logged values equal its own).
 
 Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
 gradient, as in Megatron's and DDP's gradient buffers, so Adam still steps it with its moments; PyTorch's
@@ -18,7 +21,8 @@ import json
 
 import pytest
 import torch
-from tests.runtime.reference_training import (ReferenceRun, assert_losses_like, assert_params_like, reference_steps,
+import torch.nn.functional as F
+from tests.runtime.reference_training import (ReferenceRun, assert_losses_like, assert_params_like,
                                               write_random_documents)
 
 from hgraph.frontends.zoo import llama_moe
@@ -26,6 +30,7 @@ from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.tools.cli import main
 
 LENGTHS = [13, 5, 9, 7, 11, 3, 6, 8, 10, 4, 12, 2, 9, 6, 14, 3, 7, 5]
+AUX_COEF, Z_COEF = 0.5, 0.01        # large enough that the router losses move the weights visibly
 TIE_TOLERANCE = 1e-4            # router probability margin between the k-th and (k+1)-th expert
 MAX_NEAR_TIES = 8
 
@@ -35,16 +40,29 @@ def data(tmp_path_factory):
     return write_random_documents(tmp_path_factory.mktemp("moe") / "docs.jsonl", LENGTHS, seed=3)
 
 
-def _reference(path, steps, lr=1e-3):
-    """The PyTorch run (zero gradients for unreached experts) and its near-tie tokens:
+def _router_losses(logits, k):
+    """One document's per-document load-balancing sum and z-loss sum of one layer's router ``logits``, by
+    hand: ``E * sum_e f_e * sum_t p_te`` with ``f_e`` its share of the document's assignments, and
+    ``sum_t logsumexp(logits_t)^2`` (``runtime/engine/router_losses``)."""
+    probs = torch.softmax(logits.float(), -1)
+    num_experts = logits.shape[-1]
+    f = F.one_hot(torch.topk(probs, k, -1).indices, num_experts).sum((0, 1)).float() / (k * logits.shape[0])
+    return num_experts * (f * probs.sum(0)).sum(), torch.logsumexp(logits.float(), -1).square().sum()
+
+
+def _reference(path, steps, lr=1e-3, router_losses=False):
+    """The PyTorch run (zero gradients for unreached experts; with ``router_losses`` the per-document
+    load-balancing loss and the z-loss added, coefficients AUX_COEF and Z_COEF) and its near-tie tokens:
     ``{(layer, expert)}`` of the experts ranked k and k+1 at each token closer than TIE_TOLERANCE."""
     torch.manual_seed(0)
     model = llama_moe.build("tiny")
     k = model.config.top_k
     near: list[tuple[int, int, int]] = []
+    seen: list[torch.Tensor] = []
 
     def watch(index):
         def hook(module, inputs, logits):
+            seen.append(logits)
             probs = torch.softmax(logits.detach().float(), -1)
             top = torch.topk(probs, k + 1, -1)
             for t in (top.values[:, k - 1] - top.values[:, k] < TIE_TOLERANCE).nonzero().flatten().tolist():
@@ -55,25 +73,40 @@ def _reference(path, steps, lr=1e-3):
         if isinstance(layer.mlp, llama_moe.MoeBlock):
             layer.mlp.gate.register_forward_hook(watch(i))
     first: dict = {}
-
-    def zero_unreached(m):
-        for p in m.parameters():
+    routers: list[list[float]] = []     # per step: the load-balancing and z-loss sums per target
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for batch in mini_batches(read_jsonl(path), 30, steps):
+        opt.zero_grad()
+        total, ce, router = torch.zeros(()), 0.0, [0.0, 0.0]
+        for d in batch.docs:
+            ids = torch.tensor([d.input_ids])
+            seen.clear()
+            doc = F.cross_entropy(model(ids)[0, :-1], ids[0, 1:], reduction="sum")
+            total, ce = total + doc, ce + float(doc.detach())
+            if router_losses:
+                for logits in seen:
+                    aux, z = _router_losses(logits.reshape(-1, logits.shape[-1]), k)
+                    total = total + AUX_COEF * aux + Z_COEF * z
+                    router = [router[0] + float(aux.detach()), router[1] + float(z.detach())]
+        (total / batch.num_targets).backward()
+        for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         if not first:
-            first.update({n: p.grad.detach().clone() for n, p in m.named_parameters()})
-
-    batches = mini_batches(read_jsonl(path), 30, steps)
-    losses = [loss for _, loss in reference_steps(model, batches, lr, after_backward=zero_unreached)]
+            first.update({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+        opt.step()
+        losses.append(ce / batch.num_targets)
+        routers.append([v / batch.num_targets for v in router])
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return ReferenceRun(losses, state, first, lr), near
+    return ReferenceRun(losses, state, first, lr), near, routers
 
 
-def _train(data, tmp_path, capsys, world, schedule, steps):
+def _train(data, tmp_path, capsys, world, schedule, steps, *extra):
     final = tmp_path / f"final{world}.pt"
     rc = main(["train", "--model", "llama-moe:tiny", "--data", str(data), "--tokens-per-iter", "30",
                "--world-size", str(world), "--strategy-schedule", schedule, "--steps", str(steps),
-               "--save-final", str(final), "--json"])
+               "--save-final", str(final), "--json", *extra])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     return [s["loss"] for s in out["steps"]], torch.load(final), out
@@ -97,18 +130,23 @@ def _assert_like_with_near_ties(losses, state, reference, near):
 
 def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
     losses, state, out = _train(data, tmp_path, capsys, 1, "1xTP1PP1", 3)
-    reference, near = _reference(data, 3)
+    reference, near, _ = _reference(data, 3)
     _assert_like_with_near_ties(losses, state, reference, near)
 
 
-def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch(data, tmp_path, capsys):
+def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys):
     schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
-    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5)
-    # the TP2 pipelines ran Megatron SP: each TP rank routed its own slice of the tokens through the
-    # whole experts, whose gradients are then partial sums over the TP ranks
+    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5, "--moe-aux-loss", "per-document",
+                                "--moe-aux-loss-coef", str(AUX_COEF), "--moe-z-loss-coef", str(Z_COEF))
+    # the TP2 pipelines ran Megatron SP: every TP rank routed all the micro-batch's tokens through its
+    # slices of the experts, the router's gradient a partial sum over the TP ranks; the CP and Ulysses
+    # ranks summed each document's routing counts, so the per-document loss is the one-device one
     assert out["sequence_parallel"] == "on"
-    reference, near = _reference(data, 5)
+    reference, near, routers = _reference(data, 5, router_losses=True)
     # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
     # the reference's zero-filled one must equal (Adam moves it by its moments)
     _assert_like_with_near_ties(losses, state, reference, near)
-    print(f"near-tie tokens in the reference: {len(near)}")
+    got = [[s["moe_aux_loss"], s["moe_z_loss"]] for s in out["steps"]]
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(routers, dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    print(f"near-tie tokens in the reference: {len(near)}; router losses per step {got}")
