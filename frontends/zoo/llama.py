@@ -194,24 +194,30 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Module):
-    """Decoder-only language model: ``forward(input_ids, position_ids=None) -> logits [B, T, V]``."""
+class DecoderStack(nn.Module):
+    """A Llama-style decoder: embedding, ``config.num_layers`` layers made by ``make_layer``, a final norm
+    and the output head: ``forward(input_ids, position_ids=None) -> logits [B, T, V]``. A family differs in
+    its layers only (``Llama``'s dense MLP, ``llama_moe``'s experts)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
         self.reset_parameters()
         if c.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def make_layer(self, config: LlamaConfig, index: int) -> nn.Module:
+        """Layer ``index`` of the stack, ``forward(x, cos, sin) -> x``."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its layers are made")
+
     def reset_parameters(self) -> None:
-        """Llama initialisation: N(0, init_std) for linear and embedding weights, ones for norms, a
-        zero padding row (as ``nn.Embedding`` and Hugging Face initialise it; it never trains)."""
+        """Llama initialisation: N(0, init_std) for linear and embedding weights (a router's too), ones
+        for norms, a zero padding row (as ``nn.Embedding`` and Hugging Face initialise it; it never trains)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
@@ -231,6 +237,13 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class Llama(DecoderStack):
+    """Decoder-only language model with dense SwiGLU MLPs."""
+
+    def make_layer(self, config: LlamaConfig, index: int) -> nn.Module:
+        return DecoderLayer(config)
+
+
 def build(name_or_config: Union[str, LlamaConfig], **overrides: Any) -> Llama:
     """A freshly initialised Llama from a named config (see ``CONFIGS``) or a LlamaConfig.
 
@@ -241,16 +254,23 @@ def build(name_or_config: Union[str, LlamaConfig], **overrides: Any) -> Llama:
 
 def make_config(name_or_config: Union[str, LlamaConfig], **overrides: Any) -> LlamaConfig:
     """The LlamaConfig named (or given), with ``overrides`` applied; bad names or fields -> HGraphError."""
-    if isinstance(name_or_config, LlamaConfig):
+    return configure("llama", CONFIGS, LlamaConfig, name_or_config, overrides)
+
+
+def configure(family: str, configs: Mapping[str, LlamaConfig], kind: type, name_or_config: Union[str, LlamaConfig],
+              overrides: Mapping[str, Any]) -> Any:
+    """The config of ``kind`` named in ``configs`` (or given), with ``overrides`` applied; bad names or
+    fields -> one HGraphError line naming the ``family``."""
+    if isinstance(name_or_config, kind):
         config = name_or_config
-    elif name_or_config in CONFIGS:
-        config = CONFIGS[name_or_config]
+    elif name_or_config in configs:
+        config = configs[name_or_config]
     else:
-        raise HGraphError(f"unknown llama config {name_or_config!r}; known configs: {', '.join(CONFIGS)}")
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+        raise HGraphError(f"unknown {family} config {name_or_config!r}; known configs: {', '.join(configs)}")
+    fields = {f.name for f in dataclasses.fields(kind)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise HGraphError(f"unknown llama config field(s) {', '.join(unknown)}; "
+        raise HGraphError(f"unknown {family} config field(s) {', '.join(unknown)}; "
                           f"allowed: {', '.join(sorted(fields))}")
     if overrides:
         changes: Mapping[str, Any] = dict(overrides)

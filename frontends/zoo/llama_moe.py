@@ -18,16 +18,15 @@ with width 10944; 16.4B parameters). Large configs are only ever used arithmetic
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.zoo.llama import Attention, LlamaConfig, RMSNorm, default_position_ids, rotary_cos_sin
+from hgraph.frontends.zoo.llama import Attention, DecoderStack, LlamaConfig, RMSNorm, configure
 
 
 @dataclass(frozen=True)
@@ -143,59 +142,15 @@ class MoeDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class LlamaMoe(nn.Module):
-    """Decoder-only MoE language model: ``forward(input_ids, position_ids=None) -> logits [B, T, V]``."""
+class LlamaMoe(DecoderStack):
+    """Decoder-only MoE language model: ``forward(input_ids, position_ids=None) -> logits [B, T, V]``; the
+    first ``first_dense_layers`` layers have a dense MLP, the others experts."""
 
-    def __init__(self, config: LlamaMoeConfig):
-        super().__init__()
-        self.config = config
-        c = config
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, padding_idx=c.pad_token_id)
-        self.layers = nn.ModuleList(MoeDecoderLayer(c, i < c.first_dense_layers) for i in range(c.num_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-        self.reset_parameters()
-        if c.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-
-    def reset_parameters(self) -> None:
-        """N(0, init_std) for linear and embedding weights (the routers too), ones for norms."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        if self.config.pad_token_id is not None:
-            with torch.no_grad():
-                self.embed_tokens.weight[self.config.pad_token_id].zero_()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = default_position_ids(input_ids)
-        x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.lm_head(self.norm(x))
+    def make_layer(self, config: LlamaMoeConfig, index: int) -> nn.Module:
+        return MoeDecoderLayer(config, index < config.first_dense_layers)
 
 
 def build(name_or_config: Union[str, LlamaMoeConfig], **overrides: Any) -> LlamaMoe:
     """A freshly initialised LlamaMoe from a named config (``CONFIGS``) or a LlamaMoeConfig; ``overrides``
     replace config fields (``build("tiny", num_experts=4)``); bad names or fields -> HGraphError."""
-    if isinstance(name_or_config, LlamaMoeConfig):
-        config = name_or_config
-    elif name_or_config in CONFIGS:
-        config = CONFIGS[name_or_config]
-    else:
-        raise HGraphError(f"unknown llama-moe config {name_or_config!r}; known configs: {', '.join(CONFIGS)}")
-    fields = {f.name for f in dataclasses.fields(LlamaMoeConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise HGraphError(f"unknown llama-moe config field(s) {', '.join(unknown)}; "
-                          f"allowed: {', '.join(sorted(fields))}")
-    if overrides:
-        changes = dict(overrides)
-        if "head_dim" not in changes and ({"hidden_size", "num_heads"} & set(changes)):
-            changes["head_dim"] = None
-        config = dataclasses.replace(config, **changes)
-    return LlamaMoe(config)
+    return LlamaMoe(configure("llama-moe", CONFIGS, LlamaMoeConfig, name_or_config, overrides))
