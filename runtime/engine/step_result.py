@@ -40,9 +40,9 @@ class StepResult:
     switch_s: float = 0.0             # host time finding (hit) or building (miss) the Program
     built_ahead: bool = False         # the Program's first step, and it was built ahead (engine.build_ahead)
     build_s: Optional[float] = None   # on the Program's first step: its build's seconds (ahead: off this step)
+    build_lead_s: Optional[float] = None   # built ahead: how long before this step its build began
     moe_aux_loss: Optional[float] = None   # the MoE load-balancing loss (per target, before its coefficient)
     moe_z_loss: Optional[float] = None     # the MoE router z-loss (per target, before its coefficient)
-    build_lead_s: Optional[float] = None   # built ahead: how long before this step its build began
     # the step's push (reductions, transfers to the owners, the loss; with the overlapped update, the
     # shards' updates too), host clock: from its first reduction's issue to its end, and the part of
     # that after the backward ended (what the backward did not hide)
@@ -62,6 +62,4 @@ class ProgramLookup:
     switch_s: float
     built_ahead: bool = False
     build_s: Optional[float] = None
-    moe_aux_loss: Optional[float] = None   # the MoE load-balancing loss (per target, before its coefficient)
-    moe_z_loss: Optional[float] = None     # the MoE router z-loss (per target, before its coefficient)
     build_lead_s: Optional[float] = None
