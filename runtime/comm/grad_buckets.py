@@ -6,9 +6,13 @@ when the next op would pass ``bucket_bytes``, or, for a small group's reductions
 them ``MIN_BUCKETS`` buckets (``bucket_cap``), so that the first go out while backward runs. Every
 member of a group holds the same ops, so every member cuts the same buckets.
 
-Order: a rank issues its buckets in one global order (key: position of the bucket's first parameter in
-reverse model order, then the group), and a bucket only after every bucket before it: a bucket whose
-gradients are final early waits for its predecessors, never the other way round. So the order does
+Order: a rank issues its buckets in one global order (key: position of the bucket's last parameter in
+reverse model order, where backward completes it, then its first, then the group), and a bucket only
+after every bucket before it: a bucket whose gradients are final early waits for its predecessors,
+never the other way round. Keyed by the last parameter, a bucket's predecessors are complete by the
+time it is (gradients finish in reverse model order), so it is issued where its own gradients are
+final: at the same point of the backward on every rank of a role (TP / CP peers), whatever the
+rank's other buckets (their groups and cuts differ between peers). So the order does
 not depend on timing (in which order the hooks fire), the members of a group issue its buckets in
 the same order, and any two ranks issue the buckets they share in the same relative order (what
 gloo's per-group matching and NCCL's in-order streams both need).
@@ -127,7 +131,14 @@ class GradBuckets:
                 current.even.append(all(plo == op.lo + i * rows and phi == plo + rows
                                         for i, (_, plo, phi) in enumerate(op.pieces)))
                 current.mine.append(next((plo, phi) for m, plo, phi in op.pieces if m == rank))
-        self.buckets = sorted(buckets, key=lambda b: (position[b.ops[0][0]], b.group))
+        # keyed by the bucket's last gradient in reverse model order (when backward completes it), not its
+        # first: a bucket waits for every bucket before it, so a key at its first gradient would hold a
+        # bucket shared with a TP peer behind one of this rank's own (cut differently from the peer's)
+        # that completes later, and the peers would issue the shared bucket at different points of the
+        # backward's TP collectives. Ties: first gradient, group, place in the group (the same on every
+        # member of the group)
+        self.buckets = [b for _, b in sorted(
+            ((position[b.ops[-1][0]], position[b.ops[0][0]], b.group, i), b) for i, b in enumerate(buckets))]
         self._bucket_of: dict[str, list[_Bucket]] = {}
         for b in self.buckets:
             for name, _ in b.ops:

@@ -17,8 +17,8 @@ them on that rank (``runtime/engine/executor``):
    created last, which is the reverse of the forward's creation order, so the collectives of the
    nodes' backwards come in reverse node order (the loss's first); a recomputed block replays its
    forward collectives where its backward begins (non-reentrant checkpoint unpacks then).
-3. **Push buckets** (``grad_buckets.GradBuckets``, their one global order): with the push in the
-   backward, during the last backward a bucket is issued once its gradients are final (a parameter's
+3. **Push buckets** (``grad_buckets.GradBuckets``, their one global order, keyed by where backward
+   completes a bucket): with the push in the backward, during the last backward a bucket is issued once its gradients are final (a parameter's
    gradient is final after the backward of its first use in node order: ``AccumulateGrad`` runs
    first among ready nodes) and every bucket before it was issued, but not one over a group holding an
    earlier stage of the rank's pipeline (a tied weight's) nor any after it; ``flush`` issues the rest.

@@ -129,6 +129,22 @@ def test_random_strategies_and_schedules(drawn):
     assert verdict.ok, f"{[str(s) for s in strategies]} {counts} {plan}: {verdict.line()}"
 
 
+def test_tp_peers_issue_a_shared_push_bucket_at_the_same_point_of_their_backward():
+    """Drawn by the random test: ranks 10 and 11 (the TP ranks of one CP shard of TP2PP1CP2) share a
+    bucket of layer norms with ranks of other pipelines, while their own buckets of the TP-sharded
+    weights (17 optimizer shards cut the rows differently) are cut differently. Both must issue the
+    shared bucket where its gradients are final (``GradBuckets``' order keyed by a bucket's last
+    gradient), not one of them behind an own bucket that completes later: that rank sat in a TP
+    all-gather of the backward while its peer sat in the shared bucket."""
+    strategy = Strategy.parse("2xTP1PP4+1xTP1PP2+1xTP2PP1CP2+1xTP2PP1+1xTP1PP1")
+    program = _compiled("tiny", {}).instantiate(strategy, Cluster(17, gpus_per_node=17))
+    seqs = derive_step(program, representative_plan(strategy, k=1))
+    shared = (2, 6, 9, 10, 11, 12, 13, 14, 15, 16)
+    tp = [[(c.kind, c.group) for c in seqs[r] if c.group in ((10, 11), shared)] for r in (10, 11)]
+    assert any(c.group == shared for c in seqs[10]) and tp[0] == tp[1]
+    assert simulate(seqs).ok
+
+
 # ---- what the derivation holds, and an inconsistent order ---------------------------------------------
 def test_sequence_follows_the_step():
     compiled = _compiled("tiny", {})

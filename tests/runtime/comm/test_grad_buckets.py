@@ -148,3 +148,36 @@ def test_what_follows_each_bucket_follows_it_in_backward_and_in_the_flush_alike(
     backward, flushed = sequence(True), sequence(False)
     assert backward == flushed
     assert [kind for kind, _ in backward[1::2]] == ["after"] * (len(backward) // 2)
+
+
+def test_peers_issue_a_shared_bucket_where_its_gradients_are_final_whatever_their_own_cuts():
+    """Two TP peers (ranks 0 and 1) share ``norm``'s group and reduce their own pieces of ``wa`` and
+    ``wb`` in groups of their own, cut differently (rank 0's pieces fit one bucket, rank 1's do not).
+    Each must issue the shared bucket at the same point of backward (where ``norm``'s gradient is
+    final), or the two would issue it on different sides of a TP collective of that backward: a
+    deadlock on NCCL's in-order streams. Keyed by a bucket's first gradient, rank 0's bucket of ``wb``
+    and ``wa`` went first and held the shared one until ``wa`` was final."""
+    order = ("wa", "norm", "wb")                       # model order; backward finishes wb, norm, wa
+    row = 4096                                         # fp32 elements per row: 32 KiB per row over 2 ranks
+
+    def sequence(rank, own, width):
+        pieces = ((own[0], 0, width), (own[1], width, 2 * width))
+        ops = {"wa": [ReduceScatter(own, 0, 2 * width, pieces, 0)],
+               "wb": [ReduceScatter(own, 0, 2 * width, pieces, 0)],
+               "norm": [ReduceScatter((0, 1), 0, 2, ((0, 0, 1), (1, 1, 2)), 0)]}
+        layouts = {n: ParamLayout(n, (2 * width if n != "norm" else 2, row), 0) for n in order}
+        buckets = GradBuckets(rank, order, ops, layouts, groups=None, contribution=None,
+                              device=torch.device("cpu"), bucket_bytes=2 * MIN_BUCKET_BYTES)
+        events = []
+        buckets._issue = lambda b: events.append(b.group)
+        for name in reversed(order):
+            events.append(name)
+            buckets.ready(name, None)
+        return buckets, events
+
+    cut = {}
+    for rank, own, width in ((0, (0, 2), 1), (1, (1, 3), 2)):
+        buckets, events = sequence(rank, own, width)
+        cut[rank] = [len(b.ops) for b in buckets.buckets if b.group == own]
+        assert events.index((0, 1)) == events.index("norm") + 1, (rank, events)
+    assert cut == {0: [2], 1: [1, 1]}        # the peers' own buckets are cut differently
