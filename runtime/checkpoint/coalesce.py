@@ -49,6 +49,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hgraph.runtime.comm.p2p import host_staged
 from hgraph.shard_rule import owner_of, shard_bounds
 
 #: the least bytes of a chunk (an entry smaller than that is one chunk); see the module for why
@@ -130,11 +131,6 @@ def chunks(entry: Entry, group_size: int, min_bytes: int = MIN_CHUNK_BYTES) -> l
     return [c for c in out if c.hi > c.lo]
 
 
-def _exchange_device(group: Optional[dist.ProcessGroup], device: torch.device) -> torch.device:
-    # gloo's point-to-point takes host tensors only (a CUDA send aborts the process)
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
-
-
 def gather_chunks(entries: Sequence[Entry], shards: Sequence[torch.Tensor], rank: int, group_size: int,
                   group: Optional[dist.ProcessGroup] = None, min_bytes: int = MIN_CHUNK_BYTES,
                   fan_in: Optional[int] = None) -> dict[int, torch.Tensor]:
@@ -154,7 +150,8 @@ def gather_chunks(entries: Sequence[Entry], shards: Sequence[torch.Tensor], rank
         if block.hi <= block.lo:
             continue
         tree = _Tree(entry, block, group_size, fan_in)
-        device = _exchange_device(group, shard.device)
+        # gloo's point-to-point takes host tensors only (a CUDA send aborts the process)
+        device = torch.device("cpu") if host_staged(shard.device, group) else shard.device
         held[entry.item] = (tree, tree.place(rank), [shard.contiguous().reshape(-1).to(device)])
     for level in range(max((t.depth for t, _, _ in held.values()), default=0)):
         step = fan_in ** level
