@@ -147,6 +147,6 @@ def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_l
     # the reference's zero-filled one must equal (Adam moves it by its moments)
     _assert_like_with_near_ties(losses, state, reference, near)
     got = [[s["moe_aux_loss"], s["moe_z_loss"]] for s in out["steps"]]
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), torch.tensor(routers, dtype=torch.float64),
-                               rtol=1e-5, atol=0)
+    for column in range(2):      # each router loss step by step, by the rule every logged loss keeps
+        assert_losses_like([g[column] for g in got], [r[column] for r in routers])
     print(f"near-tie tokens in the reference: {len(near)}; router losses per step {got}")
