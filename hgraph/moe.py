@@ -212,7 +212,8 @@ def _exported_moe_layer_shapes(x, router_weight, expert_weights, top_k, normaliz
 # micro-batches' forwards run after the first backwards), and its gradient does not split per
 # micro-batch (it flows through the router's input into everything before it): it is exact only after a
 # forward-only counting pass over the whole mini-batch (one more forward per step, about a third more
-# compute) or with every forward before the first backward (GPipe's memory). Hugging Face's form (means
+# compute: what training does, ``runtime/engine/router_losses``) or with every forward before the first
+# backward (GPipe's memory). Hugging Face's form (means
 # over the tokens as grouped) changes with the micro-batch split and is offered for comparison only.
 def expert_counts(experts: torch.Tensor, num_experts: int, segments: Optional[Sequence[int]] = None) -> torch.Tensor:
     """How many of each segment's token-expert assignments went to each expert: ``[S, E]`` for the

@@ -65,8 +65,10 @@ graph), ``sequence_inputs`` (a micro-batch's tokens, targets and keys at the ran
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -90,7 +92,7 @@ from hgraph.runtime.engine.offload import (DEFAULT_HOST_LINK_BYTES_PER_S, OFFLOA
 from hgraph.runtime.engine.peak_memory import PeakMemory
 from hgraph.runtime.engine.program_cache import CachedProgram, ProgramCache
 from hgraph.runtime.engine.pipeline_run import run_one_f_one_b
-from hgraph.runtime.engine.router_losses import RouterLossConfig
+from hgraph.runtime.engine.router_losses import RouterLossConfig, moe_ops_of
 from hgraph.runtime.engine.router_losses import router_losses as make_router_losses
 from hgraph.runtime.engine.rank_state import RankState, ShardedOptimizer, working_graph
 from hgraph.runtime.engine.sequence_inputs import ADAPTIVE, CP_SHARDINGS, MicroBatchFeed
@@ -126,6 +128,8 @@ class Executor:
         self.compiled = compiled
         # the MoE router losses every Program's context adds (None: the run adds none)
         self.router_losses = make_router_losses(router_losses)
+        # per rank graph: its MoE ops' rows in the model's count matrix (the global-batch form)
+        self._moe_ops: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # the bucket sizes and the backward's reductions of every Program's ParamSync (comm/param_sync)
         self.push_bucket_bytes, self.pull_bucket_bytes = push_bucket_bytes, pull_bucket_bytes
         self.overlap_push = overlap_push
@@ -367,6 +371,8 @@ class Executor:
                     torch.cuda.reset_peak_memory_stats(self.device)
             t_pull = time.perf_counter()
             mine = list(microbatches[rp.pipeline])
+            if self.router_losses is not None and self.router_losses.global_batch:
+                self._count_routing(state, mine, num_targets)
             loss_sum = run_one_f_one_b(state, mine, num_targets, self._feed(state), self.issuer,
                                        lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
             t_backward = time.perf_counter()
@@ -427,6 +433,43 @@ class Executor:
         return dict(moe_aux_loss=float(value[0]) if cfg.aux_loss != "none" and cfg.aux_coef else None,
                     moe_z_loss=float(value[1]) if cfg.z_coef else None)
 
+    def _count_routing(self, state: RankState, mine: Sequence[MicroBatch], num_targets: int) -> None:
+        """The global-batch load balancing's counting pass (``engine/router_losses``): this rank's
+        micro-batches forward, no grad, as the step will run them (inputs, dropout keys; a block that
+        recomputes runs plainly without grad), each MoE op counting its routing; then one all-reduce of
+        the ``[MoE ops, E]`` counts over the world, which the step's forwards read."""
+        rp = state.rank_program
+        ops = self._moe_ops.get(rp.graph_module)
+        if ops is None:
+            ops = self._moe_ops[rp.graph_module] = moe_ops_of(self.compiled.hgraph.gm, rp.graph_module)
+        losses = self.router_losses
+        with losses.counting(ops, rp.tp_rank, rp.replica, self.device) as counts, torch.no_grad():
+            self._forward_only(state, mine, num_targets=num_targets, scope="count")
+        if self.world_size > 1:
+            self.issuer.run("all_reduce", None, counts, lambda: dist.all_reduce(counts, async_op=True),
+                            "moe counts global")
+        losses.use_global_counts(counts)
+
+    def _forward_only(self, state: RankState, mbs: Sequence[MicroBatch], *, evaluating: bool = False,
+                      num_targets: int = 0, scope: Optional[str] = None) -> float:
+        """This rank's graph over ``mbs`` forward only (the caller turns grad off), its sends waited for;
+        with ``evaluating`` (dropout off) the last stage's loss sum, else 0. ``scope``: the label of the
+        micro-batches' collectives (``mb i <scope>``)."""
+        rp, comm = state.rank_program, state.comm
+        last, feed = rp.stage == rp.scheme.pp - 1, self._feed(state)
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            ids, pos, targets, layout, keys = feed.inputs(mb)
+            mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=evaluating,
+                                          documents=feed.documents(mb, layout), num_targets=num_targets)
+            with self.issuer.scope(f"mb {i} {scope}") if scope else contextlib.nullcontext():
+                out = state.graph(feed.to_device(ids), feed.to_device(pos), mb_comm)
+                if last and evaluating:
+                    loss_sum += float(feed.loss_sum(out, ids, targets, mb, mb_comm))
+            del out
+        comm.wait_all()
+        return loss_sum
+
     def _feed(self, state: RankState) -> MicroBatchFeed:
         """What makes this rank's inputs of a micro-batch of this step (``sequence_inputs``)."""
         rp = state.rank_program
@@ -443,19 +486,9 @@ class Executor:
             raise HGraphError("evaluation: the documents have no targets; the loss is undefined")
         state = self.rank_state(strategy)
         self._activate(state)
-        rp, sync, comm = state.rank_program, state.sync, state.comm
-        last, feed = rp.stage == rp.scheme.pp - 1, self._feed(state)
-        loss_sum = 0.0
-        with sync.step():         # the pulls only: nothing is pushed
-            for mb in microbatches[rp.pipeline]:
-                ids, pos, targets, layout, keys = feed.inputs(mb)
-                mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
-                                              documents=feed.documents(mb, layout))
-                out = state.graph(feed.to_device(ids), feed.to_device(pos), mb_comm)
-                if last:
-                    loss_sum += float(feed.loss_sum(out, ids, targets, mb, mb_comm))
-                del out
-            comm.wait_all()
+        rp = state.rank_program
+        with state.sync.step():         # the pulls only: nothing is pushed
+            loss_sum = self._forward_only(state, microbatches[rp.pipeline], evaluating=True)
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:
             work.wait()

@@ -100,7 +100,7 @@ def run_block(comm: CommContext, block: fx.GraphModule, layer: int, *inputs: Any
     def contexts() -> tuple[ContextManager[None], ContextManager[object]]:
         recompute_ctx = meter.replay_tracker(stashed_input) if meter is not None else contextlib.nullcontext()
         if comm.router_losses is not None:     # the replay's MoE router losses are the forward's: not counted again
-            return contextlib.nullcontext(), _both(recompute_ctx, comm.router_losses.replaying())
+            return contextlib.nullcontext(), _both(recompute_ctx, comm.router_losses.replaying(layer))
         return contextlib.nullcontext(), recompute_ctx
 
     with set_checkpoint_early_stop(False):

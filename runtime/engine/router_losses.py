@@ -18,8 +18,15 @@ micro-batch split adds up to the one-device value:
 * ``"hf"``: Hugging Face's ``load_balancing_loss_func`` (a product of means, its fractions summing to
   ``k``) over the tokens as this rank holds them (the micro-batch's, or a CP / Ulysses rank's piece),
   times their count: it changes with the micro-batch split and the strategy;
-* ``"global-batch"`` needs every micro-batch's counts before the first backward (``hgraph.moe``'s note on
-  the forms): refused when the run's config is made;
+* ``"global-batch"``: ``E * sum_e f_e * sum_t p_te`` per layer over every token of the mini-batch, with
+  ``f`` from the layer's routing counts over the whole mini-batch (every rank, pipeline and micro-batch of
+  the step). The first backward needs every micro-batch's counts, which 1F1B does not have, so the
+  executor runs a forward-only counting pass first (``counting``: the step's micro-batches, inputs and
+  dropout keys, no grad; each MoE op adds its ``[E]`` counts to its row of a ``[MoE ops, E]`` matrix)
+  and sums the matrix over the world in one all-reduce (``moe counts global``) before the step's
+  forwards read it (``use_global_counts``). A rank's op is a row of the model's MoE ops (``MoeOps``,
+  found by node name: every stage's graph keeps the model's names). No strategy changes it; it costs one
+  more forward per step;
 * z-loss: ``sum_t logsumexp(logits_t)^2``.
 
 A recomputed block (``engine/recompute``) replays the op in backward, its count all-reduce included (as
@@ -27,18 +34,24 @@ the block's other collectives), so it saves what the forward saved; the replay's
 
 TP ranks that run the op on the same tokens (its experts sharded) compute the same terms: each adds
 ``1 / TP`` of the gradient (the router's gradient is summed over the TP ranks as a partial sum, the
-input's by the TP entry's backward) and of the value.
+input's by the TP entry's backward) and of the value. In the global counts each token is counted once
+(``counts_routing``): by the first of the ranks along a dimension that splits the weights (unless the op
+runs on their token slices) and of the replicas; ranks that hold other tokens (sequence ranks, other
+pipelines) add their own.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 
+from hgraph import moe
 from hgraph.dims import BindingKey
+from hgraph.meta import get_meta
 from hgraph.moe import load_balancing_sum
 
 #: the forms of ``[model] moe-aux-loss``
@@ -57,6 +70,61 @@ class RouterLossConfig:
     @property
     def active(self) -> bool:
         return (self.aux_loss != "none" and self.aux_coef != 0.0) or self.z_coef != 0.0
+
+    @property
+    def global_batch(self) -> bool:
+        """The load balancing is over the global batch: a step needs the counting pass."""
+        return self.aux_loss == "global-batch" and self.aux_coef != 0.0
+
+
+@dataclass(frozen=True)
+class MoeOps:
+    """A rank graph's MoE ops in node order (the order a forward calls them): each one's row in the
+    model's ``[MoE ops, E]`` count matrix and its layer (a recomputed block's replay names its layer)."""
+
+    rows: tuple[int, ...]
+    layers: tuple[Optional[int], ...]
+    num_rows: int            # the model's MoE ops
+    num_experts: int         # the widest router's experts (the matrix's columns)
+
+    def of_layer(self, layer: Optional[int]) -> tuple[int, ...]:
+        return tuple(r for r, lay in zip(self.rows, self.layers) if lay == layer)
+
+
+def moe_ops_of(model: fx.GraphModule, graph: fx.GraphModule) -> MoeOps:
+    """``graph``'s (a rank's stage graph) MoE ops as rows of the model's (``model``: the traced whole
+    model, whose node names every stage graph keeps)."""
+    names, experts = [], 1
+    for n in model.graph.nodes:
+        if n.target is moe.moe_layer:
+            names.append(n.name)
+            experts = max(experts, _router_rows(model, n))
+    row = {name: i for i, name in enumerate(names)}
+    mine = [n for n in graph.graph.nodes if n.target is moe.moe_layer]
+    return MoeOps(tuple(row[n.name] for n in mine), tuple(get_meta(n).layer for n in mine), len(names), experts)
+
+
+def _router_rows(model: fx.GraphModule, node: fx.Node) -> int:
+    """The experts the router of MoE op ``node`` scores (its weight's rows), from the traced shapes."""
+    w = node.args[1]
+    while isinstance(w, fx.Node) and w.op != "get_attr":       # past slot nodes, to the parameter
+        w = next((a for a in w.args if isinstance(a, fx.Node)), None)
+    if w is None:
+        return 1
+    *path, leaf = w.target.split(".")
+    owner = model
+    for part in path:
+        owner = getattr(owner, part)
+    return int(getattr(owner, leaf).shape[0])
+
+
+def counts_routing(tp_rank: int, replica: int, sliced: bool) -> bool:
+    """Whether a rank's routing counts of an MoE op enter the global counts, each token once: ranks
+    along the dimension that splits the weights route the same tokens (unless the op runs on their
+    token slices, ``sliced``), as replicas do, so the first of them counts; ranks that split tokens
+    (sequence ranks), stages, or hold other documents (other pipelines) count their own
+    (``hgraph.strategy.RankCoord``: a rank's places by what each dimension splits)."""
+    return (sliced or tp_rank == 0) and replica == 0
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -81,20 +149,64 @@ class RouterLosses:
     def __init__(self, config: RouterLossConfig):
         self.config = config
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._replays = 0
+        self._replays: list[list[int]] = []     # per replay in progress: its layer's rows still to come
+        # the global-batch form (``config.global_batch``): the rank's MoE ops, the counting pass's matrix
+        # (None outside it), the step's global counts, and the forward in progress (its view, next op)
+        self._ops: Optional[MoeOps] = None
+        self._place = (0, 0)                    # this rank's (weight rank, replica): ``counts_routing``
+        self._counting: Optional[torch.Tensor] = None
+        self._global: Optional[torch.Tensor] = None
+        self._view: Any = None
+        self._next = 0
+
+    @property
+    def global_batch(self) -> bool:
+        return self.config.global_batch
 
     @contextlib.contextmanager
-    def replaying(self) -> Iterator[None]:
-        """A recomputed block's replay in backward (``engine/recompute``): its losses (and their count
-        all-reduce, which the block's TP x CP ranks replay alike) were counted by its forward."""
-        self._replays += 1
+    def replaying(self, layer: Optional[int] = None) -> Iterator[None]:
+        """A recomputed block's replay in backward (``engine/recompute``) of ``layer``: its losses (and
+        their count all-reduce, which the block's TP x CP ranks replay alike) were counted by its
+        forward; under the global form its ops read their rows again."""
+        self._replays.append(list(self._ops.of_layer(layer)) if self._ops is not None else [])
         try:
             yield
         finally:
-            self._replays -= 1
+            self._replays.pop()
 
     def begin_step(self) -> None:
         self._parts = []
+        self._global = None
+
+    @contextlib.contextmanager
+    def counting(self, ops: MoeOps, tp_rank: int, replica: int, device: torch.device) -> Iterator[torch.Tensor]:
+        """The global form's counting pass (run forward-only inside): each MoE op this rank runs adds
+        its routing counts (``counts_routing``) to its row of the ``[MoE ops, E]`` int64 matrix yielded,
+        and hands its output back alone."""
+        self._ops, self._place = ops, (tp_rank, replica)
+        self._counting = torch.zeros(ops.num_rows, ops.num_experts, dtype=torch.int64, device=device)
+        self._view = None
+        try:
+            yield self._counting
+        finally:
+            self._counting = None
+            self._view = None
+
+    def use_global_counts(self, counts: torch.Tensor) -> None:
+        """The step's routing counts of every MoE op over the mini-batch (the counting pass's matrix
+        summed over the world), which the step's forwards read."""
+        self._global = counts
+        self._view = None
+
+    def _row(self, comm: Any) -> int:
+        """The model row of the MoE op calling now: the next of the forward in progress (a new
+        micro-batch view starts a forward), or of the block a replay runs."""
+        if self._replays:
+            return self._replays[-1].pop(0)
+        if comm is not self._view:
+            self._view, self._next = comm, 0
+        self._next += 1
+        return self._ops.rows[self._next - 1]
 
     def values(self) -> tuple[float, float]:
         """(load-balancing, z-loss) of this rank's share of the step, before their coefficients."""
@@ -114,6 +226,13 @@ class RouterLosses:
         keys = comm.token_keys
         tp_ranks = tuple(comm.bindings.get(BindingKey.TP, (comm.rank,)))
         sliced = keys is not None and keys.documents.numel() != n     # a TP rank's token slice (SP)
+        if self._counting is not None:
+            row = self._row(comm)
+            if counts_routing(*self._place, sliced):     # the step's forward routes these tokens alike
+                experts = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), top_k, -1).indices
+                self._counting[row, :logits.shape[-1]] += torch.bincount(experts.reshape(-1),
+                                                                         minlength=logits.shape[-1])
+            return y
         if sliced:
             keys = keys.narrow(*comm.token_slice(BindingKey.TP, keys.documents.numel()))
         share = 1.0 if sliced else 1.0 / len(tp_ranks)
@@ -121,14 +240,20 @@ class RouterLosses:
         total = logits.new_zeros((), dtype=torch.float32)
         aux = z = total.detach()
         if cfg.aux_loss != "none" and cfg.aux_coef != 0.0:
-            experts = torch.topk(torch.softmax(logits.detach(), -1, dtype=torch.float32), top_k, -1).indices
             num_experts = logits.shape[-1]
             if cfg.aux_loss == "per-document" and keys is not None:
                 segment, docs = _document_segments(keys, logits.device)
             else:
                 segment, docs = torch.zeros(n, dtype=torch.long, device=logits.device), 1
-            index = (segment.unsqueeze(-1) * num_experts + experts).reshape(-1)
-            counts = torch.bincount(index, minlength=docs * num_experts).reshape(docs, num_experts)
+            if cfg.aux_loss == "global-batch":
+                if self._global is None:
+                    raise RuntimeError("router losses: the global-batch form ran a forward without the "
+                                       "step's counting pass (Executor.step runs it)")
+                counts = self._global[self._row(comm), :num_experts].unsqueeze(0)
+            else:
+                experts = torch.topk(torch.softmax(logits.detach(), -1, dtype=torch.float32), top_k, -1).indices
+                index = (segment.unsqueeze(-1) * num_experts + experts).reshape(-1)
+                counts = torch.bincount(index, minlength=docs * num_experts).reshape(docs, num_experts)
             if cfg.aux_loss == "per-document":
                 counts = _sum_over_token_holders(comm, counts, sliced)
             aux = load_balancing_sum(logits, top_k, segment, counts)

@@ -69,8 +69,8 @@ class ModelConfig:
         help=("the MoE load-balancing loss added to the training loss (times --moe-aux-loss-coef): "
               "per-document (each document's routing counts over all its tokens, whatever the strategy), "
               "hf (Hugging Face's product of means over the tokens as a rank holds them: it changes with "
-              "the micro-batch split and the strategy), global-batch (refused: it needs a counting pass "
-              "before the first backward), none (as Megatron's default coefficient 0 and HF's "
+              "the micro-batch split and the strategy), global-batch (the routing counts of the whole "
+              "mini-batch, whatever the strategy; it costs one extra forward pass per step), none (as Megatron's default coefficient 0 and HF's "
               "output_router_logits=False)"))
     moe_aux_loss_coef: float = option(0.01, kind="float", minimum=0.0,
         help="the coefficient of --moe-aux-loss (Megatron's recommended 1e-2)")

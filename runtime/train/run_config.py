@@ -52,10 +52,6 @@ def config_from_options(given: Mapping[str, Any], config_file: Optional[str] = N
     if schedule is None and strategies.strip() != "auto":
         parse_candidates(strategies, world)
     parse_shard_group(config.optimizer.shard_group, world, cfg.where("shard_group"))   # before any process starts
-    if config.model.moe_aux_loss == "global-batch":
-        raise HGraphError(f"{cfg.where('moe_aux_loss')} = global-batch: not built yet (exact needs every "
-                          "micro-batch's routing counts before the first backward, a forward-only counting "
-                          "pass); allowed: per-document (strategy-invariant), hf, none")
     # the ranks that share this node's GPUs: the local processes, or the launcher's ranks per node
     ranks_here = world if env is None else cluster.gpus_per_node
     device_memory = device_memory_option(cluster.device_memory, config.data.data, cluster.device, ranks_here)

@@ -1,15 +1,12 @@
 """The MoE router losses of a step on one rank, against hand computations (``runtime/engine/router_losses``;
 the strategies: ``tests/runtime/train/test_moe_train.py``): their values per target, the gradient they add
-to the router logits, Hugging Face's form, and the refused global-batch form."""
-import pytest
+to the router logits, Hugging Face's form, and the global-batch form over split micro-batches."""
 import torch
 
 from hgraph import moe
-from hgraph.errors import HGraphError
 from hgraph.runtime.comm.context import CommContext
-from hgraph.runtime.engine.router_losses import RouterLossConfig, RouterLosses
+from hgraph.runtime.engine.router_losses import MoeOps, RouterLossConfig, RouterLosses, counts_routing
 from hgraph.runtime.kernels.dropout import TokenKeys
-from hgraph.runtime.train.run_config import config_from_options
 
 E, K = 6, 2
 SIZES = (5, 3, 4)                       # three documents packed in one micro-batch
@@ -64,10 +61,78 @@ def test_no_losses_leave_the_output_and_its_gradient_alone():
     assert logits.grad is None and values == (0.0, 0.0)
 
 
-def test_global_batch_is_refused_in_one_line_naming_the_option():
-    with pytest.raises(HGraphError, match=r"--moe-aux-loss = global-batch: not built yet .*allowed: per-document"):
-        config_from_options({"model": "llama-moe:tiny", "world_size": 1, "steps": 1, "moe_aux_loss": "global-batch"},
-                            env=None)
+def _global_step(parts, layers=2, coef=0.3):
+    """The global form through ``RouterLosses`` on one rank: the counting pass over the micro-batches
+    ``parts`` (each a list of one router-logits tensor per MoE op), then the step's forwards; returns
+    the logged value. Gradients land in the logits."""
+    ops = MoeOps(rows=tuple(range(layers)), layers=tuple(range(1, layers + 1)), num_rows=layers, num_experts=E)
+    losses = RouterLosses(RouterLossConfig("global-batch", coef, 0.0))
+    comm = CommContext.single(router_losses=losses)
+    with losses.counting(ops, 0, 0, torch.device("cpu")) as counts, torch.no_grad():
+        for mb in parts:
+            view = comm.for_microbatch(num_targets=NUM_TARGETS)
+            for logits in mb:
+                assert view.moe_router_losses(logits, logits, K) is logits      # counted, output alone
+    losses.use_global_counts(counts)
+    for mb in parts:
+        view = comm.for_microbatch(num_targets=NUM_TARGETS)
+        sum(view.moe_router_losses(torch.zeros(1, requires_grad=True), logits, K).sum() for logits in mb).backward()
+    return losses.values()[0], counts
+
+
+def test_global_batch_on_split_micro_batches_sums_to_the_whole_batchs_loss_and_gradient():
+    """Two MoE layers, the mini-batch's tokens in three micro-batches: the counting pass's counts are
+    the whole batch's, and the per-micro-batch losses and gradients add up to ``E * sum_e f_e * P_e`` of
+    each layer over all tokens at once (times its token count, over the mini-batch's targets)."""
+    g = torch.Generator().manual_seed(5)
+    whole = [torch.randn(12, E, generator=g, dtype=torch.float64).float() for _ in range(2)]
+    split = [w.clone().requires_grad_() for w in whole]
+    parts = [[s[lo:hi] for s in split] for lo, hi in ((0, 5), (5, 6), (6, 12))]
+    value, counts = _global_step(parts)
+    ref = [w.clone().requires_grad_() for w in whole]
+    hand = sum(moe.load_balancing_loss(r, K, form="global") * r.shape[0] for r in ref)
+    for layer, r in enumerate(ref):
+        top = torch.topk(torch.softmax(r.detach(), -1), K, -1).indices
+        assert torch.equal(counts[layer], torch.bincount(top.reshape(-1), minlength=E))
+    torch.testing.assert_close(value, float(hand.detach()) / NUM_TARGETS, rtol=1e-6, atol=0)
+    (0.3 * hand / NUM_TARGETS).backward()
+    for s, r in zip(split, ref):
+        torch.testing.assert_close(s.grad, r.grad, rtol=1e-5, atol=1e-9)
+    # each micro-batch alone (its own counts: no counting pass) is another loss: the global counts matter
+    alone = sum(moe.load_balancing_loss(p[0].detach(), K, form="global") * p[0].shape[0] for p in parts)
+    assert abs(float(alone) - float(moe.load_balancing_loss(whole[0], K, form="global")) * 12) > 1e-3
+
+
+def test_a_global_batch_replay_reads_its_layers_row():
+    """A recomputed block's replay (``replaying(layer)``) reads the counts of its own layer's op, not
+    the next op of a forward: its gradient is the forward's."""
+    g = torch.Generator().manual_seed(6)
+    logits = [torch.randn(6, E, generator=g).requires_grad_() for _ in range(2)]
+    ops = MoeOps(rows=(0, 1), layers=(1, 2), num_rows=2, num_experts=E)
+    losses = RouterLosses(RouterLossConfig("global-batch", 0.3, 0.0))
+    comm = CommContext.single(router_losses=losses)
+    with losses.counting(ops, 0, 0, torch.device("cpu")) as counts, torch.no_grad():
+        view = comm.for_microbatch(num_targets=NUM_TARGETS)
+        for t in logits:
+            view.moe_router_losses(t, t, K)
+    counts[1] = counts[1].flip(0)        # the second layer's counts unlike its own tokens'
+    losses.use_global_counts(counts)
+    view = comm.for_microbatch(num_targets=NUM_TARGETS)
+    y = torch.zeros(1, requires_grad=True)
+    for t in logits:
+        view.moe_router_losses(y, t, K).sum().backward()
+    forward = [t.grad.clone() for t in logits]
+    for t in logits:
+        t.grad = None
+    with losses.replaying(2):
+        view.moe_router_losses(y, logits[1], K).sum().backward()
+    assert torch.equal(logits[1].grad, forward[1]) and not torch.equal(forward[0], forward[1])
+
+
+def test_who_counts_routing_in_the_global_counts():
+    """Each token once: the first weight rank (unless the op runs on its token slice) and replica."""
+    assert counts_routing(0, 0, sliced=False) and counts_routing(1, 0, sliced=True)
+    assert not counts_routing(1, 0, sliced=False) and not counts_routing(0, 1, sliced=True)
 
 
 def test_a_recomputed_blocks_replay_adds_its_gradient_but_not_its_value_again():

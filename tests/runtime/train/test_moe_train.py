@@ -3,8 +3,8 @@ on one rank, and under a schedule mixing TP (the routed and shared experts shard
 and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
 sums reduce-scattered), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks, there with
 the router losses added
-(``--moe-aux-loss per-document`` and a z-loss: the reference adds each document's losses by hand, and the
-logged values equal its own).
+(``--moe-aux-loss per-document`` or ``global-batch``, and a z-loss: the reference adds each document's
+losses, or each layer's over the whole mini-batch at once, by hand, and the logged values equal its own).
 
 Reference semantics: a parameter no token reached in a step (an expert no token chose) has an exact-zero
 gradient, as in Megatron's and DDP's gradient buffers, so Adam still steps it with its moments; PyTorch's
@@ -41,8 +41,8 @@ def data(tmp_path_factory):
 
 
 def _router_losses(logits, k):
-    """One document's per-document load-balancing sum and z-loss sum of one layer's router ``logits``, by
-    hand: ``E * sum_e f_e * sum_t p_te`` with ``f_e`` its share of the document's assignments, and
+    """The load-balancing sum and z-loss sum of one layer's router ``logits`` (a document's, or the whole
+    mini-batch's), by hand: ``E * sum_e f_e * sum_t p_te`` with ``f_e`` their share of the assignments, and
     ``sum_t logsumexp(logits_t)^2`` (``runtime/engine/router_losses``)."""
     probs = torch.softmax(logits.float(), -1)
     num_experts = logits.shape[-1]
@@ -50,10 +50,11 @@ def _router_losses(logits, k):
     return num_experts * (f * probs.sum(0)).sum(), torch.logsumexp(logits.float(), -1).square().sum()
 
 
-def _reference(path, steps, lr=1e-3, router_losses=False):
-    """The PyTorch run (zero gradients for unreached experts; with ``router_losses`` the per-document
-    load-balancing loss and the z-loss added, coefficients AUX_COEF and Z_COEF) and its near-tie tokens:
-    ``{(layer, expert)}`` of the experts ranked k and k+1 at each token closer than TIE_TOLERANCE."""
+def _reference(path, steps, lr=1e-3, router_losses=None):
+    """The PyTorch run (zero gradients for unreached experts; with ``router_losses`` "per-document" or
+    "global-batch" that load-balancing loss and the z-loss added, coefficients AUX_COEF and Z_COEF) and
+    its near-tie tokens: ``{(layer, expert)}`` of the experts ranked k and k+1 at each token closer than
+    TIE_TOLERANCE."""
     torch.manual_seed(0)
     model = llama_moe.build("tiny")
     k = model.config.top_k
@@ -62,7 +63,7 @@ def _reference(path, steps, lr=1e-3, router_losses=False):
 
     def watch(index):
         def hook(module, inputs, logits):
-            seen.append(logits)
+            seen.append((index, logits))
             probs = torch.softmax(logits.detach().float(), -1)
             top = torch.topk(probs, k + 1, -1)
             for t in (top.values[:, k - 1] - top.values[:, k] < TIE_TOLERANCE).nonzero().flatten().tolist():
@@ -79,16 +80,24 @@ def _reference(path, steps, lr=1e-3, router_losses=False):
     for batch in mini_batches(read_jsonl(path), 30, steps):
         opt.zero_grad()
         total, ce, router = torch.zeros(()), 0.0, [0.0, 0.0]
+        layers: dict[int, list[torch.Tensor]] = {}      # the whole mini-batch's router logits per layer
         for d in batch.docs:
             ids = torch.tensor([d.input_ids])
             seen.clear()
             doc = F.cross_entropy(model(ids)[0, :-1], ids[0, 1:], reduction="sum")
             total, ce = total + doc, ce + float(doc.detach())
-            if router_losses:
-                for logits in seen:
-                    aux, z = _router_losses(logits.reshape(-1, logits.shape[-1]), k)
+            for index, logits in seen:
+                logits = logits.reshape(-1, logits.shape[-1])
+                layers.setdefault(index, []).append(logits)
+                if router_losses == "per-document":
+                    aux, z = _router_losses(logits, k)
                     total = total + AUX_COEF * aux + Z_COEF * z
                     router = [router[0] + float(aux.detach()), router[1] + float(z.detach())]
+        if router_losses == "global-batch":
+            for logits in layers.values():      # each layer's losses over all its tokens at once
+                aux, z = _router_losses(torch.cat(logits), k)
+                total = total + AUX_COEF * aux + Z_COEF * z
+                router = [router[0] + float(aux.detach()), router[1] + float(z.detach())]
         (total / batch.num_targets).backward()
         for p in model.parameters():
             if p.grad is None:
@@ -134,15 +143,18 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
     _assert_like_with_near_ties(losses, state, reference, near)
 
 
-def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys):
+@pytest.mark.parametrize("form", ["per-document", "global-batch"])
+def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys, form):
     schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
-    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5, "--moe-aux-loss", "per-document",
+    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5, "--moe-aux-loss", form,
                                 "--moe-aux-loss-coef", str(AUX_COEF), "--moe-z-loss-coef", str(Z_COEF))
     # the TP2 pipelines ran Megatron SP: every TP rank routed all the micro-batch's tokens through its
-    # slices of the experts, the router's gradient a partial sum over the TP ranks; the CP and Ulysses
-    # ranks summed each document's routing counts, so the per-document loss is the one-device one
+    # slices of the experts, the router's gradient a partial sum over the TP ranks; per document, the CP
+    # and Ulysses ranks summed each document's routing counts; over the global batch, a counting pass
+    # before each step's 1F1B counted every rank's micro-batches (each token once: the first TP rank)
+    # and one all-reduce summed them: either loss is the one-device one
     assert out["sequence_parallel"] == "on"
-    reference, near, routers = _reference(data, 5, router_losses=True)
+    reference, near, routers = _reference(data, 5, router_losses=form)
     # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
     # the reference's zero-filled one must equal (Adam moves it by its moments)
     _assert_like_with_near_ties(losses, state, reference, near)
