@@ -22,7 +22,7 @@ on one group.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,7 +67,9 @@ class OverlappedUpdate:
         # the loss rides in the first reduction (every rank of the world is in it) while its slots are
         # small; else it has an all-reduce of its own (``_loss``, ``_loss_work``)
         first = push.buckets.buckets[0].group if push.buckets.buckets else ()
-        self.carry_loss = 8 * len(first) * params.world_size <= CARRY_MAX_BYTES
+        self._slot_pairs = len(first) * params.world_size       # a value's slot pairs: 8 bytes each
+        self.carry_loss = 8 * self._slot_pairs <= CARRY_MAX_BYTES
+        self.global_extra: tuple[float, ...] = ()     # the values summed beside the loss (``set_loss``)
         self._loss: Optional[torch.Tensor] = None
         self._loss_work: Any = None
 
@@ -93,26 +95,30 @@ class OverlappedUpdate:
         self._prefetch = prefetch
         self._held = {name: [] for name in self.params.order}
         self.global_loss = None
+        self.global_extra = ()
         self._loss = self._loss_work = None
         self._updated, self._posted = set(), []
 
-    def set_loss(self, loss_share: float) -> None:
-        """This rank's share of the step's loss sum, before any reduction of the step is issued: it
-        rides in the first reduction (each rank's value in its own slot, as an fp32 pair hi + lo, so
-        the sum is taken in float64 in rank order, the same on every rank), or, past
-        ``CARRY_MAX_BYTES`` (``carry_loss`` False), is summed in a float64 all-reduce issued now."""
-        if not self.carry_loss:
+    def set_loss(self, loss_share: float, extra: Sequence[float] = ()) -> None:
+        """This rank's share of the step's loss sum (and of ``extra`` values summed alike, the same count
+        on every rank: the MoE router losses), before any reduction of the step is issued: they ride in
+        the first reduction (each rank's values in its own slots, each as an fp32 pair hi + lo, so each
+        sum is taken in float64 in rank order, the same on every rank), or, past ``CARRY_MAX_BYTES``
+        (``carry_loss`` False), are summed in one float64 all-reduce issued now."""
+        values = (loss_share, *extra)
+        if not self.carry_loss or 8 * len(values) * self._slot_pairs > CARRY_MAX_BYTES:
             device = next(iter(self.params.masters.values())).device
-            self._loss = torch.full((1,), loss_share, dtype=torch.float64, device=device)
+            self._loss = torch.tensor(values, dtype=torch.float64, device=device)
             loss = self._loss
             self._loss_work = self.push.issuer.issue("all_reduce", None, loss, lambda: dist.all_reduce(
                 loss, async_op=True), "loss")
             return
-        rank, world_size = self.params.rank, self.params.world_size
-        hi = torch.tensor(loss_share, dtype=torch.float64).to(torch.float32)
-        lo = (torch.tensor(loss_share, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
-        slots = torch.zeros(2 * world_size, dtype=torch.float32)
-        slots[2 * rank], slots[2 * rank + 1] = hi, lo
+        rank, world_size, k = self.params.rank, self.params.world_size, len(values)
+        slots = torch.zeros(2 * k * world_size, dtype=torch.float32)
+        for j, value in enumerate(values):
+            hi = torch.tensor(value, dtype=torch.float64).to(torch.float32)
+            lo = (torch.tensor(value, dtype=torch.float64) - hi.double()).float() if hi.isfinite() else 0.0
+            slots[2 * (rank * k + j)], slots[2 * (rank * k + j) + 1] = hi, lo
         self.push.buckets.carry(slots)    # copied into the reduction's buffer, on its device
 
     def catch_up(self) -> None:
@@ -137,11 +143,14 @@ class OverlappedUpdate:
         if self.global_loss is None:
             if self._loss_work is not None:
                 self._loss_work.wait()
-                self.global_loss = float(self._loss[0])
+                self.global_loss, *extra = self._loss.tolist()
+                self.global_extra = tuple(extra)
             elif buckets.carried is None:
                 raise HGraphError("overlapped update: the step's loss was not set before its reductions")
-            else:
-                self.global_loss = float(buckets.carried.double().view(-1, 2).sum(1).sum())
+            else:       # per value: its pairs' sums, then the ranks' sum in rank order
+                pairs = buckets.carried.double().view(self.params.world_size, -1, 2).sum(2)
+                sums = [float(pairs[:, j].contiguous().sum()) for j in range(pairs.shape[1])]
+                self.global_loss, self.global_extra = sums[0], tuple(sums[1:])
         if not math.isfinite(self.global_loss):
             return
         self.update({name: self.push.owned_gradient(name, self._held) for name in names})

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -206,9 +206,10 @@ class ParamSync:
         if self._overlap:
             self.overlapped.catch_up()
 
-    def set_loss(self, loss_share: float) -> None:
-        """This rank's share of the step's loss sum, before any reduction (overlapped update)."""
-        self.overlapped.set_loss(loss_share)
+    def set_loss(self, loss_share: float, extra: Sequence[float] = ()) -> None:
+        """This rank's share of the step's loss sum, and of ``extra`` values summed with it, before any
+        reduction (overlapped update)."""
+        self.overlapped.set_loss(loss_share, extra)
 
     def finish_update(self, grads: Mapping[str, Optional[torch.Tensor]]) -> float:
         """End an overlapped-update step (``OverlappedUpdate.finish``); returns the step's global loss
@@ -244,6 +245,7 @@ class SyncOutcome:
 
     loss_sum: float
     grad_shards: Optional[dict[str, torch.Tensor]]
+    extra: tuple[float, ...] = ()      # the values summed with the loss (its all-reduce's after the loss)
 
 
 class SyncStep:
@@ -285,14 +287,15 @@ class SyncStep:
         """The step's bytes, by direction and kind (``SyncStats``)."""
         return dict(vars(self._sync.stats))
 
-    def backward_starts(self, loss_share: float) -> None:
+    def backward_starts(self, loss_share: float, extra: Sequence[float] = ()) -> None:
         """The step's last backward starts, every forward done (``loss_share``: this rank's final share
-        of the loss sum): an overlapped update's loss rides in the first reduction, so it is set before
-        any; from now on a finished gradient issues its bucket."""
+        of the loss sum; ``extra``: of values summed with it, as many on every rank): an overlapped
+        update's loss rides in the first reduction, so it is set before any; from now on a finished
+        gradient issues its bucket."""
         if self._loss_set or self._finished:
             raise HGraphError("SyncStep.backward_starts: called twice, or after finish")
         if self.overlapped:
-            self._sync.set_loss(loss_share)
+            self._sync.set_loss(loss_share, extra)
         self._loss_set = True
         self._sync.arm_push()
 
@@ -300,26 +303,29 @@ class SyncStep:
         """Complete every pull still in flight (sends, and parameters no forward waited for)."""
         self._sync.finish_pulls()
 
-    def finish(self, grads: Mapping[str, Optional[torch.Tensor]], all_reduce_loss: LossAllReduce) -> SyncOutcome:
+    def finish(self, grads: Mapping[str, Optional[torch.Tensor]], all_reduce_loss: LossAllReduce,
+               extra: Sequence[float] = ()) -> SyncOutcome:
         """The step's push (collective): with the overlapped update, the rest of its reductions, the
-        loss among them (zero from a rank without micro-batches, whose backward never started), and
-        the shards' updates; otherwise the reduce-scatters backward did not issue, then the loss's
-        all-reduce (``all_reduce_loss``, in flight during the push), then the transfers to the
-        optimizer owners."""
+        loss among them (zero from a rank without micro-batches, whose backward never started, with its
+        ``extra`` values), and the shards' updates; otherwise the reduce-scatters backward did not
+        issue, then the loss's all-reduce (``all_reduce_loss``: the loss, then any values summed with
+        it; in flight during the push), then the transfers to the optimizer owners."""
         if self._finished:
             raise HGraphError("SyncStep.finish called twice")
         self._finished = True
         sync = self._sync
         if self.overlapped:
             if not self._loss_set:
-                sync.set_loss(0.0)
-            return SyncOutcome(sync.finish_update(grads), None)    # the shards are updated when it is finite
+                sync.set_loss(0.0, extra)
+            loss = sync.finish_update(grads)         # the shards are updated when it is finite
+            return SyncOutcome(loss, None, sync.overlapped.global_extra)
         sync.flush_pushes(grads)         # before the loss's all-reduce: every rank issues them in one order
         value, work = all_reduce_loss()
         shards = sync.push(grads)
         if work is not None:
             work.wait()
-        return SyncOutcome(float(value[0]), shards)
+        loss, *rest = value.tolist()
+        return SyncOutcome(loss, shards, tuple(rest))
 
 
 def _call_alive(method: weakref.WeakMethod, *args: Any) -> None:

@@ -374,13 +374,15 @@ class Executor:
             if self.router_losses is not None and self.router_losses.global_batch:
                 self._count_routing(state, mine, num_targets)
             loss_sum = run_one_f_one_b(state, mine, num_targets, self._feed(state), self.issuer,
-                                       lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
+                                       lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum),
+                                                                                  self._router_shares()))
             t_backward = time.perf_counter()
             state.comm.wait_all()
             sync_step.complete_pulls()
             t_compute = time.perf_counter()
             grads = {name: w.grad for name, w in state.working.items()}
-            outcome = sync_step.finish(grads, lambda: self._issue_global_loss(rp, loss_sum))
+            outcome = sync_step.finish(grads, lambda: self._issue_global_loss(rp, loss_sum, self._router_shares()),
+                                       self._router_shares())
         t_push = time.perf_counter()
         total_loss, grad_shards = outcome.loss_sum, outcome.grad_shards
         # no reduction issued (one rank, point-to-point only): the push began after the compute
@@ -398,7 +400,7 @@ class Executor:
         elif grad_shards is not None:
             total = self.optimizer.step(grad_shards)
             norm = float(total) if total is not None else None
-        moe_losses = self._global_router_losses(num_targets)
+        moe_losses = self._router_values(outcome.extra)
         t_end = time.perf_counter()
         memory = {}
         if state.memory is not None:
@@ -421,17 +423,20 @@ class Executor:
                           cache_hit=lookup.cache_hit, switch_s=lookup.switch_s, built_ahead=lookup.built_ahead,
                           build_s=lookup.build_s, build_lead_s=lookup.build_lead_s, **moe_losses, **memory)
 
-    def _global_router_losses(self, num_targets: int) -> dict:
-        """The step's MoE router losses summed over the world (``moe_aux_loss``, ``moe_z_loss``: each over
-        the MoE layers, per target, before its coefficient); nothing when the run adds none."""
+    def _router_shares(self) -> tuple[float, ...]:
+        """This rank's shares of the step's MoE router losses, summed over the world with the loss (in its
+        all-reduce, or riding with it in the overlapped update's first reduction): no collective of
+        their own. Empty when the run adds none."""
+        return self.router_losses.values() if self.router_losses is not None else ()
+
+    def _router_values(self, summed: Sequence[float]) -> dict:
+        """The step's MoE router losses (``moe_aux_loss``, ``moe_z_loss``: each over the MoE layers, per
+        target, before its coefficient) from their world sums; nothing when the run adds none."""
         if self.router_losses is None:
             return {}
-        value = torch.tensor(self.router_losses.values(), dtype=torch.float64)
-        if self.world_size > 1:
-            self.issuer.run("all_reduce", None, value, lambda: dist.all_reduce(value, async_op=True), "moe losses")
         cfg = self.router_losses.config
-        return dict(moe_aux_loss=float(value[0]) if cfg.aux_loss != "none" and cfg.aux_coef else None,
-                    moe_z_loss=float(value[1]) if cfg.z_coef else None)
+        return dict(moe_aux_loss=summed[0] if cfg.aux_loss != "none" and cfg.aux_coef else None,
+                    moe_z_loss=summed[1] if cfg.z_coef else None)
 
     def _count_routing(self, state: RankState, mine: Sequence[MicroBatch], num_targets: int) -> None:
         """The global-batch load balancing's counting pass (``engine/router_losses``): this rank's
@@ -500,11 +505,14 @@ class Executor:
         first TP rank and replica; every CP rank holds part of the loss): ``RankProgram.counts_loss``."""
         return loss_sum if rp.counts_loss else 0.0
 
-    def _issue_global_loss(self, rp: RankProgram, loss_sum: float) -> tuple[torch.Tensor, Optional[dist.Work]]:
-        """Start summing the mini-batch's loss over the world; returns the buffer and the work to
-        wait for (None on one rank)."""
+    def _issue_global_loss(self, rp: RankProgram, loss_sum: float, extra: Sequence[float] = ()
+                           ) -> tuple[torch.Tensor, Optional[dist.Work]]:
+        """Start summing the mini-batch's loss (then ``extra`` values: the router losses) over the world;
+        returns the buffer and the work to wait for (None on one rank)."""
         # a fill, not a copy from the host: nothing waits for the GPU's backward here
-        value = torch.full((1,), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
+        value = torch.full((1 + len(extra),), self._loss_share(rp, loss_sum), dtype=torch.float64, device=self.device)
+        if extra:
+            value[1:] = torch.tensor(extra, dtype=torch.float64)
         work = (self.issuer.issue("all_reduce", None, value, lambda: dist.all_reduce(value, async_op=True), "loss")
                 if self.world_size > 1 else None)
         return value, work

@@ -53,6 +53,7 @@ from hgraph import moe
 from hgraph.dims import BindingKey
 from hgraph.meta import get_meta
 from hgraph.moe import load_balancing_sum
+from hgraph.runtime.comm.moe_counts import token_holder_keys
 
 #: the forms of ``[model] moe-aux-loss``
 AUX_LOSS_FORMS = ("none", "per-document", "hf", "global-batch")
@@ -144,7 +145,7 @@ class _AddLossGradient(torch.autograd.Function):
 
 class RouterLosses:
     """A rank's router losses over one step: ``add`` per MoE op and micro-batch, the step's values
-    (``values``, this rank's share, summed over the world by the executor)."""
+    (``values``, this rank's share, summed over the world with the loss by the executor)."""
 
     def __init__(self, config: RouterLossConfig):
         self.config = config
@@ -214,7 +215,6 @@ class RouterLosses:
             return 0.0, 0.0
         aux = sum(float(a) for a, _ in self._parts)
         z = sum(float(b) for _, b in self._parts)
-        self._parts = []
         return aux, z
 
     def add(self, comm: Any, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -277,18 +277,16 @@ def _document_segments(keys: Any, device: torch.device) -> tuple[torch.Tensor, i
 
 
 def _sum_over_token_holders(comm: Any, counts: torch.Tensor, sliced: bool) -> torch.Tensor:
-    """``counts`` summed over the ranks that hold other tokens of this micro-batch: its CP and Ulysses
-    groups, and its TP group when the op runs on a TP rank's token slice (forward only: counts have no
-    gradient)."""
-    keys = [BindingKey.CP, BindingKey.UL] + ([BindingKey.TP] if sliced else [])
-    for key in keys:
+    """``counts`` summed over the ranks that hold other tokens of this micro-batch (``token_holder_keys``)
+    (forward only: counts have no gradient)."""
+    for key in token_holder_keys(sliced):
         ranks = tuple(comm.bindings.get(key, (comm.rank,)))
         if len(ranks) < 2:
             continue
         group = comm.groups.get(ranks)
         comm.issuer.run("all_reduce", group, counts,
                         lambda group=group: dist.all_reduce(counts, group=group, async_op=True),
-                        f"moe counts {key.value}")
+                        f"moe counts {key}")
     return counts
 
 

@@ -52,9 +52,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch.fx as fx
 
-from hgraph import ops
+from hgraph import moe, ops
 from hgraph.dims import BindingKey
-from hgraph.meta import CommPoint, get_meta
+from hgraph.meta import CommPoint, TPRole, get_meta
 from hgraph.program import Program, RankProgram
 from hgraph.runtime.comm.grad_buckets import DEFAULT_BUCKET_BYTES, GradBuckets
 from hgraph.runtime.comm.order.collective import Collective
@@ -63,11 +63,14 @@ from hgraph.runtime.comm.overlapped_update import CARRY_MAX_BYTES, is_plain_data
 from hgraph.runtime.comm.pull import (DEFAULT_PULL_BUCKET_BYTES, GLOO_PULL_BUCKET_BYTES, gather_buckets,
                                       pull_message_rounds)
 from hgraph.runtime.comm.push import push_message_rounds, spans_earlier_stages
+from hgraph.runtime.comm.moe_counts import token_holder_keys
 from hgraph.runtime.kernels.head_cross_entropy import chunk_tokens
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 from hgraph.strategy import Strategy
 
 BACKENDS = ("nccl", "gloo")
+#: the MoE load-balancing forms (``[model] moe-aux-loss``, ``engine/router_losses.AUX_LOSS_FORMS``)
+MOE_AUX_LOSSES = ("none", "per-document", "hf", "global-batch")
 
 #: per op of the rank graphs that talks to peers: the collectives its forward issues and those its
 #: backward issues (``runtime/comm/collectives``: Megatron f / g, all-gathers whose gradient is
@@ -105,7 +108,9 @@ class StepPlan:
     fp32); ``overlap_update``: the optimizer update overlapped with the backward (None: where the
     executor runs it, ``ParamSync.can_overlap_update``: plain data parallelism, the push in the
     backward, no clipping; any backend), then ``prefetched``: the last step pulled this one's all-gathers, and
-    ``prefetch``: this step pulls the next one's (``derive_steps`` sets both from the schedule)."""
+    ``prefetch``: this step pulls the next one's (``derive_steps`` sets both from the schedule);
+    ``moe_aux_loss``: the MoE load-balancing form a run adds (``[model] moe-aux-loss``, "none" when off
+    or its coefficient is 0) and ``moe_z_loss``: the router z-loss (``engine/router_losses``)."""
 
     microbatches: tuple[int, ...]
     tokens: int = 32
@@ -120,12 +125,16 @@ class StepPlan:
     overlap_update: Optional[bool] = None
     prefetched: bool = False
     prefetch: bool = False
+    moe_aux_loss: str = "none"
+    moe_z_loss: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"backend {self.backend!r}: expected one of {list(BACKENDS)}")
         if any(m < 0 for m in self.microbatches) or self.tokens < 1:
             raise ValueError(f"plan: micro-batch counts {list(self.microbatches)} must be >= 0 and tokens >= 1")
+        if self.moe_aux_loss not in MOE_AUX_LOSSES:
+            raise ValueError(f"moe_aux_loss {self.moe_aux_loss!r}: expected one of {list(MOE_AUX_LOSSES)}")
 
     @property
     def gloo(self) -> bool:
@@ -139,13 +148,20 @@ class StepPlan:
     def in_backward(self) -> bool:
         return True if self.push_in_backward is None else self.push_in_backward
 
+    @property
+    def loss_values(self) -> int:
+        """The values of the loss's all-reduce: the loss, and the two router losses when a run adds any."""
+        return 3 if self.moe_aux_loss != "none" or self.moe_z_loss else 1
+
     def describe(self) -> str:
         counts = sorted(set(self.microbatches), reverse=True)
         per = ", ".join(f"{k} on {self.microbatches.count(k)}" for k in counts)
         return (f"micro-batches per pipeline: {per} pipeline(s), {self.tokens} tokens each"
                 + (", every block recomputed" if self.recompute else "")
                 + f", {self.backend}, push {'in' if self.in_backward else 'after'} the backward"
-                + (", clipping" if self.grad_clip else ""))
+                + (", clipping" if self.grad_clip else "")
+                + (f", MoE load balancing {self.moe_aux_loss}" if self.moe_aux_loss != "none" else "")
+                + (", MoE z-loss" if self.moe_z_loss else ""))
 
 
 def representative_plan(strategy: Strategy, k: Optional[int] = None, idle: bool = True, **options: Any) -> StepPlan:
@@ -217,6 +233,11 @@ def _read_graph(rp: RankProgram, plan: StepPlan) -> _RoleGraph:
                 out.forward.append((i, layer, [_Event(k, key, label, dtype) for k in fwd]))
             if bwd:
                 out.backward[i] = [_Event(k, key, f"{label} backward", dtype) for k in bwd]
+        elif n.target is moe.moe_layer and plan.moe_aux_loss == "per-document":
+            # the document counts summed over the ranks holding the micro-batch's other tokens, forward only
+            # (``router_losses._sum_over_token_holders``): replayed with the block when it recomputes
+            out.forward.append((i, get_meta(n).layer, [_Event("all_reduce", key, f"moe counts {key}", "int64")
+                                                       for key in _token_holders(rp, n)]))
         elif t == "output_head":
             sizes = _arg(n, "sizes")
             w = _arg(n, "w")
@@ -227,6 +248,15 @@ def _read_graph(rp: RankProgram, plan: StepPlan) -> _RoleGraph:
             if first is not None:
                 out.finals.setdefault(first, []).append(n.target)
     return out
+
+
+def _token_holders(rp: RankProgram, node: fx.Node) -> list[str]:
+    """The groups an MoE op's per-document counts are summed over: the dimensions that split tokens
+    (CP, Ulysses) and the TP group when the op runs on a TP rank's token slice (experts whole under
+    sequence parallelism: ``passes/sequence_parallel``)."""
+    graph_sp = any(_target(m) in ("sp_gather_issue", "sp_scatter_issue") for m in rp.graph_module.graph.nodes)
+    sliced = rp.scheme.tp > 1 and graph_sp and get_meta(node).tp_role != TPRole.EXPERTS
+    return [k for k in token_holder_keys(sliced) if k in rp.bindings]
 
 
 def _param_rows(rp: RankProgram, node: fx.Node) -> int:
@@ -309,9 +339,16 @@ class _RoleSteps:
                 out.append(_Event(final=tuple(g.finals[i])))
         return out
 
+    def _counting(self, count: int) -> list[_Event]:
+        """The global-batch load balancing's counting pass (``Executor._count_routing``): every
+        micro-batch forward without the loss or the recomputation agreement, its sends not deferred, then
+        the counts' all-reduce over the world."""
+        out = [e for _ in range(count) for _, _, events in self.graph.forward for e in events]
+        return out + [_Event("all_reduce", "world", "moe counts global", "int64")]
+
     def _derive(self, count: int) -> list[_Event]:
         rp = self.rp
-        out: list[_Event] = []
+        out: list[_Event] = self._counting(count) if self.plan.moe_aux_loss == "global-batch" else []
         order = one_f_one_b(count, rp.scheme.pp, rp.stage)
         last_stage = rp.stage == rp.scheme.pp - 1
         deferred: list[_Event] = []
@@ -445,12 +482,13 @@ class StepDeriver:
 
         # past ``CARRY_MAX_BYTES`` the overlapped update's loss takes an all-reduce of its own, issued
         # before the step's first reduction (``OverlappedUpdate.set_loss``)
+        loss_shape = (plan.loss_values,)        # the loss, and the MoE router losses summed with it
         own_loss = (self.overlap and bool(buckets)
-                    and 8 * len(buckets[0].group) * world > CARRY_MAX_BYTES)
+                    and 8 * plan.loss_values * len(buckets[0].group) * world > CARRY_MAX_BYTES)
 
         def bucket(j: int) -> Collective:
             if j == 0 and own_loss:
-                out.append(Collective("all_reduce", tuple(range(world)), (1,), "float64", "loss"))
+                out.append(Collective("all_reduce", tuple(range(world)), loss_shape, "float64", "loss"))
             return Collective(reduce_kind, buckets[j].group, dtype="float32", label=f"push bucket {j}")
 
         # the overlapped update (``OverlappedUpdate``): a reduction is taken one behind the newest
@@ -498,7 +536,7 @@ class StepDeriver:
             take_until(len(buckets))
             return out
         # 4. the step's end
-        out.append(Collective("all_reduce", tuple(range(world)), (1,), "float64", "loss"))
+        out.append(Collective("all_reduce", tuple(range(world)), loss_shape, "float64", "loss"))
         out += _p2p_rounds(r, push_message_rounds(program, r), "push")
         if G < world:
             out += self._across_groups(r)

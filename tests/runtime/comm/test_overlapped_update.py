@@ -4,7 +4,8 @@
   the masters after an overlapped step equal, bit for bit, those of the plain path (``push`` + one
   optimizer step) on the same integer-valued gradients (every sum exact); the prefetched working
   tensors equal the updated masters; the loss carried in the first reduction is the exact sum; a
-  non-finite loss updates nothing. The same run over reduce_scatter_tensor (NCCL's path, forced
+  non-finite loss updates nothing; values carried beside the loss (the MoE router losses) are summed
+  alike. The same run over reduce_scatter_tensor (NCCL's path, forced
   on gloo with ``all_to_all=False``), with the loss carried or in an all-reduce of its own (a large
   world's way), is bit for bit the all-to-all one.
 * Executor level: the next step of the same Program reuses the prefetched pull, a checkpoint load
@@ -22,6 +23,11 @@ from hgraph.frontends.zoo import llama
 from hgraph.runtime.train.launch import spawn
 
 WORLD = 4
+
+
+def EXTRA(rank):
+    """A rank's values carried beside its loss share (exact halves: their sums are exact)."""
+    return (0.5 * rank, 1.0 + rank)
 
 
 def _ints(shape, seed):
@@ -74,16 +80,19 @@ def _param_sync_worker(rank, world):
 
     grad_buckets.reduce_scatter_single = counted
 
+    extras = []         # each overlapped step's sums of the values beside the loss
+
     def overlapped_step(sync, working, grads, loss_share):
         scatters.clear()
         sync.begin_step(overlap_update=True, prefetch=True)
         sync.finish_pulls()
-        sync.set_loss(loss_share)
+        sync.set_loss(loss_share, EXTRA(rank))     # values summed with the loss (the MoE router losses)
         sync.arm_push()
         # backward finishes the gradients one by one: the hooks issue and take reductions
         sum((w * grads[n]).sum() for n, w in working.items()).backward()
         in_backward = sync.updates_in_backward
         total = sync.finish_update({n: w.grad for n, w in working.items()})
+        extras.append(sync.overlapped.global_extra)
         sync.end_step()
         for w in working.values():
             w.grad = None
@@ -96,7 +105,7 @@ def _param_sync_worker(rank, world):
         total, in_backward, a2a_scatters = overlapped_step(overlapped, working, grads, loss_share)
         scattered_total, scattered_in_backward, scatters_run = overlapped_step(scattered, working_c, grads, loss_share)
         separate_total = overlapped_step(separate, working_d, grads, loss_share)[0]
-        record = {"loss": total, "in_backward": in_backward, "reused": overlapped.pull_reused,
+        record = {"loss": total, "extras": extras[-3:], "in_backward": in_backward, "reused": overlapped.pull_reused,
                   "buckets": len(overlapped._buckets.buckets),
                   "scatters": (a2a_scatters, scatters_run),
                   "scattered": (scattered_total, scattered_in_backward, scattered.pull_reused,
@@ -143,6 +152,10 @@ def test_overlapped_update_equals_push_then_step_and_prefetches_the_next_pull(pa
         assert not third["reused"]
         assert third["masters_equal"] and third["prefetched_current"]
         assert third["loss"] == 0.25 * WORLD
+        # the values beside the loss are summed alike, carried, over reduce_scatter_tensor or in the
+        # loss's own all-reduce, whatever the loss
+        want = tuple(sum(EXTRA(k)[j] for k in range(WORLD)) for j in range(2))
+        assert all(record["extras"] == [want] * 3 for record in r["steps"]), r["steps"]
 
 
 def test_overlapped_update_over_reduce_scatter_equals_the_all_to_all_path(param_sync_results):
