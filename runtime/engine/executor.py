@@ -23,7 +23,8 @@ owns the order of the pull's and push's phases (``runtime/comm/param_sync``):
    global order; ``SyncStep.finish`` waits for them and LNKs the working gradients to the optimizer
    owners (a pipeline without micro-batches pushes zeros). ``StepResult.push_ms`` times the push from
    its first reduction's issue, ``push_exposed_ms`` the part of it after the backward ended.
-4. The loss is summed over the world (one all-reduce issued before the push and waited after it; a
+4. The loss is summed over the world (one all-reduce issued before the push and waited after it, the
+   MoE router losses' values with it; a
    non-finite loss raises naming the step, or skips the update when ``skip_nonfinite``), then the
    sharded optimizer steps.
 
@@ -58,6 +59,10 @@ Only one Program's working parameters and gradients hold memory at a time: a swi
 storage of the last Program's (``ParamSync.release_working``) before it allocates the next one's
 (``acquire_working``), and a state prepared ahead holds none, so a rank's peak does not grow with the
 number of strategies a run has used or builds ahead.
+
+With global-batch MoE load balancing (``engine/router_losses``) a counting pass runs before 2: the
+rank's micro-batches forward without grad (``_forward_only``, which ``evaluate`` runs too), then one
+all-reduce of the routing counts over the world.
 
 The step's parts live in their own modules: ``rank_state`` (what a rank keeps per Program, its working
 graph), ``sequence_inputs`` (a micro-batch's tokens, targets and keys at the rank's sequence place),

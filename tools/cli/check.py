@@ -21,7 +21,7 @@ import hgraph
 from hgraph.errors import HGraphError
 from hgraph.frontends.zoo import resolve_model_spec
 from hgraph.runtime.comm.order.deadlock import simulate
-from hgraph.runtime.comm.order.derive import BACKENDS, derive_steps, representative_plan
+from hgraph.runtime.comm.order.derive import BACKENDS, MOE_AUX_LOSSES, derive_steps, representative_plan
 from hgraph.runtime.planner.cost.shard_group import parse_shard_group
 from hgraph.strategy import Strategy
 from hgraph.tools.cli.common_options import add_gpus_per_node, add_shard_group, add_world_size, shard_group_cluster
@@ -50,6 +50,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--grad-clip", action="store_true", help="global-norm clipping (its all-reduce)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="working precision (bf16: the vocabulary-parallel loss, as training's auto)")
+    p.add_argument("--moe-aux-loss", choices=MOE_AUX_LOSSES, default="none",
+                   help=("an MoE model's load-balancing form, as training's: per-document (the routing counts' "
+                         "all-reduces over the sequence ranks, per MoE layer and micro-batch), global-batch (a "
+                         "forward-only counting pass, then one all-reduce of the counts over the world), hf, none"))
+    p.add_argument("--moe-z-loss", action="store_true",
+                   help="an MoE model's router z-loss (its value rides on the loss's all-reduce)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -86,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         program = compiled.instantiate(s, cluster)      # one Program per strategy: a repeat is the same
         steps.append((program, representative_plan(s, k=args.microbatches, tokens=args.tokens, backend=args.backend,
                                                    recompute=args.recompute, grad_clip=args.grad_clip,
+                                                   moe_aux_loss=args.moe_aux_loss, moe_z_loss=args.moe_z_loss,
                                                    working_dtype={"fp32": "float32", "bf16": "bfloat16"}[args.dtype])))
     t1 = time.perf_counter()
     sequences = derive_steps(steps)

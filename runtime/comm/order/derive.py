@@ -16,14 +16,18 @@ them on that rank (``runtime/engine/executor``):
    below fp32). A backward runs autograd's order: the CPU engine runs the ready node
    created last, which is the reverse of the forward's creation order, so the collectives of the
    nodes' backwards come in reverse node order (the loss's first); a recomputed block replays its
-   forward collectives where its backward begins (non-reentrant checkpoint unpacks then).
+   forward collectives where its backward begins (non-reentrant checkpoint unpacks then). An MoE
+   op under per-document load balancing all-reduces its routing counts over the Ulysses then the CP
+   group in forward (``comm/moe_counts``), replayed with its block; under global-batch load balancing
+   a counting pass precedes the 1F1B: every micro-batch's forward (no loss, no agreement, sends not
+   deferred), then one int64 all-reduce of the counts over the world (``engine/router_losses``).
 3. **Push buckets** (``grad_buckets.GradBuckets``, their one global order, keyed by where backward
    completes a bucket): with the push in the backward, during the last backward a bucket is issued once its gradients are final (a parameter's
    gradient is final after the backward of its first use in node order: ``AccumulateGrad`` runs
    first among ready nodes) and every bucket before it was issued, but not one over a group holding an
    earlier stage of the rank's pipeline (a tied weight's) nor any after it; ``flush`` issues the rest.
-4. The loss's all-reduce over the world, the push's point-to-point rounds (``push.push_message_rounds``),
-   under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
+4. The loss's all-reduce over the world (3 float64 values with MoE router losses: theirs ride on
+   it), the push's point-to-point rounds (``push.push_message_rounds``), under ``--shard-group`` the all-reduces of the shards among the rank's replicas, and with
    global-norm clipping the norm's all-reduce inside the shard group. Under the overlapped update
    (plain data parallelism) instead: no loss reduction at the end (it rides in the first bucket, or
    past ``CARRY_MAX_BYTES`` takes an all-reduce of its own just before it), and with a

@@ -223,3 +223,46 @@ def test_message_rounds_are_the_posted_rounds():
                 assert pull_message_rounds(program, r, 2, cap) == posted
             posted = [[(b.peer, b.send) for b in round_] for round_ in push_messages(program, r).rounds]
             assert push_message_rounds(program, r) == posted
+
+
+# ---- the MoE router losses' collectives -------------------------------------------------------------------
+def test_router_losses_collectives_are_derived():
+    """An MoE model with router losses (``engine/router_losses``): per document, each MoE op's counts are
+    all-reduced in forward over the Ulysses then the CP group of each micro-batch (and again where a
+    recomputed block replays); over the global batch, a counting pass of every micro-batch's forward
+    precedes the step's 1F1B, then one world all-reduce of the counts; either way the router values
+    ride on the loss's all-reduce (3 values), and the orders are deadlock-free."""
+    from hgraph.frontends.zoo import llama_moe
+    compiled = _COMPILED.setdefault("llama-moe:tiny", hgraph.compile(llama_moe.build("tiny")))
+    strategy = Strategy.parse("1xTP1PP1CP2UL2")
+    program = compiled.instantiate(strategy, Cluster(4))
+    moe_ops, k = 2, 2            # the tiny MoE model's MoE layers; micro-batches in the plan
+
+    def labels(**plan):
+        seqs = derive_step(program, StepPlan((k,), **plan))
+        assert simulate(seqs).ok
+        return [c.label for c in seqs[0]], seqs[0]
+
+    off, _ = labels()
+    assert not any(x.startswith("moe counts") for x in off)
+    per_doc, seq = labels(moe_aux_loss="per-document", moe_z_loss=True)
+    counts = [c for c in seq if c.label.startswith("moe counts")]
+    assert [c.label for c in counts] == ["moe counts ul", "moe counts cp"] * (moe_ops * k)
+    assert all(c.kind == "all_reduce" and c.dtype == "int64" for c in counts)
+    assert {c.group for c in counts if c.label.endswith("ul")} == {(0, 1)}
+    assert {c.group for c in counts if c.label.endswith("cp")} == {(0, 2)}
+    # (a plain data-parallel step carries the loss in its first reduction; pushed to owners, its all-reduce)
+    _, seq = labels(moe_aux_loss="per-document", overlap_update=False)
+    assert next(c for c in seq if c.label == "loss").shape == (3,)
+    _, seq = labels(overlap_update=False)
+    assert next(c for c in seq if c.label == "loss").shape == (1,)
+    replayed, _ = labels(moe_aux_loss="per-document", recompute=True)
+    assert sum(x.startswith("moe counts") and x.endswith("replay") for x in replayed) == 2 * moe_ops * k
+    glob, seq = labels(moe_aux_loss="global-batch")
+    at = glob.index("moe counts global")
+    assert seq[at].group == (0, 1, 2, 3) and seq[at].dtype == "int64"
+    # the counting pass: k forwards of the step's activation collectives before it, then the step's own
+    forward = [x for x in off if not x.startswith(("pull", "push", "loss")) and "backward" not in x]
+    pulls = [x for x in off if x.startswith("pull")]
+    assert glob[:at] == pulls + forward and glob[at + 1:] == off[len(pulls):]
+    assert not any(x.startswith("moe counts") for x in glob if x != "moe counts global")

@@ -27,7 +27,7 @@ import torch
 from tests.runtime.reference_training import assert_trained_like, reference_run
 
 import hgraph
-from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo import llama, resolve_model_spec
 from hgraph.runtime.comm.order.derive import StepPlan, derive_steps
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.documents import Document, mini_batches
@@ -72,6 +72,17 @@ CASES_4 = [
     ("tiny-tied", "1xTP1PP2+1xTP2PP1;4xTP1PP1;1xTP2PP2;1xTP2PP1+2xTP1PP1", {}, {"plan_ahead": 0}),
 ]
 AHEAD, NOT_AHEAD = 1, len(CASES_4) - 1     # the CASES_4 entries above: one schedule with and without
+# the MoE model with its router losses, run in the same processes after CASES_4 for what they issue (their
+# numbers against PyTorch: tests/runtime/train/test_moe_train): per document with every block recomputed
+# (the count all-reduces of CP and Ulysses, replayed), over the global batch (the counting pass and its
+# all-reduce), and none (the world collectives a step makes without them)
+MOE_SCHEDULE = "1xTP1PP1CP2UL2;1xTP2PP2;1xTP2PP1+2xTP1PP1"
+ROUTER = {"moe_aux_loss_coef": 0.5, "moe_z_loss_coef": 0.01}
+MOE_CASES_4 = [
+    ("llama-moe:tiny", MOE_SCHEDULE, {}, {"moe_aux_loss": "per-document", "memory_budget": 1, **ROUTER}),
+    ("llama-moe:tiny", MOE_SCHEDULE, {}, {"moe_aux_loss": "global-batch", **ROUTER}),
+    ("llama-moe:tiny", MOE_SCHEDULE, {}, {}),
+]
 DP_REPEAT = 3       # the CASES_4 entry above
 CASES_8 = [
     ("tiny", "1xTP2PP2+1xTP2PP1+2xTP1PP1;2xTP1PP2+1xTP4PP1;8xTP1PP1", {}, {}),
@@ -151,7 +162,7 @@ def _reference(model_name, overrides, options):
 
 @pytest.fixture(scope="module")
 def results4():
-    return spawn(_worker, 4, args=(CASES_4,), timeout_s=300)
+    return spawn(_worker, 4, args=(CASES_4 + MOE_CASES_4,), timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +309,8 @@ def _derived(model, schedule, world, overrides, options):
     micro-batch counts (``runtime/comm/order/derive``), as the gloo runtime issues them."""
     key = (model, tuple(sorted(overrides.items())), options.get("sequence_parallel"))
     if key not in _COMPILED:
-        _COMPILED[key] = hgraph.compile(llama.build(model, **overrides),
-                                        **{k: options[k] for k in ("sequence_parallel",) if k in options})
+        built = resolve_model_spec(model, overrides) if ":" in model else llama.build(model, **overrides)
+        _COMPILED[key] = hgraph.compile(built, **{k: options[k] for k in ("sequence_parallel",) if k in options})
     compiled = _COMPILED[key]
     strategies = [Strategy.parse(s) for s in schedule.split(";")]
     cluster = Cluster(world, shard_group=options.get("shard_group"))
@@ -309,8 +320,14 @@ def _derived(model, schedule, world, overrides, options):
         counts = tuple(len(pipe) for pipe in dispatch_and_pack(strategy, batch.docs))
         steps.append((compiled.instantiate(strategy, cluster),
                       StepPlan(counts, backend="gloo", recompute=options.get("memory_budget") is not None,
-                               grad_clip=options.get("grad_clip") is not None)))
+                               grad_clip=options.get("grad_clip") is not None, **_router_plan(options))))
     return derive_steps(steps)
+
+
+def _router_plan(options):
+    """The plan's MoE router losses: the load-balancing form when its coefficient is not 0, the z-loss."""
+    aux = options.get("moe_aux_loss", "none") if options.get("moe_aux_loss_coef", 0.01) else "none"
+    return {"moe_aux_loss": aux, "moe_z_loss": bool(options.get("moe_z_loss_coef", 0.0))}
 
 
 def _same_operation(recorded, derived):
@@ -324,8 +341,9 @@ def _same_operation(recorded, derived):
 def test_derived_order_is_recorded(results4, results8, world):
     """The order ``hgraph check`` derives is what every rank issued, step by step, in every case:
     switches, an idle pipeline, recomputation, compiled regions, shard groups, the overlapped update
-    and its prefetch."""
-    results, cases = (results4, CASES_4) if world == 4 else (results8, CASES_8)
+    and its prefetch, the MoE router losses' collectives (per-document counts, replayed; the global
+    batch's counting pass and all-reduce; the router values in the loss's all-reduce)."""
+    results, cases = (results4, CASES_4 + MOE_CASES_4) if world == 4 else (results8, CASES_8)
     for case, (model, schedule, overrides, options) in enumerate(cases):
         derived = _derived(model, schedule, world, overrides, options)
         for rank in range(world):
@@ -335,3 +353,28 @@ def test_derived_order_is_recorded(results4, results8, world):
             assert first is None, (f"case {case} rank {rank}: operation {first + 1} issued "
                                    f"{got[first].describe() if first < len(got) else 'nothing'}, derived "
                                    f"{want[first].describe() if first < len(want) else 'nothing'}")
+
+
+def _world_collectives(issued, world):
+    """Per step (each begins with its pull), the labels of the collectives over the whole world."""
+    return [c.label for c in issued if c.kind != "p2p" and c.group == tuple(range(world))]
+
+
+def test_router_losses_add_no_world_collective_and_the_global_batch_one_all_reduce(results4):
+    """What each rank issued over the world in the MoE cases' steps (recorded by its collective issuer):
+    with the per-document load balancing and the z-loss the same collectives as without router losses
+    (their values ride on the loss's all-reduce), and over the global batch exactly one more per step,
+    the counts' all-reduce."""
+    base = len(CASES_4)
+    per_document, global_batch, off = (base + k for k in range(3))
+    for r in results4:
+        without = _world_collectives(r[off]["issued"], 4)
+        # the loss's all-reduce where the step pushes to owners (the plain data-parallel steps carry it
+        # in their first reduction, with the router values when there are any)
+        assert without.count("loss") == 2
+        # (its memory budget adds the recomputation agreement where a stage spans the world)
+        assert [c for c in _world_collectives(r[per_document]["issued"], 4)
+                if not c.endswith("memory agreement")] == without
+        got = _world_collectives(r[global_batch]["issued"], 4)
+        assert got.count("moe counts global") == STEPS
+        assert [c for c in got if c != "moe counts global"] == without

@@ -16,6 +16,22 @@ def test_deadlock_free_line_and_json(capsys):
     assert got["ok"] and got["ranks"] == 4 and got["line"] == f"deadlock-free: 4 ranks, {got['collectives']} collectives"
 
 
+def test_moe_router_losses_collectives_are_checked(capsys):
+    """An MoE model with router losses: per document, the counts' all-reduces over the CP group (one per
+    MoE layer and micro-batch: 2 x 2 in the working pipeline, the plan's last idles); over the global
+    batch, the counting pass's forwards and its all-reduce; deadlock-free either way (``collectives``
+    counts each group's operations once)."""
+    base = ["check", "--model", "llama-moe:tiny", "--strategy", "2xTP1PP1CP2", "--microbatches", "2", "--json"]
+    counts = {}
+    for form in ("none", "per-document", "global-batch"):
+        assert main(base + ["--moe-aux-loss", form, "--moe-z-loss"]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert got["ok"] and ("MoE load balancing" in got["plans"][0]) == (form != "none")
+        counts[form] = got["collectives"]
+    assert counts["per-document"] == counts["none"] + 2 * 2
+    assert counts["global-batch"] > counts["none"] + 1       # the counting pass's CP gathers, the all-reduce
+
+
 def test_cycle_exits_1(capsys, monkeypatch):
     """An order with a cycle (two buckets of one rank swapped after the derivation): exit 1, the cycle
     in the line and in the JSON's waits."""
