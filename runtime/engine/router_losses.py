@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ import torch.fx as fx
 
 from hgraph import moe
 from hgraph.dims import BindingKey
+from hgraph.errors import HGraphError
 from hgraph.meta import get_meta
 from hgraph.moe import load_balancing_sum
 from hgraph.runtime.comm.moe_counts import token_holder_keys
@@ -95,7 +96,7 @@ class MoeOps:
 def moe_ops_of(model: fx.GraphModule, graph: fx.GraphModule) -> MoeOps:
     """``graph``'s (a rank's stage graph) MoE ops as rows of the model's (``model``: the traced whole
     model, whose node names every stage graph keeps)."""
-    names, experts = [], 1
+    names, experts = [], 0
     for n in model.graph.nodes:
         if n.target is moe.moe_layer:
             names.append(n.name)
@@ -111,7 +112,8 @@ def _router_rows(model: fx.GraphModule, node: fx.Node) -> int:
     while isinstance(w, fx.Node) and w.op != "get_attr":       # past slot nodes, to the parameter
         w = next((a for a in w.args if isinstance(a, fx.Node)), None)
     if w is None:
-        return 1
+        raise HGraphError(f"global-batch load balancing: the router weight of MoE op {node.name} is not a "
+                          "parameter of the traced model; use --moe-aux-loss per-document")
     *path, leaf = w.target.split(".")
     owner = model
     for part in path:
