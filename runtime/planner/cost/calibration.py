@@ -51,7 +51,8 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.torch_compat import reduce_scatter_single
 from hgraph.runtime.comm import p2p
-from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
+from hgraph.runtime.planner.cost.cost_model import CostModel
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
 from hgraph.runtime.planner.cost.push import PushModel
 from hgraph.runtime.planner.cost.ulysses import AllToAll

@@ -41,6 +41,7 @@ from hgraph import dims
 from hgraph.dims import Dim
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
+from hgraph.runtime.planner.cost.moe_cost import ExpertShape
 from hgraph.runtime.planner.cost.profiles import resolve_profile
 from hgraph.runtime.planner.cost.push import PushModel, gradient_bytes, optional_push
 from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repeated_kv_bytes_per_token,
@@ -57,13 +58,15 @@ EMBEDDING_BYTES_PER_PARAM = 16  # App. B.1: the embedding term uses 16 bytes per
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes the memory model needs; the attention heads (None: unknown) decide the Ulysses degrees."""
+    """The sizes the memory model needs; the attention heads (None: unknown) decide the Ulysses degrees,
+    the experts (None: a dense model) the EP degrees and their terms (``cost.moe_cost``)."""
 
     hidden: int
     layers: int
     vocab: int
     heads: Optional[int] = None
     kv_heads: Optional[int] = None      # None: as many as ``heads`` (multi-head attention)
+    experts: Optional[ExpertShape] = None
 
 
 @dataclass(frozen=True)
@@ -381,7 +384,8 @@ class CostModel:
         m = self.model
         body.update({
             "model": {"hidden": m.hidden, "layers": m.layers, "vocab": m.vocab,
-                      **({"heads": m.heads} if m.heads else {}), **({"kv_heads": m.kv_heads} if m.kv_heads else {})},
+                      **({"heads": m.heads} if m.heads else {}), **({"kv_heads": m.kv_heads} if m.kv_heads else {}),
+                      **({"experts": m.experts.to_dict()} if m.experts else {})},
             "schemes": schemes,
             "util_len_tokens": {f"tp{tp}": v for tp, v in sorted(self.util_len_tokens.items())},
             "memory": self.memory.to_dict(),
@@ -466,7 +470,8 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
         mod = entry["model"]
         model = ModelShape(int(mod["hidden"]), int(mod["layers"]), int(mod["vocab"]),
                            int(mod["heads"]) if mod.get("heads") else None,
-                           int(mod["kv_heads"]) if mod.get("kv_heads") else None)
+                           int(mod["kv_heads"]) if mod.get("kv_heads") else None,
+                           ExpertShape.from_dict(mod["experts"], where) if mod.get("experts") else None)
         profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         for s in entry["schemes"]:
             key = (int(s["tp"]), int(s["pp"]), int(s.get("cp", 1)))
@@ -517,31 +522,6 @@ def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_eff
     return cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=gpus_per_node,
                                  cp_efficiency=cp_efficiency, max_cp=max_cp, gpu_memory_bytes=gpu_memory_bytes,
                                  max_ul=max_ul)
-
-
-def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
-    """Least-squares fit of ``ms = a l^2 + b l + c`` to ``[(l, ms)]``.
-
-    Needs three distinct lengths. A negative ``a`` (attention cost hidden by noise) is refitted as
-    linear with ``a = 0``; a negative ``b`` or ``c`` likewise drops that term, so times stay monotone.
-    """
-    pts = np.asarray(list(points), dtype=np.float64)
-    if pts.ndim != 2 or pts.shape[1] != 2:
-        raise HGraphError("fit_coefficients needs (length, ms) pairs")
-    if len(np.unique(pts[:, 0])) < 3:
-        raise HGraphError(f"fitting a*l^2 + b*l + c needs at least 3 distinct lengths, got {len(np.unique(pts[:, 0]))}")
-    l, t = pts[:, 0], pts[:, 1]
-    columns = {"a": l * l, "b": l, "c": np.ones_like(l)}
-    active = ["a", "b", "c"]
-    while True:
-        X = np.stack([columns[k] for k in active], axis=1)
-        sol, *_ = np.linalg.lstsq(X, t, rcond=None)
-        fit = dict(zip(active, sol))
-        negative = [k for k in active if fit[k] < 0]
-        if not negative or len(active) == 1:
-            break
-        active.remove(negative[0])
-    return (float(max(fit.get("a", 0.0), 0.0)), float(max(fit.get("b", 0.0), 0.0)), float(max(fit.get("c", 0.0), 0.0)))
 
 
 Coeffs = dict[Scheme, tuple[float, float, float]]

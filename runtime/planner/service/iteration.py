@@ -29,6 +29,7 @@ from hgraph.runtime.planner.auto_candidates import auto_candidates
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
+from hgraph.runtime.planner.cost.moe_cost import expert_shape_of
 from hgraph.runtime.planner.cost.profiler import measure_host_link
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
                                                         default_device_memory, is_runtime_model,
@@ -51,7 +52,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: int = 8):
     """The cost model for ``--profile``: ``analytic`` = the analytic prior for ``model``'s shape
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers, Ulysses degrees
-    dividing its heads per TP rank) on
+    dividing its heads per TP rank; a MoE model's experts, ``moe_cost.expert_shape_of``) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     if profile not in (ANALYTIC, MEASURE):
@@ -70,7 +71,7 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     return analytic_cost_model(hidden=hidden, layers=layers, vocab=vocab, world_size=world_size,
                                ffn_hidden=int(ffn) if ffn else None, gpus_per_node=gpus_per_node,
                                tps=tps, pps=pps, heads=int(getattr(cfg, "num_heads", 0) or 0),
-                               kv_heads=getattr(cfg, "num_kv_heads", None))
+                               kv_heads=getattr(cfg, "num_kv_heads", None), experts=expert_shape_of(cfg))
 
 
 def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,

@@ -9,7 +9,7 @@ import hgraph.runtime.planner.cost.calibration as calibration
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, PUSH_BYTES, StepCorrection,
                                                     interleaved_layer_timings, scaled_plan)
-from hgraph.runtime.planner.cost.cost_model import fit_coefficients
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.cost.ulysses import ulysses_coeffs
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
