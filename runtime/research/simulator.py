@@ -190,6 +190,8 @@ def pipeline_ms(mb_times: Sequence[float], scheme: Scheme, cost=None) -> float:
 
 
 def _mb_times(cost, scheme: Scheme, mbs: Sequence[Sequence[int]]) -> np.ndarray:
+    if cost.prices_replicas(scheme):        # an EP micro-batch: its slowest replica (``moe_cost``)
+        return np.asarray([cost.microbatch_time(m, scheme) for m in mbs])
     a, b, c = cost.coeffs(scheme)
     return np.asarray([float(np.sum(a * np.square(np.asarray(m, dtype=np.float64)) + b * np.asarray(m))) + c
                        for m in mbs])

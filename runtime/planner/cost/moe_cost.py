@@ -189,6 +189,15 @@ def expert_state_bytes(hidden: int, shape: ExpertShape, *, stage_moe_layers: int
     return stage_moe_layers * expert_params_per_layer(hidden, shape) / ep / tp * bytes_per_param
 
 
+def ep_states_saved(hidden: int, layers: int, shape: ExpertShape, *, pp: int, tp: int, ep: int,
+                    bytes_per_param: float) -> float:
+    """The replicated model-state bytes an EP rank does not hold beside a rank of the same scheme
+    without EP: all but ``1/ep`` of its stage's experts (the slowest stage's ``ceil(moe layers / PP)``)."""
+    stage = math.ceil(shape.moe_layers(layers) / pp)
+    return expert_state_bytes(hidden, shape, stage_moe_layers=stage, tp=tp, ep=1, bytes_per_param=bytes_per_param) \
+        - expert_state_bytes(hidden, shape, stage_moe_layers=stage, tp=tp, ep=ep, bytes_per_param=bytes_per_param)
+
+
 def moe_activation_bytes_per_token(hidden: int, shape: ExpertShape, bytes_per_element: int = 2) -> float:
     """Activation bytes one MoE layer's MLP keeps per token (all TP ranks together): for each of the
     ``k`` routed copies and the shared experts, the expert's input row, its gate and up outputs, the
