@@ -11,6 +11,7 @@ plan needs every id once.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo import llama, llama_moe
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.process.run_log import run_log
@@ -127,20 +128,32 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
     ``dtype`` (CPU, fp32 by default), with the host link's bandwidth measured there. Needs a zoo
-    Llama-style model. ``ulysses``: time the all-to-all of the Ulysses degrees the model's heads allow
-    and derive its UL schemes (None: on a GPU only)."""
+    Llama-style model (a MoE one's shards are MoE decoders, and its EP all-to-all is timed for the
+    degrees dividing its experts up to a node). ``ulysses``: time the all-to-all of the Ulysses
+    degrees the model's heads allow and derive its UL schemes (None: on a GPU only)."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
         raise HGraphError("--profile measure needs a zoo Llama model (it times 1- and 2-layer copies); "
                           "give --profile analytic or a profile FILE")
+    experts = prior.model.experts
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
-        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
+        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: _shard_model(cfg, n, tp),
                                        rank, world_size, groups, tp_slots=tp_slots, progress=progress,
                                        device=device, dtype=dtype,
-                                       ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses))
+                                       ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses),
+                                       ep_degrees=experts.ep_degrees(min(world_size, gpus_per_node)) if experts else ())
     # the host link activation offload copies over, measured on this rank's device (schedule.offload)
     return with_host_link(cost, measure_host_link(device if device is not None else "cpu"))
+
+
+def _shard_model(cfg: Any, layers: int, tp: int) -> Any:
+    """One TP rank's shard of a zoo Llama (or MoE decoder, its experts' width divided too) with ``layers``
+    layers: what calibration times."""
+    shard = llama.tp_shard_config(cfg, layers, tp)
+    if isinstance(cfg, llama_moe.LlamaMoeConfig):
+        return llama_moe.build(dataclasses.replace(shard, moe_intermediate_size=-(-cfg.moe_intermediate_size // tp)))
+    return llama.build(shard)
 
 
 def measured_ulysses_degrees(prior: Any, world_size: int, device: Any, ulysses: bool | None) -> list[int]:
