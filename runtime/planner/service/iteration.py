@@ -58,7 +58,12 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     if profile not in (ANALYTIC, MEASURE):
         return load_cost_model(profile, world_size, gpus_per_node)
-    cfg = getattr(model, "config", None)
+    return config_cost_model(getattr(model, "config", None), world_size, gpus_per_node, profile)
+
+
+def config_cost_model(cfg: Any, world_size: int, gpus_per_node: int = 8, profile: str = ANALYTIC):
+    """The analytic prior of a model config's shape (``model_cost_model``): no model is built, so a
+    16B-class config is priced in a second."""
     try:
         hidden, layers, vocab = int(cfg.hidden_size), int(cfg.num_layers), int(cfg.vocab_size)
     except AttributeError:
