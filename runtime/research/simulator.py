@@ -56,6 +56,19 @@ iterations themselves, i.e. the best static configuration in hindsight):
   micro-batches up to MaxLen tokens, paying ``c`` per step (DCP-inter balances by accumulation
   counts, Eq. 3; the idle fraction of Eq. 3 is reported); with too few GPUs for one group of each
   used scheme, schemes run one after another on all GPUs.
+
+Two more for a mixture-of-experts model (``MOE_SYSTEMS``, skipped for a dense one; the EP schemes and
+their per-replica price are the cost model's, ``cost.moe_cost``):
+
+- ``homogeneous-ep``: the best homogeneous strategy among the EP schemes (``auto_candidates
+  .best_homogeneous`` over them, chosen on mini-batches sampled from the dataset, as hgraph's own
+  floor is), planned every iteration by hgraph's dispatch and packing.
+- ``megatron-ep``: Megatron-LM's MoE setup: one static scheme with ``EP = gpus_per_node`` (8: the
+  experts of a layer spread over a node, as Megatron users configure it) sized for the longest
+  sequence (its MaxLen per EP replica holds the context), tuned over TP, PP and CP, kept inside a
+  node (TP = CP = UL = 1) where such a scheme holds the context and spanning nodes otherwise;
+  fixed-length packing into sequences of the context, each EP replica one sequence of a micro-batch
+  (the micro-batch ``EP`` consecutive sequences), micro-batches round-robin over the DP replicas.
 """
 from __future__ import annotations
 
@@ -65,15 +78,17 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from hgraph import dims
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker
 from hgraph.runtime.planner.schedule.data_centric import idle_fraction
-from hgraph.runtime.planner.auto_candidates import auto_candidates
+from hgraph.runtime.planner.auto_candidates import auto_candidates, best_homogeneous
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "megatron-cp", "deepspeed", "flexsp", "hotspa", "wlb", "dcp")
+MOE_SYSTEMS = ("homogeneous-ep", "megatron-ep")
 BASELINES = tuple(s for s in SYSTEMS if s != "hgraph")
 
 
@@ -296,7 +311,13 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
                     name: str = "hgraph") -> SystemResult:
     t0 = time.perf_counter()
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
-    propose_ms = (time.perf_counter() - t0) * 1e3
+    return _planned(name, batches, cost, candidates, f"{len(candidates)} candidates ({source})",
+                    (time.perf_counter() - t0) * 1e3)
+
+
+def _planned(name: str, batches, cost, candidates: Sequence[Strategy], config: str, propose_ms: float) -> SystemResult:
+    """Every iteration planned by ``plan_iteration`` over ``candidates`` and re-estimated with the
+    simulator's pipeline formula."""
     iters, chosen, solve = [], {}, 0.0
     previous = None
     for i, b in enumerate(batches):
@@ -308,9 +329,41 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
                             p.scheme, cost) for p in plan.pipelines]
         iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
         chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
-    return SystemResult(name, f"{len(candidates)} candidates ({source})", iters, solve,
+    return SystemResult(name, config, iters, solve,
                         {"candidates": [str(s) for s in candidates], "chosen": chosen,
                          "propose_ms": propose_ms})
+
+
+def simulate_homogeneous_ep(batches, cost, gpus: int, max_len: int, dataset, tokens_per_iter: int) -> SystemResult:
+    """``homogeneous-ep`` (module docstring); HGraphError when no EP scheme holds the context."""
+    t0 = time.perf_counter()
+    best = best_homogeneous(dataset, cost.restricted(lambda s: s.ep > 1), gpus, max_len, tokens_per_iter)
+    if best is None:
+        raise HGraphError(f"no homogeneous EP strategy of {gpus} GPUs holds {max_len} tokens")
+    return _planned("homogeneous-ep", batches, cost, [best], str(best), (time.perf_counter() - t0) * 1e3)
+
+
+def megatron_ep_space(cost, gpus: int, max_len: int) -> list[Scheme]:
+    """``megatron-ep``'s schemes: ``EP = gpus_per_node`` holding ``max_len`` per replica, inside a node
+    where any is (module docstring)."""
+    ep = cost.gpus_per_node
+    space = [s for s in homogeneous_space(cost, gpus, max_len) if s.ep == ep]
+    inside = [s for s in space if s.stride(dims.EP) * ep <= cost.gpus_per_node]
+    return inside or space
+
+
+def simulate_megatron_ep(batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]) -> SystemResult:
+    def run(s: Scheme) -> SystemResult:
+        dp = gpus // s.num_ranks
+        its = []
+        for b in batches:
+            sequences = fixed_length_pack(b, max_len)
+            mbs = [sequences[i:i + s.ep] for i in range(0, len(sequences), s.ep)]   # a sequence per EP replica
+            t = np.asarray([cost.replicas_microbatch_time(m, s) for m in mbs])
+            lat = [pipeline_ms(t[r::dp], s, cost) for r in range(dp)]
+            its.append(IterationResult(max(lat), int(b.sum()), _spread(lat)))
+        return SystemResult("megatron-ep", f"{Strategy.homogeneous(dp, s)}, fixed-length packing", its)
+    return _tune(space, run, "megatron-ep")
 
 
 def simulate_homogeneous(name: str, batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]) -> SystemResult:
@@ -472,9 +525,9 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
              systems: Sequence[str] = SYSTEMS, seed: int = 0, gpus_per_node: int = 8,
              long: str = "truncate", switch_gb_per_s: float = 10.0) -> Simulation:
     """Run ``iters`` iterations of every system in ``systems``."""
-    bad = [s for s in systems if s not in SYSTEMS]
+    bad = [s for s in systems if s not in SYSTEMS + MOE_SYSTEMS]
     if bad:
-        raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
+        raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS + MOE_SYSTEMS)}")
     if gpus_per_node != cost.gpus_per_node:  # the candidates' node layout comes from the cost model
         raise HGraphError(f"{gpus_per_node} GPUs per node differs from the cost model's {cost.gpus_per_node}")
     if iters < 1 or tokens_per_iter < 1:
@@ -520,4 +573,17 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
             results[name] = simulate_wlb(batches, cost, gpus, max_len, homogeneous_space(cost, gpus, max_len))
         elif name == "dcp":
             results[name] = simulate_dcp(batches, classic, gpus, max_len)
+        elif cost.model.experts is None or not any(s.ep > 1 for s in cost.schemes):
+            skipped[name] = "the model has no experts (or the cost model no EP scheme)"
+        elif name == "homogeneous-ep":
+            if any(s.ep > 1 and cost.max_len(s) >= max_len for s in cost.schemes):
+                results[name] = simulate_homogeneous_ep(batches, cost, gpus, max_len, dataset, tokens_per_iter)
+            else:
+                skipped[name] = f"no EP scheme holds {max_len} tokens"
+        elif name == "megatron-ep":
+            space = megatron_ep_space(cost, gpus, max_len)
+            if space:
+                results[name] = simulate_megatron_ep(batches, cost, gpus, max_len, space)
+            else:
+                skipped[name] = f"no EP{cost.gpus_per_node} scheme of {gpus} GPUs holds {max_len} tokens per replica"
     return Simulation(results, iters, int(tokens_per_iter), int(gpus), int(max_len), skipped)

@@ -159,6 +159,12 @@ class CostModel:
             self._check(scheme)
             raise
 
+    def dispatch_coeffs(self, scheme: Scheme) -> tuple[float, float, float]:
+        """``(a, b, c)`` the dispatch, packing and proposal balance documents by: ``coeffs``, except for
+        EP (``moe_cost.EpTerms.balancing``: a document's attention whole on its replica)."""
+        terms = self._ep_terms.get(scheme)
+        return self.coeffs(scheme) if terms is None else terms.balancing
+
     def seq_time(self, l, scheme: Scheme):
         """Per-sequence part ``a l^2 + b l`` (ms); ``l`` may be a number or a numpy array."""
         a, b, _ = self.coeffs(scheme)
@@ -177,6 +183,14 @@ class CostModel:
             return ep_microbatch_ms(arr, self._ep_terms[scheme], self.model.experts, split_documents) \
                 + self.relief_ms(arr, scheme)
         return float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2] + self.relief_ms(arr, scheme)
+
+    def replicas_microbatch_time(self, parts: Sequence[Sequence[int]], scheme: Scheme) -> float:
+        """An EP micro-batch whose replicas run the documents ``parts`` (their lengths, one list per EP
+        rank, as a baseline deals them) rather than ``split_documents``' split."""
+        lengths = [l for part in parts for l in part]
+        starts = np.cumsum([0] + [len(p) for p in parts])
+        given = tuple(tuple(range(starts[r], starts[r + 1])) for r in range(len(parts)))
+        return ep_microbatch_ms(np.asarray(lengths), self._ep_terms[scheme], self.model.experts, lambda _l, _n: given)
 
     def prices_replicas(self, scheme: Scheme) -> bool:
         """Whether ``scheme``'s micro-batches are priced per EP replica (not by ``seq_time`` sums)."""
@@ -240,6 +254,13 @@ class CostModel:
         if relieved is None:
             relieved = self._relieved_max_len[scheme] = relieved_max_len(self, scheme, plain)
         return relieved
+
+    def microbatch_capacity(self, scheme: Scheme, longest: int = 0) -> int:
+        """Tokens the packer may put in one micro-batch of documents up to ``longest`` tokens: MaxLen; for
+        EP the ``n`` replicas' MaxLen ``M`` less what an uneven split may leave, ``n M - (n - 1) longest``
+        (longest first onto the least loaded replica then never passes ``M``)."""
+        m = self.max_len(scheme)
+        return m if scheme.ep == 1 else max(scheme.ep * m - (scheme.ep - 1) * int(longest), m)
 
     def plain_max_len(self, scheme: Scheme) -> int:
         """The longest packed micro-batch (tokens) that fits with every activation on the device."""

@@ -223,6 +223,15 @@ class EpTerms:
     c: float
 
     @property
+    def balancing(self) -> tuple[float, float, float]:
+        """``(a, b, c)`` the dispatch and the packer balance: a document's attention on one replica
+        (``a`` whole: a long document is not split, the runtime's split keeps documents whole) and the
+        linear work spread over the ``ep`` replicas. Neither bound nor exact: the candidates are
+        compared by ``ep_microbatch_ms``."""
+        n = self.ep
+        return self.a, (self.rest_b + self.routed_b + self.comm_b) / n, self.c
+
+    @property
     def surrogate(self) -> tuple[float, float, float]:
         """``(a, b, c)`` of the even split: every replica ``1/ep`` of the work, no imbalance. It never
         exceeds ``ep_microbatch_ms`` (a max is at least the mean, the imbalance at least 1), so the
