@@ -121,3 +121,36 @@ def test_a_profile_file_keeps_the_experts_a_measured_imbalance_and_the_ep_all_to
     s = EP("TP1PP1EP16")
     assert back.has(s) and back.coeffs(s) == pytest.approx(cost.coeffs(s))
     assert back.microbatch_time([5000, 3000, 100], s) == pytest.approx(cost.microbatch_time([5000, 3000, 100], s))
+
+
+def test_a_dense_model_plans_exactly_as_before_the_moe_terms():
+    """llama-7b on 16 GPUs, ``auto`` candidates and three planned mini-batches of a seeded long tail: the
+    candidates, strategies, estimates (to the last bit) and micro-batches recorded on the code before the
+    MoE terms (main at 23a98d0)."""
+    import hashlib
+
+    from hgraph.runtime.planner.auto_candidates import auto_candidates
+    from hgraph.runtime.planner.cost.cost_model import load_cost_model
+    rng = np.random.default_rng(11)
+    lengths = np.clip(rng.lognormal(7.2, 1.3, size=600).astype(np.int64), 16, 32768)
+    cost = load_cost_model("llama-7b", world_size=16)
+    assert len(cost.schemes) == 62 and all(s.ep == 1 for s in cost.schemes)
+    cands, _ = auto_candidates(lengths, cost, 16, 32768, 200_000)
+    assert [str(s) for s in cands] == ["8xTP2PP1", "2xTP2PP1UL2+4xTP2PP1", "1xTP2PP1UL2+6xTP2PP1", "1xTP2PP1CP8",
+                                       "1xTP2PP1CP6+2xTP2PP1", "2xTP2PP1UL4"]
+    plans, start, previous = [], 0, None
+    for k in range(3):
+        ids, tokens = [], 0
+        while start < lengths.size and tokens + lengths[start] <= 200_000:
+            ids.append(start)
+            tokens += int(lengths[start])
+            start += 1
+        plan = plan_iteration(lengths[ids], cands, cost, doc_ids=np.asarray(ids), index=k, previous=previous)
+        previous = plan.strategy
+        plans.append(plan)
+    assert [(str(p.strategy), repr(p.est_latency_ms)) for p in plans] == [
+        ("1xTP2PP1UL2+6xTP2PP1", "2780.9344586455463"), ("2xTP2PP1UL2+4xTP2PP1", "3220.2307796394107"),
+        ("2xTP2PP1UL2+4xTP2PP1", "3071.691427725556")]
+    microbatches = json.dumps([[pp.microbatches for pp in p.pipelines] for p in plans])
+    assert hashlib.sha256(microbatches.encode()).hexdigest() == \
+        "6077c4d4a38bc77c9fe46bb9b9b6c0c197d2ced93f9b8dc6fb318d5decbde884"
