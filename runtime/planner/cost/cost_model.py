@@ -42,7 +42,8 @@ from hgraph.dims import Dim
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
 from hgraph.runtime.planner.cost.memory_model import EMBEDDING_BYTES_PER_PARAM, MemoryModel, ModelShape
-from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, ep_microbatch_ms, ep_terms, split_documents
+from hgraph.runtime.data.document_split import split_documents
+from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, ep_microbatch_ms, ep_terms
 from hgraph.runtime.planner.cost.profiles import resolve_profile
 from hgraph.runtime.planner.cost.push import PushModel, gradient_bytes, optional_push
 from hgraph.runtime.planner.cost.ulysses import A800_ALL_TO_ALL, AllToAll, ulysses_schemes
@@ -258,7 +259,8 @@ class CostModel:
     def microbatch_capacity(self, scheme: Scheme, longest: int = 0) -> int:
         """Tokens the packer may put in one micro-batch of documents up to ``longest`` tokens: MaxLen; for
         EP the ``n`` replicas' MaxLen ``M`` less what an uneven split may leave, ``n M - (n - 1) longest``
-        (longest first onto the least loaded replica then never passes ``M``)."""
+        (``split_documents`` deals the documents dearest first onto the least loaded replica: what is left
+        beside the longest then fits the others)."""
         m = self.max_len(scheme)
         return m if scheme.ep == 1 else max(scheme.ep * m - (scheme.ep - 1) * int(longest), m)
 

@@ -266,15 +266,3 @@ def ep_microbatch_ms(lengths: np.ndarray, terms: EpTerms, shape: ExpertShape, sp
         slowest = max(slowest, float(np.sum(terms.a * ls * ls + (terms.rest_b + terms.comm_b) * ls)))
     routed = routing_imbalance(total, shape, terms.ep) * terms.routed_b * total / terms.ep
     return slowest + routed + terms.c
-
-
-def split_documents(doc_lengths: Sequence[int], n: int) -> tuple[tuple[int, ...], ...]:
-    """Local stand-in of ``runtime/data``'s ``split_documents`` (s12-ep): the positions of the documents
-    each of ``n`` EP replicas runs, longest first onto the least loaded replica (ties: the lower one)."""
-    loads = [0] * n
-    parts: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(doc_lengths)), key=lambda i: (-doc_lengths[i], i)):
-        r = min(range(n), key=lambda r: (loads[r], r))
-        loads[r] += doc_lengths[i]
-        parts[r].append(i)
-    return tuple(tuple(sorted(p)) for p in parts)

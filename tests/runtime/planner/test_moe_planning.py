@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hgraph.frontends.zoo import llama, llama_moe
+from hgraph.runtime.data.document_split import split_documents
 from hgraph.runtime.planner.cost import moe_cost
 from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry
 from hgraph.runtime.planner.cost.ulysses import AllToAll
@@ -81,7 +82,7 @@ def test_an_ep_micro_batch_costs_its_slowest_replica_and_its_busiest_expert_rank
     terms = moe_cost.ep_terms((a, b, c), hidden=2048, layers=28, shape=m.experts, pp=2, tp=1, seq=1, ep=4,
                               intra_node=True, comm=moe64.all_to_all)
     lengths = [9000, 3000, 2500, 2000, 1500, 700, 300]
-    parts = moe_cost.split_documents(lengths, 4)
+    parts = split_documents(lengths, 4)
     slowest = max(sum(terms.a * lengths[i] ** 2 + (terms.rest_b + terms.comm_b) * lengths[i] for i in p) for p in parts)
     routed = moe_cost.routing_imbalance(sum(lengths), m.experts, 4) * terms.routed_b * sum(lengths) / 4
     assert moe64.microbatch_time(lengths, s) == pytest.approx(slowest + routed + terms.c)
@@ -106,7 +107,7 @@ def test_a_plan_over_ep_pipelines_re_estimates_to_its_figure_and_holds_every_doc
     assert docs == list(range(lengths.size))
     for p in plan.pipelines:
         for mb in p.microbatches:
-            parts = moe_cost.split_documents([int(lengths[d]) for d in mb], p.scheme.ep)
+            parts = split_documents([int(lengths[d]) for d in mb], p.scheme.ep)
             # no EP replica holds more than its MaxLen
             assert max(sum(int(lengths[mb[i]]) for i in part) for part in parts) <= moe64.max_len(p.scheme)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hgraph.errors import HGraphError
+from hgraph.runtime.data.document_split import split_documents
 from hgraph.frontends.zoo import llama_moe
 from hgraph.runtime.planner.cost import moe_cost
 from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, expert_shape_of
@@ -105,10 +106,4 @@ def test_an_ep_microbatch_costs_its_slowest_replica_plus_the_busiest_ranks_exper
     a, b, c = terms.surrogate
     lengths = np.array([900, 30, 20, 10])
     even = float(np.sum(a * lengths ** 2.0 + b * lengths)) + c
-    assert even <= moe_cost.ep_microbatch_ms(lengths, terms, ExpertShape(8, 2, 16), moe_cost.split_documents)
-
-
-def test_the_local_split_puts_each_document_on_one_replica_longest_first():
-    parts = moe_cost.split_documents([5, 40, 30, 20, 10], 2)
-    assert sorted(i for p in parts for i in p) == [0, 1, 2, 3, 4]
-    assert parts == ((0, 1, 4), (2, 3))         # 40, 30, 20 -> r1 (30 < 40), 10 -> r0, 5 -> r0 (a 50-50 tie)
+    assert even <= moe_cost.ep_microbatch_ms(lengths, terms, ExpertShape(8, 2, 16), split_documents)
