@@ -25,7 +25,8 @@ import sys
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import read_lengths
-from hgraph.runtime.research.simulator import MOE_SYSTEMS, SYSTEMS, simulate
+from hgraph.runtime.research.moe_baselines import MOE_SYSTEMS
+from hgraph.runtime.research.simulator import SYSTEMS, simulate
 from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 
 
