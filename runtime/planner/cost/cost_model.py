@@ -28,6 +28,11 @@ Ulysses schemes (``UL > 1``) are derived from the ``<TP, PP, CP>`` ones where th
 (``ModelShape.heads``) and an all-to-all model is known (``CostModel.all_to_all``: measured, or the A800
 prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max_ul`` bounds the degree
 (default: ``max_cp``, so a model without derived CP, the papers' ``<TP, PP>`` setting, has no UL either).
+
+EP schemes (``EP > 1``) of a model with experts (``ModelShape.experts``) are derived from all the others:
+``hgraph.runtime.planner.cost.moe_cost``. ``coeffs`` is their even split (a lower bound), ``dispatch_coeffs``
+what the dispatch balances, ``microbatch_time`` the slowest replica plus the busiest expert rank.
+The memory model (App. B.1, ``ModelShape``, ``MemoryModel``) is ``hgraph.runtime.planner.cost.memory_model``.
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
 from hgraph.runtime.planner.cost.memory_model import EMBEDDING_BYTES_PER_PARAM, MemoryModel, ModelShape
 from hgraph.runtime.data.document_split import split_documents
-from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, ep_microbatch_ms, ep_terms
+from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, ep_microbatch_ms, ep_schemes
 from hgraph.runtime.planner.cost.profiles import resolve_profile
 from hgraph.runtime.planner.cost.push import PushModel, gradient_bytes, optional_push
 from hgraph.runtime.planner.cost.ulysses import A800_ALL_TO_ALL, AllToAll, ulysses_schemes
@@ -469,23 +474,14 @@ def _derived_ul(cost: CostModel, bases: Coeffs) -> Coeffs:
 
 
 def _derived_ep(cost: CostModel, bases: Coeffs) -> Coeffs:
-    """EP schemes of every base of a MoE model (``moe_cost``): degrees dividing the experts up to
-    ``max_ep`` (default: a node), the even split's coefficients (``EpTerms.surrogate``), the terms kept
-    for ``microbatch_time``; the all-to-all intra-node when the group's ``stride x EP`` ranks fit a node."""
-    m, comm = cost.model, cost.ep_all_to_all or cost.all_to_all
-    if m.experts is None or comm is None:
-        return {}
-    out: Coeffs = {}
-    for base, abc in bases.items():
-        for n in m.experts.ep_degrees(cost.max_ep if cost.max_ep is not None else cost.gpus_per_node):
-            s = Scheme(base.tp, base.pp, base.cp, base.ul, n)
-            if s.num_ranks > cost.world_size:
-                break
-            terms = ep_terms(abc, hidden=m.hidden, layers=m.layers, shape=m.experts, pp=s.pp, tp=s.tp, seq=s.seq, ep=n,
-                             intra_node=s.stride(dims.EP) * n <= cost.gpus_per_node, comm=comm)
-            cost._ep_terms[s] = terms
-            out[s] = terms.surrogate
-    return out
+    """EP schemes of every base of a MoE model (``moe_cost.ep_schemes``; the per-replica terms kept for
+    ``microbatch_time``), over the EP all-to-all (the Ulysses one without a measured one)."""
+    m = cost.model
+    coeffs, terms = ep_schemes(bases, hidden=m.hidden, layers=m.layers, shape=m.experts,
+                               comm=cost.ep_all_to_all or cost.all_to_all, gpus_per_node=cost.gpus_per_node,
+                               world_size=cost.world_size, max_ep=cost.max_ep)
+    cost._ep_terms.update(terms)
+    return coeffs
 
 
 #: how the schemes of each dimension the cost model derives rather than profiles are priced, keyed by

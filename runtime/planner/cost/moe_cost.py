@@ -47,7 +47,9 @@ from typing import Any, Optional
 
 import numpy as np
 
+from hgraph import dims
 from hgraph.errors import HGraphError
+from hgraph.strategy import Scheme
 
 ALL_TO_ALLS_PER_MOE_LAYER = 4      # dispatch and combine, forward and backward
 
@@ -253,6 +255,26 @@ def ep_terms(base: tuple[float, float, float], *, hidden: int, layers: int, shap
     comm_b = stage_moe * per_token / comm.bytes_per_s(intra_node) * 1e3
     latency = stage_moe * ALL_TO_ALLS_PER_MOE_LAYER * comm.latency_ms if ep > 1 else 0.0
     return EpTerms(ep, a, b - routed_b, routed_b, comm_b, c + latency)
+
+
+def ep_schemes(bases: dict, *, hidden: int, layers: int, shape: Optional[ExpertShape], comm: Any,
+               gpus_per_node: int, world_size: int, max_ep: Optional[int]) -> tuple[dict, dict]:
+    """The EP schemes of every base scheme: degrees dividing the experts up to ``max_ep`` (None: a node),
+    within ``world_size``; their coefficients (``EpTerms.surrogate``) and terms. The all-to-all runs
+    intra-node when the group's ``stride(EP) x n`` consecutive ranks fit a node. None without experts
+    or an all-to-all model."""
+    if shape is None or comm is None:
+        return {}, {}
+    coeffs, terms = {}, {}
+    for base, abc in bases.items():
+        for n in shape.ep_degrees(max_ep if max_ep is not None else gpus_per_node):
+            s = Scheme(base.tp, base.pp, base.cp, base.ul, n)
+            if s.num_ranks > world_size:
+                break
+            terms[s] = ep_terms(abc, hidden=hidden, layers=layers, shape=shape, pp=s.pp, tp=s.tp, seq=s.seq, ep=n,
+                                intra_node=ep_intra_node(s.stride(dims.EP) * n, gpus_per_node), comm=comm)
+            coeffs[s] = terms[s].surrogate
+    return coeffs, terms
 
 
 def ep_microbatch_ms(lengths: np.ndarray, terms: EpTerms, shape: ExpertShape, split) -> float:
