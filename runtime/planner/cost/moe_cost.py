@@ -25,7 +25,7 @@ holds ``E/n`` experts; with ``T`` tokens each choosing ``k`` distinct experts at
 rank receives are a sum of ``T`` hypergeometric draws: mean ``T k / n`` and variance
 ``T k (1/n)(1 - 1/n)(E - k)/(E - 1)``; the expected maximum of ``n`` such loads is about
 ``mean + sigma * sqrt(2 ln n)``, and the factor is that over the mean. A measured factor (a profile's
-``moe.imbalance``, or ``ExpertShape.imbalance``) replaces it: real routers are less even than random.
+``model.experts.imbalance``: ``ExpertShape.imbalance``) replaces it: real routers are less even than random.
 
 **Memory** (``expert_state_bytes``): an EP rank holds the working weights and gradients of its ``E/n``
 experts of its stage's MoE layers (sharded over TP); the optimizer's masters and moments stay in the
@@ -37,7 +37,10 @@ intermediates, on the rank that computes them.
 ``split_documents`` (the runtime's own split); each replica runs attention, the dense parts and the
 shared experts on its documents, and the all-to-all of its tokens; the routed experts run the group's
 copies, ``imbalance x k x tokens / n`` on the busiest rank. The micro-batch costs its slowest replica
-plus the routed experts (the all-to-all synchronises the group at every MoE layer).
+plus the routed experts (the all-to-all synchronises the group at every MoE layer). Its even split
+(``EpTerms.surrogate``: every replica ``1/n`` of the work, no imbalance) never exceeds that and is the
+scheme's ``coeffs``, which the latency bounds read; the dispatch and packer balance documents by
+``EpTerms.balancing`` (a document's attention whole on its replica, the linear work shared).
 """
 from __future__ import annotations
 
