@@ -375,10 +375,11 @@ class Executor:
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
             t_pull = time.perf_counter()
-            mine = list(microbatches[rp.pipeline])
+            feed = self._feed(state)
+            mine = [feed.own(mb) for mb in microbatches[rp.pipeline]]     # its EP rank's documents
             if self.router_losses is not None and self.router_losses.global_batch:
                 self._count_routing(state, mine, num_targets)
-            loss_sum = run_one_f_one_b(state, mine, num_targets, self._feed(state), self.issuer,
+            loss_sum = run_one_f_one_b(state, mine, num_targets, feed, self.issuer,
                                        lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum),
                                                                                   self._router_shares()))
             t_backward = time.perf_counter()
@@ -462,7 +463,7 @@ class Executor:
 
     def _forward_only(self, state: RankState, mbs: Sequence[MicroBatch], *, evaluating: bool = False,
                       num_targets: int = 0, scope: Optional[str] = None) -> float:
-        """This rank's graph over ``mbs`` forward only (the caller turns grad off), its sends waited for;
+        """This rank's graph over ``mbs`` (its own documents: ``MicroBatchFeed.own``) forward only (the caller turns grad off), its sends waited for;
         with ``evaluating`` (dropout off) the last stage's loss sum, else 0. ``scope``: the label of the
         micro-batches' collectives (``mb i <scope>``)."""
         rp, comm = state.rank_program, state.comm
@@ -483,7 +484,8 @@ class Executor:
     def _feed(self, state: RankState) -> MicroBatchFeed:
         """What makes this rank's inputs of a micro-batch of this step (``sequence_inputs``)."""
         rp = state.rank_program
-        return MicroBatchFeed(rp.scheme, rp.cp_rank, self.cp_sharding, self.seed, self._step_index, self.device)
+        return MicroBatchFeed(rp.scheme, rp.cp_rank, self.cp_sharding, self.seed, self._step_index, self.device,
+                              rp.doc_rank)
 
     @torch.no_grad()
     def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
@@ -497,8 +499,9 @@ class Executor:
         state = self.rank_state(strategy)
         self._activate(state)
         rp = state.rank_program
+        mine = list(map(self._feed(state).own, microbatches[rp.pipeline]))     # its EP rank's documents
         with state.sync.step():         # the pulls only: nothing is pushed
-            loss_sum = self._forward_only(state, microbatches[rp.pipeline], evaluating=True)
+            loss_sum = self._forward_only(state, mine, evaluating=True)
         value, work = self._issue_global_loss(rp, loss_sum)
         if work is not None:
             work.wait()

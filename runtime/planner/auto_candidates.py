@@ -14,7 +14,7 @@ from hgraph.runtime.planner.interval_cost import DEFAULT_TOKENS_PER_GPU
 from hgraph.runtime.planner.latency_bound import strategy_lower_bound
 from hgraph.runtime.planner.proposal import propose
 from hgraph.runtime.planner.schedule.dispatch_fast import CHUNKED_PIPELINES, dispatch_fast
-from hgraph.runtime.planner.selection import fits_longest, validate_for_cluster
+from hgraph.runtime.planner.selection import fits_longest, priced_latency, validate_for_cluster
 from hgraph.strategy import Scheme, Strategy
 
 
@@ -114,10 +114,18 @@ def best_homogeneous(lengths, cost, gpus: int, max_len: int, tokens_per_iter: in
     for lb, _, s in scored:
         if lb >= best_mean:
             continue
-        mean = float(np.mean([dispatch_fast(b, s.pipelines, cost, polish=False).latency for b in picked]))
+        mean = float(np.mean([_latency(dispatch_fast(b, s.pipelines, cost, polish=False), s, cost, b) for b in picked]))
         if mean < best_mean:
             best, best_mean = s, mean
     return best
+
+
+def _latency(res, strategy: Strategy, cost, lengths) -> float:
+    """A dispatch's latency, its EP pipelines priced per replica (``priced_latency``; the even split
+    the dispatch balanced is a lower bound of it)."""
+    if any(cost.prices_replicas(p) for _, p in strategy.groups()):
+        return priced_latency(res, strategy, cost, lengths)
+    return res.latency
 
 
 def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int | None = None, *,
@@ -208,7 +216,7 @@ def auto_candidates(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int
             for lb, _, s in bounds:
                 if lb >= best_latency:
                     break
-                latency = dispatch_fast(b, s.pipelines, cost, polish=many, alg1_seed=False).latency
+                latency = _latency(dispatch_fast(b, s.pipelines, cost, polish=many, alg1_seed=False), s, cost, b)
                 if latency < best_latency:
                     best, best_latency = s, latency
             if best is not None:

@@ -156,7 +156,7 @@ class SchemeTable:
         pool = [s for s in (schemes if schemes is not None else cost.schemes) if s.num_ranks <= gpus]
         if not pool:
             raise HGraphError(f"no scheme of profile {cost.name!r} fits {gpus} GPUs")
-        co = np.asarray([cost.coeffs(s) for s in pool], dtype=np.float64)
+        co = np.asarray([cost.dispatch_coeffs(s) for s in pool], dtype=np.float64)
         a, b = co[:, :1], co[:, 1:2]
         ml = np.asarray([cost.max_len(s) for s in pool], dtype=np.int64)
         u = hist.upper.astype(np.float64)[None, :]

@@ -63,19 +63,20 @@ def estimate_plan(plan: Plan, cost) -> float:
     """Latency of ``plan`` recomputed from the cost model: the slowest pipeline's 1F1B time.
 
     Also checks the plan is well formed: every document appears once, every micro-batch fits its
-    scheme's MaxLen, pipelines match the strategy. Raises HGraphError otherwise.
+    scheme's MaxLen (an EP micro-batch its replicas', ``CostModel.microbatch_capacity``), pipelines
+    match the strategy. Raises HGraphError otherwise.
     """
     if [p.scheme for p in plan.pipelines] != list(plan.strategy.pipelines):
         raise HGraphError(f"plan pipelines do not match strategy {plan.strategy}")
     seen: set[int] = set()
     worst = 0.0
     for p in plan.pipelines:
-        cap = cost.max_len(p.scheme)
         mb_times = []
         for mb in p.microbatches:
             if not mb:
                 raise HGraphError(f"plan has an empty micro-batch on a {p.scheme} pipeline")
             lens = [plan.doc_lengths[d] for d in mb]
+            cap = cost.microbatch_capacity(p.scheme, max(lens))
             if sum(lens) > cap:
                 raise HGraphError(f"micro-batch of {sum(lens)} tokens exceeds MaxLen {cap} of {p.scheme}")
             for d in mb:

@@ -70,7 +70,7 @@ def _select_fast(lengths, bounds, cost, previous=None):
         res = dispatch_fast(lengths, s.pipelines, cost, polish=False, stop_above=best_latency * (1 + IMPROVE_MARGIN))
         if not math.isfinite(res.latency):
             continue   # many pipelines: its screening pass passed the margin over the best, it cannot win
-        latency = priced_latency(res, s, cost)     # with the exposed push: what candidates compare by
+        latency = priced_latency(res, s, cost, lengths)     # with the exposed push: what candidates compare by
         greedy.append((latency, lb, s, res))
         best_latency = min(best_latency, latency)
         if res.packs:
@@ -101,7 +101,7 @@ def _select_fast(lengths, bounds, cost, previous=None):
         res = dispatch_fast(lengths, s.pipelines, cost, alg1_seed=False, greedy_starts=res.greedy_starts)
         if many and screened > 0:
             missed_by[family] = min(missed_by.get(family, math.inf), res.latency / screened)
-        total = priced_latency(res, s, cost)
+        total = priced_latency(res, s, cost, lengths)
         if best is None or total < best_total:
             best, best_total = (res, s), total
     if best is not None:
@@ -109,14 +109,22 @@ def _select_fast(lengths, bounds, cost, previous=None):
     return best, len(greedy), pruned
 
 
-def priced_latency(res, strategy: Strategy, cost) -> float:
-    """A dispatch's latency with each pipeline's exposed push (``CostModel.exposed_push_ms``): what
-    candidates are compared by (the dispatch itself balances compute); ``res.latency`` without a
-    push model. A compute-only lower bound stays a bound of it."""
-    if getattr(cost, "push", None) is None or not res.packs:     # no push model, or a surrogate's screening
+def priced_latency(res, strategy: Strategy, cost, lengths=None) -> float:
+    """A dispatch's latency with each pipeline's exposed push (``CostModel.exposed_push_ms``) and each
+    EP pipeline's micro-batches priced per replica (``CostModel.microbatch_time``; the dispatch
+    balanced their even split, a lower bound): what candidates are compared by; ``res.latency``
+    without either. A lower bound of the dispatch stays a bound of it."""
+    replicas = lengths is not None and any(cost.prices_replicas(p) for _, p in strategy.groups())
+    if (getattr(cost, "push", None) is None and not replicas) or not res.packs:   # or a surrogate's screening
         return res.latency
-    return max((pk.latency + cost.exposed_push_ms(p, pk.mb_times) if len(pk.mb_times) else 0.0
-                for pk, p in zip(res.packs, strategy.pipelines)), default=0.0)
+
+    def pipeline(pk, p) -> float:
+        if not len(pk.mb_times):
+            return 0.0
+        if replicas and cost.prices_replicas(p):
+            return cost.pipeline_time([cost.microbatch_time(lengths[mb], p) for mb in pk.microbatches], p)
+        return pk.latency + cost.exposed_push_ms(p, pk.mb_times)
+    return max((pipeline(pk, p) for pk, p in zip(res.packs, strategy.pipelines)), default=0.0)
 
 
 def fits_longest(strategy: Strategy, cost, longest: int) -> bool:
@@ -171,7 +179,7 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
             res = dispatch_sequences(lengths, s.pipelines, cost, method=method, seed=seed, trials=trials,
                                      time_limit_s=time_limit_s, workers=workers)
             evaluated += 1
-            total = priced_latency(res, s, cost)
+            total = priced_latency(res, s, cost, lengths)
             if best is None or total < best_total:
                 best, best_total = (res, s), total
     res, strategy = best
@@ -196,8 +204,9 @@ def plan_iteration(lengths, candidates: Sequence[Strategy], cost, *, method: str
 def _microbatch_times(lengths: np.ndarray, microbatches, scheme: Scheme, cost, seq_times: dict) -> list[float]:
     """``cost.microbatch_time`` of each micro-batch, bit for bit: without an activation budget the
     per-document times are computed once per scheme for the whole mini-batch (elementwise the same
-    values, summed by ``np.sum`` in the same order), which at 1024 GPUs saves ~1,000 calls."""
-    if cost.activation_budget_bytes is not None:
+    values, summed by ``np.sum`` in the same order), which at 1024 GPUs saves ~1,000 calls; an EP
+    pipeline's are priced per replica."""
+    if cost.activation_budget_bytes is not None or cost.prices_replicas(scheme):
         return [cost.microbatch_time(lengths[mb], scheme) for mb in microbatches]
     t = seq_times.get(scheme)
     if t is None:

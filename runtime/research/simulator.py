@@ -56,12 +56,14 @@ iterations themselves, i.e. the best static configuration in hindsight):
   micro-batches up to MaxLen tokens, paying ``c`` per step (DCP-inter balances by accumulation
   counts, Eq. 3; the idle fraction of Eq. 3 is reported); with too few GPUs for one group of each
   used scheme, schemes run one after another on all GPUs.
+
+For a mixture-of-experts model two more, ``MOE_SYSTEMS`` (``research/moe_baselines``): the best
+homogeneous EP strategy planned per iteration and a Megatron-style static EP8 baseline.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -70,87 +72,14 @@ from hgraph.runtime.data.lengths import minibatches
 from hgraph.runtime.data.wlb_packing import DocLatency, WLBPacker
 from hgraph.runtime.planner.schedule.data_centric import idle_fraction
 from hgraph.runtime.planner.auto_candidates import auto_candidates
-from hgraph.runtime.planner.selection import plan_iteration
+from hgraph.runtime.research.moe_baselines import MOE_SYSTEMS, simulate_moe_system
+from hgraph.runtime.research.system_results import (IterationResult, Simulation, SystemResult, fixed_length_pack,
+                                                    homogeneous_space, microbatch_times, pipeline_ms, planned,
+                                                    spread, tune)
 from hgraph.strategy import Scheme, Strategy
 
 SYSTEMS = ("hgraph", "megatron", "megatron-cp", "deepspeed", "flexsp", "hotspa", "wlb", "dcp")
 BASELINES = tuple(s for s in SYSTEMS if s != "hgraph")
-
-
-@dataclass
-class IterationResult:
-    latency_ms: float
-    tokens: int
-    spread: float  # 1 - min/max busy time over pipelines/groups
-
-
-@dataclass
-class SystemResult:
-    """One system over all iterations."""
-
-    system: str
-    config: str
-    iterations: list[IterationResult]
-    solve_ms: float = 0.0
-    notes: dict = field(default_factory=dict)
-
-    @property
-    def total_ms(self) -> float:
-        return float(sum(i.latency_ms for i in self.iterations))
-
-    @property
-    def tokens(self) -> int:
-        return int(sum(i.tokens for i in self.iterations))
-
-    @property
-    def throughput(self) -> float:
-        """Tokens per second."""
-        return self.tokens / (self.total_ms / 1e3) if self.total_ms > 0 else 0.0
-
-    def to_json(self) -> dict:
-        lat = [i.latency_ms for i in self.iterations]
-        return {"system": self.system, "config": self.config, "iterations": len(self.iterations),
-                "mean_latency_ms": float(np.mean(lat)) if lat else 0.0,
-                "std_latency_ms": float(np.std(lat)) if lat else 0.0,
-                "latency_ms": lat, "throughput_tokens_per_s": self.throughput,
-                "mean_spread": float(np.mean([i.spread for i in self.iterations])) if lat else 0.0,
-                "solve_ms": self.solve_ms, **({"notes": self.notes} if self.notes else {})}
-
-
-@dataclass
-class Simulation:
-    results: dict[str, SystemResult]
-    iterations: int
-    tokens_per_iter: int
-    gpus: int
-    max_len: int
-    skipped: dict[str, str] = field(default_factory=dict)   # system -> why it cannot run this setting
-
-    def best_baseline(self) -> Optional[SystemResult]:
-        base = [r for s, r in self.results.items() if s != "hgraph"]
-        return max(base, key=lambda r: r.throughput) if base else None
-
-    def speedup(self) -> Optional[float]:
-        """hgraph's throughput over the best baseline's."""
-        best = self.best_baseline()
-        if "hgraph" not in self.results or best is None or best.throughput <= 0:
-            return None
-        return self.results["hgraph"].throughput / best.throughput
-
-    def speedups(self) -> dict[str, float]:
-        """hgraph's throughput over each baseline's."""
-        h = self.results.get("hgraph")
-        if h is None:
-            return {}
-        return {s: h.throughput / r.throughput for s, r in self.results.items() if s != "hgraph" and r.throughput > 0}
-
-    def to_json(self) -> dict:
-        best = self.best_baseline()
-        return {"gpus": self.gpus, "max_len": self.max_len, "tokens_per_iter": self.tokens_per_iter,
-                "iterations": self.iterations,
-                "systems": {s: r.to_json() for s, r in self.results.items()},
-                "best_baseline": best.system if best else None, "speedup_over_best_baseline": self.speedup(),
-                "speedups": self.speedups(), "skipped": self.skipped}
 
 
 # ---- shared pieces ----------------------------------------------------------------------------
@@ -177,64 +106,16 @@ def sample_minibatches(lengths, tokens_per_iter: int, iters: int, max_len: int, 
     return batches[:iters]
 
 
-def pipeline_ms(mb_times: Sequence[float], scheme: Scheme, cost=None) -> float:
-    """1F1B critical path (WLB-LLM §3.1): every micro-batch on the first stage plus the largest one
-    through the remaining ``PP - 1`` stages: ``sum + (PP - 1) * max`` (just the sum when PP = 1); with
-    a ``cost`` that prices the push, plus the part of it the last backward does not hide
-    (``CostModel.exposed_push_ms``: every system reduces its gradients inside the backward, as
-    Megatron-LM's ``overlap_grad_reduce`` and DeepSpeed do)."""
-    if len(mb_times) == 0:
-        return 0.0
-    push = cost.exposed_push_ms(scheme, mb_times) if cost is not None else 0.0
-    return float(np.sum(mb_times)) + (scheme.pp - 1) * float(np.max(mb_times)) + push
-
-
-def _mb_times(cost, scheme: Scheme, mbs: Sequence[Sequence[int]]) -> np.ndarray:
-    a, b, c = cost.coeffs(scheme)
-    return np.asarray([float(np.sum(a * np.square(np.asarray(m, dtype=np.float64)) + b * np.asarray(m))) + c
-                       for m in mbs])
-
-
-def fixed_length_pack(lengths: np.ndarray, cap: int) -> list[list[int]]:
-    """Documents in order into micro-batches of at most ``cap`` tokens (closed when the next won't fit)."""
-    out: list[list[int]] = []
-    cur: list[int] = []
-    tok = 0
-    for l in lengths.tolist():
-        if cur and tok + l > cap:
-            out.append(cur)
-            cur, tok = [], 0
-        cur.append(l)
-        tok += l
-    if cur:
-        out.append(cur)
-    return out
-
-
 def _even_dispatch_latency(cost, scheme: Scheme, dp: int, mbs: list[list[int]]) -> tuple[float, float]:
     """Round-robin micro-batches over ``dp`` replicas: (iteration latency, spread)."""
     if not mbs:
         return 0.0, 0.0
-    t = _mb_times(cost, scheme, mbs)
+    t = microbatch_times(cost, scheme, mbs)
     lat = []
     for r in range(dp):
         mine = t[r::dp]
         lat.append(pipeline_ms(mine, scheme, cost))
-    return max(lat), _spread(lat)
-
-
-def _spread(busy: Sequence[float]) -> float:
-    busy = [b for b in busy]
-    mx = max(busy) if busy else 0.0
-    return 0.0 if mx <= 0 else 1.0 - min(busy) / mx
-
-
-def homogeneous_space(cost, gpus: int, longest: int, pp1_only: bool = False,
-                      keep: Callable[[Scheme], bool] = lambda s: s.ul == 1) -> list[Scheme]:
-    """Schemes of the cost model that tile ``gpus``, hold ``longest`` tokens and that ``keep`` takes
-    (default: no Ulysses, which the papers' baselines do not have)."""
-    return [s for s in cost.schemes if gpus % s.num_ranks == 0 and cost.max_len(s) >= longest
-            and (not pp1_only or s.pp == 1) and keep(s)]
+    return max(lat), spread(lat)
 
 
 def deepspeed_space(cost, gpus: int, longest: int) -> list[Scheme]:
@@ -248,17 +129,6 @@ def deepspeed_space(cost, gpus: int, longest: int) -> list[Scheme]:
 def without_ulysses(cost):
     """``cost`` without its Ulysses schemes: the space of the baselines that have none."""
     return cost.restricted(lambda s: s.ul == 1) if any(s.ul > 1 for s in cost.schemes) else cost
-
-
-def _tune(space: Sequence, run: Callable[[object], SystemResult], what: str) -> SystemResult:
-    best = None
-    for cfg in space:
-        r = run(cfg)
-        if best is None or r.total_ms < best.total_ms:
-            best = r
-    if best is None:
-        raise HGraphError(f"no {what} configuration holds the context length")
-    return best
 
 
 def iteration_lower_bound(lengths, cost, gpus: int) -> float:
@@ -294,21 +164,8 @@ def simulate_hgraph(batches, cost, gpus: int, max_len: int, dataset, tokens_per_
                     name: str = "hgraph") -> SystemResult:
     t0 = time.perf_counter()
     candidates, source = auto_candidates(dataset, cost, gpus, max_len, tokens_per_iter)
-    propose_ms = (time.perf_counter() - t0) * 1e3
-    iters, chosen, solve = [], {}, 0.0
-    previous = None
-    for i, b in enumerate(batches):
-        plan = plan_iteration(b, candidates, cost, index=i, previous=previous)
-        previous = plan.strategy
-        solve += plan.solve_ms
-        # Re-estimated with the simulator's pipeline formula, the same for every system.
-        busy = [pipeline_ms(_mb_times(cost, p.scheme, [[plan.doc_lengths[d] for d in mb] for mb in p.microbatches]),
-                            p.scheme, cost) for p in plan.pipelines]
-        iters.append(IterationResult(max(busy), int(b.sum()), _spread(busy)))
-        chosen[str(plan.strategy)] = chosen.get(str(plan.strategy), 0) + 1
-    return SystemResult(name, f"{len(candidates)} candidates ({source})", iters, solve,
-                        {"candidates": [str(s) for s in candidates], "chosen": chosen,
-                         "propose_ms": propose_ms})
+    return planned(name, batches, cost, candidates, f"{len(candidates)} candidates ({source})",
+                    (time.perf_counter() - t0) * 1e3)
 
 
 def simulate_homogeneous(name: str, batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]) -> SystemResult:
@@ -316,10 +173,10 @@ def simulate_homogeneous(name: str, batches, cost, gpus: int, max_len: int, spac
         dp = gpus // s.num_ranks
         its = []
         for b in batches:
-            lat, spread = _even_dispatch_latency(cost, s, dp, fixed_length_pack(b, max_len))
-            its.append(IterationResult(lat, int(b.sum()), spread))
+            lat, uneven = _even_dispatch_latency(cost, s, dp, fixed_length_pack(b, max_len))
+            its.append(IterationResult(lat, int(b.sum()), uneven))
         return SystemResult(name, str(Strategy.homogeneous(dp, s)), its)
-    return _tune(space, run, name)
+    return tune(space, run, name)
 
 
 def simulate_hotspa(batches, cost, gpus: int, max_len: int, switch_gb_per_s: float = 10.0) -> SystemResult:
@@ -348,8 +205,8 @@ def simulate_hotspa(batches, cost, gpus: int, max_len: int, switch_gb_per_s: flo
             parts = [r.iterations[i] for _, r in per_range if r.iterations[i].tokens > 0]
             lat = sum(p.latency_ms for p in parts) + switch_ms * max(len(parts) - 1, 0)
             # Ranks idle inside each phase: weight each phase's spread by its duration.
-            spread = sum(p.spread * p.latency_ms for p in parts) / lat if lat > 0 else 0.0
-            its.append(IterationResult(lat, int(b.sum()), spread))
+            idle = sum(p.spread * p.latency_ms for p in parts) / lat if lat > 0 else 0.0
+            its.append(IterationResult(lat, int(b.sum()), idle))
         cfg = ", ".join(f"<={hi}: {r.config}" for hi, r in per_range)
         res = SystemResult("hotspa", cfg, its, notes={"switch_ms": switch_ms})
         if best is None or res.total_ms < best.total_ms:
@@ -378,7 +235,7 @@ def simulate_wlb(batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]
         all_lengths = np.concatenate(batches)
         for pb in emitted:
             mbs = [[int(all_lengths[i]) for i in mb] for mb in pb.microbatches if mb]
-            t = _mb_times(cost, s, mbs)
+            t = microbatch_times(cost, s, mbs)
             order = np.argsort(-t)
             load = [[] for _ in range(dp)]
             for j, k in enumerate(order.tolist()):  # heaviest first, least loaded replica, equal counts
@@ -386,11 +243,11 @@ def simulate_wlb(batches, cost, gpus: int, max_len: int, space: Sequence[Scheme]
                         key=lambda r: sum(load[r]))
                 load[r].append(float(t[k]))
             busy = [pipeline_ms(x, s, cost) for x in load]
-            its.append(IterationResult(max(busy), int(sum(sum(m) for m in mbs)), _spread(busy)))
+            its.append(IterationResult(max(busy), int(sum(sum(m) for m in mbs)), spread(busy)))
         return SystemResult("wlb", str(Strategy.homogeneous(dp, s)), its,
                             notes={"mean_delay_iters": packer.stats.mean_delay(),
                                    "extra_flush_iterations": len(emitted) - len(batches)})
-    return _tune(space, run, "WLB-LLM")
+    return tune(space, run, "WLB-LLM")
 
 
 def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
@@ -439,7 +296,7 @@ def simulate_dcp(batches, cost, gpus: int, max_len: int) -> SystemResult:
                 steps += cnt
                 per_gpu += [s.num_ranks] * len(busy_s)
             lat += max(busy)
-            weighted += _spread(busy) * max(busy)
+            weighted += spread(busy) * max(busy)
             busy_all += busy
         idle.append(idle_fraction([bz / max(c, 1) for bz, c in zip(busy_all, steps)], steps, per_gpu))
         its.append(IterationResult(lat, int(b.sum()), weighted / lat if lat else 0.0))
@@ -470,9 +327,9 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
              systems: Sequence[str] = SYSTEMS, seed: int = 0, gpus_per_node: int = 8,
              long: str = "truncate", switch_gb_per_s: float = 10.0) -> Simulation:
     """Run ``iters`` iterations of every system in ``systems``."""
-    bad = [s for s in systems if s not in SYSTEMS]
+    bad = [s for s in systems if s not in SYSTEMS + MOE_SYSTEMS]
     if bad:
-        raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS)}")
+        raise HGraphError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(SYSTEMS + MOE_SYSTEMS)}")
     if gpus_per_node != cost.gpus_per_node:  # the candidates' node layout comes from the cost model
         raise HGraphError(f"{gpus_per_node} GPUs per node differs from the cost model's {cost.gpus_per_node}")
     if iters < 1 or tokens_per_iter < 1:
@@ -518,4 +375,10 @@ def simulate(lengths, cost, gpus: int, max_len: int, tokens_per_iter: int, iters
             results[name] = simulate_wlb(batches, cost, gpus, max_len, homogeneous_space(cost, gpus, max_len))
         elif name == "dcp":
             results[name] = simulate_dcp(batches, classic, gpus, max_len)
+        else:
+            outcome = simulate_moe_system(name, batches, cost, gpus, max_len, dataset, tokens_per_iter)
+            if isinstance(outcome, str):
+                skipped[name] = outcome
+            else:
+                results[name] = outcome
     return Simulation(results, iters, int(tokens_per_iter), int(gpus), int(max_len), skipped)

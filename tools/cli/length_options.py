@@ -14,20 +14,53 @@ them to the largest MaxLen or to leave them out.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES, rank_host_budget
+from hgraph.frontends.zoo import ZOO_CONFIGS, zoo_names
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_offload
+from hgraph.runtime.planner.service.iteration import config_cost_model
 from hgraph.tools.cli.common_options import DEVICE_MEMORY_FORMS, add_device_memory, add_gpus_per_node, add_world_size
 from hgraph.runtime.train.run_config import parse_bytes
 
 LONG_CHOICES = ("error", "truncate", "drop")
 
 
+ANALYTIC_PREFIX = "analytic:"
+
+
+def analytic_config(ref: str):
+    """The zoo config named by ``analytic:FAMILY:NAME`` (``--profile``: the analytic prior of its shape)."""
+    spec = ref[len(ANALYTIC_PREFIX):]
+    family, _, name = spec.partition(":")
+    configs = ZOO_CONFIGS.get(family)
+    if family == "hf" or configs is None or name not in configs:
+        raise HGraphError(f"--profile {ref!r}: analytic: takes a zoo model, one of "
+                          f"{', '.join(n for n in zoo_names() if not n.startswith('hf:'))}")
+    return configs[name]
+
+
+def profile_cost_model(ref: str, *, world_size: int, gpus_per_node: int, gpu_memory_bytes=None, **options):
+    """``load_cost_model`` of ``ref``, or for ``analytic:FAMILY:NAME`` the analytic prior of that zoo
+    config's shape (``config_cost_model``: a MoE config's experts and EP schemes included) with
+    ``options`` (``max_cp``, ``max_ul``) and the device memory applied."""
+    if not ref.startswith(ANALYTIC_PREFIX):
+        return load_cost_model(ref, world_size=world_size, gpus_per_node=gpus_per_node,
+                               gpu_memory_bytes=gpu_memory_bytes, **options)
+    cost = config_cost_model(analytic_config(ref), world_size, gpus_per_node)
+    changes = {k: v for k, v in options.items() if v is not None}
+    if gpu_memory_bytes is not None:
+        changes["memory"] = replace(cost.memory, gpu_memory_bytes=int(gpu_memory_bytes))
+    return replace(cost, name=ref, **changes)
+
+
 def workload_cost_model(args, **options):
     """The cost model of ``--profile`` on ``--world-size`` GPUs of ``--device-memory`` each (``options``
     go to ``load_cost_model``); a profile none of whose schemes fits the cluster is a one-line error.
+    ``--profile analytic:FAMILY:NAME`` is the analytic prior of a zoo config (``profile_cost_model``).
     Without ``max_cp`` in ``options``, CP degrees grow past the profile's until a scheme holds
     ``--max-len`` tokens (or the cluster is too small for more)."""
     memory = None if args.device_memory is None else int(parse_bytes(args.device_memory, "--device-memory"))
@@ -38,8 +71,9 @@ def workload_cost_model(args, **options):
                                 args.gpus_per_node, args.world_size)
 
     def load(**more):
-        return with_offload(load_cost_model(args.profile, world_size=args.world_size, gpus_per_node=args.gpus_per_node,
-                                            gpu_memory_bytes=memory, **{**options, **more}), offload, host)
+        return with_offload(profile_cost_model(args.profile, world_size=args.world_size,
+                                               gpus_per_node=args.gpus_per_node, gpu_memory_bytes=memory,
+                                               **{**options, **more}), offload, host)
 
     cost = load()
     context = getattr(args, "max_len", None)
@@ -64,7 +98,8 @@ def add_workload_options(p, *, max_len_help: str = "context length") -> None:
     p.add_argument("--lengths", required=True, metavar="FILE",
                    help="document lengths: one integer per line, or JSONL objects with input_ids")
     p.add_argument("--profile", required=True, metavar="NAME|FILE",
-                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, or FILE:NAME")
+                   help="cost profile: llama-7b, llama-13b, llama-32b, a profile file, FILE:NAME, or "
+                        "analytic:FAMILY:NAME (the analytic prior of a zoo config, e.g. analytic:llama-moe:16b)")
     add_world_size(p, required=True, old_gpus=True, help="number of GPUs")
     add_gpus_per_node(p)
     add_device_memory(p, help=f"memory of one GPU: {DEVICE_MEMORY_FORMS} (default: the profile's own)")

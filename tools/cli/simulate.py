@@ -12,7 +12,9 @@ homogeneous 4D strategy) and DCP, the Data-Centric Parallel paper's system (per-
 sequence-parallel groups). Each baseline is tuned over
 its own strategy space, under the same cost model. A baseline that cannot hold the context in this
 setting (megatron-cp without derived CP, flexsp without a Ulysses scheme that holds it) is named as
-skipped. The speedup of hgraph over each baseline closes the report. A profile with a ``push``
+skipped. For a model with experts (``--profile analytic:llama-moe:16b``) two more: the best
+homogeneous EP strategy planned every iteration (homogeneous-ep) and Megatron-LM's MoE setup, a static
+EP8 scheme with fixed-length packing (megatron-ep). The speedup of hgraph over each baseline closes the report. A profile with a ``push``
 section prices each pipeline's gradient push, the part its last backward does not hide.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.data.lengths import read_lengths
+from hgraph.runtime.research.moe_baselines import MOE_SYSTEMS
 from hgraph.runtime.research.simulator import SYSTEMS, simulate
 from hgraph.tools.cli.length_options import add_workload_options, workload_cost_model
 
@@ -34,8 +37,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_workload_options(p, max_len_help="context length")
     p.add_argument("--tokens-per-iter", required=True, type=int, metavar="T", help="tokens per iteration")
     p.add_argument("--iters", required=True, type=int, metavar="K", help="iterations to simulate")
-    p.add_argument("--systems", default=",".join(SYSTEMS), metavar="LIST",
-                   help=f"comma-separated systems (default all: {','.join(SYSTEMS)})")
+    p.add_argument("--systems", default=None, metavar="LIST",
+                   help=f"comma-separated systems (default all: {','.join(SYSTEMS)}, and for a model with experts "
+                        f"{','.join(MOE_SYSTEMS)})")
     p.add_argument("--seed", type=int, default=0, help="seed of the data shuffle (default 0)")
     p.add_argument("--long", choices=("truncate", "drop"), default="truncate",
                    help="documents longer than --max-len: truncate (default) or drop")
@@ -53,18 +57,21 @@ def run(args: argparse.Namespace) -> int:
     for name in ("world_size", "gpus_per_node", "max_len", "tokens_per_iter", "iters"):
         if getattr(args, name) < 1:
             raise HGraphError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not systems:
-        raise HGraphError(f"--systems is empty; choose from {','.join(SYSTEMS)}")
-    unknown = [s for s in systems if s not in SYSTEMS]
+    known = SYSTEMS + MOE_SYSTEMS
+    systems = [s.strip() for s in (args.systems or "").split(",") if s.strip()]
+    if args.systems is not None and not systems:
+        raise HGraphError(f"--systems is empty; choose from {','.join(known)}")
+    unknown = [s for s in systems if s not in known]
     if unknown:
-        raise HGraphError(f"unknown system(s) {', '.join(unknown)} in --systems; choose from {','.join(SYSTEMS)}")
+        raise HGraphError(f"unknown system(s) {', '.join(unknown)} in --systems; choose from {','.join(known)}")
     lengths = read_lengths(args.lengths)
     if args.max_cp is not None and args.max_cp < 1:
         raise HGraphError(f"--max-cp must be a positive integer, got {args.max_cp}")
     if args.max_ul is not None and args.max_ul < 1:
         raise HGraphError(f"--max-ul must be a positive integer, got {args.max_ul}")
     cost = workload_cost_model(args, max_cp=args.max_cp, max_ul=args.max_ul)
+    if args.systems is None:
+        systems = list(SYSTEMS + (MOE_SYSTEMS if cost.model.experts is not None else ()))
     if cost.largest_max_len() < args.max_len:
         raise HGraphError(f"--max-len {args.max_len} is longer than the largest MaxLen {cost.largest_max_len()} of "
                           f"any scheme of {cost.name!r} on {args.world_size} GPUs; lower --max-len or add GPUs")

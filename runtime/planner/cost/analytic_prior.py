@@ -18,6 +18,12 @@ Assumptions (written down because they set the numbers):
 - UtilLen: the length at which the constant overhead is 15% of the time (85% efficiency, App. C).
 - Ulysses (given ``heads``): all-to-alls at ``tp_bandwidth`` inside a node, ``inter_node_bandwidth``
   across nodes, ``all_to_all_latency_ms`` each (``cost.ulysses``).
+- Mixture of experts (given ``experts``, ``cost.moe_cost``): a MoE layer's MLP is its router, the
+  ``k`` routed experts and the shared ones of every token (``moe_mlp_flops_per_token``), the leading
+  dense layers a plain MLP; a stage is priced as the slower of the first (the dense layers and MoE
+  ones) and a stage of MoE layers only. Without EP every rank holds every expert (all of them in the
+  model states) and computes its own tokens' copies; activations count the routed copies
+  (``moe_activation_bytes_per_token``). EP's all-to-all uses the Ulysses links.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ import sympy as sp
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape
+from hgraph.runtime.planner.cost.moe_cost import ExpertShape, moe_activation_bytes_per_token, moe_mlp_flops_per_token
 from hgraph.runtime.planner.cost.ulysses import AllToAll
 from hgraph.runtime.planner.schedule.offload import A800_HOST_LINK, HOST_LINK_KEY
 
@@ -41,6 +48,28 @@ def layer_forward_flops(hidden: int, ffn_hidden: int) -> sp.Expr:
     attention = 2 * L ** 2 * H  # QK^T and AV, causal half of 4 l^2 H
     mlp = 2 * L * H * F * 3  # gate, up, down
     return sp.expand(projections + attention + mlp)
+
+
+def moe_layer_forward_flops(hidden: int, experts: ExpertShape) -> sp.Expr:
+    """Forward FLOPs of one MoE decoder layer on ``l`` tokens: attention as a dense layer's, the MLP the
+    router, the ``k`` routed experts and the shared experts of every token."""
+    H = sp.Integer(hidden)
+    return sp.expand(2 * L * H * (4 * H) + 2 * L ** 2 * H
+                     + L * sp.Integer(int(moe_mlp_flops_per_token(hidden, experts))))
+
+
+def stage_forward_flops(hidden: int, ffn_hidden: int, layers: int, pp: int, experts: ExpertShape | None) -> sp.Expr:
+    """Forward FLOPs of the slowest of ``pp`` stages: ``layers / pp`` dense layers, or for a MoE model
+    the slower of the first stage (its dense layers, then MoE ones) and a stage of MoE layers."""
+    stage_layers = layers // pp
+    dense = layer_forward_flops(hidden, ffn_hidden)
+    if experts is None:
+        return stage_layers * dense
+    moe = moe_layer_forward_flops(hidden, experts)
+    first_dense = min(experts.dense_layers, stage_layers)
+    first = first_dense * dense + (stage_layers - first_dense) * moe
+    rest = stage_layers * moe if pp > 1 else first
+    return first if sp.Poly(first - rest, L).coeff_monomial(L) >= 0 else rest
 
 
 def layer_activation_bytes(hidden: int, tp: int) -> sp.Expr:
@@ -75,34 +104,40 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
                         launch_ms_per_layer: float = 0.25, gpu_memory_bytes: int = 80 * 2 ** 30,
                         framework_gap_bytes: int = 5 * 2 ** 30, safety_margin_bytes: int = 6 * 2 ** 30,
                         heads: int | None = None, kv_heads: int | None = None,
-                        inter_node_bandwidth: float = 10e9, all_to_all_latency_ms: float = 0.03) -> CostModel:
+                        inter_node_bandwidth: float = 10e9, all_to_all_latency_ms: float = 0.03,
+                        experts: ExpertShape | None = None) -> CostModel:
     """A CostModel from first principles.
 
     ``device_flops`` (FLOP/s, bf16 dense) and ``tp_bandwidth`` (bytes/s between TP ranks) describe
     the device; defaults are an A100/A800-class GPU with NVLink. ``heads`` (and ``kv_heads``): the
-    attention heads, which allow Ulysses schemes (none without them).
+    attention heads, which allow Ulysses schemes (none without them); ``experts``: a MoE model's experts
+    (module docstring; ``ffn_hidden`` is then the dense layers' width).
     """
     if min(hidden, layers, vocab, world_size) < 1 or device_flops <= 0 or tp_bandwidth <= 0 or not 0 < mfu <= 1:
         raise HGraphError("analytic_cost_model: sizes, device_flops and tp_bandwidth must be positive, 0 < mfu <= 1")
     ffn = ffn_hidden if ffn_hidden is not None else int(256 * math.ceil(8 * hidden / 3 / 256))
-    fwd = layer_forward_flops(hidden, ffn)
     profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     util: dict[int, int] = {}
     activation_A: list[tuple[int, float]] = []
     for tp in sorted(set(tps)):
-        act = layer_activation_bytes(hidden, tp)
-        activation_A.append((tp, float(sp.Poly(act, L).coeff_monomial(L)) * tp / hidden))
+        act = float(sp.Poly(layer_activation_bytes(hidden, tp), L).coeff_monomial(L)) * tp / hidden
+        activation_A.append((tp, act if experts is None else _moe_activation_A(act, hidden, layers, experts)))
         for pp in sorted(set(pps)):
             if layers % pp:
                 continue
             stage_layers = layers // pp
-            compute_ms = stage_layers * 3 * fwd / tp / (device_flops * mfu) * 1e3
+            compute_ms = 3 * stage_forward_flops(hidden, ffn, layers, pp, experts) / tp / (device_flops * mfu) * 1e3
             comm_ms = stage_layers * layer_tp_comm_bytes(hidden, tp) / tp_bandwidth * 1e3
             overhead_ms = stage_layers * launch_ms_per_layer
             profiled[(tp, pp, 1)] = _coeffs(sp.expand(compute_ms + comm_ms + overhead_ms))
         a, b, c = profiled.get((tp, 1, 1)) or next(v for k, v in profiled.items() if k[0] == tp)
         util[tp] = int(math.ceil(c * 0.85 / (0.15 * b))) if b > 0 else 1
     params_per_layer = 4 * hidden ** 2 + 3 * hidden * ffn
+    if experts is not None:     # the average layer, every expert counted (no EP holds all of them)
+        moe = experts.moe_layers(layers)
+        moe_mlp = hidden * experts.num_experts + 3 * hidden * experts.expert_ffn * (experts.num_experts
+                                                                                   + experts.shared_experts)
+        params_per_layer = 4 * hidden ** 2 + ((layers - moe) * 3 * hidden * ffn + moe * moe_mlp) / layers
     memory = MemoryModel(
         activation_coeff=tuple(activation_A),
         state_coeff=params_per_layer / hidden ** 2 * 16,
@@ -113,9 +148,17 @@ def analytic_cost_model(name: str = "analytic", *, hidden: int, layers: int, voc
     )
     all_to_all = AllToAll(all_to_all_latency_ms, tp_bandwidth, inter_node_bandwidth, 2,
                           "analytic prior (hgraph.runtime.planner.cost.analytic_prior)") if heads else None
-    return CostModel(name=name, model=ModelShape(hidden, layers, vocab, heads, kv_heads), profiled=profiled,
+    return CostModel(name=name, model=ModelShape(hidden, layers, vocab, heads, kv_heads, experts), profiled=profiled,
                      util_len_tokens=util, memory=memory, world_size=world_size, gpus_per_node=gpus_per_node,
                      all_to_all=all_to_all,
                      extra={"source": "analytic prior (hgraph.runtime.planner.cost.analytic_prior)",
                             "device": {"flops": device_flops, "mfu": mfu, "tp_bandwidth": tp_bandwidth},
                             HOST_LINK_KEY: dict(A800_HOST_LINK)})
+
+
+def _moe_activation_A(dense_A: float, hidden: int, layers: int, experts: ExpertShape) -> float:
+    """``A`` of a MoE model: its layers' average, a MoE layer's MLP block (19 H of a dense layer's 34 H,
+    ``layer_activation_bytes``) replaced by the routed copies' (``moe_activation_bytes_per_token``)."""
+    moe = experts.moe_layers(layers)
+    moe_A = dense_A - 19 + moe_activation_bytes_per_token(hidden, experts) / hidden
+    return ((layers - moe) * dense_A + moe * moe_A) / layers

@@ -24,7 +24,11 @@ training itself (on a CPU machine, N rank processes share the cores exactly as t
   second of ``ulysses.AllToAll`` (the slowest degree's: a conservative figure for all); the model's
   Ulysses schemes are derived from the measured ``<TP, PP>`` with it (``cost.ulysses``), up to the
   largest degree measured. ``measured_cost_model`` asks for it on a GPU only: ranks that share CPU
-  cores do not run ``1/UL`` of the work each ``UL`` times faster, as CP showed below.
+  cores do not run ``1/UL`` of the work each ``UL`` times faster, as CP showed below;
+* expert parallelism, for a MoE model (``ep_degrees``): the dispatch all-to-all of the token rows,
+  ``k`` copies of ``l x hidden``, inside every group of ``EP`` consecutive ranks (``measure_ep_comm``,
+  on any device: it times an exchange, not a split of compute), read the same way as the model's
+  ``ep_all_to_all`` (``cost.moe_cost``: the EP schemes' all-to-all terms).
 
 Context parallelism is not timed, and the GPU rule that derives CP schemes from ``<TP, PP>`` (compute
 divided by CP) is far off on CPU (measured: 1xTP1PP1CP4 2.5x slower than 4xTP1PP1 where it predicted
@@ -51,7 +55,8 @@ import torch.distributed as dist
 from hgraph.errors import HGraphError
 from hgraph.torch_compat import reduce_scatter_single
 from hgraph.runtime.comm import p2p
-from hgraph.runtime.planner.cost.cost_model import CostModel, fit_coefficients
+from hgraph.runtime.planner.cost.cost_model import CostModel
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.cost.profiler import fwd_bwd_ms
 from hgraph.runtime.planner.cost.push import PushModel
 from hgraph.runtime.planner.cost.ulysses import AllToAll
@@ -169,20 +174,52 @@ def measure_pp_comm(rank: int, world_size: int, hidden: int, dtype: Any, repeats
 
 
 def measure_ul_comm(ul: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any, repeats: int,
-                    device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
-    """ms of one all-to-all of ``rows x hidden`` per ``COMM_LENGTHS`` (``rows``: the length rounded up to
-    a multiple of ``ul``) inside this rank's group of ``ul`` consecutive ranks (every group at once;
-    collective: call on every rank). Ranks outside every group return None."""
+                    device: torch.device = torch.device("cpu"), rows_per_token: int = 1) -> Optional[list[float]]:
+    """ms of one all-to-all of ``rows x hidden`` per ``COMM_LENGTHS`` (``rows``: ``rows_per_token`` rows
+    a token, rounded up to a multiple of ``ul``) inside this rank's group of ``ul`` consecutive ranks
+    (every group at once; collective: call on every rank). Ranks outside every group return None."""
     group = _consecutive_group(ul, rank, world_size, groups)
     if group is None:
         return None
     out = []
     for l in COMM_LENGTHS:
-        x = torch.ones(-(-l // ul) * ul, hidden, dtype=dtype, device=device)
+        x = torch.ones(ep_rows(l, rows_per_token, ul), hidden, dtype=dtype, device=device)
         y = torch.empty_like(x)
         out.append(_time_comm(lambda: dist.all_to_all_single(y, x, group=group), repeats, device=device))
     dist.barrier()
     return out
+
+
+def measure_ep_comm(ep: int, top_k: int, rank: int, world_size: int, hidden: int, groups: Any, dtype: Any,
+                    repeats: int, device: torch.device = torch.device("cpu")) -> Optional[list[float]]:
+    """ms of one dispatch all-to-all of the ``top_k`` copies of ``l`` token rows per ``COMM_LENGTHS``
+    (``ep_rows``) inside this rank's group of ``ep`` consecutive ranks (every group at once;
+    collective: call on every rank). Ranks outside every group return None."""
+    return measure_ul_comm(ep, rank, world_size, hidden, groups, dtype, repeats, device, rows_per_token=top_k)
+
+
+def ep_rows(length: int, top_k: int, ep: int) -> int:
+    """The rows an EP all-to-all of ``length`` tokens exchanges: ``top_k`` copies, rounded up to ``ep``."""
+    return -(-length * top_k // ep) * ep
+
+
+def measure_expert_all_to_all(degrees: Sequence[int], top_k: int, rank: int, world_size: int, hidden: int,
+                              groups: Any, dtype: Any, repeats: int, device: torch.device,
+                              say: Callable[[str], None]) -> tuple[dict[int, list[float]], Optional[AllToAll]]:
+    """The EP all-to-all timed for each degree in ``degrees`` (2..world size) and read as an ``AllToAll``
+    (``all_to_all_model``; None when no degree is timed); collective: call on every rank."""
+    raw: dict[int, list[float]] = {}
+    lines: dict[int, tuple[float, float]] = {}
+    for ep in sorted({n for n in degrees if 1 < n <= world_size}):
+        say(f"all-to-all EP{ep}")
+        ms = [r for r in _all_gather(measure_ep_comm(ep, top_k, rank, world_size, hidden, groups, dtype, repeats,
+                                                     device)) if r is not None]
+        raw[ep] = _median_rows(ms)
+        lines[ep] = _fit_line([ep_rows(l, top_k, ep) for l in COMM_LENGTHS], raw[ep])
+    if not lines:
+        return raw, None
+    comm = all_to_all_model(lines, hidden, torch.empty((), dtype=dtype).element_size())
+    return raw, dataclasses.replace(comm, source=comm.source.replace("UL", "EP"))
 
 
 def measure_push_comm(rank: int, world_size: int, repeats: int,
@@ -266,27 +303,31 @@ def interleaved_layer_timings(build: Callable[[int, int], Any], tps: Sequence[in
     return out
 
 
-def calibration_phases(prior: CostModel, world_size: int, ul_degrees: Sequence[int] = ()) -> int:
+def calibration_phases(prior: CostModel, world_size: int, ul_degrees: Sequence[int] = (),
+                       ep_degrees: Sequence[int] = ()) -> int:
     """How many ``progress`` calls ``calibrate_cost_model`` makes (for a progress bar's total)."""
     tps = {tp for tp, _, _ in prior.profiled}
     pps = {pp for _, pp, _ in prior.profiled}
     multi = world_size > 1
     return 1 + (len(tps - {1}) if multi else 0) + (1 if multi and max(pps) > 1 else 0) + (1 if multi else 0) \
-        + (len([u for u in set(ul_degrees) if 1 < u <= world_size]) if multi else 0)
+        + (len([u for u in set(ul_degrees) if 1 < u <= world_size]) if multi else 0) \
+        + (len([n for n in set(ep_degrees) if 1 < n <= world_size]) if multi else 0)
 
 
 def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[int], Any], rank: int,
                          world_size: int, groups: Any = None, *, tp_slots: int = 0, dtype: Any = None,
                          lengths: Optional[Sequence[int]] = None, repeats: int = 5,
                          progress: Optional[Callable[[str], None]] = None,
-                         device: Any = None, ul_degrees: Sequence[int] = ()) -> tuple[CostModel, dict]:
+                         device: Any = None, ul_degrees: Sequence[int] = (),
+                         ep_degrees: Sequence[int] = ()) -> tuple[CostModel, dict]:
     """The cost model of this machine for the schemes of ``prior`` (collective: call on every rank;
     every rank returns the same model). ``build(n, tp)``: a model with ``n`` layers of one TP rank's
     shard (``tp`` 1: the model's own layers);
     ``tp_slots``: the model's TP communication points (one all-reduce each per step and token pass);
     ``device``, ``dtype``: where and in what the run trains (CPU, fp32 by default), which is what is timed.
     ``lengths``: the sequence lengths timed (default: ``calibration_lengths`` of the device).
-    ``ul_degrees``: the Ulysses degrees whose all-to-all is timed (none: the model has no UL scheme).
+    ``ul_degrees``: the Ulysses degrees whose all-to-all is timed (none: the model has no UL scheme);
+    ``ep_degrees``: the EP degrees whose dispatch all-to-all is timed (a MoE prior's, ``moe_cost``).
     Returns the model and the raw measurements."""
     dtype = dtype or torch.float32
     device = torch.device(device or "cpu")
@@ -345,6 +386,11 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
         raw.setdefault("ul_comm_ms", {})[ul] = med
         ul_lines[ul] = _fit_line([-(-l // ul) * ul for l in COMM_LENGTHS], med)
     all_to_all = all_to_all_model(ul_lines, hidden, torch.empty((), dtype=dtype).element_size()) if ul_lines else None
+    experts = prior.model.experts
+    ep_all_to_all = None
+    if multi and experts is not None and ep_degrees:
+        raw["ep_comm_ms"], ep_all_to_all = measure_expert_all_to_all(ep_degrees, experts.top_k, rank, world_size,
+                                                                     hidden, groups, dtype, repeats, device, say)
     profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
     per_layer_slots = tp_slots / layers if layers else 0.0
     for (tp, pp, cp) in prior.profiled:
@@ -365,6 +411,7 @@ def calibrate_cost_model(prior: CostModel, model_config: Any, build: Callable[[i
     cost = CostModel(name="measured", model=prior.model, profiled=profiled, util_len_tokens=util,
                      memory=prior.memory, world_size=prior.world_size, gpus_per_node=prior.gpus_per_node,
                      max_cp=1, all_to_all=all_to_all, max_ul=max(ul_lines, default=1), push=push,
+                     ep_all_to_all=ep_all_to_all, max_ep=max(raw.get("ep_comm_ms", {}), default=1),
                      extra={"source": "measured at the start of the run (hgraph.runtime.planner.cost.calibration)",
                             "calibration": raw})
     return cost, raw

@@ -28,6 +28,11 @@ Ulysses schemes (``UL > 1``) are derived from the ``<TP, PP, CP>`` ones where th
 (``ModelShape.heads``) and an all-to-all model is known (``CostModel.all_to_all``: measured, or the A800
 prior for the built-in profiles): ``hgraph.runtime.planner.cost.ulysses``. ``max_ul`` bounds the degree
 (default: ``max_cp``, so a model without derived CP, the papers' ``<TP, PP>`` setting, has no UL either).
+
+EP schemes (``EP > 1``) of a model with experts (``ModelShape.experts``) are derived from all the others:
+``hgraph.runtime.planner.cost.moe_cost``. ``coeffs`` is their even split (a lower bound), ``dispatch_coeffs``
+what the dispatch balances, ``microbatch_time`` the slowest replica plus the busiest expert rank.
+The memory model (App. B.1, ``ModelShape``, ``MemoryModel``) is ``hgraph.runtime.planner.cost.memory_model``.
 """
 from __future__ import annotations
 
@@ -41,10 +46,12 @@ from hgraph import dims
 from hgraph.dims import Dim
 from hgraph.errors import HGraphError
 from hgraph.runtime.engine.offload import OFFLOAD_MODES
+from hgraph.runtime.planner.cost.memory_model import EMBEDDING_BYTES_PER_PARAM, MemoryModel, ModelShape
+from hgraph.runtime.data.document_split import split_documents
+from hgraph.runtime.planner.cost.moe_cost import EpTerms, ExpertShape, ep_microbatch_ms, ep_schemes
 from hgraph.runtime.planner.cost.profiles import resolve_profile
 from hgraph.runtime.planner.cost.push import PushModel, gradient_bytes, optional_push
-from hgraph.runtime.planner.cost.ulysses import (A800_ALL_TO_ALL, AllToAll, repeated_kv_bytes_per_token,
-                                                 ulysses_schemes)
+from hgraph.runtime.planner.cost.ulysses import A800_ALL_TO_ALL, AllToAll, ulysses_schemes
 from hgraph.runtime.planner.schedule.offload import relief_extra_ms
 from hgraph.runtime.planner.schedule.recompute import recompute_extra_ms
 from hgraph.runtime.planner.schedule.relief import relieved_max_len
@@ -52,127 +59,6 @@ from hgraph.strategy import Scheme
 
 DEFAULT_CP_EFFICIENCY = 0.9
 DEFAULT_MAX_CP = 8
-EMBEDDING_BYTES_PER_PARAM = 16  # App. B.1: the embedding term uses 16 bytes per parameter
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The sizes the memory model needs; the attention heads (None: unknown) decide the Ulysses degrees."""
-
-    hidden: int
-    layers: int
-    vocab: int
-    heads: Optional[int] = None
-    kv_heads: Optional[int] = None      # None: as many as ``heads`` (multi-head attention)
-
-
-@dataclass(frozen=True)
-class MemoryModel:
-    """Constants of the App. B.1 memory model (bytes)."""
-
-    activation_coeff: tuple[tuple[int, float], ...]  # (tp, A): bytes per token per layer per hidden/TP
-    state_coeff: float  # B
-    alpha: float  # fraction of model-state bytes that are fully sharded over all N ranks
-    framework_gap_bytes: int
-    safety_margin_bytes: int
-    gpu_memory_bytes: int
-    # Optional terms of a memory model measured on this runtime (``runtime_memory``); the defaults
-    # keep App. B.1 exactly: per TP degree, activation bytes per token outside the layers (embedding,
-    # head, loss; split over TP x CP), and bytes per embedding parameter (B.1 uses 16).
-    other_coeff: tuple[tuple[int, float], ...] = ()
-    embedding_bytes_per_param: float = EMBEDDING_BYTES_PER_PARAM
-    # Model states counted from the runtime's own layouts (``engine.model_states.scheme_states``):
-    # ``((tp, pp, world size), (resident, step transient))`` bytes of the fullest rank of such a
-    # pipeline (any CP), used instead of B.1's terms for the schemes listed: optimizer segments
-    # (1/N) plus one working layout with its gradients; the optimizer step's transient must fit too.
-    scheme_states: tuple[tuple[tuple[int, int, int], tuple[int, int]], ...] = ()
-    # The chunked loss's transient logits (``runtime_memory.loss_transient_bytes``), allocated on top of
-    # the saved activations while the loss runs: ``(tp, bytes per loss token, chunk tokens)``; it grows
-    # with the tokens up to one chunk, then stays. Empty: not counted (App. B.1's models).
-    loss_transient: tuple[tuple[int, float, int], ...] = ()
-
-    def activation_A(self, tp: int) -> float | None:
-        return dict(self.activation_coeff).get(tp)
-
-    def counted_states(self, scheme: Scheme, world_size: int) -> tuple[int, int] | None:
-        """``(resident, step transient)`` of ``scheme_states`` for this scheme and world size, if listed."""
-        return dict(self.scheme_states).get((scheme.tp, scheme.pp, world_size))
-
-    def state_bytes(self, model: ModelShape, scheme: Scheme, world_size: int) -> float:
-        """Model states and embedding bytes on one rank of ``scheme`` (counted ones when listed)."""
-        counted = self.counted_states(scheme, world_size)
-        if counted is not None:
-            return float(counted[0])
-        h2 = model.hidden ** 2
-        states = (model.layers * h2 / world_size) * self.state_coeff * self.alpha \
-            + (model.layers / scheme.pp) * (h2 / scheme.tp) * self.state_coeff * (1 - self.alpha)
-        emb = model.hidden * model.vocab
-        embedding = emb / world_size * self.embedding_bytes_per_param * self.alpha \
-            + emb / scheme.tp * self.embedding_bytes_per_param * (1 - self.alpha)
-        return states + embedding
-
-    def activation_bytes_per_token(self, model: ModelShape, scheme: Scheme) -> float | None:
-        A = self.activation_A(scheme.tp)
-        if A is None:
-            return None
-        other = dict(self.other_coeff).get(scheme.tp, 0.0) / scheme.seq     # CP or Ulysses: tokens / degree
-        return model.layers * model.hidden / (scheme.tp * scheme.seq) * A + other \
-            + repeated_kv_bytes_per_token(model.hidden, model.layers, model.heads, model.kv_heads, scheme)
-
-    def activation_room(self, model: ModelShape, scheme: Scheme, world_size: int) -> float:
-        """Device bytes a rank of ``scheme`` has for activations: memory minus the margin, the gap and
-        the model states; 0 when even the model states (or the optimizer step) do not fit."""
-        free = self.gpu_memory_bytes - self.safety_margin_bytes - self.framework_gap_bytes \
-            - self.state_bytes(model, scheme, world_size)
-        counted = self.counted_states(scheme, world_size)
-        if counted is not None and free < counted[1]:      # the optimizer step itself does not fit
-            return 0.0
-        return max(float(free), 0.0)
-
-    def transient_bytes(self, scheme: Scheme, tokens: int) -> float:
-        """The loss's transient bytes on a rank of ``scheme`` for a micro-batch of ``tokens`` (a CP or
-        Ulysses rank computes the loss of its ``tokens / degree``)."""
-        per, chunk = self._transient(scheme)
-        return per * min(tokens / scheme.seq, chunk)
-
-    def _transient(self, scheme: Scheme) -> tuple[float, int]:
-        for tp, per, chunk in self.loss_transient:
-            if tp == scheme.tp:
-                return per, chunk
-        return 0.0, 0
-
-    def max_len(self, model: ModelShape, scheme: Scheme, world_size: int) -> int:
-        """Longest packed micro-batch (tokens) that fits with every activation on the device and the
-        loss's transient logits beside them; 0 when even the model states do not fit."""
-        per_token = self.activation_bytes_per_token(model, scheme)
-        if per_token is None:
-            return 0
-        room = self.activation_room(model, scheme, world_size)
-        per, chunk = self._transient(scheme)
-        full = chunk * scheme.seq                 # the micro-batch length from which the transient stays
-        if per and (per_token + per / scheme.seq) * full >= room:
-            return max(int(room // (per_token + per / scheme.seq)), 0)
-        return max(int((room - per * chunk) // per_token), 0)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "activation_bytes_per_token_per_layer_coeff_A": {f"tp{tp}": a for tp, a in self.activation_coeff},
-            "model_state_coeff_B": self.state_coeff,
-            "alpha_sharded_fraction": self.alpha,
-            "framework_gap_bytes": self.framework_gap_bytes,
-            "safety_margin_bytes": self.safety_margin_bytes,
-            "gpu_memory_bytes": self.gpu_memory_bytes,
-            **({"other_activation_bytes_per_token": {f"tp{tp}": v for tp, v in self.other_coeff}}
-               if self.other_coeff else {}),
-            **({"embedding_bytes_per_param": self.embedding_bytes_per_param}
-               if self.embedding_bytes_per_param != EMBEDDING_BYTES_PER_PARAM else {}),
-            **({"loss_transient": [{"tp": tp, "bytes_per_token": per, "chunk_tokens": chunk}
-                                   for tp, per, chunk in self.loss_transient]}
-               if self.loss_transient else {}),
-            **({"model_state_bytes": [{"tp": tp, "pp": pp, "world_size": n, "resident": res, "step_transient": tr}
-                                      for (tp, pp, n), (res, tr) in self.scheme_states]}
-               if self.scheme_states else {}),
-        }
 
 
 def _tp_key(text: str, where: str) -> int:
@@ -212,6 +98,10 @@ class CostModel:
     host_budget_bytes: float = math.inf
     # Push Gradient: only its part the last backward does not hide is priced (None: not priced)
     push: Optional[PushModel] = None
+    # expert parallelism (a model with ``experts``): the all-to-all's time (None: ``all_to_all``'s; neither:
+    # no EP scheme) and the largest degree (None: ``gpus_per_node``); ``cost.moe_cost``
+    ep_all_to_all: Optional[AllToAll] = None
+    max_ep: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -221,6 +111,7 @@ class CostModel:
         if not 0 < self.cp_efficiency <= 1:
             raise HGraphError(f"cp_efficiency must be in (0, 1], got {self.cp_efficiency!r}")
         self._coeffs: dict[Scheme, tuple[float, float, float]] = {}
+        self._ep_terms: dict[Scheme, EpTerms] = {}          # filled by ``_derived_ep``
         self._max_len: dict[Scheme, int] = {}
         self._relieved_max_len: dict[Scheme, int] = {}     # filled as asked (``max_len``)
         for scheme, abc in sorted(self._all_coeffs().items()):
@@ -236,7 +127,7 @@ class CostModel:
                 continue
             self._coeffs[scheme] = abc
             self._max_len[scheme] = ml
-        self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.num_ranks, s.tp, s.pp, s.cp, s.ul))
+        self.schemes: list[Scheme] = sorted(self._coeffs, key=lambda s: (s.num_ranks, s.tp, s.pp, s.cp, s.ul, s.ep))
 
     def _all_coeffs(self) -> dict[Scheme, tuple[float, float, float]]:
         """The profiled schemes, then the schemes each derived dimension adds to those before it
@@ -274,6 +165,12 @@ class CostModel:
             self._check(scheme)
             raise
 
+    def dispatch_coeffs(self, scheme: Scheme) -> tuple[float, float, float]:
+        """``(a, b, c)`` the dispatch, packing and proposal balance documents by: ``coeffs``, except for
+        EP (``moe_cost.EpTerms.balancing``: a document's attention whole on its replica)."""
+        terms = self._ep_terms.get(scheme)
+        return self.coeffs(scheme) if terms is None else terms.balancing
+
     def seq_time(self, l, scheme: Scheme):
         """Per-sequence part ``a l^2 + b l`` (ms); ``l`` may be a number or a numpy array."""
         a, b, _ = self.coeffs(scheme)
@@ -285,9 +182,25 @@ class CostModel:
 
     def microbatch_time(self, lengths: Iterable[int], scheme: Scheme) -> float:
         """One packed micro-batch: ``sum(a l^2 + b l) + c`` (ms), plus what its relief adds
-        (``relief_ms``)."""
+        (``relief_ms``); an EP micro-batch its slowest replica and busiest expert rank
+        (``moe_cost.ep_microbatch_ms``), of which ``coeffs`` is the even split's lower bound."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
+        if scheme in self._ep_terms:
+            return ep_microbatch_ms(arr, self._ep_terms[scheme], self.model.experts, split_documents) \
+                + self.relief_ms(arr, scheme)
         return float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2] + self.relief_ms(arr, scheme)
+
+    def replicas_microbatch_time(self, parts: Sequence[Sequence[int]], scheme: Scheme) -> float:
+        """An EP micro-batch whose replicas run the documents ``parts`` (their lengths, one list per EP
+        rank, as a baseline deals them) rather than ``split_documents``' split."""
+        lengths = [l for part in parts for l in part]
+        starts = np.cumsum([0] + [len(p) for p in parts])
+        given = tuple(tuple(range(starts[r], starts[r + 1])) for r in range(len(parts)))
+        return ep_microbatch_ms(np.asarray(lengths), self._ep_terms[scheme], self.model.experts, lambda _l, _n: given)
+
+    def prices_replicas(self, scheme: Scheme) -> bool:
+        """Whether ``scheme``'s micro-batches are priced per EP replica (not by ``seq_time`` sums)."""
+        return scheme in self._ep_terms
 
     @property
     def relieves(self) -> bool:
@@ -348,6 +261,14 @@ class CostModel:
             relieved = self._relieved_max_len[scheme] = relieved_max_len(self, scheme, plain)
         return relieved
 
+    def microbatch_capacity(self, scheme: Scheme, longest: int = 0) -> int:
+        """Tokens the packer may put in one micro-batch of documents up to ``longest`` tokens: MaxLen; for
+        EP the ``n`` replicas' MaxLen ``M`` less what an uneven split may leave, ``n M - (n - 1) longest``
+        (``split_documents`` deals the documents dearest first onto the least loaded replica: what is left
+        beside the longest then fits the others)."""
+        m = self.max_len(scheme)
+        return m if scheme.ep == 1 else max(scheme.ep * m - (scheme.ep - 1) * int(longest), m)
+
     def plain_max_len(self, scheme: Scheme) -> int:
         """The longest packed micro-batch (tokens) that fits with every activation on the device."""
         try:
@@ -381,7 +302,8 @@ class CostModel:
         m = self.model
         body.update({
             "model": {"hidden": m.hidden, "layers": m.layers, "vocab": m.vocab,
-                      **({"heads": m.heads} if m.heads else {}), **({"kv_heads": m.kv_heads} if m.kv_heads else {})},
+                      **({"heads": m.heads} if m.heads else {}), **({"kv_heads": m.kv_heads} if m.kv_heads else {}),
+                      **({"experts": m.experts.to_dict()} if m.experts else {})},
             "schemes": schemes,
             "util_len_tokens": {f"tp{tp}": v for tp, v in sorted(self.util_len_tokens.items())},
             "memory": self.memory.to_dict(),
@@ -389,6 +311,9 @@ class CostModel:
         })
         if self.push is not None:
             body["push"] = self.push.to_dict()
+        if self.ep_all_to_all is not None or self.max_ep is not None:
+            body["moe"] = {**({"all_to_all": self.ep_all_to_all.to_dict()} if self.ep_all_to_all else {}),
+                           **({"max_ep": self.max_ep} if self.max_ep is not None else {})}
         if self.all_to_all is not None:
             body["ulysses"] = {"all_to_all": self.all_to_all.to_dict(),
                                **({"max_ul": self.max_ul} if self.max_ul is not None else {})}
@@ -466,7 +391,8 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
         mod = entry["model"]
         model = ModelShape(int(mod["hidden"]), int(mod["layers"]), int(mod["vocab"]),
                            int(mod["heads"]) if mod.get("heads") else None,
-                           int(mod["kv_heads"]) if mod.get("kv_heads") else None)
+                           int(mod["kv_heads"]) if mod.get("kv_heads") else None,
+                           ExpertShape.from_dict(mod["experts"], where) if mod.get("experts") else None)
         profiled: dict[tuple[int, int, int], tuple[float, float, float]] = {}
         for s in entry["schemes"]:
             key = (int(s["tp"]), int(s["pp"]), int(s.get("cp", 1)))
@@ -499,13 +425,18 @@ def cost_model_from_entry(name: str, entry: dict[str, Any], *, world_size: int, 
     if max_ul is None and ul_conf.get("max_ul") is not None:
         max_ul = int(ul_conf["max_ul"])
     extra = {k: v for k, v in entry.items()
-             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel", "ulysses", "push")}
+             if k not in ("model", "schemes", "util_len_tokens", "memory", "context_parallel", "ulysses", "push", "moe")}
+    moe = entry.get("moe", {})
+    if not isinstance(moe, dict):
+        raise HGraphError(f"{where}: moe must be an object with all_to_all and max_ep")
     return CostModel(
         name=name, model=model, profiled=profiled, util_len_tokens=util, memory=memory,
         world_size=world_size, gpus_per_node=gpus_per_node,
         cp_efficiency=float(cp_efficiency if cp_efficiency is not None else cp_conf.get("efficiency", DEFAULT_CP_EFFICIENCY)),
         max_cp=int(max_cp if max_cp is not None else cp_conf.get("max_cp", DEFAULT_MAX_CP)),
-        extra=extra, all_to_all=all_to_all, max_ul=max_ul, push=optional_push(entry.get("push"), where))
+        extra=extra, all_to_all=all_to_all, max_ul=max_ul, push=optional_push(entry.get("push"), where),
+        ep_all_to_all=AllToAll.from_dict(moe["all_to_all"], where) if "all_to_all" in moe else None,
+        max_ep=int(moe["max_ep"]) if moe.get("max_ep") is not None else None)
 
 
 def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_efficiency: float | None = None,
@@ -517,31 +448,6 @@ def load_cost_model(ref: str, world_size: int, gpus_per_node: int = 8, *, cp_eff
     return cost_model_from_entry(name, entry, world_size=world_size, gpus_per_node=gpus_per_node,
                                  cp_efficiency=cp_efficiency, max_cp=max_cp, gpu_memory_bytes=gpu_memory_bytes,
                                  max_ul=max_ul)
-
-
-def fit_coefficients(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
-    """Least-squares fit of ``ms = a l^2 + b l + c`` to ``[(l, ms)]``.
-
-    Needs three distinct lengths. A negative ``a`` (attention cost hidden by noise) is refitted as
-    linear with ``a = 0``; a negative ``b`` or ``c`` likewise drops that term, so times stay monotone.
-    """
-    pts = np.asarray(list(points), dtype=np.float64)
-    if pts.ndim != 2 or pts.shape[1] != 2:
-        raise HGraphError("fit_coefficients needs (length, ms) pairs")
-    if len(np.unique(pts[:, 0])) < 3:
-        raise HGraphError(f"fitting a*l^2 + b*l + c needs at least 3 distinct lengths, got {len(np.unique(pts[:, 0]))}")
-    l, t = pts[:, 0], pts[:, 1]
-    columns = {"a": l * l, "b": l, "c": np.ones_like(l)}
-    active = ["a", "b", "c"]
-    while True:
-        X = np.stack([columns[k] for k in active], axis=1)
-        sol, *_ = np.linalg.lstsq(X, t, rcond=None)
-        fit = dict(zip(active, sol))
-        negative = [k for k in active if fit[k] < 0]
-        if not negative or len(active) == 1:
-            break
-        active.remove(negative[0])
-    return (float(max(fit.get("a", 0.0), 0.0)), float(max(fit.get("b", 0.0), 0.0)), float(max(fit.get("c", 0.0), 0.0)))
 
 
 Coeffs = dict[Scheme, tuple[float, float, float]]
@@ -567,8 +473,20 @@ def _derived_ul(cost: CostModel, bases: Coeffs) -> Coeffs:
                            world_size=cost.world_size)
 
 
+def _derived_ep(cost: CostModel, bases: Coeffs) -> Coeffs:
+    """EP schemes of every base of a MoE model (``moe_cost.ep_schemes``; the per-replica terms kept for
+    ``microbatch_time``), over the EP all-to-all (the Ulysses one without a measured one)."""
+    m = cost.model
+    coeffs, terms = ep_schemes(bases, hidden=m.hidden, layers=m.layers, shape=m.experts,
+                               comm=cost.ep_all_to_all or cost.all_to_all, gpus_per_node=cost.gpus_per_node,
+                               world_size=cost.world_size, max_ep=cost.max_ep)
+    cost._ep_terms.update(terms)
+    return coeffs
+
+
 #: how the schemes of each dimension the cost model derives rather than profiles are priced, keyed by
 #: the registry's members (``hgraph.dims``) and applied in this order; a new dimension is one entry
 #: (the memory terms follow ``Scheme.seq`` for the sequence dimensions)
-DERIVED: dict[Dim, Callable[[CostModel, Coeffs], Coeffs]] = {dims.CP: _derived_cp, dims.UL: _derived_ul}
+DERIVED: dict[Dim, Callable[[CostModel, Coeffs], Coeffs]] = {dims.CP: _derived_cp, dims.UL: _derived_ul,
+                                                            dims.EP: _derived_ep}
 

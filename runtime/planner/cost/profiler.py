@@ -35,7 +35,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hgraph.errors import HGraphError
-from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape, fit_coefficients
+from hgraph.runtime.planner.cost.cost_model import CostModel, MemoryModel, ModelShape
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.schedule.offload import HOST_LINK_KEY
 from hgraph.strategy import Scheme
 

@@ -43,11 +43,11 @@ class SchemeCosts:
 
     def __init__(self, scheme: Scheme, cost, lengths: np.ndarray):
         self.scheme = scheme
-        self.a, self.b, self.c = cost.coeffs(scheme)
+        self.a, self.b, self.c = cost.dispatch_coeffs(scheme)
         self.k = scheme.pp - 1
         self.cap = cost.max_len(scheme)
         # the micro-batch size the surrogate counts V by: what packing fills (``relief.packing_capacity``)
-        self.pack_cap = max(min(self.cap, unrelieved_len(cost, scheme)), 1)
+        self.pack_cap = max(min(cost.microbatch_capacity(scheme), unrelieved_len(cost, scheme)), 1)
         self.util = cost.util_len(scheme)
         # a document's cost: its compute, and what relief adds to it alone (past the plain MaxLen)
         self.t = self.a * lengths.astype(np.float64) ** 2 + self.b * lengths + doc_relief_ms(cost, scheme, lengths)

@@ -168,7 +168,7 @@ def pack_pipeline(lengths, scheme: Scheme, cost, *, method: str = "fast", time_l
 
 
 def _pack_fast(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) -> PackResult:
-    a, b, c = cost.coeffs(scheme)
+    a, b, c = cost.dispatch_coeffs(scheme)
     cap = packing_capacity(cost, scheme, int(lengths.max()))
     k = scheme.pp - 1
     tarr = a * lengths.astype(np.float64) ** 2 + b * lengths + doc_relief_ms(cost, scheme, lengths)
@@ -211,7 +211,7 @@ def pack_pipeline_cpsat(lengths, scheme: Scheme, cost, *, time_limit_s: float = 
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         return PackResult([], [], 0.0)
-    a, b, c = cost.coeffs(scheme)
+    a, b, c = cost.dispatch_coeffs(scheme)
     _check_fits(lengths, scheme, cost.max_len(scheme))
     cap = packing_capacity(cost, scheme, int(lengths.max()))
     k = scheme.pp - 1

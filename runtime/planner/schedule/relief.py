@@ -98,6 +98,7 @@ def packing_capacity(cost: Any, scheme: Any, longest: int) -> int:
     """The most tokens the packer puts in one micro-batch of ``scheme`` holding documents of at most
     ``longest`` tokens: what runs without relief, or the longest document where it needs relief
     (packing never makes a micro-batch relieved that its documents alone would not make so: the
-    packer prices documents, not the relief of their sum), within MaxLen."""
-    return min(cost.max_len(scheme), max(unrelieved_len(cost, scheme), int(longest)))
+    packer prices documents, not the relief of their sum), within MaxLen (an EP micro-batch's, its
+    replicas': ``CostModel.microbatch_capacity``)."""
+    return min(cost.microbatch_capacity(scheme, longest), max(unrelieved_len(cost, scheme), int(longest)))
 

@@ -11,6 +11,7 @@ plan needs every id once.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hgraph.errors import HGraphError
-from hgraph.frontends.zoo import llama
+from hgraph.frontends.zoo import llama, llama_moe
 from hgraph.runtime.data.documents import Document, MiniBatch, doc_lengths
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.process.run_log import run_log
@@ -29,6 +30,7 @@ from hgraph.runtime.planner.auto_candidates import auto_candidates
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
 from hgraph.runtime.planner.cost.calibration import StepCorrection, calibrate_cost_model, scaled_plan
 from hgraph.runtime.planner.cost.cost_model import load_cost_model, with_activation_budget
+from hgraph.runtime.planner.cost.moe_cost import expert_shape_of
 from hgraph.runtime.planner.cost.profiler import measure_host_link
 from hgraph.runtime.planner.cost.runtime_memory import (check_documents_fit, counted_states,
                                                         default_device_memory, is_runtime_model,
@@ -51,12 +53,17 @@ def _divisors(n: int, limit: int) -> list[int]:
 def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: int = 8):
     """The cost model for ``--profile``: ``analytic`` = the analytic prior for ``model``'s shape
     (TP degrees dividing its attention and KV heads, PP degrees dividing its layers, Ulysses degrees
-    dividing its heads per TP rank) on
+    dividing its heads per TP rank; a MoE model's experts, ``moe_cost.expert_shape_of``) on
     ``world_size`` GPUs; anything else is a built-in profile name, a profile FILE or ``FILE:NAME``.
     (``measure`` is resolved by ``measured_cost_model``, collectively.)"""
     if profile not in (ANALYTIC, MEASURE):
         return load_cost_model(profile, world_size, gpus_per_node)
-    cfg = getattr(model, "config", None)
+    return config_cost_model(getattr(model, "config", None), world_size, gpus_per_node, profile)
+
+
+def config_cost_model(cfg: Any, world_size: int, gpus_per_node: int = 8, profile: str = ANALYTIC):
+    """The analytic prior of a model config's shape (``model_cost_model``): no model is built, so a
+    16B-class config is priced in a second."""
     try:
         hidden, layers, vocab = int(cfg.hidden_size), int(cfg.num_layers), int(cfg.vocab_size)
     except AttributeError:
@@ -70,7 +77,7 @@ def model_cost_model(profile: str, model: Any, world_size: int, gpus_per_node: i
     return analytic_cost_model(hidden=hidden, layers=layers, vocab=vocab, world_size=world_size,
                                ffn_hidden=int(ffn) if ffn else None, gpus_per_node=gpus_per_node,
                                tps=tps, pps=pps, heads=int(getattr(cfg, "num_heads", 0) or 0),
-                               kv_heads=getattr(cfg, "num_kv_heads", None))
+                               kv_heads=getattr(cfg, "num_kv_heads", None), experts=expert_shape_of(cfg))
 
 
 def bounded_cost_model(cost: Any, model: Any, device_memory: Any, working_bytes: int,
@@ -126,20 +133,32 @@ def measured_cost_model(model: Any, rank: int, world_size: int, groups: Any = No
     """``--profile measure``: the analytic prior's schemes timed on this machine by every rank at once
     (``hgraph.runtime.planner.cost.calibration``; collective), on the run's ``device`` in its working
     ``dtype`` (CPU, fp32 by default), with the host link's bandwidth measured there. Needs a zoo
-    Llama-style model. ``ulysses``: time the all-to-all of the Ulysses degrees the model's heads allow
-    and derive its UL schemes (None: on a GPU only)."""
+    Llama-style model (a MoE one's shards are MoE decoders, and its EP all-to-all is timed for the
+    degrees dividing its experts up to a node). ``ulysses``: time the all-to-all of the Ulysses
+    degrees the model's heads allow and derive its UL schemes (None: on a GPU only)."""
     prior = model_cost_model(MEASURE, model, world_size, gpus_per_node)
     cfg = model.config
     if not isinstance(cfg, llama.LlamaConfig):
         raise HGraphError("--profile measure needs a zoo Llama model (it times 1- and 2-layer copies); "
                           "give --profile analytic or a profile FILE")
+    experts = prior.model.experts
     with torch.random.fork_rng(devices=[]):     # the run's RNG stream does not depend on the profile
-        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: llama.build(llama.tp_shard_config(cfg, n, tp)),
+        cost, _ = calibrate_cost_model(prior, cfg, lambda n, tp: _shard_model(cfg, n, tp),
                                        rank, world_size, groups, tp_slots=tp_slots, progress=progress,
                                        device=device, dtype=dtype,
-                                       ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses))
+                                       ul_degrees=measured_ulysses_degrees(prior, world_size, device, ulysses),
+                                       ep_degrees=experts.ep_degrees(min(world_size, gpus_per_node)) if experts else ())
     # the host link activation offload copies over, measured on this rank's device (schedule.offload)
     return with_host_link(cost, measure_host_link(device if device is not None else "cpu"))
+
+
+def _shard_model(cfg: Any, layers: int, tp: int) -> Any:
+    """One TP rank's shard of a zoo Llama (or MoE decoder, its experts' width divided too) with ``layers``
+    layers: what calibration times."""
+    shard = llama.tp_shard_config(cfg, layers, tp)
+    if isinstance(cfg, llama_moe.LlamaMoeConfig):
+        return llama_moe.build(dataclasses.replace(shard, moe_intermediate_size=-(-cfg.moe_intermediate_size // tp)))
+    return llama.build(shard)
 
 
 def measured_ulysses_degrees(prior: Any, world_size: int, device: Any, ulysses: bool | None) -> list[int]:

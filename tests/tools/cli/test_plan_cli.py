@@ -95,3 +95,19 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, content, args, match):
     assert err.count("\n") == 1 and err.startswith("hgraph plan: error:")
     import re
     assert re.search(match, err), err
+
+
+def test_an_analytic_zoo_profile_plans_a_moe_model_with_ep_pipelines(capsys, lengths_file):
+    path, _ = lengths_file
+    argv = ["plan", "--profile", "analytic:llama-moe:16b", "--world-size", "16", "--max-len", "8192",
+            "--tokens-per-iter", "60000", "--lengths", str(path), "--json",
+            "--strategies", "2xTP1PP1EP8;1xTP1PP1EP8+4xTP2PP1"]
+    code, out, err = _run(capsys, argv)
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["candidates"] == ["2xTP1PP1EP8", "1xTP1PP1EP8+4xTP2PP1"]
+    assert any(p["scheme"] == "TP1PP1EP8" for p in data["iterations"][0]["pipelines"])
+    code, out, err = _run(capsys, ["plan", "--profile", "analytic:llama-moe:huge", "--world-size", "16", "--max-len",
+                                   "8192", "--tokens-per-iter", "60000", "--lengths", str(path)])
+    assert code == 2 and not out and len(err.strip().splitlines()) == 1
+    assert "analytic: takes a zoo model" in err and "llama-moe:16b" in err

@@ -9,7 +9,8 @@ import hgraph.runtime.planner.cost.calibration as calibration
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.planner.cost.calibration import (COMM_LENGTHS, PUSH_BYTES, StepCorrection,
                                                     interleaved_layer_timings, scaled_plan)
-from hgraph.runtime.planner.cost.cost_model import fit_coefficients
+from hgraph.runtime.planner.cost import moe_cost
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.cost.ulysses import ulysses_coeffs
 from hgraph.runtime.planner.selection import plan_iteration
 from hgraph.runtime.planner.service.iteration import measured_cost_model, model_cost_model
@@ -36,15 +37,47 @@ def _calibrate(rank, world_size):
     torch.manual_seed(1)
     expected = torch.rand(3)
     torch.manual_seed(1)
-    cost = measured_cost_model(model, rank, world_size, GroupCache(rank, world_size), 8,
+    groups = GroupCache(rank, world_size)
+    cost = measured_cost_model(model, rank, world_size, groups, 8,
                                slots["tp_enter"] + slots["tp_exit"], ulysses=True)
     assert torch.equal(torch.rand(3), expected), "calibration must not move the run's RNG stream"
-    return cost
+    # the EP all-to-all of 2 copies a token's rows, on the same two ranks (what a MoE prior's calibration times)
+    ep = calibration.measure_expert_all_to_all((2,), 2, rank, world_size, 64, groups,
+                                               torch.float32, 3, torch.device("cpu"), lambda _text: None)
+    return cost, ep
 
 
 @pytest.fixture(scope="module")
-def measured():
+def spawned():
     return spawn(_calibrate, 2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def measured(spawned):
+    return [cost for cost, _ in spawned]
+
+
+def test_the_ep_all_to_all_is_timed_on_two_ranks_and_prices_the_ep_schemes(spawned):
+    (_, (raw, comm)), (_, (raw1, comm1)) = spawned
+    assert comm == comm1 and set(raw) == {2} and len(raw[2]) == 2 and all(t > 0 for t in raw[2])
+    rows = [calibration.ep_rows(l, 2, 2) for l in COMM_LENGTHS]        # 2 copies of each token's row
+    assert rows == [2 * l for l in COMM_LENGTHS]
+    beta = max((raw[2][1] - raw[2][0]) / (rows[1] - rows[0]), 0.0)
+    if beta > 0:    # a row of 64 fp32 values sends half its bytes to the other rank
+        assert comm.intra_node_bytes_per_s == pytest.approx(64 * 4 / 2 / (beta / 1e3))
+    assert "EP2" in comm.source
+    # a MoE model's EP schemes take their all-to-all term from it
+    from dataclasses import replace
+    from hgraph.frontends.zoo import llama_moe
+    prior = model_cost_model("analytic", llama_moe.build("tiny"), 2)
+    cost = replace(prior, ep_all_to_all=comm)
+    ep2, base = Scheme(1, 1, ep=2), Scheme(1, 1)
+    a, b, c = cost.coeffs(base)
+    share = moe_cost.routed_share(64, 3, prior.model.experts)
+    comm_b = 2 * moe_cost.all_to_all_bytes_per_token(64, prior.model.experts, tp=1, seq=1, ep=2,
+                                                     bytes_per_element=4) / comm.intra_node_bytes_per_s * 1e3
+    assert cost.coeffs(ep2) == pytest.approx((a / 2, (b + comm_b) / 2, c + 2 * 4 * comm.latency_ms))
+    assert share > 0
 
 
 def test_two_ranks_build_the_same_measured_model_with_tp_and_pp_comm(measured):

@@ -7,7 +7,8 @@ import pytest
 
 from hgraph.errors import HGraphError
 from hgraph.runtime.planner.cost.analytic_prior import analytic_cost_model
-from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, fit_coefficients, load_cost_model
+from hgraph.runtime.planner.cost.cost_model import cost_model_from_entry, load_cost_model
+from hgraph.runtime.planner.cost.fit import fit_coefficients
 from hgraph.runtime.planner.cost.profiles import builtin_profile_names, builtin_profiles
 from hgraph.runtime.planner.cost.ulysses import kv_heads_sent, repeated_kv_bytes_per_token, ulysses_degrees
 from hgraph.strategy import Scheme
