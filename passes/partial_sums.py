@@ -85,7 +85,7 @@ def fused_partial_sums(gm: fx.GraphModule) -> list[FusedSum]:
     entering = _entering_values(gm)
     out, inside = [], set()
     for node in reversed(gm.graph.nodes):
-        if node in inside or is_producer(node) or op_name(node) not in _ADDS or node.op == "placeholder":
+        if node in inside or node.op not in ("call_function", "call_method") or op_name(node) not in _ADDS:
             continue
         found = _sum_of(node, get_meta(node).block, entering.get(get_meta(node).block, set()))
         if found is None or len(found[0]) < 2:
