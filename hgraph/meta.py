@@ -77,8 +77,9 @@ class NodeMeta:
         each rank reduces its slice and the partial results are all-reduced.
     tp_parts: for a column-parallel linear whose output is cut into parts (fused q/k/v, gate/up), the
         parts' output row ranges: each TP rank holds its slice of every part.
-    tp_partial: an op reading a whole parameter on TP-sharded heads (a per-head norm's weight): each
-        TP rank's gradient of that parameter covers its heads only, so the push sums them.
+    tp_partial: an op reading a whole parameter on TP-sharded heads (a per-head norm's weight), or
+        computing the scale of a partial sum reduced later (``passes/partial_sums``): each TP rank's
+        gradient of that parameter is its part only, so the push sums them.
     """
 
     block: Optional[str] = None

@@ -11,7 +11,9 @@ exactly what the traced one does:
   one, gate/up share one, the lm head has its own); ``tp_exit`` after each row-parallel linear and
   each vocab-parallel embedding, and ``tp_exit`` + ``tp_enter`` after a full-width sum / mean of a
   sharded value (its partial results all-reduced, and their gradients); ``tp_enter`` before and
-  ``tp_exit`` after an MoE op whose experts TP shards (role EXPERTS); ``tp_gather`` after a
+  ``tp_exit`` after an MoE op whose experts TP shards (role EXPERTS); one ``tp_exit`` after a sum of
+  such partial sums instead of one per term (``passes/partial_sums``: an MoE layer's routed and shared
+  experts), the values its scales read routed through their ``tp_enter``; ``tp_gather`` after a
   column-parallel linear in ``post`` (the lm head); ``cp_kv`` on the key and value inputs of each attention; ``pp_boundary`` on each value
   produced in a block (or ``pre``) and consumed in another block (the hidden state between blocks).
 
@@ -28,9 +30,10 @@ from typing import Any, Iterable, Optional
 
 import torch.fx as fx
 
-from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta
+from hgraph.meta import CommPoint, NodeMeta, OpKind, SlotKind, TPRole, get_meta, is_slot, set_meta, update_meta
 from hgraph.passes.context import PassContext
 from hgraph.passes.op_kinds import parameter_names
+from hgraph.passes.partial_sums import fused_partial_sums
 from hgraph.passes.tp_roles import PARTIAL_SUM
 from hgraph.slots import empty_slot
 
@@ -88,6 +91,8 @@ def _comm(point: CommPoint, of: fx.Node) -> NodeMeta:
 def insert_tp_slots(gm: fx.GraphModule) -> None:
     graph = gm.graph
     column_inputs: dict[tuple[fx.Node, Optional[str]], list[fx.Node]] = {}
+    fused = fused_partial_sums(gm)
+    reduced_later = {p for f in fused for p in f.producers}    # their sum's exit reduces them
     for n in list(graph.nodes):
         m = get_meta(n)
         partial_sum = m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM
@@ -97,19 +102,32 @@ def insert_tp_slots(gm: fx.GraphModule) -> None:
             # the MoE op: its input enters like a column group's (shared with the shared experts' gate / up
             # when they read the same value), its partial sums exit like a row-parallel linear's
             column_inputs.setdefault((n.args[0], m.block), []).append(n)
-            _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
+            if n not in reduced_later:
+                _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
         elif m.op == OpKind.LINEAR and m.tp_role == TPRole.COLUMN:
             column_inputs.setdefault((n.args[0], m.block), []).append(n)
             if m.block == "post":
                 _slot_after(graph, n, _comm(CommPoint.TP_GATHER, n), list(n.users), f"tp_gather_{n.name}")
-        elif (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
-                (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB):
+        elif ((m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or
+              (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB)) and n not in reduced_later:
             _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
         if partial_sum:
             # a full-width sum / mean of a sharded value: all-reduce the partial results (forward), and
             # their gradients, which the sharded ops after it give per slice (backward)
             exit_slot = _slot_after(graph, n, _comm(CommPoint.TP_EXIT, n), list(n.users), f"tp_exit_{n.name}")
             _slot_after(graph, exit_slot, _comm(CommPoint.TP_ENTER, n), list(exit_slot.users), f"tp_enter_{n.name}")
+    for f in fused:
+        _slot_after(graph, f.root, _comm(CommPoint.TP_EXIT, f.root), list(f.root.users), f"tp_exit_{f.root.name}")
+        for scale in f.scales:
+            readers = scale.cone | {scale.mul}
+            for r in readers:
+                if any(get_meta(a).slot == SlotKind.PULL_PARAMETER for a in r.all_input_nodes):
+                    update_meta(r, tp_partial=True)     # its parameter's gradient: each rank's part of the sum
+                for x in scale.entered:
+                    # read whole, inside the TP region: through its tp_enter (after x's own exit, if it has one)
+                    x = next((u for u in x.users if get_meta(u).comm_point == CommPoint.TP_EXIT), x)
+                    if x in r.all_input_nodes:
+                        column_inputs.setdefault((x, get_meta(f.root).block), []).append(r)
     for (x, _), linears in column_inputs.items():
         # the slot belongs to the group it feeds (x may come from the previous block)
         _slot_after(graph, x, _comm(CommPoint.TP_ENTER, linears[0]), linears, f"tp_enter_{x.name}")

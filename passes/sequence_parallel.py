@@ -11,8 +11,10 @@ tokens on the rank, the CP rank's under CP; uneven when TP does not divide it).
 (the answer does not depend on the TP degree) and proves every op in between token-wise:
 
 * sources: the ``tp_exit`` slots after a row-parallel linear / vocab-parallel embedding / MoE op with
-  TP-sharded experts (its partial sums reduce-scattered like a row-parallel linear's; a full-width
-  partial sum's exit, OLMo-2's q/k norm, stays an all-reduce: it is inside a TP region, on whole tokens);
+  TP-sharded experts (its partial sums reduce-scattered like a row-parallel linear's), or after a sum of
+  their partial sums (``passes/partial_sums``: an MoE layer's routed and shared experts, one
+  reduce-scatter); a full-width partial sum's exit, OLMo-2's q/k norm, stays an all-reduce: it is
+  inside a TP region, on whole tokens;
 * an op with a sliced input is sliced when it is elementwise (broadcasting keeps the token dim in
   place), keyed dropout, a linear TP left whole (on the features of each token), hgraph's MoE op whose
   experts TP left whole (``moe.moe_layer``: each token routed to its experts alone), or a norm / reduction over dims after
@@ -46,6 +48,7 @@ from hgraph import moe, ops
 from hgraph.errors import HGraphError
 from hgraph.meta import CommPoint, OpKind, SlotKind, TPRole, get_meta
 from hgraph.passes.op_kinds import ELEMENTWISE, op_name
+from hgraph.passes.partial_sums import partial_producers
 from hgraph.passes.stage_split import stage_of_blocks
 from hgraph.passes.tp_roles import PARTIAL_SUM, is_metadata
 
@@ -90,15 +93,16 @@ def _refuse(node: fx.Node, why: str) -> SequenceParallelRefused:
 
 
 def _sp_source(x: Any) -> bool:
-    """A row-parallel linear, vocab-parallel embedding or MoE op with sharded experts (not a full-width
-    partial sum)."""
+    """A row-parallel linear, vocab-parallel embedding or MoE op with sharded experts, or a sum of their
+    partial sums (not a full-width partial sum)."""
     if not isinstance(x, fx.Node):
         return False
     m = get_meta(x)
     if m.tp_rewrite is not None and m.tp_rewrite[0] == PARTIAL_SUM:
         return False
     return (m.op == OpKind.LINEAR and m.tp_role == TPRole.ROW) or \
-        (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB) or m.tp_role == TPRole.EXPERTS
+        (m.op == OpKind.EMBEDDING and m.tp_role == TPRole.VOCAB) or m.tp_role == TPRole.EXPERTS \
+        or bool(partial_producers(x))
 
 
 def _dims_arg(n: fx.Node) -> Any:

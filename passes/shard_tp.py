@@ -15,7 +15,8 @@ Megatron conventions, decided from the graph (``NodeMeta.tp_role`` set by ``anno
 * REPLICATED parameters are whole on every TP rank.
 * EXPERTS (hgraph's MoE op): each expert's gate / up split on their intermediate rows (a fused
   gate_up part by part), down on the same columns, evenly or not as for a dense MLP; the router whole.
-  The op runs unchanged on the rank's slices: its output is the rank's partial sum.
+  The op runs unchanged on the rank's slices: its output is the rank's partial sum (reduced with the
+  shared experts' when they are added to it: ``passes/partial_sums``).
 * A sum / mean over the whole feature dim of a column-parallel output (a full-width norm, e.g. a QK
   norm over all heads) reduces the rank's slice; the all-reduce after it (its slots) sums the
   partial results, a mean weighted by the slice's share of the width. A 1-D parameter of that width

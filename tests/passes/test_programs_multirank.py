@@ -8,7 +8,9 @@ gradients. Pull/Push are not exercised here (a pass-through parameter sync stand
 runtime tests cover them): this checks the TP collectives (sequence parallelism's reduce-scatter / all-gather under TP > 1, the
 replicated parameters whose TP ranks' gradients the push sums), vocabulary padding, KV-head replication,
 PP send/recv and the CP all-gather / per-document attention that the compiler inserted, for the zoo
-model (fx frontend) and, when transformers is installed, Hugging Face Llama and GPT-2 (export frontend).
+models (fx frontend; the MoE one with its routed and shared experts' partial sums reduced together) and,
+when transformers is installed, Hugging Face Llama, GPT-2 and Qwen2-MoE (export frontend; its
+sigmoid-gated shared expert reduced with the experts).
 
 fp32 tolerances: logits atol 2e-5; gradients rtol 1e-4 and atol 1e-6 x the tensor's largest |gradient|
 (TP sums partial products in a different order than the single-device matmul, so an element that
@@ -34,6 +36,8 @@ CASES = [
     ("llama:tiny", {}, "1xTP1PP1CP2+2xTP1PP1", "per-document"),  # CP next to pipelines without CP
     ("llama:tiny", {}, "1xTP2PP1CP2", "per-sequence"),
     ("llama:tiny-tied", {}, "1xTP1PP2CP2", "per-document"),      # CP inside a pipeline with two stages
+    # MoE with a shared expert: the routed and shared partial sums reduced together (one per layer)
+    ("llama-moe:tiny", {}, "1xTP2PP1+1xTP1PP2", None),
 ]
 if importlib.util.find_spec("transformers") is not None:   # Hugging Face models, through torch.export
     HF_LLAMA = ("hf:llama", {"vocab_size": 61, "hidden_size": 32, "intermediate_size": 64,
@@ -44,7 +48,11 @@ if importlib.util.find_spec("transformers") is not None:   # Hugging Face models
         (*HF_LLAMA, "1xTP2PP2", None),
         (*HF_GPT2, "1xTP2PP1+1xTP1PP2", None),    # Conv1D weights split on their [in, out] dims; tied head
         (*HF_GPT2, "1xTP2PP2", None),
+        ("hf:qwen2_moe", {}, "2xTP2PP1", None),   # the sigmoid-gated shared expert fused with the experts
+        ("hf:qwen2_moe", {}, "1xTP2PP1+2xTP1PP1", None),   # the same without sequence parallelism
     ]
+#: (spec, strategy) of the cases compiled without sequence parallelism
+WITHOUT_SP = {("hf:qwen2_moe", "1xTP2PP1+2xTP1PP1")}
 DOCS = [7, 5, 9]   # packed documents; 21 tokens, not divisible by 2 x CP
 
 
@@ -85,10 +93,11 @@ def _worker(rank, world, cases):
     out = []
     traced = {}     # one trace per model (torch.export of an HF model takes seconds): its strategies share it
     for spec, args, text, sharding in cases:
-        key = (spec, tuple(sorted(args.items())))
+        sp = (spec, text) not in WITHOUT_SP
+        key = (spec, tuple(sorted(args.items())), sp)
         if key not in traced:
             model = _model(spec, args)
-            traced[key] = model, hgraph.compile(model)
+            traced[key] = model, hgraph.compile(model, sequence_parallel=sp)
         model, compiled = traced[key]
         prog = compiled.instantiate(text)
         rp = prog.rank(rank)
@@ -111,10 +120,10 @@ def _worker(rank, world, cases):
         else:
             torch.autograd.backward(list(result))
         comm.wait_all()
-        # what the push sums: a replicated parameter whose TP ranks each contribute their whole copy
-        # holds a per-rank partial gradient (under sequence parallelism: of the rank's tokens)
-        grads = {n: (s, params[n].grad.detach(),
-                     rp.scheme.tp > 1 and prog.push_plans[n].contributions.get(rank) == tuple(s.ranges))
+        # what the push sums: the rows of its gradient each rank contributes (a replicated parameter's TP
+        # ranks each their share of the same gradient, or each its whole per-rank partial gradient: read on
+        # TP-sharded values, or under sequence parallelism on the rank's tokens)
+        grads = {n: (s, params[n].grad.detach(), prog.push_plans[n].contributions.get(rank, ()))
                  for n, s in rp.params.items()}
         out.append({"pipeline": rp.pipeline, "stage": rp.stage, "tp_rank": rp.tp_rank, "tokens": idx,
                     "logits": logits, "grads": grads, "frontend": compiled.frontend})
@@ -128,7 +137,9 @@ def _reference(spec, args):
     logits = torch.cat([_logits(model, ids[:, a:b], pos[:, a:b]) for a, b in zip(bounds, bounds[1:])],
                        dim=1)  # each document alone
     (logits * weights).sum().backward()
-    return logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    # an expert no token chose has no gradient here and an exact zero on the ranks
+    return logits.detach(), {n: torch.zeros_like(p) if p.grad is None else p.grad
+                             for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
@@ -152,12 +163,15 @@ def test_forward_and_backward_match_the_module(results, case):
         seen = sorted(t for r in ranks if r["logits"] is not None and r["tp_rank"] == 0 for t in r["tokens"])
         assert seen == list(range(sum(DOCS))), "the CP ranks of the last stage cover every token once"
         for r in ranks:
-            for n, (shard, grad, partial) in r["grads"].items():
+            for n, (shard, grad, contributed) in r["grads"].items():
                 if shard.tp_sharded:
                     shard.add_into(rebuilt[n], grad)
                     assert torch.count_nonzero(shard.padding_of(grad)) == 0
-                elif partial or r["tp_rank"] == 0:     # summed over TP, or identical on every TP rank
-                    rebuilt[n] += grad
+                elif grad.dim() == 0:
+                    rebuilt[n] += grad if contributed else 0
+                else:                                  # the rows the push takes from this rank
+                    for lo, hi in contributed:
+                        rebuilt[n].narrow(shard.shard_dim, lo, hi - lo).add_(grad.narrow(shard.shard_dim, lo, hi - lo))
         for n in ref_grads:
             atol = 1e-6 * float(ref_grads[n].abs().max())
             torch.testing.assert_close(rebuilt[n], ref_grads[n], rtol=1e-4, atol=atol, msg=lambda m: f"{n}: {m}")

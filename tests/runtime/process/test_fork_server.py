@@ -1,7 +1,7 @@
 """``runtime.process.fork_server`` cuts short the exit of the ranks' fork server only: imported anywhere
 else it registers nothing, so a program that imports it still exits with its own code. (Inside the
 server, its effect, every process of a run gone within a second of its launcher's SIGKILL, is
-tested in ``tests/runtime/train/test_process_lifetime.py``.)"""
+tested in ``tests/tools/cli/test_process_lifetime.py``.)"""
 import subprocess
 import sys
 

@@ -1,7 +1,7 @@
 """The README's exit codes are the code's: its table lists 0, 1, 2, 130 and 143, and each comes from the
 code path it names. End to end: 1 for a non-finite loss and for a run whose every step was skipped and 2
-for bad input (``tests/runtime/train/test_train_cli.py``), 130 and 143 for SIGINT and SIGTERM
-(``tests/runtime/train/test_process_lifetime.py``, ``test_exit_signal.py``)."""
+for bad input (``tests/tools/cli/test_train_cli.py``), 130 and 143 for SIGINT and SIGTERM
+(``tests/tools/cli/test_process_lifetime.py``, ``test_exit_signal.py``)."""
 import re
 import signal
 from pathlib import Path
