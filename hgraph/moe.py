@@ -138,6 +138,14 @@ def expert_implementation(implementation: str, x: torch.Tensor) -> str:
     return implementation
 
 
+def swiglu_rows(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights, implementation: str = "auto") -> torch.Tensor:
+    """The experts of ``w`` on rows grouped by expert (``counts[e]`` rows of expert ``e``, in order): the
+    grouped GEMM or the loop (``expert_implementation``); the expert-parallel form runs it on the rows
+    the dispatch brought (``hgraph.moe_dispatch``)."""
+    kind = expert_implementation(implementation, xs)
+    return (_swiglu_grouped if kind == "grouped_mm" else _swiglu_loop)(xs, counts, w)
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w: ExpertWeights,
                     implementation: str = "auto") -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token ``t`` of ``x [N, H]``."""
@@ -146,9 +154,7 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     order = torch.argsort(flat, stable=True)                 # assignments grouped by expert, tokens in order
     token = order // k
     counts = torch.bincount(flat, minlength=w.num_experts)
-    xs = x.index_select(0, token)
-    kind = expert_implementation(implementation, x)
-    out = (_swiglu_grouped if kind == "grouped_mm" else _swiglu_loop)(xs, counts, w)
+    out = swiglu_rows(x.index_select(0, token), counts, w, implementation)
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     return x.new_zeros(x.shape).index_add_(0, token, out)
 
