@@ -30,6 +30,7 @@ class BindingKey(enum.StrEnum):
     TP = "tp"              # the TP group through the rank
     CP = "cp"              # the CP group through it: one rank per CP shard, all with its Ulysses rank
     UL = "ul"              # the Ulysses all-to-all group through it: the ranks of its CP shard
+    EP = "ep"              # the EP group through it: the ranks of its stage with its TP and sequence place
     PP_PREV = "pp_prev"    # the rank of the previous stage with the same place in its stage
     PP_NEXT = "pp_next"    # the rank of the next stage with the same place in its stage
 
@@ -48,13 +49,18 @@ class Splits(enum.Enum):
     same weights: each counts its own loss and pushes its own gradient (a rank's sequence rank runs
     over these, inside out). ``REPLICAS``: its ranks hold the same weights and tokens and compute the
     same values (they only reshard activations between ops): one counts the loss and each pushes its
-    share of every gradient.
+    share of every gradient. ``DOCUMENTS`` (EP): its ranks hold the same dense weights and different
+    documents of each micro-batch (data parallel inside the pipeline): for the loss and the dense
+    gradients like ``TOKENS`` (each counts its own loss and pushes its own gradient); for the expert
+    parameters a split of the weights along the expert axis (place r of n holds experts
+    ``[r*E/n, (r+1)*E/n)``).
     """
 
     WEIGHTS = "weights"
     STAGES = "stages"
     TOKENS = "tokens"
     REPLICAS = "replicas"
+    DOCUMENTS = "documents"
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,11 +131,15 @@ UL = Dim("ul", "UL", 1, "Ulysses", Splits.TOKENS, key=BindingKey.UL,
          ops=("ulysses_heads_issue", "ulysses_tokens_issue", "ulysses_attention"), comm_points=("ul_a2a",),
          refused=("SP", "SP is Megatron's sequence parallelism, the --sequence-parallel flag"))
 
-BUILT_IN: tuple[Dim, ...] = (TP, PP, CP, UL)
+#: expert parallelism: between the sequence ranks and the stages (Megatron's tp-cp-ep-dp-pp order), so an EP
+#: group is ranks ``tp * seq`` apart inside one stage, its experts split evenly over it
+EP = Dim("ep", "EP", 2.5, "EP", Splits.DOCUMENTS, key=BindingKey.EP)
+
+BUILT_IN: tuple[Dim, ...] = (TP, PP, CP, UL, EP)
 
 #: every dimension, in the order a scheme's text form writes them (``TP2PP1CP2UL2``)
 DIMENSIONS: tuple[Dim, ...] = BUILT_IN
-#: the dimensions inside out: the rank layout of a pipeline (TP innermost, UL, CP, then the PP stage)
+#: the dimensions inside out: the rank layout of a pipeline (TP innermost, UL, CP, EP, then the PP stage)
 LAYOUT: tuple[Dim, ...] = ()
 #: the dimensions whose ranks split a micro-batch's tokens, inside out (a rank's sequence rank)
 SEQUENCE: tuple[Dim, ...] = ()
@@ -137,17 +147,20 @@ SEQUENCE: tuple[Dim, ...] = ()
 GROUPED: tuple[Dim, ...] = ()
 #: the dimensions whose ranks compute the same values (``Splits.REPLICAS``), inside out
 REPLICAS: tuple[Dim, ...] = ()
+#: the dimensions whose ranks take different documents of each micro-batch (``Splits.DOCUMENTS``), inside out
+DOCUMENTS: tuple[Dim, ...] = ()
 
 
 def _derive(dimensions: tuple[Dim, ...]) -> None:
     """Set the registry's tables (``DIMENSIONS`` and the orders derived from it) to ``dimensions``."""
     _check(dimensions)
-    global DIMENSIONS, LAYOUT, SEQUENCE, GROUPED, REPLICAS
+    global DIMENSIONS, LAYOUT, SEQUENCE, GROUPED, REPLICAS, DOCUMENTS
     DIMENSIONS = dimensions
     LAYOUT = tuple(sorted(dimensions, key=lambda d: d.layout))
     SEQUENCE = tuple(d for d in LAYOUT if d.splits is Splits.TOKENS)
     GROUPED = tuple(d for d in dimensions if d.key is not None)
     REPLICAS = tuple(d for d in LAYOUT if d.splits is Splits.REPLICAS)
+    DOCUMENTS = tuple(d for d in LAYOUT if d.splits is Splits.DOCUMENTS)
 
 
 @contextlib.contextmanager

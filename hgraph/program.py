@@ -1,7 +1,7 @@
 """The result of instantiating an HGraph for one strategy: a program per rank.
 
-Ranks that play the same role (same scheme and coordinates in it: stage, TP rank, sequence rank and
-replica, ``RankCoord``; in different pipelines) share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
+Ranks that play the same role (same scheme and coordinates in it: stage, TP rank, sequence rank,
+replica and EP rank, ``RankCoord``; in different pipelines) share one GraphModule: their graphs differ only in which ranks they talk to, and that lives in the
 rank's ``bindings`` (a ``hgraph.dims.BindingKey`` such as ``"tp"`` or ``"pp_next"`` -> ranks), which
 the runtime resolves when it runs the graph. A Program builds a rank's part only when asked (``Program.rank``),
 so one rank of 12,288 costs what that rank exchanges, not the world.
@@ -33,11 +33,13 @@ class RankRole:
     tp_rank: int
     cp_rank: int
     replica: int = 0
+    #: its EP rank (``RankCoord.doc_rank``): which experts it holds
+    doc_rank: int = 0
 
     @classmethod
     def of(cls, scheme: Scheme, coord: "RankCoord") -> "RankRole":
         """The role of the rank at ``coord`` in a ``scheme`` pipeline."""
-        return cls(scheme, coord.stage, coord.tp_rank, coord.cp_rank, coord.replica)
+        return cls(scheme, coord.stage, coord.tp_rank, coord.cp_rank, coord.replica, coord.doc_rank)
 
 
 @dataclass(frozen=True)
@@ -267,10 +269,14 @@ class RankProgram:
         return self.role.role.replica
 
     @property
+    def doc_rank(self) -> int:
+        return self.role.role.doc_rank
+
+    @property
     def counts_loss(self) -> bool:
         """Whether this rank's loss sum is its share of the step's loss: on the last stage, and the first of
         the ranks that compute the same loss (its TP group's, its replicas'); each sequence rank holds
-        its own tokens' part."""
+        its own tokens' part, and each EP rank its own documents'."""
         return self.stage == self.scheme.pp - 1 and self.tp_rank == 0 and self.replica == 0
 
     @property

@@ -69,8 +69,10 @@ def program_json(program: Program, ranks: list[RankProgram]) -> dict[str, Any]:
 
 def _places(program: Program, rp: RankProgram) -> dict[str, int]:
     """The rank's places along the dimensions its coordinates combine (``tp_rank`` and ``stage`` say the
-    others): the sequence dimensions outer first (``cp_shard``, ``ul_rank``), then those of replicas."""
-    return {d.place_key: program.strategy.place(rp.rank, d) for d in (*reversed(dims.SEQUENCE), *dims.REPLICAS)}
+    others): the sequence dimensions outer first (``cp_shard``, ``ul_rank``), then those of replicas and of
+    documents (``ep_rank``)."""
+    return {d.place_key: program.strategy.place(rp.rank, d)
+            for d in (*reversed(dims.SEQUENCE), *dims.REPLICAS, *dims.DOCUMENTS)}
 
 
 def _peers(rp: RankProgram, kind: SlotKind) -> list[int]:

@@ -12,7 +12,11 @@ then the PP stage. Inside the sequence group the Ulysses ranks are inner and the
 LoongTrain's 2-D): sequence rank ``s`` is CP shard ``s // ul`` and Ulysses rank ``s % ul`` inside it, so
 the all-to-all, which moves the most bytes, stays among neighbouring ranks (inside a node) and the CP
 ring spans them. ``RankCoord.cp_rank`` is a rank's place in the whole sequence group (``seq_group``);
-``cp_group`` / ``ul_group`` are the ring and the all-to-all groups through it.
+``cp_group`` / ``ul_group`` are the ring and the all-to-all groups through it. Expert parallelism
+(``EP<n>``, written after UL: ``TP2PP1CP2UL2EP4``, omitted at 1) sits between the sequence group and the
+stage (Megatron's tp-cp-ep-dp-pp order): its ``n`` ranks of a stage hold the same dense weights and take
+different documents of each micro-batch (``RankCoord.doc_rank``), and split the experts; a pipeline
+``TPaPPbCPcULuEPn`` occupies ``a*b*c*u*n`` ranks.
 
 The dimensions are declared in ``hgraph/dims.py``: a scheme's degrees (one per registered dimension),
 the text form and its errors, the rank count, the layout (``Scheme.stride`` / ``place``), every
@@ -104,6 +108,7 @@ class Scheme:
         pp: int
         cp: int
         ul: int
+        ep: int
 
     def __init__(self, *degrees: int, **named: int) -> None:
         dimensions = dims.DIMENSIONS
@@ -135,6 +140,12 @@ class Scheme:
         """Ranks of a stage that hold the same weights and tokens (``Splits.REPLICAS``): 1 unless a
         dimension of that kind is registered."""
         return math.prod(d.degree(self) for d in dims.REPLICAS)
+
+    @cached_property
+    def doc_ranks(self) -> int:
+        """Ranks of a stage that take different documents of each micro-batch (``Splits.DOCUMENTS``: EP's
+        data-parallel replicas inside the pipeline): the EP degree."""
+        return math.prod(d.degree(self) for d in dims.DOCUMENTS)
 
     def seq_place(self, seq_rank: int) -> tuple[int, ...]:
         """The places of sequence rank ``seq_rank`` along the sequence dimensions, outer first: (CP shard,
@@ -168,7 +179,7 @@ class Scheme:
 
     @cached_property
     def _kinds(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        # per ``RankCoord`` coordinate (stage, weight rank, sequence rank, replica): its runs of dimensions
+        # per ``RankCoord`` coordinate (stage, weight rank, sequence rank, replica, document rank): its runs of dimensions
         # of that kind at neighbouring layout places, inside out, as (stride, degree, weight): a run's
         # places read together as one digit of the mixed radix (the sequence ranks are one run)
         out = []
@@ -190,29 +201,30 @@ class Scheme:
     @cached_property
     def _single_runs(self) -> Optional[tuple[int, ...]]:
         # (stride, degree) of each coordinate when each is one run (or none: stride 1, degree 1), flat:
-        # a rank's coordinates by four divisions (asked for every rank); None otherwise
+        # a rank's coordinates by five divisions (asked for every rank); None otherwise
         if any(len(runs) > 1 for runs in self._kinds):
             return None
         return tuple(v for runs in self._kinds for v in (runs[0][:2] if runs else (1, 1)))
 
-    def coordinates(self, local: int) -> tuple[int, int, int, int]:
-        """The pipeline's rank ``local``'s (stage, weight rank, sequence rank, replica): its places along the
-        dimensions of each kind (``hgraph.dims.Splits``: stages, weights, tokens, replicas), each kind's
-        places numbered inside out (``RankCoord``)."""
+    def coordinates(self, local: int) -> tuple[int, int, int, int, int]:
+        """The pipeline's rank ``local``'s (stage, weight rank, sequence rank, replica, document rank): its
+        places along the dimensions of each kind (``hgraph.dims.Splits``: stages, weights, tokens, replicas,
+        documents), each kind's places numbered inside out (``RankCoord``)."""
         flat = self._single_runs
         if flat is not None:
-            s0, d0, s1, d1, s2, d2, s3, d3 = flat
-            return local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3
+            s0, d0, s1, d1, s2, d2, s3, d3, s4, d4 = flat
+            return local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3, local // s4 % d4
         return tuple(sum(local // stride % degree * weight for stride, degree, weight in runs)
                      for runs in self._kinds)
 
-    def local_rank(self, stage: int, weight_rank: int = 0, seq_rank: int = 0, replica: int = 0) -> int:
+    def local_rank(self, stage: int, weight_rank: int = 0, seq_rank: int = 0, replica: int = 0,
+                   doc_rank: int = 0) -> int:
         """The place inside the pipeline of the rank at these coordinates (``coordinates``' inverse)."""
         flat = self._single_runs
         if flat is not None:
-            return stage * flat[0] + weight_rank * flat[2] + seq_rank * flat[4] + replica * flat[6]
+            return stage * flat[0] + weight_rank * flat[2] + seq_rank * flat[4] + replica * flat[6] + doc_rank * flat[8]
         local = 0
-        for value, runs in zip((stage, weight_rank, seq_rank, replica), self._kinds):
+        for value, runs in zip((stage, weight_rank, seq_rank, replica, doc_rank), self._kinds):
             for stride, degree, _ in runs:
                 value, place = divmod(value, degree)
                 local += place * stride
@@ -262,7 +274,7 @@ def _all_degrees(dimensions: tuple[Dim, ...], degrees: tuple, named: dict) -> tu
 
 
 #: the kinds of dimension whose places make a rank's coordinates, in ``RankCoord``'s order
-_COORD_KINDS = (Splits.STAGES, Splits.WEIGHTS, Splits.TOKENS, Splits.REPLICAS)
+_COORD_KINDS = (Splits.STAGES, Splits.WEIGHTS, Splits.TOKENS, Splits.REPLICAS, Splits.DOCUMENTS)
 
 
 @dataclass(frozen=True)
@@ -280,6 +292,9 @@ class RankCoord:
     cp_rank: int
     #: its places along the dimensions whose ranks compute the same values, inside out (0 without one)
     replica: int = 0
+    #: its places along the dimensions whose ranks take different documents of each micro-batch (its EP
+    #: rank), inside out (0 without one)
+    doc_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -381,10 +396,12 @@ class Strategy:
         start = self._starts[i]
         return list(range(start, start + self.pipelines[i].num_ranks))
 
-    def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0, replica: int = 0) -> int:
-        """The rank at stage ``stage``, TP rank ``tp_rank``, sequence rank ``cp_rank`` and replica ``replica``
-        of a pipeline (``RankCoord``'s coordinates)."""
-        return self._starts[pipeline] + self.pipelines[pipeline].local_rank(stage, tp_rank, cp_rank, replica)
+    def rank_of(self, pipeline: int, stage: int, tp_rank: int = 0, cp_rank: int = 0, replica: int = 0,
+                doc_rank: int = 0) -> int:
+        """The rank at stage ``stage``, TP rank ``tp_rank``, sequence rank ``cp_rank``, replica ``replica`` and
+        document rank ``doc_rank`` of a pipeline (``RankCoord``'s coordinates)."""
+        return self._starts[pipeline] + self.pipelines[pipeline].local_rank(stage, tp_rank, cp_rank, replica,
+                                                                            doc_rank)
 
     def _locate(self, rank: int) -> tuple[int, Scheme, int]:
         """(pipeline, its scheme, ``rank``'s place inside it)."""
@@ -398,8 +415,9 @@ class Strategy:
         flat = p._single_runs     # ``Scheme.coordinates`` inlined: asked for every rank
         if flat is None:
             return RankCoord(rank, i, *p.coordinates(local))
-        s0, d0, s1, d1, s2, d2, s3, d3 = flat
-        return RankCoord(rank, i, local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3)
+        s0, d0, s1, d1, s2, d2, s3, d3, s4, d4 = flat
+        return RankCoord(rank, i, local // s0 % d0, local // s1 % d1, local // s2 % d2, local // s3 % d3,
+                         local // s4 % d4)
 
     def place(self, rank: int, dim: Dim) -> int:
         """``rank``'s coordinate along ``dim`` inside its pipeline (its stage along PP, its TP rank, ...)."""
@@ -441,10 +459,10 @@ class Strategy:
     def tp_group(self, pipeline: int, stage: int, cp_rank: int = 0) -> list[int]:
         return self.group(dims.TP, self.rank_of(pipeline, stage, 0, cp_rank))
 
-    def seq_group(self, pipeline: int, stage: int, tp_rank: int = 0, replica: int = 0) -> list[int]:
+    def seq_group(self, pipeline: int, stage: int, tp_rank: int = 0, replica: int = 0, doc_rank: int = 0) -> list[int]:
         """Every rank splitting the tokens of ``tp_rank``'s micro-batches: CP x UL, Ulysses inner."""
         p = self.pipelines[pipeline]
-        return [self.rank_of(pipeline, stage, tp_rank, c, replica) for c in range(p.seq)]
+        return [self.rank_of(pipeline, stage, tp_rank, c, replica, doc_rank) for c in range(p.seq)]
 
     def cp_group(self, pipeline: int, stage: int, tp_rank: int = 0, seq_rank: int = 0) -> list[int]:
         """The CP ring (or all-gather) group through sequence rank ``seq_rank``: one rank per CP shard,

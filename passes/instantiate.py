@@ -44,6 +44,10 @@ from hgraph.strategy import Cluster, Scheme, Strategy
 def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
     """Strategy checks that need the model: heads and hidden sizes TP must divide."""
     strategy.validate(cluster)
+    for p in strategy.pipelines:
+        if p.doc_ranks > 1:     # declared (text form, layout, groups), not yet run: refused, not half-run
+            raise StrategyError(f"strategy {strategy}: scheme {p} has expert parallelism (EP{p.doc_ranks}), "
+                                "which the engine does not run yet; allowed: EP1 (omit EP)")
     for p in sorted(set(strategy.pipelines)):
         validate_scheme_for_model(p, hg)
 
@@ -90,7 +94,8 @@ def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str,
     root = _param_root(ctx.params, options.working_dtype)
     _copy_constants(hg.gm, gm.graph, root)
     name = f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}" + (
-        f"_r{role.replica}" if role.scheme.replicas > 1 else "")
+        f"_r{role.replica}" if role.scheme.replicas > 1 else "") + (
+        f"_e{role.doc_rank}" if role.scheme.doc_ranks > 1 else "")
     return fx.GraphModule(root, gm.graph, class_name=name), ctx
 
 
@@ -230,7 +235,7 @@ class ParamRole(NamedTuple):
     @classmethod
     def at(cls, scheme: Scheme, local: int) -> "ParamRole":
         """The parameter role of the pipeline's rank ``local`` (0-based inside it)."""
-        stage, tp_rank, _, replica = scheme.coordinates(local)
+        stage, tp_rank, _, replica, _ = scheme.coordinates(local)
         return cls(scheme, stage, tp_rank, replica)
 
 

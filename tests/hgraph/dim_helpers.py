@@ -84,8 +84,8 @@ def rs_reshard_pass(gm: fx.GraphModule, ctx) -> fx.GraphModule:
     return gm
 
 
-#: the test dimension: written ``RS<n>`` after UL, between CP (layout 2) and PP (layout 3)
-RS = Dim("rs", "RS", 2.5, "reshard", Splits.REPLICAS, key=KEY, ops=("rs_reshard",), passes=(rs_reshard_pass,))
+#: the test dimension: written ``RS<n>`` after EP, between EP (layout 2.5) and PP (layout 3)
+RS = Dim("rs", "RS", 2.75, "reshard", Splits.REPLICAS, key=KEY, ops=("rs_reshard",), passes=(rs_reshard_pass,))
 
 
 def with_reshard():

@@ -7,6 +7,7 @@ innermost, then the Ulysses and CP ranks, then the stage) and that the rank grap
 """
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -18,19 +19,22 @@ from hgraph.frontends.zoo import llama
 
 
 def test_every_dimension_is_declared_once_with_its_place():
-    assert [d.letter for d in DIMENSIONS] == ["TP", "PP", "CP", "UL"]          # the text order
-    assert [d.letter for d in LAYOUT] == ["TP", "UL", "CP", "PP"]              # inside out
+    assert [d.letter for d in DIMENSIONS] == ["TP", "PP", "CP", "UL", "EP"]    # the text order
+    assert [d.letter for d in LAYOUT] == ["TP", "UL", "CP", "EP", "PP"]        # inside out
     assert [d.letter for d in SEQUENCE] == ["UL", "CP"]
-    assert [d.key for d in GROUPED] == [BindingKey.TP, BindingKey.CP, BindingKey.UL]
+    assert [d.key for d in GROUPED] == [BindingKey.TP, BindingKey.CP, BindingKey.UL, BindingKey.EP]
+    assert dims.DOCUMENTS == (dims.EP,) and dims.REPLICAS == ()
     assert dims.PP.neighbours == (BindingKey.PP_PREV, BindingKey.PP_NEXT)
     # a scheme's degrees are the registry's dimensions, in text order, each also the attribute of its name
-    scheme = Scheme(2, 3, 5, 7)
+    scheme = Scheme(2, 3, 5, 7, 11)
     assert [f for f in Scheme.__dataclass_fields__] == ["degrees"]
-    assert scheme.degrees == (2, 3, 5, 7) == tuple(getattr(scheme, d.name) for d in DIMENSIONS)
+    assert scheme.degrees == (2, 3, 5, 7, 11) == tuple(getattr(scheme, d.name) for d in DIMENSIONS)
+    assert scheme.doc_ranks == 11 and scheme.seq == 35 and Scheme(2, 3).ep == 1
     assert dims.by_key("pp_next") is dims.PP and dims.by_key(BindingKey.UL) is dims.UL
+    assert dims.by_key("ep") is dims.EP
     assert dims.by_comm_point(hgraph.meta.CommPoint.CP_KV) is dims.CP
     with pytest.raises(KeyError):
-        dims.by_key("ep")
+        dims.by_key("dp")
 
 
 DEGREES = (1, 2, 3)
@@ -42,7 +46,7 @@ def test_scheme_text_and_rank_count_follow_the_registry(degrees):
     text = "".join(f"{d.letter}{n}" for d, n in zip(DIMENSIONS, degrees) if d.always_written or n != 1)
     assert str(s) == text
     assert Scheme.parse(text) == s == Scheme.parse(text.lower())
-    assert s.num_ranks == degrees[0] * degrees[1] * degrees[2] * degrees[3]
+    assert s.num_ranks == math.prod(degrees)
     assert s.seq == s.cp * s.ul
     strategy = Strategy.parse(f"2x{text}+TP1PP1")
     assert Strategy.parse(str(strategy)) == strategy
@@ -50,23 +54,27 @@ def test_scheme_text_and_rank_count_follow_the_registry(degrees):
 
 def _layout_by_hand(strategy: Strategy) -> list[dict]:
     """Every rank's coordinates, numbering the ranks in the documented order: pipelines in turn, in each
-    the stages, in each stage the CP shards, in each shard the Ulysses ranks, in each the TP ranks."""
+    the stages, in each stage the EP ranks, in each the CP shards, in each shard the Ulysses ranks, in each
+    the TP ranks."""
     out = []
     for i, p in enumerate(strategy.pipelines):
-        for stage, cp, ul, tp in itertools.product(range(p.pp), range(p.cp), range(p.ul), range(p.tp)):
-            out.append({"pipeline": i, "pp": stage, "cp": cp, "ul": ul, "tp": tp})
+        for stage, ep, cp, ul, tp in itertools.product(range(p.pp), range(p.ep), range(p.cp), range(p.ul),
+                                                       range(p.tp)):
+            out.append({"pipeline": i, "pp": stage, "ep": ep, "cp": cp, "ul": ul, "tp": tp})
     return out
 
 
-@pytest.mark.parametrize("text", ["TP2PP2CP2UL2+TP1PP3+2xTP2PP1UL3", "TP3PP2CP3+1xTP1PP1CP2UL2"])
+@pytest.mark.parametrize("text", ["TP2PP2CP2UL2+TP1PP3+2xTP2PP1UL3", "TP3PP2CP3+1xTP1PP1CP2UL2",
+                                  "1xTP2PP1EP2+1xTP1PP2CP2EP2", "TP2PP2CP2UL2EP3+2xTP1PP1EP4+TP1PP1"])
 def test_groups_and_bindings_are_the_ranks_differing_in_one_coordinate(text):
     strategy = Strategy.parse(text)
     coords = _layout_by_hand(strategy)
     assert len(coords) == strategy.num_ranks
     for rank, c in enumerate(coords):
         got = strategy.coord(rank)
-        assert (got.pipeline, got.stage, got.tp_rank, got.cp_rank) == (
-            c["pipeline"], c["pp"], c["tp"], c["cp"] * strategy.pipelines[c["pipeline"]].ul + c["ul"])
+        assert (got.pipeline, got.stage, got.tp_rank, got.cp_rank, got.doc_rank) == (
+            c["pipeline"], c["pp"], c["tp"], c["cp"] * strategy.pipelines[c["pipeline"]].ul + c["ul"], c["ep"])
+        assert strategy.rank_of(got.pipeline, got.stage, got.tp_rank, got.cp_rank, 0, got.doc_rank) == rank
         assert {d.name: strategy.place(rank, d) for d in DIMENSIONS} == {k: v for k, v in c.items() if k != "pipeline"}
         assert strategy.rank_at(c["pipeline"], {d: c[d.name] for d in DIMENSIONS}) == rank
         bindings = strategy.bindings(rank)
@@ -82,11 +90,11 @@ def test_groups_and_bindings_are_the_ranks_differing_in_one_coordinate(text):
 
 def test_binding_keys_read_as_the_group_names():
     bindings = Strategy.parse("TP2PP2").bindings(0)
-    assert list(bindings) == ["tp", "cp", "ul", "pp_next"]
+    assert list(bindings) == ["tp", "cp", "ul", "ep", "pp_next"]
     assert bindings["tp"] == (0, 1) and f"{BindingKey.TP}" == str(BindingKey.TP) == "tp"
     assert repr(BindingKey.UL) == "'ul'"
     assert json.loads(json.dumps({k: list(v) for k, v in bindings.items()})) == {
-        "tp": [0, 1], "cp": [0], "ul": [0], "pp_next": [2]}
+        "tp": [0, 1], "cp": [0], "ul": [0], "ep": [0], "pp_next": [2]}
 
 
 def test_rank_graphs_name_their_groups_by_binding_key():
@@ -130,18 +138,18 @@ def _old_push_contribution(shard, scheme, tp_rank, info, sp_partial=False):
 def test_coordinates_by_kind_equal_the_formulas_they_replaced():
     """A rank's stage, TP rank and sequence rank (read per dimension by what it splits), the rank back from
     them, a stage's ranks and a rank's push share equal the old per-name formulas on every scheme of
-    degrees 1-3 beside others."""
+    degrees 1-3 beside others (without EP, which those formulas did not know)."""
     from types import SimpleNamespace
 
     from hgraph.passes.instantiate import push_contribution
     from hgraph.program import ParamShard
-    for degrees in itertools.product(DEGREES, repeat=len(DIMENSIONS)):
+    for degrees in itertools.product(DEGREES, repeat=4):
         p = Scheme(*degrees)
         strategy = Strategy((Scheme(1, 2), p, Scheme(2, 1, ul=2), p))
         for rank in range(strategy.num_ranks):
             c = strategy.coord(rank)
             assert (c.pipeline, c.stage, c.tp_rank, c.cp_rank) == _old_coord(strategy, rank), (strategy, rank)
-            assert c.replica == 0
+            assert c.replica == 0 == c.doc_rank
             scheme = strategy.pipelines[c.pipeline]
             assert strategy.rank_of(c.pipeline, c.stage, c.tp_rank, c.cp_rank) == rank == (
                 strategy.rank_of(c.pipeline, 0) + c.stage * scheme.tp * scheme.seq + c.cp_rank * scheme.tp + c.tp_rank)
@@ -169,15 +177,15 @@ def test_a_dimension_registered_from_a_test_parses_prints_and_lays_out_ranks():
     with pytest.raises(StrategyError):
         Strategy.parse("TP1PP1RS2")
     with with_reshard():
-        assert [d.letter for d in dims.DIMENSIONS] == ["TP", "PP", "CP", "UL", "RS"]
-        assert [d.letter for d in dims.LAYOUT] == ["TP", "UL", "CP", "RS", "PP"]
+        assert [d.letter for d in dims.DIMENSIONS] == ["TP", "PP", "CP", "UL", "EP", "RS"]
+        assert [d.letter for d in dims.LAYOUT] == ["TP", "UL", "CP", "EP", "RS", "PP"]
         assert dims.REPLICAS == (RS,) and dims.by_key("rs") is RS
         s = Strategy.parse("TP2PP2CP2RS2+2xtp1pp1rs3+TP1PP1")
         assert str(s) == "1xTP2PP2CP2RS2+2xTP1PP1RS3+1xTP1PP1" and Strategy.parse(str(s)) == s
         assert [p.num_ranks for p in s.pipelines] == [16, 3, 3, 1] and s.num_ranks == 23
         assert s.pipelines[0] == Scheme(2, 2, cp=2, rs=2) and s.pipelines[0].replicas == 2
         assert str(Scheme(1, 1)) == "TP1PP1" and Scheme(1, 1).rs == 1
-        with pytest.raises(StrategyError, match=r"TP<n>PP<n>\[CP<n>\]\[UL<n>\]\[RS<n>\]"):
+        with pytest.raises(StrategyError, match=r"TP<n>PP<n>\[CP<n>\]\[UL<n>\]\[EP<n>\]\[RS<n>\]"):
             Strategy.parse("TP1PP1RS")
         # the layout by hand: pipelines in turn, in each the stages, the RS replicas, the CP shards, TP
         coords = [(i, stage, rs, cp, tp) for i, p in enumerate(s.pipelines)

@@ -1,6 +1,6 @@
 import pytest
 
-from hgraph import Cluster, Scheme, Strategy, StrategyError
+from hgraph import Cluster, Scheme, Strategy, StrategyError, dims
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -10,13 +10,16 @@ from hgraph import Cluster, Scheme, Strategy, StrategyError
     ("1xTP4PP2CP2+TP1PP1", (Scheme(4, 2, 2), Scheme(1, 1))),
     (" 3 x tp1pp2 + 1xTP2PP1 ", (Scheme(1, 2),) * 3 + (Scheme(2, 1),)),
     ("1xTP2PP1UL2+2xTP1PP1", (Scheme(2, 1, ul=2), Scheme(1, 1), Scheme(1, 1))),
+    ("1xTP1PP2EP4+2xTP2PP1EP2", (Scheme(1, 2, ep=4), Scheme(2, 1, ep=2), Scheme(2, 1, ep=2))),
+    ("TP2PP1CP2UL2EP4", (Scheme(2, 1, 2, 2, 4),)),
+    ("2xtp1pp1ep1", (Scheme(1, 1),) * 2),
 ])
 def test_parse(text, expected):
     assert Strategy.parse(text).pipelines == expected
 
 
 @pytest.mark.parametrize("text", ["2xTP2PP1+1xTP4PP1", "1xTP1PP1", "1xTP4PP2CP2+2xTP1PP1", "4xTP2PP1",
-                                  "1xTP1PP2UL4+1xTP2PP1"])
+                                  "1xTP1PP2UL4+1xTP2PP1", "1xTP1PP2EP4+2xTP2PP1EP2", "1xTP2PP1CP2UL2EP4"])
 def test_round_trip_and_hash(text):
     s = Strategy.parse(text)
     assert str(s) == text
@@ -38,6 +41,9 @@ def test_homogeneous_forms_are_equal():
     ("0xTP1PP1", "count"),
     ("TP1PP1UL", "position 8"),
     ("TP1PP1UX2", "position 7"),
+    ("TP1PP1EP", "position 8"),
+    ("TP1PP1EP2CP2", "position 9"),       # EP is written after CP and UL
+    ("TP1PP1EQ2", "position 7"),
 ])
 def test_malformed_text_says_where(text, where):
     with pytest.raises(StrategyError, match=where):
@@ -102,3 +108,42 @@ def test_an_sp_degree_in_a_scheme_says_to_write_ul(text):
     assert "\n" not in str(err.value)
     with pytest.raises(StrategyError, match="written UL"):
         Scheme.parse(text.split("+")[0].split("x")[-1])
+
+
+def test_expert_parallel_ranks_sit_between_the_sequence_ranks_and_the_stage():
+    """EP (``Splits.DOCUMENTS``) after the CP and Ulysses ranks, before the stage (Megatron's tp-cp-ep-pp
+    order): a TPaPPbCPcULuEPn pipeline occupies a*b*c*u*n ranks, its EP group is the ranks of a stage with
+    the same TP and sequence place, and each rank's ``doc_rank`` is its place in that group."""
+    s = Strategy.parse("1xTP2PP1EP2+1xTP1PP2CP2EP2")
+    assert [p.num_ranks for p in s.pipelines] == [4, 8] and s.num_ranks == 12
+    assert str(s.pipelines[1]) == "TP1PP2CP2EP2" and s.pipelines[1].doc_ranks == 2 and s.pipelines[1].seq == 2
+    assert [s.coord(r).doc_rank for r in range(12)] == [0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert [s.coord(r).tp_rank for r in range(4)] == [0, 1, 0, 1]
+    assert [(s.coord(r).stage, s.coord(r).cp_rank) for r in range(4, 12)] == [
+        (0, 0), (0, 1), (0, 0), (0, 1), (1, 0), (1, 1), (1, 0), (1, 1)]
+    assert [s.bindings(r)["ep"] for r in (0, 1, 2, 3)] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+    assert [s.bindings(r)["ep"] for r in (4, 5, 9, 10)] == [(4, 6), (5, 7), (9, 11), (8, 10)]
+    assert s.bindings(5)["cp"] == (4, 5) and s.bindings(6)["cp"] == (6, 7) and s.bindings(6)["pp_next"] == (10,)
+    assert s.stage_ranks(1, 0) == [4, 5, 6, 7]
+    assert [s.rank_of(c.pipeline, c.stage, c.tp_rank, c.cp_rank, c.replica, c.doc_rank) for c in s.coords()] == \
+        list(range(12))
+    assert s.seq_group(1, 1, doc_rank=1) == [10, 11]
+    # a scheme with every dimension: TP innermost, then UL, CP, EP, the stage
+    p = Scheme.parse("TP2PP2CP2UL2EP3")
+    assert p.num_ranks == 48 and [p.stride(d) for d in (dims.TP, dims.UL, dims.CP, dims.EP, dims.PP)] == [1, 2, 4, 8, 24]
+    assert p.coordinates(8 * 2 + 4 + 2 + 1) == (0, 1, 3, 0, 2) and p.local_rank(0, 1, 3, 0, 2) == 23
+
+
+def test_expert_parallelism_is_refused_by_instantiation_until_the_engine_runs_it():
+    """Declared (text form, layout, groups) but not run: a Program of a strategy with EP > 1 is one line."""
+    import torch
+
+    import hgraph
+    from hgraph.frontends.zoo import llama
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        compiled = hgraph.compile(llama.build("tiny"))
+    with pytest.raises(StrategyError, match=r"TP1PP1EP2 has expert parallelism \(EP2\).*allowed: EP1") as err:
+        compiled.instantiate("1xTP1PP1EP2+1xTP2PP1")
+    assert "\n" not in str(err.value)
