@@ -167,7 +167,15 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: tor
     """The routed experts of an MoE block over ``x [..., H]``: ``y [..., H]`` (module docstring).
     ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the loop), "grouped_mm" or
     "loop". ``comm`` (a rank graph's, given by the instantiation passes): the run's router losses see
-    the router's logits (``CommRuntime.moe_router_losses``: they add their gradient to ``y``'s)."""
+    the router's logits (``CommRuntime.moe_router_losses``: they add their gradient to ``y``'s).
+
+    Under expert parallelism (``EP<n>``) a rank's graph runs the op's EP form instead
+    (``hgraph.moe_dispatch``, made by ``passes/moe_ep``): its tokens go to the EP ranks holding their
+    experts and come back, dropless. That costs, per layer and micro-batch, one all-to-all of the
+    per-expert counts read back to the host (the split sizes of the next two), the dispatch all-to-all
+    of ``N·k`` rows of the hidden size and the combine all-to-all of as many (both again, reversed, in
+    backward), and on the most loaded rank as many received rows as routing sends it. No capacity
+    factor is offered: no token is dropped or padded."""
     if torch.compiler.is_exporting():    # torch.export: one opaque node (``exported_moe_layer``)
         return torch.ops.hgraph.moe_layer(x, router_weight, list(expert_weights), top_k, normalize_top_k)
     y, logits = moe_layer_with_logits(x, router_weight, *expert_weights, top_k=top_k,

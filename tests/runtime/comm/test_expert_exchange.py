@@ -7,7 +7,9 @@ Cases: EP2 twice side by side (groups {0, 1} and {2, 3}: a list of expert matric
 no token; stacked experts with renormalised top-k), EP4 over uneven token counts with a rank holding
 none (fused gate_up experts), and TP2 inside EP2 (EP groups {0, 2} and {1, 3}, each expert's
 intermediate rows split over the TP pair: outputs, input and router gradients are partial sums over
-the TP ranks). Every case has an expert no token chooses (its gradient is an exact zero on its rank).
+the TP ranks); and, on each pair, the graph ``passes/moe_ep`` makes of a traced MoE op whose stacked
+(or fused) expert tensors the rank holds whole, narrowed to its experts. Every case has an expert no
+token chooses (its gradient is an exact zero on its rank).
 
 A rank's tokens are a contiguous piece of the reference's, in rank order. Tokens whose reference top-k
 margin (k-th minus (k+1)-th router probability) is below ``TIE_TOLERANCE`` are left out of the data, as
@@ -18,12 +20,19 @@ and experts' gradients are bitwise equal here without TP); the router's gradient
 partial GEMMs, and TP's partial sums are added in another order.
 """
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.fx as fx
 
 from hgraph import moe, moe_dispatch
+from hgraph.options import CompileOptions
+from hgraph.passes.context import PassContext
+from hgraph.passes.moe_ep import moe_ep_pass
+from hgraph.program import RankRole
 from hgraph.runtime.comm.context import CommContext
+from hgraph.strategy import Scheme
 from hgraph.runtime.train.launch import spawn
 from hgraph.shard_rule import shard_bounds
 
@@ -54,6 +63,8 @@ CASES = {
     "ep2_stacked": Case("ep2_stacked", 4, 2, (7, 6), "stacked", normalize=True, seed=2),
     "ep4_fused": Case("ep4_fused", 8, 2, (3, 0, 7, 4), "fused", seed=3),
     "tp2_ep2": Case("tp2_ep2", 4, 2, (6, 5), "list", tp=2, seed=4),
+    "graph_stacked": Case("graph_stacked", 6, 2, (4, 5), "stacked", seed=5),
+    "graph_fused": Case("graph_fused", 4, 2, (3, 6), "fused", normalize=True, seed=6),
 }
 
 
@@ -115,6 +126,47 @@ def _ep_run(comm: CommContext, case: Case, ep_ranks: list[int], tp_ranks: list[i
             "experts": _expert_grads(case, [w.grad for w in weights]), "pending": comm.num_pending()}
 
 
+class _Experts(torch.nn.Module):
+    """A traced MoE op over whole stacked (or fused) expert tensors: what ``moe_ep_pass`` narrows."""
+
+    def __init__(self, case: Case, router, gate, up, down):
+        super().__init__()
+        self.router = torch.nn.Parameter(router.clone())
+        self.weights = torch.nn.ParameterList(_weights(case, gate, up, down, slice(None), slice(None)))
+        self.case = case
+
+    def forward(self, x):
+        return moe.moe_layer(x, self.router, *self.weights, top_k=self.case.top_k,
+                             normalize_top_k=self.case.normalize)
+
+
+def _graph_run(comm: CommContext, case: Case, ep_ranks: list[int]) -> dict:
+    """``case`` through the graph ``moe_ep_pass`` makes of a traced MoE op for this rank's EP rank (its
+    stacked expert tensors whole, narrowed by the pass to its experts)."""
+    x, router, gate, up, down, r = _data(case)
+    ep = ep_ranks.index(comm.rank)
+    lo = sum(case.tokens[:ep])
+    hi = lo + case.tokens[ep]
+    module = _Experts(case, router, gate, up, down)
+    gm = fx.symbolic_trace(module)
+    (x_in,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with gm.graph.inserting_after(x_in):
+        gm.graph.placeholder("comm")
+    role = RankRole(Scheme.parse(f"TP1PP1EP{len(ep_ranks)}"), 0, 0, 0, 0, ep)
+    params = {"router": SimpleNamespace(shape=router.shape)}
+    gm = moe_ep_pass(gm, PassContext(SimpleNamespace(params=params), role, (), {}, CompileOptions(), {}))
+    mine = x[lo:hi].clone().requires_grad_()
+    y = gm(mine.unsqueeze(0), comm.for_microbatch())
+    (y[0] * r[lo:hi]).sum().backward()
+    first, last = shard_bounds(case.experts, ep, len(ep_ranks))
+    grads = _expert_grads(case, [w.grad for w in module.weights])
+    return {"y": y[0].detach(), "dx": mine.grad, "router": module.router.grad,
+            "experts": tuple(g[first:last] for g in grads),
+            "others_zero": all(torch.equal(torch.cat([g[:first], g[last:]]), torch.zeros_like(torch.cat([g[:first], g[last:]])))
+                               for g in grads),
+            "code": gm.code, "pending": comm.num_pending()}
+
+
 def _worker(rank, world_size):
     comm = CommContext.from_default_group()
     comm.groups.ensure([[0, 1], [2, 3]])
@@ -130,6 +182,9 @@ def _worker(rank, world_size):
     case, ep = CASES["tp2_ep2"], [rank % 2, rank % 2 + 2]
     out[case.name] = _ep_run(CommContext.from_default_group(groups=comm.groups, bindings={"ep": ep}), case,
                              ep, pair)
+    case = CASES["graph_stacked"] if rank < 2 else CASES["graph_fused"]
+    out[case.name] = _graph_run(CommContext.from_default_group(groups=comm.groups, bindings={"ep": pair}), case,
+                                pair)
     return out
 
 
@@ -189,3 +244,11 @@ def test_ep4_over_uneven_tokens_with_an_empty_rank_matches_one_process(results):
 def test_tp_inside_ep_matches_one_process(results):
     # rank layout: TP innermost, EP outer (ranks 0, 1: EP rank 0's TP pair)
     _check(CASES["tp2_ep2"], [r["tp2_ep2"] for r in results])
+
+
+def test_the_pass_graph_narrows_whole_stacked_experts_and_matches_one_process(results):
+    for name, runs in (("graph_stacked", results[:2]), ("graph_fused", results[2:])):
+        runs = [r[name] for r in runs]
+        _check(CASES[name], runs)
+        assert all(r["others_zero"] for r in runs)          # the other EP rank's experts: zero gradient rows
+        assert all("moe_dispatch_issue" in r["code"] and "torch.narrow" in r["code"] for r in runs)
