@@ -20,6 +20,7 @@ from hgraph.errors import HGraphError
 from hgraph.passes.annotate import annotate_pass
 from hgraph.passes.context import PassContext
 from hgraph.passes.dropout import dropout_pass
+from hgraph.passes.moe_ep import moe_ep_pass
 from hgraph.passes.moe_router import moe_router_pass
 from hgraph.passes.extract_stage import extract_stage_pass
 from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
@@ -56,7 +57,9 @@ def instantiation_passes() -> list[Pass]:
     return [
         Pass("extract_stage", extract_stage_pass),
         Pass("shard_tp", shard_tp_pass),
-        # a registered dimension's own passes (hgraph.dims.Dim.passes), while the slots are still empty
+        # the built-in dimensions' own passes, then a registered dimension's (hgraph.dims.Dim.passes),
+        # while the slots are still empty
+        Pass("moe_ep", moe_ep_pass),
         *(Pass(fn.__name__.removesuffix("_pass"), fn) for d in dims.DIMENSIONS for fn in d.passes),
         Pass("fill_activation_comm", fill_activation_comm_pass),
         Pass("sequence_parallel", sequence_parallel_pass),
