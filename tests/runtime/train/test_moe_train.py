@@ -1,8 +1,9 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
 on one rank, and under a schedule mixing TP (the routed and shared experts sharded inside, the router whole,
 and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
-sums reduce-scattered), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks, there with
-the router losses added
+sums reduce-scattered), PP, CP, Ulysses, expert parallelism (EP<n>: each EP rank its own documents and
+experts) and several data-parallel pipelines on 4 gloo ranks, and pipelines of different EP degrees side
+by side on 6, there with the router losses added
 (``--moe-aux-loss per-document`` and a z-loss: the reference adds each document's losses by hand, and the
 logged values equal its own).
 
@@ -26,6 +27,7 @@ from tests.runtime.reference_training import (ReferenceRun, assert_losses_like, 
                                               write_random_documents)
 
 from hgraph.frontends.zoo import llama_moe
+from hgraph.runtime.data.document_split import split_documents
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.tools.cli import main
 
@@ -148,6 +150,10 @@ ROUTER_LOSSES = ("--moe-aux-loss", "per-document", "--moe-aux-loss-coef", str(AU
 
 def test_tp_pp_cp_ul_ep_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys):
     steps = len(SCHEDULE_4.split(";"))
+    # the EP4 step's one micro-batch holds 3 documents: its fourth EP rank runs none (a placeholder)
+    ep4 = SCHEDULE_4.split(";").index("1xTP1PP1EP4")
+    lengths = [len(d) for d in list(mini_batches(read_jsonl(data), 30, steps))[ep4].docs]
+    assert len(lengths) == 3 and split_documents(lengths, 4)[3] == ()
     losses, state, out = _train(data, tmp_path, capsys, 4, SCHEDULE_4, steps, *ROUTER_LOSSES)
     assert [s["strategy"] for s in out["steps"]] == SCHEDULE_4.split(";")
     # the TP2 pipelines ran Megatron SP: every TP rank routed all the micro-batch's tokens through its
