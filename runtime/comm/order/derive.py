@@ -8,7 +8,7 @@ them on that rank (``runtime/engine/executor``):
    (``pull.pull_message_rounds``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
    collectives in node order (a pipeline receive, TP / sequence-parallel / CP / Ulysses collectives,
-   a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
+   the MoE count exchange, dispatch and combine all-to-alls under EP, a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
    a memory budget (in 1F1B's steady state, a forward followed by a backward sends its activations
    with that backward's first gradient receive, one batch), and followed on a last stage by the loss's collectives over the TP group of a
    split vocabulary (per chunk of tokens: the logits all-gathered, forward and backward, in fp32;
