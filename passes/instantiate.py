@@ -35,6 +35,7 @@ from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
+from hgraph.passes.tp_roles import is_moe_layer
 from hgraph.program import (GroupRound, ParamExchange, ParamShard, Program, RankProgram, RankRole, RoleProgram,
                             SubgraphInfo)
 from hgraph.shard_rule import Range
@@ -44,10 +45,11 @@ from hgraph.strategy import Cluster, Scheme, Strategy
 def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
     """Strategy checks that need the model: heads and hidden sizes TP must divide."""
     strategy.validate(cluster)
+    moe = any(is_moe_layer(n) for n in hg.gm.graph.nodes)
     for p in strategy.pipelines:
-        if p.doc_ranks > 1:     # declared (text form, layout, groups), not yet run: refused, not half-run
-            raise StrategyError(f"strategy {strategy}: scheme {p} has expert parallelism (EP{p.doc_ranks}), "
-                                "which the engine does not run yet; allowed: EP1 (omit EP)")
+        if p.doc_ranks > 1 and moe:     # expert ownership per EP rank not yet planned: refused, not half-run
+            raise StrategyError(f"strategy {strategy}: scheme {p} has expert parallelism (EP{p.doc_ranks}) on a "
+                                "model with experts, which the engine does not run yet; allowed: EP1 (omit EP)")
     for p in sorted(set(strategy.pipelines)):
         validate_scheme_for_model(p, hg)
 
@@ -220,23 +222,25 @@ class ParamLayouts:
 class ParamRole(NamedTuple):
     """A role as far as parameters go: the ranks of a role's sequence ranks (different tokens, the same
     shards) hold the same rows and each pushes its own gradient of them; the replica (``RankCoord``'s)
-    is part of it because replicas push different shares."""
+    is part of it because replicas push different shares, and the EP rank (``doc_rank``) because EP ranks
+    hold different experts (their dense parameters alike, each pushing its own documents' gradient)."""
 
     scheme: Scheme
     stage: int
     tp_rank: int
     replica: int = 0
+    doc_rank: int = 0
 
     @classmethod
     def of(cls, scheme: Scheme, coord: Any) -> "ParamRole":
         """The parameter role of the rank at ``coord`` (a ``RankCoord``) in a ``scheme`` pipeline."""
-        return cls(scheme, coord.stage, coord.tp_rank, coord.replica)
+        return cls(scheme, coord.stage, coord.tp_rank, coord.replica, coord.doc_rank)
 
     @classmethod
     def at(cls, scheme: Scheme, local: int) -> "ParamRole":
         """The parameter role of the pipeline's rank ``local`` (0-based inside it)."""
-        stage, tp_rank, _, replica, _ = scheme.coordinates(local)
-        return cls(scheme, stage, tp_rank, replica)
+        stage, tp_rank, _, replica, doc_rank = scheme.coordinates(local)
+        return cls(scheme, stage, tp_rank, replica, doc_rank)
 
 
 class StrategyLayout:
@@ -263,8 +267,9 @@ class StrategyLayout:
         for count, scheme in strategy.groups():
             self._runs.setdefault(scheme, []).append(range(first, first + count))
             first += count
-        self.param_roles: list[ParamRole] = [ParamRole(p, stage, t, r) for p in self._runs for stage in range(p.pp)
-                                             for t in range(p.tp) for r in range(p.replicas)]
+        self.param_roles: list[ParamRole] = [ParamRole(p, stage, t, r, e) for p in self._runs for stage in range(p.pp)
+                                             for t in range(p.tp) for r in range(p.replicas)
+                                             for e in range(p.doc_ranks)]
         self._params = {pr: layouts.params(pr.scheme, pr.stage, pr.tp_rank) for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
@@ -275,8 +280,8 @@ class StrategyLayout:
         self.work_log: Optional[list[tuple[str, int, WorkCount]]] = None
 
     def _ranks_of(self, pr: ParamRole) -> list[int]:
-        scheme, stage, t, replica = pr
-        return [self.strategy.rank_of(i, stage, t, c, replica) for run in self._runs[scheme] for i in run
+        scheme, stage, t, replica, doc_rank = pr
+        return [self.strategy.rank_of(i, stage, t, c, replica, doc_rank) for run in self._runs[scheme] for i in run
                 for c in range(scheme.seq)]
 
     def param_layout(self, name: str) -> ParamLayout:
@@ -498,12 +503,12 @@ class StrategyLayout:
         """The ranks of role ``pr`` in ``[lo, hi)``, by rank arithmetic over the pipelines meeting it."""
         if lo == 0 and hi >= self.cluster.world_size:
             return list(self.roles.of(pr))
-        scheme, stage, t, replica = pr
+        scheme, stage, t, replica, doc_rank = pr
         span, out = scheme.num_ranks, []
         for run in self._runs[scheme]:
             first = self.strategy.rank_of(run.start, 0)      # a run's pipelines are consecutive spans
             for k in range(max(0, (lo - first) // span), min(len(run), -(-(hi - first) // span))):
-                ranks = (self.strategy.rank_of(run.start + k, stage, t, c, replica) for c in range(scheme.seq))
+                ranks = (self.strategy.rank_of(run.start + k, stage, t, c, replica, doc_rank) for c in range(scheme.seq))
                 out += [r for r in ranks if lo <= r < hi]
         return out
 

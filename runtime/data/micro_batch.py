@@ -33,15 +33,40 @@ class MicroBatch:
             raise HGraphError("a micro-batch needs at least one document and no empty document")
         return cls(tuple(len(d) for d in docs), tuple(indices), tuple(docs))
 
+    @classmethod
+    def placeholder(cls, n: int) -> "MicroBatch":
+        """``n`` one-token documents of token 0 with corpus indices -1, -2, ... (``is_placeholder``): what an
+        EP rank without a document of its micro-batch runs to take part in its collectives. A one-token
+        document has no target, so the loss and every gradient through its tokens get exact zeros."""
+        return cls((1,) * n, tuple(range(-1, -n - 1, -1)), ((0,),) * n)
+
+    def select(self, places: Sequence[int]) -> "MicroBatch":
+        """The micro-batch of the documents at ``places`` (0-based, in order) of this one: an EP rank's own
+        (``runtime/data/document_split``). They keep their corpus indices (or, where this micro-batch has
+        none, their places in it), so their dropout keys are the ones they have here. No place: a
+        micro-batch of no document, which a rank runs with zero tokens."""
+        ids = self.doc_indices or tuple(range(len(self.doc_lengths)))
+        return MicroBatch(tuple(self.doc_lengths[i] for i in places), tuple(ids[i] for i in places),
+                          tuple(self.sources[i] for i in places))
+
     @cached_property
     def input_ids(self) -> torch.Tensor:
+        if not self.sources:       # an EP rank without documents
+            return torch.zeros((1, 0), dtype=torch.long)
         row = np.concatenate([np.asarray(d, dtype=np.int64) for d in self.sources])
         return torch.from_numpy(row)[None]
 
     @cached_property
     def position_ids(self) -> torch.Tensor:
+        if not self.doc_lengths:
+            return torch.zeros((1, 0), dtype=torch.long)
         return torch.cat([torch.arange(n) for n in self.doc_lengths])[None]
 
     @property
     def tokens(self) -> int:
         return int(sum(self.doc_lengths))
+
+
+def is_placeholder(doc_ids: Sequence[int]) -> bool:
+    """Whether a micro-batch's corpus indices ``doc_ids`` are a placeholder's (``MicroBatch.placeholder``)."""
+    return bool(doc_ids) and min(doc_ids) < 0

@@ -366,8 +366,9 @@ class Executor:
                 if self.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(self.device)
             t_pull = time.perf_counter()
-            mine = list(microbatches[rp.pipeline])
-            loss_sum = run_one_f_one_b(state, mine, num_targets, self._feed(state), self.issuer,
+            feed = self._feed(state)
+            mine = [feed.own(mb) for mb in microbatches[rp.pipeline]]     # its EP rank's documents
+            loss_sum = run_one_f_one_b(state, mine, num_targets, feed, self.issuer,
                                        lambda loss_sum: sync_step.backward_starts(self._loss_share(rp, loss_sum)))
             t_backward = time.perf_counter()
             state.comm.wait_all()
@@ -430,7 +431,8 @@ class Executor:
     def _feed(self, state: RankState) -> MicroBatchFeed:
         """What makes this rank's inputs of a micro-batch of this step (``sequence_inputs``)."""
         rp = state.rank_program
-        return MicroBatchFeed(rp.scheme, rp.cp_rank, self.cp_sharding, self.seed, self._step_index, self.device)
+        return MicroBatchFeed(rp.scheme, rp.cp_rank, self.cp_sharding, self.seed, self._step_index, self.device,
+                              rp.doc_rank)
 
     @torch.no_grad()
     def evaluate(self, strategy: Union[Strategy, str, Program], microbatches: Sequence[Sequence[MicroBatch]],
@@ -447,7 +449,7 @@ class Executor:
         last, feed = rp.stage == rp.scheme.pp - 1, self._feed(state)
         loss_sum = 0.0
         with sync.step():         # the pulls only: nothing is pushed
-            for mb in microbatches[rp.pipeline]:
+            for mb in map(feed.own, microbatches[rp.pipeline]):
                 ids, pos, targets, layout, keys = feed.inputs(mb)
                 mb_comm = comm.for_microbatch(cp_layout=layout, token_keys=keys, evaluating=True,
                                               documents=feed.documents(mb, layout))

@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from hgraph.dims import BindingKey
 from hgraph.moe import load_balancing_sum
+from hgraph.runtime.data.micro_batch import is_placeholder
 
 #: the forms of ``[model] moe-aux-loss``
 AUX_LOSS_FORMS = ("none", "per-document", "hf", "global-batch")
@@ -108,10 +109,12 @@ class RouterLosses:
     def add(self, comm: Any, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """``y`` with this layer's router losses' gradient attached (module docstring)."""
         cfg = self.config
+        keys = comm.token_keys
         if comm.evaluating or not cfg.active or comm.num_targets < 1:
             return y
+        if keys is not None and is_placeholder(keys.doc_ids):
+            return y     # an EP rank without documents (so are the ranks it would sum counts with): no loss
         n = logits.shape[0]
-        keys = comm.token_keys
         tp_ranks = tuple(comm.bindings.get(BindingKey.TP, (comm.rank,)))
         sliced = keys is not None and keys.documents.numel() != n     # a TP rank's token slice (SP)
         if sliced:

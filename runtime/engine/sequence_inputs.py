@@ -1,6 +1,7 @@
-"""A micro-batch as one rank of its pipeline runs it: the tokens of its place in the sequence dimensions
-(CP's balanced split into shards, each cut contiguously over the Ulysses ranks), with their positions,
-the whole documents' next-token targets, the dropout keys and the document boundaries packed attention
+"""A micro-batch as one rank of its pipeline runs it: the documents of its EP rank (``own_documents``:
+``runtime/data/document_split``), of those the tokens of its place in the sequence dimensions (CP's
+balanced split into shards, each cut contiguously over the Ulysses ranks), with their positions, the
+whole documents' next-token targets, the dropout keys and the document boundaries packed attention
 reads."""
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from hgraph.errors import HGraphError
 from hgraph.ops import HeadInputs
 from hgraph.runtime.comm.context import CommContext
+from hgraph.runtime.data.document_split import split_documents
 from hgraph.runtime.data.micro_batch import MicroBatch
 from hgraph.runtime.engine.loss import packed_targets, stage_loss_sum
 from hgraph.runtime.engine.memory import SequenceLayout
@@ -46,6 +48,24 @@ def cp_layout_for(mb: "MicroBatch", cp: int, cp_rank: int, method: str = ADAPTIV
     return CPLayout.from_plan(plan, mb.doc_lengths, cp_rank)
 
 
+def own_documents(mb: MicroBatch, scheme: Scheme, doc_rank: int) -> MicroBatch:
+    """The part of an EP pipeline's micro-batch that EP rank ``doc_rank`` runs: its documents by
+    ``split_documents``; the micro-batch itself without EP. A rank the split gives no document runs a
+    placeholder (``placeholder_documents``), so that it takes part in every collective of the micro-batch."""
+    if scheme.doc_ranks == 1:
+        return mb
+    places = split_documents(mb.doc_lengths, scheme.doc_ranks)[doc_rank]
+    return mb.select(places) if places else placeholder_documents(scheme)
+
+
+def placeholder_documents(scheme: Scheme) -> MicroBatch:
+    """What an EP rank without a document runs: ``tp * seq`` one-token documents (``MicroBatch.placeholder``),
+    so each TP and sequence rank holds one token at least. Why not zero tokens: a model reshaping by
+    ``view(batch, tokens, -1, head_dim)`` (the zoo's Llama, Hugging Face's attention) cannot infer the -1
+    of an empty tensor."""
+    return MicroBatch.placeholder(scheme.tp * scheme.seq)
+
+
 def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE) -> SequenceLayout:
     """The tokens of ``mb`` that sequence rank ``seq_rank`` holds: CP's split (``cp_layout_for``) into
     ``scheme.cp`` shards, each cut contiguously over ``scheme.ul`` Ulysses ranks (Ulysses inner)."""
@@ -57,7 +77,7 @@ def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str
 def token_documents(mb: "MicroBatch") -> torch.Tensor:
     """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
     ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
-    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
+    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths, dtype=torch.long))
 
 
 def microbatch_inputs(mb: MicroBatch, scheme: Scheme, seq_rank: int, cp_sharding: str, seed: int, step: int
@@ -98,6 +118,12 @@ class MicroBatchFeed:
     seed: int
     step: int
     device: torch.device
+    #: its EP rank (``RankCoord.doc_rank``): which documents of each micro-batch it runs
+    doc_rank: int = 0
+
+    def own(self, mb: MicroBatch) -> MicroBatch:
+        """The documents of ``mb`` this rank runs (``own_documents``)."""
+        return own_documents(mb, self.scheme, self.doc_rank)
 
     def inputs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                                 Optional[SequenceLayout], TokenKeys]:
