@@ -83,16 +83,12 @@ def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> 
 
 def build_role_module(hg: HGraph, role: RankRole, stage_blocks: tuple[tuple[str, ...], ...], shapes: dict,
                       options: CompileOptions, params: dict[str, ParamShard],
-                      sp: Any = None, stage_params: Optional[dict[str, ParamShard]] = None
-                      ) -> tuple[fx.GraphModule, PassContext]:
+                      sp: Any = None) -> tuple[fx.GraphModule, PassContext]:
     """Run the instantiation passes for one role and generate its module (done on first use); ``sp``:
-    the sequence-parallel plan when the role runs SP. ``stage_params``: under EP, the shards of every
-    expert of the stage (what the passes before ``moe_ep`` read), of which the module keeps ``params``."""
-    ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(stage_params or params),
+    the sequence-parallel plan when the role runs SP."""
+    ctx = PassContext(hg, role, stage_blocks, shapes, options, params=dict(params),
                       sp=sp if role.scheme.tp > 1 else None)
     gm = run_passes(hg.gm, ctx, instantiation_passes(), disabled=options.disabled_passes)
-    if stage_params is not None:       # the other EP ranks' experts: their slots were removed (moe_ep)
-        ctx.params = {n: s for n, s in ctx.params.items() if n in params}
     root = _param_root(ctx.params, options.working_dtype)
     _copy_constants(hg.gm, gm.graph, root)
     name = f"Rank_{role.scheme}_s{role.stage}_t{role.tp_rank}_c{role.cp_rank}" + (
@@ -226,10 +222,7 @@ class ParamLayouts:
         if prog is None:
             params = self.params(role.scheme, role.stage, role.tp_rank, role.doc_rank)
             blocks = self.stage_blocks(role.scheme.pp)
-            whole = (self.params(Scheme(role.scheme.tp, role.scheme.pp), role.stage, role.tp_rank)
-                     if role.scheme.doc_ranks > 1 else None)
-            build = functools.partial(build_role_module, self.hg, role, blocks, self.shapes, options, params, sp,
-                                      whole)
+            build = functools.partial(build_role_module, self.hg, role, blocks, self.shapes, options, params, sp)
             prog = self._roles[role] = RoleProgram(role, params, tuple(blocks[role.stage]), build)
         return prog
 

@@ -56,10 +56,11 @@ def instantiation_passes() -> list[Pass]:
     """Per-rank-role passes turning a copy of the HGraph into one rank's program for a strategy."""
     return [
         Pass("extract_stage", extract_stage_pass),
-        Pass("shard_tp", shard_tp_pass),
-        # the built-in dimensions' own passes, then a registered dimension's (hgraph.dims.Dim.passes),
-        # while the slots are still empty
+        # EP's pass (a built-in dimension's): before TP sharding, so the other EP ranks' experts, which this
+        # role does not hold, are out of the graph by then
         Pass("moe_ep", moe_ep_pass),
+        Pass("shard_tp", shard_tp_pass),
+        # a registered dimension's own passes (hgraph.dims.Dim.passes), while the slots are still empty
         *(Pass(fn.__name__.removesuffix("_pass"), fn) for d in dims.DIMENSIONS for fn in d.passes),
         Pass("fill_activation_comm", fill_activation_comm_pass),
         Pass("sequence_parallel", sequence_parallel_pass),

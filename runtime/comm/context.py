@@ -167,6 +167,9 @@ class CommContext:
         mine = bounds[index][1] - bounds[index][0]
         received = collectives.expert_counts_exchange(self, routing.counts, ranks, [b - a for a, b in bounds],
                                                       [mine] * n)
+        # NCCL's all_to_all_single takes its split sizes on the host: this read-back (the compute stream
+        # waits for the counts) is what the dropless exchange costs per layer and micro-batch; split sizes
+        # that stay on the device (an all-to-all-v over torch's symmetric memory) would remove it, later
         host = torch.cat([routing.counts, received]).tolist()
         return moe_dispatch.exchange_splits(host[:routing.num_experts], host[routing.num_experts:], n, index)
 

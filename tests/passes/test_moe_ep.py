@@ -100,3 +100,18 @@ def test_nothing_changes_without_expert_parallelism():
         a, b = on.instantiate(strategy), off.instantiate(strategy)
         for rank in range(a.strategy.num_ranks):
             assert a.rank(rank).graph_module.code == b.rank(rank).graph_module.code
+
+
+def test_a_role_holding_only_its_own_experts_builds_under_tp(ep_programs):
+    """EP's pull gives a rank its EP rank's experts only; the pass runs before TP sharding, which reads
+    the shard of every parameter the graph still names."""
+    prog = ep_programs["1xTP2PP1EP2"]
+    plan = prog.planner
+    rp = prog.rank(3)                                  # EP rank 1, TP rank 1: experts 4..7
+    mine = [f".experts.{e}." for e in range(4, 8)]
+    params = plan.layouts.params(rp.scheme, rp.stage, rp.tp_rank, rp.doc_rank)     # its own experts only
+    assert all(any(m in name for m in mine) for name in params if ".experts." in name)
+    gm, _ = instantiate.build_role_module(plan.hg, rp.role.role, plan.layouts.stage_blocks(rp.scheme.pp),
+                                          plan.shapes, plan.options, params, plan.sp)
+    assert _expert_params(gm) == _expert_params(rp.graph_module)
+    assert all(any(m in name for m in mine) for name in _expert_params(gm))

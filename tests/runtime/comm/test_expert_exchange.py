@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from hgraph import moe, moe_dispatch
 from hgraph.options import CompileOptions
@@ -107,8 +108,11 @@ def _expert_grads(case: Case, grads: list[torch.Tensor]) -> tuple[torch.Tensor, 
     return gate_up[:, :inter], gate_up[:, inter:], down
 
 
-def _ep_run(comm: CommContext, case: Case, ep_ranks: list[int], tp_ranks: list[int]) -> dict:
-    """This rank's part of ``case``: its EP rank's tokens, its experts (its TP slice of them)."""
+def _ep_run(comm: CommContext, case: Case, ep_ranks: list[int], tp_ranks: list[int],
+            recomputed: bool = False) -> dict:
+    """This rank's part of ``case``: its EP rank's tokens, its experts (its TP slice of them); with
+    ``recomputed`` the op runs as a recomputed block does (non-reentrant checkpoint, replayed whole in
+    backward); what it issued is recorded."""
     x, router, gate, up, down, r = _data(case)
     ep, tp = ep_ranks.index(comm.rank), tp_ranks.index(comm.rank)
     lo = sum(case.tokens[:ep])
@@ -119,11 +123,22 @@ def _ep_run(comm: CommContext, case: Case, ep_ranks: list[int], tp_ranks: list[i
     router_w = router.clone().requires_grad_()
     weights = [w.requires_grad_() for w in _weights(case, gate, up, down, slice(first, last), rows)]
     view = comm.for_microbatch()
-    y = moe_dispatch.moe_layer_ep(view, mine.unsqueeze(0), router_w, *weights, top_k=case.top_k,
-                                  normalize_top_k=case.normalize, key="ep")
-    (y[0] * r[lo:hi]).sum().backward()
+
+    def layer(tokens):
+        return moe_dispatch.moe_layer_ep(view, tokens, router_w, *weights, top_k=case.top_k,
+                                         normalize_top_k=case.normalize, key="ep")
+
+    comm.issuer.start_recording()
+    if recomputed:
+        with set_checkpoint_early_stop(False):          # as engine/recompute runs a block
+            y = checkpoint(layer, mine.unsqueeze(0), use_reentrant=False)
+            (y[0] * r[lo:hi]).sum().backward()
+    else:
+        y = layer(mine.unsqueeze(0))
+        (y[0] * r[lo:hi]).sum().backward()
     return {"y": y[0].detach(), "dx": mine.grad, "router": router_w.grad,
-            "experts": _expert_grads(case, [w.grad for w in weights]), "pending": comm.num_pending()}
+            "experts": _expert_grads(case, [w.grad for w in weights]), "pending": comm.num_pending(),
+            "issued": [(c.kind, c.dtype, c.label) for c in comm.issuer.sequence]}
 
 
 class _Experts(torch.nn.Module):
@@ -182,6 +197,8 @@ def _worker(rank, world_size):
     case, ep = CASES["tp2_ep2"], [rank % 2, rank % 2 + 2]
     out[case.name] = _ep_run(CommContext.from_default_group(groups=comm.groups, bindings={"ep": ep}), case,
                              ep, pair)
+    out["replayed"] = _ep_run(CommContext.from_default_group(groups=comm.groups, bindings={"ep": [0, 1, 2, 3]}),
+                              CASES["ep4_fused"], [0, 1, 2, 3], [rank], recomputed=True)
     case = CASES["graph_stacked"] if rank < 2 else CASES["graph_fused"]
     out[case.name] = _graph_run(CommContext.from_default_group(groups=comm.groups, bindings={"ep": pair}), case,
                                 pair)
@@ -239,6 +256,20 @@ def test_two_ep_groups_side_by_side_match_one_process(results):
 
 def test_ep4_over_uneven_tokens_with_an_empty_rank_matches_one_process(results):
     _check(CASES["ep4_fused"], [r["ep4_fused"] for r in results])
+
+
+FORWARD = [("all_to_all", "int64", "moe_counts"), ("all_to_all", "float32", "moe_dispatch"),
+           ("all_to_all", "float32", "moe_combine")]
+BACKWARD = [("all_to_all", "float32", "moe_combine backward"), ("all_to_all", "float32", "moe_dispatch backward")]
+
+
+def test_each_rank_issues_the_counts_dispatch_and_combine_then_their_reverses(results):
+    """The order ``runtime/comm/order/derive`` claims (``test_derive_expert_exchange``): a recomputed
+    block's replay issues the three forwards again before the combine's backward."""
+    for r in results:
+        assert r["ep4_fused"]["issued"] == FORWARD + BACKWARD
+        assert r["replayed"]["issued"] == FORWARD + FORWARD + BACKWARD
+    _check(CASES["ep4_fused"], [r["replayed"] for r in results])
 
 
 def test_tp_inside_ep_matches_one_process(results):
