@@ -82,3 +82,13 @@ def test_an_ep_degree_that_does_not_divide_the_experts_is_one_line(compiled):
     assert "\n" not in str(err.value)
     with pytest.raises(StrategyError, match="EP16 does not divide the 8 experts"):
         compiled.instantiate("1xTP1PP1EP16")
+
+
+def test_a_dump_names_the_ranks_ep_place(compiled):
+    from hgraph.program_text import program_json
+
+    program = compiled.instantiate("1xTP2PP1EP2")
+    assert "tp_rank 1, cp_rank 0, ep_rank 1  [strategy 1xTP2PP1EP2]" in compiled.dump("1xTP2PP1EP2", rank=3)
+    ranks = program_json(program, [program.rank(r) for r in range(4)])["ranks"]
+    assert [(r["tp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert "ep_rank" not in compiled.dump("1xTP2PP1", rank=1).splitlines()[0]
