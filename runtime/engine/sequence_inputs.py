@@ -77,7 +77,7 @@ def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str
 def token_documents(mb: "MicroBatch") -> torch.Tensor:
     """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
     ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
-    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths, dtype=torch.long))
+    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
 
 
 def microbatch_inputs(mb: MicroBatch, scheme: Scheme, seq_rank: int, cp_sharding: str, seed: int, step: int
