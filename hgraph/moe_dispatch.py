@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import wrap
 
-from hgraph import ops
+from hgraph import moe, ops
 from hgraph.errors import HGraphError
 from hgraph.moe import expert_layout, route, swiglu_rows
 from hgraph.ops import CommRuntime, reads_host_values
@@ -177,6 +177,12 @@ def combine_tokens(returned: torch.Tensor, routing: ExpertRouting,
     tokens = routing.weights.shape[0]
     y = returned.new_zeros((tokens, returned.shape[-1])).index_add_(0, routing.token, out).reshape(routing.shape)
     return y if comm is None else comm.moe_router_losses(y, routing.logits, routing.top_k)
+
+
+#: the calls that end an MoE op in a rank graph, where its router losses attach: ``moe_layer`` itself, or
+#: under EP its EP form's weighted sum, which ``passes/moe_ep`` names as the op it replaces (the model's
+#: node name) and gives the op's meta
+MOE_OUTPUTS = (moe.moe_layer, combine_tokens)
 
 
 def moe_layer_ep(comm: Optional[CommRuntime], x: torch.Tensor, router_weight: torch.Tensor,

@@ -10,7 +10,7 @@ import hgraph
 from hgraph import moe, moe_dispatch, ops
 from hgraph.dims import BindingKey
 from hgraph.frontends.zoo import llama_moe
-from hgraph.meta import CommPoint, SlotKind, get_meta
+from hgraph.meta import CommPoint, SlotKind, TPRole, get_meta
 from hgraph.passes import instantiate
 
 MOE_LAYERS = (1, 2)         # tiny: 3 layers, the first dense
@@ -45,7 +45,8 @@ def _expert_params(gm):
     return {n.target for n in gm.graph.nodes if n.op == "get_attr" and ".experts." in n.target}
 
 
-def test_one_dispatch_and_one_combine_per_moe_layer_over_the_ep_binding(ep_programs):
+def test_one_dispatch_and_one_combine_per_moe_layer_over_the_ep_binding(compiled, ep_programs):
+    hgraph_gm = compiled.hgraph.gm
     for strategy, prog in ep_programs.items():
         for rank in range(prog.strategy.num_ranks):
             rp = prog.rank(rank)
@@ -70,6 +71,11 @@ def test_one_dispatch_and_one_combine_per_moe_layer_over_the_ep_binding(ep_progr
                 assert len(tags) == 2
             assert all(get_meta(n).slot is None for fn in (moe_dispatch.route_tokens, moe_dispatch.local_experts,
                                                            moe_dispatch.combine_tokens) for n in _calls(gm, fn))
+            # the op's output keeps the model's node name and the op's meta (its TP role)
+            outputs = _calls(gm, moe_dispatch.combine_tokens)
+            assert sorted(n.name for n in outputs) == sorted(n.name for n in _calls(hgraph_gm, moe.moe_layer)
+                                                             if get_meta(n).layer in MOE_LAYERS)
+            assert all(get_meta(n).tp_role == TPRole.EXPERTS for n in outputs)
             # the rank's own experts, and no slot of another EP rank's
             mine = {f"layers.{layer}.mlp.experts.{e}.{w}_proj.weight" for layer in MOE_LAYERS
                     for e in range(4 * ep, 4 * ep + 4) for w in ("gate", "up", "down")}
