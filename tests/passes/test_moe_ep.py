@@ -121,3 +121,12 @@ def test_a_role_holding_only_its_own_experts_builds_under_tp(ep_programs):
                                           plan.shapes, plan.options, params, plan.sp)
     assert _expert_params(gm) == _expert_params(rp.graph_module)
     assert all(any(m in name for m in mine) for name in _expert_params(gm))
+
+
+def test_expert_params_name_each_expert_matrix_with_its_expert(compiled):
+    from hgraph.passes.moe_ep import expert_params
+
+    owners = expert_params(compiled.hgraph.gm)
+    assert len(owners) == len(MOE_LAYERS) * EXPERTS * 3
+    assert owners["layers.2.mlp.experts.5.down_proj.weight"] == (5, EXPERTS)
+    assert not any(".shared" in name or name.endswith("gate.weight") for name in owners)    # router, shared
