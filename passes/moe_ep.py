@@ -53,27 +53,6 @@ def moe_ep_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def expert_params(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
-    """Each per-expert parameter of ``gm``'s MoE ops (a list of expert matrices): its expert and its op's
-    expert count, so EP rank ``r`` of ``n`` holds those with ``expert`` in ``moe_dispatch.expert_bounds(E,
-    n)[r]`` (what this pass leaves in its graph). Stacked or fused expert tensors are not listed: each EP
-    rank holds them whole along the expert axis (the pass narrows them)."""
-    out: dict[str, tuple[int, int]] = {}
-    for node in gm.graph.nodes:
-        if node.target is not moe.moe_layer:
-            continue
-        weights = node.args[2:]
-        router = _param_of(node.args[1]) if isinstance(node.args[1], fx.Node) else None
-        experts = len(weights) // 3
-        if router is None or len(weights) != 3 * experts or experts < 2:
-            continue
-        for i, w in enumerate(weights):
-            name = _param_of(w) if isinstance(w, fx.Node) else None
-            if name is not None:
-                out[name] = (i % experts, experts)
-    return out
-
-
 def _param_of(node: fx.Node) -> Optional[str]:
     """The parameter reaching ``node`` through its (still empty) parameter slots, or None."""
     while node.op == "call_function" and node.target is empty_slot:

@@ -17,23 +17,14 @@ MOE_LAYERS = (1, 2)         # tiny: 3 layers, the first dense
 EXPERTS = 8
 
 
-def _validate_all_but_ep(strategy, cluster, hg):
-    # the engine refuses EP until the pull / push of a rank's own experts land; the graphs are what
-    # this module checks (every other check of the strategy kept)
-    strategy.validate(cluster)
-    for p in sorted(set(strategy.pipelines)):
-        instantiate.validate_scheme_for_model(p, hg)
-
-
 @pytest.fixture(scope="module")
 def compiled():
     torch.manual_seed(0)
     return hgraph.compile(llama_moe.build("tiny"))
 
 
-@pytest.fixture
-def ep_programs(compiled, monkeypatch):
-    monkeypatch.setattr(instantiate, "validate_for_model", _validate_all_but_ep)
+@pytest.fixture(scope="module")
+def ep_programs(compiled):
     return {s: compiled.instantiate(s) for s in ("1xTP1PP1EP2", "1xTP2PP1EP2")}
 
 
@@ -85,8 +76,7 @@ def test_one_dispatch_and_one_combine_per_moe_layer_over_the_ep_binding(compiled
             assert all(sg.peers == tuple(r for r in rp.bindings[BindingKey.EP] if r != rank) for sg in info)
 
 
-def test_the_text_dump_shows_the_exchanges(compiled, monkeypatch):
-    monkeypatch.setattr(instantiate, "validate_for_model", _validate_all_but_ep)
+def test_the_text_dump_shows_the_exchanges(compiled):
     text = compiled.dump("1xTP2PP1EP2", rank=3)
     assert "ep=[1, 3]" in text
     for line in ("[comm_activation] expert_counts_moe_layer = call_function:moe_split_exchange(route_moe_layer, 'ep')",
@@ -121,12 +111,3 @@ def test_a_role_holding_only_its_own_experts_builds_under_tp(ep_programs):
                                           plan.shapes, plan.options, params, plan.sp)
     assert _expert_params(gm) == _expert_params(rp.graph_module)
     assert all(any(m in name for m in mine) for name in _expert_params(gm))
-
-
-def test_expert_params_name_each_expert_matrix_with_its_expert(compiled):
-    from hgraph.passes.moe_ep import expert_params
-
-    owners = expert_params(compiled.hgraph.gm)
-    assert len(owners) == len(MOE_LAYERS) * EXPERTS * 3
-    assert owners["layers.2.mlp.experts.5.down_proj.weight"] == (5, EXPERTS)
-    assert not any(".shared" in name or name.endswith("gate.weight") for name in owners)    # router, shared
