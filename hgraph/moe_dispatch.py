@@ -187,13 +187,12 @@ MOE_OUTPUTS = (moe.moe_layer, combine_tokens)
 
 def moe_layer_ep(comm: Optional[CommRuntime], x: torch.Tensor, router_weight: torch.Tensor,
                  *expert_weights: torch.Tensor, top_k: int, normalize_top_k: bool = False,
-                 key: str, implementation: str = "auto", router_losses: bool = True) -> torch.Tensor:
+                 key: str, implementation: str = "auto") -> torch.Tensor:
     """``moe_layer`` under EP as one function: the sequence a rank's graph runs (module docstring) with
-    this rank's experts' weights (``expert_weights``) over the EP group ``key``; ``router_losses``: hand
-    the logits to ``comm``'s router losses."""
+    this rank's experts' weights (``expert_weights``) over the EP group ``key``."""
     routing = route_tokens(x, router_weight, top_k=top_k, normalize_top_k=normalize_top_k)
     splits = ops.moe_split_exchange(comm, routing, key)
     received = ops.comm_wait(comm, ops.moe_dispatch_issue(comm, routing, splits, key))
     out = local_experts(received, splits, *expert_weights, implementation=implementation)
     returned = ops.comm_wait(comm, ops.moe_combine_issue(comm, out, splits, key))
-    return combine_tokens(returned, routing, comm if router_losses else None)
+    return combine_tokens(returned, routing, comm)
