@@ -17,9 +17,11 @@ Each exchange's backward is the reversed exchange. The rank's experts are those 
 those and removes the others' parameter slots from the graph (the rank neither pulls nor pushes them);
 a stacked or fused tensor whose expert axis the rank holds whole is narrowed to its experts (its other
 experts' gradient rows are then zeros on this rank). The weighted sum takes the op's name and meta
-(``moe_dispatch.MOE_OUTPUTS``): the TP exit after it reads it as it read the op's output. It runs right after the stage is extracted, before TP sharding (which reads the shard
-of every parameter the graph names: the other EP ranks' experts are gone by then). It does nothing where
-the role's EP degree is 1.
+(``moe_dispatch.MOE_OUTPUTS``): the TP exit after it reads it as it read the op's output.
+
+It runs right after the stage is extracted, before TP sharding (which reads the shard of every
+parameter the graph names: the other EP ranks' experts are gone by then). It does nothing where the
+role's EP degree is 1.
 """
 from __future__ import annotations
 
