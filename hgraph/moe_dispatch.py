@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import wrap
 
-from hgraph import ops
+from hgraph import moe, ops
 from hgraph.errors import HGraphError
 from hgraph.moe import expert_layout, route, swiglu_rows
 from hgraph.ops import CommRuntime, reads_host_values
@@ -179,15 +179,20 @@ def combine_tokens(returned: torch.Tensor, routing: ExpertRouting,
     return y if comm is None else comm.moe_router_losses(y, routing.logits, routing.top_k)
 
 
+#: the calls that end an MoE op in a rank graph, where its router losses attach: ``moe_layer`` itself, or
+#: under EP its EP form's weighted sum, which ``passes/moe_ep`` names as the op it replaces (the model's
+#: node name) and gives the op's meta
+MOE_OUTPUTS = (moe.moe_layer, combine_tokens)
+
+
 def moe_layer_ep(comm: Optional[CommRuntime], x: torch.Tensor, router_weight: torch.Tensor,
                  *expert_weights: torch.Tensor, top_k: int, normalize_top_k: bool = False,
-                 key: str, implementation: str = "auto", router_losses: bool = True) -> torch.Tensor:
+                 key: str, implementation: str = "auto") -> torch.Tensor:
     """``moe_layer`` under EP as one function: the sequence a rank's graph runs (module docstring) with
-    this rank's experts' weights (``expert_weights``) over the EP group ``key``; ``router_losses``: hand
-    the logits to ``comm``'s router losses."""
+    this rank's experts' weights (``expert_weights``) over the EP group ``key``."""
     routing = route_tokens(x, router_weight, top_k=top_k, normalize_top_k=normalize_top_k)
     splits = ops.moe_split_exchange(comm, routing, key)
     received = ops.comm_wait(comm, ops.moe_dispatch_issue(comm, routing, splits, key))
     out = local_experts(received, splits, *expert_weights, implementation=implementation)
     returned = ops.comm_wait(comm, ops.moe_combine_issue(comm, out, splits, key))
-    return combine_tokens(returned, routing, comm if router_losses else None)
+    return combine_tokens(returned, routing, comm)

@@ -2,7 +2,7 @@
 
 Every communication op takes the rank's communication context ``comm`` as its first argument and
 names its peers by a *binding key* (``hgraph.dims.BindingKey``: ``"tp"``, ``"pp_prev"``, ``"pp_next"``,
-``"cp"``, ``"ul"``) that the context resolves to ranks (``comm.bindings[key]``); that is why ranks of
+``"cp"``, ``"ul"``, ``"ep"``) that the context resolves to ranks (``comm.bindings[key]``); that is why ranks of
 the same role can share one graph. With ``comm=None`` the graph runs in one process: ops whose group has one rank are the
 identity, and anything that really needs a peer raises a clear error.
 

@@ -10,16 +10,18 @@
     out = local_experts(received, splits, *this rank's experts, ...)      # the rank's experts (TP slices under TP)
     combine = moe_combine_issue(comm, out, splits, 'ep')                  # ep_combine: the outputs back
     returned = comm_wait(comm, combine)                                   # ep_combine
-    y = combine_tokens(returned, routing, comm)                           # weighted sum; router losses
+    moe_layer = combine_tokens(returned, routing, comm)                   # weighted sum; router losses
 
 Each exchange's backward is the reversed exchange. The rank's experts are those of its EP rank
 (``RankRole.doc_rank``: ``moe_dispatch.expert_bounds``): of a list of expert matrices the pass keeps
 those and removes the others' parameter slots from the graph (the rank neither pulls nor pushes them);
 a stacked or fused tensor whose expert axis the rank holds whole is narrowed to its experts (its other
-experts' gradient rows are then zeros on this rank). The TP exit after the op reads ``y`` as it read
-the op's output. It runs right after the stage is extracted, before TP sharding (which reads the shard
-of every parameter the graph names: the other EP ranks' experts are gone by then). It does nothing where
-the role's EP degree is 1.
+experts' gradient rows are then zeros on this rank). The weighted sum takes the op's name and meta
+(``moe_dispatch.MOE_OUTPUTS``): the TP exit after it reads it as it read the op's output.
+
+It runs right after the stage is extracted, before TP sharding (which reads the shard of every
+parameter the graph names: the other EP ranks' experts are gone by then). It does nothing where the
+role's EP degree is 1.
 """
 from __future__ import annotations
 
@@ -106,7 +108,9 @@ def _rewrite(g: fx.Graph, node: fx.Node, comm: fx.Node, ctx: PassContext, n: int
         # the op's own meta (its TP role: the TP exit after it reduces the partial sums) on its output
         y = compute("combine_tokens", moe_dispatch.combine_tokens, (returned, routing, comm), meta=m)
     node.replace_all_uses_with(y)
+    name = node.name
     g.erase_node(node)
+    y.name = name            # the op's output keeps its name: what finds a model's MoE ops by name finds it
     return [w for w in weights if w not in local]
 
 

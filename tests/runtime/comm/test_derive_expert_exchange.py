@@ -5,8 +5,8 @@ and all three forwards again where a recomputed block replays (before the combin
 first saved tensor in backward order is the weighted sum's). The runtime issues them in that order
 (``tests/runtime/comm/test_expert_exchange.py`` records one op, replay included).
 
-The Programs are derived role by role (``StepDeriver.role``): the whole step's sequence also needs the
-pull and push of a rank's own experts, which the EP dimension's engine adds.
+The Programs are derived role by role (``StepDeriver.role``); the whole step's sequences of EP schedules,
+checked against what the ranks record, are the MoE equivalence tests' (``--verify-collectives``).
 """
 import pytest
 import torch
@@ -15,8 +15,8 @@ import hgraph
 from hgraph.dims import BindingKey
 from hgraph.frontends.zoo import llama_moe
 from hgraph.meta import CommPoint, get_meta
-from hgraph.passes import instantiate
-from hgraph.runtime.comm.order.derive import StepDeriver, representative_plan
+from hgraph.runtime.comm.order.deadlock import simulate
+from hgraph.runtime.comm.order.derive import StepDeriver, derive_steps, representative_plan
 from hgraph.runtime.comm.order.pipeline import one_f_one_b
 from hgraph.strategy import Cluster, Strategy
 
@@ -31,11 +31,8 @@ REPLAY = [(kind, dtype, f"{label} replay") for kind, dtype, label in FORWARD]
 def programs():
     torch.manual_seed(0)
     compiled = hgraph.compile(llama_moe.build("tiny"))
-    with pytest.MonkeyPatch.context() as patch:
-        # the engine refuses EP until the pull / push of a rank's own experts land: only the graphs are read
-        patch.setattr(instantiate, "validate_for_model", lambda strategy, cluster, hg: strategy.validate(cluster))
-        return {s: compiled.instantiate(s, Cluster(Strategy.parse(s).num_ranks))
-                for s in ("1xTP2PP1EP2", "1xTP1PP2EP2", "1xTP1PP1EP4")}
+    return {s: compiled.instantiate(s, Cluster(Strategy.parse(s).num_ranks))
+            for s in ("1xTP2PP1EP2", "1xTP1PP2EP2", "1xTP1PP1EP4")}
 
 
 def _moe_layers(rp):
@@ -66,3 +63,13 @@ def test_every_rank_derives_the_ep_exchanges_of_its_moe_layers(programs, strateg
     for rank in range(program.strategy.num_ranks):
         for peer in program.rank(rank).bindings[BindingKey.EP]:
             assert sequences[peer] == sequences[rank]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_ep_schedules_and_switches_are_deadlock_free(programs, recompute):
+    """The whole steps' sequences of every rank (pull, 1F1B with the EP exchanges, push), simulated one
+    operation at a time, a switch between EP strategies included."""
+    steps = [(programs[s], representative_plan(programs[s].strategy, k=2, recompute=recompute))
+             for s in ("1xTP2PP1EP2", "1xTP1PP2EP2", "1xTP1PP1EP4")]
+    verdict = simulate(derive_steps(steps))
+    assert verdict.ok, verdict.line()
