@@ -92,3 +92,23 @@ def test_a_dump_names_the_ranks_ep_place(compiled):
     ranks = program_json(program, [program.rank(r) for r in range(4)])["ranks"]
     assert [(r["tp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert "ep_rank" not in compiled.dump("1xTP2PP1", rank=1).splitlines()[0]
+
+
+def test_a_fused_expert_tensor_is_held_as_tp_shards_it_and_pushed_by_every_ep_rank():
+    """Hugging Face's fused ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` (``hf:qwen2_moe``, 8 experts): one
+    parameter whose TP shard runs along I, so an EP rank holds it as TP shards it (every expert), the MoE op
+    narrows it to the rank's experts, and every EP rank pushes it (the other experts' rows exact zeros)."""
+    pytest.importorskip("transformers")
+    from hgraph.frontends.zoo import resolve_model_spec
+
+    torch.manual_seed(0)
+    compiled = hgraph.compile(resolve_model_spec("hf:qwen2_moe"))
+    program = compiled.instantiate("1xTP2PP1EP2")
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    for rank in range(4):
+        rp = program.rank(rank)
+        assert rp.params[name].shard_dim == 1 and rp.params[name].tp_sharded
+        narrowed = [n for n in rp.graph_module.graph.nodes if n.target is torch.narrow]
+        assert {(n.args[1], n.args[2], n.args[3]) for n in narrowed} == {(0, 4 * rp.doc_rank, 4)}
+    assert sorted(program.push_plans[name].contributions) == [0, 1, 2, 3]
+    assert sorted(program.pull_plans[name].needs) == [0, 1, 2, 3]
