@@ -146,7 +146,7 @@ class CompiledModule(nn.Module):
 
     def param_shards(self, scheme: Union[Scheme, str]) -> dict[tuple[int, int], dict[str, ParamShard]]:
         """The parameter shards of every rank of one ``scheme`` pipeline, keyed ``(stage, tp_rank)``
-        (a CP rank holds its TP rank's): what a Program gives those ranks (``RankProgram.params``),
+        (a CP rank holds its TP rank's; under EP, EP rank 0's experts: each EP rank holds as many): what a Program gives those ranks (``RankProgram.params``),
         without graphs or LNK plans, so sizing a strategy's working tensors costs milliseconds at any
         model and world size. A TP degree the model does not allow is a ``StrategyError``."""
         from hgraph.passes.instantiate import validate_scheme_for_model

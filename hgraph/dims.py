@@ -133,7 +133,9 @@ UL = Dim("ul", "UL", 1, "Ulysses", Splits.TOKENS, key=BindingKey.UL,
 
 #: expert parallelism: between the sequence ranks and the stages (Megatron's tp-cp-ep-dp-pp order), so an EP
 #: group is ranks ``tp * seq`` apart inside one stage, its experts split evenly over it
-EP = Dim("ep", "EP", 2.5, "EP", Splits.DOCUMENTS, key=BindingKey.EP)
+EP = Dim("ep", "EP", 2.5, "EP", Splits.DOCUMENTS, key=BindingKey.EP,
+         ops=("moe_split_exchange", "moe_dispatch_issue", "moe_combine_issue"),
+         comm_points=("ep_dispatch", "ep_combine"))
 
 BUILT_IN: tuple[Dim, ...] = (TP, PP, CP, UL, EP)
 

@@ -32,6 +32,8 @@ class CommPoint(str, enum.Enum):
     CP_KV = "cp_kv"                  # key / value entering attention (all-gather across CP)
     UL_A2A = "ul_a2a"                # q / k / v entering and the output leaving Ulysses attention (all-to-all)
     PP_BOUNDARY = "pp_boundary"      # hidden state leaving a block (send / recv between stages)
+    EP_DISPATCH = "ep_dispatch"      # an MoE op's token rows to their experts' EP ranks (counts, all-to-all)
+    EP_COMBINE = "ep_combine"        # the experts' outputs back to their tokens' EP ranks (all-to-all)
 
 
 class TPRole(str, enum.Enum):

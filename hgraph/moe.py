@@ -138,6 +138,14 @@ def expert_implementation(implementation: str, x: torch.Tensor) -> str:
     return implementation
 
 
+def swiglu_rows(xs: torch.Tensor, counts: torch.Tensor, w: ExpertWeights, implementation: str = "auto") -> torch.Tensor:
+    """The experts of ``w`` on rows grouped by expert (``counts[e]`` rows of expert ``e``, in order): the
+    grouped GEMM or the loop (``expert_implementation``); the expert-parallel form runs it on the rows
+    the dispatch brought (``hgraph.moe_dispatch``)."""
+    kind = expert_implementation(implementation, xs)
+    return (_swiglu_grouped if kind == "grouped_mm" else _swiglu_loop)(xs, counts, w)
+
+
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w: ExpertWeights,
                     implementation: str = "auto") -> torch.Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])`` for every token ``t`` of ``x [N, H]``."""
@@ -146,9 +154,7 @@ def experts_forward(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     order = torch.argsort(flat, stable=True)                 # assignments grouped by expert, tokens in order
     token = order // k
     counts = torch.bincount(flat, minlength=w.num_experts)
-    xs = x.index_select(0, token)
-    kind = expert_implementation(implementation, x)
-    out = (_swiglu_grouped if kind == "grouped_mm" else _swiglu_loop)(xs, counts, w)
+    out = swiglu_rows(x.index_select(0, token), counts, w, implementation)
     out = out * weights.reshape(-1).index_select(0, order).unsqueeze(-1)
     return x.new_zeros(x.shape).index_add_(0, token, out)
 
@@ -161,7 +167,15 @@ def moe_layer(x: torch.Tensor, router_weight: torch.Tensor, *expert_weights: tor
     """The routed experts of an MoE block over ``x [..., H]``: ``y [..., H]`` (module docstring).
     ``implementation``: "auto" (``torch._grouped_mm`` where supported, else the loop), "grouped_mm" or
     "loop". ``comm`` (a rank graph's, given by the instantiation passes): the run's router losses see
-    the router's logits (``CommRuntime.moe_router_losses``: they add their gradient to ``y``'s)."""
+    the router's logits (``CommRuntime.moe_router_losses``: they add their gradient to ``y``'s).
+
+    Under expert parallelism (``EP<n>``) a rank's graph runs the op's EP form instead
+    (``hgraph.moe_dispatch``, made by ``passes/moe_ep``): its tokens go to the EP ranks holding their
+    experts and come back, dropless. That costs, per layer and micro-batch, one all-to-all of the
+    per-expert counts read back to the host (the split sizes of the next two), the dispatch all-to-all
+    of ``N·k`` rows of the hidden size and the combine all-to-all of as many (both again, reversed, in
+    backward), and on the most loaded rank as many received rows as routing sends it. No capacity
+    factor is offered: no token is dropped or padded."""
     if torch.compiler.is_exporting():    # torch.export: one opaque node (``exported_moe_layer``)
         return torch.ops.hgraph.moe_layer(x, router_weight, list(expert_weights), top_k, normalize_top_k)
     y, logits = moe_layer_with_logits(x, router_weight, *expert_weights, top_k=top_k,

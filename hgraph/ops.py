@@ -2,7 +2,7 @@
 
 Every communication op takes the rank's communication context ``comm`` as its first argument and
 names its peers by a *binding key* (``hgraph.dims.BindingKey``: ``"tp"``, ``"pp_prev"``, ``"pp_next"``,
-``"cp"``, ``"ul"``) that the context resolves to ranks (``comm.bindings[key]``); that is why ranks of
+``"cp"``, ``"ul"``, ``"ep"``) that the context resolves to ranks (``comm.bindings[key]``); that is why ranks of
 the same role can share one graph. With ``comm=None`` the graph runs in one process: ops whose group has one rank are the
 identity, and anything that really needs a peer raises a clear error.
 
@@ -61,6 +61,9 @@ class CommRuntime(Protocol):
                           scale: Optional[float], enable_gqa: bool, heads: int,
                           softcap: Optional[float] = None, window: Optional[int] = None) -> torch.Tensor: ...
     def moe_router_losses(self, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor: ...
+    def moe_split_exchange(self, routing: Any, key: BindingKey) -> Any: ...
+    def moe_dispatch_issue(self, routing: Any, splits: Any, key: BindingKey) -> torch.Tensor: ...
+    def moe_combine_issue(self, out: torch.Tensor, splits: Any, key: BindingKey) -> torch.Tensor: ...
 
 
 #: attribute set on an op that reads tensor values on the host to steer Python control flow (packed
@@ -328,6 +331,33 @@ def ulysses_attention(comm: Optional[CommRuntime], q: torch.Tensor, k: torch.Ten
     if comm is None:
         raise _need_runtime("ulysses_attention")
     return comm.ulysses_attention(q, k, v, scale, enable_gqa, dropout_p, site, heads, softcap, window)
+
+
+# ---- Communicate Activation: expert parallelism (``hgraph.moe_dispatch``) -----------------------------
+def moe_split_exchange(comm: Optional[CommRuntime], routing: Any, key: BindingKey) -> Any:
+    """The count exchange of the MoE dispatch: an all-to-all over the EP group ``key`` of ``routing``'s
+    per-expert counts (``moe_dispatch.ExpertRouting``), read back to the host: the rows this rank sends
+    to and receives from each EP rank (``moe_dispatch.ExpertSplits``)."""
+    if comm is None:
+        raise _need_runtime("moe_split_exchange")
+    return comm.moe_split_exchange(routing, key)
+
+
+def moe_dispatch_issue(comm: Optional[CommRuntime], routing: Any, splits: Any, key: BindingKey) -> torch.Tensor:
+    """The MoE dispatch, issue half: start the variable-size all-to-all over the EP group ``key`` of the
+    sorted assignments' rows (``routing.rows``) to the EP ranks holding their experts; ``comm_wait``
+    gives the rows this rank's experts run on. Backward: the reversed all-to-all of their gradients."""
+    if comm is None:
+        raise _need_runtime("moe_dispatch_issue")
+    return comm.moe_dispatch_issue(routing, splits, key)
+
+
+def moe_combine_issue(comm: Optional[CommRuntime], out: torch.Tensor, splits: Any, key: BindingKey) -> torch.Tensor:
+    """The MoE combine, issue half: start the all-to-all that takes the experts' outputs ``out`` back to
+    the EP ranks their tokens came from (the dispatch's inverse); backward: the reversed all-to-all."""
+    if comm is None:
+        raise _need_runtime("moe_combine_issue")
+    return comm.moe_combine_issue(out, splits, key)
 
 
 # ---- dropout -----------------------------------------------------------------------------------------

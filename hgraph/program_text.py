@@ -102,10 +102,11 @@ def optimizer_layout_text(program: Program, rp: RankProgram) -> str:
 def _seq_rank_text(rp: RankProgram) -> str:
     """The rank's place among the ranks splitting the tokens: its CP rank, or under Ulysses its
     sequence rank with its CP shard and Ulysses rank (Ulysses inner)."""
+    ep = f", ep_rank {rp.doc_rank}" if rp.scheme.doc_ranks > 1 else ""      # its documents and experts
     if rp.scheme.ul == 1:
-        return f"cp_rank {rp.cp_rank}"
+        return f"cp_rank {rp.cp_rank}{ep}"
     shard, ul_rank = rp.scheme.seq_place(rp.cp_rank)
-    return f"seq_rank {rp.cp_rank} (cp_shard {shard}, ul_rank {ul_rank})"
+    return f"seq_rank {rp.cp_rank} (cp_shard {shard}, ul_rank {ul_rank}){ep}"
 
 
 def rank_text(program: Program, rp: RankProgram) -> str:

@@ -89,14 +89,17 @@ def _sp_hint(text: str) -> str:
 @dataclass(frozen=True, order=True, init=False, repr=False)
 class Scheme:
     """How one pipeline (one model replica) is deployed: a degree per registered dimension (``hgraph.dims``:
-    <TP, PP, CP, UL>, and any dimension added to the registry), each also the attribute of its name.
+    <TP, PP, CP, UL, EP>, and any dimension added to the registry), each also the attribute of its name.
 
     ``ul``: the Ulysses degree (DeepSpeed-Ulysses): attention runs on all the tokens of a CP shard
     with ``1/ul`` of the heads between two all-to-alls. With ``cp`` and ``ul`` both above 1 (USP's
     2-D) the micro-batch is split over ``cp`` shards (CP's balanced split) and each shard contiguously
     over ``ul`` ranks.
 
-    Made as ``Scheme(tp, pp, cp=1, ul=1)`` (positionally in text order, or by name); a dimension written
+    ``ep``: the expert-parallel degree: its ranks of a stage run different documents of each micro-batch
+    and split the experts (``Scheme.doc_ranks``, ``RankCoord.doc_rank``).
+
+    Made as ``Scheme(tp, pp, cp=1, ul=1, ep=1)`` (positionally in text order, or by name); a dimension written
     even at degree 1 (``Dim.always_written``: TP, PP) must be given, the others default to 1.
     """
 

@@ -27,6 +27,7 @@ from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
+from hgraph.passes.expert_owners import check_expert_split, held_experts, listed_experts
 from hgraph.passes.lnk.mutual_slices import normalise_ranges
 from hgraph.passes.lnk.plans import reduce_scatters_range, scatter_block_count
 from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
@@ -35,7 +36,6 @@ from hgraph.passes.pipeline import instantiation_passes, run_passes
 from hgraph.passes.sequence_parallel import SequenceParallelRefused, model_sequence_parallel
 from hgraph.passes.shard_tp import TPShardPlanner
 from hgraph.passes.stage_split import block_param_costs, split_stages, stage_of_blocks
-from hgraph.passes.tp_roles import is_moe_layer
 from hgraph.program import (GroupRound, ParamExchange, ParamShard, Program, RankProgram, RankRole, RoleProgram,
                             SubgraphInfo)
 from hgraph.shard_rule import Range
@@ -45,11 +45,6 @@ from hgraph.strategy import Cluster, Scheme, Strategy
 def validate_for_model(strategy: Strategy, cluster: Cluster, hg: Any) -> None:
     """Strategy checks that need the model: heads and hidden sizes TP must divide."""
     strategy.validate(cluster)
-    moe = any(is_moe_layer(n) for n in hg.gm.graph.nodes)
-    for p in strategy.pipelines:
-        if p.doc_ranks > 1 and moe:     # expert ownership per EP rank not yet planned: refused, not half-run
-            raise StrategyError(f"strategy {strategy}: scheme {p} has expert parallelism (EP{p.doc_ranks}) on a "
-                                "model with experts, which the engine does not run yet; allowed: EP1 (omit EP)")
     for p in sorted(set(strategy.pipelines)):
         validate_scheme_for_model(p, hg)
 
@@ -68,6 +63,7 @@ def validate_scheme_for_model(p: Scheme, hg: Any) -> None:
                             "one another; allowed TP degrees divide or are multiples of it")
     if hidden and hidden % p.tp:
         raise StrategyError(f"scheme {p}: TP={p.tp} does not divide the hidden size {hidden}")
+    check_expert_split(p, hg)
 
 
 def _param_root(params: dict[str, ParamShard], dtype: Optional[torch.dtype]) -> nn.Module:
@@ -185,6 +181,7 @@ class ParamLayouts:
         self._planner = TPShardPlanner(hg, shapes)
         self._stage_blocks: dict[int, tuple[tuple[str, ...], ...]] = {}
         self._held: dict[int, list[set[str]]] = {}
+        self._experts: Optional[dict[str, tuple[int, int]]] = None
         self._roles: dict[RankRole, RoleProgram] = {}
         self._params: dict[tuple[int, int, int, int], dict[str, ParamShard]] = {}
 
@@ -195,24 +192,35 @@ class ParamLayouts:
             self._held[pp] = stage_params(self.hg, self._stage_blocks[pp])
         return self._stage_blocks[pp]
 
-    def params(self, scheme: Scheme, stage: int, tp_rank: int) -> dict[str, ParamShard]:
-        """The shards of the rank at ``stage`` and ``tp_rank`` of a ``scheme`` pipeline, in model order
-        (kept: callers must not change the dict)."""
-        key = (scheme.pp, scheme.tp, stage, tp_rank)
+    def params(self, scheme: Scheme, stage: int, tp_rank: int, doc_rank: int = 0) -> dict[str, ParamShard]:
+        """The shards of the rank at ``stage``, ``tp_rank`` and EP rank ``doc_rank`` of a ``scheme`` pipeline, in
+        model order (kept: callers must not change the dict): under EP its own experts only
+        (``passes/expert_owners``)."""
+        ep = scheme.doc_ranks
+        key = (scheme.pp, scheme.tp, stage, tp_rank, ep, doc_rank if ep > 1 else 0)
         shards = self._params.get(key)
         if shards is None:      # once per model and placement: every strategy using it reads this one
-            self.stage_blocks(scheme.pp)
-            held = self._held[scheme.pp][stage]
-            shards = self._params[key] = {n: self._planner.shard(n, scheme.tp, tp_rank)
-                                          for n in self.hg.params if n in held}
+            if ep > 1:
+                shards = held_experts(self.params(Scheme(scheme.tp, scheme.pp), stage, tp_rank), scheme, doc_rank,
+                                      self._listed_experts())
+            else:
+                self.stage_blocks(scheme.pp)
+                held = self._held[scheme.pp][stage]
+                shards = {n: self._planner.shard(n, scheme.tp, tp_rank) for n in self.hg.params if n in held}
+            self._params[key] = shards
         return shards
+
+    def _listed_experts(self) -> dict[str, tuple[int, int]]:
+        if self._experts is None:
+            self._experts = listed_experts(self.hg)
+        return self._experts
 
     def role_program(self, role: RankRole, options: CompileOptions, sp: Any) -> RoleProgram:
         """The program of ``role`` (its graph built on first use), one per role for every strategy: a
         role's graph depends on its scheme, stage, TP and CP rank, not on the pipelines beside it."""
         prog = self._roles.get(role)
         if prog is None:
-            params = self.params(role.scheme, role.stage, role.tp_rank)
+            params = self.params(role.scheme, role.stage, role.tp_rank, role.doc_rank)
             blocks = self.stage_blocks(role.scheme.pp)
             build = functools.partial(build_role_module, self.hg, role, blocks, self.shapes, options, params, sp)
             prog = self._roles[role] = RoleProgram(role, params, tuple(blocks[role.stage]), build)
@@ -270,7 +278,7 @@ class StrategyLayout:
         self.param_roles: list[ParamRole] = [ParamRole(p, stage, t, r, e) for p in self._runs for stage in range(p.pp)
                                              for t in range(p.tp) for r in range(p.replicas)
                                              for e in range(p.doc_ranks)]
-        self._params = {pr: layouts.params(pr.scheme, pr.stage, pr.tp_rank) for pr in self.param_roles}
+        self._params = {pr: layouts.params(pr.scheme, pr.stage, pr.tp_rank, pr.doc_rank) for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
         self._exchanges: dict[str, ParamExchange] = {}

@@ -20,6 +20,7 @@ from hgraph.errors import HGraphError
 from hgraph.passes.annotate import annotate_pass
 from hgraph.passes.context import PassContext
 from hgraph.passes.dropout import dropout_pass
+from hgraph.passes.moe_ep import moe_ep_pass
 from hgraph.passes.moe_router import moe_router_pass
 from hgraph.passes.extract_stage import extract_stage_pass
 from hgraph.passes.fill_activation_comm import fill_activation_comm_pass
@@ -55,6 +56,9 @@ def instantiation_passes() -> list[Pass]:
     """Per-rank-role passes turning a copy of the HGraph into one rank's program for a strategy."""
     return [
         Pass("extract_stage", extract_stage_pass),
+        # EP's pass (a built-in dimension's): before TP sharding, so the other EP ranks' experts, which this
+        # role does not hold, are out of the graph by then
+        Pass("moe_ep", moe_ep_pass),
         Pass("shard_tp", shard_tp_pass),
         # a registered dimension's own passes (hgraph.dims.Dim.passes), while the slots are still empty
         *(Pass(fn.__name__.removesuffix("_pass"), fn) for d in dims.DIMENSIONS for fn in d.passes),

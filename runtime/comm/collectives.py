@@ -214,13 +214,13 @@ def cp_gather_issue(comm: Issuing, x: torch.Tensor, ranks: Sequence[int], dim: i
 # ---- Ulysses sequence parallelism: all-to-all between token slices and head slices -------------------
 def _all_to_all(send_splits: Sequence[int], recv_splits: Sequence[int], label: str,
                 result: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Flow:
-    """``all_to_all_single`` of a flat buffer: cut into ``send_splits`` (one piece per rank, in group
-    order), pieces of ``recv_splits`` received."""
+    """``all_to_all_single`` along dim 0 (a flat buffer, or rows): cut into ``send_splits`` (one piece
+    per rank, in group order), pieces of ``recv_splits`` received."""
     send_splits, recv_splits = list(send_splits), list(recv_splits)
 
     def buffers(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         t = t.contiguous()
-        return t, t.new_empty(sum(recv_splits))
+        return t, t.new_empty((sum(recv_splits), *t.shape[1:]))
     return Flow("all_to_all", label, buffers, lambda send, recv, group: dist.all_to_all_single(
         recv, send, recv_splits, send_splits, group=group, async_op=True), result)
 
@@ -270,6 +270,47 @@ def ulysses_to_tokens_issue(comm: Issuing, y: torch.Tensor, ranks: Sequence[int]
     send = torch.cat([p.reshape(-1) for p in y[0].split(list(sizes), dim=1)])
     return _all_to_all_issue(comm, send, group, [part * s * dim for s in sizes], [part * tokens * dim] * n,
                              lambda buf: buf.view(1, n * part, tokens, dim))
+
+
+# ---- expert parallelism: token rows to their experts' EP ranks and back (``hgraph.moe_dispatch``) ------
+def _check_splits(key: Sequence[int], op: str, *splits: Sequence[int]) -> None:
+    if any(len(s) != len(key) for s in splits):
+        raise HGraphError(f"{op} over EP ranks {list(key)}: split sizes {[list(s) for s in splits]} need "
+                          "one piece per rank")
+
+
+def expert_counts_exchange(comm: Issuing, counts: torch.Tensor, ranks: Sequence[int], send_splits: Sequence[int],
+                           recv_splits: Sequence[int]) -> torch.Tensor:
+    """The MoE dispatch's count exchange: an all-to-all over the EP group ``ranks`` of the per-expert
+    counts ``counts [E]`` (``send_splits``: each rank's experts) into the counts of this rank's experts
+    from every rank (``recv_splits``), waited at once: the dispatch's split sizes depend on it. Forward
+    only (counts have no gradient)."""
+    key, group = group_of(comm, ranks)
+    _check_splits(key, "expert count exchange", send_splits, recv_splits)
+    if len(key) == 1:
+        return counts
+    send = counts.contiguous()
+    recv = send.new_empty(sum(recv_splits))
+    issue(comm, [send, recv], lambda: dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits),
+                                                             group=group, async_op=True),
+          ("all_to_all", group, send, "moe_counts")).wait(comm)
+    return recv
+
+
+def expert_rows_issue(comm: Issuing, rows: torch.Tensor, ranks: Sequence[int], send_splits: Sequence[int],
+                      recv_splits: Sequence[int], label: str) -> torch.Tensor:
+    """Start the variable-size all-to-all of ``rows`` over the EP group ``ranks``: ``send_splits[i]`` rows
+    to the ``i``-th rank of the group, ``recv_splits[i]`` from it; ``comm_wait`` gives the received rows.
+    Its backward is the reversed all-to-all of the gradient (the dispatch's is combine-shaped, the
+    combine's dispatch-shaped)."""
+    key, group = group_of(comm, ranks)
+    _check_splits(key, label, send_splits, recv_splits)
+    if sum(send_splits) != rows.shape[0]:
+        raise HGraphError(f"{label}: {rows.shape[0]} rows but split sizes {list(send_splits)}")
+    if len(key) == 1:
+        return rows
+    return exchange(comm, rows, group, _all_to_all(send_splits, recv_splits, label),
+                    _all_to_all(recv_splits, send_splits, label))
 
 
 # ---- sequence parallelism: token slices --------------------------------------------------------------

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hgraph import ops
+from hgraph import moe_dispatch, ops
 from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
 from hgraph.runtime.comm import collectives, issuing
@@ -157,6 +157,30 @@ class CommContext:
     def moe_router_losses(self, y: torch.Tensor, logits: torch.Tensor, top_k: int) -> torch.Tensor:
         """``y`` of an MoE op, with the run's router losses of its ``logits`` attached (none: ``y``)."""
         return y if self.router_losses is None else self.router_losses.add(self, y, logits, top_k)
+
+    def moe_split_exchange(self, routing: moe_dispatch.ExpertRouting, key: BindingKey) -> moe_dispatch.ExpertSplits:
+        """The MoE dispatch's counts exchanged over the EP group ``key`` and read back to the host, both
+        vectors in one read (the one host round trip of the dropless exchange per layer and micro-batch)."""
+        ranks = tuple(sorted(self.ranks(key)))          # the group's order: the process group's
+        index, n = ranks.index(self.rank), len(ranks)
+        bounds = moe_dispatch.expert_bounds(routing.num_experts, n)
+        mine = bounds[index][1] - bounds[index][0]
+        received = collectives.expert_counts_exchange(self, routing.counts, ranks, [b - a for a, b in bounds],
+                                                      [mine] * n)
+        # NCCL's all_to_all_single takes its split sizes on the host: this read-back (the compute stream
+        # waits for the counts) is what the dropless exchange costs per layer and micro-batch; split sizes
+        # that stay on the device (an all-to-all-v over torch's symmetric memory) would remove it, later
+        host = torch.cat([routing.counts, received]).tolist()
+        return moe_dispatch.exchange_splits(host[:routing.num_experts], host[routing.num_experts:], n, index)
+
+    def moe_dispatch_issue(self, routing: moe_dispatch.ExpertRouting, splits: moe_dispatch.ExpertSplits,
+                           key: BindingKey) -> torch.Tensor:
+        return collectives.expert_rows_issue(self, routing.rows, sorted(self.ranks(key)), splits.send, splits.recv,
+                                             "moe_dispatch")
+
+    def moe_combine_issue(self, out: torch.Tensor, splits: moe_dispatch.ExpertSplits, key: BindingKey) -> torch.Tensor:
+        return collectives.expert_rows_issue(self, out, sorted(self.ranks(key)), splits.recv, splits.send,
+                                             "moe_combine")
 
     def token_slice(self, key: BindingKey, total: int) -> tuple[int, int]:
         """Tokens ``[lo, hi)`` of ``total`` this rank holds under sequence parallelism over group ``key``."""

@@ -43,23 +43,18 @@ class MicroBatch:
     def select(self, places: Sequence[int]) -> "MicroBatch":
         """The micro-batch of the documents at ``places`` (0-based, in order) of this one: an EP rank's own
         (``runtime/data/document_split``). They keep their corpus indices (or, where this micro-batch has
-        none, their places in it), so their dropout keys are the ones they have here. No place: a
-        micro-batch of no document, which a rank runs with zero tokens."""
+        none, their places in it), so their dropout keys are the ones they have here."""
         ids = self.doc_indices or tuple(range(len(self.doc_lengths)))
         return MicroBatch(tuple(self.doc_lengths[i] for i in places), tuple(ids[i] for i in places),
                           tuple(self.sources[i] for i in places))
 
     @cached_property
     def input_ids(self) -> torch.Tensor:
-        if not self.sources:       # an EP rank without documents
-            return torch.zeros((1, 0), dtype=torch.long)
         row = np.concatenate([np.asarray(d, dtype=np.int64) for d in self.sources])
         return torch.from_numpy(row)[None]
 
     @cached_property
     def position_ids(self) -> torch.Tensor:
-        if not self.doc_lengths:
-            return torch.zeros((1, 0), dtype=torch.long)
         return torch.cat([torch.arange(n) for n in self.doc_lengths])[None]
 
     @property

@@ -54,6 +54,7 @@ from hgraph.dims import BindingKey
 from hgraph.errors import HGraphError
 from hgraph.meta import get_meta
 from hgraph.moe import load_balancing_sum
+from hgraph.moe_dispatch import MOE_OUTPUTS
 from hgraph.runtime.comm.moe_counts import token_holder_keys
 from hgraph.runtime.data.micro_batch import is_placeholder
 
@@ -103,7 +104,8 @@ def moe_ops_of(model: fx.GraphModule, graph: fx.GraphModule) -> MoeOps:
             names.append(n.name)
             experts = max(experts, _router_rows(model, n))
     row = {name: i for i, name in enumerate(names)}
-    mine = [n for n in graph.graph.nodes if n.target is moe.moe_layer]
+    # under EP the op's EP form ends in its weighted sum, which keeps the op's node name (``MOE_OUTPUTS``)
+    mine = [n for n in graph.graph.nodes if n.target in MOE_OUTPUTS]
     return MoeOps(tuple(row[n.name] for n in mine), tuple(get_meta(n).layer for n in mine), len(names), experts)
 
 

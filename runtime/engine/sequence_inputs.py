@@ -59,11 +59,11 @@ def own_documents(mb: MicroBatch, scheme: Scheme, doc_rank: int) -> MicroBatch:
 
 
 def placeholder_documents(scheme: Scheme) -> MicroBatch:
-    """What an EP rank without a document runs: ``tp * seq`` one-token documents (``MicroBatch.placeholder``),
-    so each TP and sequence rank holds one token at least. Why not zero tokens: a model reshaping by
-    ``view(batch, tokens, -1, head_dim)`` (the zoo's Llama, Hugging Face's attention) cannot infer the -1
-    of an empty tensor."""
-    return MicroBatch.placeholder(scheme.tp * scheme.seq)
+    """What an EP rank without a document runs: ``2 * tp * seq`` one-token documents (``MicroBatch.placeholder``),
+    so each TP and sequence rank holds a token at least, under any CP sharding (the per-sequence zigzag cuts
+    ``2 * cp`` chunks). Why not zero tokens: a model reshaping by ``view(batch, tokens, -1, head_dim)`` (the
+    zoo's Llama, Hugging Face's attention) cannot infer the -1 of an empty tensor."""
+    return MicroBatch.placeholder(2 * scheme.tp * scheme.seq)
 
 
 def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str = ADAPTIVE) -> SequenceLayout:
@@ -77,7 +77,7 @@ def sequence_layout(mb: "MicroBatch", scheme: Scheme, seq_rank: int, method: str
 def token_documents(mb: "MicroBatch") -> torch.Tensor:
     """Each packed token's document index in the corpus (its place in the micro-batch if unknown)."""
     ids = mb.doc_indices or tuple(range(len(mb.doc_lengths)))
-    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths, dtype=torch.long))
+    return torch.repeat_interleave(torch.tensor(ids, dtype=torch.long), torch.tensor(mb.doc_lengths))
 
 
 def microbatch_inputs(mb: MicroBatch, scheme: Scheme, seq_rank: int, cp_sharding: str, seed: int, step: int

@@ -5,7 +5,7 @@ Their MoE blocks export as hgraph's MoE op; the compiled model computes what HF'
 training equals HF's eager model trained by ``torch.optim.Adam`` (noise-aware comparison). TP coverage is
 reported as for dense models: TP shards the routed experts inside (gate / up by their intermediate rows,
 down by its columns, a fused gate_up part by part), attention and the shared expert; the router stays whole
-(expert parallelism is not built yet)."""
+(``EP<n>``: each EP rank holds the fused expert tensors as TP shards them, narrowed to its experts)."""
 import json
 
 import pytest
@@ -70,7 +70,9 @@ def test_export_gives_the_moe_op_and_the_models_numbers_and_reports_tp_coverage(
 
 
 @pytest.mark.parametrize("spec,world,schedule", [("hf:qwen3_moe", 1, "1xTP1PP1"),
-                                                 ("hf:qwen2_moe", 2, "1xTP2PP1;2xTP1PP1")])
+                                                 # EP2: each EP rank its own documents, the fused expert
+                                                 # tensors held as TP shards them and narrowed to its experts
+                                                 ("hf:qwen2_moe", 2, "1xTP2PP1;2xTP1PP1;1xTP1PP1EP2")])
 def test_training_equals_the_hugging_face_model(spec, world, schedule, data, tmp_path, capsys):
     final = tmp_path / "final.pt"
     steps = len(schedule.split(";"))

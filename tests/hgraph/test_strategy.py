@@ -133,17 +133,3 @@ def test_expert_parallel_ranks_sit_between_the_sequence_ranks_and_the_stage():
     assert p.num_ranks == 48 and [p.stride(d) for d in (dims.TP, dims.UL, dims.CP, dims.EP, dims.PP)] == [1, 2, 4, 8, 24]
     assert p.coordinates(8 * 2 + 4 + 2 + 1) == (0, 1, 3, 0, 2) and p.local_rank(0, 1, 3, 0, 2) == 23
 
-
-def test_expert_parallelism_of_a_model_with_experts_is_refused_until_the_engine_runs_it():
-    """A Program of a strategy with EP > 1 on an MoE model is one line until expert ownership is planned."""
-    import torch
-
-    import hgraph
-    from hgraph.frontends.zoo import llama_moe
-
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        compiled = hgraph.compile(llama_moe.build("tiny"))
-    with pytest.raises(StrategyError, match=r"TP1PP1EP2 has expert parallelism \(EP2\).*allowed: EP1") as err:
-        compiled.instantiate("1xTP1PP1EP2+1xTP2PP1")
-    assert "\n" not in str(err.value)

@@ -8,7 +8,7 @@ them on that rank (``runtime/engine/executor``):
    (``pull.pull_message_rounds``: round ``k`` is one ``batch_isend_irecv`` of bucket ``k`` of every peer).
 2. **Micro-batches in 1F1B** (``order.pipeline.one_f_one_b``). A forward issues the graph's
    collectives in node order (a pipeline receive, TP / sequence-parallel / CP / Ulysses collectives,
-   a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
+   the MoE count exchange, dispatch and combine all-to-alls under EP, a send), preceded by the recomputation agreement (an all-reduce of the stage's TP x CP ranks) under
    a memory budget (in 1F1B's steady state, a forward followed by a backward sends its activations
    with that backward's first gradient receive, one batch), and followed on a last stage by the loss's collectives over the TP group of a
    split vocabulary (per chunk of tokens: the logits all-gathered, forward and backward, in fp32;
@@ -56,7 +56,8 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch.fx as fx
 
-from hgraph import moe, ops
+from hgraph import ops
+from hgraph.moe_dispatch import MOE_OUTPUTS
 from hgraph.dims import BindingKey
 from hgraph.meta import CommPoint, TPRole, get_meta
 from hgraph.program import Program, RankProgram
@@ -76,9 +77,23 @@ BACKENDS = ("nccl", "gloo")
 #: the MoE load-balancing forms (``[model] moe-aux-loss``, ``engine/router_losses.AUX_LOSS_FORMS``)
 MOE_AUX_LOSSES = ("none", "per-document", "hf", "global-batch")
 
+def _expert_parallel_ops() -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """The MoE op's exchanges under EP (``hgraph.moe_dispatch``, ``passes/moe_ep``), over the ``"ep"``
+    binding: the count all-to-all (forward only: counts have no gradient; int64, ``_OP_DTYPES``), the
+    dispatch and the combine all-to-alls, each with the reversed all-to-all in backward (the combine's
+    first: reverse node order). A recomputed block replays all three forwards with its other collectives."""
+    return {"moe_split_exchange": (("all_to_all",), ()),
+            "moe_dispatch_issue": (("all_to_all",), ("all_to_all",)),
+            "moe_combine_issue": (("all_to_all",), ("all_to_all",))}
+
+
+#: the ops whose collectives move something other than activations of the working dtype
+_OP_DTYPES = {"moe_split_exchange": "int64"}
+
 #: per op of the rank graphs that talks to peers: the collectives its forward issues and those its
 #: backward issues (``runtime/comm/collectives``: Megatron f / g, all-gathers whose gradient is
-#: reduce-scattered, the sequence-parallel linear's weight gradient, Ulysses all-to-alls, PP messages)
+#: reduce-scattered, the sequence-parallel linear's weight gradient, Ulysses all-to-alls, PP messages,
+#: the MoE exchanges under EP)
 _OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "tp_copy": ((), ("all_reduce",)),
     "tp_reduce_issue": (("all_reduce",), ()),
@@ -91,6 +106,7 @@ _OPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "ulysses_tokens_issue": (("all_to_all",), ("all_to_all",)),
     "pp_recv": (("recv",), ("send",)),
     "pp_send": (("send",), ("recv",)),
+    **_expert_parallel_ops(),
 }
 _PASS_THROUGH = {"push_gradient", "pull_wait", "to_working_dtype"}     # a parameter's slot nodes
 #: nodes whose backward reads no saved tensor: a recomputed block's backward runs them before the
@@ -232,12 +248,12 @@ def _read_graph(rp: RankProgram, plan: StepPlan) -> _RoleGraph:
             key = _arg(n, "key")
             meta = get_meta(n)
             layer = None if meta.comm_point == CommPoint.PP_BOUNDARY else meta.layer
-            label = f"{t} {n.name}"
+            label, moved = f"{t} {n.name}", _OP_DTYPES.get(t, dtype)
             if fwd:
-                out.forward.append((i, layer, [_Event(k, key, label, dtype) for k in fwd]))
+                out.forward.append((i, layer, [_Event(k, key, label, moved) for k in fwd]))
             if bwd:
-                out.backward[i] = [_Event(k, key, f"{label} backward", dtype) for k in bwd]
-        elif n.target is moe.moe_layer and plan.moe_aux_loss == "per-document":
+                out.backward[i] = [_Event(k, key, f"{label} backward", moved) for k in bwd]
+        elif n.target in MOE_OUTPUTS and plan.moe_aux_loss == "per-document":   # under EP: its weighted sum
             # the document counts summed over the ranks holding the micro-batch's other tokens, forward only
             # (``router_losses._sum_over_token_holders``): replayed with the block when it recomputes
             out.forward.append((i, get_meta(n).layer, [_Event("all_reduce", key, f"moe counts {key}", "int64")

@@ -15,9 +15,13 @@ from tests.runtime.reference_training import assert_trained_like
 
 from hgraph.runtime.comm.process_groups import GroupCache
 from hgraph.runtime.data.document_split import split_documents
+from hgraph.runtime.data.micro_batch import MicroBatch, is_placeholder
+from hgraph.runtime.engine.loss import IGNORE_INDEX, packed_targets
+from hgraph.runtime.engine.sequence_inputs import CP_SHARDINGS, microbatch_inputs, own_documents, placeholder_documents
 from hgraph.runtime.train.launch import spawn
 from hgraph.runtime.train.trainer import Trainer
-from hgraph.strategy import Strategy
+from hgraph.strategy import Scheme, Strategy
+from hgraph.varlen_attention import cu_seqlens_for
 
 EQ = load_equivalence_harness()
 #: llama:tiny (dense) on 4 ranks
@@ -32,6 +36,28 @@ def _worker(rank, world):
     return {"losses": [s.loss for s in steps], "strategies": [s.strategy for s in steps],
             "final": final if rank == 0 else None,
             "order_checks": len(trainer.executor.order_verdicts)}
+
+
+def test_an_ep_rank_runs_its_own_documents_with_their_corpus_indices_or_a_placeholder():
+    """Without processes: each EP rank's part of a micro-batch keeps its documents' corpus indices (their
+    dropout keys and positions are one device's); a rank without a document runs tp x seq one-token
+    documents (2 x tp x seq: a token on every TP and sequence rank under any CP sharding), whose targets are
+    all ignored (no loss, no gradient) and whose indices mark them."""
+    mb = MicroBatch.pack([[1] * 13, [2] * 5, [3] * 9], [40, 41, 42])
+    scheme = Scheme.parse("TP2PP1CP2EP4")
+    parts = [own_documents(mb, scheme, r) for r in range(4)]
+    assert [p.doc_indices for p in parts[:3]] == [(40,), (42,), (41,)]
+    assert parts[1].input_ids.tolist() == [[3] * 9] and parts[1].position_ids.tolist() == [list(range(9))]
+    placeholder = parts[3]
+    assert placeholder.doc_lengths == (1,) * 8 and is_placeholder(placeholder.doc_indices)
+    for text in ("TP1PP1CP2EP2", "TP2PP1CP2UL2EP2", "TP1PP1CP4EP2", "TP1PP1UL4EP2"):     # a token on every rank
+        s = Scheme.parse(text)
+        for sharding in CP_SHARDINGS:
+            assert all(microbatch_inputs(placeholder_documents(s), s, r, sharding, 0, 0)[0].shape[1] > 0
+                       for r in range(s.seq)), (text, sharding)
+    assert not any(is_placeholder(p.doc_indices) for p in parts[:3])
+    assert (packed_targets(placeholder.input_ids, cu_seqlens_for(placeholder.doc_lengths)) == IGNORE_INDEX).all()
+    assert own_documents(mb, Scheme.parse("TP2PP1CP2"), 0) is mb
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """``hgraph train --model llama-moe:tiny`` equals single-device PyTorch training of the same MoE model:
 on one rank, and under a schedule mixing TP (the routed and shared experts sharded inside, the router whole,
 and under Megatron sequence parallelism every TP rank routing the gathered tokens, the experts' partial
-sums reduce-scattered), PP, CP, Ulysses and several data-parallel pipelines on 4 gloo ranks, there with
-the router losses added
+sums reduce-scattered), PP, CP, Ulysses, expert parallelism (EP<n>: each EP rank its own documents and
+experts) and several data-parallel pipelines on 4 gloo ranks, and pipelines of different EP degrees side
+by side on 6, there with the router losses added
 (``--moe-aux-loss per-document`` or ``global-batch``, and a z-loss: the reference adds each document's
 losses, or each layer's over the whole mini-batch at once, by hand, and the logged values equal its own).
 
@@ -26,6 +27,7 @@ from tests.runtime.reference_training import (ReferenceRun, assert_losses_like, 
                                               write_random_documents)
 
 from hgraph.frontends.zoo import llama_moe
+from hgraph.runtime.data.document_split import split_documents
 from hgraph.runtime.data.documents import mini_batches, read_jsonl
 from hgraph.tools.cli import main
 
@@ -143,18 +145,40 @@ def test_single_rank_run_equals_pytorch(data, tmp_path, capsys):
     _assert_like_with_near_ties(losses, state, reference, near)
 
 
-@pytest.mark.parametrize("form", ["per-document", "global-batch"])
-def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys, form):
-    schedule = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1"
-    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, 5, "--moe-aux-loss", form,
-                                "--moe-aux-loss-coef", str(AUX_COEF), "--moe-z-loss-coef", str(Z_COEF))
+#: 4 ranks: TP, PP, CP, Ulysses and data-parallel pipelines, then expert parallelism (EP<n>: each EP rank its
+#: own documents and experts, the tokens exchanged by all-to-all) with each of them, EP4 leaving an EP rank
+#: without a document in its first step, and an EP pipeline beside plain ones
+SCHEDULE_4 = ("1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP2PP1+2xTP1PP1;4xTP1PP1;"
+              "1xTP1PP1EP4;1xTP2PP1EP2;1xTP1PP2EP2;1xTP1PP1UL2EP2;1xTP1PP1EP2+2xTP1PP1;1xTP1PP1CP2EP2")
+#: the global-batch form's schedule (a second launch: kept shorter), TP/PP/CP/UL/DP and EP beside them
+SCHEDULE_4_GLOBAL = "1xTP2PP2;2xTP1PP1CP2;1xTP1PP1UL4;1xTP1PP1EP4;1xTP2PP1EP2;1xTP1PP1EP2+2xTP1PP1"
+#: 6 ranks: pipelines of different EP degrees (and TP, PP, CP, UL) side by side
+SCHEDULE_6 = ("1xTP1PP1EP2+1xTP2PP1EP2;1xTP1PP1CP2EP2+1xTP2PP1;1xTP1PP2EP2+2xTP1PP1;1xTP1PP1EP4+1xTP1PP1UL2;"
+              "1xTP2PP1EP2+1xTP1PP1EP2")
+
+
+def _router_loss_args(form: str) -> tuple[str, ...]:
+    return ("--moe-aux-loss", form, "--moe-aux-loss-coef", str(AUX_COEF), "--moe-z-loss-coef", str(Z_COEF))
+
+
+@pytest.mark.parametrize("form,schedule", [("per-document", SCHEDULE_4), ("global-batch", SCHEDULE_4_GLOBAL)])
+def test_tp_pp_cp_ul_ep_and_data_parallel_pipelines_equal_pytorch_with_the_router_losses(data, tmp_path, capsys,
+                                                                                          form, schedule):
+    steps = len(schedule.split(";"))
+    if schedule == SCHEDULE_4:
+        # the EP4 step's one micro-batch holds 3 documents: its fourth EP rank runs none (a placeholder)
+        ep4 = schedule.split(";").index("1xTP1PP1EP4")
+        lengths = [len(d) for d in list(mini_batches(read_jsonl(data), 30, steps))[ep4].docs]
+        assert len(lengths) == 3 and split_documents(lengths, 4)[3] == ()
+    losses, state, out = _train(data, tmp_path, capsys, 4, schedule, steps, *_router_loss_args(form))
+    assert [s["strategy"] for s in out["steps"]] == schedule.split(";")
     # the TP2 pipelines ran Megatron SP: every TP rank routed all the micro-batch's tokens through its
     # slices of the experts, the router's gradient a partial sum over the TP ranks; per document, the CP
     # and Ulysses ranks summed each document's routing counts; over the global batch, a counting pass
     # before each step's 1F1B counted every rank's micro-batches (each token once: the first TP rank)
     # and one all-reduce summed them: either loss is the one-device one
     assert out["sequence_parallel"] == "on"
-    reference, near, routers = _reference(data, 5, router_losses=form)
+    reference, near, routers = _reference(data, steps, router_losses=form)
     # step 3 of this data leaves expert 5 of layer 1 without a token: its exact-zero gradient is what
     # the reference's zero-filled one must equal (Adam moves it by its moments)
     _assert_like_with_near_ties(losses, state, reference, near)
@@ -162,3 +186,18 @@ def test_tp_pp_cp_ul_and_data_parallel_pipelines_equal_pytorch_with_the_router_l
     for column in range(2):      # each router loss step by step, by the rule every logged loss keeps
         assert_losses_like([g[column] for g in got], [r[column] for r in routers])
     print(f"near-tie tokens in the reference: {len(near)}; router losses per step {got}")
+
+
+def test_pipelines_of_different_ep_degrees_side_by_side_equal_pytorch_on_six_ranks(data, tmp_path, capsys):
+    """EP pipelines beside pipelines of another EP degree, TP, PP, CP and Ulysses on 6 ranks, under NCCL's
+    strictest collective order (each collective completed before the next) and the ranks' recorded
+    sequences checked after each new strategy."""
+    steps = len(SCHEDULE_6.split(";"))
+    losses, state, out = _train(data, tmp_path, capsys, 6, SCHEDULE_6, steps, *_router_loss_args("per-document"),
+                                "--collective-order", "strict", "--verify-collectives")
+    assert [s["strategy"] for s in out["steps"]] == SCHEDULE_6.split(";")
+    reference, near, routers = _reference(data, steps, router_losses="per-document")
+    _assert_like_with_near_ties(losses, state, reference, near)
+    got = [[s["moe_aux_loss"], s["moe_z_loss"]] for s in out["steps"]]
+    for column in range(2):
+        assert_losses_like([g[column] for g in got], [r[column] for r in routers])
