@@ -49,7 +49,9 @@ class ParamShard:
     ``ranges`` are the index ranges along ``shard_dim`` of the full parameter that the rank needs,
     in order; concatenated they form the local shard, followed by ``pad`` zero rows (a vocabulary
     padded to a multiple of TP). Replicated parameters have ``tp_sharded == False`` and one range
-    covering the whole dimension.
+    covering the whole dimension. ``experts``: of a stacked ``[E, ...]`` expert tensor under EP, the
+    experts ``[lo, hi)`` along dimension 0 that the rank holds (``None``: all of them), each cut along
+    ``shard_dim`` by ``ranges`` (its pull and push run per expert: ``expert_pieces``).
     """
 
     name: str
@@ -58,18 +60,26 @@ class ParamShard:
     ranges: tuple[tuple[int, int], ...]
     pad: int = 0
     tp_sharded: bool = False
+    experts: Optional[tuple[int, int]] = None
 
     @property
     def shard_shape(self) -> tuple[int, ...]:
         shape = list(self.full_shape)
         if shape:
             shape[self.shard_dim] = sum(hi - lo for lo, hi in self.ranges) + self.pad
+        if self.experts is not None:
+            shape[0] = self.experts[1] - self.experts[0]
         return tuple(shape)
+
+    def _held(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` cut to the experts this rank holds (a view; ``full`` itself when it holds all)."""
+        return full if self.experts is None else full.narrow(0, self.experts[0], self.experts[1] - self.experts[0])
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full tensor ``full`` (a new tensor)."""
         if full.dim() == 0:
             return full.clone()
+        full = self._held(full)
         parts = [full.narrow(self.shard_dim, lo, hi - lo) for lo, hi in self.ranges]
         if self.pad:
             shape = list(full.shape)
@@ -82,9 +92,9 @@ class ParamShard:
         inverse of ``take`` (the padding rows are dropped). Returns ``full``."""
         if full.dim() == 0:
             return full.add_(shard)
-        offset = 0
+        offset, held = 0, self._held(full)
         for lo, hi in self.ranges:
-            full.narrow(self.shard_dim, lo, hi - lo).add_(shard.narrow(self.shard_dim, offset, hi - lo))
+            held.narrow(self.shard_dim, lo, hi - lo).add_(shard.narrow(self.shard_dim, offset, hi - lo))
             offset += hi - lo
         return full
 
@@ -358,8 +368,16 @@ class Program:
 
     @property
     def param_names(self) -> list[str]:
-        """Every parameter, in model order (the order every rank walks the plans in)."""
+        """Every parameter, in model order (the order every rank walks the plans in); a stacked expert
+        tensor under EP as its experts (``pieces``)."""
         return list(self.pull_plans)
+
+    @property
+    def pieces(self) -> Mapping[str, Any]:
+        """The names in ``param_names`` that are one expert of a stacked expert tensor, each with its
+        ``hgraph.expert_pieces.ExpertPiece`` (the tensor, the expert); empty where the strategy has no EP
+        pipeline (such a tensor is then planned whole)."""
+        return getattr(self.planner, "pieces", None) or {}
 
     def param_layout(self, name: str) -> ParamLayout:
         """The shape and shard dimension of parameter ``name`` (no plan made)."""

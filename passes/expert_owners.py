@@ -4,12 +4,14 @@ An EP group of ``n`` ranks splits each MoE op's ``E`` experts evenly: EP rank ``
 ``shard_bounds(E, r, n)`` (``[r*E/n, (r+1)*E/n)``; ``E % n != 0`` is refused, ``check_expert_split``). Of
 a list of expert matrices (``3 x E``: gate, up, down per expert, ``hgraph.moe``) the rank holds only its
 experts' parameters: it neither pulls nor pushes the others', and the optimizer layout (every parameter
-sharded over all ranks) does not change. A stacked or fused ``[E, ...]`` tensor is one parameter whose TP
-shard runs along another axis, so an EP rank holds it as TP shards it and the MoE op narrows it to its
-experts (``passes/moe_ep``): the other experts' gradient rows are exact zeros on that rank.
+sharded over all ranks) does not change. Of a stacked or fused ``[E, ...]`` tensor (its TP shard along
+another axis) it holds the block of its experts along dimension 0, TP-sharded inside
+(``ParamShard.experts``); the tensor is then pulled and pushed as ``E`` per-expert pieces
+(``hgraph.expert_pieces``), each over the ranks holding that expert, so the rank moves none of the others.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch.fx as fx
@@ -53,6 +55,20 @@ def listed_experts(hg: Any) -> dict[str, tuple[int, int]]:
     return out
 
 
+def stacked_experts(hg: Any) -> dict[str, int]:
+    """Each stacked or fused expert tensor (``[E, ...]``, its shard dimension not the expert axis) of the
+    graph's MoE ops: its number of experts ``E``, in model order."""
+    found: dict[str, int] = {}
+    for _, experts, weights in moe_ops(hg):
+        if len(weights) == 3 * experts:
+            continue
+        for name in weights:
+            info = hg.params.get(name) if name is not None else None
+            if info is not None and len(info.shape) > 1 and info.shape[0] == experts and info.shard_dim not in (0, None):
+                found[name] = experts
+    return {name: found[name] for name in hg.params if name in found}
+
+
 def check_expert_split(scheme: Scheme, hg: Any) -> None:
     """``scheme``'s EP degree divides every MoE op's number of experts (one line naming the op otherwise)."""
     n = scheme.doc_ranks
@@ -65,10 +81,13 @@ def check_expert_split(scheme: Scheme, hg: Any) -> None:
                                 f"{name}; allowed EP degrees: {allowed}")
 
 
-def held_experts(params: dict, scheme: Scheme, doc_rank: int, experts: dict[str, tuple[int, int]]) -> dict:
-    """``params`` (a rank's shards by name) without the listed experts its EP rank ``doc_rank`` does not hold."""
+def held_experts(params: dict, scheme: Scheme, doc_rank: int, experts: dict[str, tuple[int, int]],
+                 stacked: Optional[dict[str, int]] = None) -> dict:
+    """``params`` (a rank's shards by name) without the listed experts its EP rank ``doc_rank`` does not hold,
+    and with its block of experts of each ``stacked`` tensor (name -> E: ``ParamShard.experts``)."""
     n = scheme.doc_ranks
-    if n == 1 or not experts:
+    stacked = stacked or {}
+    if n == 1 or not (experts or stacked):
         return params
     out = {}
     for name, shard in params.items():
@@ -77,5 +96,7 @@ def held_experts(params: dict, scheme: Scheme, doc_rank: int, experts: dict[str,
             lo, hi = shard_bounds(owner[1], doc_rank, n)
             if not lo <= owner[0] < hi:
                 continue
+        if name in stacked:
+            shard = replace(shard, experts=shard_bounds(stacked[name], doc_rank, n))
         out[name] = shard
     return out

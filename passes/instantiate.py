@@ -23,11 +23,12 @@ import torch.nn as nn
 from hgraph import dims, ops
 from hgraph.comm_plan import ParamLayout, PullPlan, PushPlan
 from hgraph.errors import StrategyError
+from hgraph.expert_pieces import piece_name, pieces_of, split_shards
 from hgraph.graph import HGraph
 from hgraph.meta import SlotKind, get_meta
 from hgraph.options import CompileOptions
 from hgraph.passes.context import PassContext
-from hgraph.passes.expert_owners import check_expert_split, held_experts, listed_experts
+from hgraph.passes.expert_owners import check_expert_split, held_experts, listed_experts, stacked_experts
 from hgraph.passes.lnk.mutual_slices import normalise_ranges
 from hgraph.passes.lnk.plans import reduce_scatters_range, scatter_block_count
 from hgraph.passes.lnk.rank_plans import RoleLayout, RoleRanks, WorkCount, push_groups, rank_pull_ops, rank_push_ops
@@ -182,6 +183,7 @@ class ParamLayouts:
         self._stage_blocks: dict[int, tuple[tuple[str, ...], ...]] = {}
         self._held: dict[int, list[set[str]]] = {}
         self._experts: Optional[dict[str, tuple[int, int]]] = None
+        self._stacked: Optional[dict[str, int]] = None
         self._roles: dict[RankRole, RoleProgram] = {}
         self._params: dict[tuple[int, int, int, int], dict[str, ParamShard]] = {}
 
@@ -202,7 +204,7 @@ class ParamLayouts:
         if shards is None:      # once per model and placement: every strategy using it reads this one
             if ep > 1:
                 shards = held_experts(self.params(Scheme(scheme.tp, scheme.pp), stage, tp_rank), scheme, doc_rank,
-                                      self._listed_experts())
+                                      self._listed_experts(), self.stacked_experts())
             else:
                 self.stage_blocks(scheme.pp)
                 held = self._held[scheme.pp][stage]
@@ -214,6 +216,12 @@ class ParamLayouts:
         if self._experts is None:
             self._experts = listed_experts(self.hg)
         return self._experts
+
+    def stacked_experts(self) -> dict[str, int]:
+        """The stacked / fused expert tensors and their number of experts (``expert_owners.stacked_experts``)."""
+        if self._stacked is None:
+            self._stacked = stacked_experts(self.hg)
+        return self._stacked
 
     def role_program(self, role: RankRole, options: CompileOptions, sp: Any) -> RoleProgram:
         """The program of ``role`` (its graph built on first use), one per role for every strategy: a
@@ -267,7 +275,12 @@ class StrategyLayout:
                  layouts: ParamLayouts, sp: Any) -> None:
         self.hg, self.strategy, self.cluster, self.options = hg, strategy, cluster, options
         self.shapes, self.layouts, self.sp = shapes, layouts, sp
-        self.order = list(hg.params)   # model order: every rank walks the plans in this order
+        # a strategy with an EP pipeline plans each stacked expert tensor as its experts (``expert_pieces``)
+        self.stacked = layouts.stacked_experts() if any(p.doc_ranks > 1 for p in strategy.pipelines) else {}
+        self.pieces = pieces_of(self.stacked)
+        self.order = [n for name in hg.params      # model order: every rank walks the plans in this order
+                      for n in ([piece_name(name, e) for e in range(self.stacked[name])] if name in self.stacked
+                                else [name])]
         self.wbytes = (options.working_dtype or torch.float32).itemsize
         # the pipelines of each scheme, as runs of consecutive indices (no walk over the pipelines)
         self._runs: dict[Scheme, list[range]] = {}
@@ -278,7 +291,8 @@ class StrategyLayout:
         self.param_roles: list[ParamRole] = [ParamRole(p, stage, t, r, e) for p in self._runs for stage in range(p.pp)
                                              for t in range(p.tp) for r in range(p.replicas)
                                              for e in range(p.doc_ranks)]
-        self._params = {pr: layouts.params(pr.scheme, pr.stage, pr.tp_rank, pr.doc_rank) for pr in self.param_roles}
+        self._params = {pr: split_shards(layouts.params(pr.scheme, pr.stage, pr.tp_rank, pr.doc_rank), self.stacked)
+                        for pr in self.param_roles}
         self.roles = RoleRanks(self._ranks_of)
         self._ops: dict[tuple, tuple[tuple, tuple]] = {}     # layers of one layout share a rank's ops
         self._exchanges: dict[str, ParamExchange] = {}
@@ -292,9 +306,16 @@ class StrategyLayout:
         return [self.strategy.rank_of(i, stage, t, c, replica, doc_rank) for run in self._runs[scheme] for i in run
                 for c in range(scheme.seq)]
 
+    def _info(self, name: str) -> Any:
+        """The model's ``ParamInfo`` of ``name`` (a piece's: its stacked parameter's)."""
+        piece = self.pieces.get(name)
+        return self.hg.params[piece.param if piece is not None else name]
+
     def param_layout(self, name: str) -> ParamLayout:
-        info = self.hg.params[name]
+        info = self._info(name)
         shape = tuple(info.shape)
+        if name in self.pieces:         # one expert of a stacked tensor: the expert axis dropped
+            return ParamLayout(name, shape[1:], info.shard_dim - 1)
         return ParamLayout(name, shape, info.shard_dim if shape else 0)
 
     def needs(self, name: str) -> RoleLayout:
@@ -304,8 +325,8 @@ class StrategyLayout:
 
     def contributions(self, name: str) -> RoleLayout:
         """The gradient rows of ``name`` each role contributes (roles contributing nothing left out)."""
-        info = self.hg.params[name]
-        sp_partial = self.sp is not None and name in self.sp.partial_grads
+        info = self._info(name)
+        sp_partial = self.sp is not None and info.name in self.sp.partial_grads
         out = []
         for pr in self.param_roles:
             shard = self._params[pr].get(name)
@@ -344,13 +365,14 @@ class StrategyLayout:
     def role_contributions(self, pr: ParamRole) -> dict[str, tuple[Range, ...]]:
         """The gradient rows a rank of role ``pr`` contributes of each parameter (model order; those it
         contributes nothing to left out): its push plans' ``contributions[rank]``."""
-        info, shards = self.hg.params, self._params[pr]
+        shards = self._params[pr]
         partial = self.sp.partial_grads if self.sp is not None else ()
         out = {}
         for name in self.order:
             shard = shards.get(name)
             if shard is not None:
-                ranges = push_contribution(shard, pr.scheme, pr.tp_rank, info[name], name in partial, pr.replica)
+                info = self._info(name)
+                ranges = push_contribution(shard, pr.scheme, pr.tp_rank, info, info.name in partial, pr.replica)
                 if ranges:
                     out[name] = tuple(normalise_ranges(ranges))
         return out
@@ -651,7 +673,8 @@ def instantiate(hg: Any, strategy: Strategy, cluster: Cluster, options: CompileO
     stage_blocks = {pp: layouts.stage_blocks(pp) for pp in sorted({p.pp for p in strategy.pipelines})}
     sp, sp_note = _sequence_parallel(hg, shapes, options, strategy)
     plan = StrategyLayout(hg, strategy, cluster, options, shapes, layouts, sp)
-    describe = functools.partial(describe_subgraphs, shapes=shapes, dtype=options.working_dtype or torch.float32)
+    describe = functools.partial(describe_subgraphs, shapes=shapes, dtype=options.working_dtype or torch.float32,
+                                 pieces=plan.pieces)
     prog = Program(strategy, cluster, stage_blocks, functools.partial(plan.rank_program, describe=describe),
                    PlansByParam(plan.order, plan.pull_plan), PlansByParam(plan.order, plan.push_plan),
                    sequence_parallel=sp is not None, sequence_parallel_note=sp_note, planner=plan)
@@ -701,8 +724,10 @@ def _bytes_per_token(node: fx.Node, shapes: dict, dtype: torch.dtype) -> int:
     return numel * dt.itemsize
 
 
-def describe_subgraphs(rp: RankProgram, shapes: dict, dtype: torch.dtype) -> list[SubgraphInfo]:
-    """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved.
+def describe_subgraphs(rp: RankProgram, shapes: dict, dtype: torch.dtype,
+                       pieces: Optional[Mapping[str, Any]] = None) -> list[SubgraphInfo]:
+    """One SubgraphInfo per filled slot of the rank's graph, with its peers and bytes moved (a stacked
+    expert tensor's: its ``pieces``' together).
 
     Pull / push bytes are what the LNK plan moves for this rank (sent + received); comm_activation
     bytes are per token of the micro-batch (the tensor the collective or send/recv carries).
@@ -717,7 +742,9 @@ def describe_subgraphs(rp: RankProgram, shapes: dict, dtype: torch.dtype) -> lis
         m = get_meta(nodes[0])
         names = tuple(n.name for n in nodes)
         if m.slot in (SlotKind.PULL_PARAMETER, SlotKind.PUSH_GRADIENT):
-            ops = (rp.pull_by_param if m.slot == SlotKind.PULL_PARAMETER else rp.push_by_param).get(m.param, ())
+            by_param = rp.pull_by_param if m.slot == SlotKind.PULL_PARAMETER else rp.push_by_param
+            ops = by_param.get(m.param, ()) or tuple(op for piece, of in (pieces or {}).items()
+                                                     if of.param == m.param for op in by_param.get(piece, ()))
             peers, nbytes = _peers_and_bytes(ops, rp.rank)
             out.append(SubgraphInfo(m.slot, m.param, names, peers, nbytes))
         else:

@@ -15,8 +15,8 @@
 Each exchange's backward is the reversed exchange. The rank's experts are those of its EP rank
 (``RankRole.doc_rank``: ``moe_dispatch.expert_bounds``): of a list of expert matrices the pass keeps
 those and removes the others' parameter slots from the graph (the rank neither pulls nor pushes them);
-a stacked or fused tensor whose expert axis the rank holds whole is narrowed to its experts (its other
-experts' gradient rows are then zeros on this rank). The weighted sum takes the op's name and meta
+of a stacked or fused tensor the rank holds the block of its experts (``passes/expert_owners``), which
+the op reads as it is; one held whole along its expert axis would be narrowed to them. The weighted sum takes the op's name and meta
 (``moe_dispatch.MOE_OUTPUTS``): the TP exit after it reads it as it read the op's output.
 
 It runs right after the stage is extracted, before TP sharding (which reads the shard of every
@@ -119,8 +119,8 @@ def _narrowed(g: fx.Graph, node: fx.Node, w: fx.Node, ctx: PassContext, lo: int,
     rank holds exactly those already."""
     name = _param_of(w)
     shard = ctx.params.get(name) if name is not None else None
-    if shard is not None and shard.shard_dim == 0 and tuple(shard.ranges) == ((lo, hi),):
-        return w
+    if shard is not None and (shard.experts == (lo, hi) or (shard.shard_dim == 0 and tuple(shard.ranges) == ((lo, hi),))):
+        return w          # the rank holds exactly those experts (``expert_owners``: a stacked tensor's block)
     with g.inserting_before(node):
         out = g.call_function(torch.narrow, (w, 0, lo, hi - lo))
     m = get_meta(node)

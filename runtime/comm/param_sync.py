@@ -28,7 +28,9 @@ its place; leaving ends the step. It composes three parts over one ``RankParams`
 Point-to-point messages coalesce the transfers between two ranks (``runtime/comm/peer_buckets``) and
 carry a tag per bucket and direction (pull ``2k+1``, push ``2k+2``; pipeline activations use tag 0),
 so gloo matches them by tag; NCCL matches them in order, and every rank posts them in the same
-global order.
+global order. A stacked expert tensor the Program plans per expert (``Program.pieces``) is pulled and
+pushed by piece (``rank_params.ExpertPieces``: views of the graph's tensors), its gradient shards
+stacked back for the optimizer.
 """
 from __future__ import annotations
 
@@ -46,7 +48,7 @@ from hgraph.runtime.comm.order.issue import CollectiveIssuer
 from hgraph.runtime.comm.overlapped_update import OverlappedUpdate, is_plain_data_parallel
 from hgraph.runtime.comm.pull import PullParameter
 from hgraph.runtime.comm.push import PushGradient, groups_needed
-from hgraph.runtime.comm.rank_params import RankParams, SyncStats
+from hgraph.runtime.comm.rank_params import ExpertPieces, RankParams, SyncStats
 
 
 class ParamSync:
@@ -71,7 +73,11 @@ class ParamSync:
                  issuer: Optional[CollectiveIssuer] = None, all_to_all: Optional[bool] = None) -> None:
         self.program = program
         self.issuer = issuer or CollectiveIssuer()    # every collective of the pull and push goes through it
-        self.params = RankParams(program, rank, masters, working, shards, working_dtype, frozenset(aliased))
+        # the stacked expert tensors the Program plans per expert: pulled and pushed as views by piece
+        self.pieces = ExpertPieces(program, shards)
+        self._working = working                        # by the graph's names (freed and given back whole)
+        self.params = RankParams(program, rank, self.pieces.masters(masters), self.pieces.working(working),
+                                 self.pieces.shards(), working_dtype, frozenset(aliased))
         self.stats = SyncStats()          # the last step's bytes, counted by the pull and the push
         self._active = False
         device = next(iter(masters.values())).device if masters else torch.device("cpu")
@@ -90,7 +96,7 @@ class ParamSync:
         # every rank, since it changes the order of the step's collectives; on any backend (the loss
         # rides in the first reduction: gloo's all-to-all or a reduce-scatter, ``GradBuckets.carry``,
         # or takes an all-reduce of its own), and it needs a reduction to carry the loss
-        self.can_overlap_update = (update is not None and self.pushes.in_backward
+        self.can_overlap_update = (update is not None and self.pushes.in_backward and not program.pieces
                                    and not self.params.aliased and is_plain_data_parallel(program)
                                    and bool(self._buckets.buckets))
         self.overlapped = (OverlappedUpdate(self.params, self.pulls, self.pushes, update)
@@ -135,14 +141,14 @@ class ParamSync:
         # memory of this Program alive while another one runs)
         self.pulls.forget_step()
         self._buckets.reset()
-        for name, w in self.params.working.items():
+        for name, w in self._working.items():
             w.grad = None
             if name not in self.params.aliased:
                 w.untyped_storage().resize_(0)
 
     def acquire_working(self) -> None:
         """Re-allocate freed working parameters (zeros: padding rows stay zero; pulls fill the rest)."""
-        for name, w in self.params.working.items():
+        for name, w in self._working.items():
             if name not in self.params.aliased and w.untyped_storage().nbytes() == 0 and w.numel():
                 w.untyped_storage().resize_(w.numel() * w.element_size())
                 with torch.no_grad():
@@ -181,8 +187,14 @@ class ParamSync:
             raise HGraphError(f"pull of {name!r} outside a training step: call ParamSync.begin_step first")
 
     def pull_wait(self, name: str) -> None:
-        """Wait for parameter ``name``'s pull and write it into the working tensor (once per step)."""
-        self.pulls.wait(name)
+        """Wait for parameter ``name``'s pull and write it into the working tensor (once per step; a
+        stacked expert tensor pulled by piece: each of its experts this rank holds)."""
+        held = self.pieces.held.get(name)
+        if held is None:
+            self.pulls.wait(name)
+            return
+        for piece, _ in held:
+            self.pulls.wait(piece)
 
     def push_gradient(self, w: torch.Tensor, name: str, eager: bool) -> torch.Tensor:
         """The graph's push node: identity (the gradient accumulates in ``w.grad``; see ``push``)."""
@@ -198,7 +210,12 @@ class ParamSync:
         self.pushes.arm()
 
     def _grad_ready(self, name: str, param: torch.Tensor) -> None:
-        self.pushes.ready(name, param.grad)
+        held = self.pieces.held.get(name)
+        if held is None:
+            self.pushes.ready(name, param.grad)
+            return
+        for piece, grad in self.pieces.working({name: param.grad}).items():
+            self.pushes.ready(piece, grad)
 
     def _bucket_issued(self) -> None:
         """After each reduction is issued (backward's or the flush's): an overlapped update takes the
@@ -216,17 +233,17 @@ class ParamSync:
         sum. Collective."""
         if not self._overlap:
             raise HGraphError("ParamSync.finish_update: this step was not begun with overlap_update")
-        return self.overlapped.finish(grads)
+        return self.overlapped.finish(self.pieces.working(grads))
 
     def flush_pushes(self, grads: Mapping[str, Optional[torch.Tensor]]) -> None:
         """Issue every reduce-scatter not issued during backward (before any other collective of the
         step's end, so every rank issues its collectives in the same order)."""
-        self.pushes.flush(grads)
+        self.pushes.flush(self.pieces.working(grads))
 
     def push(self, grads: Mapping[str, Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Run every push plan (``PushGradient.complete``); returns this rank's summed fp32 gradient
         shard for every parameter. Collective: every rank calls it once per step."""
-        return self.pushes.complete(grads)
+        return self.pieces.stacked(self.pushes.complete(self.pieces.working(grads)))
 
     def end_step(self) -> None:
         """Mark the step finished (every pull must have completed)."""

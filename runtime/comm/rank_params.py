@@ -14,7 +14,8 @@ world.
 
 Work is layout "rows first": the shard dimension is moved to dimension 0 (``rows``), so a range of
 rows is a ``narrow(0, ...)``; received and reduced rows are held as ``((lo, hi), rows)`` pairs in
-full-parameter coordinates (``lookup``).
+full-parameter coordinates (``lookup``). A stacked expert tensor that the Program plans per expert is
+held here as its pieces (``ExpertPieces``: views of the stacked tensors).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hgraph.expert_pieces import holds, piece_name, piece_view, split_shards
 from hgraph.program import Program
 from hgraph.shard_rule import group_shard_bounds, replica_ranks, shard_group_ranks
 
@@ -49,6 +51,63 @@ def lookup(held: Sequence[tuple[Range, torch.Tensor]], lo: int, hi: int, name: s
         if a <= lo and hi <= b:
             return t.narrow(0, lo - a, hi - lo)
     raise AssertionError(f"{name}: rows [{lo}, {hi}) are in no buffer this rank holds")
+
+
+class ExpertPieces:
+    """A Program's stacked expert tensors as the per-expert pieces its plans name (``Program.pieces``,
+    ``hgraph.expert_pieces``) on one rank: the masters, working tensors and shards by piece (views of the
+    stacked ones), its gradients by piece, and the pushed gradient shards stacked back for the optimizer.
+    Nothing is changed where the Program names no piece."""
+
+    def __init__(self, program: Program, shards: Mapping[str, Any]) -> None:
+        self.pieces = dict(program.pieces)
+        self.experts: dict[str, int] = {}
+        for piece in self.pieces.values():
+            self.experts[piece.param] = max(self.experts.get(piece.param, 0), piece.expert + 1)
+        self.stacked_shards = shards
+        # stacked tensor -> its pieces this rank holds, with their experts
+        self.held = {name: [(piece_name(name, e), e) for e in range(n) if holds(shards[name], e)]
+                     for name, n in self.experts.items() if name in shards}
+
+    def masters(self, masters: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The fp32 masters by piece: expert ``e``'s is ``master[e]`` (the optimizer's shard of a stacked
+        tensor holds every expert's rows of its segment)."""
+        return self._split(masters, lambda name, t, e: piece_view(t, None, e), every=True)
+
+    def working(self, working: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The working tensors (or gradients, ``None`` kept) of the pieces this rank holds, as views."""
+        return self._split(working, lambda name, t, e: None if t is None else piece_view(t.detach(), self.stacked_shards[name], e))
+
+    def shards(self) -> dict[str, Any]:
+        return split_shards(self.stacked_shards, {n: k for n, k in self.experts.items() if n in self.stacked_shards})
+
+    def _split(self, by_name: Mapping[str, Any], view, every: bool = False) -> dict[str, Any]:
+        if not self.experts:
+            return dict(by_name)
+        out: dict[str, Any] = {}
+        for name, t in by_name.items():
+            if name not in self.experts:
+                out[name] = t
+            elif every:
+                out.update((piece_name(name, e), view(name, t, e)) for e in range(self.experts[name]))
+            else:
+                out.update((piece, view(name, t, e)) for piece, e in self.held.get(name, ()))
+        return out
+
+    def stacked(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The pushed gradient shards by piece made whole again (one copy of the rank's 1/N of each stacked
+        tensor), by the names the optimizer holds."""
+        if not self.experts:
+            return shards
+        out = {}
+        for name, t in shards.items():
+            piece = self.pieces.get(name)
+            if piece is None:
+                out[name] = t
+            elif piece.expert == 0:
+                out[piece.param] = torch.stack([shards[piece_name(piece.param, e)]
+                                                for e in range(self.experts[piece.param])])
+        return out
 
 
 @dataclass

@@ -94,21 +94,72 @@ def test_a_dump_names_the_ranks_ep_place(compiled):
     assert "ep_rank" not in compiled.dump("1xTP2PP1", rank=1).splitlines()[0]
 
 
-def test_a_fused_expert_tensor_is_held_as_tp_shards_it_and_pushed_by_every_ep_rank():
-    """Hugging Face's fused ``gate_up [E, 2I, H]`` / ``down [E, H, I]`` (``hf:qwen2_moe``, 8 experts): one
-    parameter whose TP shard runs along I, so an EP rank holds it as TP shards it (every expert), the MoE op
-    narrows it to the rank's experts, and every EP rank pushes it (the other experts' rows exact zeros)."""
+@pytest.fixture(scope="module")
+def hf_moe():
+    """``hf:qwen2_moe`` and ``hf:qwen3_moe`` compiled (8 experts; fused ``gate_up [8, 64, 64]``, ``down [8, 64, 32]``)."""
     pytest.importorskip("transformers")
     from hgraph.frontends.zoo import resolve_model_spec
 
-    torch.manual_seed(0)
-    compiled = hgraph.compile(resolve_model_spec("hf:qwen2_moe"))
+    out = {}
+    for spec in ("hf:qwen2_moe", "hf:qwen3_moe"):
+        torch.manual_seed(0)
+        out[spec] = hgraph.compile(resolve_model_spec(spec))
+    return out
+
+
+@pytest.mark.parametrize("spec", ["hf:qwen2_moe", "hf:qwen3_moe"])
+def test_a_fused_expert_tensor_is_held_pulled_and_pushed_only_for_the_ranks_experts(hf_moe, spec):
+    """At ``1xTP2PP1EP2`` rank ``2 e + t`` (EP rank e, TP rank t) holds experts ``[4e, 4e + 4)`` of the fused
+    ``gate_up [E, 2I, H]`` / ``down [E, H, I]``, TP-sharded inside (gate_up part by part along 2I, down
+    along I): a quarter of each tensor's bytes, 1/(TP x EP). The tensor is planned as its 8 experts: the
+    rank needs, and contributes the gradient of, only its own, each reduced over the ranks holding it (no
+    narrowing of the whole tensor in its graph). On the old layout every rank held and pushed every expert
+    (half of each tensor)."""
+    compiled = hf_moe[spec]
     program = compiled.instantiate("1xTP2PP1EP2")
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    for rank in range(4):
-        rp = program.rank(rank)
-        assert rp.params[name].shard_dim == 1 and rp.params[name].tp_sharded
-        narrowed = [n for n in rp.graph_module.graph.nodes if n.target is torch.narrow]
-        assert {(n.args[1], n.args[2], n.args[3]) for n in narrowed} == {(0, 4 * rp.doc_rank, 4)}
-    assert sorted(program.push_plans[name].contributions) == [0, 1, 2, 3]
-    assert sorted(program.pull_plans[name].needs) == [0, 1, 2, 3]
+    for layer, w, full in (("0", "gate_up_proj", (8, 64, 64)), ("1", "down_proj", (8, 64, 32))):
+        name = f"model.layers.{layer}.mlp.experts.{w}"
+        assert tuple(compiled.hgraph.params[name].shape) == full
+        for rank in range(4):
+            rp = program.rank(rank)
+            ep, tp = divmod(rank, 2)
+            shard = rp.params[name]
+            tp_rows = ((16 * tp, 16 * tp + 16), (32 + 16 * tp, 48 + 16 * tp)) if w == "gate_up_proj" \
+                else ((16 * tp, 16 * tp + 16),)
+            assert (shard.experts, shard.ranges) == ((4 * ep, 4 * ep + 4), tp_rows)
+            held = shard.shard_shape
+            assert held[0] * held[1] * held[2] * 4 == 8 * 64 * (64 if w == "gate_up_proj" else 32)   # 1/4
+            assert not [n for n in rp.graph_module.graph.nodes if n.target is torch.narrow]
+            mine = {e for e in range(8) if f"{name}[{e}]" in rp.contributions}
+            assert mine == set(range(4 * ep, 4 * ep + 4))
+            assert all(rp.contributions[f"{name}[{e}]"] == tp_rows for e in mine)
+            received = {int(p.rsplit("[", 1)[1][:-1]) for p, ops in rp.pull_by_param.items() if p.startswith(name + "[")
+                        and any(getattr(op, "dst", None) == rank or getattr(op, "rank", None) == rank for op in ops)}
+            assert received == mine
+        for e in range(8):
+            holders = [r for r in range(4) if r // 2 == e // 4]
+            pull, push = program.pull_plans[f"{name}[{e}]"], program.push_plans[f"{name}[{e}]"]
+            assert pull.param.shape == full[1:] and sorted(pull.needs) == holders
+            assert sorted(push.contributions) == holders
+            assert sorted(map(tuple, push.replica_groups)) == [(holders[0],), (holders[1],)]   # TP halves apart
+    # without an EP pipeline the tensor is planned whole, as before
+    assert "model.layers.0.mlp.experts.gate_up_proj" in compiled.instantiate("2xTP2PP1").push_plans
+
+
+def test_switching_the_ep_degree_leaves_a_fused_tensors_optimizer_shard_where_it_was(hf_moe):
+    """A piece's optimizer segment is the stacked tensor's along its shard dimension, whatever the strategy:
+    the piece's pull plan sends rows ``shard_bounds(64, r, 4)`` of expert e from rank r at EP2 and at EP4."""
+    from hgraph.shard_rule import shard_bounds
+
+    compiled = hf_moe["hf:qwen2_moe"]
+    name = "model.layers.0.mlp.experts.gate_up_proj[6]"
+    for strategy in ("1xTP2PP1EP2", "1xTP1PP1EP4"):
+        plan = compiled.instantiate(strategy).pull_plans[name]
+        sent = {}
+        for op in plan.transfers:
+            sent.setdefault(op.src, []).append((op.lo, op.hi))
+        for c in plan.local_copies:
+            sent.setdefault(c.rank, []).append((c.lo, c.hi))
+        for rank, spans in sent.items():
+            lo, hi = shard_bounds(64, rank, 4)
+            assert all(lo <= a < b <= hi for a, b in spans)
