@@ -7,20 +7,25 @@ for a linear the node that stopped it from pairing into a column/row group (``an
 as ``NodeMeta.tp_reason``), else the kind of op that reads it (a norm weight, a bias added after the
 all-reduce). The report gives, per TP degree, the fraction of the blocks' parameter bytes (and of
 their 2-D weight bytes) that are sharded: a TP scheme that replicates much of the model pays TP's
-communication without saving memory or time, and ``hgraph train`` warns about it.
+communication without saving memory or time, and ``hgraph train`` warns about it. For each scheme with
+expert parallelism it gives the share of the MoE blocks' parameter bytes an EP rank holds, alone and
+with the scheme's TP (``EPSummary``).
 """
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch.fx as fx
 
 from hgraph.graph import POST, PRE
 from hgraph.meta import OpKind, TPRole, get_meta
+from hgraph.passes.expert_owners import held_experts, listed_experts, stacked_experts
 from hgraph.passes.shard_tp import TPShardPlanner, param_uses
-from hgraph.strategy import Strategy
+from hgraph.passes.tp_roles import is_moe_layer
+from hgraph.strategy import Scheme, Strategy
 
 #: a TP degree that leaves more than this fraction of the blocks' parameter bytes replicated is worth a warning
 REPLICATED_WARNING = 0.10
@@ -57,10 +62,29 @@ class TPSummary:
 
 
 @dataclass(frozen=True)
+class EPSummary:
+    """What a rank of a ``TP<tp>..EP<ep>`` scheme holds of the MoE blocks' parameters (the blocks with an
+    MoE op): bytes, averaged over the scheme's EP (and TP) ranks (``expert_owners.held_experts``: its own
+    experts, TP-sharded inside; the router, attention and shared experts as TP shards them)."""
+
+    tp: int
+    ep: int
+    total_bytes: int
+    ep_rank_bytes: float           # an EP rank of the scheme without TP (EP alone)
+    rank_bytes: float              # a rank of the scheme (TP x EP)
+
+    def fraction_held(self, with_tp: bool = True) -> float:
+        """The share of the MoE blocks' parameter bytes a rank holds (``with_tp=False``: EP alone)."""
+        held = self.rank_bytes if with_tp else self.ep_rank_bytes
+        return held / self.total_bytes if self.total_bytes else 1.0
+
+
+@dataclass(frozen=True)
 class ShardingReport:
     model: str
     strategy: str
     summaries: tuple[TPSummary, ...]
+    expert_parallel: tuple[EPSummary, ...] = ()
 
     def warnings(self) -> list[str]:
         """One line per TP degree that replicates more than ``REPLICATED_WARNING`` of the blocks' bytes."""
@@ -76,6 +100,10 @@ class ShardingReport:
 
     def text(self) -> str:
         lines = [f"sharding report of {self.model} for {self.strategy}"]
+        for e in self.expert_parallel:
+            lines.append(f"EP{e.ep}: an EP rank holds {100 * e.fraction_held(False):.1f}% of the MoE blocks' "
+                         f"parameter bytes" + (f", a TP{e.tp} x EP{e.ep} rank {100 * e.fraction_held():.1f}%"
+                                               if e.tp > 1 else ""))
         if not self.summaries:
             lines.append("no scheme with TP > 1: every rank of a pipeline stage holds its parameters whole")
         for s in self.summaries:
@@ -143,4 +171,27 @@ def sharding_report(hg: Any, shapes: dict, strategy: Strategy) -> ShardingReport
                                   shard.shard_dim if shard.tp_sharded else None, reason))
         summaries.append(TPSummary(tp, tuple(rows)))
     model = type(hg.model).__name__ if hg.model is not None else "the model"
-    return ShardingReport(model, str(strategy), tuple(summaries))
+    degrees = sorted({(p.tp, p.ep) for p in strategy.pipelines if p.ep > 1})
+    return ShardingReport(model, str(strategy), tuple(summaries),
+                          tuple(expert_parallel_summary(hg, planner, tp, ep) for tp, ep in degrees))
+
+
+def expert_parallel_summary(hg: Any, planner: TPShardPlanner, tp: int, ep: int) -> EPSummary:
+    """What a rank of a ``TP<tp>PP1EP<ep>`` scheme holds of the MoE blocks' parameters (``EPSummary``)."""
+    blocks = {get_meta(n).block for n in hg.gm.graph.nodes if is_moe_layer(n)}
+    names = [n for n, info in hg.params.items() if info.block in blocks]
+    listed, stacked = listed_experts(hg), stacked_experts(hg)
+    itemsize = {n: hg.params[n].dtype.itemsize for n in names}
+
+    def held_bytes(degree: int) -> float:
+        scheme = Scheme.parse(f"TP{degree}PP1EP{ep}")
+        out = 0
+        for t in range(degree):
+            shards = {n: planner.shard(n, degree, t) for n in names}
+            for e in range(ep):
+                for n, shard in held_experts(shards, scheme, e, listed, stacked).items():
+                    out += math.prod(replace(shard, pad=0).shard_shape) * itemsize[n]
+        return out / (degree * ep)
+
+    total = sum(hg.params[n].shape.numel() * itemsize[n] for n in names)
+    return EPSummary(tp, ep, total, held_bytes(1), held_bytes(tp))

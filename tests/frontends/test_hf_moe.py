@@ -5,7 +5,8 @@ Their MoE blocks export as hgraph's MoE op; the compiled model computes what HF'
 training equals HF's eager model trained by ``torch.optim.Adam`` (noise-aware comparison). TP coverage is
 reported as for dense models: TP shards the routed experts inside (gate / up by their intermediate rows,
 down by its columns, a fused gate_up part by part), attention and the shared expert; the router stays whole
-(``EP<n>``: each EP rank holds the fused expert tensors as TP shards them, narrowed to its experts)."""
+(``EP<n>``: each EP rank holds its own experts' block of the fused expert tensors, TP-sharded inside, and the
+report gives the share of the MoE blocks' bytes an EP rank holds, alone and with TP)."""
 import json
 
 import pytest
@@ -55,10 +56,23 @@ def test_export_gives_the_moe_op_and_the_models_numbers_and_reports_tp_coverage(
     pos = torch.arange(11).expand(2, 11)
     torch.testing.assert_close(compiled.hgraph.gm(ids, pos), model(ids, position_ids=pos).logits,
                                rtol=1e-5, atol=1e-6)
-    (tp2,) = compiled.sharding_report("2xTP2PP1").summaries
+    report = compiled.sharding_report("2xTP2PP1+1xTP2PP1EP2")
+    (tp2,), (ep2,) = report.summaries, report.expert_parallel
     fraction = tp2.fraction_sharded()
     print(f"{spec}: TP2 shards {100 * fraction:.1f}% of the blocks' parameter bytes "
-          f"({100 * tp2.fraction_sharded(matrices_only=True):.1f}% of their 2-D weight bytes)")
+          f"({100 * tp2.fraction_sharded(matrices_only=True):.1f}% of their 2-D weight bytes); an EP2 rank holds "
+          f"{100 * ep2.fraction_held(False):.1f}% of the MoE blocks' parameter bytes, a TP2 x EP2 rank "
+          f"{100 * ep2.fraction_held():.1f}%")
+    # EP's view, counted here from the parameters: an EP rank holds half of each fused expert tensor and
+    # every other parameter of the MoE blocks (attention, norms, router, shared expert) whole, which TP2
+    # then halves where it shards (the old layout held every expert: 100% / about 50%)
+    whole = {p.name: p.nbytes for p in tp2.placements}
+    fused = {n for n in whole if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
+    assert len(fused) == 2 * model.config.num_hidden_layers and ep2.total_bytes == sum(whole.values())
+    assert ep2.ep_rank_bytes == sum(b / 2 if n in fused else b for n, b in whole.items())
+    assert ep2.rank_bytes == sum((b / 2 if n in fused else b) / (2 if p.sharded else 1)
+                                 for p in tp2.placements for n, b in [(p.name, p.nbytes)])
+    assert ep2.fraction_held() < 0.36 and f"EP2: an EP rank holds {100 * ep2.fraction_held(False):.1f}%" in report.text()
     # the routed experts sharded inside (before: 19.8% / 33.1% / 33.0%, the experts whole); the largest
     # whole parameter left is the router, read by the MoE op on every token
     assert fraction > 0.95
@@ -70,8 +84,8 @@ def test_export_gives_the_moe_op_and_the_models_numbers_and_reports_tp_coverage(
 
 
 @pytest.mark.parametrize("spec,world,schedule", [("hf:qwen3_moe", 1, "1xTP1PP1"),
-                                                 # EP2: each EP rank its own documents, the fused expert
-                                                 # tensors held as TP shards them and narrowed to its experts
+                                                 # EP2: each EP rank its own documents and its own
+                                                 # experts' block of the fused expert tensors
                                                  ("hf:qwen2_moe", 2, "1xTP2PP1;2xTP1PP1;1xTP1PP1EP2")])
 def test_training_equals_the_hugging_face_model(spec, world, schedule, data, tmp_path, capsys):
     final = tmp_path / "final.pt"
