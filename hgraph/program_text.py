@@ -123,6 +123,8 @@ def rank_text(program: Program, rp: RankProgram) -> str:
     for s in rp.params.values():
         how = f"split on dim {s.shard_dim} {list(s.ranges)}" + (f" +{s.pad} pad" if s.pad else "") \
             if s.tp_sharded else "whole"
+        if s.experts is not None:
+            how = f"experts {s.experts[0]}:{s.experts[1]}, " + how
         lines.append(f"     {s.name:48s} {str(list(s.full_shape)):>16s} -> {str(list(s.shard_shape)):16s} {how}")
     counts: dict[str, int] = {}
     for sg in rp.subgraphs:

@@ -142,6 +142,7 @@ def test_a_fused_expert_tensor_is_held_pulled_and_pushed_only_for_the_ranks_expe
             assert pull.param.shape == full[1:] and sorted(pull.needs) == holders
             assert sorted(push.contributions) == holders
             assert sorted(map(tuple, push.replica_groups)) == [(holders[0],), (holders[1],)]   # TP halves apart
+    assert "experts 4:8, split on dim 1 [(0, 16), (32, 48)]" in compiled.dump("1xTP2PP1EP2", rank=2)
     # without an EP pipeline the tensor is planned whole, as before
     assert "model.layers.0.mlp.experts.gate_up_proj" in compiled.instantiate("2xTP2PP1").push_plans
 
