@@ -64,7 +64,8 @@ def stacked_experts(hg: Any) -> dict[str, int]:
             continue
         for name in weights:
             info = hg.params.get(name) if name is not None else None
-            if info is not None and len(info.shape) > 1 and info.shape[0] == experts and info.shard_dim not in (0, None):
+            if (info is not None and len(info.shape) > 1 and info.shape[0] == experts
+                    and info.shard_dim not in (0, None)):
                 found[name] = experts
     return {name: found[name] for name in hg.params if name in found}
 

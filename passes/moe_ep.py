@@ -119,7 +119,8 @@ def _narrowed(g: fx.Graph, node: fx.Node, w: fx.Node, ctx: PassContext, lo: int,
     rank holds exactly those already."""
     name = _param_of(w)
     shard = ctx.params.get(name) if name is not None else None
-    if shard is not None and (shard.experts == (lo, hi) or (shard.shard_dim == 0 and tuple(shard.ranges) == ((lo, hi),))):
+    if shard is not None and (shard.experts == (lo, hi)
+                              or (shard.shard_dim == 0 and tuple(shard.ranges) == ((lo, hi),))):
         return w          # the rank holds exactly those experts (``expert_owners``: a stacked tensor's block)
     with g.inserting_before(node):
         out = g.call_function(torch.narrow, (w, 0, lo, hi - lo))

@@ -76,7 +76,8 @@ class ExpertPieces:
 
     def working(self, working: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The working tensors (or gradients, ``None`` kept) of the pieces this rank holds, as views."""
-        return self._split(working, lambda name, t, e: None if t is None else piece_view(t.detach(), self.stacked_shards[name], e))
+        return self._split(working, lambda name, t, e: None if t is None
+                           else piece_view(t.detach(), self.stacked_shards[name], e))
 
     def shards(self) -> dict[str, Any]:
         return split_shards(self.stacked_shards, {n: k for n, k in self.experts.items() if n in self.stacked_shards})

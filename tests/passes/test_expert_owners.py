@@ -96,7 +96,8 @@ def test_a_dump_names_the_ranks_ep_place(compiled):
 
 @pytest.fixture(scope="module")
 def hf_moe():
-    """``hf:qwen2_moe`` and ``hf:qwen3_moe`` compiled (8 experts; fused ``gate_up [8, 64, 64]``, ``down [8, 64, 32]``)."""
+    """``hf:qwen2_moe`` and ``hf:qwen3_moe`` compiled (8 experts; fused ``gate_up [8, 64, 64]``,
+    ``down [8, 64, 32]``)."""
     pytest.importorskip("transformers")
     from hgraph.frontends.zoo import resolve_model_spec
 
