@@ -16,8 +16,9 @@ Each exchange's backward is the reversed exchange. The rank's experts are those 
 (``RankRole.doc_rank``: ``moe_dispatch.expert_bounds``): of a list of expert matrices the pass keeps
 those and removes the others' parameter slots from the graph (the rank neither pulls nor pushes them);
 of a stacked or fused tensor the rank holds the block of its experts (``passes/expert_owners``), which
-the op reads as it is; one held whole along its expert axis would be narrowed to them. The weighted sum takes the op's name and meta
-(``moe_dispatch.MOE_OUTPUTS``): the TP exit after it reads it as it read the op's output.
+the op reads as it is (a graph whose rank holds one whole, as a bare pass run without shards does, gets
+it narrowed to them). The weighted sum takes the op's name and meta (``moe_dispatch.MOE_OUTPUTS``): the
+TP exit after it reads it as it read the op's output.
 
 It runs right after the stage is extracted, before TP sharding (which reads the shard of every
 parameter the graph names: the other EP ranks' experts are gone by then). It does nothing where the
