@@ -88,3 +88,26 @@ def test_dump_format_report(capsys):
     assert out.startswith("sharding report of Llama for 2xTP2PP1") and "split on dim 0" in out
     assert main(["dump", "llama:tiny", "--strategy", "4xTP1PP1", "--format", "report"]) == 0
     assert "no scheme with TP > 1" in capsys.readouterr().out
+
+
+def test_the_report_gives_what_an_ep_rank_holds_of_the_moe_blocks(capsys):
+    """``llama-moe:tiny`` (MoE layers 1 and 2, 8 experts as a list of matrices): an EP rank holds its experts
+    (1/EP of them) and the rest of the MoE blocks whole, TP sharding what it shards (the router stays
+    whole); the CLI prints it under ``--format report``; a block without an MoE op is not counted."""
+    compiled = _compiled("llama-moe:tiny")
+    report = compiled.sharding_report("1xTP2PP1EP2+1xTP1PP1EP4")
+    (tp2,) = report.summaries
+    ep4, ep2 = sorted(report.expert_parallel, key=lambda e: e.tp)
+    assert (ep4.tp, ep4.ep, ep2.tp, ep2.ep) == (1, 4, 2, 2)
+    moe = [p for p in tp2.placements if p.block in ("layers.1", "layers.2")]
+    assert ep2.total_bytes == sum(p.nbytes for p in moe) and ep4.total_bytes == ep2.total_bytes
+    for e, n in ((ep2, 2), (ep4, 4)):
+        assert e.ep_rank_bytes == sum(p.nbytes / n if ".experts." in p.name else p.nbytes for p in moe)
+    assert ep2.rank_bytes == sum((p.nbytes / 2 if ".experts." in p.name else p.nbytes) / (2 if p.sharded else 1)
+                                 for p in moe)
+    assert ep4.rank_bytes == ep4.ep_rank_bytes
+    assert main(["dump", "llama-moe:tiny", "--strategy", "1xTP2PP1EP2", "--format", "report"]) == 0
+    out = capsys.readouterr().out
+    assert (f"EP2: an EP rank holds {100 * ep2.fraction_held(False):.1f}% of the MoE blocks' parameter bytes, "
+            f"a TP2 x EP2 rank {100 * ep2.fraction_held():.1f}%\n") in out
+    assert "EP" not in compiled.sharding_report("2xTP2PP1").text()
