@@ -7,8 +7,11 @@ without talking, and the planner prices an EP micro-batch by its slowest replica
 
 Balance by an attention-aware cost, ``len + len**2 / ATTENTION_TOKENS`` (a document's dense layers grow
 with its length, its causal attention with its square): the documents, dearest first (ties by their place
-in the micro-batch), each go to the least loaded rank (ties: the lowest). A rank may get no document (one
-long document in an EP4 micro-batch): it runs the micro-batch with zero tokens.
+in the micro-batch), each go to the least loaded rank (ties: the lowest). A micro-batch of at least ``n``
+documents gives every rank one (the first ``n`` go to ``n`` empty ranks); a rank of a smaller one gets none and
+runs a placeholder of one-token documents without targets (``engine.sequence_inputs.placeholder_documents``),
+so that it takes part in the micro-batch's collectives: wasted work, which the fixed schedule's packing and
+the planner's packer avoid by giving an EP micro-batch ``n`` documents wherever the pipeline has them.
 """
 from __future__ import annotations
 
