@@ -15,6 +15,7 @@ the planner's packer avoid by giving an EP micro-batch ``n`` documents wherever 
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 #: the length at which a document's attention costs as much as the rest of its layers, roughly: the
@@ -33,11 +34,12 @@ def split_documents(doc_lengths: Sequence[int], n: int) -> tuple[tuple[int, ...]
     ``document_cost``. ``n`` must be a positive integer."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"split_documents: the number of EP ranks must be a positive integer, got {n!r}")
-    order = sorted(range(len(doc_lengths)), key=lambda i: (-document_cost(doc_lengths[i]), i))
-    loads = [0.0] * n
+    costs = [document_cost(l) for l in doc_lengths]
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0.0, r) for r in range(n)]       # (load, rank): the least loaded first, ties the lowest rank
     out: list[list[int]] = [[] for _ in range(n)]
     for i in order:
-        r = min(range(n), key=lambda k: (loads[k], k))
-        loads[r] += document_cost(doc_lengths[i])
+        load, r = heapq.heappop(heap)
         out[r].append(i)
+        heapq.heappush(heap, (load + costs[i], r))
     return tuple(tuple(sorted(docs)) for docs in out)
