@@ -34,8 +34,11 @@ from hgraph.strategy import Scheme
 CPSAT_UNITS_PER_MS = 1000
 # An EP pipeline's local search reprices at most this many candidate moves, and fewer for many documents
 # (each exact price splits a micro-batch's documents): EP_IMPROVE_DOCUMENTS / documents of the pipeline.
-EP_IMPROVE_PRICES = 48
+EP_IMPROVE_PRICES = 12
 EP_IMPROVE_DOCUMENTS = 20_000
+# The even split's bound prunes an EP pipeline's micro-batch counts weakly (the exact price sits above it):
+# the counts are tried in the bound's order until this many in a row priced no better than the best.
+EP_STALE_COUNTS = 2
 
 
 @dataclass
@@ -336,8 +339,9 @@ def _pack_ep(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) ->
     best: tuple[float, list[list[int]], list[float]] | None = None
     lo, hi = vmin, vmax
     while best is None:
+        stale = 0
         for V in sorted(range(lo, hi + 1), key=bound):
-            if best is not None and bound(V) >= best[0]:
+            if best is not None and (bound(V) >= best[0] or stale >= EP_STALE_COUNTS):
                 break
             bins = _lpt_replica_slots(times, lens, order, V, n, cap)
             if bins is None:
@@ -345,7 +349,9 @@ def _pack_ep(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) ->
             prices = [price(bb) for bb in bins]
             val = (k + V) * max(prices)
             if best is None or val < best[0]:
-                best = (val, bins, prices)
+                best, stale = (val, bins, prices), 0
+            else:
+                stale += 1
         if best is None:  # capacity: widen the range upwards
             lo, hi = hi + 1, min(max(2 * hi, hi + 1), m)
     _, bins, prices = best
