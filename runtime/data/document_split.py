@@ -7,11 +7,15 @@ without talking, and the planner prices an EP micro-batch by its slowest replica
 
 Balance by an attention-aware cost, ``len + len**2 / ATTENTION_TOKENS`` (a document's dense layers grow
 with its length, its causal attention with its square): the documents, dearest first (ties by their place
-in the micro-batch), each go to the least loaded rank (ties: the lowest). A rank may get no document (one
-long document in an EP4 micro-batch): it runs the micro-batch with zero tokens.
+in the micro-batch), each go to the least loaded rank (ties: the lowest). A micro-batch of at least ``n``
+documents gives every rank one (the first ``n`` go to ``n`` empty ranks); a rank of a smaller one gets none and
+runs a placeholder of one-token documents without targets (``engine.sequence_inputs.placeholder_documents``),
+so that it takes part in the micro-batch's collectives: wasted work, which the fixed schedule's packing and
+the planner's packer avoid by giving an EP micro-batch ``n`` documents wherever the pipeline has them.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Sequence
 
 #: the length at which a document's attention costs as much as the rest of its layers, roughly: the
@@ -30,11 +34,12 @@ def split_documents(doc_lengths: Sequence[int], n: int) -> tuple[tuple[int, ...]
     ``document_cost``. ``n`` must be a positive integer."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"split_documents: the number of EP ranks must be a positive integer, got {n!r}")
-    order = sorted(range(len(doc_lengths)), key=lambda i: (-document_cost(doc_lengths[i]), i))
-    loads = [0.0] * n
+    costs = [document_cost(l) for l in doc_lengths]
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    heap = [(0.0, r) for r in range(n)]       # (load, rank): the least loaded first, ties the lowest rank
     out: list[list[int]] = [[] for _ in range(n)]
     for i in order:
-        r = min(range(n), key=lambda k: (loads[k], k))
-        loads[r] += document_cost(doc_lengths[i])
+        load, r = heapq.heappop(heap)
         out[r].append(i)
+        heapq.heappush(heap, (load + costs[i], r))
     return tuple(tuple(sorted(docs)) for docs in out)

@@ -11,7 +11,9 @@ every rank calls it with the same mini-batch):
   weighted by the pipeline's ranks); inside a pipeline they are packed first-fit-decreasing into
   micro-batches of at most ``microbatch_tokens`` tokens (default: the larger of the pipeline's
   longest document and its tokens divided by its PP degree, so a PP pipeline gets about PP
-  micro-batches). A pipeline may get no document; it still takes part in pull and push.
+  micro-batches). An EP pipeline's micro-batches hold at least its EP degree ``n`` of documents where it
+  has them (``fill_ep_microbatches``), so no EP rank runs a placeholder unless the pipeline has fewer
+  documents than EP ranks. A pipeline may get no document; it still takes part in pull and push.
 * ``PlannerDriven`` (no schedule): the planner (``hgraph.runtime.planner.service``) chooses the
   strategy and the documents' pipelines and micro-batches; rank 0 plans and broadcasts the plan.
 * ``SpAccumulation`` (``planner.balance`` ``sp-accumulation``, ``hgraph.runtime.train.sp_accumulation``): a
@@ -32,6 +34,7 @@ memory figures). A mode also says what a checkpoint stores of the strategy choic
 """
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -73,14 +76,39 @@ def dispatch_and_pack(strategy: Strategy, docs: Sequence[Document],
         if not mine:
             out.append([])
             continue
+        scheme = strategy.pipelines[i]
         longest = max(len(d) for d in mine)
-        cap = microbatch_tokens or max(longest, math.ceil(load[i] / strategy.pipelines[i].pp))
+        cap = microbatch_tokens or max(longest, math.ceil(load[i] / scheme.pp))
         if cap < longest:
             d = max(mine, key=len)
             raise HGraphError(f"document {d.index} has {len(d)} tokens, more than the micro-batch limit {cap}")
         bins = first_fit(mine, cap)        # already longest first
+        if scheme.doc_ranks > 1:
+            bins = fill_ep_microbatches(mine, bins, scheme.doc_ranks, microbatch_tokens)
         out.append([sorted(b, key=lambda d: d.index) for b in bins])
     return out
+
+
+def fill_ep_microbatches(docs: Sequence[Document], bins: list[list[Document]], n: int,
+                         limit: Optional[int]) -> list[list[Document]]:
+    """An EP pipeline's micro-batches: as many as first-fit made (``bins``) but at most one per ``n``
+    documents, so each holds ``n`` documents at least and ``split_documents`` gives every EP rank one
+    (an EP rank without a document runs a placeholder: wasted work). The documents (``docs``, longest
+    first) go onto ``V x n`` replica slots, each to the one with the fewest tokens (ties: the lowest;
+    slot ``s`` in micro-batch ``s mod V``): the first ``V x n`` fill every slot, and the slots (what the
+    EP ranks run) are balanced. A user's ``limit`` on a micro-batch's tokens wins: where the slots'
+    micro-batches would break it, first-fit's ``bins`` stay."""
+    count = max(1, min(len(bins), len(docs) // n))
+    slots: list[list[Document]] = [[] for _ in range(count * n)]
+    heap = [(0, s) for s in range(count * n)]
+    for d in docs:
+        load, s = heapq.heappop(heap)
+        slots[s].append(d)
+        heapq.heappush(heap, (load + len(d), s))
+    mbs = [[d for s in range(j, count * n, count) for d in slots[s]] for j in range(count)]
+    if limit is not None and any(sum(len(d) for d in mb) > limit for mb in mbs):
+        return bins
+    return mbs
 
 
 def packed(plan: Sequence[Sequence[Sequence[Document]]]) -> list[list[MicroBatch]]:

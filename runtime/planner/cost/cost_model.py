@@ -186,9 +186,14 @@ class CostModel:
         (``moe_cost.ep_microbatch_ms``), of which ``coeffs`` is the even split's lower bound."""
         arr = np.asarray(list(lengths) if not isinstance(lengths, np.ndarray) else lengths, dtype=np.float64)
         if scheme in self._ep_terms:
-            return ep_microbatch_ms(arr, self._ep_terms[scheme], self.model.experts, split_documents) \
-                + self.relief_ms(arr, scheme)
+            return self.split_microbatch_time(arr, scheme) + self.relief_ms(arr, scheme)
         return float(np.sum(self.seq_time(arr, scheme))) + self.coeffs(scheme)[2] + self.relief_ms(arr, scheme)
+
+    def split_microbatch_time(self, lengths: np.ndarray, scheme: Scheme) -> float:
+        """An EP micro-batch of documents ``lengths`` without relief: its slowest replica under
+        ``split_documents`` (what the runtime runs) plus the busiest expert rank
+        (``moe_cost.ep_microbatch_ms``); what the packer prices an EP candidate micro-batch by."""
+        return ep_microbatch_ms(lengths, self._ep_terms[scheme], self.model.experts, split_documents)
 
     def replicas_microbatch_time(self, parts: Sequence[Sequence[int]], scheme: Scheme) -> float:
         """An EP micro-batch whose replicas run the documents ``parts`` (their lengths, one list per EP

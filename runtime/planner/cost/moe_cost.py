@@ -39,8 +39,9 @@ shared experts on its documents, and the all-to-all of its tokens; the routed ex
 copies, ``imbalance x k x tokens / n`` on the busiest rank. The micro-batch costs its slowest replica
 plus the routed experts (the all-to-all synchronises the group at every MoE layer). Its even split
 (``EpTerms.surrogate``: every replica ``1/n`` of the work, no imbalance) never exceeds that and is the
-scheme's ``coeffs``, which the latency bounds read; the dispatch and packer balance documents by
-``EpTerms.balancing`` (a document's attention whole on its replica, the linear work shared).
+scheme's ``coeffs``, which the latency bounds read; the dispatch balances documents by
+``EpTerms.balancing`` (a document's attention whole on its replica, the linear work shared), and the
+packer deals them onto replica slots by it but prices each candidate micro-batch by ``ep_microbatch_ms``.
 """
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ class EpTerms:
     def balancing(self) -> tuple[float, float, float]:
         """``(a, b, c)`` the dispatch and the packer balance: a document's attention on one replica
         (``a`` whole: a long document is not split, the runtime's split keeps documents whole) and the
-        linear work spread over the ``ep`` replicas. Neither bound nor exact: the candidates are
-        compared by ``ep_microbatch_ms``."""
+        linear work spread over the ``ep`` replicas. Neither bound nor exact: the packer's candidate
+        micro-batches and the strategies are compared by ``ep_microbatch_ms``."""
         n = self.ep
         return self.a, (self.rest_b + self.routed_b + self.comm_b) / n, self.c
 

@@ -11,6 +11,11 @@ and no micro-batch is packed past that length beyond the longest document (``rel
 longest-processing-time-first with capacity; stop when the bound passes the best found; then
 move/swap local search on the best. ``cpsat``: the same ``V`` range solved with ortools CP-SAT
 (time-boxed, hinted with the fast solution), the yardstick.
+
+An EP pipeline (``_pack_ep``) packs at most one micro-batch per ``n`` documents (its EP degree: every EP
+rank gets one), deals the documents onto ``V x n`` replica slots and prices each candidate micro-batch as
+the runtime runs it, its slowest replica under ``split_documents`` plus the busiest expert rank
+(``CostModel.split_microbatch_time``); ``cpsat``, whose sums cannot model that maximum, returns it.
 """
 from __future__ import annotations
 
@@ -27,6 +32,13 @@ from hgraph.strategy import Scheme
 
 # CP-SAT works on integers: costs are scaled to this many units per ms.
 CPSAT_UNITS_PER_MS = 1000
+# An EP pipeline's local search reprices at most this many candidate moves, and fewer for many documents
+# (each exact price splits a micro-batch's documents): EP_IMPROVE_DOCUMENTS / documents of the pipeline.
+EP_IMPROVE_PRICES = 12
+EP_IMPROVE_DOCUMENTS = 20_000
+# The even split's bound prunes an EP pipeline's micro-batch counts weakly (the exact price sits above it):
+# the counts are tried in the bound's order until this many in a row priced no better than the best.
+EP_STALE_COUNTS = 2
 
 
 @dataclass
@@ -168,6 +180,8 @@ def pack_pipeline(lengths, scheme: Scheme, cost, *, method: str = "fast", time_l
 
 
 def _pack_fast(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) -> PackResult:
+    if _prices_replicas(cost, scheme):
+        return _pack_ep(lengths, scheme, cost, improve=improve)
     a, b, c = cost.dispatch_coeffs(scheme)
     cap = packing_capacity(cost, scheme, int(lengths.max()))
     k = scheme.pp - 1
@@ -205,12 +219,15 @@ def _pack_fast(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) 
 
 def pack_pipeline_cpsat(lengths, scheme: Scheme, cost, *, time_limit_s: float = 10.0, workers: int = 1,
                         hint: PackResult | None = None) -> PackResult:
-    """Eq. 1 by CP-SAT for every V in the pruned range, time-boxed; never worse than ``hint``/fast."""
+    """Eq. 1 by CP-SAT for every V in the pruned range, time-boxed; never worse than ``hint``/fast. An EP
+    pipeline's micro-batch costs its slowest replica, which Eq. 1's sums do not model: the fast packing."""
     from ortools.sat.python import cp_model
 
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         return PackResult([], [], 0.0)
+    if _prices_replicas(cost, scheme):
+        return hint if hint is not None else _pack_fast(lengths, scheme, cost)
     a, b, c = cost.dispatch_coeffs(scheme)
     _check_fits(lengths, scheme, cost.max_len(scheme))
     cap = packing_capacity(cost, scheme, int(lengths.max()))
@@ -254,3 +271,137 @@ def pack_pipeline_cpsat(lengths, scheme: Scheme, cost, *, time_limit_s: float = 
             if cand.latency < best.latency:
                 best = cand
     return best
+
+
+# ---- EP pipelines ---------------------------------------------------------------------------------
+def _prices_replicas(cost, scheme: Scheme) -> bool:
+    prices = getattr(cost, "prices_replicas", None)
+    return prices is not None and prices(scheme)
+
+
+def _lpt_replica_slots(times: list[float], lens: list[int], order: list[int], V: int, n: int,
+                       cap: int) -> list[list[int]] | None:
+    """An EP pipeline's ``V`` micro-batches as ``V x n`` replica slots (slot ``s`` in micro-batch
+    ``s mod V``): largest first onto the least loaded slot whose micro-batch has room. The first ``V x n``
+    documents open every slot, so with that many each micro-batch holds ``n`` and ``split_documents``
+    leaves no EP rank without one; the slots (what the replicas run) are balanced. None when some
+    document fits nowhere."""
+    heap = [(0.0, s) for s in range(V * n)]
+    room = [cap] * V
+    bins: list[list[int]] = [[] for _ in range(V)]
+    for i in order:
+        li = lens[i]
+        skipped = []
+        while heap:
+            load, s = heapq.heappop(heap)
+            if room[s % V] >= li:
+                break
+            skipped.append((load, s))
+        else:
+            return None
+        bins[s % V].append(i)
+        room[s % V] -= li
+        heapq.heappush(heap, (load + times[i], s))
+        for item in skipped:
+            heapq.heappush(heap, item)
+    return bins
+
+
+def _pack_ep(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) -> PackResult:
+    """Eq. 1 for an EP pipeline, each candidate micro-batch priced as the runtime runs it: its slowest
+    replica under ``split_documents`` plus the busiest expert rank (``CostModel.split_microbatch_time``) and
+    its documents' relief. ``V`` is at most one micro-batch per ``n`` documents (the EP degree), so none
+    leaves an EP rank on a placeholder, unless capacity needs more; documents go onto replica slots
+    (``_lpt_replica_slots``, by the balancing costs); a move/swap local search lowers the dearest exact price.
+    The range is pruned by the even split's bound (``coeffs``: never above the exact price)."""
+    n = scheme.ep
+    a, b, c = cost.dispatch_coeffs(scheme)
+    sa, sb, _ = cost.coeffs(scheme)
+    cap = packing_capacity(cost, scheme, int(lengths.max()))
+    k = scheme.pp - 1
+    relief = doc_relief_ms(cost, scheme, lengths)
+    lf = lengths.astype(np.float64)
+    times = (a * lf ** 2 + b * lf + relief).tolist()
+    even = sa * lf ** 2 + sb * lf + relief                 # a lower bound of each document's share
+    lens = lengths.tolist()
+    m = len(lens)
+    order = sorted(range(m), key=lambda i: (-times[i], -lens[i]))
+    S, tmax = float(even.sum()), max(times)        # the micro-batch of the dearest document costs its whole
+    vmin, vmax = microbatch_range(int(lengths.sum()), m, cap, cost.util_len(scheme))
+    vmax = max(vmin, min(vmax, max(m // n, 1)))
+
+    def price(mb: list[int]) -> float:
+        return cost.split_microbatch_time(lf[mb], scheme) + float(relief[mb].sum())
+
+    def bound(V: int) -> float:
+        return (k + V) * (max(S / V, tmax) + c)
+
+    best: tuple[float, list[list[int]], list[float]] | None = None
+    lo, hi = vmin, vmax
+    while best is None:
+        stale = 0
+        for V in sorted(range(lo, hi + 1), key=bound):
+            if best is not None and (bound(V) >= best[0] or stale >= EP_STALE_COUNTS):
+                break
+            bins = _lpt_replica_slots(times, lens, order, V, n, cap)
+            if bins is None:
+                continue
+            prices = [price(bb) for bb in bins]
+            val = (k + V) * max(prices)
+            if best is None or val < best[0]:
+                best, stale = (val, bins, prices), 0
+            else:
+                stale += 1
+        if best is None:  # capacity: widen the range upwards
+            lo, hi = hi + 1, min(max(2 * hi, hi + 1), m)
+    _, bins, prices = best
+    if improve:
+        _improve_ep(bins, prices, times, lens, cap, price, n, budget=min(EP_IMPROVE_PRICES, EP_IMPROVE_DOCUMENTS // m))
+    kept = [j for j in range(len(bins)) if bins[j]]
+    mbs = [np.asarray(sorted(bins[j]), dtype=np.int64) for j in kept]
+    mb_times = [prices[j] for j in kept]
+    return PackResult(mbs, mb_times, (scheme.pp - 1 + len(mbs)) * max(mb_times))
+
+
+def _improve_ep(bins: list[list[int]], prices: list[float], times: list[float], lens: list[int], cap: int,
+                price, n: int, budget: int) -> None:
+    """Local search on the exact prices (in place): a move of one document out of the dearest micro-batch
+    ``p`` into the cheapest ``q``, or a swap of one of each, kept where both then price below ``p``'s old
+    price. The candidates are tried in order of how close their transferred balancing cost comes to half
+    the gap (as ``_improve``); a move keeps ``p`` at ``n`` documents. At most ``budget`` candidates are
+    repriced (an exact price runs ``split_documents``): the search stays cheap for long micro-batches."""
+    V = len(bins)
+    used = [sum(lens[i] for i in bb) for bb in bins]
+    while V > 1 and budget > 0:
+        p = max(range(V), key=prices.__getitem__)
+        q = min(range(V), key=prices.__getitem__)
+        top = prices[p]
+        if prices[q] >= top:
+            return
+        half = (top - prices[q]) / 2
+        q_sorted = sorted(bins[q], key=times.__getitem__)
+        q_times = [times[e] for e in q_sorted]
+        cands = []         # (distance from half, i, e or -1)
+        for i in bins[p]:
+            if len(bins[p]) > n and used[q] + lens[i] <= cap:
+                cands.append((abs(times[i] - half), i, -1))
+            pos = bisect.bisect_left(q_times, times[i] - half)
+            for r in range(max(pos - 1, 0), min(pos + 1, len(q_sorted))):
+                e = q_sorted[r]
+                dl = lens[i] - lens[e]
+                if 0 < times[i] - times[e] and used[q] + dl <= cap and used[p] - dl <= cap:
+                    cands.append((abs(times[i] - times[e] - half), i, e))
+        found = None
+        for _, i, e in sorted(cands)[:budget]:
+            budget -= 1
+            new_p = [x for x in bins[p] if x != i] + ([e] if e >= 0 else [])
+            new_q = [x for x in bins[q] if x != e] + [i]
+            tp, tq = price(new_p), price(new_q)
+            if max(tp, tq) < top * (1 - 1e-12):
+                found = (new_p, new_q, tp, tq, lens[i] - (lens[e] if e >= 0 else 0))
+                break
+        if found is None:
+            return
+        bins[p], bins[q], prices[p], prices[q], dl = found
+        used[p] -= dl
+        used[q] += dl

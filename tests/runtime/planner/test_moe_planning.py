@@ -155,3 +155,34 @@ def test_a_dense_model_plans_exactly_as_before_the_moe_terms():
     microbatches = json.dumps([[pp.microbatches for pp in p.pipelines] for p in plans])
     assert hashlib.sha256(microbatches.encode()).hexdigest() == \
         "6077c4d4a38bc77c9fe46bb9b9b6c0c197d2ced93f9b8dc6fb318d5decbde884"
+
+
+def test_the_packer_prices_an_ep_micro_batch_as_its_slowest_replica_and_fills_every_ep_rank(moe64):
+    """``pack_pipeline`` of an EP pipeline: each micro-batch's time is its exact price (the slowest replica
+    under ``split_documents`` plus the busiest expert rank: ``microbatch_time``), the latency is read from
+    them, and every micro-batch holds at least EP-degree documents, so no EP rank runs a placeholder (the
+    old packer's times were the balancing surrogate's sums and fail the first check)."""
+    from hgraph.runtime.planner.schedule.packing import pack_pipeline
+    rng = np.random.default_rng(5)
+    for text, size in (("TP1PP2EP4", 40), ("TP2PP1EP2", 25), ("TP1PP4EP8", 70), ("TP1PP2EP8", 9)):
+        s = EP(text)
+        lengths = np.clip(rng.lognormal(7.0, 1.3, size=size).astype(np.int64), 16, 12000)
+        for improve in (True, False):
+            pk = pack_pipeline(lengths, s, moe64, improve=improve)
+            assert sorted(i for mb in pk.microbatches for i in mb) == list(range(size))
+            assert pk.mb_times == [moe64.microbatch_time(lengths[mb], s) for mb in pk.microbatches]
+            assert pk.latency == (s.pp - 1 + pk.num_microbatches) * max(pk.mb_times)
+            for mb in pk.microbatches:
+                assert len(mb) >= s.ep and all(split_documents(lengths[mb].tolist(), s.ep))
+    # fewer documents than EP ranks: one micro-batch of them all
+    pk = pack_pipeline(np.asarray([3000, 200, 50]), EP("TP1PP2EP4"), moe64)
+    assert pk.num_microbatches == 1
+
+
+def test_the_ep_packers_local_search_never_raises_the_exact_latency(moe64):
+    from hgraph.runtime.planner.schedule.packing import pack_pipeline
+    rng = np.random.default_rng(8)
+    s = EP("TP1PP4EP4")
+    for _ in range(5):
+        lengths = np.clip(rng.lognormal(7.5, 1.2, size=60).astype(np.int64), 16, 12000)
+        assert pack_pipeline(lengths, s, moe64).latency <= pack_pipeline(lengths, s, moe64, improve=False).latency
