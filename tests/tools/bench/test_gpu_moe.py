@@ -112,3 +112,21 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
     assert gpu_moe.main(["--device", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("bench gpu_moe: error: ") and says in err and "\n" not in err
+
+
+def test_the_smoke_run_fails_when_the_two_models_differ(monkeypatch, capsys):
+    """The fp32 loss check can fail: a plain model that renormalises the top-k weights where the model
+    does not exits 1 and says so (the passing run is ``test_gpu_checks``' smoke test)."""
+    build = gpu_moe.plain_moe_model
+
+    def renormalising(model, grouped, compute_dtype):
+        plain = build(model, grouped, compute_dtype)
+        for block in plain.modules():
+            if isinstance(block, gpu_moe.GroupedMoe):
+                block.normalize_top_k = not block.normalize_top_k
+        return plain
+
+    monkeypatch.setattr(gpu_moe, "plain_moe_model", renormalising)
+    rc = gpu_moe.main(["--device", "cpu", "--model-args", '{"num_layers": 2}', "--tokens", "512", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "DIFFER" in out, out
