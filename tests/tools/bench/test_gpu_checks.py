@@ -70,7 +70,7 @@ def test_the_verdicts_follow_from_the_figures(tmp_path):
     assert not gpu_checks.compare(checks)["shared_gpu_equals_cpu"]
 
 
-def test_the_moe_check_alone_dry_run_and_smoke(tmp_path, capsys):
+def test_the_moe_check_alone_dry_run_and_smoke(tmp_path, capsys, one_thread):
     """``--only moe`` plans the MoE bench alone; its smoke command (run here in this process: the same
     argv, without a process's start) trains both sides of llama-moe:tiny on CPU to the same losses."""
     assert gpu_checks.main(["--only", "moe", "--dry-run", "--smoke", "--out", str(tmp_path)]) == 0

@@ -56,7 +56,7 @@ def _near_ties(block: llama_moe.MoeBlock, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("normalize_top_k", [False, True])
 @pytest.mark.parametrize("grouped", [False, pytest.param(True, marks=needs_grouped_mm)])
-def test_the_plain_moe_equals_hgraphs_moe_op_on_the_same_weights(normalize_top_k, grouped):
+def test_the_plain_moe_equals_hgraphs_moe_op_on_the_same_weights(normalize_top_k, grouped, one_thread):
     block = _block(normalize_top_k)
     plain = gpu_moe.GroupedMoe(block, grouped=grouped, compute_dtype=torch.float32)
     x = _tokens(96, block.gate.in_features)
@@ -114,7 +114,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, says):
     assert err.startswith("bench gpu_moe: error: ") and says in err and "\n" not in err
 
 
-def test_the_smoke_run_fails_when_the_two_models_differ(monkeypatch, capsys):
+def test_the_smoke_run_fails_when_the_two_models_differ(monkeypatch, capsys, one_thread):
     """The fp32 loss check can fail: a plain model that renormalises the top-k weights where the model
     does not exits 1 and says so (the passing run is ``test_gpu_checks``' smoke test)."""
     build = gpu_moe.plain_moe_model
