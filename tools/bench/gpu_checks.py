@@ -1,7 +1,7 @@
 """The GPU checks of one session in one go: ``python -m hgraph.tools.bench.gpu_checks [--out DIR]``.
 
-On a machine with one CUDA GPU (under 10 minutes on an H100 or H200) it runs, each as its own process
-with a time limit, its output kept under ``--out``:
+On a machine with one CUDA GPU (checks 1-3 under 10 minutes on an H100 or H200, check 4 at most 4
+more) it runs, each as its own process with a time limit, its output kept under ``--out``:
 
 1. ``bench``: ``python -m hgraph.tools.bench.gpu --profile`` (1.1B Llama, bf16, 16K packed tokens,
    compiled): hgraph's step against plain PyTorch + ``torch.compile``, MFU, the top kernels, where
