@@ -76,7 +76,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device: torch.device) -> float:
+def timed(fn, device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -85,9 +85,10 @@ def _timed(fn, device: torch.device) -> float:
 
 
 @contextlib.contextmanager
-def _varlen_sdpa(cu: torch.Tensor):
+def varlen_sdpa(cu):
     """The plain model's ``F.scaled_dot_product_attention(..., is_causal=True)`` as varlen attention on
-    the documents ``cu`` of the packed row (one function object for the run: dynamo guards on it)."""
+    the documents ``cu`` of the packed row (a device tensor, or ``DocumentBounds``: known on the host,
+    nothing read back per layer; one function object for the run: dynamo guards on it)."""
     sdpa = F.scaled_dot_product_attention
     inside = []       # the SDPA loop backend calls SDPA per document: those calls are the real one
 
@@ -107,7 +108,7 @@ def _varlen_sdpa(cu: torch.Tensor):
         F.scaled_dot_product_attention = sdpa
 
 
-def _top_kernels(step, device: torch.device, rows: int = 12) -> tuple[str, dict]:
+def top_kernels(step, device: torch.device, rows: int = 12) -> tuple[str, dict]:
     """The kernels (or CPU ops) taking the most time over two steps, and where the GPU waited for the
     host between kernels in them (``gpu_idle``; per step)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -131,7 +132,7 @@ def _package_dirs() -> tuple[str, ...]:
                  for m in (hgraph, hgraph.frontends, hgraph.passes, hgraph.runtime, hgraph.tools))
 
 
-def _sync_sites(step, device: torch.device, rows: int = 12) -> list[list]:
+def sync_sites(step, device: torch.device, rows: int = 12) -> list[list]:
     """Where one step waits for the GPU: torch's sync debug mode warns at every synchronising call;
     each is counted at the innermost frame of hgraph's own code (``file:line function``)."""
     if device.type != "cuda":
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
 
         def plain_step():
             ref_opt.zero_grad(set_to_none=True)
-            with _varlen_sdpa(cu), torch.autocast(dev.type, dtype=amp, enabled=dtype == "bf16"):
+            with varlen_sdpa(cu), torch.autocast(dev.type, dtype=amp, enabled=dtype == "bf16"):
                 logits = plain(row, positions)
             loss = F.cross_entropy(logits[0].float(), labels, ignore_index=-100, reduction="sum") / targets
             loss.backward()
@@ -229,8 +230,8 @@ def main(argv=None) -> int:
         warmup_s = time.perf_counter() - t0
         th, tp = [], []
         for _ in range(args.steps):
-            th.append(_timed(hgraph_step, dev))
-            tp.append(_timed(plain_step, dev))
+            th.append(timed(hgraph_step, dev))
+            tp.append(timed(plain_step, dev))
         flops = ModelFlops.of(compiled).step_flops([len(d) for d in docs])
         peak = device_peak_tflops(dev, args.peak_tflops)
         tokens = sum(len(d) for d in docs)
@@ -247,8 +248,8 @@ def main(argv=None) -> int:
             t = step_throughput(flops, tokens, out[f"{side}_ms"] / 1e3, 1, peak)
             out[f"{side}_tokens_per_s"], out[f"{side}_tflops"], out[f"{side}_mfu"] = \
                 t["tokens_per_s"], t["tflops_per_device"], t["mfu"]
-        profile, out["gpu_idle"] = _top_kernels(hgraph_step, dev) if args.profile else (None, None)
-        out["sync_sites"] = _sync_sites(hgraph_step, dev) if args.profile else []
+        profile, out["gpu_idle"] = top_kernels(hgraph_step, dev) if args.profile else (None, None)
+        out["sync_sites"] = sync_sites(hgraph_step, dev) if args.profile else []
     finally:
         dist.destroy_process_group()
     if args.json:

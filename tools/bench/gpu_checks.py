@@ -1,7 +1,7 @@
 """The GPU checks of one session in one go: ``python -m hgraph.tools.bench.gpu_checks [--out DIR]``.
 
-On a machine with one CUDA GPU (under 10 minutes on an H100 or H200) it runs, each as its own process
-with a time limit, its output kept under ``--out``:
+On a machine with one CUDA GPU (checks 1-3 under 10 minutes on an H100 or H200, check 4 at most 4
+more) it runs, each as its own process with a time limit, its output kept under ``--out``:
 
 1. ``bench``: ``python -m hgraph.tools.bench.gpu --profile`` (1.1B Llama, bf16, 16K packed tokens,
    compiled): hgraph's step against plain PyTorch + ``torch.compile``, MFU, the top kernels, where
@@ -12,7 +12,11 @@ with a time limit, its output kept under ``--out``:
    the planner's estimates against the measured step times, and its warm step against the bench's;
 3. ``shared_gpu``: 4 ranks sharing the GPU over gloo (``--backend gloo``), fp32, compiled, a
    heterogeneous schedule with TP, PP, SP and CP, beside ``cpu_reference``: the same run as 4 CPU
-   processes (eager); the losses must agree within the equivalence tolerance.
+   processes (eager); the losses must agree within the equivalence tolerance;
+4. ``moe``: ``python -m hgraph.tools.bench.gpu_moe --profile`` (``llama-moe`` of 0.96B parameters, 64
+   experts top-6, bf16, 16K packed tokens, compiled): hgraph's step against plain PyTorch + ``torch.compile``
+   with the experts in grouped GEMMs, MFU by activated FLOPs, both sides' top kernels (goal: ratio <= 1.05).
+   It runs last, under its own time limit, so it never takes time from the checks before it.
 
 It prints one summary (``--json``: one JSON object) and writes ``summary.json``; ``--only`` runs some
 of the checks (a session may split them over several device calls). ``--smoke`` runs the same
@@ -40,6 +44,7 @@ import torch
 from hgraph.frontends.zoo import llama
 from hgraph.runtime.data.builtin import write_jsonl
 from hgraph.tools.bench.gpu import DEFAULT_MODEL_ARGS, bench_documents
+from hgraph.tools.bench.gpu_moe import GOAL_RATIO as MOE_GOAL_RATIO, MOE_MODEL_ARGS
 from hgraph.tools.bench.gpu_idle import idle_lines
 
 TOKENS = 16384
@@ -47,6 +52,11 @@ SMOKE_TOKENS = 512
 SHARED_SCHEDULE = "1xTP2PP2;1xTP1PP1CP2+1xTP2PP1"     # TP + SP and PP; CP beside TP
 LOSS_RTOL = 1e-5           # fp32 on the GPU against the CPU: other kernels, other summation orders
 SMOKE_MODEL_ARGS = {"num_layers": 2}
+MOE_SMOKE_MODEL_ARGS = {"num_layers": 2}     # llama-moe:tiny's dense layer and one MoE layer
+#: the summary's figures of the two benches (the rest of their JSON stays in their stdout files)
+BENCH_KEYS = ("device", "hgraph_ms", "plain_ms", "ratio", "hgraph_mfu", "plain_mfu", "region_compiles")
+MOE_KEYS = BENCH_KEYS + ("plain_experts", "loss_rel_diff", "losses_agree")
+TABLES = ("profile", "plain_profile", "sync_sites", "gpu_idle")     # shown apart from the one-line figures
 DOCUMENTS = "documents.jsonl"
 
 
@@ -85,12 +95,16 @@ def plan_checks(out: Path, smoke: bool) -> list[Check]:
               SHARED_SCHEDULE, "--steps", "2", "--tokens-per-iter", "1024", "--progress", "off", "--json",
               "--no-plots"]
     on_gpu = ["--compile", "off"] + device if smoke else ["--compile", "on", "--backend", "gloo"]
+    moe = [sys.executable, "-m", "hgraph.tools.bench.gpu_moe", "--tokens", str(tokens), "--json",
+           *(["--model-args", json.dumps(MOE_SMOKE_MODEL_ARGS), "--device", "cpu", "--steps", "1"] if smoke
+             else ["--model-args", json.dumps(MOE_MODEL_ARGS), "--profile"])]
     return [Check("bench", bench, 240),
             Check("train_1gpu", train, 240),
             Check("memory", memory, 90),
             Check("shared_gpu", _hgraph("train", *shared, *on_gpu, "--run-dir", str(out / "shared_gpu")), 180),
             Check("cpu_reference", _hgraph("train", *shared, "--compile", "off", "--device", "cpu",
-                                           "--run-dir", str(out / "cpu_reference")), 150)]
+                                           "--run-dir", str(out / "cpu_reference")), 150),
+            Check("moe", moe, 240)]
 
 
 def write_documents(out: Path, smoke: bool, steps: int = 10) -> Path:
@@ -122,11 +136,9 @@ def _last_json(text: str) -> dict:
 
 def figures(check: Check, out: Path) -> dict:
     """What a finished check's output says (the summary's figures)."""
-    if check.name == "bench":
-        keys = ("device", "hgraph_ms", "plain_ms", "ratio", "hgraph_mfu", "plain_mfu", "region_compiles")
+    if check.name in ("bench", "moe"):
         got = _last_json(check.stdout)
-        return {k: got.get(k) for k in keys} | {"profile": got.get("profile"), "sync_sites": got.get("sync_sites"),
-                                                 "gpu_idle": got.get("gpu_idle")}
+        return {k: got.get(k) for k in (BENCH_KEYS if check.name == "bench" else MOE_KEYS) + TABLES}
     if check.name == "memory":
         rank = (_last_json(check.stdout).get("ranks") or [{}])[0]
         return {"activations": rank.get("activations"), "peak": rank.get("peak")}
@@ -140,7 +152,8 @@ def figures(check: Check, out: Path) -> dict:
 
 def compare(checks: dict[str, Check]) -> dict:
     """The session's verdicts: the bench ratio, the memory model against the measured peak, the
-    shared-GPU run against the CPU run (those whose checks ran)."""
+    shared-GPU run against the CPU run, the MoE bench's ratio against its goal and whether its two
+    sides' losses agree (fp32 only; those whose checks ran)."""
     out: dict = {}
     figures_of = {name: c.figures for name, c in checks.items()}
     empty: dict = {}
@@ -159,6 +172,12 @@ def compare(checks: dict[str, Check]) -> dict:
         worst = max(abs(x - y) / abs(y) for x, y in zip(a, b))
         out["shared_gpu_loss_rel_diff"] = worst
         out["shared_gpu_equals_cpu"] = worst <= LOSS_RTOL and all(math.isfinite(x) for x in a)
+    moe = figures_of.get("moe", empty)
+    if moe.get("ratio") is not None:
+        out["moe_ratio"] = moe["ratio"]
+        out["moe_within_goal"] = moe["ratio"] <= MOE_GOAL_RATIO
+    if moe.get("losses_agree") is not None:
+        out["moe_losses_agree"] = moe["losses_agree"]
     return out
 
 
@@ -188,7 +207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="the same commands at tiny size on CPU")
     ap.add_argument("--dry-run", action="store_true", help="print the commands only")
     ap.add_argument("--only", default=None, metavar="NAMES",
-                    help="comma-separated checks to run (bench, train_1gpu, memory, shared_gpu, cpu_reference)")
+                    help="comma-separated checks to run (bench, train_1gpu, memory, shared_gpu, cpu_reference, moe)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -221,14 +240,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(summary))
     else:
         for c in checks:
-            shown = {k: v for k, v in c.figures.items() if k not in ("profile", "sync_sites", "gpu_idle")}
+            shown = {k: v for k, v in c.figures.items() if k not in TABLES}
             print(f"{c.name}: rc {c.rc}, {c.wall_s:.0f} s, {shown}")
-        if "bench" in by_name and by_name["bench"].figures.get("profile"):
-            print(by_name["bench"].figures["profile"])
-            for site, n in by_name["bench"].figures.get("sync_sites") or []:
-                print(f"sync {n:4d}  {site}")
-            for line in idle_lines(by_name["bench"].figures.get("gpu_idle")):
-                print(line)
+        for name in ("bench", "moe"):
+            got = by_name[name].figures if name in by_name else {}
+            if got.get("profile"):
+                print(f"{name}: hgraph's top kernels\n{got['profile']}")
+            if got.get("plain_profile"):
+                print(f"{name}: plain PyTorch's top kernels\n{got['plain_profile']}")
+            for site, n in got.get("sync_sites") or []:
+                print(f"{name}: sync {n:4d}  {site}")
+            for line in idle_lines(got.get("gpu_idle")):
+                print(f"{name}: {line}")
         print(f"verdicts: {summary['verdicts']}")
     return 0 if all(c.rc == 0 for c in checks) else 1
 
