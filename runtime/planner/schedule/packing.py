@@ -65,24 +65,30 @@ def microbatch_range(total_tokens: int, num_docs: int, max_len: int, util_len: i
 
 
 def _lpt_with_capacity(times: list[float], lens: list[int], order: list[int], V: int,
-                       cap: int) -> list[list[int]] | None:
-    """Largest first onto the least-loaded micro-batch with room; None when some item fits nowhere."""
-    heap = [(0.0, j) for j in range(V)]
+                       cap: int, slots_per_bin: int = 1) -> list[list[int]] | None:
+    """Largest first onto the least-loaded micro-batch with room; None when some item fits nowhere.
+
+    With ``slots_per_bin = n`` (an EP pipeline: ``_pack_ep``) the ``V`` micro-batches are ``V x n`` replica
+    slots (slot ``s`` in micro-batch ``s mod V``), each item going onto the least loaded slot whose
+    micro-batch has room: the first ``V x n`` items open every slot, so with that many each micro-batch
+    holds ``n`` and ``split_documents`` leaves no EP rank without one; the slots (what the replicas run)
+    are balanced."""
+    heap = [(0.0, s) for s in range(V * slots_per_bin)]
     room = [cap] * V
     bins: list[list[int]] = [[] for _ in range(V)]
     for i in order:
         li = lens[i]
         skipped = []
         while heap:
-            load, j = heapq.heappop(heap)
-            if room[j] >= li:
+            load, s = heapq.heappop(heap)
+            if room[s % V] >= li:
                 break
-            skipped.append((load, j))
+            skipped.append((load, s))
         else:
             return None
-        bins[j].append(i)
-        room[j] -= li
-        heapq.heappush(heap, (load + times[i], j))
+        bins[s % V].append(i)
+        room[s % V] -= li
+        heapq.heappush(heap, (load + times[i], s))
         for item in skipped:
             heapq.heappush(heap, item)
     return bins
@@ -279,40 +285,13 @@ def _prices_replicas(cost, scheme: Scheme) -> bool:
     return prices is not None and prices(scheme)
 
 
-def _lpt_replica_slots(times: list[float], lens: list[int], order: list[int], V: int, n: int,
-                       cap: int) -> list[list[int]] | None:
-    """An EP pipeline's ``V`` micro-batches as ``V x n`` replica slots (slot ``s`` in micro-batch
-    ``s mod V``): largest first onto the least loaded slot whose micro-batch has room. The first ``V x n``
-    documents open every slot, so with that many each micro-batch holds ``n`` and ``split_documents``
-    leaves no EP rank without one; the slots (what the replicas run) are balanced. None when some
-    document fits nowhere."""
-    heap = [(0.0, s) for s in range(V * n)]
-    room = [cap] * V
-    bins: list[list[int]] = [[] for _ in range(V)]
-    for i in order:
-        li = lens[i]
-        skipped = []
-        while heap:
-            load, s = heapq.heappop(heap)
-            if room[s % V] >= li:
-                break
-            skipped.append((load, s))
-        else:
-            return None
-        bins[s % V].append(i)
-        room[s % V] -= li
-        heapq.heappush(heap, (load + times[i], s))
-        for item in skipped:
-            heapq.heappush(heap, item)
-    return bins
-
-
 def _pack_ep(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) -> PackResult:
     """Eq. 1 for an EP pipeline, each candidate micro-batch priced as the runtime runs it: its slowest
     replica under ``split_documents`` plus the busiest expert rank (``CostModel.split_microbatch_time``) and
     its documents' relief. ``V`` is at most one micro-batch per ``n`` documents (the EP degree), so none
     leaves an EP rank on a placeholder, unless capacity needs more; documents go onto replica slots
-    (``_lpt_replica_slots``, by the balancing costs); a move/swap local search lowers the dearest exact price.
+    (``_lpt_with_capacity`` with ``n`` slots a micro-batch, by the balancing costs); a move/swap local search
+    lowers the dearest exact price.
     The range is pruned by the even split's bound (``coeffs``: never above the exact price)."""
     n = scheme.ep
     a, b, c = cost.dispatch_coeffs(scheme)
@@ -343,7 +322,7 @@ def _pack_ep(lengths: np.ndarray, scheme: Scheme, cost, improve: bool = True) ->
         for V in sorted(range(lo, hi + 1), key=bound):
             if best is not None and (bound(V) >= best[0] or stale >= EP_STALE_COUNTS):
                 break
-            bins = _lpt_replica_slots(times, lens, order, V, n, cap)
+            bins = _lpt_with_capacity(times, lens, order, V, cap, n)
             if bins is None:
                 continue
             prices = [price(bb) for bb in bins]
