@@ -84,6 +84,22 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def alternate(hgraph_step, plain_step, steps: int, device: torch.device, warmup: int = 3
+              ) -> tuple[float, list[float], list[float]]:
+    """Both steps ``warmup`` times (compiles, allocator warm-up), then ``steps`` timed steps of each in
+    turn: (the warm-up's seconds, hgraph's step times, plain PyTorch's)."""
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        hgraph_step()
+        plain_step()
+    warmup_s = time.perf_counter() - t0
+    th, tp = [], []
+    for _ in range(steps):
+        th.append(timed(hgraph_step, device))
+        tp.append(timed(plain_step, device))
+    return warmup_s, th, tp
+
+
 @contextlib.contextmanager
 def varlen_sdpa(cu):
     """The plain model's ``F.scaled_dot_product_attention(..., is_causal=True)`` as varlen attention on
@@ -223,15 +239,7 @@ def main(argv=None) -> int:
         def hgraph_step():
             ex.step(prog, mbs, targets)
 
-        t0 = time.perf_counter()
-        for _ in range(3):                           # compiles, allocator warm-up
-            hgraph_step()
-            plain_step()
-        warmup_s = time.perf_counter() - t0
-        th, tp = [], []
-        for _ in range(args.steps):
-            th.append(timed(hgraph_step, dev))
-            tp.append(timed(plain_step, dev))
+        warmup_s, th, tp = alternate(hgraph_step, plain_step, args.steps, dev)
         flops = ModelFlops.of(compiled).step_flops([len(d) for d in docs])
         peak = device_peak_tflops(dev, args.peak_tflops)
         tokens = sum(len(d) for d in docs)

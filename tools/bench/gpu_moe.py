@@ -39,7 +39,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from typing import Optional
 
 import torch
@@ -58,7 +57,7 @@ from hgraph.runtime.engine.executor import Executor
 from hgraph.runtime.train.config import TrainConfig
 from hgraph.runtime.train.model_setup import build_model, make_optimizer
 from hgraph.runtime.train.throughput import ModelFlops, device_peak_tflops, step_throughput
-from hgraph.tools.bench.gpu import bench_documents, sync_sites, timed, top_kernels, varlen_sdpa
+from hgraph.tools.bench.gpu import alternate, bench_documents, sync_sites, top_kernels, varlen_sdpa
 from hgraph.tools.bench.gpu_idle import idle_lines
 from hgraph.varlen_attention import DocumentBounds, available_backend
 
@@ -236,15 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         def hgraph_step():
             h_losses.append(ex.step(prog, mbs, targets).loss)
 
-        t0 = time.perf_counter()
-        for _ in range(3):                           # compiles, allocator warm-up
-            hgraph_step()
-            plain_step()
-        warmup_s = time.perf_counter() - t0
-        th, tp = [], []
-        for _ in range(args.steps):
-            th.append(timed(hgraph_step, dev))
-            tp.append(timed(plain_step, dev))
+        warmup_s, th, tp = alternate(hgraph_step, plain_step, args.steps, dev)
         losses = {"hgraph": list(h_losses), "plain": [float(v) for v in p_losses]}
         peak = device_peak_tflops(dev, args.peak_tflops)
         flops = activated_flops(config).step_flops(lengths)
