@@ -463,9 +463,9 @@ class Executor:
 
     def _forward_only(self, state: RankState, mbs: Sequence[MicroBatch], *, evaluating: bool = False,
                       num_targets: int = 0, scope: Optional[str] = None) -> float:
-        """This rank's graph over ``mbs`` (its own documents: ``MicroBatchFeed.own``) forward only (the caller turns grad off), its sends waited for;
-        with ``evaluating`` (dropout off) the last stage's loss sum, else 0. ``scope``: the label of the
-        micro-batches' collectives (``mb i <scope>``)."""
+        """This rank's graph over ``mbs`` (its own documents: ``MicroBatchFeed.own``) forward only (the
+        caller turns grad off), its sends waited for; with ``evaluating`` (dropout off) the last stage's loss
+        sum, else 0. ``scope``: the label of the micro-batches' collectives (``mb i <scope>``)."""
         rp, comm = state.rank_program, state.comm
         last, feed = rp.stage == rp.scheme.pp - 1, self._feed(state)
         loss_sum = 0.0
